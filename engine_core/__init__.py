@@ -1,0 +1,60 @@
+"""Kiln engine core: ONNX -> network IR -> plan -> execution (API after the reference's TensorRT API).
+
+    import engine_core as kiln
+    builder = kiln.Builder()
+    network = builder.create_network()
+    kiln.OnnxParser(network).parse_from_file("model.onnx")
+    config = builder.create_builder_config()
+    plan = builder.build_serialized_network(network, config)
+    context = kiln.Runtime().deserialize_cuda_engine(plan).create_execution_context()
+    outputs = context.infer({"x": x})
+"""
+
+from engine_core.builder import (
+    Builder,
+    BuilderConfig,
+    OptimizationProfile,
+    available_backends,
+    build_plan,
+)
+from engine_core.errors import (
+    BuildError,
+    ExecutionError,
+    KilnError,
+    ParseError,
+    PlanFormatError,
+    ShapeError,
+)
+from engine_core.logger import Logger, Severity
+from engine_core.network import NetworkDefinition
+from engine_core.onnx import OnnxParser, ParserError
+from engine_core.runtime import (
+    CudaEngine,
+    EngineInspector,
+    ExecutionContext,
+    IOutputAllocator,
+    IProfiler,
+    Runtime,
+)
+from engine_core.types import (
+    BuilderFlag,
+    DataType,
+    ExecutionContextAllocationStrategy,
+    LayerInformationFormat,
+    MemoryPoolType,
+    NetworkDefinitionCreationFlag,
+    ProfilingVerbosity,
+    TensorIOMode,
+    TensorLocation,
+    nptype,
+)
+from engine_core.version import __version__
+
+__all__ = [
+    "BuildError", "Builder", "BuilderConfig", "BuilderFlag", "CudaEngine", "DataType", "EngineInspector",
+    "ExecutionContext", "ExecutionContextAllocationStrategy", "ExecutionError", "IOutputAllocator", "IProfiler",
+    "KilnError", "LayerInformationFormat", "Logger", "MemoryPoolType", "NetworkDefinition",
+    "NetworkDefinitionCreationFlag", "OnnxParser", "OptimizationProfile", "ParseError", "ParserError",
+    "PlanFormatError", "ProfilingVerbosity", "Runtime", "Severity", "ShapeError", "TensorIOMode",
+    "TensorLocation", "__version__", "available_backends", "build_plan", "nptype",
+]

@@ -1,0 +1,1 @@
+"""Execution backends: each turns plan layers into runnable steps."""

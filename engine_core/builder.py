@@ -1,0 +1,337 @@
+"""Builder, BuilderConfig and OptimizationProfile: network -> serialized plan.
+
+The build: validate profiles -> graph passes (constant folding, Conv+BN folding, dead code) ->
+shape inference at every profile's min/opt/max -> per-layer implementation choice -> memory
+estimate -> plan bytes. ``Builder.build_serialized_network`` follows the reference (returns None
+and logs on failure); ``build_plan`` raises ``BuildError`` with the reason instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine_core.errors import BuildError, KilnError
+from engine_core.ir import Graph
+from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
+from engine_core.network import NetworkDefinition
+from engine_core.ops import TensorInfo
+from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.plan import IOTensor, Plan, serialize_plan
+from engine_core.types import BuilderFlag, MemoryPoolType, ProfilingVerbosity, TensorIOMode
+
+ShapeTriple = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+class OptimizationProfile:
+    """Min/opt/max shapes for each dynamic input (IOptimizationProfile)."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, ShapeTriple] = {}
+
+    def set_shape(self, input: str, min: Sequence[int], opt: Sequence[int], max: Sequence[int]) -> None:
+        mn, op, mx = tuple(map(int, min)), tuple(map(int, opt)), tuple(map(int, max))
+        if not len(mn) == len(op) == len(mx):
+            raise ValueError(f"profile shapes for '{input}' have different ranks: {mn}, {op}, {mx}")
+        if not all(a <= b <= c for a, b, c in zip(mn, op, mx)):
+            raise ValueError(f"profile shapes for '{input}' must satisfy min <= opt <= max: {mn}, {op}, {mx}")
+        if any(d < 0 for d in mn):
+            raise ValueError(f"profile shapes for '{input}' must not be negative: {mn}")
+        self.shapes[input] = (mn, op, mx)
+
+    def get_shape(self, input: str) -> list[tuple[int, ...]]:
+        return list(self.shapes.get(input, ()))
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes)
+
+
+class ProgressMonitor(Protocol):
+    """IProgressMonitor: build phases and steps (the CLI draws its progress display from these)."""
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None: ...
+    def step_complete(self, phase_name: str, step: int) -> bool: ...
+    def phase_finish(self, phase_name: str) -> None: ...
+
+
+class BuilderConfig:
+    """Build options (IBuilderConfig)."""
+
+    def __init__(self, default_backend: str) -> None:
+        self.flags = 0
+        self.backend = default_backend
+        self.builder_optimization_level = 3
+        self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY
+        self.progress_monitor: ProgressMonitor | None = None
+        self.profiles: list[OptimizationProfile] = []
+        self._pool_limits: dict[MemoryPoolType, int] = {}
+        self.timing_cache: Any = None
+
+    def set_flag(self, flag: BuilderFlag) -> None:
+        self.flags |= 1 << int(flag)
+
+    def clear_flag(self, flag: BuilderFlag) -> None:
+        self.flags &= ~(1 << int(flag))
+
+    def get_flag(self, flag: BuilderFlag) -> bool:
+        return bool(self.flags & (1 << int(flag)))
+
+    def set_memory_pool_limit(self, pool: MemoryPoolType, size: int) -> None:
+        if size < 0:
+            raise ValueError("memory pool limit must be >= 0")
+        self._pool_limits[MemoryPoolType(pool)] = int(size)
+
+    def get_memory_pool_limit(self, pool: MemoryPoolType) -> int:
+        return self._pool_limits.get(MemoryPoolType(pool), 1 << 62)
+
+    def add_optimization_profile(self, profile: OptimizationProfile) -> int:
+        if not profile:
+            return -1
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+    @property
+    def num_optimization_profiles(self) -> int:
+        return len(self.profiles)
+
+    def set_timing_cache(self, cache: Any, ignore_mismatch: bool = False) -> bool:
+        self.timing_cache = cache
+        return True
+
+    def get_timing_cache(self) -> Any:
+        return self.timing_cache
+
+    @property
+    def enabled_flags(self) -> list[str]:
+        return [f.name for f in BuilderFlag if self.get_flag(f)]
+
+
+def available_backends() -> list[str]:
+    """Backends this machine can build for; "cuda" appears once the CUDA backend is usable here."""
+    backends = ["cpu"]
+    try:
+        from engine_core.backends import cuda  # type: ignore[attr-defined]
+
+        if cuda.is_available():
+            backends.insert(0, "cuda")
+    except ImportError:
+        pass
+    return backends
+
+
+class Builder:
+    """Creates networks, configs and profiles, and builds plans (IBuilder)."""
+
+    def __init__(self, logger: Logger | None = None) -> None:
+        self.logger = logger or DEFAULT_LOGGER
+
+    def create_network(self, flags: int = 0) -> NetworkDefinition:
+        return NetworkDefinition(flags)
+
+    def create_builder_config(self) -> BuilderConfig:
+        return BuilderConfig(available_backends()[0])
+
+    def create_optimization_profile(self) -> OptimizationProfile:
+        return OptimizationProfile()
+
+    @property
+    def platform_has_fast_fp16(self) -> bool:
+        return "cuda" in available_backends()
+
+    @property
+    def platform_has_tf32(self) -> bool:
+        return "cuda" in available_backends()
+
+    def build_serialized_network(self, network: NetworkDefinition, config: BuilderConfig) -> bytes | None:
+        try:
+            return build_plan(network, config, self.logger)
+        except KilnError as e:
+            self.logger.log(Severity.ERROR, f"build failed: {e}")
+            return None
+
+    def is_network_supported(self, network: NetworkDefinition, config: BuilderConfig) -> bool:
+        try:
+            build_plan(network, config, self.logger)
+            return True
+        except KilnError:
+            return False
+
+
+# -- the build ----------------------------------------------------------------------------------
+
+
+class _Progress:
+    def __init__(self, monitor: ProgressMonitor | None) -> None:
+        self.monitor = monitor
+
+    def start(self, phase: str, steps: int, parent: str | None = None) -> None:
+        if self.monitor:
+            self.monitor.phase_start(phase, parent, steps)
+
+    def step(self, phase: str, index: int) -> None:
+        if self.monitor and self.monitor.step_complete(phase, index) is False:
+            raise BuildError("build cancelled by the progress monitor")
+
+    def finish(self, phase: str) -> None:
+        if self.monitor:
+            self.monitor.phase_finish(phase)
+
+
+def _profiles_for(graph: Graph, config: BuilderConfig) -> list[dict[str, ShapeTriple]]:
+    """Validated profiles; a network without dynamic inputs gets one fixed profile."""
+    dynamic = [v for v in graph.inputs if v.is_dynamic]
+    if not config.profiles:
+        if dynamic:
+            names = ", ".join(f"'{v.name}' {_fmt_shape(v.shape)}" for v in dynamic)
+            raise BuildError(f"inputs {names} have dynamic shapes: add an optimization profile "
+                             "(builder.create_optimization_profile().set_shape(name, min, opt, max))")
+        return [{v.name: (tuple(v.shape),) * 3 for v in graph.inputs}]  # type: ignore[misc]
+    result = []
+    for index, profile in enumerate(config.profiles):
+        unknown = set(profile.shapes) - set(graph.input_names)
+        if unknown:
+            raise BuildError(f"optimization profile {index} names {sorted(unknown)}, which are not network inputs")
+        shapes: dict[str, ShapeTriple] = {}
+        for v in graph.inputs:
+            if v.name not in profile.shapes:
+                if v.is_dynamic:
+                    raise BuildError(f"optimization profile {index} has no shape for dynamic input '{v.name}' "
+                                     f"{_fmt_shape(v.shape)}")
+                shapes[v.name] = (tuple(v.shape),) * 3  # type: ignore[arg-type]
+                continue
+            triple = profile.shapes[v.name]
+            if v.shape is not None:
+                for which, s in zip(("min", "opt", "max"), triple):
+                    if len(s) != len(v.shape) or any(isinstance(d, int) and d >= 0 and d != e
+                                                     for d, e in zip(v.shape, s)):
+                        raise BuildError(f"optimization profile {index}: {which} shape {s} of '{v.name}' does "
+                                         f"not match its declared shape {_fmt_shape(v.shape)}")
+            shapes[v.name] = triple
+        result.append(shapes)
+    return result
+
+
+def _fmt_shape(shape) -> str:
+    return "(?)" if shape is None else "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def _infos_for(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
+    return {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs}
+
+
+def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
+    """Peak bytes of live intermediate tensors when layers run in order (the memory plan's size)."""
+    last_use = {}
+    for index, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            last_use[name] = index
+    io = set(graph.input_names) | set(graph.output_names) | set(graph.constants)
+    live = peak = 0
+    for index, node in enumerate(graph.nodes):
+        for name in node.outputs:
+            info = infos.get(name)
+            if name and name not in io and info is not None and info.shape is not None and info.dtype.kind not in "OSU":
+                live += int(np.prod(info.shape)) * info.dtype.itemsize
+        peak = max(peak, live)
+        for name in node.inputs:
+            if last_use.get(name) == index and name not in io:
+                info = infos.get(name)
+                if info is not None and info.shape is not None and info.dtype.kind not in "OSU":
+                    live -= int(np.prod(info.shape)) * info.dtype.itemsize
+    return peak
+
+
+def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger | None = None) -> bytes:
+    """Build ``network`` with ``config`` into plan bytes; raises BuildError with the reason."""
+    logger = logger or DEFAULT_LOGGER
+    started = time.perf_counter()
+    if config.backend not in available_backends():
+        raise BuildError(f"backend '{config.backend}' is not available on this machine "
+                         f"(available: {', '.join(available_backends())})")
+    graph = copy.deepcopy(network.graph)
+    if not graph.outputs:
+        raise BuildError("network has no outputs")
+    progress = _Progress(config.progress_monitor)
+    profiles = _profiles_for(graph, config)
+
+    progress.start("Optimizing graph", len(PIPELINE))
+    pass_counts: dict[str, int] = {}
+    for index, graph_pass in enumerate(PIPELINE):
+        pass_counts[graph_pass.__name__] = graph_pass(graph)
+        progress.step("Optimizing graph", index)
+    progress.finish("Optimizing graph")
+    logger.log(Severity.INFO, f"graph passes: {pass_counts}; {len(graph.nodes)} layers remain")
+
+    points = [(p, which) for p in range(len(profiles)) for which in range(3)]
+    progress.start("Shape inference", len(points))
+    inferred: dict[tuple[int, int], dict[str, TensorInfo]] = {}
+    for step, (p, which) in enumerate(points):
+        shapes = {name: triple[which] for name, triple in profiles[p].items()}
+        try:
+            inferred[(p, which)] = infer_shapes(graph, _infos_for(graph, shapes))
+        except KilnError as e:
+            label = ("min", "opt", "max")[which]
+            raise BuildError(f"optimization profile {p} ({label} shapes {shapes}): {e}") from None
+        progress.step("Shape inference", step)
+    progress.finish("Shape inference")
+
+    io = [IOTensor(v.name, TensorIOMode.INPUT, v.dtype, _io_dims([profiles[p][v.name][w] for p, w in points]))
+          for v in graph.inputs]
+    for v in graph.outputs:
+        infos = [inferred[pt].get(v.name) for pt in points]
+        dtype = infos[0].dtype if infos[0] is not None else v.dtype
+        shapes = [i.shape if i is not None else None for i in infos]
+        if any(s is None for s in shapes):
+            rank = len(v.shape) if v.shape is not None else next((len(s) for s in shapes if s is not None), 0)
+            dims: tuple[int, ...] = (-1,) * rank
+        else:
+            dims = _io_dims(shapes)  # type: ignore[arg-type]
+        io.append(IOTensor(v.name, TensorIOMode.OUTPUT, dtype, dims))
+
+    memory = max(_activation_peak_bytes(graph, inferred[(p, 2)]) for p in range(len(profiles)))
+    limit = config.get_memory_pool_limit(MemoryPoolType.WORKSPACE)
+    if memory > limit and config.backend != "cpu":
+        raise BuildError(f"the plan needs {memory} bytes of activation memory, over the workspace limit of {limit}")
+
+    opt = inferred[(0, 1)]
+    layers = [
+        {
+            "name": n.name,
+            "type": n.op_type,
+            "inputs": n.inputs,
+            "outputs": n.outputs,
+            "origin": n.origin,
+            "tactic": f"{config.backend}:numpy",
+            "output_shapes_opt": [list(opt[o].shape) if o in opt and opt[o].shape is not None else None
+                                  for o in n.outputs],
+        }
+        for n in graph.nodes
+    ]
+    plan = Plan(
+        name=network.name,
+        backend=config.backend,
+        graph=graph,
+        io=io,
+        profiles=[{k: v for k, v in p.items() if k in {i.name for i in graph.inputs}} for p in profiles],
+        device_memory_size=memory,
+        layers=layers,
+        build_info={
+            "flags": config.enabled_flags,
+            "optimization_level": config.builder_optimization_level,
+            "passes": pass_counts,
+            "build_seconds": round(time.perf_counter() - started, 4),
+        },
+    )
+    return serialize_plan(plan)
+
+
+def _io_dims(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Reference dims over all profile points: a dim that varies is -1."""
+    first = shapes[0]
+    if any(len(s) != len(first) for s in shapes):
+        return (-1,) * len(first)
+    return tuple(d if all(s[i] == d for s in shapes) else -1 for i, d in enumerate(first))

@@ -1,0 +1,143 @@
+"""Network IR: a flat, topologically ordered list of nodes over named tensors.
+
+Weights live once in ``Graph.constants`` (name -> ndarray); nodes refer to them by name like to any
+other tensor. Shapes of graph inputs may hold symbolic dims (str) or None (unknown); intermediate
+tensors carry no shape in the IR: they are computed per concrete input shape by shape inference
+(``engine_core.passes.shape_inference``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Dim = int | str | None
+
+
+@dataclass
+class Value:
+    """A graph input or output: name, element type and (possibly symbolic) shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[Dim, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = np.dtype(self.dtype)
+        if self.shape is not None:
+            self.shape = tuple(self.shape)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.shape is None or any(not isinstance(d, int) or d < 0 for d in self.shape)
+
+
+@dataclass
+class Node:
+    """One operation. ``inputs`` may contain "" for an omitted optional input.
+
+    ``opset`` is the opset version of the node's domain in the model it came from, so that op
+    implementations can follow version-specific semantics. ``origin`` lists the ONNX node names the
+    node stands for (more than one after a fusion), for the inspector and error messages.
+    """
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    domain: str = ""
+    opset: int = 0
+    origin: list[str] = field(default_factory=list)
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+    def __str__(self) -> str:
+        return f"{self.op_type} '{self.name}'"
+
+
+@dataclass
+class Graph:
+    """A whole network (or a subgraph of Loop/If/Scan)."""
+
+    name: str = "network"
+    inputs: list[Value] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    opsets: dict[str, int] = field(default_factory=lambda: {"": 21})
+    _ids: Any = field(default_factory=lambda: itertools.count(), repr=False, compare=False)
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.outputs]
+
+    def producers(self) -> dict[str, Node]:
+        """Tensor name -> the node that writes it."""
+        return {out: n for n in self.nodes for out in n.outputs if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        """Tensor name -> the nodes that read it (each node once per tensor)."""
+        result: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for name in dict.fromkeys(i for i in n.inputs if i):
+                result.setdefault(name, []).append(n)
+        return result
+
+    def unique_name(self, hint: str) -> str:
+        """A tensor/node name not used anywhere in the graph yet."""
+        taken = set(self.constants) | {v.name for v in self.inputs} | {
+            t for n in self.nodes for t in (*n.inputs, *n.outputs, n.name)
+        }
+        while True:
+            name = f"{hint}__{next(self._ids)}"
+            if name not in taken:
+                return name
+
+    # -- edits used by passes -------------------------------------------------------------------
+    def add_constant(self, hint: str, value: np.ndarray) -> str:
+        name = self.unique_name(hint)
+        self.constants[name] = np.asarray(value)
+        return name
+
+    def rename_tensor_uses(self, old: str, new: str) -> None:
+        """Make every reader of ``old`` read ``new`` instead (graph outputs keep their names)."""
+        for n in self.nodes:
+            n.inputs = [new if i == old else i for i in n.inputs]
+
+    def toposort(self) -> None:
+        """Order nodes so that every node comes after the producers of its inputs.
+
+        Raises ValueError naming a node on a cycle, or one that reads a tensor nobody produces.
+        """
+        available = set(self.constants) | set(self.input_names) | {""}
+        pending = list(self.nodes)
+        ordered: list[Node] = []
+        while pending:
+            progress = False
+            rest = []
+            for n in pending:
+                if all(i in available for i in n.inputs):
+                    ordered.append(n)
+                    available.update(n.outputs)
+                    progress = True
+                else:
+                    rest.append(n)
+            if not progress:
+                produced = {o for n in rest for o in n.outputs}
+                n = rest[0]
+                missing = [i for i in n.inputs if i not in available]
+                if any(m in produced for m in missing):
+                    raise ValueError(f"graph has a cycle through node {n} (inputs {missing})")
+                raise ValueError(f"node {n} reads tensor(s) {missing} that no node or input produces")
+            pending = rest
+        self.nodes = ordered

@@ -1,0 +1,257 @@
+"""ONNX importer: ModelProto -> Kiln network IR, with errors like the reference parser's.
+
+Usage follows the reference::
+
+    network = builder.create_network()
+    parser = OnnxParser(network, logger)
+    if not parser.parse_from_file("model.onnx"):
+        for i in range(parser.num_errors):
+            print(parser.get_error(i))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from engine_core.errors import ParseError
+from engine_core.ir import Graph, Node, Value
+from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
+from engine_core.ops import get_op
+from engine_core.types import onnx_to_np
+
+#: Oldest default-domain opset the importer accepts (op implementations follow opset >= 7 semantics
+#: and normalize older attribute forms where they changed).
+MIN_OPSET = 7
+MAX_OPSET = onnx.defs.onnx_opset_version()
+
+
+@dataclass(frozen=True)
+class ParserError:
+    """One import problem: which node (index, name, op) and why."""
+
+    desc: str
+    node_index: int = -1
+    node_name: str = ""
+    node_operator: str = ""
+
+    def __str__(self) -> str:
+        where = f"node {self.node_index} '{self.node_name}' ({self.node_operator}): " if self.node_operator else ""
+        return f"{where}{self.desc}"
+
+
+class OnnxParser:
+    """Imports ONNX models into a ``NetworkDefinition``."""
+
+    def __init__(self, network: Any, logger: Logger | None = None) -> None:
+        self.network = network
+        self.logger = logger or DEFAULT_LOGGER
+        self.errors: list[ParserError] = []
+
+    # -- reference API --------------------------------------------------------------------------
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    def get_error(self, index: int) -> ParserError:
+        return self.errors[index]
+
+    def clear_errors(self) -> None:
+        self.errors.clear()
+
+    def supports_operator(self, op_type: str, domain: str = "") -> bool:
+        return get_op(op_type, domain) is not None
+
+    def parse(self, model: bytes | onnx.ModelProto, path: str | None = None) -> bool:
+        """Import a serialized model (or a ModelProto); ``path`` resolves external weights."""
+        try:
+            proto = model if isinstance(model, onnx.ModelProto) else onnx.load_model_from_string(bytes(model))
+            if path is not None:
+                onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+        except Exception as e:  # onnx raises DecodeError, ValueError, OSError, ...
+            self._error(f"not a valid ONNX model: {e}")
+            return False
+        return self._import(proto)
+
+    def parse_from_file(self, path: str | os.PathLike) -> bool:
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            self._error(f"cannot read {path}: {e.strerror}")
+            return False
+        return self.parse(data, path=path)
+
+    # -- import -----------------------------------------------------------------------------------
+    def _error(self, desc: str, index: int = -1, node: onnx.NodeProto | None = None) -> None:
+        err = ParserError(desc, index, node.name if node else "", node.op_type if node else "")
+        self.errors.append(err)
+        self.logger.log(Severity.ERROR, f"ONNX import: {err}")
+
+    def _import(self, model: onnx.ModelProto) -> bool:
+        opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version for imp in model.opset_import}
+        opset = opsets.get("", MAX_OPSET)
+        if not MIN_OPSET <= opset <= MAX_OPSET:
+            self._error(f"default-domain opset {opset} is not supported (Kiln accepts {MIN_OPSET}-{MAX_OPSET})")
+            return False
+        if model.functions:
+            try:
+                model = onnx.inliner.inline_local_functions(model)
+            except Exception as e:
+                self._error(f"cannot inline the model's local functions: {e}")
+                return False
+        start = len(self.errors)
+        graph = self.import_graph(model.graph, opsets)
+        if len(self.errors) > start:
+            return False
+        try:
+            graph.toposort()
+        except ValueError as e:
+            self._error(str(e))
+            return False
+        self.network.graph = graph
+        return True
+
+    def import_graph(self, g: onnx.GraphProto, opsets: dict[str, int], outer: set[str] | None = None) -> Graph:
+        """Convert one GraphProto (also used for Loop/If/Scan bodies, where ``outer`` names the
+        tensors visible from enclosing graphs)."""
+        graph = Graph(name=g.name or "network", opsets=dict(opsets))
+        for init in g.initializer:
+            graph.constants[init.name] = numpy_helper.to_array(init)
+        for sparse in g.sparse_initializer:
+            graph.constants[sparse.values.name] = _sparse_to_dense(sparse)
+        graph.inputs = [_value(v) for v in g.input if v.name not in graph.constants]
+        graph.outputs = [_value(v) for v in g.output]
+        visible = set(outer or ()) | set(graph.constants) | set(graph.input_names) | {""}
+        for index, proto in enumerate(g.node):
+            node = self._import_node(proto, index, graph, visible)
+            if node is not None:
+                graph.nodes.append(node)
+            visible.update(proto.output)
+        return graph
+
+    def _import_node(self, proto: onnx.NodeProto, index: int, graph: Graph, visible: set[str]) -> Node | None:
+        domain = proto.domain if proto.domain != "ai.onnx" else ""
+        name = proto.name or f"{proto.op_type}_{index}"
+        try:
+            attrs = {a.name: self._attr_value(a, graph, visible) for a in proto.attribute}
+        except Exception as e:
+            self._error(f"bad attribute: {e}", index, proto)
+            return None
+        if domain == "" and proto.op_type == "Constant":
+            try:
+                graph.constants[proto.output[0]] = _constant_value(attrs)
+            except ValueError as e:
+                self._error(str(e), index, proto)
+            return None
+        op = get_op(proto.op_type, domain)
+        if op is None:
+            self._error(f"unsupported operator {domain + '::' if domain else ''}{proto.op_type}", index, proto)
+            return None
+        opset = graph.opsets.get(domain, 1)
+        if opset < op.min_opset:
+            self._error(f"{proto.op_type} is supported from opset {op.min_opset}, model uses {opset}", index, proto)
+            return None
+        node = Node(
+            op_type=proto.op_type,
+            inputs=list(proto.input),
+            outputs=list(proto.output),
+            attrs=attrs,
+            name=name,
+            domain=domain,
+            opset=opset,
+            origin=[name],
+        )
+        if op.normalize is not None:
+            try:
+                op.normalize(node, graph)
+            except Exception as e:
+                self._error(f"cannot import: {e}", index, proto)
+                return None
+        return node
+
+    def _attr_value(self, attr: onnx.AttributeProto, graph: Graph, visible: set[str]) -> Any:
+        A = onnx.AttributeProto
+        if attr.ref_attr_name:
+            raise ParseError(f"attribute '{attr.name}' refers to a function attribute outside a function")
+        if attr.type == A.GRAPH:
+            return self.import_graph(attr.g, graph.opsets, visible)
+        if attr.type == A.GRAPHS:
+            return [self.import_graph(g, graph.opsets, visible) for g in attr.graphs]
+        if attr.type == A.TENSOR:
+            return numpy_helper.to_array(attr.t)
+        if attr.type == A.TENSORS:
+            return [numpy_helper.to_array(t) for t in attr.tensors]
+        if attr.type == A.SPARSE_TENSOR:
+            return _sparse_to_dense(attr.sparse_tensor)
+        if attr.type == A.STRING:
+            return attr.s.decode("utf-8", errors="replace")
+        if attr.type == A.STRINGS:
+            return [s.decode("utf-8", errors="replace") for s in attr.strings]
+        if attr.type == A.TYPE_PROTO:
+            return attr.tp
+        if attr.type == A.TYPE_PROTOS:
+            return list(attr.type_protos)
+        if attr.type == A.INTS:
+            return [int(v) for v in attr.ints]
+        if attr.type == A.FLOATS:
+            return [float(v) for v in attr.floats]
+        return onnx.helper.get_attribute_value(attr)
+
+
+def _value(v: onnx.ValueInfoProto) -> Value:
+    """Graph I/O: dtype and shape with ints, symbolic names (str) or None for unknown dims."""
+    t = v.type
+    if t.HasField("tensor_type"):
+        tt = t.tensor_type
+        dtype = onnx_to_np(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+            )
+        return Value(v.name, dtype, shape)
+    # sequences / optionals / maps: element dtype unknown here, shape unknown
+    return Value(v.name, np.dtype(object), None)
+
+
+def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = tuple(sparse.dims)
+    dense = np.zeros(dims, dtype=values.dtype)
+    if indices.ndim == 1:
+        dense.reshape(-1)[indices] = values
+    else:
+        dense[tuple(indices.T)] = values
+    return dense
+
+
+def _constant_value(attrs: dict[str, Any]) -> np.ndarray:
+    """The tensor a Constant node produces, from whichever value attribute it carries."""
+    if "value" in attrs:
+        return np.asarray(attrs["value"])
+    if "sparse_value" in attrs:
+        return np.asarray(attrs["sparse_value"])
+    forms = {
+        "value_float": np.float32,
+        "value_floats": np.float32,
+        "value_int": np.int64,
+        "value_ints": np.int64,
+        "value_string": object,
+        "value_strings": object,
+    }
+    for key, dtype in forms.items():
+        if key in attrs:
+            value = attrs[key]
+            if dtype is object:
+                value = [s.encode() if isinstance(s, str) else s for s in np.atleast_1d(value)]
+                return np.array(value if key.endswith("s") else value[0], dtype=object)
+            return np.array(value, dtype=dtype)
+    raise ValueError(f"Constant node has no value attribute (has {sorted(attrs)})")

@@ -1,0 +1,394 @@
+"""Runtime objects: Runtime -> CudaEngine -> ExecutionContext (reference names and meanings).
+
+On the CPU backend, tensor "addresses" are host pointers (``array.ctypes.data``) and
+``execute_async_v3`` runs synchronously; ``context.infer({...})`` is the numpy convenience on top.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine_core.backends.cpu import GraphRunner
+from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
+from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
+from engine_core.ops import TensorInfo
+from engine_core.passes import infer_shapes
+from engine_core.plan import IOTensor, Plan, deserialize_plan
+from engine_core.types import (
+    DataType,
+    ExecutionContextAllocationStrategy,
+    LayerInformationFormat,
+    TensorIOMode,
+    TensorLocation,
+    datatype_of,
+)
+
+
+class IOutputAllocator:
+    """Application hook for outputs whose size is known only while running (data-dependent)."""
+
+    def reallocate_output(self, tensor_name: str, memory: int, size: int, alignment: int) -> int | None:
+        raise NotImplementedError
+
+    def reallocate_output_async(self, tensor_name: str, memory: int, size: int, alignment: int, stream: int) -> int | None:
+        return self.reallocate_output(tensor_name, memory, size, alignment)
+
+    def notify_shape(self, tensor_name: str, shape: tuple[int, ...]) -> None:
+        raise NotImplementedError
+
+
+class IProfiler:
+    """Receives each layer's execution time after every run."""
+
+    def report_layer_time(self, layer_name: str, ms: float) -> None:
+        raise NotImplementedError
+
+
+class Runtime:
+    """Deserializes plans (IRuntime)."""
+
+    def __init__(self, logger: Logger | None = None) -> None:
+        self.logger = logger or DEFAULT_LOGGER
+
+    def deserialize_cuda_engine(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine | None:
+        """The reference behaviour: None (and an error logged) for a bad plan."""
+        try:
+            return self.load(serialized_engine)
+        except PlanFormatError as e:
+            self.logger.log(Severity.ERROR, f"cannot deserialize plan: {e}")
+            return None
+
+    def load(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
+        """Like deserialize_cuda_engine, but raises PlanFormatError saying what is wrong."""
+        plan = deserialize_plan(serialized_engine)
+        if plan.backend != "cpu":
+            from engine_core.builder import available_backends
+
+            if plan.backend not in available_backends():
+                raise PlanFormatError(f"plan was built for the '{plan.backend}' backend, which this machine lacks")
+        return CudaEngine(plan, bytes(serialized_engine), self.logger)
+
+
+class CudaEngine:
+    """A deserialized plan (ICudaEngine); shared by all its execution contexts."""
+
+    def __init__(self, plan: Plan, serialized: bytes, logger: Logger) -> None:
+        self.plan = plan
+        self.logger = logger
+        self._serialized = serialized
+        self._io = {t.name: t for t in plan.io}
+        self._order = [t.name for t in plan.io]
+        self.runner = GraphRunner(plan.graph)
+
+    # -- I/O description ------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def num_io_tensors(self) -> int:
+        return len(self._order)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.plan.graph.nodes)
+
+    @property
+    def num_optimization_profiles(self) -> int:
+        return len(self.plan.profiles)
+
+    @property
+    def device_memory_size(self) -> int:
+        return self.plan.device_memory_size
+
+    device_memory_size_v2 = device_memory_size
+
+    @property
+    def refittable(self) -> bool:
+        return False
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    def get_tensor_name(self, index: int) -> str:
+        return self._order[index]
+
+    def __getitem__(self, key: int | str) -> str | int:
+        return self._order[key] if isinstance(key, int) else self._order.index(key)
+
+    def _tensor(self, name: str) -> IOTensor:
+        try:
+            return self._io[name]
+        except KeyError:
+            raise KeyError(f"'{name}' is not an input or output of this engine (it has {self._order})") from None
+
+    def get_tensor_mode(self, name: str) -> TensorIOMode:
+        return self._io[name].mode if name in self._io else TensorIOMode.NONE
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._tensor(name).shape
+
+    def get_tensor_dtype(self, name: str) -> DataType:
+        return datatype_of(self._tensor(name).dtype)
+
+    def get_tensor_location(self, name: str) -> TensorLocation:
+        self._tensor(name)
+        return TensorLocation.HOST if self.plan.backend == "cpu" else TensorLocation.DEVICE
+
+    def get_tensor_format_desc(self, name: str, profile_index: int = 0) -> str:
+        return f"Row major linear {self.get_tensor_dtype(name).name} format"
+
+    def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[tuple[int, ...]]:
+        if not 0 <= profile_index < len(self.plan.profiles):
+            raise IndexError(f"profile {profile_index} does not exist (engine has {len(self.plan.profiles)})")
+        if self.get_tensor_mode(name) != TensorIOMode.INPUT:
+            raise KeyError(f"'{name}' is not an input tensor")
+        return [tuple(s) for s in self.plan.profiles[profile_index][name]]
+
+    def is_shape_inference_io(self, name: str) -> bool:
+        return False
+
+    def serialize(self) -> bytes:
+        return self._serialized
+
+    # -- contexts and inspection ----------------------------------------------------------------
+    def create_execution_context(
+        self, strategy: ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy.STATIC
+    ) -> ExecutionContext:
+        return ExecutionContext(self, strategy)
+
+    def create_execution_context_without_device_memory(self) -> ExecutionContext:
+        return ExecutionContext(self, ExecutionContextAllocationStrategy.USER_MANAGED)
+
+    def create_engine_inspector(self) -> EngineInspector:
+        return EngineInspector(self)
+
+
+class EngineInspector:
+    """Layer information of an engine (IEngineInspector)."""
+
+    def __init__(self, engine: CudaEngine) -> None:
+        self.engine = engine
+        self.execution_context: ExecutionContext | None = None
+
+    def get_layer_information(self, layer_index: int, format: LayerInformationFormat) -> str:
+        layer = self.engine.plan.layers[layer_index]
+        if format == LayerInformationFormat.JSON:
+            return json.dumps(layer)
+        return f"{layer['name']} [{layer['type']}] tactic={layer['tactic']} origin={','.join(layer['origin'])}"
+
+    def get_engine_information(self, format: LayerInformationFormat) -> str:
+        plan = self.engine.plan
+        if format == LayerInformationFormat.JSON:
+            return json.dumps(engine_summary(plan), indent=2)
+        return "\n".join(self.get_layer_information(i, format) for i in range(len(plan.layers)))
+
+
+def engine_summary(plan: Plan) -> dict[str, Any]:
+    """JSON-ready description of a plan: I/O, profiles, layers (used by `kiln inspect` too)."""
+    return {
+        "name": plan.name,
+        "engine_version": plan.engine_version,
+        "backend": plan.backend,
+        "arch": plan.arch,
+        "device_memory_size": plan.device_memory_size,
+        "io": [{"name": t.name, "mode": t.mode.name, "dtype": datatype_of(t.dtype).name, "shape": list(t.shape)}
+               for t in plan.io],
+        "profiles": [{k: {"min": list(v[0]), "opt": list(v[1]), "max": list(v[2])} for k, v in p.items()}
+                     for p in plan.profiles],
+        "layers": plan.layers,
+        "build_info": plan.build_info,
+    }
+
+
+def _host_array(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A numpy view of host memory at ``address`` (CPU-backend tensor addresses)."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class ExecutionContext:
+    """Per-request state over a shared engine (IExecutionContext): shapes, addresses, profile."""
+
+    def __init__(self, engine: CudaEngine, strategy: ExecutionContextAllocationStrategy) -> None:
+        self.engine = engine
+        self.strategy = strategy
+        self.name = ""
+        self.profiler: IProfiler | None = None
+        self.debug_sync = False
+        self._profile = 0
+        self._input_shapes: dict[str, tuple[int, ...]] = {}
+        self._addresses: dict[str, int] = {}
+        self._allocators: dict[str, IOutputAllocator] = {}
+        self._inferred: dict[str, TensorInfo] | None = None
+        self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
+        self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
+        for name in self._input_names:  # static inputs need no set_input_shape
+            shape = engine.get_tensor_shape(name)
+            if all(d >= 0 for d in shape):
+                self._input_shapes[name] = shape
+
+    # -- profiles and shapes --------------------------------------------------------------------
+    @property
+    def active_optimization_profile(self) -> int:
+        return self._profile
+
+    def set_optimization_profile_async(self, profile_index: int, stream_handle: int = 0) -> bool:
+        if not 0 <= profile_index < self.engine.num_optimization_profiles:
+            self.engine.logger.log(Severity.ERROR, f"profile {profile_index} does not exist "
+                                   f"(engine has {self.engine.num_optimization_profiles})")
+            return False
+        self._profile = profile_index
+        self._inferred = None
+        return True
+
+    def check_input_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        """Validate ``shape`` for input ``name`` against the active profile; raises ShapeError."""
+        if self.engine.get_tensor_mode(name) != TensorIOMode.INPUT:
+            raise ShapeError(f"'{name}' is not an input of this engine (inputs: {self._input_names})")
+        shape = tuple(int(d) for d in shape)
+        lo, _, hi = self.engine.plan.profiles[self._profile][name]
+        if len(shape) != len(lo) or not all(a <= d <= b for a, d, b in zip(lo, shape, hi)):
+            raise ShapeError(f"input '{name}' shape {list(shape)} is outside optimization profile {self._profile}: "
+                             f"min {list(lo)}, max {list(hi)}")
+        return shape
+
+    def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:
+        try:
+            self._input_shapes[name] = self.check_input_shape(name, shape)
+        except ShapeError as e:
+            self.engine.logger.log(Severity.ERROR, str(e))
+            return False
+        self._inferred = None
+        return True
+
+    @property
+    def all_binding_shapes_specified(self) -> bool:
+        return all(n in self._input_shapes for n in self._input_names)
+
+    all_shape_inputs_specified = all_binding_shapes_specified
+
+    def infer_shapes(self) -> list[str]:
+        """Propagate input shapes; returns the names of inputs still lacking a shape."""
+        missing = [n for n in self._input_names if n not in self._input_shapes]
+        if not missing and self._inferred is None:
+            graph = self.engine.plan.graph
+            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name]) for v in graph.inputs}
+            self._inferred = infer_shapes(graph, infos, values=True)
+        return missing
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Input: the shape set; output: the inferred shape (-1 dims where data-dependent)."""
+        if self.engine.get_tensor_mode(name) == TensorIOMode.INPUT:
+            return self._input_shapes.get(name, self.engine.get_tensor_shape(name))
+        if self.infer_shapes():
+            return self.engine.get_tensor_shape(name)
+        info = self._inferred.get(name) if self._inferred else None
+        if info is None or info.shape is None:
+            return self.engine.get_tensor_shape(name)
+        return info.shape
+
+    # -- addresses and allocators ---------------------------------------------------------------
+    def set_tensor_address(self, name: str, memory: int) -> bool:
+        if self.engine.get_tensor_mode(name) == TensorIOMode.NONE:
+            self.engine.logger.log(Severity.ERROR, f"set_tensor_address: '{name}' is not an I/O tensor")
+            return False
+        self._addresses[name] = int(memory)
+        return True
+
+    def get_tensor_address(self, name: str) -> int:
+        return self._addresses.get(name, 0)
+
+    def set_output_allocator(self, name: str, output_allocator: IOutputAllocator) -> bool:
+        if self.engine.get_tensor_mode(name) != TensorIOMode.OUTPUT:
+            return False
+        self._allocators[name] = output_allocator
+        return True
+
+    def get_output_allocator(self, name: str) -> IOutputAllocator | None:
+        return self._allocators.get(name)
+
+    def get_max_output_size(self, name: str) -> int:
+        shape = self.get_tensor_shape(name)
+        if any(d < 0 for d in shape):
+            return -1
+        return int(np.prod(shape)) * np.dtype(self.engine._tensor(name).dtype).itemsize
+
+    # -- execution ------------------------------------------------------------------------------
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        timer = self.profiler.report_layer_time if self.profiler is not None else None
+        return self.engine.runner.run(feeds, timer=timer)
+
+    def execute_async_v3(self, stream_handle: int = 0) -> bool:
+        """Run with the addresses set by set_tensor_address (CPU backend: synchronously)."""
+        try:
+            self._execute_bound()
+            return True
+        except KilnError as e:
+            self.engine.logger.log(Severity.ERROR, f"execution failed: {e}")
+            return False
+
+    def execute_v2(self, bindings: Sequence[int]) -> bool:
+        for name, address in zip(self.engine._order, bindings):
+            self._addresses[name] = int(address)
+        return self.execute_async_v3(0)
+
+    def _execute_bound(self) -> None:
+        missing = self.infer_shapes()
+        if missing:
+            raise ShapeError(f"set_input_shape was not called for inputs {missing}")
+        feeds = {}
+        for name in self._input_names:
+            if name not in self._addresses:
+                raise ExecutionError(f"no address set for input '{name}'")
+            tensor = self.engine._tensor(name)
+            feeds[name] = _host_array(self._addresses[name], tensor.dtype, self._input_shapes[name]).copy()
+        outputs = self._run(feeds)
+        for name in self._output_names:
+            self._deliver(name, np.asarray(outputs[name], dtype=self.engine._tensor(name).dtype))
+
+    def _deliver(self, name: str, value: np.ndarray) -> None:
+        """Copy one output to its bound address, or to memory its output allocator provides."""
+        allocator = self._allocators.get(name)
+        address = self._addresses.get(name)
+        if allocator is not None:
+            address = allocator.reallocate_output_async(name, address or 0, value.nbytes, 256, 0)
+            if address is None or (address == 0 and value.nbytes):
+                raise ExecutionError(f"output allocator returned no memory for '{name}' ({value.nbytes} bytes)")
+            allocator.notify_shape(name, tuple(value.shape))
+        elif address is None:
+            raise ExecutionError(f"no address or output allocator set for output '{name}'")
+        if value.nbytes:
+            np.copyto(_host_array(address, value.dtype, value.shape), value)
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run on numpy inputs and return numpy outputs (sets shapes; validates dtype and profile).
+
+        Raises ShapeError / TypeError naming the offending input; ExecutionError if a layer fails.
+        """
+        unknown = set(feeds) - set(self._input_names)
+        if unknown:
+            raise ShapeError(f"unknown inputs {sorted(unknown)}; this engine takes {self._input_names}")
+        missing = [n for n in self._input_names if n not in feeds]
+        if missing:
+            raise ShapeError(f"missing inputs {missing}")
+        arrays = {}
+        for name in self._input_names:
+            tensor = self.engine._tensor(name)
+            array = np.asarray(feeds[name])
+            if array.dtype != tensor.dtype and not (array.dtype.kind in "OSU" and tensor.dtype.kind == "O"):
+                raise TypeError(f"input '{name}' has dtype {array.dtype}, the engine expects {tensor.dtype}")
+            self._input_shapes[name] = self.check_input_shape(name, array.shape)
+            arrays[name] = array
+        self._inferred = None
+        outputs = self._run(arrays)
+        return {name: np.asarray(outputs[name]) for name in self._output_names}
