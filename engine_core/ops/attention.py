@@ -1,0 +1,3 @@
+"""Attention family (Attention, RotaryEmbedding, LinearAttention, FlexAttention, ...)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Image / detection ops (Resize, GridSample, AffineGrid, RoiAlign, NonMaxSuppression, ...)."""
+
+from __future__ import annotations

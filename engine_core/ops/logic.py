@@ -1,0 +1,3 @@
+"""Comparison, logical and bitwise ops (Equal, Less, And, Not, BitShift, Where, ...)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""ai.onnx.ml domain ops (LabelEncoder, TreeEnsemble, Binarizer, ArrayFeatureExtractor, TfIdfVectorizer)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Normalizations (Batch/Instance/Layer/Group/RMS/LRN, MeanVarianceNormalization, LpNormalization)."""
+
+from __future__ import annotations

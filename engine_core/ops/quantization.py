@@ -1,0 +1,3 @@
+"""Quantization ops (QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, *Integer, QLinear*)."""
+
+from __future__ import annotations

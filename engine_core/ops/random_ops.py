@@ -1,0 +1,3 @@
+"""Random ops (RandomNormal/Uniform(+Like), Bernoulli, Multinomial) with seeds."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Recurrent layers (RNN, GRU, LSTM)."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Signal processing (DFT, STFT, window functions, MelWeightMatrix) and Det."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""String ops (StringConcat, StringNormalizer, StringSplit, RegexFullMatch)."""
+
+from __future__ import annotations
