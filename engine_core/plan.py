@@ -7,7 +7,7 @@ Layout (little endian)::
           12   flags            u32      (reserved, 0)
           16   metadata length  u64
           24   blob length      u64
-          32   sha256           32 bytes over metadata + blob
+          32   sha256           32 bytes over everything after the header
           64   metadata         JSON, utf-8 (engine version, backend, arch, I/O, profiles, layers)
                padding          to a 64-byte boundary
                blob             weights and compiled kernels, each 64-byte aligned
@@ -208,7 +208,7 @@ def serialize_plan(plan: Plan) -> bytes:
     meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
     body_pad = b"\0" * ((-(_HEADER.size + len(meta_bytes))) % ALIGN)
     blob_bytes = b"".join(blob.parts)
-    digest = hashlib.sha256(meta_bytes + blob_bytes).digest()
+    digest = hashlib.sha256(meta_bytes + body_pad + blob_bytes).digest()
     header = _HEADER.pack(MAGIC, PLAN_FORMAT_VERSION, 0, len(meta_bytes), len(blob_bytes), digest)
     return header + meta_bytes + body_pad + blob_bytes
 
@@ -229,10 +229,7 @@ def read_plan_metadata(data: bytes | bytearray | memoryview) -> tuple[dict[str, 
         raise PlanFormatError(f"plan is truncated or has trailing data: expected {blob_start + blob_len} bytes, got {len(view)}")
     meta_bytes = view[_HEADER.size : meta_end]
     blob = view[blob_start:]
-    h = hashlib.sha256()
-    h.update(meta_bytes)
-    h.update(blob)
-    if h.digest() != digest:
+    if hashlib.sha256(view[_HEADER.size :]).digest() != digest:
         raise PlanFormatError("plan checksum mismatch: the file is corrupt")
     try:
         meta = json.loads(bytes(meta_bytes))

@@ -90,7 +90,8 @@ class OnnxParser:
 
     # -- import -----------------------------------------------------------------------------------
     def _error(self, desc: str, index: int = -1, node: onnx.NodeProto | None = None) -> None:
-        err = ParserError(desc, index, node.name if node else "", node.op_type if node else "")
+        name = (node.name or f"{node.op_type}_{index}") if node else ""
+        err = ParserError(desc, index, name, node.op_type if node else "")
         self.errors.append(err)
         self.logger.log(Severity.ERROR, f"ONNX import: {err}")
 

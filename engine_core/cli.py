@@ -1,0 +1,328 @@
+"""The `kiln` command: a thin layer over the public Python API (every feature is scriptable too).
+
+    kiln build model.onnx -o model.plan [--fp16] [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
+    kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
+    kiln inspect model.plan [--json]
+    kiln serve --model-repository DIR [--http-port 8000]
+    kiln conformance [--backend cpu] [--op Conv] [-v] [--markdown docs/conformance.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+import engine_core as kiln
+from engine_core.errors import KilnError
+from engine_core.plan import deserialize_plan
+from engine_core.runtime import engine_summary
+
+PRECISION_FLAGS = {
+    "fp16": kiln.BuilderFlag.FP16,
+    "bf16": kiln.BuilderFlag.BF16,
+    "tf32": kiln.BuilderFlag.TF32,
+    "int8": kiln.BuilderFlag.INT8,
+    "fp8": kiln.BuilderFlag.FP8,
+}
+
+
+def parse_shape_specs(specs: Sequence[str] | None) -> dict[str, tuple[int, ...]]:
+    """Parse trtexec-style shape specs: ``name:1x3x224x224`` (comma-separated or repeated)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs or ():
+        for item in spec.split(","):
+            name, sep, dims = item.rpartition(":")
+            if not sep or not name:
+                raise ValueError(f"bad shape spec '{item}': expected name:DIMS, e.g. x:1x3x224x224")
+            try:
+                shapes[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
+            except ValueError:
+                raise ValueError(f"bad shape spec '{item}': dims must be integers joined by 'x'") from None
+    return shapes
+
+
+def profile_shapes(args: argparse.Namespace) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """min/opt/max per input from --shapes (all three) and --min/--opt/--max-shapes."""
+    fixed = parse_shape_specs(args.shapes)
+    mins, opts, maxs = (parse_shape_specs(getattr(args, k)) for k in ("min_shapes", "opt_shapes", "max_shapes"))
+    result = {name: (s, s, s) for name, s in fixed.items()}
+    for name in set(mins) | set(opts) | set(maxs):
+        if not (name in mins and name in maxs):
+            raise ValueError(f"input '{name}': give both --min-shapes and --max-shapes (and optionally --opt-shapes)")
+        lo, hi = mins[name], maxs[name]
+        result[name] = (lo, opts.get(name, hi), hi)
+    return result
+
+
+class ConsoleProgress:
+    """Build progress on stderr: one line per phase, with a step counter."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.steps: dict[str, int] = {}
+        self.started: dict[str, float] = {}
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+        self.steps[phase_name] = num_steps
+        self.started[phase_name] = time.perf_counter()
+
+    def step_complete(self, phase_name: str, step: int) -> bool:
+        if self.tty:
+            print(f"\r  {phase_name}: {step + 1}/{self.steps[phase_name]}", end="", file=self.stream, flush=True)
+        return True
+
+    def phase_finish(self, phase_name: str) -> None:
+        ms = (time.perf_counter() - self.started[phase_name]) * 1e3
+        print(f"\r  {phase_name}: done ({ms:.0f} ms)" + " " * 10, file=self.stream)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(lines)
+
+
+def layer_table(summary: dict) -> str:
+    rows = [[str(i), layer["name"], layer["type"], layer["tactic"], ",".join(layer["origin"])]
+            for i, layer in enumerate(summary["layers"])]
+    return _table(rows, ["#", "layer", "type", "tactic", "onnx nodes"])
+
+
+def io_table(summary: dict) -> str:
+    rows = [[t["mode"].lower(), t["name"], t["dtype"], str(t["shape"])] for t in summary["io"]]
+    return _table(rows, ["mode", "tensor", "dtype", "shape"])
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    logger = kiln.Logger(kiln.Severity.VERBOSE if args.verbose else kiln.Severity.WARNING)
+    builder = kiln.Builder(logger)
+    network = builder.create_network()
+    parser = kiln.OnnxParser(network, logger)
+    if not parser.parse_from_file(args.model):
+        for error in parser.errors:
+            print(f"error: {error}", file=sys.stderr)
+        return 1
+    config = builder.create_builder_config()
+    if args.backend:
+        config.backend = args.backend
+    for name, flag in PRECISION_FLAGS.items():
+        if getattr(args, name):
+            config.set_flag(flag)
+    if args.workspace is not None:
+        config.set_memory_pool_limit(kiln.MemoryPoolType.WORKSPACE, int(args.workspace * (1 << 20)))
+    try:
+        shapes = profile_shapes(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if shapes:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            try:
+                profile.set_shape(name, lo, opt, hi)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        config.add_optimization_profile(profile)
+    config.progress_monitor = ConsoleProgress()
+    print(f"Building {args.model} for the {config.backend} backend", file=sys.stderr)
+    started = time.perf_counter()
+    try:
+        plan = kiln.build_plan(network, config, logger)
+    except KilnError as e:
+        print(f"error: build failed: {e}", file=sys.stderr)
+        if "dynamic shapes" in str(e):
+            print("hint: pass --shapes NAME:DIMS, or --min-shapes/--opt-shapes/--max-shapes", file=sys.stderr)
+        return 1
+    output = args.output or os.path.splitext(args.model)[0] + ".plan"
+    with open(output, "wb") as f:
+        f.write(plan)
+    summary = engine_summary(deserialize_plan(plan))
+    print(layer_table(summary))
+    print()
+    print(io_table(summary))
+    print(f"\nwrote {output}: {len(plan)} bytes, {len(summary['layers'])} layers, "
+          f"activation memory {summary['device_memory_size']} bytes, built in {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def _load_engine(path: str) -> kiln.CudaEngine:
+    with open(path, "rb") as f:
+        return kiln.Runtime().load(f.read())
+
+
+def _random_input(engine: kiln.CudaEngine, name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    dtype = np.dtype(kiln.nptype(engine.get_tensor_dtype(name)))
+    if dtype.kind == "f" or dtype.kind == "V":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(0, 10, shape).astype(dtype)
+    raise ValueError(f"cannot make random data for input '{name}' of dtype {dtype}: pass --input {name}=FILE.npy")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        engine = _load_engine(args.plan)
+    except (OSError, KilnError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    context = engine.create_execution_context()
+    shapes = parse_shape_specs(args.shapes)
+    rng = np.random.default_rng(args.seed)
+    feeds: dict[str, np.ndarray] = {}
+    for spec in args.input or ():
+        name, sep, path = spec.partition("=")
+        if not sep:
+            print(f"error: bad --input '{spec}': expected NAME=FILE.npy", file=sys.stderr)
+            return 2
+        feeds[name] = np.load(path, allow_pickle=False)
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if engine.get_tensor_mode(name) != kiln.TensorIOMode.INPUT or name in feeds:
+            continue
+        shape = shapes.get(name) or engine.get_tensor_profile_shape(name, 0)[1]
+        feeds[name] = _random_input(engine, name, tuple(shape), rng)
+
+    class _Profiler(kiln.IProfiler):
+        def __init__(self) -> None:
+            self.times: dict[str, list[float]] = {}
+
+        def report_layer_time(self, layer_name: str, ms: float) -> None:
+            self.times.setdefault(layer_name, []).append(ms)
+
+    profiler = _Profiler() if args.profile else None
+    context.profiler = profiler
+    timings = []
+    try:
+        for _ in range(max(1, args.iterations)):
+            start = time.perf_counter()
+            outputs = context.infer(feeds)
+            timings.append((time.perf_counter() - start) * 1e3)
+    except (KilnError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for name, value in outputs.items():
+        preview = np.array2string(np.asarray(value).reshape(-1)[:8], precision=5, separator=", ")
+        print(f"{name}: dtype={value.dtype} shape={list(value.shape)} first={preview}")
+        if args.save_outputs:
+            os.makedirs(args.save_outputs, exist_ok=True)
+            np.save(os.path.join(args.save_outputs, f"{name}.npy"), value)
+    t = np.array(timings)
+    print(f"latency over {len(t)} runs: mean {t.mean():.3f} ms, median {np.median(t):.3f} ms, min {t.min():.3f} ms")
+    if profiler is not None:
+        rows = sorted(((n, float(np.mean(v))) for n, v in profiler.times.items()), key=lambda r: -r[1])
+        total = sum(ms for _, ms in rows) or 1.0
+        print(_table([[n, f"{ms:.3f}", f"{100 * ms / total:.1f}%"] for n, ms in rows], ["layer", "mean ms", "share"]))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        with open(args.plan, "rb") as f:
+            plan = deserialize_plan(f.read())
+    except (OSError, KilnError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    summary = engine_summary(plan)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"plan '{summary['name']}': Kiln {summary['engine_version']}, backend {summary['backend']}, "
+          f"arch {summary['arch']}, activation memory {summary['device_memory_size']} bytes")
+    print(io_table(summary))
+    for index, profile in enumerate(summary["profiles"]):
+        for name, s in profile.items():
+            print(f"profile {index}: {name} min {s['min']} opt {s['opt']} max {s['max']}")
+    print()
+    print(layer_table(summary))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.cli import run_serve
+
+    return run_serve(args)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from engine_core.conformance import run_from_args
+
+    return run_from_args(args)
+
+
+def _add_shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", action="append", help="fixed input shapes, e.g. x:1x3x224x224 (min=opt=max)")
+    p.add_argument("--min-shapes", action="append", help="profile minimum shapes, e.g. x:1x3x224x224")
+    p.add_argument("--opt-shapes", action="append", help="profile optimum shapes")
+    p.add_argument("--max-shapes", action="append", help="profile maximum shapes")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kiln", description="Kiln inference engine and server")
+    ap.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build", help="build an ONNX model into a plan file")
+    p.add_argument("model", help="path to model.onnx")
+    p.add_argument("-o", "--output", help="plan file to write (default: model name + .plan)")
+    p.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
+    for name in PRECISION_FLAGS:
+        p.add_argument(f"--{name}", action="store_true", help=f"allow {name.upper()} precision")
+    p.add_argument("--workspace", type=float, help="workspace memory limit in MiB")
+    p.add_argument("-v", "--verbose", action="store_true")
+    _add_shape_args(p)
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("run", help="run a plan on given or random inputs")
+    p.add_argument("plan")
+    p.add_argument("--input", action="append", help="NAME=FILE.npy (others get random data)")
+    p.add_argument("--shapes", action="append", help="shapes for random inputs, e.g. x:4x3x224x224 (default: opt)")
+    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print per-layer times")
+    p.add_argument("--save-outputs", help="directory to save outputs as NAME.npy")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("inspect", help="describe a plan: I/O, profiles, layers")
+    p.add_argument("plan")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("serve", help="serve a model repository over HTTP/gRPC")
+    try:
+        from server.cli import add_serve_arguments
+
+        add_serve_arguments(p)
+    except ImportError:
+        p.add_argument("--model-repository", required=True)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("conformance", help="run onnx's node test cases and report pass rates")
+    from engine_core.conformance import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_conformance)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
