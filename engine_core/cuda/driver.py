@@ -1,0 +1,135 @@
+"""A thin layer over the CUDA driver API (cuda.bindings.driver): context, memory, streams, modules.
+
+Only what the engine needs, with errors turned into exceptions that name the call. No torch/cupy.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from engine_core.errors import KilnError
+
+
+class CudaError(KilnError):
+    """A CUDA driver call failed."""
+
+
+def check(result: Any, what: str = "CUDA call") -> Any:
+    """Unpack a cuda.bindings (err, *values) result, raising CudaError on failure."""
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, msg = driver.cuGetErrorString(err)
+        raise CudaError(f"{what}: {err.name} ({msg.decode() if msg else 'no message'})")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+@cache
+def _init() -> None:
+    from cuda.bindings import driver
+
+    check(driver.cuInit(0), "cuInit")
+
+
+def device_count() -> int:
+    from cuda.bindings import driver
+
+    _init()
+    return int(check(driver.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+@cache
+def primary_context(ordinal: int = 0) -> Any:
+    """Retain and make current the device's primary context (shared with other CUDA users in-process)."""
+    from cuda.bindings import driver
+
+    _init()
+    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    ctx = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+def compute_capability(ordinal: int = 0) -> tuple[int, int]:
+    from cuda.bindings import driver
+
+    _init()
+    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    attr = driver.CUdevice_attribute
+    major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "attr")
+    minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "attr")
+    return int(major), int(minor)
+
+
+class DeviceBuffer:
+    """Device memory from cuMemAlloc, freed with the object."""
+
+    def __init__(self, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        primary_context()
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(driver.cuMemAlloc(max(self.nbytes, 1)), "cuMemAlloc"))
+
+    @staticmethod
+    def from_array(array: np.ndarray) -> DeviceBuffer:
+        buf = DeviceBuffer(array.nbytes)
+        buf.copy_from(array)
+        return buf
+
+    def copy_from(self, array: np.ndarray) -> None:
+        from cuda.bindings import driver
+
+        array = np.ascontiguousarray(array)
+        check(driver.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+
+    def to_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        from cuda.bindings import driver
+
+        out = np.empty(shape, dtype)
+        check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuMemFree(self.ptr)
+        except Exception:
+            pass
+
+
+class Module:
+    """A loaded CUBIN; ``function(name)`` looks kernels up (extern "C" names)."""
+
+    def __init__(self, cubin: bytes) -> None:
+        from cuda.bindings import driver
+
+        primary_context()
+        self._cubin = cubin  # keep alive while loaded
+        self.handle = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def function(self, name: str) -> Any:
+        from cuda.bindings import driver
+
+        return check(driver.cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name})")
+
+
+def launch(function: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
+           args: list[tuple[Any, Any]], shared_bytes: int = 0, stream: int = 0) -> None:
+    """Launch ``function``; ``args`` are (value, ctypes type) pairs as cuLaunchKernel expects."""
+    from cuda.bindings import driver
+
+    values = tuple(v for v, _ in args)
+    types = tuple(t for _, t in args)
+    check(driver.cuLaunchKernel(function, *grid, *block, shared_bytes, stream, (values, types), 0), "cuLaunchKernel")
+
+
+def synchronize() -> None:
+    from cuda.bindings import driver
+
+    check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
