@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+import cuda_kernels
 from engine_core.errors import KilnError
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda_kernels"
+KERNEL_DIR = Path(cuda_kernels.__file__).resolve().parent
 
 
 class CompileError(KilnError):

@@ -6,8 +6,8 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.passes import eliminate_dead_code, fold_constants, fold_conv_batchnorm, infer_shapes
 from engine_core.ops import TensorInfo
+from engine_core.passes import eliminate_dead_code, fold_constants, fold_conv_batchnorm, infer_shapes
 from tests.engine import models
 from tests.engine.util import build, ort_run
 

@@ -1,0 +1,1 @@
+"""CUDA C kernel sources (one kernel family per .cu file), compiled at build time with NVRTC."""
