@@ -22,8 +22,9 @@ def wrap_indices(indices: np.ndarray, dims: int | np.ndarray, op: str) -> np.nda
     """Indices as int64 in [0, dim): negatives count from the end; out-of-range ones raise."""
     idx = np.asarray(indices).astype(np.int64, copy=False)
     dims = np.asarray(dims, dtype=np.int64)
-    if np.any((idx < -dims) | (idx >= dims)):
-        bad = idx[(idx < -dims) | (idx >= dims)].reshape(-1)[:4].tolist()
+    outside = (idx < -dims) | (idx >= dims)
+    if outside.any():
+        bad = idx[outside][:4].tolist()
         raise ShapeInferenceError(f"{op} indices {bad} are out of range for dims {dims.tolist()}")
     return np.where(idx < 0, idx + dims, idx)
 

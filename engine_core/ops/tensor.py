@@ -154,6 +154,8 @@ register_op("Transpose", infer=_transpose_infer, cpu=lambda node, x: np.transpos
 
 def _concat_infer(node: Node, *xs: TensorInfo) -> TensorInfo:
     dtype = xs[0].dtype
+    if any(x.dtype != dtype for x in xs):
+        raise ShapeInferenceError(f"Concat inputs differ in dtype: {[str(x.dtype) for x in xs]}")
     if any(x.shape is None for x in xs):
         return TensorInfo(dtype, None)
     rank = len(xs[0].shape)
