@@ -189,7 +189,7 @@ def _profiles_for(graph: Graph, config: BuilderConfig) -> list[dict[str, ShapeTr
             names = ", ".join(f"'{v.name}' {_fmt_shape(v.shape)}" for v in dynamic)
             raise BuildError(f"inputs {names} have dynamic shapes: add an optimization profile "
                              "(builder.create_optimization_profile().set_shape(name, min, opt, max))")
-        return [{v.name: (tuple(v.shape),) * 3 for v in graph.inputs}]  # type: ignore[misc]
+        return [{v.name: (tuple(v.shape),) * 3 for v in graph.inputs if v.is_tensor}]  # type: ignore[misc]
     result = []
     for index, profile in enumerate(config.profiles):
         unknown = set(profile.shapes) - set(graph.input_names)
@@ -197,6 +197,8 @@ def _profiles_for(graph: Graph, config: BuilderConfig) -> list[dict[str, ShapeTr
             raise BuildError(f"optimization profile {index} names {sorted(unknown)}, which are not network inputs")
         shapes: dict[str, ShapeTriple] = {}
         for v in graph.inputs:
+            if not v.is_tensor:
+                continue  # sequences/optionals carry no shape
             if v.name not in profile.shapes:
                 if v.is_dynamic:
                     raise BuildError(f"optimization profile {index} has no shape for dynamic input '{v.name}' "
@@ -220,7 +222,7 @@ def _fmt_shape(shape) -> str:
 
 
 def _infos_for(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
-    return {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs}
+    return {v.name: TensorInfo(v.dtype, shapes.get(v.name) if v.is_tensor else None) for v in graph.inputs}
 
 
 def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
@@ -279,9 +281,13 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         progress.step("Shape inference", step)
     progress.finish("Shape inference")
 
-    io = [IOTensor(v.name, TensorIOMode.INPUT, v.dtype, _io_dims([profiles[p][v.name][w] for p, w in points]))
+    io = [IOTensor(v.name, TensorIOMode.INPUT, v.dtype,
+                   _io_dims([profiles[p][v.name][w] for p, w in points]) if v.is_tensor else (), v.kind)
           for v in graph.inputs]
     for v in graph.outputs:
+        if not v.is_tensor:
+            io.append(IOTensor(v.name, TensorIOMode.OUTPUT, v.dtype, (), v.kind))
+            continue
         infos = [inferred[pt].get(v.name) for pt in points]
         dtype = infos[0].dtype if infos[0] is not None else v.dtype
         shapes = [i.shape if i is not None else None for i in infos]

@@ -45,6 +45,7 @@ class IOTensor:
     mode: TensorIOMode
     dtype: np.dtype
     shape: tuple[int, ...]
+    kind: str = "tensor"
 
 
 @dataclass
@@ -145,7 +146,8 @@ def _decode_attr(value: Any, blob: memoryview) -> Any:
 
 
 def _encode_value(v: Value) -> dict[str, Any]:
-    return {"name": v.name, "dtype": dtype_name(v.dtype), "shape": None if v.shape is None else list(v.shape)}
+    return {"name": v.name, "dtype": dtype_name(v.dtype), "shape": None if v.shape is None else list(v.shape),
+            "kind": v.kind}
 
 
 def _encode_graph(g: Graph, blob: _Blob) -> dict[str, Any]:
@@ -173,7 +175,8 @@ def _encode_graph(g: Graph, blob: _Blob) -> dict[str, Any]:
 
 def _decode_graph(d: dict[str, Any], blob: memoryview) -> Graph:
     def value(v: dict[str, Any]) -> Value:
-        return Value(v["name"], dtype_from_name(v["dtype"]), None if v["shape"] is None else tuple(v["shape"]))
+        shape = None if v["shape"] is None else tuple(v["shape"])
+        return Value(v["name"], dtype_from_name(v["dtype"]), shape, v.get("kind", "tensor"))
 
     return Graph(
         name=d["name"],
@@ -197,8 +200,8 @@ def serialize_plan(plan: Plan) -> bytes:
         "backend": plan.backend,
         "arch": plan.arch,
         "device_memory_size": plan.device_memory_size,
-        "io": [{"name": t.name, "mode": t.mode.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-               for t in plan.io],
+        "io": [{"name": t.name, "mode": t.mode.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                "kind": t.kind} for t in plan.io],
         "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in plan.profiles],
         "layers": plan.layers,
         "build_info": plan.build_info,
@@ -250,8 +253,8 @@ def deserialize_plan(data: bytes | bytearray | memoryview) -> Plan:
             arch=meta["arch"],
             device_memory_size=meta["device_memory_size"],
             graph=_decode_graph(meta["graph"], blob),
-            io=[IOTensor(t["name"], TensorIOMode[t["mode"]], dtype_from_name(t["dtype"]), tuple(t["shape"]))
-                for t in meta["io"]],
+            io=[IOTensor(t["name"], TensorIOMode[t["mode"]], dtype_from_name(t["dtype"]), tuple(t["shape"]),
+                         t.get("kind", "tensor")) for t in meta["io"]],
             profiles=[{k: tuple(tuple(s) for s in v) for k, v in p.items()} for p in meta["profiles"]],
             layers=meta["layers"],
             build_info=meta["build_info"],

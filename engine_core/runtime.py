@@ -256,6 +256,8 @@ class ExecutionContext:
         if self.engine.get_tensor_mode(name) != TensorIOMode.INPUT:
             raise ShapeError(f"'{name}' is not an input of this engine (inputs: {self._input_names})")
         shape = tuple(int(d) for d in shape)
+        if self.engine._tensor(name).kind != "tensor":
+            return ()
         lo, _, hi = self.engine.plan.profiles[self._profile][name]
         if len(shape) != len(lo) or not all(a <= d <= b for a, d, b in zip(lo, shape, hi)):
             raise ShapeError(f"input '{name}' shape {list(shape)} is outside optimization profile {self._profile}: "
@@ -282,7 +284,8 @@ class ExecutionContext:
         missing = [n for n in self._input_names if n not in self._input_shapes]
         if not missing and self._inferred is None:
             graph = self.engine.plan.graph
-            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name]) for v in graph.inputs}
+            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name] if v.is_tensor else None)
+                     for v in graph.inputs}
             self._inferred = infer_shapes(graph, infos, values=True)
         return missing
 
@@ -384,6 +387,9 @@ class ExecutionContext:
         arrays = {}
         for name in self._input_names:
             tensor = self.engine._tensor(name)
+            if tensor.kind != "tensor":  # sequences (lists) and optionals (value or None) pass through
+                arrays[name] = feeds[name]
+                continue
             array = np.asarray(feeds[name])
             if array.dtype != tensor.dtype and not (array.dtype.kind in "OSU" and tensor.dtype.kind == "O"):
                 raise TypeError(f"input '{name}' has dtype {array.dtype}, the engine expects {tensor.dtype}")
@@ -391,4 +397,5 @@ class ExecutionContext:
             arrays[name] = array
         self._inferred = None
         outputs = self._run(arrays)
-        return {name: np.asarray(outputs[name]) for name in self._output_names}
+        return {name: outputs[name] if self.engine._tensor(name).kind != "tensor" else np.asarray(outputs[name])
+                for name in self._output_names}

@@ -19,11 +19,16 @@ Dim = int | str | None
 
 @dataclass
 class Value:
-    """A graph input or output: name, element type and (possibly symbolic) shape."""
+    """A graph input or output: name, element type and (possibly symbolic) shape.
+
+    ``kind`` is "tensor" for ordinary tensors, or "sequence" / "optional" / "map" for the other
+    ONNX value types (a python list, a value-or-None, a dict at run time): those carry no shape.
+    """
 
     name: str
     dtype: np.dtype
     shape: tuple[Dim, ...] | None = None
+    kind: str = "tensor"
 
     def __post_init__(self) -> None:
         self.dtype = np.dtype(self.dtype)
@@ -31,7 +36,13 @@ class Value:
             self.shape = tuple(self.shape)
 
     @property
+    def is_tensor(self) -> bool:
+        return self.kind == "tensor"
+
+    @property
     def is_dynamic(self) -> bool:
+        if not self.is_tensor:
+            return False
         return self.shape is None or any(not isinstance(d, int) or d < 0 for d in self.shape)
 
 

@@ -218,8 +218,10 @@ def _value(v: onnx.ValueInfoProto) -> Value:
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
             )
         return Value(v.name, dtype, shape)
-    # sequences / optionals / maps: element dtype unknown here, shape unknown
-    return Value(v.name, np.dtype(object), None)
+    for kind, field in (("sequence", "sequence_type"), ("optional", "optional_type"), ("map", "map_type")):
+        if t.HasField(field):
+            return Value(v.name, np.dtype(object), None, kind)
+    return Value(v.name, np.dtype(np.float32), None)
 
 
 def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
