@@ -92,6 +92,8 @@ def _compare(expected: Any, actual: Any, rtol: float, atol: float, path: str) ->
 
 def run_case(case: Any, backend: str = "cpu") -> CaseResult:
     """Import, build, run and check one test case."""
+    from onnx import TensorProto, numpy_helper
+
     from engine_core import Builder, OnnxParser, Runtime
     from engine_core.errors import KilnError
 
@@ -114,6 +116,9 @@ def run_case(case: Any, backend: str = "cpu") -> CaseResult:
             return done(UNSUPPORTED if unsupported else ERROR, reasons)
         graph_inputs = [v.name for v in network.graph.inputs]
         for inputs, expected in case.data_sets:
+            # exotic dtypes (float8, int4, ...) are stored as TensorProto in the cases
+            inputs = [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in inputs]
+            expected = [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in expected]
             config = builder.create_builder_config()
             config.backend = backend
             feeds = dict(zip(graph_inputs, inputs))
