@@ -115,11 +115,11 @@ def available_backends() -> list[str]:
     backends = ["cpu"]
     try:
         from engine_core.backends import cuda  # type: ignore[attr-defined]
-
-        if cuda.is_available():
-            backends.insert(0, "cuda")
     except ImportError:
-        pass
+        return backends
+    is_available = getattr(cuda, "is_available", None)
+    if is_available is not None and is_available():
+        backends.insert(0, "cuda")
     return backends
 
 
@@ -291,9 +291,11 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         infos = [inferred[pt].get(v.name) for pt in points]
         dtype = infos[0].dtype if infos[0] is not None else v.dtype
         shapes = [i.shape if i is not None else None for i in infos]
-        if any(s is None for s in shapes):
-            rank = len(v.shape) if v.shape is not None else next((len(s) for s in shapes if s is not None), 0)
-            dims: tuple[int, ...] = (-1,) * rank
+        if any(s is None for s in shapes):  # data-dependent: keep the dims the model declares static
+            if v.shape is not None:
+                dims: tuple[int, ...] = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in v.shape)
+            else:
+                dims = (-1,) * next((len(s) for s in shapes if s is not None), 0)
         else:
             dims = _io_dims(shapes)  # type: ignore[arg-type]
         io.append(IOTensor(v.name, TensorIOMode.OUTPUT, dtype, dims))

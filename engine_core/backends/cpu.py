@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from engine_core.errors import ExecutionError, KilnError
-from engine_core.ir import Graph, Node
+from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
 from engine_core.ops import get_op
 
 #: Called after each layer with (layer name, milliseconds): the IProfiler hook.
@@ -43,7 +43,7 @@ class GraphRunner:
         keep = set(graph.output_names)
         last_use: dict[str, int] = {}
         for index, node in enumerate(graph.nodes):
-            for name in node.inputs:
+            for name in (*node.inputs, *subgraph_reads(node)):  # bodies read the enclosing scope too
                 last_use[name] = index
         self._free_after: list[list[str]] = [[] for _ in graph.nodes]
         for name, index in last_use.items():
@@ -68,7 +68,7 @@ class GraphRunner:
                 raise ExecutionError(f"layer {node}: input tensor {e} was never computed") from None
             start = time.perf_counter() if timer else 0.0
             try:
-                results = run_node(node, args) if not _needs_scope(node) else _run_scoped(node, args, env)
+                results = run_node(node, args) if not has_subgraph(node) else _run_scoped(node, args, env)
             except KilnError as e:
                 raise ExecutionError(f"layer {node}: {e}") from e
             except Exception as e:  # numpy errors in user-visible form, naming the layer
@@ -86,13 +86,8 @@ class GraphRunner:
             raise ExecutionError(f"graph output {e} was never computed") from None
 
 
-def _needs_scope(node: Node) -> bool:
-    """Control-flow ops see enclosing tensors: they take the environment as a keyword."""
-    return any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
-               for v in node.attrs.values())
-
-
 def _run_scoped(node: Node, args: list, env: Mapping[str, np.ndarray | None]) -> list[np.ndarray]:
+    """Control-flow ops see enclosing tensors: they take the environment as a keyword."""
     op = get_op(node.op_type, node.domain)
     assert op is not None
     return as_outputs(op.cpu(node, *args, scope=env))

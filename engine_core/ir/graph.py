@@ -152,3 +152,24 @@ class Graph:
                 raise ValueError(f"node {n} reads tensor(s) {missing} that no node or input produces")
             pending = rest
         self.nodes = ordered
+
+
+def has_subgraph(node: Node) -> bool:
+    """True for control-flow nodes (Loop/If/Scan/SequenceMap) that carry Graph attributes."""
+    return any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
+               for v in node.attrs.values())
+
+
+def subgraph_reads(node: Node) -> set[str]:
+    """Names the bodies of ``node`` read from enclosing scopes (at any depth): they must stay alive
+    until ``node`` has run, like its inputs."""
+    reads: set[str] = set()
+    for value in node.attrs.values():
+        for sub in value if isinstance(value, list) else [value]:
+            if isinstance(sub, Graph):
+                produced = set(sub.constants) | set(sub.input_names) | {o for n in sub.nodes for o in n.outputs}
+                for n in sub.nodes:
+                    reads.update(i for i in n.inputs if i and i not in produced)
+                    reads.update(subgraph_reads(n) - produced)
+                reads.update(o for o in sub.output_names if o not in produced)
+    return reads

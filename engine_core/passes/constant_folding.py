@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.backends.cpu import run_node
-from engine_core.ir import Graph
+from engine_core.ir import Graph, has_subgraph
 from engine_core.ops import get_op
 
 #: Never store a folded result larger than this many bytes unless its inputs were as large.
@@ -31,7 +31,7 @@ def fold_constants(graph: Graph) -> int:
             continue
         else:
             args = [graph.constants[i] if i else None for i in node.inputs]
-        if _has_subgraph(node):
+        if has_subgraph(node):
             kept.append(node)
             continue
         try:
@@ -52,8 +52,3 @@ def fold_constants(graph: Graph) -> int:
     graph.nodes = kept
     return folded
 
-
-def _has_subgraph(node) -> bool:
-    from engine_core.ir import Graph as G
-
-    return any(isinstance(v, G) or (isinstance(v, list) and v and isinstance(v[0], G)) for v in node.attrs.values())
