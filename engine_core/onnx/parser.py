@@ -25,8 +25,8 @@ from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.ops import get_op
 from engine_core.types import onnx_to_np
 
-#: Oldest default-domain opset the importer accepts (op implementations follow opset >= 7 semantics
-#: and normalize older attribute forms where they changed).
+#: Op implementations follow opset >= 7 semantics (normalizing older attribute forms where they
+#: changed). Models declaring an older opset import when each op's schema is unchanged since then.
 MIN_OPSET = 7
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
@@ -98,8 +98,8 @@ class OnnxParser:
     def _import(self, model: onnx.ModelProto) -> bool:
         opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version for imp in model.opset_import}
         opset = opsets.get("", MAX_OPSET)
-        if not MIN_OPSET <= opset <= MAX_OPSET:
-            self._error(f"default-domain opset {opset} is not supported (Kiln accepts {MIN_OPSET}-{MAX_OPSET})")
+        if not 1 <= opset <= MAX_OPSET:
+            self._error(f"default-domain opset {opset} is not supported (Kiln accepts 1-{MAX_OPSET})")
             return False
         if model.functions:
             try:
@@ -159,6 +159,10 @@ class OnnxParser:
         if opset < op.min_opset:
             self._error(f"{proto.op_type} is supported from opset {op.min_opset}, model uses {opset}", index, proto)
             return None
+        if domain == "" and opset < MIN_OPSET and not _same_schema(proto.op_type, opset, MIN_OPSET):
+            self._error(f"{proto.op_type} changed between opset {opset} and {MIN_OPSET}; Kiln implements "
+                        f"opset >= {MIN_OPSET} semantics (convert the model with onnx.version_converter)", index, proto)
+            return None
         node = Node(
             op_type=proto.op_type,
             inputs=list(proto.input),
@@ -204,6 +208,14 @@ class OnnxParser:
         if attr.type == A.FLOATS:
             return [float(v) for v in attr.floats]
         return onnx.helper.get_attribute_value(attr)
+
+
+def _same_schema(op_type: str, old: int, new: int) -> bool:
+    """True when the default-domain op has the same schema version at opsets ``old`` and ``new``."""
+    try:
+        return onnx.defs.get_schema(op_type, old).since_version == onnx.defs.get_schema(op_type, new).since_version
+    except onnx.defs.SchemaError:
+        return False
 
 
 def _value(v: onnx.ValueInfoProto) -> Value:
