@@ -90,3 +90,16 @@ def test_external_data_is_loaded_from_the_model_directory(tmp_path, rng):
     network = kiln.Builder().create_network()
     assert kiln.OnnxParser(network).parse_from_file(path)
     assert network.graph.constants["W1"].shape == (32, 16)
+
+
+def test_old_opset_imports_when_op_unchanged_and_refuses_otherwise():
+    def model(op, opset, **attrs):
+        node = helper.make_node(op, ["x"], ["y"], **attrs)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+    ok, _, _ = _parse(model("Relu", 6))  # Relu-6 is the schema opset 7 still uses
+    assert ok
+    ok, parser, _ = _parse(model("Relu", 5))  # Relu-1 had consumed_inputs semantics
+    assert not ok and "changed between opset 5 and 7" in parser.get_error(0).desc
