@@ -32,6 +32,8 @@ class OptimizationProfile:
 
     def __init__(self) -> None:
         self.shapes: dict[str, ShapeTriple] = {}
+        #: shape-tensor inputs (int tensors whose *values* are shapes): min/opt/max values
+        self.shape_values: dict[str, ShapeTriple] = {}
 
     def set_shape(self, input: str, min: Sequence[int], opt: Sequence[int], max: Sequence[int]) -> None:
         mn, op, mx = tuple(map(int, min)), tuple(map(int, opt)), tuple(map(int, max))
@@ -46,8 +48,20 @@ class OptimizationProfile:
     def get_shape(self, input: str) -> list[tuple[int, ...]]:
         return list(self.shapes.get(input, ()))
 
+    def set_shape_input(self, input: str, min: Sequence[int], opt: Sequence[int], max: Sequence[int]) -> None:
+        """Value ranges of a shape-tensor input (e.g. a Reshape target fed at run time), elementwise."""
+        mn, op, mx = tuple(map(int, min)), tuple(map(int, opt)), tuple(map(int, max))
+        if not len(mn) == len(op) == len(mx):
+            raise ValueError(f"shape-input values for '{input}' have different lengths: {mn}, {op}, {mx}")
+        if not all(a <= b <= c for a, b, c in zip(mn, op, mx)):
+            raise ValueError(f"shape-input values for '{input}' must satisfy min <= opt <= max: {mn}, {op}, {mx}")
+        self.shape_values[input] = (mn, op, mx)
+
+    def get_shape_input(self, input: str) -> list[tuple[int, ...]]:
+        return list(self.shape_values.get(input, ()))
+
     def __bool__(self) -> bool:
-        return bool(self.shapes)
+        return bool(self.shapes or self.shape_values)
 
 
 class ProgressMonitor(Protocol):
@@ -199,6 +213,9 @@ def _profiles_for(graph: Graph, config: BuilderConfig) -> list[dict[str, ShapeTr
         for v in graph.inputs:
             if not v.is_tensor:
                 continue  # sequences/optionals carry no shape
+            if v.name not in profile.shapes and v.name in profile.shape_values:
+                shapes[v.name] = ((len(profile.shape_values[v.name][0]),),) * 3
+                continue
             if v.name not in profile.shapes:
                 if v.is_dynamic:
                     raise BuildError(f"optimization profile {index} has no shape for dynamic input '{v.name}' "
@@ -221,8 +238,32 @@ def _fmt_shape(shape) -> str:
     return "(?)" if shape is None else "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
-def _infos_for(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
-    return {v.name: TensorInfo(v.dtype, shapes.get(v.name) if v.is_tensor else None) for v in graph.inputs}
+def _profile_values(graph: Graph, config: BuilderConfig) -> list[dict[str, ShapeTriple]]:
+    """Validated shape-tensor value ranges per profile (integer 0-D/1-D inputs only)."""
+    result = []
+    for index, profile in enumerate(config.profiles or [OptimizationProfile()]):
+        for name, (lo, _, _) in profile.shape_values.items():
+            v = next((i for i in graph.inputs if i.name == name), None)
+            if v is None or v.dtype.kind not in "iu":
+                raise BuildError(f"optimization profile {index}: shape input '{name}' must be an integer network input")
+            if v.shape is not None and (len(v.shape) > 1 or (len(v.shape) == 1 and isinstance(v.shape[0], int)
+                                                              and v.shape[0] != len(lo))):
+                raise BuildError(f"optimization profile {index}: shape input '{name}' {_fmt_shape(v.shape)} does not "
+                                 f"hold {len(lo)} values")
+        result.append(dict(profile.shape_values))
+    return result
+
+
+def _infos_for(graph: Graph, shapes: dict[str, tuple[int, ...]],
+               values: dict[str, tuple[int, ...]] | None = None) -> dict[str, TensorInfo]:
+    """Input infos at one profile point; shape-tensor inputs carry their values."""
+    values = values or {}
+    infos = {}
+    for v in graph.inputs:
+        shape = shapes.get(v.name) if v.is_tensor else None
+        value = np.array(values[v.name], v.dtype).reshape(shape) if v.name in values else None
+        infos[v.name] = TensorInfo(v.dtype, shape, value)
+    return infos
 
 
 def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
@@ -259,6 +300,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         raise BuildError("network has no outputs")
     progress = _Progress(config.progress_monitor)
     profiles = _profiles_for(graph, config)
+    profile_values = _profile_values(graph, config)
 
     progress.start("Optimizing graph", len(PIPELINE))
     pass_counts: dict[str, int] = {}
@@ -274,7 +316,8 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     for step, (p, which) in enumerate(points):
         shapes = {name: triple[which] for name, triple in profiles[p].items()}
         try:
-            inferred[(p, which)] = infer_shapes(graph, _infos_for(graph, shapes))
+            values = {name: triple[which] for name, triple in profile_values[p].items()}
+            inferred[(p, which)] = infer_shapes(graph, _infos_for(graph, shapes, values))
         except KilnError as e:
             label = ("min", "opt", "max")[which]
             raise BuildError(f"optimization profile {p} ({label} shapes {shapes}): {e}") from None
@@ -319,12 +362,24 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         }
         for n in graph.nodes
     ]
+    kernels: dict[str, bytes] = {}
+    arch, cuda_info = "any", {}
+    if config.backend == "cuda":  # CUDA backend hook: tactics, CUBINs and the planned arena size
+        from engine_core.backends.cuda import prepare_plan
+
+        cuda_build = prepare_plan(graph, inferred)
+        for layer in layers:
+            layer["tactic"] = cuda_build.tactics.get(layer["name"], "shape")  # "shape": computed on the host
+        kernels, arch, memory, cuda_info = cuda_build.kernels, cuda_build.arch, cuda_build.device_memory_size, cuda_build.info
     plan = Plan(
         name=network.name,
         backend=config.backend,
+        arch=arch,
+        kernels=kernels,
         graph=graph,
         io=io,
         profiles=[{k: v for k, v in p.items() if k in {i.name for i in graph.inputs}} for p in profiles],
+        profile_values=profile_values,
         device_memory_size=memory,
         layers=layers,
         build_info={
@@ -332,6 +387,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             "optimization_level": config.builder_optimization_level,
             "passes": pass_counts,
             "build_seconds": round(time.perf_counter() - started, 4),
+            **({"cuda": cuda_info} if cuda_info else {}),
         },
     )
     return serialize_plan(plan)

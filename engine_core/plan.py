@@ -58,6 +58,8 @@ class Plan:
     io: list[IOTensor]
     #: one dict per optimization profile: input name -> (min, opt, max)
     profiles: list[dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+    #: one dict per profile: shape-tensor input name -> (min, opt, max) values
+    profile_values: list[dict[str, tuple[tuple[int, ...], ...]]] = field(default_factory=list)
     arch: str = "any"
     device_memory_size: int = 0
     #: per-layer records for the inspector (name, type, tactic, origin, ...), same order as graph.nodes
@@ -203,6 +205,7 @@ def serialize_plan(plan: Plan) -> bytes:
         "io": [{"name": t.name, "mode": t.mode.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                 "kind": t.kind} for t in plan.io],
         "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in plan.profiles],
+        "profile_values": [{k: [list(s) for s in v] for k, v in p.items()} for p in plan.profile_values],
         "layers": plan.layers,
         "build_info": plan.build_info,
         "graph": _encode_graph(plan.graph, blob),
@@ -256,6 +259,7 @@ def deserialize_plan(data: bytes | bytearray | memoryview) -> Plan:
             io=[IOTensor(t["name"], TensorIOMode[t["mode"]], dtype_from_name(t["dtype"]), tuple(t["shape"]),
                          t.get("kind", "tensor")) for t in meta["io"]],
             profiles=[{k: tuple(tuple(s) for s in v) for k, v in p.items()} for p in meta["profiles"]],
+            profile_values=[{k: tuple(tuple(s) for s in v) for k, v in p.items()} for p in meta["profile_values"]],
             layers=meta["layers"],
             build_info=meta["build_info"],
             kernels={k: bytes(blob[r["offset"] : r["offset"] + r["nbytes"]]) for k, r in meta["kernels"].items()},

@@ -84,6 +84,7 @@ class CudaEngine:
         self._io = {t.name: t for t in plan.io}
         self._order = [t.name for t in plan.io]
         self.runner = GraphRunner(plan.graph)
+        self.cuda = _cuda_engine_state(plan)
 
     # -- I/O description ------------------------------------------------------------------------
     @property
@@ -139,7 +140,8 @@ class CudaEngine:
 
     def get_tensor_location(self, name: str) -> TensorLocation:
         self._tensor(name)
-        return TensorLocation.HOST if self.plan.backend == "cpu" else TensorLocation.DEVICE
+        host = self.plan.backend == "cpu" or self.is_shape_inference_io(name)
+        return TensorLocation.HOST if host else TensorLocation.DEVICE
 
     def get_tensor_format_desc(self, name: str, profile_index: int = 0) -> str:
         return f"Row major linear {self.get_tensor_dtype(name).name} format"
@@ -152,7 +154,14 @@ class CudaEngine:
         return [tuple(s) for s in self.plan.profiles[profile_index][name]]
 
     def is_shape_inference_io(self, name: str) -> bool:
-        return False
+        """True for shape-tensor inputs: their values (read on the host) decide output shapes."""
+        return any(name in values for values in self.plan.profile_values)
+
+    def get_tensor_profile_values(self, name: str, profile_index: int) -> list[tuple[int, ...]]:
+        """min/opt/max values of a shape-tensor input under a profile ([] if not set for it)."""
+        if not self.is_shape_inference_io(name):
+            raise KeyError(f"'{name}' is not a shape-tensor input")
+        return [tuple(v) for v in self.plan.profile_values[profile_index].get(name, ())]
 
     def serialize(self) -> bytes:
         return self._serialized
@@ -168,6 +177,15 @@ class CudaEngine:
 
     def create_engine_inspector(self) -> EngineInspector:
         return EngineInspector(self)
+
+
+def _cuda_engine_state(plan: Plan) -> Any:
+    """CUDA backend hook: per-engine device state (weights, kernels) for plans built for "cuda"."""
+    if plan.backend != "cuda":
+        return None
+    from engine_core.backends.cuda import engine_state
+
+    return engine_state(plan)
 
 
 class EngineInspector:
@@ -230,6 +248,8 @@ class ExecutionContext:
         self._addresses: dict[str, int] = {}
         self._allocators: dict[str, IOutputAllocator] = {}
         self._inferred: dict[str, TensorInfo] | None = None
+        self._shape_values: dict[str, np.ndarray] = {}
+        self._cuda = engine.cuda.create_context() if engine.cuda is not None else None  # CUDA backend hook
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
         for name in self._input_names:  # static inputs need no set_input_shape
@@ -279,13 +299,36 @@ class ExecutionContext:
 
     all_shape_inputs_specified = all_binding_shapes_specified
 
+    def _set_shape_value(self, name: str, value: np.ndarray) -> None:
+        """Record a shape-tensor input's values, checked against the active profile's ranges."""
+        value = np.asarray(value)
+        ranges = self.engine.plan.profile_values[self._profile].get(name)
+        if ranges is not None:
+            lo, _, hi = (np.array(r) for r in ranges)
+            if value.size != lo.size or np.any(value.reshape(-1) < lo) or np.any(value.reshape(-1) > hi):
+                raise ShapeError(f"shape input '{name}' values {value.reshape(-1).tolist()} are outside optimization "
+                                 f"profile {self._profile}: min {lo.tolist()}, max {hi.tolist()}")
+        self._shape_values[name] = value
+        self._inferred = None
+
+    def _read_shape_values(self) -> None:
+        """Shape-tensor inputs bound with set_tensor_address are read from host memory."""
+        for name in self._input_names:
+            if self.engine.is_shape_inference_io(name) and name in self._addresses and name in self._input_shapes:
+                tensor = self.engine._tensor(name)
+                host = _host_array(self._addresses[name], tensor.dtype, self._input_shapes[name])
+                if name not in self._shape_values or not np.array_equal(self._shape_values[name], host):
+                    self._set_shape_value(name, host.copy())
+
     def infer_shapes(self) -> list[str]:
-        """Propagate input shapes; returns the names of inputs still lacking a shape."""
-        missing = [n for n in self._input_names if n not in self._input_shapes]
+        """Propagate input shapes; returns the names of inputs still lacking a shape (or shape values)."""
+        self._read_shape_values()
+        missing = [n for n in self._input_names if n not in self._input_shapes or
+                   (self.engine.is_shape_inference_io(n) and n not in self._shape_values)]
         if not missing and self._inferred is None:
             graph = self.engine.plan.graph
-            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name] if v.is_tensor else None)
-                     for v in graph.inputs}
+            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name] if v.is_tensor else None,
+                                        self._shape_values.get(v.name)) for v in graph.inputs}
             self._inferred = infer_shapes(graph, infos, values=True)
         return missing
 
@@ -328,12 +371,17 @@ class ExecutionContext:
 
     # -- execution ------------------------------------------------------------------------------
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._cuda is not None:  # CUDA backend hook: host arrays in and out
+            return self._cuda.infer(feeds)
         timer = self.profiler.report_layer_time if self.profiler is not None else None
         return self.engine.runner.run(feeds, timer=timer)
 
     def execute_async_v3(self, stream_handle: int = 0) -> bool:
         """Run with the addresses set by set_tensor_address (CPU backend: synchronously)."""
         try:
+            if self._cuda is not None:  # CUDA backend hook: device addresses, launches on the stream
+                self._execute_cuda(stream_handle)
+                return True
             self._execute_bound()
             return True
         except KilnError as e:
@@ -358,6 +406,12 @@ class ExecutionContext:
         outputs = self._run(feeds)
         for name in self._output_names:
             self._deliver(name, np.asarray(outputs[name], dtype=self.engine._tensor(name).dtype))
+
+    def _execute_cuda(self, stream_handle: int) -> None:
+        missing = [n for n in self._input_names if n not in self._input_shapes]
+        if missing:
+            raise ShapeError(f"set_input_shape was not called for inputs {missing}")
+        self._cuda.execute(self._input_shapes, self._addresses, int(stream_handle))
 
     def _deliver(self, name: str, value: np.ndarray) -> None:
         """Copy one output to its bound address, or to memory its output allocator provides."""
@@ -394,6 +448,8 @@ class ExecutionContext:
             if array.dtype != tensor.dtype and not (array.dtype.kind in "OSU" and tensor.dtype.kind == "O"):
                 raise TypeError(f"input '{name}' has dtype {array.dtype}, the engine expects {tensor.dtype}")
             self._input_shapes[name] = self.check_input_shape(name, array.shape)
+            if self.engine.is_shape_inference_io(name):
+                self._set_shape_value(name, array)
             arrays[name] = array
         self._inferred = None
         outputs = self._run(arrays)

@@ -187,3 +187,86 @@ def test_network_definition_api_builds_without_onnx(rng):
     ctx = kiln.Runtime().load(kiln.build_plan(network, config)).create_execution_context()
     x_val = rng.standard_normal((2, 3)).astype(np.float32)
     np.testing.assert_array_equal(ctx.infer({"x": x_val})["y"], np.maximum(x_val, 0))
+
+
+def _reshape_by_input_model():
+    """y = Reshape(x, target): the target shape is a runtime input (a shape tensor)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "target"], ["y"])], "reshape_by_input",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6]),
+         helper.make_tensor_value_info("target", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_shape_tensor_input_values_decide_output_shape(rng):
+    builder = kiln.Builder()
+    network = builder.create_network()
+    assert kiln.OnnxParser(network).parse(_reshape_by_input_model().SerializeToString())
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape_input("target", (1, -1), (4, -1), (24, -1))
+    config.add_optimization_profile(profile)
+    engine = kiln.Runtime().load(kiln.build_plan(network, config))
+    assert engine.is_shape_inference_io("target") and not engine.is_shape_inference_io("x")
+    assert engine.get_tensor_profile_values("target", 0) == [(1, -1), (4, -1), (24, -1)]
+    assert engine.get_tensor_location("target") == kiln.TensorLocation.HOST
+
+    ctx = engine.create_execution_context()
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    target = np.array([3, -1], np.int64)
+    ctx.set_tensor_address("target", target.ctypes.data)  # shape tensors are read on the host
+    ctx.set_tensor_address("x", x.ctypes.data)
+    assert ctx.infer_shapes() == []
+    assert ctx.get_tensor_shape("y") == (3, 8)
+    y = np.empty((3, 8), np.float32)
+    ctx.set_tensor_address("y", y.ctypes.data)
+    assert ctx.execute_async_v3(0)
+    np.testing.assert_array_equal(y, x.reshape(3, 8))
+
+    out = ctx.infer({"x": x, "target": np.array([2, -1], np.int64)})
+    assert out["y"].shape == (2, 12)
+    with pytest.raises(kiln.ShapeError, match=r"shape input 'target' values \[48, -1\] are outside"):
+        ctx.infer({"x": x, "target": np.array([48, -1], np.int64)})
+
+
+def test_empty_tensors_flow_end_to_end():
+    """A zero-size batch builds (min batch 0) and runs through every layer of the MLP."""
+    model = models.mlp()
+    engine = _engine(model, {"x": ((0, 16), (2, 16), (8, 16))})
+    out = engine.create_execution_context().infer({"x": np.zeros((0, 16), np.float32)})
+    assert out["y"].shape == (0, 4) and out["y"].dtype == np.float32
+
+
+def test_data_dependent_output_through_output_allocator(rng):
+    """NonZero's output size is known only while running: the allocator gets size and shape."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["idx"])], "nz",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("idx", TensorProto.INT64, [1, "k"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    engine = _engine(model, {"x": ((1,), (8,), (64,))})
+    assert engine.get_tensor_shape("idx") == (1, -1)
+
+    class Allocator(kiln.IOutputAllocator):
+        def reallocate_output(self, tensor_name, memory, size, alignment):
+            self.buffer = np.empty(max(size, 1), np.uint8)
+            return self.buffer.ctypes.data
+
+        def notify_shape(self, tensor_name, shape):
+            self.shape = tuple(shape)
+
+    ctx = engine.create_execution_context()
+    x = np.array([0, 1.5, 0, 2, 3, 0], np.float32)
+    allocator = Allocator()
+    ctx.set_input_shape("x", x.shape)
+    ctx.set_tensor_address("x", x.ctypes.data)
+    ctx.set_output_allocator("idx", allocator)
+    assert ctx.get_tensor_shape("idx") == (1, -1)  # unknown until it runs
+    assert ctx.execute_async_v3(0)
+    assert allocator.shape == (1, 3)
+    np.testing.assert_array_equal(allocator.buffer[: 3 * 8].view(np.int64), [1, 3, 4])
+    np.testing.assert_array_equal(ctx.infer({"x": x})["idx"], [[1, 3, 4]])
