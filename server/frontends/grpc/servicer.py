@@ -1,0 +1,187 @@
+"""`inference.GRPCInferenceService`: each RPC translates protobuf to the core's call and the result back.
+
+No inference, repository or statistics logic lives here; the HTTP frontend calls the same core methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from server.protos import grpc_service_pb2 as pb
+from server.protos import grpc_service_pb2_grpc
+
+from . import convert
+from .errors import status_of, translate_errors
+from .options import GrpcOptions
+
+
+class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Triton's GRPCInferenceService over a `server.core` instance."""
+
+    def __init__(self, core, options: GrpcOptions) -> None:
+        self._core = core
+        self._options = options
+
+    # -- health ---------------------------------------------------------------------------------------------
+    @translate_errors
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=await self._core.live())
+
+    @translate_errors
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=await self._core.ready())
+
+    @translate_errors
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=await self._core.model_ready(request.name, request.version))
+
+    # -- metadata -------------------------------------------------------------------------------------------
+    @translate_errors
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
+        return convert.from_dict(await self._core.server_metadata(), pb.ServerMetadataResponse)
+
+    @translate_errors
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
+        metadata = await self._core.model_metadata(request.name, request.version)
+        return convert.from_dict(metadata, pb.ModelMetadataResponse)
+
+    @translate_errors
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        config = await self._core.model_config(request.name, request.version)
+        return pb.ModelConfigResponse(config=convert.model_config(config))
+
+    @translate_errors
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
+        stats = await self._core.model_statistics(request.name, request.version)
+        return convert.from_dict(stats, pb.ModelStatisticsResponse)
+
+    # -- inference ------------------------------------------------------------------------------------------
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        response = await self._core.infer(convert.infer_request(request))
+        return convert.infer_response(response)
+
+    @translate_errors
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Many requests in flight per stream; responses in completion order, matched by `id`.
+
+        A failed request yields a message with `error_message` set (and its id) while the stream goes on.
+        At most `max_stream_inflight` requests per stream are running or waiting to be sent; beyond that the
+        server stops reading the stream (backpressure on a client that sends faster than it reads).
+        """
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(self._options.max_stream_inflight)
+        running: set[asyncio.Task] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                message = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except Exception as error:  # noqa: BLE001 - reported in-band; bugs are logged by status_of
+                message = pb.ModelStreamInferResponse(
+                    error_message=status_of(error)[1],
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name, model_version=request.model_version, id=request.id))
+            await responses.put(message)
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                await responses.put(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (message := await responses.get()) is not None:
+                yield message
+                slots.release()  # a slot covers a request from read until its response is sent
+            await reader  # surfaces a failure of the request stream itself
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    # -- repository -----------------------------------------------------------------------------------------
+    @translate_errors
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
+        index = await self._core.repository_index(ready=request.ready)
+        return convert.from_dict({"models": index}, pb.RepositoryIndexResponse)
+
+    @translate_errors
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context) -> pb.RepositoryModelLoadResponse:
+        config, files = convert.load_parameters(request.parameters)
+        await self._core.load_model(request.model_name, config, files)
+        return pb.RepositoryModelLoadResponse()
+
+    @translate_errors
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context) -> pb.RepositoryModelUnloadResponse:
+        await self._core.unload_model(request.model_name, **convert.unload_parameters(request.parameters))
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory --------------------------------------------------------------------------------------
+    @translate_errors
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context) -> pb.SystemSharedMemoryStatusResponse:
+        regions = await self._core.system_shared_memory_status(request.name)
+        return convert.from_dict({"regions": {r["name"]: r for r in regions}}, pb.SystemSharedMemoryStatusResponse)
+
+    @translate_errors
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context) -> pb.SystemSharedMemoryRegisterResponse:
+        await self._core.register_system_shared_memory(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @translate_errors
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self._core.unregister_system_shared_memory(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @translate_errors
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context) -> pb.CudaSharedMemoryStatusResponse:
+        regions = await self._core.cuda_shared_memory_status(request.name)
+        return convert.from_dict({"regions": {r["name"]: r for r in regions}}, pb.CudaSharedMemoryStatusResponse)
+
+    @translate_errors
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                       context) -> pb.CudaSharedMemoryRegisterResponse:
+        await self._core.register_cuda_shared_memory(
+            request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @translate_errors
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context) -> pb.CudaSharedMemoryUnregisterResponse:
+        await self._core.unregister_cuda_shared_memory(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # -- settings -------------------------------------------------------------------------------------------
+    @translate_errors
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context) -> pb.TraceSettingResponse:
+        updates = convert.trace_settings_from_proto(request.settings)
+        settings = await self._core.trace_settings(request.model_name, updates)
+        return convert.trace_settings_to_proto(settings)
+
+    @translate_errors
+    async def LogSettings(self, request: pb.LogSettingsRequest, context) -> pb.LogSettingsResponse:
+        updates = {key: convert.oneof_value(value) for key, value in request.settings.items()}
+        settings = await self._core.log_settings(updates)
+        return convert.log_settings_to_proto(settings)
+
+
+def add_to_server(core, options: GrpcOptions, server: grpc.aio.Server) -> None:
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, options), server)

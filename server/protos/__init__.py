@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for Kiln's protocols (see tools/gen_protos.py)."""
