@@ -1,0 +1,164 @@
+"""`kiln serve` / `python -m server`: flags -> `CoreOptions`, then HTTP, gRPC and metrics on one event loop.
+
+Flags follow Triton's (`--model-repository`, `--http-port`, `--grpc-port`, `--metrics-port`,
+`--model-control-mode`, `--load-model`, `--strict-readiness`, `--log-verbose`, ...), so scripts carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import uvicorn
+
+from server.core import CoreOptions, ServerCore
+from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
+
+log = logging.getLogger("kiln.server")
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got '{text}'")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the serve flags to `parser` (used by `kiln serve` and `python -m server`)."""
+    parser.add_argument("--model-repository", "--model-store", action="append", required=True, metavar="DIR",
+                        help="model repository directory (repeatable)")
+    parser.add_argument("--host", "--http-address", dest="host", default="0.0.0.0",
+                        help="address the HTTP, gRPC and metrics servers listen on")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
+    parser.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
+    parser.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL")
+    parser.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
+                        help="none: load every model at start; explicit: load/unload through the API")
+    parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="explicit mode: model to load at start ('*' = all; repeatable)")
+    parser.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
+                        help="ready only when every model loaded at start is ready")
+    parser.add_argument("--default-max-batch-size", type=int, default=4,
+                        help="max_batch_size given to models whose config leaves it out and that batch")
+    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
+    parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
+    parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
+    add_drain_arguments(parser)
+
+
+def core_options(args: argparse.Namespace) -> CoreOptions:
+    return CoreOptions(
+        model_repositories=list(args.model_repository),
+        model_control_mode=args.model_control_mode,
+        startup_models=list(args.load_model),
+        default_max_batch_size=args.default_max_batch_size,
+        strict_readiness=args.strict_readiness,
+        log_verbose=args.log_verbose,
+        log_file=args.log_file,
+        log_format=args.log_format,
+    )
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to `serve` (several servers share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _uvicorn(app, host: str, port: int, name: str, graceful_s: float) -> _Server:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=max(int(graceful_s), 1))
+    server = _Server(config)
+    server.name = name  # type: ignore[attr-defined]
+    return server
+
+
+async def _serve_listener(server: _Server) -> None:
+    """Run one uvicorn server; a listener that cannot start (uvicorn exits) just ends, and `serve` stops."""
+    try:
+        await server.serve()
+    except SystemExit:
+        log.error("the %s listener could not start on port %s", server.name, server.config.port)  # type: ignore[attr-defined]
+
+
+async def _start_grpc(core: ServerCore, host: str, port: int):
+    try:
+        from server.frontends.grpc import start_grpc_server
+    except ImportError as e:
+        log.warning("gRPC frontend unavailable (%s); serving HTTP only", e)
+        return None
+    return await start_grpc_server(core, host, port)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM, then drain (server/lifecycle.py); returns the process exit code."""
+    from server.frontends.http import create_app
+    from server.metrics import create_metrics_app
+
+    try:
+        core = ServerCore(core_options(args))
+    except (FileNotFoundError, ValueError) as e:
+        logging.getLogger("kiln").error("%s", e)
+        return 2
+    await core.start()
+    lifecycle = Lifecycle(drain_settings(args))
+    graceful_s = lifecycle.settings.timeout_s
+    servers: list[_Server] = []
+    if args.allow_http:
+        servers.append(_uvicorn(lifecycle.wrap_asgi(create_app(core)), args.host, args.http_port, "HTTP", graceful_s))
+    if args.allow_metrics:
+        servers.append(_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics", graceful_s))
+    grpc_server = None
+    stop = asyncio.Event()
+
+    def begin_shutdown() -> None:
+        core.begin_drain()  # gRPC ServerReady says no too; the HTTP middleware answers /v2/health/ready
+        stop.set()
+
+    lifecycle.install_signal_handlers(asyncio.get_running_loop(), begin_shutdown)
+    tasks = [asyncio.create_task(_serve_listener(s), name=s.name) for s in servers]  # type: ignore[attr-defined]
+    code = 0
+    try:
+        if args.allow_grpc:
+            grpc_server = await _start_grpc(core, args.host, args.grpc_port)
+        log.info("serving: HTTP %s, gRPC %s, metrics %s", args.http_port if args.allow_http else "off",
+                 args.grpc_port if grpc_server else "off", args.metrics_port if args.allow_metrics else "off")
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:  # a listener ended on its own: it could not start (port in use, ...)
+            code = 1
+            log.error("a listener stopped unexpectedly; shutting down")
+        waiter.cancel()
+    except (OSError, SystemExit) as e:
+        log.error("cannot start the server: %s", e)
+        code = 1
+    finally:
+        core.begin_drain()
+        await lifecycle.shutdown(servers, tasks, grpc_server)
+        await core.stop()
+    return code
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of `kiln serve`: run the server until interrupted; returns the exit code."""
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server", description="Kiln inference server")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))

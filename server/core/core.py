@@ -1,0 +1,436 @@
+"""`ServerCore`: everything the server does, behind async methods that both frontends call.
+
+The frontends translate HTTP/JSON or protobuf into these calls and the results (plain dicts with Triton's
+field names, or `InferResponse`) back; errors are `ServerError`s whose kind each frontend maps to a status.
+Model state lives here and is only changed on the event loop; builds and inference run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import engine_core as kiln
+from server.repository import ModelRepository, ModelSource, check_upload, select_versions
+
+from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
+from .model import ModelVersion, load_model_version
+from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
+from .scheduler import Job
+from .settings import LogSettings, TraceSettings
+from .shared_memory import SystemSharedMemory, cuda_unavailable
+from .tensors import from_raw, raw_size, to_raw
+from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput, numpy_dtype
+
+log = logging.getLogger("kiln.server")
+
+SERVER_NAME = "kiln"
+EXTENSIONS = [
+    "classification", "model_configuration", "model_repository", "model_repository(unload_dependents)",
+    "schedule_policy", "statistics", "system_shared_memory", "binary_tensor_data", "parameters", "trace",
+    "logging",
+]
+
+
+@dataclass
+class CoreOptions:
+    """Server-wide settings (`kiln serve` flags map onto these)."""
+
+    model_repositories: list[str]
+    model_control_mode: str = "none"  # "none": load everything at start; "explicit": load/unload API
+    startup_models: list[str] = field(default_factory=list)  # explicit mode: models to load at start ("*" = all)
+    default_max_batch_size: int = 4
+    strict_readiness: bool = True
+    log_verbose: int = 0
+    log_file: str = ""
+    log_format: str = "default"
+
+
+class ModelState:
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass
+class ModelEntry:
+    """A model the server knows about: its state, why (if not ready), and its loaded versions."""
+
+    name: str
+    state: str = ModelState.UNAVAILABLE
+    reason: str = "unloaded"
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def latest(self) -> ModelVersion | None:
+        return self.versions[max(self.versions)] if self.versions else None
+
+
+class ServerCore:
+    """The protocol-neutral server. Create, `await start()`, serve, `await stop()`."""
+
+    def __init__(self, options: CoreOptions) -> None:
+        if options.model_control_mode not in ("none", "explicit"):
+            raise ValueError(f"model control mode must be 'none' or 'explicit', got '{options.model_control_mode}'")
+        self.options = options
+        self.repository = ModelRepository(options.model_repositories)
+        self.models: dict[str, ModelEntry] = {}
+        self.system_shm = SystemSharedMemory()
+        self.logging = LogSettings(options.log_verbose, options.log_file, options.log_format)
+        self.trace = TraceSettings()
+        self._startup: list[asyncio.Task] = []
+        self._startup_names: list[str] = []
+        self._started = False
+        self._stopping = False
+        self._draining = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Begin loading the startup models in the background; `ready()` turns true when they are done."""
+        names = self.repository.names()
+        if self.options.model_control_mode == "explicit":
+            wanted = self.options.startup_models
+            names = names if "*" in wanted else list(dict.fromkeys(wanted))
+        self._startup_names = names
+        self._startup = [asyncio.create_task(self._load_quietly(name)) for name in names]
+        self._started = True
+
+    async def wait_for_startup(self) -> None:
+        if self._startup:
+            await asyncio.gather(*self._startup)
+
+    async def _load_quietly(self, name: str) -> None:
+        """A startup load: the failure is already logged and shown in the repository index."""
+        with contextlib.suppress(ServerError):
+            await self._load(name, None, None)
+
+    def begin_drain(self) -> None:
+        """Shutting down: report not ready (so traffic moves elsewhere) while accepted requests finish."""
+        self._draining = True
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._startup:
+            task.cancel()
+        for entry in self.models.values():
+            for version in entry.versions.values():
+                version.close()
+        self.system_shm.close()
+        self.repository.close()
+
+    # -- health and metadata --------------------------------------------------------------------------------
+    async def live(self) -> bool:
+        return not self._stopping
+
+    async def ready(self) -> bool:
+        """Live, startup loading finished, and (strict readiness) every startup model READY."""
+        if self._stopping or self._draining or not self._started or any(not t.done() for t in self._startup):
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return all(self.models.get(n) is not None and self.models[n].state == ModelState.READY
+                   for n in self._startup_names)
+
+    async def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": kiln.__version__, "extensions": list(EXTENSIONS)}
+
+    def _version(self, name: str, version: str = "") -> ModelVersion:
+        """The ready version `version` of model `name` ("" = the latest ready one)."""
+        entry = self.models.get(name)
+        if entry is None or (not entry.versions and entry.state != ModelState.LOADING):
+            if entry is None and name not in self.repository.names():
+                raise not_found(f"unknown model: '{name}'")
+            raise unavailable(f"model '{name}' is not loaded ({entry.reason if entry else 'unloaded'})")
+        if not entry.versions:
+            raise unavailable(f"model '{name}' is {entry.state.lower()}")
+        if not version:
+            return entry.latest()  # type: ignore[return-value]
+        if not version.isdigit() or int(version) not in entry.versions:
+            raise not_found(f"model '{name}' has no ready version '{version}' "
+                            f"(ready: {sorted(entry.versions)})")
+        return entry.versions[int(version)]
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        """True when the version is loaded and serving; unknown models are NOT_FOUND, unloaded ones False."""
+        try:
+            self._version(name, version)
+            return True
+        except ServerError as e:
+            if e.kind == ErrorKind.NOT_FOUND and name not in self.models and name not in self.repository.names():
+                raise
+            return False
+
+    async def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        """KServe model metadata: name, versions (all ready ones), platform, inputs and outputs."""
+        model = self._version(name, version)
+        metadata = model.metadata()
+        if not version:
+            metadata["versions"] = [str(v) for v in sorted(self.models[name].versions)]
+        return metadata
+
+    async def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        """The completed Triton model configuration as a JSON-able dict (proto field names)."""
+        return config_to_dict(self._version(name, version).config)
+
+    # -- inference ------------------------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Run one request: resolve shared memory, check against the config, execute, post-process outputs."""
+        model = self._version(request.model_name, request.model_version)
+        started = time.perf_counter_ns()
+        trace = self.trace.start(model.name, str(model.version), request.id)
+        if trace:
+            trace.mark("REQUEST_START")
+        try:
+            response, batch, times = await self._infer(model, request, trace)
+        except Exception:
+            model.statistics.record_failure(time.perf_counter_ns() - started)
+            raise
+        model.statistics.record_success(batch, time.perf_counter_ns() - started, times)
+        if trace:
+            trace.mark("REQUEST_END")
+            self.trace.finish(trace)
+        return response
+
+    async def _infer(self, model: ModelVersion, request: InferRequest, trace):
+        arrays = {}
+        datatypes = {}
+        for tensor in request.inputs:
+            if tensor.name in arrays:
+                raise invalid(f"input '{tensor.name}' is given more than once")
+            arrays[tensor.name] = self._input_array(tensor)
+            datatypes[tensor.name] = tensor.datatype
+        requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
+        model.check_outputs([o.name for o in requested])
+        inputs, batch = model.check_inputs(arrays, datatypes)
+        if trace:
+            trace.mark("QUEUE_START")
+        try:
+            result = await model.scheduler.submit(Job(inputs, batch))
+        except ServerError:
+            raise
+        except (kiln.KilnError, TypeError, ValueError) as e:
+            raise invalid(f"inference failed for model '{model.name}': {e}") from None
+        if trace:
+            trace.mark("COMPUTE_END")
+        t0 = time.perf_counter_ns()
+        outputs = [self._output(model, o, result.outputs[o.name]) for o in requested]
+        result.times.compute_output_ns = time.perf_counter_ns() - t0
+        response = InferResponse(model.name, str(model.version), outputs, id=request.id)
+        return response, batch, result.times
+
+    def _input_array(self, tensor: InferInput) -> np.ndarray:
+        """The input's data, read from its shared-memory region when it names one; shape checked."""
+        region = tensor.parameters.get("shared_memory_region")
+        if region is not None:
+            if tensor.data is not None:
+                raise invalid(f"input '{tensor.name}' has both data and a shared memory region")
+            offset = int(tensor.parameters.get("shared_memory_offset", 0))
+            size = tensor.parameters.get("shared_memory_byte_size")
+            if size is None:
+                raise invalid(f"input '{tensor.name}': shared_memory_byte_size is required with a region")
+            raw = self.system_shm.read(str(region), offset, int(size))
+            return from_raw(raw, tensor.datatype, tensor.shape)
+        if tensor.data is None:
+            raise invalid(f"input '{tensor.name}' has no data")
+        numpy_dtype(tensor.datatype)
+        if tuple(tensor.data.shape) != tuple(tensor.shape):
+            raise invalid(f"input '{tensor.name}': data has {tensor.data.size} elements, shape "
+                          f"{list(tensor.shape)} needs {int(np.prod(tensor.shape, dtype=np.int64))}")
+        return tensor.data
+
+    def _output(self, model: ModelVersion, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
+        """One output: converted to the config's datatype, classified if asked, written to shm if asked."""
+        params = dict(requested.parameters)
+        array = model.shape_output(requested.name, array)
+        datatype = model.outputs[requested.name].datatype
+        k = params.pop("classification", None)
+        if k is not None and k is not False:
+            array = model.classify(requested.name, array, _int_param(k, "classification"))
+            datatype = "BYTES"
+        region = params.get("shared_memory_region")
+        if region is not None:
+            offset = int(params.get("shared_memory_offset", 0))
+            size = params.get("shared_memory_byte_size")
+            if size is None:
+                raise invalid(f"output '{requested.name}': shared_memory_byte_size is required with a region")
+            data = to_raw(array, datatype)
+            self.system_shm.write(str(region), offset, int(size), data)
+            params["shared_memory_byte_size"] = raw_size(array, datatype)
+            return InferOutput(requested.name, datatype, tuple(array.shape), None, params)
+        return InferOutput(requested.name, datatype, tuple(array.shape), array, params)
+
+    # -- repository -----------------------------------------------------------------------------------------
+    async def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
+        """Every model in the repositories (and uploaded ones): name, version, state, reason."""
+        names = sorted(set(self.repository.names()) | set(self.models))
+        index = []
+        for name in names:
+            entry = self.models.get(name)
+            if entry is not None and entry.versions:
+                for version in sorted(entry.versions):
+                    index.append({"name": name, "version": str(version), "state": entry.state,
+                                  "reason": "" if entry.state == ModelState.READY else entry.reason})
+            else:
+                state, reason = (entry.state, entry.reason) if entry else (ModelState.UNAVAILABLE, "unloaded")
+                index.append({"name": name, "version": "", "state": state, "reason": reason})
+        if ready:
+            index = [m for m in index if m["state"] == ModelState.READY]
+        return index
+
+    def _require_explicit(self) -> None:
+        if self.options.model_control_mode != "explicit":
+            raise unavailable("explicit model load / unload is not allowed if model control mode is not "
+                              "'explicit' (start the server with --model-control-mode explicit)")
+
+    async def load_model(self, name: str, config: str | None = None,
+                         files: dict[str, bytes] | None = None) -> None:
+        """Load (or reload) `name`; returns when it is ready. `config` is a JSON model config that overrides
+        config.pbtxt; `files` (paths like "1/model.onnx" -> content) replace the model's directory and need
+        `config`. Fails with the build error if the model cannot be loaded."""
+        self._require_explicit()
+        files = {k.removeprefix("file:"): v for k, v in (files or {}).items()}
+        if files and not config:
+            raise invalid(f"load of model '{name}': file contents need a 'config' parameter too")
+        check_upload(name, files)
+        await self._load(name, config or None, files or None)
+
+    async def _load(self, name: str, config_json: str | None, files: dict[str, bytes] | None) -> None:
+        entry = self.models.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            previous_state = entry.state
+            entry.state, entry.reason = ModelState.LOADING, ""
+            try:
+                source = (self.repository.stage_upload(name, files) if files
+                          else await asyncio.to_thread(self.repository.source, name))
+                versions = await self._build_versions(source, config_json)
+            except ServerError as e:
+                if e.kind == ErrorKind.NOT_FOUND and not entry.versions:
+                    del self.models[name]  # nothing by that name exists: leave no trace in the index
+                    raise
+                self._load_failed(entry, previous_state, e.message)
+                raise invalid(f"load failed for model '{name}': {e.message}") from None
+            except kiln.KilnError as e:
+                self._load_failed(entry, previous_state, str(e))
+                raise invalid(f"load failed for model '{name}': {e}") from None
+            except Exception as e:  # noqa: BLE001 - a model must never take the server down
+                log.exception("unexpected error while loading model '%s'", name)
+                self._load_failed(entry, previous_state, f"internal error: {type(e).__name__}: {e}")
+                raise ServerError(ErrorKind.INTERNAL, f"load failed for model '{name}': internal error") from None
+            old = entry.versions
+            entry.versions = versions
+            entry.state, entry.reason = ModelState.READY, ""
+            for version in old.values():
+                version.close()
+            log.info("successfully loaded model '%s' versions %s", name, sorted(versions))
+
+    def _load_failed(self, entry: ModelEntry, previous_state: str, reason: str) -> None:
+        """Keep serving the old versions if a reload failed; otherwise the model is UNAVAILABLE with the reason."""
+        if entry.versions:
+            entry.state, entry.reason = previous_state, ""
+            log.error("reload of model '%s' failed, the loaded versions keep serving: %s", entry.name, reason)
+        else:
+            entry.state, entry.reason = ModelState.UNAVAILABLE, reason
+            log.error("failed to load model '%s': %s", entry.name, reason)
+
+    async def _build_versions(self, source: ModelSource, config_json: str | None) -> dict[int, ModelVersion]:
+        if config_json is not None:
+            config = parse_config_json(config_json, source.name)
+        elif source.config_text is not None:
+            config = parse_config_text(source.config_text, source.name)
+        else:
+            config = ModelConfig()
+        if not source.versions:
+            raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
+        wanted = select_versions(config.version_policy, list(source.versions))
+        builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
+                  for v in wanted]
+        results = await asyncio.gather(*builds, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, ModelVersion):
+                    r.close()
+            raise errors[0]
+        return {v.version: v for v in results}  # type: ignore[union-attr]
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Stop serving `name`; requests already running finish. Unloading an unloaded model is a no-op."""
+        self._require_explicit()
+        entry = self.models.get(name)
+        if entry is None:
+            if name not in self.repository.names():
+                raise not_found(f"unknown model: '{name}'")
+            return
+        async with entry.lock:
+            versions, entry.versions = entry.versions, {}
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+            for version in versions.values():
+                version.close()
+        log.info("successfully unloaded model '%s'", name)
+
+    # -- statistics -----------------------------------------------------------------------------------------
+    def loaded_versions(self) -> list[ModelVersion]:
+        return [v for entry in self.models.values() for _, v in sorted(entry.versions.items())]
+
+    async def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        """Triton's `{"model_stats": [...]}` for all models, one model, or one version."""
+        if not name:
+            return {"model_stats": [v.statistics.as_dict() for v in self.loaded_versions()]}
+        entry = self.models.get(name)
+        if entry is None or not entry.versions:
+            if entry is None and name not in self.repository.names():
+                raise not_found(f"unknown model: '{name}'")
+            raise unavailable(f"model '{name}' is not loaded")
+        if version:
+            return {"model_stats": [self._version(name, version).statistics.as_dict()]}
+        return {"model_stats": [v.statistics.as_dict() for _, v in sorted(entry.versions.items())]}
+
+    # -- shared memory --------------------------------------------------------------------------------------
+    async def system_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
+        return self.system_shm.status(name)
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await asyncio.to_thread(self.system_shm.register, name, key, int(offset), int(byte_size))
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        self.system_shm.unregister(name)
+
+    async def cuda_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
+        raise cuda_unavailable()
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        raise cuda_unavailable()
+
+    async def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        raise cuda_unavailable()
+
+    # -- settings -------------------------------------------------------------------------------------------
+    async def trace_settings(self, model_name: str = "", updates: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Current trace settings (global or for a model), after applying `updates` if given."""
+        if model_name and model_name not in self.models and model_name not in self.repository.names():
+            raise not_found(f"unknown model: '{model_name}'")
+        if updates:
+            return self.trace.update(model_name, updates)
+        return self.trace.current(model_name)
+
+    async def log_settings(self, updates: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Current log settings after applying `updates` (they take effect on Python logging at once)."""
+        if updates:
+            return self.logging.update(updates)
+        return self.logging.current()
+
+
+def _int_param(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise invalid(f"parameter '{name}' must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise invalid(f"parameter '{name}' must be an integer, got {value!r}") from None

@@ -1,0 +1,41 @@
+"""The one error type the core raises; each frontend maps its kind to a status (HTTP code, gRPC code)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, in protocol-neutral terms (names follow gRPC status codes)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+class ServerError(Exception):
+    """A failure the client should see: `kind` picks the status, `message` is safe to send as is."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"ServerError({self.kind.name}, {self.message!r})"
+
+
+def invalid(message: str) -> ServerError:
+    return ServerError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> ServerError:
+    return ServerError(ErrorKind.NOT_FOUND, message)
+
+
+def unavailable(message: str) -> ServerError:
+    return ServerError(ErrorKind.UNAVAILABLE, message)

@@ -1,0 +1,277 @@
+"""One loaded model version: build from ONNX + config, check requests against its config, run, classify.
+
+Loading (`load_model_version`) is blocking and runs in a background thread: ONNX -> completed config ->
+optimization profile (batch 1..max_batch_size, other dims from the config) -> plan -> engine -> one execution
+context per instance. Requests are checked against the completed config, so the client sees Triton's
+messages about shapes and datatypes, not engine internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+import engine_core as kiln
+from server.protos import model_config_pb2
+from server.repository import ModelSource
+
+from .errors import invalid
+from .model_config import (
+    ModelConfig,
+    complete_config,
+    complete_outputs_from_engine,
+    datatype_of,
+    model_shape,
+)
+from .scheduler import DirectScheduler, Scheduler
+from .statistics import ModelStatistics
+from .types import datatype_of_numpy, numpy_dtype
+
+# Range given to dims the config leaves variable (-1) other than the batch dim.
+DYNAMIC_DIM_MAX = 4096
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output as the config declares it (per item, without the batch dim)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    model_dims: tuple[int, ...]  # reshape.shape when the config has one: what the engine sees per item
+
+    def metadata(self, max_batch_size: int) -> dict[str, Any]:
+        shape = [-1, *self.dims] if max_batch_size > 0 else list(self.dims)
+        return {"name": self.name, "datatype": self.datatype, "shape": shape}
+
+
+def _specs(tensors) -> dict[str, TensorSpec]:
+    return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t))) for t in tensors}
+
+
+class ModelVersion:
+    """A ready model version: completed config, I/O specs, labels, scheduler and statistics."""
+
+    def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
+                 labels: dict[str, list[str]]) -> None:
+        self.name = name
+        self.version = version
+        self.config = config
+        self.engine = engine
+        self.labels = labels
+        self.inputs = _specs(config.input)
+        self.outputs = _specs(config.output)
+        self.max_batch_size = config.max_batch_size
+        self.statistics = ModelStatistics(name, str(version))
+        count = sum(group.count for group in config.instance_group) or 1
+        contexts = [engine.create_execution_context() for _ in range(count)]
+        # The seam for dynamic batching: a batcher would be chosen here when config.dynamic_batching is set.
+        self.scheduler: Scheduler = DirectScheduler(contexts, _execute, thread_name=f"kiln-{name}-{version}")
+
+    def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
+        """Validate request inputs against the config; returns engine-ready arrays and the batch size.
+
+        Every error names the input and says what was expected, in the config's terms.
+        """
+        unknown = sorted(set(arrays) - set(self.inputs))
+        if unknown:
+            raise invalid(f"unexpected inference input {unknown} for model '{self.name}' "
+                          f"(inputs: {sorted(self.inputs)})")
+        missing = sorted(set(self.inputs) - set(arrays))
+        if missing:
+            raise invalid(f"expected {len(self.inputs)} inputs but got {len(arrays)} inputs for model "
+                          f"'{self.name}': missing {missing}")
+        batch_sizes = set()
+        ready: dict[str, np.ndarray] = {}
+        for name, spec in self.inputs.items():
+            array, datatype = arrays[name], datatypes[name]
+            if datatype != spec.datatype:
+                raise invalid(f"inference input '{name}' data-type is '{datatype}', but model '{self.name}' "
+                              f"expects '{spec.datatype}'")
+            shape = tuple(array.shape)
+            item_shape = shape
+            if self.max_batch_size > 0:
+                if not shape or not 1 <= shape[0] <= self.max_batch_size:
+                    raise invalid(f"inference input '{name}' has shape {list(shape)}: the first dim is the batch "
+                                  f"size and must be 1..{self.max_batch_size} for model '{self.name}'")
+                batch_sizes.add(shape[0])
+                item_shape = shape[1:]
+            if not _matches(item_shape, spec.dims):
+                expected = [-1, *spec.dims] if self.max_batch_size > 0 else list(spec.dims)
+                raise invalid(f"unexpected shape for input '{name}' for model '{self.name}'. Expected "
+                              f"{expected}, got {list(shape)}")
+            if spec.model_dims != spec.dims:
+                lead = shape[:1] if self.max_batch_size > 0 else ()
+                array = array.reshape(lead + _resolve_reshape(spec.model_dims, item_shape, name))
+            ready[name] = array
+        if len(batch_sizes) > 1:
+            raise invalid(f"inputs of model '{self.name}' disagree on the batch size: {sorted(batch_sizes)}")
+        batch = batch_sizes.pop() if batch_sizes else 1
+        return ready, batch
+
+    def check_outputs(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.outputs]
+        if unknown:
+            raise invalid(f"unexpected inference output {unknown} for model '{self.name}' "
+                          f"(outputs: {sorted(self.outputs)})")
+
+    def shape_output(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The engine's output in the config's terms: dtype of its datatype, reshape undone."""
+        spec = self.outputs[name]
+        array = np.asarray(array)
+        if spec.model_dims != spec.dims:
+            lead = array.shape[:1] if self.max_batch_size > 0 else ()
+            array = array.reshape(lead + _resolve_reshape(spec.dims, array.shape[len(lead):], name))
+        dtype = numpy_dtype(spec.datatype)
+        return array if array.dtype == dtype else array.astype(dtype)
+
+    def classify(self, name: str, array: np.ndarray, k: int) -> np.ndarray:
+        """Top-k classes per batch item as BYTES "score:index[:label]" (Triton's classification extension)."""
+        if k <= 0:
+            raise invalid(f"classification count for output '{name}' must be positive, got {k}")
+        if array.dtype == object or array.dtype == np.bool_:
+            raise invalid(f"output '{name}' is {datatype_of_numpy(array.dtype)}; classification needs numbers")
+        batched = self.max_batch_size > 0
+        scores = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
+        k = min(k, scores.shape[1])
+        order = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")[:, :k]
+        top = np.take_along_axis(scores, order, axis=1)
+        labels = self.labels.get(name, [])
+        result = np.empty(order.shape, dtype=object)
+        for row, (indices, values) in enumerate(zip(order, top)):
+            result[row] = [_class_entry(float(v), int(i), labels) for v, i in zip(values, indices)]
+        return result if batched else result.reshape(k)
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [str(self.version)],
+            "platform": self.config.platform or self.config.backend,
+            "inputs": [s.metadata(self.max_batch_size) for s in self.inputs.values()],
+            "outputs": [s.metadata(self.max_batch_size) for s in self.outputs.values()],
+        }
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def _class_entry(value: float, index: int, labels: list[str]) -> bytes:
+    text = f"{value:f}:{index}"
+    if index < len(labels):
+        text += f":{labels[index]}"
+    return text.encode()
+
+
+def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+    """A reshape target with its -1 dims (at most one) resolved against the item's element count."""
+    count = int(np.prod(item_shape, dtype=np.int64))
+    if target.count(-1) > 1:
+        raise invalid(f"tensor '{name}': reshape {list(target)} has more than one variable dim")
+    known = int(np.prod([d for d in target if d != -1], dtype=np.int64))
+    resolved = tuple(count // known if d == -1 and known else d for d in target)
+    if int(np.prod(resolved, dtype=np.int64)) != count:
+        raise invalid(f"tensor '{name}' with shape {list(item_shape)} cannot be reshaped to {list(target)}")
+    return resolved
+
+
+def _execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return context.infer(inputs)  # type: ignore[attr-defined]
+
+
+def _profile_ranges(config: ModelConfig) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """min/opt/max per input: batch 1..max_batch_size, variable dims 1..DYNAMIC_DIM_MAX, fixed dims as given."""
+    ranges = {}
+    for tensor in config.input:
+        dims = model_shape(tensor)
+        low = [1 if d == -1 else d for d in dims]
+        high = [DYNAMIC_DIM_MAX if d == -1 else d for d in dims]
+        opt = list(low)
+        if config.max_batch_size > 0:
+            low, opt, high = [1, *low], [config.max_batch_size, *opt], [config.max_batch_size, *high]
+        ranges[tensor.name] = (low, opt, high)
+    return ranges
+
+
+def _read_labels(source: ModelSource, config: ModelConfig) -> dict[str, list[str]]:
+    labels = {}
+    for tensor in config.output:
+        if tensor.label_filename:
+            path = source.directory / tensor.label_filename
+            if not path.is_file():
+                raise invalid(f"model '{config.name}': label file '{tensor.label_filename}' of output "
+                              f"'{tensor.name}' does not exist")
+            labels[tensor.name] = path.read_text().splitlines()
+    return labels
+
+
+def load_model_version(source: ModelSource, version: int, config: ModelConfig,
+                       default_max_batch_size: int) -> ModelVersion:
+    """Build one version (blocking). Raises ServerError / kiln errors with the reason the model cannot load."""
+    filename = config.default_model_filename or "model.onnx"
+    path: Path = source.model_file(version, filename)
+    if not path.is_file():
+        raise invalid(f"model '{source.name}' version {version}: '{filename}' is missing in {path.parent}")
+    data = path.read_bytes()
+    try:
+        proto = onnx.load_model_from_string(data)
+    except Exception as e:  # noqa: BLE001 - protobuf raises several types for a corrupt file
+        raise invalid(f"model '{source.name}' version {version}: {filename} is not a valid ONNX model: {e}") from None
+    config = complete_config(config, proto, source.name, default_max_batch_size)
+    builder = kiln.Builder()
+    network = builder.create_network()
+    parser = kiln.OnnxParser(network)
+    if not parser.parse(proto, path=str(path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise invalid(f"model '{source.name}' version {version}: ONNX import failed: {errors}")
+    builder_config = kiln.BuilderConfig(_backend_for(config))
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in _profile_ranges(config).items():
+        profile.set_shape(name, low, opt, high)
+    builder_config.add_optimization_profile(profile)
+    plan = kiln.build_plan(network, builder_config)
+    engine = kiln.Runtime().load(plan)
+    complete_outputs_from_engine(config, _engine_outputs(engine))
+    _check_declared_outputs(config, engine)
+    return ModelVersion(source.name, version, config, engine, _read_labels(source, config))
+
+
+def _backend_for(config: ModelConfig) -> str:
+    """The engine backend the instance group asks for: KIND_CPU -> cpu, KIND_GPU -> cuda, else the default."""
+    kind = config.instance_group[0].kind if config.instance_group else model_config_pb2.ModelInstanceGroup.KIND_AUTO
+    if kind == model_config_pb2.ModelInstanceGroup.KIND_CPU:
+        return "cpu"
+    available = kiln.available_backends()
+    if kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+        if "cuda" not in available:
+            raise invalid(f"model '{config.name}': instance_group kind KIND_GPU needs a GPU; this machine has "
+                          f"backends {available} (use KIND_CPU or KIND_AUTO)")
+        return "cuda"
+    return available[0]
+
+
+def _engine_outputs(engine: kiln.CudaEngine) -> dict[str, tuple[str, tuple[int, ...]]]:
+    outputs = {}
+    for index in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(index)
+        if engine.get_tensor_mode(name) == kiln.TensorIOMode.OUTPUT:
+            dtype = np.dtype(kiln.nptype(engine.get_tensor_dtype(name)))
+            outputs[name] = (datatype_of_numpy(dtype), tuple(engine.get_tensor_shape(name)))
+    return outputs
+
+
+def _check_declared_outputs(config: ModelConfig, engine: kiln.CudaEngine) -> None:
+    outputs = _engine_outputs(engine)
+    for tensor in config.output:
+        if tensor.name not in outputs:
+            raise invalid(f"model '{config.name}': output '{tensor.name}' is not produced by the model")
+        if datatype_of(tensor) != outputs[tensor.name][0]:
+            raise invalid(f"model '{config.name}': output '{tensor.name}' is {outputs[tensor.name][0]} in the "
+                          f"model, the config says {model_config_pb2.DataType.Name(tensor.data_type)}")

@@ -1,0 +1,181 @@
+"""Triton model configuration: parsed from config.pbtxt / JSON, completed from the ONNX graph, shown as a dict.
+
+Configs are `inference.ModelConfig` messages (server/protos/model_config_pb2.py), so field names, enums and
+defaults are exactly Triton's. Completion follows Triton's `--strict-model-config=false`: whatever the
+config leaves out (inputs, outputs, dims, max_batch_size, version policy, instance group) comes from the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+from google.protobuf import json_format, text_format
+
+from server.protos import model_config_pb2
+
+from .errors import invalid
+from .types import CONFIG_TYPE_OF_DATATYPE, DATATYPE_OF_CONFIG_TYPE, datatype_of_numpy
+
+ModelConfig = model_config_pb2.ModelConfig
+
+# Platforms/backends whose models are ONNX files Kiln can build ("" = not stated).
+ACCEPTED_PLATFORMS = {"", "kiln_onnx", "onnxruntime_onnx", "onnx"}
+ACCEPTED_BACKENDS = {"", "kiln", "onnxruntime", "onnx"}
+DEFAULT_PLATFORM = "kiln_onnx"
+DEFAULT_BACKEND = "kiln"
+DEFAULT_MODEL_FILENAME = "model.onnx"
+
+
+def parse_config_text(text: str, model_name: str) -> ModelConfig:
+    """A config.pbtxt in protobuf text format; INVALID_ARGUMENT naming the model on syntax errors."""
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as e:
+        raise invalid(f"model '{model_name}': config.pbtxt: {e}") from None
+    return config
+
+
+def parse_config_json(text: str, model_name: str) -> ModelConfig:
+    """A config given as JSON (the `config` parameter of a load request)."""
+    config = ModelConfig()
+    try:
+        json_format.Parse(text, config)
+    except json_format.ParseError as e:
+        raise invalid(f"model '{model_name}': invalid config JSON: {e}") from None
+    return config
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """The JSON form Triton serves at /config: proto field names, every field present, int64 as numbers."""
+    return json_format.MessageToDict(config, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True, unquote_int64_if_possible=True)
+
+
+def datatype_of(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> str:
+    """KServe datatype ("FP32") of a config tensor's data_type (TYPE_FP32)."""
+    return DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(tensor.data_type), "INVALID")
+
+
+def _onnx_dims(value: onnx.ValueInfoProto) -> list[int]:
+    """Dims of an ONNX graph input/output; symbolic or unknown dims are -1."""
+    shape = value.type.tensor_type.shape
+    return [d.dim_value if d.HasField("dim_value") else -1 for d in shape.dim]
+
+
+def _onnx_config_type(value: onnx.ValueInfoProto, model_name: str) -> int:
+    if not value.type.HasField("tensor_type"):
+        raise invalid(f"model '{model_name}': I/O '{value.name}' is not a tensor; the server serves tensors only")
+    from engine_core.types import onnx_to_np
+
+    datatype = datatype_of_numpy(onnx_to_np(value.type.tensor_type.elem_type))
+    return model_config_pb2.DataType.Value(CONFIG_TYPE_OF_DATATYPE[datatype])
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs that are real inputs (initializers listed as inputs are weights)."""
+    weights = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in weights]
+
+
+def _check_platform(config: ModelConfig) -> None:
+    if config.platform not in ACCEPTED_PLATFORMS or config.backend not in ACCEPTED_BACKENDS:
+        raise invalid(f"model '{config.name}': platform '{config.platform}' / backend '{config.backend}' is not "
+                      f"served by Kiln (ONNX models only: platform {sorted(ACCEPTED_PLATFORMS - {''})}, "
+                      f"backend {sorted(ACCEPTED_BACKENDS - {''})})")
+
+
+def _supports_batching(model: onnx.ModelProto) -> bool:
+    """Every input and output has a first dim that is not fixed: the model takes a batch dimension."""
+    values = [*graph_inputs(model), *model.graph.output]
+    return bool(values) and all(_onnx_dims(v)[:1] in ([-1], []) and len(_onnx_dims(v)) >= 1 for v in values)
+
+
+def complete_config(config: ModelConfig, model: onnx.ModelProto, name: str,
+                    default_max_batch_size: int) -> ModelConfig:
+    """A completed copy of `config` for the ONNX `model`; INVALID_ARGUMENT when they disagree.
+
+    Output dims that ONNX leaves unknown stay -1 here; `complete_outputs_from_engine` fills them after the build.
+    """
+    config = ModelConfig.FromString(config.SerializeToString())
+    if config.name and config.name != name:
+        raise invalid(f"model '{name}': config names the model '{config.name}'; the directory name must match")
+    config.name = name
+    _check_platform(config)
+    if not config.platform and not config.backend:
+        config.platform, config.backend = DEFAULT_PLATFORM, DEFAULT_BACKEND
+    if not config.default_model_filename:
+        config.default_model_filename = DEFAULT_MODEL_FILENAME
+    declares_io = bool(config.input) or bool(config.output)
+    if config.max_batch_size < 0:
+        raise invalid(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    if not declares_io and config.max_batch_size == 0 and _supports_batching(model):
+        config.max_batch_size = default_max_batch_size
+    _complete_tensors(config.input, graph_inputs(model), config, "input", add_missing=True)
+    _complete_tensors(config.output, list(model.graph.output), config, "output", add_missing=False)
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if not config.instance_group:
+        group = config.instance_group.add()
+        group.name, group.kind, group.count = name, model_config_pb2.ModelInstanceGroup.KIND_AUTO, 1
+    kinds = {group.kind for group in config.instance_group}
+    if len(kinds) > 1:
+        raise invalid(f"model '{name}': instance groups of different kinds are not supported")
+    for group in config.instance_group:
+        group.count = group.count or 1
+    return config
+
+
+def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: ModelConfig, role: str,
+                      add_missing: bool) -> None:
+    """Check the declared inputs/outputs against the graph and (for inputs) add the ones left out.
+
+    Outputs left out are added after the build from the engine, which knows shapes ONNX may not state.
+    """
+    by_name = {v.name: v for v in values}
+    batched = config.max_batch_size > 0
+    for tensor in declared:
+        value = by_name.get(tensor.name)
+        if value is None:
+            raise invalid(f"model '{config.name}': {role} '{tensor.name}' is not in the ONNX graph "
+                          f"({role}s: {sorted(by_name)})")
+        expected = _onnx_config_type(value, config.name)
+        if tensor.data_type == model_config_pb2.TYPE_INVALID:
+            tensor.data_type = expected
+        elif tensor.data_type != expected:
+            raise invalid(f"model '{config.name}': {role} '{tensor.name}' is "
+                          f"{model_config_pb2.DataType.Name(expected)} in the model, the config says "
+                          f"{model_config_pb2.DataType.Name(tensor.data_type)}")
+        dims = _onnx_dims(value)
+        if batched and dims and dims[0] not in (-1,) and dims[0] < config.max_batch_size:
+            raise invalid(f"model '{config.name}': {role} '{tensor.name}' has a fixed first dim {dims[0]}, "
+                          f"which cannot hold max_batch_size {config.max_batch_size}")
+        if not tensor.dims and not tensor.HasField("reshape"):
+            tensor.dims.extend(dims[1:] if batched else dims)
+    names = {t.name for t in declared}
+    for value in values if add_missing else []:
+        if value.name in names:
+            continue
+        tensor = declared.add()
+        tensor.name = value.name
+        tensor.data_type = _onnx_config_type(value, config.name)
+        dims = _onnx_dims(value)
+        tensor.dims.extend(dims[1:] if batched else dims)
+
+
+def complete_outputs_from_engine(config: ModelConfig, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Add the outputs the config left out, from the built engine's (datatype, shape) per output name."""
+    declared = {t.name for t in config.output}
+    for name, (datatype, shape) in outputs.items():
+        if name in declared:
+            continue
+        tensor = config.output.add()
+        tensor.name = name
+        tensor.data_type = model_config_pb2.DataType.Value(CONFIG_TYPE_OF_DATATYPE[datatype])
+        tensor.dims.extend(shape[1:] if config.max_batch_size > 0 else shape)
+
+
+def model_shape(tensor) -> list[int]:
+    """The shape the model itself sees for one request item: `reshape.shape` when given, else `dims`."""
+    return list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)

@@ -1,0 +1,90 @@
+"""Per model-version inference statistics with Triton's fields; read by /stats, gRPC and /metrics alike."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Duration:
+    """A count and a cumulative duration in nanoseconds (Triton's StatisticDuration)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(ns)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class ExecutionTimes:
+    """Where the time of one model execution went; produced by the scheduler for each request."""
+
+    queue_ns: int = 0
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+_INFERENCE_FIELDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+                     "cache_hit", "cache_miss")
+_BATCH_FIELDS = ("compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class ModelStatistics:
+    """Cumulative statistics of one model version since it was loaded. Thread-safe: worker threads record."""
+
+    name: str
+    version: str
+    inference: dict[str, Duration] = field(default_factory=lambda: {f: Duration() for f in _INFERENCE_FIELDS})
+    batches: dict[int, dict[str, Duration]] = field(default_factory=dict)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes) -> None:
+        """One request that ran as one execution of `batch_size` items."""
+        with self._lock:
+            self.inference["success"].add(total_ns)
+            self.inference["queue"].add(times.queue_ns)
+            self.inference["compute_input"].add(times.compute_input_ns)
+            self.inference["compute_infer"].add(times.compute_infer_ns)
+            self.inference["compute_output"].add(times.compute_output_ns)
+            batch = self.batches.setdefault(batch_size, {f: Duration() for f in _BATCH_FIELDS})
+            batch["compute_input"].add(times.compute_input_ns)
+            batch["compute_infer"].add(times.compute_infer_ns)
+            batch["compute_output"].add(times.compute_output_ns)
+            self.inference_count += batch_size
+            self.execution_count += 1
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_failure(self, total_ns: int) -> None:
+        with self._lock:
+            self.inference["fail"].add(total_ns)
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Triton's `$model_stat` object."""
+        with self._lock:
+            return {
+                "name": self.name,
+                "version": self.version,
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {k: d.as_dict() for k, d in self.inference.items()},
+                "batch_stats": [
+                    {"batch_size": size, **{k: d.as_dict() for k, d in durations.items()}}
+                    for size, durations in sorted(self.batches.items())
+                ],
+                "memory_usage": [],
+            }

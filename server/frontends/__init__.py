@@ -1,0 +1,1 @@
+"""Protocol frontends over `server.core`: `http` (FastAPI) and `grpc` (grpcio). They translate, nothing more."""

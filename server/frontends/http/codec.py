@@ -1,0 +1,245 @@
+"""Inference bodies <-> core types: JSON tensors, Triton's binary tensor data extension, gzip/deflate.
+
+This is the one hot path that bypasses per-element pydantic validation: the JSON header is validated by
+`InferRequestBody` (data left as `Any`), then tensor data goes straight to numpy here.
+
+Binary layout (request and response): the first `Inference-Header-Content-Length` bytes are the JSON header;
+binary tensors follow back to back in the order of the tensors that carry `binary_data_size`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from server.core import InferInput, InferRequest, InferResponse, RequestedOutput
+from server.core.errors import invalid
+from server.core.tensors import element_count, from_raw, to_raw
+from server.core.types import numpy_dtype
+
+from .schemas import InferRequestBody
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_DECOMPRESSED_BYTES = 1 << 31
+
+
+# -- compression ------------------------------------------------------------------------------------------------
+def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """Undo Content-Encoding gzip/deflate (deflate = zlib stream, as tritonclient sends it; raw deflate too)."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding in ("identity", ""):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise invalid(f"unsupported Content-Encoding '{encoding}' (supported: gzip, deflate)")
+    attempts = [zlib.MAX_WBITS | 16] if encoding == "gzip" else [zlib.MAX_WBITS, -zlib.MAX_WBITS]
+    for wbits in attempts:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            data = inflater.decompress(body, limit)
+        except zlib.error:
+            continue
+        if inflater.unconsumed_tail:
+            raise invalid(f"decompressed request body exceeds {limit} bytes")
+        return data
+    raise invalid(f"request body is not valid {encoding} data")
+
+
+def pick_encoding(accept_encoding: str | None) -> str | None:
+    """gzip or deflate if the client accepts it (first one listed wins), else None."""
+    for part in (accept_encoding or "").split(","):
+        name = part.split(";")[0].strip().lower()
+        if name in ("gzip", "deflate"):
+            return name
+    return None
+
+
+def compress(body: bytes, encoding: str) -> bytes:
+    return gzip.compress(body, compresslevel=6) if encoding == "gzip" else zlib.compress(body, 6)
+
+
+# -- requests ---------------------------------------------------------------------------------------------------
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary section; a header length that lies about the body is a 400."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise invalid(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
+    if not 0 <= length <= len(body):
+        raise invalid(f"{HEADER_LENGTH} is {length} but the request body has {len(body)} bytes")
+    return body[:length], memoryview(body)[length:]
+
+
+def parse_header(header: bytes) -> InferRequestBody:
+    try:
+        document = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+    if not isinstance(document, dict):
+        raise invalid("the request JSON must be an object")
+    try:
+        return InferRequestBody.model_validate(document)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise invalid(f"invalid inference request: {problems}") from None
+
+
+def decode_request(body: bytes, header_length: str | None, model_name: str, model_version: str) -> InferRequest:
+    """An HTTP inference request body as the core's `InferRequest`."""
+    header, binary = split_body(body, header_length)
+    document = parse_header(header)
+    offset = 0
+    inputs = []
+    for tensor in document.inputs:
+        parameters = dict(tensor.parameters or {})
+        shape = tuple(tensor.shape)
+        element_count(shape)
+        size = parameters.pop("binary_data_size", None)
+        if size is not None:
+            size = _non_negative_int(size, f"input '{tensor.name}' binary_data_size")
+            if offset + size > len(binary):
+                raise invalid(f"input '{tensor.name}' has binary_data_size {size} but only "
+                              f"{len(binary) - offset} bytes of binary data remain")
+            data = from_raw(binary[offset:offset + size], tensor.datatype, shape)
+            offset += size
+        elif "shared_memory_region" in parameters:
+            numpy_dtype(tensor.datatype)
+            data = None
+        else:
+            if tensor.data is None:
+                raise invalid(f"input '{tensor.name}' has no data, binary_data_size or shared_memory_region")
+            data = from_json(tensor.data, tensor.datatype, shape, tensor.name)
+        inputs.append(InferInput(tensor.name, tensor.datatype, shape, data, parameters))
+    if offset != len(binary):
+        raise invalid(f"the request has {len(binary) - offset} bytes of binary data that no input claims")
+    outputs = [RequestedOutput(o.name, dict(o.parameters or {})) for o in document.outputs or []]
+    return InferRequest(model_name, inputs, model_version, document.id or "", outputs,
+                        dict(document.parameters or {}))
+
+
+def _non_negative_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _flatten_strings(data: Any, name: str) -> list[bytes]:
+    """BYTES JSON data (nested lists of strings) as a flat list of utf-8 bytes."""
+    if isinstance(data, str):
+        return [data.encode()]
+    if not isinstance(data, list):
+        raise invalid(f"input '{name}': BYTES data must be strings, got {type(data).__name__}")
+    flat: list[bytes] = []
+    for item in data:
+        flat.extend(_flatten_strings(item, name))
+    return flat
+
+
+# numpy kinds JSON numbers may have for each datatype family (ints are accepted for floats, not vice versa).
+_ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+
+
+def from_json(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """JSON tensor data (flat or nested, row-major) as an array of `datatype` with `shape`.
+
+    Values must fit the datatype: no bool/number mixing, no floats for ints, no out-of-range ints.
+    """
+    dtype = numpy_dtype(datatype)
+    count = element_count(shape)
+    if datatype == "BYTES":
+        flat = _flatten_strings(data, name)
+        if len(flat) != count:
+            raise invalid(f"input '{name}': shape {list(shape)} needs {count} elements, data has {len(flat)}")
+        array = np.empty(count, dtype=object)
+        array[:] = flat
+        return array.reshape(shape)
+    try:
+        values = np.asarray(data)
+    except ValueError:
+        raise invalid(f"input '{name}': data is not a rectangular array of numbers") from None
+    if values.size != count:
+        raise invalid(f"input '{name}': shape {list(shape)} needs {count} elements, data has {values.size}")
+    if count == 0:
+        return np.zeros(shape, dtype=dtype)
+    family = "f" if dtype.kind == "V" or datatype in ("FP16", "BF16") else dtype.kind
+    if datatype == "UINT64" and values.dtype.kind in "fO":  # ints above int64 made numpy pick float64
+        return _wide_integers(np.asarray(data, dtype=object), dtype, datatype, name).reshape(shape)
+    if values.dtype.kind not in _ACCEPTED_KINDS[family]:
+        raise invalid(f"input '{name}': {datatype} data must be "
+                      f"{'booleans' if family == 'b' else 'integers' if family in 'iu' else 'numbers'}")
+    if family in "iu":
+        info = np.iinfo(dtype)
+        if values.min() < info.min or values.max() > info.max:
+            raise invalid(f"input '{name}': values are outside the range of {datatype}")
+    return values.astype(dtype).reshape(shape)
+
+
+def _wide_integers(values: np.ndarray, dtype: np.dtype, datatype: str, name: str) -> np.ndarray:
+    """Integers numpy could not type on its own (UINT64 values above the int64 range): convert and compare."""
+    try:
+        converted = values.astype(dtype)
+    except (OverflowError, TypeError, ValueError):
+        raise invalid(f"input '{name}': values are not integers in the range of {datatype}") from None
+    if not np.array_equal(converted.astype(object), values):
+        raise invalid(f"input '{name}': {datatype} data must be integers")
+    return converted
+
+
+# -- responses --------------------------------------------------------------------------------------------------
+def _json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
+    """Flat JSON list of an output's elements, or None if it cannot be JSON (BYTES that are not UTF-8)."""
+    flat = array.reshape(-1)
+    if datatype == "BYTES":
+        try:
+            return [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
+        except UnicodeDecodeError:
+            return None
+    if datatype in ("FP16", "BF16"):
+        flat = flat.astype(np.float32)
+    return flat.tolist()
+
+
+def _wants_binary(parameters: dict[str, Any], default: bool) -> bool:
+    value = parameters.get("binary_data", default)
+    return bool(value)
+
+
+def encode_response(response: InferResponse, binary_default: bool) -> tuple[bytes, int | None]:
+    """The response body and, when binary outputs follow the JSON, the JSON header's length.
+
+    An output is binary when its `binary_data` parameter says so, else when the request's
+    `binary_data_output` does; BYTES outputs that are not valid UTF-8 are sent binary either way.
+    """
+    outputs = []
+    chunks: list[bytes] = []
+    for output in response.outputs:
+        parameters = {k: v for k, v in output.parameters.items() if k not in ("binary_data", "binary_data_size")}
+        entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
+        if output.data is not None:
+            data = None if _wants_binary(output.parameters, binary_default) else _json_data(output.data,
+                                                                                          output.datatype)
+            if data is None:
+                raw = to_raw(output.data, output.datatype)
+                chunks.append(raw)
+                parameters["binary_data_size"] = len(raw)
+            else:
+                entry["data"] = data
+        if parameters:
+            entry["parameters"] = parameters
+        outputs.append(entry)
+    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version,
+                                "outputs": outputs}
+    if response.id:
+        document["id"] = response.id
+    if response.parameters:
+        document["parameters"] = response.parameters
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)

@@ -1,0 +1,5 @@
+"""One APIRouter per resource of the KServe v2 protocol and Triton's extensions."""
+
+from . import health, inference, models, repository, settings, shared_memory
+
+ALL = [health.router, models.router, inference.router, repository.router, shared_memory.router, settings.router]

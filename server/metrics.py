@@ -1,0 +1,100 @@
+"""Prometheus metrics with Triton's names, read from the core's per-model statistics at scrape time.
+
+Served on their own port (default 8002) at `/metrics`. A collector turns `ModelStatistics` into metric
+families, so the numbers are the same ones /stats reports. Counter names carry no `_total` suffix, exactly as
+Triton exposes them (dashboards written for Triton keep working), so the text is rendered here rather than by
+prometheus_client's `generate_latest`, which would rename them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name -> (help, how to read it from a `$model_stat` dict)
+_COUNTERS = {
+    "nv_inference_request_success": ("Number of successful inference requests, all batch sizes",
+                                     lambda s: s["inference_stats"]["success"]["count"]),
+    "nv_inference_request_failure": ("Number of failed inference requests, all batch sizes",
+                                     lambda s: s["inference_stats"]["fail"]["count"]),
+    "nv_inference_count": ("Number of inferences performed (does not include cached requests)",
+                           lambda s: s["inference_count"]),
+    "nv_inference_exec_count": ("Number of model executions performed (does not include cached requests)",
+                                lambda s: s["execution_count"]),
+    "nv_inference_request_duration_us": ("Cumulative inference request duration in microseconds "
+                                         "(includes cached requests)",
+                                         lambda s: (s["inference_stats"]["success"]["ns"]
+                                                    + s["inference_stats"]["fail"]["ns"]) // 1000),
+    "nv_inference_queue_duration_us": ("Cumulative inference queuing duration in microseconds "
+                                       "(includes cached requests)",
+                                       lambda s: s["inference_stats"]["queue"]["ns"] // 1000),
+    "nv_inference_compute_input_duration_us": ("Cumulative compute input duration in microseconds "
+                                               "(does not include cached requests)",
+                                               lambda s: s["inference_stats"]["compute_input"]["ns"] // 1000),
+    "nv_inference_compute_infer_duration_us": ("Cumulative compute inference duration in microseconds "
+                                               "(does not include cached requests)",
+                                               lambda s: s["inference_stats"]["compute_infer"]["ns"] // 1000),
+    "nv_inference_compute_output_duration_us": ("Cumulative inference compute output duration in microseconds "
+                                                "(does not include cached requests)",
+                                                lambda s: s["inference_stats"]["compute_output"]["ns"] // 1000),
+}
+
+
+class InferenceMetricsCollector:
+    """A prometheus_client collector over the core's loaded model versions."""
+
+    def __init__(self, core) -> None:
+        self._core = core
+
+    def collect(self) -> Iterable[Metric]:
+        stats = [version.statistics.as_dict() for version in self._core.loaded_versions()]
+        for name, (help_text, read) in _COUNTERS.items():
+            family = Metric(name, help_text, "counter")
+            for stat in stats:
+                family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
+            yield family
+
+
+def make_registry(core) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(InferenceMetricsCollector(core))
+    return registry
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def render(registry: CollectorRegistry) -> str:
+    """Prometheus text format 0.0.4 with each family's own name on its HELP/TYPE lines."""
+    lines = []
+    for family in registry.collect():
+        lines.append(f"# HELP {family.name} {family.documentation}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {_number(sample.value)}" if labels
+                         else f"{sample.name} {_number(sample.value)}")
+    return "\n".join(lines) + "\n"
+
+
+def create_metrics_app(core) -> Starlette:
+    """An ASGI app serving `/metrics` for `core` (run it on the metrics port)."""
+    registry = make_registry(core)
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(render(registry), media_type=CONTENT_TYPE)
+
+    return Starlette(routes=[Route("/metrics", metrics)])

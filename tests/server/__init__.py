@@ -1,0 +1,1 @@
+"""Server tests: a real server process driven by stock clients."""

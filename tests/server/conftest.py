@@ -1,0 +1,146 @@
+"""A real server subprocess for the server tests (HTTP and gRPC frontends alike).
+
+The session fixture `kiln_server` writes the example repository (examples/make_example_repository.py) plus
+a few test-only models into a temporary directory, starts `python -m server` on free 127.0.0.1 ports in
+explicit model-control mode with the example models loaded, and waits until /v2/health/ready says yes.
+If the gRPC frontend cannot be imported, the server runs without it (`grpc_available` tells).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_MODELS = ["add_sub", "add_sub_fp32", "simple_cnn", "identity"]
+READY_TIMEOUT_S = 60
+
+
+def _install_pkg_resources_shim() -> None:
+    """tritonclient 2.41's shared_memory module imports `pkg_resources`, which setuptools >= 81 no longer ships.
+
+    It only calls `resource_filename(package, name)`; this stand-in answers that from the package's directory.
+    """
+    try:
+        import pkg_resources  # noqa: F401
+    except ImportError:
+        shim = types.ModuleType("pkg_resources")
+
+        def resource_filename(package: str, name: str) -> str:
+            spec = importlib.util.find_spec(package)
+            return str(Path(spec.origin).parent / name)
+
+        shim.resource_filename = resource_filename  # type: ignore[attr-defined]
+        sys.modules["pkg_resources"] = shim
+
+
+_install_pkg_resources_shim()
+
+
+def _load_examples():
+    spec = importlib.util.spec_from_file_location("make_example_repository",
+                                                  ROOT / "examples" / "make_example_repository.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+examples = _load_examples()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A running server: its ports, URLs (host:port, as tritonclient takes them) and repository."""
+
+    process: subprocess.Popen
+    repository: Path
+    log_path: Path
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    grpc_available: bool
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.http_url}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _grpc_importable() -> bool:
+    try:
+        import server.frontends.grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _wait_ready(server: ServerProcess) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def kiln_server(tmp_path_factory: pytest.TempPathFactory):
+    """Start the server once per test session; yields a `ServerProcess`."""
+    base = tmp_path_factory.mktemp("kiln_server")
+    repository = examples.make_repository(base / "models")
+    log_path = base / "server.log"
+    ports = [free_port() for _ in range(3)]
+    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
+               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+               "--model-control-mode", "explicit"]
+    for name in STARTUP_MODELS:
+        command += ["--load-model", name]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable())
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
