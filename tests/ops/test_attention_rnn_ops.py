@@ -9,22 +9,15 @@ inference must predict every output's dtype and shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
 import engine_core as kiln
 from engine_core.errors import KilnError
-from engine_core.ops import TensorInfo
-from engine_core.passes import infer_shapes
-from engine_core.types import np_to_onnx
+from tests.ops.harness import Case, parse, run_case, run_kiln
 
 RNG = np.random.default_rng(7)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -42,57 +35,9 @@ def lens(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int32)
 
 
-@dataclass
-class Case:
-    """One node; ``inputs`` in order (None = omitted optional input); ``outputs`` names the node's
-    outputs ("" = omitted optional output)."""
-
-    op: str
-    inputs: list[np.ndarray | None]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 23
-    outputs: tuple[str, ...] = ("Y",)
-    reference: str = "ort"  # or "onnx" (ReferenceEvaluator)
-
-    def model(self) -> onnx.ModelProto:
-        names = [f"in{i}" if x is not None else "" for i, x in enumerate(self.inputs)]
-        while names and names[-1] == "":
-            names.pop()
-        node = helper.make_node(self.op, names, list(self.outputs), **self.attrs)
-        graph_inputs = [helper.make_tensor_value_info(n, np_to_onnx(x.dtype), x.shape)
-                        for n, x in zip(names, self.inputs) if n]
-        graph_outputs = [helper.make_empty_tensor_value_info(n) for n in self.outputs if n]
-        graph = helper.make_graph([node], self.op.lower(), graph_inputs, graph_outputs)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=10)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {f"in{i}": x for i, x in enumerate(self.inputs) if x is not None}
-
-
-def run_kiln(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[TensorInfo]]:
-    """Outputs through the public API, plus the build-time shape inference of the network."""
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    plan = kiln.build_plan(network, builder.create_builder_config())
-    outputs = kiln.Runtime().load(plan).create_execution_context().infer(feeds)
-    infos = infer_shapes(network.graph, {v.name: TensorInfo(v.dtype, v.shape) for v in network.graph.inputs})
-    names = [v.name for v in network.graph.outputs]
-    return [outputs[n] for n in names], [infos[n] for n in names]
-
-
-def run_reference(case: Case, model: onnx.ModelProto) -> list[np.ndarray]:
-    if case.reference == "onnx":
-        return list(ReferenceEvaluator(model).run(None, case.feeds()))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, case.feeds())
-
-
 def check(case: Case) -> None:
-    model = case.model()
-    expected = run_reference(case, model)
-    actual, infos = run_kiln(model, case.feeds())
+    """Within TOLERANCE of the output's dtype; inferred dtype and shape of every output exactly."""
+    expected, actual, infos = run_case(case)
     assert len(actual) == len(expected)
     for index, (exp, act, info) in enumerate(zip(expected, actual, infos)):
         exp = np.asarray(exp)
@@ -166,7 +111,7 @@ def test_attention(name: str) -> None:
 
 
 def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: np.ndarray | None = None, **attrs: Any) -> Case:
-    return Case("RotaryEmbedding", [x, cos, sin, pos], attrs)
+    return Case("RotaryEmbedding", [x, cos, sin, pos], attrs, opset=23)
 
 
 POS = np.array([[0, 5, 9], [3, 1, 7]], np.int64)
@@ -287,8 +232,6 @@ def test_recurrent_batch_first_matches_seq_first() -> None:
     (Case("SwiGLU", [rand(2, 3), rand(1, 3)], {}, 28), "equal shapes"),
 ])
 def test_build_errors(case: Case, message: str) -> None:
-    builder = kiln.Builder()
-    network = builder.create_network()
-    assert kiln.OnnxParser(network).parse(case.model())
+    network = parse(case.model())
     with pytest.raises(KilnError, match=message):
-        kiln.build_plan(network, builder.create_builder_config())
+        kiln.build_plan(network, kiln.Builder().create_builder_config())

@@ -9,103 +9,33 @@ quantized and gather-only results must match exactly; float interpolation result
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
+from onnx import TensorProto
 
-import engine_core as kiln
 from engine_core.errors import KilnError
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
-from engine_core.types import np_to_onnx
+from tests.ops.harness import Arrays, Case, build, i64, run_case, run_kiln
 
 RNG = np.random.default_rng(7)
-
-
-def f32(*shape: int, scale: float = 1.0) -> np.ndarray:
-    return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def u8(*shape: int) -> np.ndarray:
-    return RNG.integers(0, 256, shape).astype(np.uint8)
+f32, u8 = Arrays(RNG).f32, Arrays(RNG).u8
 
 
 def i8(*shape: int) -> np.ndarray:
     return RNG.integers(-128, 128, shape).astype(np.int8)
 
 
-def i64(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
-
-
 def scalar(value: float | int, dtype: Any) -> np.ndarray:
     return np.array(value, dtype=dtype)
 
 
-@dataclass
-class Case:
-    """One node; ``consts`` are input positions given as initializers (values known at build time)."""
-
-    op: str
-    inputs: list[np.ndarray | None]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    consts: tuple[int, ...] = ()
-    outputs: int = 1
-    reference: str = "ort"  # or "onnx" (ReferenceEvaluator)
-    rtol: float = 0.0  # 0: exact
-
-    def model(self) -> onnx.ModelProto:
-        names = [f"in{i}" if x is not None else "" for i, x in enumerate(self.inputs)]
-        while names and names[-1] == "":
-            names.pop()
-        out_names = [f"out{i}" for i in range(self.outputs)]
-        node = helper.make_node(self.op, names, out_names, **self.attrs)
-        graph_inputs = [helper.make_tensor_value_info(n, np_to_onnx(x.dtype), x.shape)
-                        for i, (n, x) in enumerate(zip(names, self.inputs)) if n and i not in self.consts]
-        inits = [onnx.numpy_helper.from_array(self.inputs[i], names[i]) for i in self.consts]
-        outputs = [helper.make_empty_tensor_value_info(n) for n in out_names]
-        graph = helper.make_graph([node], self.op.lower(), graph_inputs, outputs, initializer=inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=10)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {f"in{i}": x for i, x in enumerate(self.inputs) if x is not None and i not in self.consts}
-
-
-def build(model: onnx.ModelProto) -> tuple[Any, Any]:
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    return network, kiln.build_plan(network, builder.create_builder_config())
-
-
-def run_kiln(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[TensorInfo]]:
-    """Outputs through the public API, plus build-time shape inference of the outputs."""
-    network, plan = build(model)
-    outputs = kiln.Runtime().load(plan).create_execution_context().infer(feeds)
-    infos = infer_shapes(network.graph, {v.name: TensorInfo(v.dtype, v.shape) for v in network.graph.inputs})
-    return [outputs[v.name] for v in network.graph.outputs], [infos[v.name] for v in network.graph.outputs]
-
-
-def run_reference(case: Case, model: onnx.ModelProto) -> list[np.ndarray]:
-    if case.reference == "onnx":
-        return list(ReferenceEvaluator(model).run(None, case.feeds()))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, case.feeds())
-
-
 def check(case: Case) -> None:
-    model = case.model()
-    expected = run_reference(case, model)
-    actual, infos = run_kiln(model, case.feeds())
+    """Exact (bit-exact for raw types), or within ``rtol`` where a case sets one; strings by value."""
+    expected, actual, infos = run_case(case)
     for index, (exp, act, info) in enumerate(zip(expected, actual, infos)):
         exp = np.asarray(exp)
         if exp.dtype.kind == "U":  # the reference's strings; Kiln keeps them in object arrays

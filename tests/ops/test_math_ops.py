@@ -13,23 +13,18 @@ Random ops: dtype, shape, moments of many samples, and that a seed reproduces.
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 import engine_core as kiln
-from engine_core.ops import TensorInfo
 from engine_core.ops.elementwise import erf
-from engine_core.passes import infer_shapes
 from engine_core.types import np_to_onnx
+from tests.ops.harness import Case, build, run_case, run_kiln
 
 RNG = np.random.default_rng(7)
 INTS = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
@@ -57,61 +52,10 @@ def ints_of(dtype: Any, *shape: int, nonzero: bool = False) -> np.ndarray:
     return values
 
 
-@dataclass
-class Case:
-    """One node. ``consts`` are the input positions given as initializers; ``approx`` compares with
-    the APPROX tolerances instead of exactly."""
-
-    op: str
-    inputs: list[np.ndarray | None]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    consts: tuple[int, ...] = ()
-    reference: str = "ort"  # or "onnx"
-    approx: bool = False
-    #: False when the output shape depends on a runtime input value (inference may say None).
-    shape_known: bool = True
-
-    def model(self) -> onnx.ModelProto:
-        names = [f"in{i}" if x is not None else "" for i, x in enumerate(self.inputs)]
-        node = helper.make_node(self.op, names, ["out"], **self.attrs)
-        graph_inputs = [helper.make_tensor_value_info(n, np_to_onnx(x.dtype), x.shape)
-                        for i, (n, x) in enumerate(zip(names, self.inputs)) if n and i not in self.consts]
-        inits = [onnx.numpy_helper.from_array(self.inputs[i], names[i]) for i in self.consts]
-        graph = helper.make_graph([node], self.op.lower(), graph_inputs, [helper.make_empty_tensor_value_info("out")],
-                                  initializer=inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=10)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {f"in{i}": x for i, x in enumerate(self.inputs) if x is not None and i not in self.consts}
-
-
-def run_kiln(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, TensorInfo]:
-    """The single output through the public API, and what build-time shape inference said of it."""
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    plan = kiln.build_plan(network, builder.create_builder_config())
-    outputs = kiln.Runtime().load(plan).create_execution_context().infer(feeds)
-    infos = infer_shapes(network.graph, {v.name: TensorInfo(v.dtype, v.shape) for v in network.graph.inputs})
-    name = network.graph.outputs[0].name
-    return outputs[name], infos[name]
-
-
-def run_reference(case: Case, model: onnx.ModelProto) -> np.ndarray:
-    if case.reference == "onnx":
-        with warnings.catch_warnings():  # the reference's own numpy warnings (empty means, ...)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return np.asarray(ReferenceEvaluator(model).run(None, case.feeds())[0])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return np.asarray(session.run(None, case.feeds())[0])
-
-
 def check(case: Case) -> None:
-    model = case.model()
-    expected = run_reference(case, model)
-    actual, info = run_kiln(model, case.feeds())
+    """Exact, or within APPROX for ``approx`` cases; the inferred shape may be unknown only where
+    ``shape_known`` is False."""
+    (expected,), (actual,), (info,) = run_case(case)
     assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
     if case.approx:
@@ -177,12 +121,12 @@ def test_integer_pow_and_sum_are_exact_in_int64() -> None:
     arithmetic rounds (3**39 comes back as ...256 there, not ...267)."""
     base, exponent = np.array([3, -3, 7, 2], np.int64), np.array([39, 39, 22, 62], np.int64)
     case = Case("Pow", [base, exponent])
-    power, _ = run_kiln(case.model(), case.feeds())
+    (power,), _ = run_kiln(case.model(), case.feeds())
     assert power.dtype == np.int64
     assert power.tolist() == [int(b) ** int(e) for b, e in zip(base, exponent)]
     x = ints_of(np.int64, 4, 6) // 8
     case = Case("ReduceSum", [x, np.array([1], np.int64)], consts=(1,))
-    total, _ = run_kiln(case.model(), case.feeds())
+    (total,), _ = run_kiln(case.model(), case.feeds())
     assert total.reshape(-1).tolist() == [sum(int(v) for v in row) for row in x]
 
 
@@ -191,7 +135,7 @@ def test_gelu_float64_matches_libm_erf() -> None:
     few ulp."""
     x = np.linspace(-6, 6, 97)
     case = Case("Gelu", [x], opset=20)
-    actual, _ = run_kiln(case.model(), case.feeds())
+    (actual,), _ = run_kiln(case.model(), case.feeds())
     expected = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
     assert actual.dtype == np.float64
     np.testing.assert_allclose(actual, expected, rtol=2e-15, atol=1e-15)  # 1 + erf cancels for x < 0
@@ -359,9 +303,9 @@ def test_bitshift_opset28_signed_and_out_of_range_amounts() -> None:
     the sign fill alone (-1 for negative X shifted right, else 0)."""
     x = np.array([-8, -8, 5, -1, 64, -128, 3, -3], np.int8)
     y = np.array([1, 9, 1, 8, 1, 1, -1, -1], np.int8)
-    right, _ = run_kiln(Case("BitShift", [x, y], {"direction": "RIGHT"}, opset=28).model(), {"in0": x, "in1": y})
+    (right,), _ = run_kiln(Case("BitShift", [x, y], {"direction": "RIGHT"}, opset=28).model(), {"in0": x, "in1": y})
     np.testing.assert_array_equal(right, np.array([-4, -1, 2, -1, 32, -64, 0, -1], np.int8))
-    left, _ = run_kiln(Case("BitShift", [x, y], {"direction": "LEFT"}, opset=28).model(), {"in0": x, "in1": y})
+    (left,), _ = run_kiln(Case("BitShift", [x, y], {"direction": "LEFT"}, opset=28).model(), {"in0": x, "in1": y})
     np.testing.assert_array_equal(left, np.array([-16, 0, 10, 0, -128, 0, 0, 0], np.int8))
     assert right.dtype == left.dtype == np.int8
 
@@ -465,11 +409,7 @@ def test_scan(name: str) -> None:
 def build_context(node: onnx.NodeProto, inputs: list[onnx.ValueInfoProto], opset: int = 22):
     graph = helper.make_graph([node], "random", inputs, [helper.make_empty_tensor_value_info("out")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    plan = kiln.build_plan(network, builder.create_builder_config())
+    _, plan = build(model)
     return kiln.Runtime().load(plan).create_execution_context()
 
 
@@ -555,10 +495,8 @@ def test_random_ops_are_not_folded_at_build_time() -> None:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    builder = kiln.Builder()
-    network = builder.create_network()
-    assert kiln.OnnxParser(network).parse(model)
-    context = kiln.Runtime().load(kiln.build_plan(network, builder.create_builder_config())).create_execution_context()
+    _, plan = build(model)
+    context = kiln.Runtime().load(plan).create_execution_context()
     x = np.zeros(4, np.float32)
     assert not np.array_equal(context.infer({"x": x})["out"], context.infer({"x": x})["out"])
 
@@ -582,6 +520,6 @@ def test_bfloat16_math_keeps_dtype() -> None:
     x = rand(16).astype(ml_dtypes.bfloat16)
     for op, fn in (("Exp", np.exp), ("Sigmoid", lambda v: 1 / (1 + np.exp(-v))), ("Neg", np.negative)):
         case = Case(op, [x], opset=22)
-        actual, info = run_kiln(case.model(), case.feeds())
+        (actual,), (info,) = run_kiln(case.model(), case.feeds())
         assert actual.dtype == info.dtype == np.dtype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(actual, fn(x.astype(np.float32)).astype(ml_dtypes.bfloat16))

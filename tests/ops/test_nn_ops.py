@@ -9,90 +9,25 @@ inference against the real output shapes. A small ResNet-style network checks th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 import engine_core as kiln
 from engine_core.errors import KilnError
-from engine_core.ops import TensorInfo
-from engine_core.passes import infer_shapes
-from engine_core.types import np_to_onnx
+from tests.ops.harness import Arrays, Case, i64, parse, run_case, run_kiln, run_reference
 
 RNG = np.random.default_rng(7)
-
-
-def f32(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(np.float32)
+f32, u8 = Arrays(RNG).f32, Arrays(RNG).u8
+#: Default float tolerance (rtol and atol): a few float32 ulps, as summation orders differ.
+TOL = 1e-5
 
 
 def pos32(*shape: int) -> np.ndarray:
     return RNG.uniform(0.5, 2.0, shape).astype(np.float32)
-
-
-def i64(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
-
-
-def u8(*shape: int) -> np.ndarray:
-    return RNG.integers(0, 256, shape).astype(np.uint8)
-
-
-@dataclass
-class Case:
-    """One node: ``inputs`` in order (None = omitted optional input); ``consts`` are the positions
-    given as initializers (their values known when the plan is built)."""
-
-    op: str
-    inputs: list[np.ndarray | None]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    consts: tuple[int, ...] = ()
-    outputs: int = 1
-    reference: str = "ort"  # or "onnx" (ReferenceEvaluator) where onnxruntime lacks the op/semantics
-    rtol: float = 1e-5
-    atol: float = 1e-5
-
-    def model(self) -> onnx.ModelProto:
-        names = [f"in{i}" if x is not None else "" for i, x in enumerate(self.inputs)]
-        while names and names[-1] == "":
-            names.pop()
-        out_names = [f"out{i}" for i in range(self.outputs)]
-        node = helper.make_node(self.op, names, out_names, **self.attrs)
-        graph_inputs = [helper.make_tensor_value_info(n, np_to_onnx(x.dtype), x.shape)
-                        for i, (n, x) in enumerate(zip(names, self.inputs)) if n and i not in self.consts]
-        inits = [numpy_helper.from_array(self.inputs[i], names[i]) for i in self.consts]
-        outputs = [helper.make_empty_tensor_value_info(n) for n in out_names]
-        graph = helper.make_graph([node], self.op.lower(), graph_inputs, outputs, initializer=inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=10)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {f"in{i}": x for i, x in enumerate(self.inputs) if x is not None and i not in self.consts}
-
-
-def run_kiln(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[TensorInfo]]:
-    """Outputs through the public API, plus build-time shape inference of the network's outputs."""
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    infos = infer_shapes(network.graph, {v.name: TensorInfo(v.dtype, v.shape) for v in network.graph.inputs})
-    plan = kiln.build_plan(network, builder.create_builder_config())
-    outputs = kiln.Runtime().load(plan).create_execution_context().infer(feeds)
-    return [outputs[v.name] for v in network.graph.outputs], [infos[v.name] for v in network.graph.outputs]
-
-
-def run_reference(reference: str, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    if reference == "onnx":
-        return [np.asarray(v) for v in ReferenceEvaluator(model).run(None, feeds)]
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 def assert_matches(actual: list[np.ndarray], expected: list[np.ndarray], rtol: float, atol: float) -> None:
@@ -109,10 +44,9 @@ def assert_matches(actual: list[np.ndarray], expected: list[np.ndarray], rtol: f
 
 
 def check(case: Case) -> None:
-    model = case.model()
-    expected = run_reference(case.reference, model, case.feeds())
-    actual, infos = run_kiln(model, case.feeds())
-    assert_matches(actual, expected, case.rtol, case.atol)
+    """Values as assert_matches (TOL unless the case says), and inferred dtypes and shapes exactly."""
+    expected, actual, infos = run_case(case)
+    assert_matches(actual, expected, TOL if case.rtol is None else case.rtol, TOL if case.atol is None else case.atol)
     for index, (info, act) in enumerate(zip(infos, actual)):
         assert info.dtype == act.dtype, f"output {index}: inferred dtype {info.dtype} != {act.dtype}"
         assert info.shape == act.shape, f"output {index}: inferred shape {info.shape} != {act.shape}"
@@ -313,7 +247,7 @@ def test_pool_same_padding_below_zero_is_clamped(op: str) -> None:
     same = Case(op, [x], {"kernel_shape": [1, 2], "strides": [3, 3], "auto_pad": "SAME_LOWER"}, opset=18)
     explicit = Case(op, [x], {"kernel_shape": [1, 2], "strides": [3, 3], "pads": [0, 1, 0, 0]}, opset=18)
     actual, infos = run_kiln(same.model(), same.feeds())
-    assert_matches(actual, run_reference("ort", explicit.model(), explicit.feeds()), 1e-6, 1e-6)
+    assert_matches(actual, run_reference(explicit.model(), explicit.feeds()), 1e-6, 1e-6)
     assert infos[0].shape == actual[0].shape == (1, 2, 2, 3)
 
 
@@ -335,20 +269,16 @@ def test_dropout_training_keeps_expected_fraction() -> None:
 def test_pool_rejects_bad_geometry(attrs: dict[str, Any], message: str) -> None:
     """Bad attributes fail at build time with a message naming the problem."""
     model = Case("MaxPool", [f32(1, 1, 4, 4)], attrs).model()
-    builder = kiln.Builder()
-    network = builder.create_network()
-    assert kiln.OnnxParser(network).parse(model)
+    network = parse(model)
     with pytest.raises(KilnError, match=message):
-        kiln.build_plan(network, builder.create_builder_config())
+        kiln.build_plan(network, kiln.Builder().create_builder_config())
 
 
 def test_conv_channel_mismatch_is_a_build_error() -> None:
     model = Case("Conv", [f32(1, 3, 5, 5), f32(2, 4, 3, 3)]).model()
-    builder = kiln.Builder()
-    network = builder.create_network()
-    assert kiln.OnnxParser(network).parse(model)
+    network = parse(model)
     with pytest.raises(KilnError, match="channels"):
-        kiln.build_plan(network, builder.create_builder_config())
+        kiln.build_plan(network, kiln.Builder().create_builder_config())
 
 
 # -- a small ResNet-style network: the ops together, with Conv+BN folding and weights as initializers ---------
@@ -403,7 +333,7 @@ def test_small_resnet_matches_onnxruntime() -> None:
     model = small_resnet()
     onnx.checker.check_model(model)
     feeds = {"input": f32(2, 3, 64, 64)}
-    expected = run_reference("ort", model, feeds)
+    expected = run_reference(model, feeds)
     actual, infos = run_kiln(model, feeds)
     assert_matches(actual, expected, rtol=1e-4, atol=1e-6)
     assert infos[0].shape == (2, 10)

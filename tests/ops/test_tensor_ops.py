@@ -8,7 +8,6 @@ and that shapes are known whenever the shape-carrying inputs are initializers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
@@ -17,88 +16,30 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
 import engine_core as kiln
 from engine_core.errors import KilnError
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
-from engine_core.types import np_to_onnx
+from tests.ops.harness import Arrays, Case, build, i64, parse, run_case, run_kiln
 
 I64_MAX, I64_MIN = np.iinfo(np.int64).max, np.iinfo(np.int64).min
 RNG = np.random.default_rng(0)
-
-
-def f32(*shape: int) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def i64(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
+f32 = Arrays(RNG).f32
 
 
 def arange(*shape: int, dtype: Any = np.float32) -> np.ndarray:
     return np.arange(int(np.prod(shape))).reshape(shape).astype(dtype)
 
 
-@dataclass
-class Case:
-    """One node: ``inputs`` in order (None = omitted optional input); ``consts`` are the positions
-    given as initializers (so their values are known when the plan is built)."""
-
-    op: str
-    inputs: list[np.ndarray | None]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    consts: tuple[int, ...] = ()
-    outputs: int = 1
-    reference: str = "ort"  # or "onnx" (ReferenceEvaluator) where onnxruntime lacks the op/opset
-
-    def model(self) -> onnx.ModelProto:
-        names = [f"in{i}" if x is not None else "" for i, x in enumerate(self.inputs)]
-        while names and names[-1] == "":
-            names.pop()
-        out_names = [f"out{i}" for i in range(self.outputs)]
-        node = helper.make_node(self.op, names, out_names, **self.attrs)
-        graph_inputs = [helper.make_tensor_value_info(n, np_to_onnx(x.dtype), x.shape)
-                        for i, (n, x) in enumerate(zip(names, self.inputs)) if n and i not in self.consts]
-        inits = [onnx.numpy_helper.from_array(self.inputs[i], names[i]) for i in self.consts]
-        outputs = [helper.make_empty_tensor_value_info(n) for n in out_names]
-        graph = helper.make_graph([node], self.op.lower(), graph_inputs, outputs, initializer=inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=10)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {f"in{i}": x for i, x in enumerate(self.inputs) if x is not None and i not in self.consts}
-
-
-def run_kiln(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, TensorInfo]]:
-    """Outputs through the public API, plus the build-time shape inference of the network."""
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    assert parser.parse(model), [str(e) for e in parser.errors]
-    plan = kiln.build_plan(network, builder.create_builder_config())
-    context = kiln.Runtime().load(plan).create_execution_context()
-    outputs = context.infer(feeds)
-    infos = infer_shapes(network.graph, {v.name: TensorInfo(v.dtype, v.shape) for v in network.graph.inputs})
-    return [outputs[v.name] for v in network.graph.outputs], {v.name: infos[v.name] for v in network.graph.outputs}
-
-
-def run_reference(case: Case, model: onnx.ModelProto) -> list[np.ndarray]:
-    if case.reference == "onnx":
-        return list(ReferenceEvaluator(model).run(None, case.feeds()))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, case.feeds())
-
-
 def check(case: Case) -> None:
-    model = case.model()
-    expected = run_reference(case, model)
-    actual, infos = run_kiln(model, case.feeds())
+    """Exact values; inferred shapes must be known unless a shape-deciding input is a runtime value
+    or the op is data-dependent."""
+    expected, actual, infos = run_case(case)
     first_shape_input = 0 if case.op in {"ConstantOfShape", "Range"} else 1  # inputs that can decide shapes
     shape_values_known = all(i in case.consts for i, x in enumerate(case.inputs) if x is not None and i >= first_shape_input)
     data_dependent = case.op in {"NonZero", "Unique", "Compress"}
-    for index, (exp, act, info) in enumerate(zip(expected, actual, infos.values())):
+    for index, (exp, act, info) in enumerate(zip(expected, actual, infos)):
         exp = np.asarray(exp)
         assert act.dtype == exp.dtype, f"output {index}: dtype {act.dtype} != {exp.dtype}"
         assert act.shape == exp.shape, f"output {index}: shape {act.shape} != {exp.shape}"
@@ -347,8 +288,7 @@ def test_dynamic_profile_matches_onnxruntime() -> None:
     ids=["reshape", "squeeze", "concat", "split", "slice", "topk", "tile"],
 )
 def test_bad_shapes_fail_the_build(case: Case, message: str) -> None:
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(case.model())
+    network = parse(case.model())
     with pytest.raises(KilnError, match=message):
         kiln.build_plan(network, kiln.Builder().create_builder_config())
 
@@ -357,10 +297,8 @@ def test_out_of_range_indices_raise() -> None:
     """Indices outside [-dim, dim) are an error, never wrapped around silently."""
     for case in (Case("Gather", [f32(3, 2), i64(3)]), Case("GatherElements", [f32(3, 2), i64(-4, 0).reshape(1, 2)]),
                  Case("ScatterND", [f32(3, 2), i64(5).reshape(1, 1), f32(1, 2)])):
-        network = kiln.Builder().create_network()
-        assert kiln.OnnxParser(network).parse(case.model())
-        context = kiln.Runtime().load(
-            kiln.build_plan(network, kiln.Builder().create_builder_config())).create_execution_context()
+        _, plan = build(case.model())
+        context = kiln.Runtime().load(plan).create_execution_context()
         with pytest.raises(KilnError, match="out of range"):
             context.infer(case.feeds())
 
@@ -370,5 +308,5 @@ def test_bfloat16_data_movement() -> None:
     x = arange(2, 3, dtype=ml_dtypes.bfloat16)
     case = Case("Transpose", [x])
     out, infos = run_kiln(case.model(), case.feeds())
-    assert out[0].dtype == x.dtype and infos["out0"].dtype == x.dtype
+    assert out[0].dtype == x.dtype and infos[0].dtype == x.dtype
     np.testing.assert_array_equal(out[0].astype(np.float32), x.T.astype(np.float32))
