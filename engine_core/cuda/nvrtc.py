@@ -104,4 +104,4 @@ def compile_cubin(source: str, name: str = "kernel.cu", arch: str = "sm_90",
 def compile_kernel_file(stem: str, arch: str = "sm_90", options: Sequence[str] = ()) -> bytes:
     """Compile one of Kiln's own kernels by file stem (e.g. "softmax")."""
     path = kernel_sources()[stem]
-    return compile_cubin(path.read_text(), path.name, arch, options)
+    return compile_cubin(path.read_text(), path.name, arch, [f"--include-path={KERNEL_DIR}", *options])

@@ -1,0 +1,89 @@
+"""cuBLAS through ctypes (the nvidia-cublas wheel's libcublas): fp32 strided-batched GEMM.
+
+Why ctypes: the wheel ships the library, and one entry point (cublasSgemmStridedBatched) is all the
+v0 runner needs; nvmath-python would add a dependency for the same call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from functools import cache
+
+from engine_core.cuda.driver import CudaError
+
+_OP_N, _OP_T = 0, 1
+WORKSPACE_BYTES = 32 << 20
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """Load libcublas (after libcublasLt from the same folder); raises CudaError when absent."""
+    patterns = ("nvidia/cu13/lib/libcublas.so*", "nvidia/cublas/lib/libcublas.so*", "torch/lib/libcublas.so*")
+    for base in sys.path:
+        for pattern in patterns:
+            found = sorted(p for p in glob.glob(os.path.join(base, pattern)) if "Lt" not in os.path.basename(p))
+            if found:
+                folder = os.path.dirname(found[0])
+                for lt in sorted(glob.glob(os.path.join(folder, "libcublasLt.so*"))):
+                    ctypes.CDLL(lt, mode=ctypes.RTLD_GLOBAL)
+                    break
+                return ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    raise CudaError("libcublas not found (install nvidia-cublas)")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CudaError(f"{what} failed with cuBLAS status {status}")
+
+
+class Cublas:
+    """One cuBLAS handle (per execution context: handles are not thread-safe across streams)."""
+
+    def __init__(self) -> None:
+        lib = library()
+        self.lib = lib
+        self.handle = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        lib.cublasSgemmStridedBatched.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.POINTER(ctypes.c_float),
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int]
+        self._stream: int | None = None
+        # A fixed workspace: cuBLAS then allocates nothing while a CUDA graph is being captured.
+        from engine_core.cuda.driver import DeviceBuffer
+
+        self._workspace = DeviceBuffer(WORKSPACE_BYTES)
+        _check(lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self._workspace.ptr),
+                                         ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
+
+    def set_stream(self, stream: int) -> None:
+        if stream != self._stream:
+            _check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
+            self._stream = stream
+
+    def gemm(self, a: int, b: int, y: int, m: int, n: int, k: int, batch: int, trans_a: bool, trans_b: bool,
+             a_batch_stride: int, b_batch_stride: int, alpha: float, beta: float, stream: int) -> None:
+        """Row-major Y = alpha A@B + beta Y, computed as the column-major Y^T = B^T A^T."""
+        self.set_stream(stream)
+        op_a, lda = (_OP_T, m) if trans_a else (_OP_N, k)
+        op_b, ldb = (_OP_T, k) if trans_b else (_OP_N, n)
+        al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
+        _check(self.lib.cublasSgemmStridedBatched(
+            self.handle, op_b, op_a, n, m, k, ctypes.byref(al), b, ldb, b_batch_stride, a, lda, a_batch_stride,
+            ctypes.byref(be), y, n, m * n, batch), "cublasSgemmStridedBatched")
+
+    def __del__(self) -> None:
+        try:
+            self.lib.cublasDestroy_v2(self.handle)
+        except Exception:
+            pass
+

@@ -1,0 +1,346 @@
+"""The CUDA runner: lowered steps -> kernel launches, cuBLAS calls and copies on one stream.
+
+``CudaEngineState`` holds what all contexts of an engine share (loaded CUBINs, weights uploaded
+once); ``CudaContextState`` holds one context's arena and its per-input-shape bindings (lowering,
+folded shape values on the device, prepared kernel parameter blocks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from engine_core.backends.cpu import run_node
+from engine_core.backends.cuda.lowering import Copy, Gemm, Host, Launch, Lowered, Ref, lower_graph
+from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
+from engine_core.errors import ExecutionError
+from engine_core.ops import TensorInfo
+from engine_core.passes import infer_shapes
+from engine_core.plan import Plan
+
+Shapes = Mapping[str, tuple[int, ...]]
+#: captured graphs kept per input-shape binding (one per distinct set of I/O addresses)
+MAX_GRAPHS_PER_SHAPE = 4
+
+
+class CudaEngineState:
+    """Per engine: modules from the plan's CUBINs and the weights, on the device once."""
+
+    def __init__(self, plan: Plan) -> None:
+        primary_context()
+        self.plan = plan
+        self.modules = {name: Module(cubin) for name, cubin in plan.kernels.items()}
+        self._functions: dict[tuple[str, str], Any] = {}
+        self.weights = {name: DeviceBuffer.from_array(np.ascontiguousarray(value))
+                        for name, value in plan.graph.constants.items()
+                        if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"}
+        self.gemm_choice = {layer["name"]: layer["tactic"].split(":", 1)[1] for layer in plan.layers
+                            if str(layer.get("tactic", "")).startswith("gemm:")}
+
+    def function(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if key not in self._functions:
+            self._functions[key] = self.modules[module].function(name)
+        return self._functions[key]
+
+    def create_context(self) -> CudaContextState:
+        return CudaContextState(self)
+
+
+class _PreparedLaunch:
+    """A launch whose parameter block is built once; only pointer slots change between runs."""
+
+    def __init__(self, launch: Launch, function: Any) -> None:
+        self.launch = launch
+        self.function = function
+        self.objects: list[Any] = []
+        self.refs: list[tuple[ctypes.c_void_p, Ref]] = []
+        for value, ctype in launch.args:
+            if isinstance(value, Ref):
+                obj = ctypes.c_void_p(0)
+                self.refs.append((obj, value))
+            elif isinstance(value, ctypes.Structure):
+                obj = value
+            else:
+                obj = ctype(value)
+            self.objects.append(obj)
+        self.params = (ctypes.c_void_p * len(self.objects))(*[ctypes.addressof(o) for o in self.objects])
+
+    def run(self, resolve, stream: int) -> None:
+        from cuda.bindings import driver
+
+        for obj, ref in self.refs:
+            obj.value = resolve(ref)
+        grid, block = self.launch.grid, self.launch.block
+        check(driver.cuLaunchKernel(self.function, *grid, *block, 0, stream, ctypes.addressof(self.params), 0),
+              f"launch {self.launch.function}")
+
+
+class _Binding:
+    """Everything one set of input shapes needs: lowering, folded values, prepared launches."""
+
+    def __init__(self, state: CudaEngineState, lowered: Lowered) -> None:
+        self.lowered = lowered
+        self.folded = {name: DeviceBuffer.from_array(v) for name, v in lowered.folded.items()}
+        self.prepared: dict[int, _PreparedLaunch] = {}
+        for step in lowered.steps:
+            for op in step.ops:
+                if isinstance(op, Launch):
+                    self.prepared[id(op)] = _PreparedLaunch(op, state.function(op.module, op.function))
+        self.io_buffers: dict[str, DeviceBuffer] = {}
+        self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.graph_failed = False
+        self.runs = 0
+
+
+class _Graph:
+    """An instantiated CUDA graph (and the graph it came from), destroyed with the object."""
+
+    def __init__(self, graph: Any, exec_: Any) -> None:
+        self.graph, self.exec = graph, exec_
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuGraphExecDestroy(self.exec)
+            driver.cuGraphDestroy(self.graph)
+        except Exception:
+            pass
+
+
+class CudaContextState:
+    """Per execution context: the activation arena and bindings by input shapes."""
+
+    def __init__(self, engine: CudaEngineState) -> None:
+        self.engine = engine
+        self.arena: DeviceBuffer | None = None
+        self._bindings: dict[tuple, _Binding] = {}
+        self._cublas = None
+        self._stream: int | None = None
+        self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
+
+    # -- binding ----------------------------------------------------------------------------------
+    def bind(self, shapes: Shapes) -> _Binding:
+        key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
+        binding = self._bindings.get(key)
+        if binding is None:
+            graph = self.engine.plan.graph
+            infos = {v.name: TensorInfo(v.dtype, tuple(shapes[v.name]) if v.is_tensor else None)
+                     for v in graph.inputs}
+            lowered = lower_graph(graph, infer_shapes(graph, infos, values=True), self.engine.gemm_choice)
+            need = max(lowered.memory.size, self.engine.plan.device_memory_size, 1)
+            if self.arena is None or self.arena.nbytes < lowered.memory.size:
+                self.arena = DeviceBuffer(need)
+                for other in self._bindings.values():  # graphs captured the old arena's addresses
+                    other.graphs.clear()
+            binding = self._bindings[key] = _Binding(self.engine, lowered)
+        return binding
+
+    def _resolver(self, binding: _Binding, addresses: Mapping[str, int]):
+        locations, weights, folded = binding.lowered.locations, self.engine.weights, binding.folded
+        base = self.arena.ptr if self.arena is not None else 0
+
+        def resolve(ref: Ref) -> int:
+            kind, key = locations[ref.tensor]
+            if kind == "arena":
+                return base + key + ref.offset
+            if kind == "io":
+                if key not in addresses:
+                    raise ExecutionError(f"no device address set for '{key}'")
+                return addresses[key] + ref.offset
+            if kind == "weight":
+                return weights[key].ptr + ref.offset
+            return folded[key].ptr + ref.offset
+
+        return resolve
+
+    # -- running ----------------------------------------------------------------------------------
+    def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None) -> None:
+        """Launch every step on ``stream``; host syncs happen only around host-fallback layers.
+
+        Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
+        second run with the same shapes and I/O addresses on a non-default stream is captured into a
+        graph; later runs with those addresses replay it with one launch. Plans with host-fallback
+        layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
+        ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
+        """
+        binding = self.bind(shapes)
+        if profiler is not None:
+            self._launch_profiled(binding, addresses, stream, profiler)
+            return
+        if not self.use_graphs or stream == 0 or binding.has_host or binding.graph_failed:
+            self._launch_all(binding, addresses, stream)
+            return
+        key = tuple(sorted(addresses.items()))
+        graph = binding.graphs.get(key)
+        if graph is None:
+            binding.runs += 1
+            if binding.runs < 2:  # first run eagerly: library initialisation must not be captured
+                self._launch_all(binding, addresses, stream)
+                return
+            graph = self._capture(binding, addresses, stream)
+            if graph is None:
+                return
+            if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
+                binding.graphs.pop(next(iter(binding.graphs)))
+            binding.graphs[key] = graph
+        from cuda.bindings import driver
+
+        check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+
+    def _capture(self, binding: _Binding, addresses: Mapping[str, int], stream: int) -> _Graph | None:
+        """Capture one run into an instantiated graph; on failure, run eagerly and stop trying."""
+        from cuda.bindings import driver
+
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            self._launch_all(binding, addresses, stream)
+        except Exception:
+            driver.cuStreamEndCapture(stream)
+            binding.graph_failed = True
+            raise
+        graph = check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        try:
+            return _Graph(graph, check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
+        except Exception:
+            binding.graph_failed = True
+            self._launch_all(binding, addresses, stream)
+            return None
+
+    def _launch_profiled(self, binding: _Binding, addresses: Mapping[str, int], stream: int, profiler: Any) -> None:
+        from cuda.bindings import driver
+
+        events = [check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(len(binding.lowered.steps) + 1)]
+        check(driver.cuEventRecord(events[0], stream), "cuEventRecord")
+        self._launch_all(binding, addresses, stream, events[1:])
+        check(driver.cuEventSynchronize(events[-1]), "cuEventSynchronize")
+        for step, start, stop in zip(binding.lowered.steps, events, events[1:]):
+            profiler.report_layer_time(step.node.name, float(check(driver.cuEventElapsedTime(start, stop), "time")))
+        for event in events:
+            driver.cuEventDestroy(event)
+
+    def _launch_all(self, binding: _Binding, addresses: Mapping[str, int], stream: int,
+                    after_step: list | None = None) -> None:
+        from cuda.bindings import driver
+
+        resolve = self._resolver(binding, addresses)
+        for index, step in enumerate(binding.lowered.steps):
+            if after_step is not None and index:
+                check(driver.cuEventRecord(after_step[index - 1], stream), "cuEventRecord")
+            for op in step.ops:
+                if isinstance(op, Launch):
+                    binding.prepared[id(op)].run(resolve, stream)
+                elif isinstance(op, Gemm):
+                    self._gemm(op, resolve, stream)
+                elif isinstance(op, Copy):
+                    _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
+                elif isinstance(op, Host):
+                    self._host(op, binding, resolve, stream)
+        if after_step:
+            check(driver.cuEventRecord(after_step[-1], stream), "cuEventRecord")
+
+    def _gemm(self, op: Gemm, resolve, stream: int) -> None:
+        a, b, y = resolve(op.a), resolve(op.b), resolve(op.y)
+        if op.tactic == "cublas":
+            if self._cublas is None:
+                from engine_core.backends.cuda.cublas import Cublas
+
+                self._cublas = Cublas()
+            self._cublas.gemm(a, b, y, op.m, op.n, op.k, op.batch, op.trans_a, op.trans_b, op.a_strides[2],
+                              op.b_strides[2], op.alpha, op.beta, stream)
+            return
+        run_kiln_gemm(self.engine.function("gemm", "gemm_f32"), op, a, b, y, stream)
+
+    def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
+        from cuda.bindings import driver
+
+        node, infos = op.node, binding.lowered.infos
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        args = []
+        for name in node.inputs:
+            if not name:
+                args.append(None)
+            elif name in self.engine.plan.graph.constants:
+                args.append(self.engine.plan.graph.constants[name])
+            elif infos.get(name) is not None and infos[name].value is not None:
+                args.append(infos[name].value)
+            else:
+                info = infos[name]
+                out = np.empty(info.shape, info.dtype)
+                if out.nbytes:
+                    check(driver.cuMemcpyDtoH(out.ctypes.data, resolve(Ref(name)), out.nbytes), "cuMemcpyDtoH")
+                args.append(out)
+        try:
+            results = run_node(node, args)
+        except Exception as e:
+            raise ExecutionError(f"layer {node} (host fallback) failed: {type(e).__name__}: {e}") from e
+        for name, value in zip(node.outputs, results):
+            if not name:
+                continue
+            info = infos[name]
+            value = np.ascontiguousarray(np.asarray(value, dtype=info.dtype))
+            if value.shape != tuple(info.shape):
+                raise ExecutionError(f"layer {node}: host output '{name}' has shape {value.shape}, "
+                                     f"shape inference said {info.shape}")
+            if value.nbytes:
+                check(driver.cuMemcpyHtoD(resolve(Ref(name)), value.ctypes.data, value.nbytes), "cuMemcpyHtoD")
+
+    def stream(self) -> int:
+        if self._stream is None:
+            from cuda.bindings import driver
+
+            self._stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+        return self._stream
+
+    def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None) -> dict[str, np.ndarray]:
+        """Host numpy in/out: inputs to device buffers, run on the context's stream, outputs back."""
+        from cuda.bindings import driver
+
+        shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
+        binding = self.bind(shapes)
+        stream = self.stream()
+        graph, infos = self.engine.plan.graph, binding.lowered.infos
+        arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        outputs = {name: np.empty(infos[name].shape, infos[name].dtype) for name in graph.output_names}
+        addresses = {}
+        for name, array in (*arrays.items(), *outputs.items()):
+            buf = binding.io_buffers.get(name)
+            if buf is None or buf.nbytes < array.nbytes:
+                buf = binding.io_buffers[name] = DeviceBuffer(array.nbytes)
+            addresses[name] = buf.ptr
+        for name, array in arrays.items():
+            if array.nbytes:
+                check(driver.cuMemcpyHtoDAsync(addresses[name], array.ctypes.data, array.nbytes, stream), "HtoD")
+        self.execute(shapes, addresses, stream, profiler)
+        for name, array in outputs.items():
+            if array.nbytes:
+                check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        return outputs
+
+
+def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
+    from cuda.bindings import driver
+
+    if nbytes:
+        check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+def run_kiln_gemm(function: Any, op: Gemm, a: int, b: int, y: int, stream: int) -> None:
+    """Kiln's own tiled GEMM (cuda_kernels/gemm.cu): 64x64 tiles, 256 threads."""
+    from engine_core.cuda.driver import launch
+
+    grid = ((op.n + 63) // 64, (op.m + 63) // 64, op.batch)
+    c = ctypes
+    launch(function, grid, (256, 1, 1), [
+        (a, c.c_void_p), (b, c.c_void_p), (y, c.c_void_p), (op.m, c.c_int), (op.n, c.c_int), (op.k, c.c_int),
+        (op.a_strides[0], c.c_longlong), (op.a_strides[1], c.c_longlong), (op.a_strides[2], c.c_longlong),
+        (op.b_strides[0], c.c_longlong), (op.b_strides[1], c.c_longlong), (op.b_strides[2], c.c_longlong),
+        (op.m * op.n, c.c_longlong), (op.alpha, c.c_float), (op.beta, c.c_float)], stream=stream)

@@ -1,0 +1,98 @@
+"""Small ONNX models shared by the CUDA tests (CPU emulation and GPU runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+def _model(nodes, inputs, outputs, inits=(), opset: int = OPSET) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "m", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in inits])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def vi(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def mlp(din: int = 64, hidden: int = 256, dout: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """x[B, din] -> Gemm(transB) -> Relu -> MatMul -> Add -> Sigmoid -> Softmax."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((hidden, din)) / np.sqrt(din)).astype(np.float32)
+    b1 = (0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    w2 = (rng.standard_normal((hidden, dout)) / np.sqrt(hidden)).astype(np.float32)
+    b2 = (0.1 * rng.standard_normal(dout)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1, name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["m"], name="fc2"),
+             helper.make_node("Add", ["m", "b2"], ["a"], name="bias2"),
+             helper.make_node("Tanh", ["a"], ["t"], name="tanh"),
+             helper.make_node("Softmax", ["t"], ["y"], axis=-1, name="softmax")]
+    return _model(nodes, [vi("x", TensorProto.FLOAT, ["batch", din])], [vi("y", TensorProto.FLOAT, ["batch", dout])],
+                  [("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)])
+
+
+def op_mix() -> onnx.ModelProto:
+    """Broadcasting, Transpose, Concat, Slice, Expand, Where, Cast, Clip, Gather, ReduceMean,
+    batched MatMul with a broadcast operand, Gemm with transA, LayerNorm, Softmax, a reshape view, and a
+    host-fallback layer (CumSum) in the middle."""
+    rng = np.random.default_rng(1)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [("bias", f(1, 5, 1)), ("gamma", f(6)), ("beta", f(6)), ("wb", f(6, 4)), ("gw", f(3, 7)),
+             ("emb", f(10, 6)), ("starts", np.array([1], np.int64)), ("ends", np.array([5], np.int64)),
+             ("axes", np.array([2], np.int64)), ("steps", np.array([2], np.int64)), ("lo", np.float32(-0.5)),
+             ("hi", np.float32(0.7)), ("shape4", np.array([2, 5, 6, 1], np.int64)), ("ax1", np.array([1], np.int64)),
+             ("eshape", np.array([2, 5, 6], np.int64)), ("red_axes", np.array([-1], np.int64))]
+    n = helper.make_node
+    nodes = [
+        n("Add", ["x", "bias"], ["xb"], name="add_bcast"),                        # [2,5,6]
+        n("Transpose", ["xb"], ["xt"], perm=[0, 2, 1], name="transpose"),         # [2,6,5]
+        n("Transpose", ["xt"], ["xtt"], perm=[0, 2, 1], name="transpose_back"),   # [2,5,6]
+        n("Concat", ["xb", "xtt"], ["cat"], axis=2, name="concat"),               # [2,5,12]
+        n("Slice", ["cat", "starts", "ends", "axes", "steps"], ["sl"], name="slice"),  # [2,5,2]
+        n("Greater", ["xb", "xtt"], ["gt"], name="greater"),
+        n("Where", ["gt", "xb", "bias"], ["wh"], name="where"),
+        n("Clip", ["wh", "lo", "hi"], ["cl"], name="clip"),
+        n("Cast", ["gt"], ["gtf"], to=TensorProto.FLOAT, name="cast"),
+        n("Mul", ["cl", "gtf"], ["mu"], name="mul"),
+        n("CumSum", ["mu", "ax1"], ["cs"], name="cumsum_host"),
+        n("LayerNormalization", ["cs", "gamma", "beta"], ["ln"], axis=-1, epsilon=1e-5, name="layer_norm"),
+        n("MatMul", ["ln", "wb"], ["mm"], name="matmul_w"),                       # [2,5,4]
+        n("MatMul", ["ln", "xt"], ["bmm"], name="matmul_batched"),                # [2,5,5]
+        n("Softmax", ["bmm"], ["sm"], axis=-1, name="softmax"),
+        n("ReduceMean", ["sm"], ["rm"], axes=[-1], keepdims=1, name="reduce_mean"),
+        n("Expand", ["rm", "eshape"], ["ex"], name="expand"),                     # [2,5,6]
+        n("Reshape", ["ex", "shape4"], ["rs"], name="reshape_view"),
+        n("Sqrt", ["rs"], ["sq"], name="sqrt"),
+        n("Gather", ["emb", "ids"], ["g"], axis=0, name="gather"),                # [2,3,6]
+        n("Constant", [], ["g2shape"], value=numpy_helper.from_array(np.array([3, 12], np.int64))),
+        n("Reshape", ["g", "g2shape"], ["g2"], name="flatten_ids"),               # [3,12]
+        n("Gemm", ["gw", "g2"], ["gm"], transA=1, name="gemm_ta"),                # [7,12]
+        n("Exp", ["sl"], ["out_exp"], name="exp"),
+    ]
+    outputs = [vi("mm", TensorProto.FLOAT, [2, 5, 4]), vi("sq", TensorProto.FLOAT, [2, 5, 6, 1]),
+               vi("gm", TensorProto.FLOAT, [7, 12]), vi("out_exp", TensorProto.FLOAT, [2, 5, 2]),
+               vi("rs", TensorProto.FLOAT, [2, 5, 6, 1])]
+    return _model(nodes, [vi("x", TensorProto.FLOAT, [2, 5, 6]), vi("ids", TensorProto.INT64, [2, 3])], outputs, inits)
+
+
+def bert_small() -> onnx.ModelProto:
+    """tools/make_models.py's small bert_base (2 layers, hidden 64, dynamic batch and sequence)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from make_models import MODELS
+
+    return MODELS["bert_base"][1]()
+
+
+def bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[:, seq - seq // 4:] = 0
+    return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64), "attention_mask": mask,
+            "token_type_ids": rng.integers(0, 2, (batch, seq)).astype(np.int64)}

@@ -1,0 +1,194 @@
+"""CUDA backend pieces that need no GPU: memory planner, pointwise codegen (NVRTC for sm_90),
+lowering checked by a numpy emulation of every launch, and tactic choice with a fake timer."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import engine_core as kiln
+from engine_core.backends.cuda import prepare_plan, select_gemm_tactics
+from engine_core.backends.cuda.lowering import lower_graph
+from engine_core.backends.cuda.memory import ALIGNMENT, Interval, liveness, plan_memory
+from engine_core.backends.cuda.pointwise import (
+    Unsupported,
+    coalesce,
+    pointwise_kernel,
+    pointwise_source,
+)
+from engine_core.backends.cuda.tactics import choose_tactic
+from engine_core.cuda import compile_cubin
+from engine_core.ops import TensorInfo
+from engine_core.passes import PIPELINE, infer_shapes
+from tests.cuda.emulate import Emulator
+from tests.cuda.models import bert_feeds, bert_small, mlp, op_mix
+
+# -- memory planner ---------------------------------------------------------------------------------
+
+
+def _check_no_overlap(intervals, plan):
+    for i, a in enumerate(intervals):
+        for b in intervals[i + 1:]:
+            if a.overlaps(b) and a.nbytes and b.nbytes:
+                a0, b0 = plan.offsets[a.name], plan.offsets[b.name]
+                assert a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0, (a, b, a0, b0)
+
+
+def test_planner_reuses_dead_buffers_in_a_chain():
+    # x0 -> x1 -> x2 -> x3: only two neighbours are ever live, so two slots suffice
+    steps = [([f"t{i}"], [f"t{i + 1}"]) for i in range(6)]
+    sizes = {f"t{i}": 1000 for i in range(1, 7)}
+    intervals = liveness(steps, sizes)
+    plan = plan_memory(intervals)
+    assert plan.size == 2 * 1024  # 1000 rounded up to 256-byte multiples, two live at once
+    assert plan.total_unshared == 6 * 1024
+    assert all(off % ALIGNMENT == 0 for off in plan.offsets.values())
+    _check_no_overlap(intervals, plan)
+
+
+def test_planner_keeps_live_tensors_apart_randomized():
+    rng = np.random.default_rng(0)
+    intervals = []
+    for i in range(200):
+        first = int(rng.integers(0, 50))
+        intervals.append(Interval(f"t{i}", int(rng.integers(0, 5000)), first, first + int(rng.integers(0, 10))))
+    plan = plan_memory(intervals)
+    _check_no_overlap(intervals, plan)
+    peak_live = max(sum(-(-t.nbytes // 256) * 256 for t in intervals if t.first <= s <= t.last) for s in range(60))
+    assert peak_live <= plan.size <= plan.total_unshared
+
+
+def test_liveness_keeps_outputs_written_but_unread():
+    intervals = {t.name: t for t in liveness([(["a"], ["b"]), (["b"], ["c"]), (["c"], ["d"])],
+                                             {"b": 8, "c": 8, "d": 8}, keep_alive=["b"])}
+    assert (intervals["b"].first, intervals["b"].last) == (0, 2)
+    assert (intervals["d"].first, intervals["d"].last) == (2, 2)
+
+
+# -- pointwise codegen --------------------------------------------------------------------------------
+
+
+def test_coalesce_merges_contiguous_dims_and_keeps_broadcast_ones():
+    assert coalesce((2, 3, 4), [(12, 4, 1), (12, 4, 1)]) == ([24], [[1], [1]])
+    assert coalesce((2, 3, 4), [(12, 4, 1), (0, 1, 0)]) == ([2, 3, 4], [[12, 4, 1], [0, 1, 0]])
+    assert coalesce((1, 5, 1), [(5, 1, 1)]) == ([5], [[1]])
+
+
+def test_pointwise_family_compiles_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    f32, i64, b = np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.bool_)
+    kernels = [pointwise_kernel(op, f32, [f32]) for op in ("Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt",
+                                                           "Neg", "Abs", "Reciprocal", "Floor", "Ceil")]
+    kernels += [pointwise_kernel(op, f32, [f32, f32]) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")]
+    kernels += [pointwise_kernel("Add", i64, [i64, i64]), pointwise_kernel("Less", b, [i64, i64]),
+                pointwise_kernel("Where", f32, [b, f32, f32]), pointwise_kernel("Cast", b, [f32]),
+                pointwise_kernel("Cast", f32, [i64]), pointwise_kernel("Clip", f32, [f32, f32, f32], "_lo_hi"),
+                pointwise_kernel("And", b, [b, b]), pointwise_kernel("Not", b, [b])]
+    cubin = compile_cubin(pointwise_source(kernels), "pw.cu", "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    for k in kernels:
+        assert k.name.encode() in cubin, k.name
+
+
+def test_pointwise_rejects_what_it_cannot_do():
+    with pytest.raises(Unsupported):
+        pointwise_kernel("Sigmoid", np.int64, [np.int64])
+    with pytest.raises(Unsupported):
+        pointwise_kernel("Add", np.float16, [np.float16, np.float16])
+
+
+# -- lowering, checked by emulating every launch on the host ------------------------------------------
+
+
+def _graph_and_infos(model, shapes):
+    net = kiln.Builder().create_network()
+    kiln.OnnxParser(net).parse(model)
+    graph = copy.deepcopy(net.graph)
+    for graph_pass in PIPELINE:
+        graph_pass(graph)
+    infos = {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs}
+    return graph, infer_shapes(graph, infos, values=True)
+
+
+def _emulate_vs_ort(model, feeds, rtol=1e-5, atol=1e-5, gemm_choice=None):
+    graph, infos = _graph_and_infos(model, {k: v.shape for k, v in feeds.items()})
+    lowered = lower_graph(graph, infos, gemm_choice)
+    got = Emulator(graph, lowered, feeds).run()
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol, err_msg=name)
+    return lowered
+
+
+def test_lowered_mlp_matches_onnxruntime():
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    lowered = _emulate_vs_ort(mlp(), {"x": x})
+    assert lowered.tactics() == {"fc1": "gemm:cublas", "relu": "pointwise:pw_relu_f32_f32",
+                                 "fc2": "gemm:cublas", "bias2": "pointwise:pw_add_f32_f32_f32",
+                                 "tanh": "pointwise:pw_tanh_f32_f32", "softmax": "kernel:Softmax"}
+    assert lowered.memory.size < lowered.memory.total_unshared
+
+
+def test_lowered_op_mix_matches_onnxruntime_with_visible_host_fallback():
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[1, 2, 3], [9, 0, -1]])}
+    lowered = _emulate_vs_ort(op_mix(), feeds)
+    tactics = lowered.tactics()
+    assert tactics["cumsum_host"] == "host"
+    assert [n for n, t in tactics.items() if t == "host"] == ["cumsum_host"]
+    assert tactics["reshape_view"] == "view" and tactics["matmul_batched"] == "gemm:cublas"
+    _emulate_vs_ort(op_mix(), feeds, gemm_choice={"matmul_batched": "kiln_gemm", "gemm_ta": "kiln_gemm"})
+
+
+def test_lowered_bert_small_matches_onnxruntime_and_folds_shape_math():
+    feeds = bert_feeds(2, 16)
+    lowered = _emulate_vs_ort(bert_small(), feeds, rtol=1e-4, atol=1e-4)
+    tactics = lowered.tactics()
+    assert "host" not in tactics.values()
+    assert not any(s.node.op_type in ("Shape", "Range") for s in lowered.steps)  # computed by shape inference
+    assert lowered.memory.size < lowered.memory.total_unshared / 4
+
+
+# -- tactic choice and the build step -------------------------------------------------------------------
+
+
+def test_choose_tactic_takes_the_fastest_and_survives_failures():
+    times = {"cublas": 2.0, "kiln_gemm": 1.5}
+    assert choose_tactic(["cublas", "kiln_gemm"], times.__getitem__) == ("kiln_gemm", times)
+
+    def broken(name):
+        if name == "kiln_gemm":
+            raise RuntimeError("launch failed")
+        return 3.0
+
+    best, measured = choose_tactic(["cublas", "kiln_gemm"], broken)
+    assert best == "cublas" and measured["kiln_gemm"] == float("inf")
+
+
+def test_prepare_plan_records_timed_tactics_kernels_and_peak(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    graph, infos = _graph_and_infos(mlp(), {"x": (8, 64)})
+    _, big = _graph_and_infos(mlp(), {"x": (64, 64)})
+    seen = []
+
+    def timer_for(gemm):
+        seen.append((gemm.m, gemm.n, gemm.k))
+        return lambda tactic: {"cublas": 1.0 + gemm.k / 1000, "kiln_gemm": 1.1}[tactic]
+
+    build = prepare_plan(graph, {(0, 0): infos, (0, 1): infos, (0, 2): big}, arch="sm_90", timer_for=timer_for)
+    assert sorted(seen) == [(8, 32, 256), (8, 256, 64)]  # timed once each, at the opt shapes
+    assert build.tactics["fc1"] == "gemm:cublas" and build.tactics["fc2"] == "gemm:kiln_gemm"
+    assert set(build.kernels) == {"pointwise", "softmax", "layer_norm", "reduce", "gather", "gemm"}
+    assert all(cubin[:4] == b"\x7fELF" for cubin in build.kernels.values())
+    lowered_max = lower_graph(graph, big)
+    assert build.device_memory_size == lowered_max.memory.size > 0
+
+
+def test_select_gemm_tactics_only_times_gemm_layers():
+    graph, infos = _graph_and_infos(mlp(), {"x": (4, 64)})
+    choice, timings = select_gemm_tactics(lower_graph(graph, infos), lambda op: (lambda t: 1.0))
+    assert set(choice) == {"fc1", "fc2"} and set(timings["fc1"]) == {"cublas", "kiln_gemm"}

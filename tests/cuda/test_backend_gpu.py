@@ -1,0 +1,155 @@
+"""CUDA backend on the device: engine outputs vs the CPU backend (same plan inputs), with stated
+tolerances (fp32 everywhere; cuBLAS in pure fp32 mode, so differences are summation order only)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import engine_core as kiln
+from engine_core.types import LayerInformationFormat
+from tests.cuda.models import bert_feeds, bert_small, mlp, op_mix
+
+pytestmark = pytest.mark.gpu
+
+
+def _build(model, backend: str, profiles: dict | None = None):
+    builder = kiln.Builder()
+    net = builder.create_network()
+    kiln.OnnxParser(net).parse(model)
+    cfg = builder.create_builder_config()
+    cfg.backend = backend
+    if profiles:
+        prof = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in profiles.items():
+            prof.set_shape(name, lo, opt, hi)
+        cfg.add_optimization_profile(prof)
+    return kiln.Runtime().load(kiln.build_plan(net, cfg))
+
+
+def _both(model, feeds_list, profiles=None):
+    gpu, cpu = _build(model, "cuda", profiles), _build(model, "cpu", profiles)
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    return gpu, [(gctx.infer(f), cctx.infer(f)) for f in feeds_list]
+
+
+def _close(got, want, rtol, atol):
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_default_backend_is_cuda_here():
+    assert kiln.Builder().create_builder_config().backend == "cuda"
+
+
+def test_mlp_matches_cpu_backend_at_several_batches():
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((b, 64)).astype(np.float32)} for b in (1, 7, 64)]
+    engine, results = _both(mlp(), feeds, {"x": ((1, 64), (16, 64), (64, 64))})
+    for got, want in results:
+        _close(got, want, rtol=1e-4, atol=1e-6)
+    assert engine.plan.arch.startswith("sm_") and "pointwise" in engine.plan.kernels
+    tactics = {layer["name"]: layer["tactic"] for layer in engine.plan.layers}
+    assert tactics["fc1"] in ("gemm:cublas", "gemm:kiln_gemm") and tactics["softmax"] == "kernel:Softmax"
+
+
+def test_op_mix_matches_cpu_backend_and_host_fallback_is_visible():
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[1, 2, 3], [9, 0, -1]])}
+    engine, [(got, want)] = _both(op_mix(), [feeds])
+    _close(got, want, rtol=1e-4, atol=1e-5)
+    inspector = engine.create_engine_inspector()
+    layers = json.loads(inspector.get_engine_information(LayerInformationFormat.JSON))["layers"]
+    assert [layer["name"] for layer in layers if layer["tactic"] == "host"] == ["cumsum_host"]
+
+
+@pytest.mark.parametrize("tactic", ["cublas", "kiln_gemm"])
+def test_both_gemm_tactics_compute_the_same(tactic):
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[0, 4, 3], [9, 0, -2]])}
+    engine = _build(op_mix(), "cuda")
+    engine.cuda.gemm_choice = {layer["name"]: tactic for layer in engine.plan.layers
+                               if layer["tactic"].startswith("gemm:")}
+    got = engine.create_execution_context().infer(feeds)
+    want = _build(op_mix(), "cpu").create_execution_context().infer(feeds)
+    _close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bert_small_matches_cpu_backend():
+    profiles = {n: ((1, 8), (2, 64), (4, 128)) for n in ("input_ids", "attention_mask", "token_type_ids")}
+    engine, results = _both(bert_small(), [bert_feeds(2, 128), bert_feeds(1, 8, seed=1), bert_feeds(4, 33, seed=2)],
+                            profiles)
+    for got, want in results:
+        _close(got, want, rtol=1e-4, atol=2e-5)
+    info = engine.plan.build_info["cuda"]
+    assert info["host_layers"] == []
+    assert 0 < engine.device_memory_size < info["activation_bytes_unshared"]
+    print(f"\nbert_small: device_memory_size={engine.device_memory_size} "
+          f"unshared={info['activation_bytes_unshared']} gemm_timings_ms={info['gemm_timings_ms']}")
+
+
+def test_execute_async_v3_with_device_pointers_and_two_contexts():
+    from cuda.bindings import driver
+
+    from engine_core.cuda.driver import DeviceBuffer, check
+
+    rng = np.random.default_rng(3)
+    engine = _build(mlp(), "cuda", {"x": ((1, 64), (8, 64), (32, 64))})
+    want = _build(mlp(), "cpu", {"x": ((1, 64), (8, 64), (32, 64))}).create_execution_context()
+    stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+    contexts = [engine.create_execution_context() for _ in range(2)]
+    assert contexts[0]._cuda.engine.weights is contexts[1]._cuda.engine.weights  # weights once per engine
+    for ctx, batch in zip(contexts, (3, 32)):
+        x = rng.standard_normal((batch, 64)).astype(np.float32)
+        dx, dy = DeviceBuffer.from_array(x), DeviceBuffer(batch * 32 * 4)
+        assert ctx.set_input_shape("x", x.shape)
+        assert ctx.get_tensor_shape("y") == (batch, 32)
+        ctx.set_tensor_address("x", dx.ptr)
+        ctx.set_tensor_address("y", dy.ptr)
+        for _ in range(3):  # eager, captured, replayed: all write the same numbers
+            dy.copy_from(np.zeros((batch, 32), np.float32))
+            assert ctx.execute_async_v3(stream)
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            np.testing.assert_allclose(dy.to_array(np.float32, (batch, 32)), want.infer({"x": x})["y"],
+                                       rtol=1e-4, atol=1e-6)
+
+
+def test_cuda_graph_replay_reads_new_inputs_each_run():
+    profiles = {n: ((1, 8), (2, 32), (2, 64)) for n in ("input_ids", "attention_mask", "token_type_ids")}
+    gpu, cpu = _build(bert_small(), "cuda", profiles), _build(bert_small(), "cpu", profiles)
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    for seed in range(4):  # run 1 eager, run 2 captured, runs 3-4 replayed with new data in the same buffers
+        feeds = bert_feeds(2, 32, seed=seed)
+        _close(gctx.infer(feeds), cctx.infer(feeds), rtol=1e-4, atol=2e-5)
+    (binding,) = gctx._cuda._bindings.values()
+    assert len(binding.graphs) == 1 and not binding.graph_failed
+
+
+def test_plans_with_host_layers_never_capture():
+    rng = np.random.default_rng(4)
+    engine = _build(op_mix(), "cuda")
+    ctx = engine.create_execution_context()
+    for _ in range(3):
+        ctx.infer({"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[1, 2, 3], [9, 0, -1]])})
+    (binding,) = ctx._cuda._bindings.values()
+    assert binding.has_host and not binding.graphs
+
+
+def test_profiler_reports_every_device_layer():
+    class Collect(kiln.IProfiler):
+        def __init__(self):
+            self.times = {}
+
+        def report_layer_time(self, layer_name, ms):
+            self.times[layer_name] = ms
+
+    engine = _build(mlp(), "cuda", {"x": ((1, 64), (8, 64), (32, 64))})
+    ctx = engine.create_execution_context()
+    ctx.profiler = Collect()
+    x = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
+    want = _build(mlp(), "cpu", {"x": ((1, 64), (8, 64), (32, 64))}).create_execution_context().infer({"x": x})
+    _close(ctx.infer({"x": x}), want, rtol=1e-4, atol=1e-6)
+    assert set(ctx.profiler.times) == {"fc1", "relu", "fc2", "bias2", "tanh", "softmax"}
+    assert all(0 <= ms < 100 for ms in ctx.profiler.times.values())
