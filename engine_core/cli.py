@@ -1,10 +1,12 @@
 """The `kiln` command: a thin layer over the public Python API (every feature is scriptable too).
 
-    kiln build model.onnx -o model.plan [--fp16] [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
+    kiln build model.onnx -o model.plan [--fp16] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
+               [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
     kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
     kiln inspect model.plan [--json]
     kiln serve --model-repository DIR [--http-port 8000]
     kiln conformance [--backend cpu] [--op Conv] [-v] [--markdown docs/conformance.md]
+    kiln perf -m MODEL [--protocol grpc] [--concurrency-range 1:64:x2] [-f results.json]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 import engine_core as kiln
 from engine_core.errors import KilnError
+from engine_core.inspector import add_build_arguments, apply_build_arguments, dump_layer_info
 from engine_core.plan import deserialize_plan
 from engine_core.runtime import engine_summary
 
@@ -122,6 +125,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             config.set_flag(flag)
     if args.workspace is not None:
         config.set_memory_pool_limit(kiln.MemoryPoolType.WORKSPACE, int(args.workspace * (1 << 20)))
+    apply_build_arguments(config, args)  # --profiling-verbosity, --refit
     try:
         shapes = profile_shapes(args)
     except ValueError as e:
@@ -149,6 +153,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     output = args.output or os.path.splitext(args.model)[0] + ".plan"
     with open(output, "wb") as f:
         f.write(plan)
+    if args.dump_layer_info:
+        print(dump_layer_info(plan))
     summary = engine_summary(deserialize_plan(plan))
     print(layer_table(summary))
     print()
@@ -258,6 +264,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def cmd_perf(args: argparse.Namespace) -> int:
+    from load_tests.perf import main as perf_main
+
+    return perf_main(args.perf_args)
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     from engine_core.conformance import run_from_args
 
@@ -284,6 +296,7 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", action="store_true", help=f"allow {name.upper()} precision")
     p.add_argument("--workspace", type=float, help="workspace memory limit in MiB")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_build_arguments(p)
     _add_shape_args(p)
     p.set_defaults(func=cmd_build)
 
@@ -311,6 +324,11 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--model-repository", required=True)
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("perf", help="load-test a running server (like perf_analyzer); see `kiln perf --help`",
+                       add_help=False)
+    p.add_argument("perf_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_perf)
+
     p = sub.add_parser("conformance", help="run onnx's node test cases and report pass rates")
     from engine_core.conformance import add_arguments
 
@@ -320,6 +338,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["perf"]:  # `kiln perf` owns all its flags (argparse REMAINDER drops leading options)
+        return cmd_perf(argparse.Namespace(perf_args=argv[1:]))
     args = make_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
