@@ -17,6 +17,7 @@ from engine_core.builder import (
     available_backends,
     build_plan,
 )
+from engine_core.error_recorder import ErrorCode, ErrorRecorder, IErrorRecorder
 from engine_core.errors import (
     BuildError,
     ExecutionError,
@@ -25,9 +26,12 @@ from engine_core.errors import (
     PlanFormatError,
     ShapeError,
 )
+from engine_core.inspector import IDebugListener
 from engine_core.logger import Logger, Severity
 from engine_core.network import NetworkDefinition
 from engine_core.onnx import OnnxParser, ParserError
+from engine_core.plugins import PluginDef, get_plugin_registry, register_plugin
+from engine_core.refit import Refitter
 from engine_core.runtime import (
     CudaEngine,
     EngineInspector,
@@ -51,7 +55,8 @@ from engine_core.types import (
 from engine_core.version import __version__
 
 __all__ = [
-    "BuildError", "Builder", "BuilderConfig", "BuilderFlag", "CudaEngine", "DataType", "EngineInspector",
+    "BuildError", "Builder", "ErrorCode", "ErrorRecorder", "IDebugListener", "IErrorRecorder", "PluginDef",
+    "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "CudaEngine", "DataType", "EngineInspector",
     "ExecutionContext", "ExecutionContextAllocationStrategy", "ExecutionError", "IOutputAllocator", "IProfiler",
     "KilnError", "LayerInformationFormat", "Logger", "MemoryPoolType", "NetworkDefinition",
     "NetworkDefinitionCreationFlag", "OnnxParser", "OptimizationProfile", "ParseError", "ParserError",

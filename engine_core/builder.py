@@ -15,13 +15,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import BuildError, KilnError
+from engine_core.inspector import build_extras
 from engine_core.ir import Graph
 from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.network import NetworkDefinition
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from engine_core.plan import IOTensor, Plan, serialize_plan
+from engine_core.plugins import plugin_kernels
 from engine_core.types import BuilderFlag, MemoryPoolType, ProfilingVerbosity, TensorIOMode
 
 ShapeTriple = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -140,6 +143,8 @@ def available_backends() -> list[str]:
 class Builder:
     """Creates networks, configs and profiles, and builds plans (IBuilder)."""
 
+    error_recorder = RecorderSlot()  # IErrorRecorder hook
+
     def __init__(self, logger: Logger | None = None) -> None:
         self.logger = logger or DEFAULT_LOGGER
 
@@ -164,7 +169,7 @@ class Builder:
         try:
             return build_plan(network, config, self.logger)
         except KilnError as e:
-            self.logger.log(Severity.ERROR, f"build failed: {e}")
+            report_error(self, ErrorCode.INVALID_CONFIG, f"build failed: {e}")
             return None
 
     def is_network_supported(self, network: NetworkDefinition, config: BuilderConfig) -> bool:
@@ -304,9 +309,10 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
 
     progress.start("Optimizing graph", len(PIPELINE))
     pass_counts: dict[str, int] = {}
-    for index, graph_pass in enumerate(PIPELINE):
-        pass_counts[graph_pass.__name__] = graph_pass(graph)
-        progress.step("Optimizing graph", index)
+    with build_extras(graph, network, config) as extra_info:  # refit, debug tensors, plugins, verbosity
+        for index, graph_pass in enumerate(PIPELINE):
+            pass_counts[graph_pass.__name__] = graph_pass(graph)
+            progress.step("Optimizing graph", index)
     progress.finish("Optimizing graph")
     logger.log(Severity.INFO, f"graph passes: {pass_counts}; {len(graph.nodes)} layers remain")
 
@@ -371,6 +377,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         for layer in layers:
             layer["tactic"] = cuda_build.tactics.get(layer["name"], "shape")  # "shape": computed on the host
         kernels, arch, memory, cuda_info = cuda_build.kernels, cuda_build.arch, cuda_build.device_memory_size, cuda_build.info
+    kernels.update(plugin_kernels(graph, config.backend, arch))  # plugin hook: their CUDA source, via NVRTC
     plan = Plan(
         name=network.name,
         backend=config.backend,
@@ -387,6 +394,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             "optimization_level": config.builder_optimization_level,
             "passes": pass_counts,
             "build_seconds": round(time.perf_counter() - started, 4),
+            **extra_info,
             **({"cuda": cuda_info} if cuda_info else {}),
         },
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine_core.inspector import network_tensor_names
 from engine_core.ir import Dim, Graph, Node, Value
 from engine_core.types import DataType, datatype_of, nptype
 
@@ -34,6 +35,8 @@ class NetworkDefinition:
     def __init__(self, flags: int = 0) -> None:
         self.flags = flags
         self.graph = Graph()
+        #: tensors marked with mark_debug (kept through the build; see engine_core.inspector)
+        self.debug_tensors: set[str] = set()
 
     @property
     def name(self) -> str:
@@ -92,6 +95,25 @@ class NetworkDefinition:
         name = tensor if isinstance(tensor, str) else tensor.name
         np_dtype = np.dtype(nptype(dtype)) if dtype is not None else np.dtype(np.float32)
         self.graph.outputs.append(Value(name, np_dtype, None))
+
+    # -- debug tensors ----------------------------------------------------------------------------
+    def mark_debug(self, tensor: NetworkTensor | str) -> bool:
+        """Mark a tensor of the network (input, constant or layer output) as a debug tensor."""
+        name = tensor if isinstance(tensor, str) else tensor.name
+        if name not in network_tensor_names(self.graph):
+            return False
+        self.debug_tensors.add(name)
+        return True
+
+    def unmark_debug(self, tensor: NetworkTensor | str) -> bool:
+        name = tensor if isinstance(tensor, str) else tensor.name
+        if name not in self.debug_tensors:
+            return False
+        self.debug_tensors.discard(name)
+        return True
+
+    def is_debug_tensor(self, tensor: NetworkTensor | str) -> bool:
+        return (tensor if isinstance(tensor, str) else tensor.name) in self.debug_tensors
 
     def unmark_output(self, tensor: NetworkTensor | str) -> None:
         name = tensor if isinstance(tensor, str) else tensor.name

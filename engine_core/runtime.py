@@ -7,22 +7,33 @@ On the CPU backend, tensor "addresses" are host pointers (``array.ctypes.data``)
 from __future__ import annotations
 
 import ctypes
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner
+from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
-from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
+from engine_core.inspector import (  # inspector / debug-tensor hooks
+    DEBUG_KEY,
+    EngineInspector,
+    IDebugListener,
+    debug_state,
+    engine_verbosity,
+    profiler_for,
+    report_to_profiler,
+    run_with_debug,
+)
+from engine_core.logger import DEFAULT_LOGGER, Logger
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import IOTensor, Plan, deserialize_plan
+from engine_core.plugins import PluginRegistry, check_plan_plugins, get_plugin_registry
+from engine_core.refit import engine_refittable
 from engine_core.types import (
     DataType,
     ExecutionContextAllocationStrategy,
-    LayerInformationFormat,
     TensorIOMode,
     TensorLocation,
     datatype_of,
@@ -52,6 +63,8 @@ class IProfiler:
 class Runtime:
     """Deserializes plans (IRuntime)."""
 
+    error_recorder = RecorderSlot()  # IErrorRecorder hook
+
     def __init__(self, logger: Logger | None = None) -> None:
         self.logger = logger or DEFAULT_LOGGER
 
@@ -60,7 +73,7 @@ class Runtime:
         try:
             return self.load(serialized_engine)
         except PlanFormatError as e:
-            self.logger.log(Severity.ERROR, f"cannot deserialize plan: {e}")
+            report_error(self, ErrorCode.INVALID_ARGUMENT, f"cannot deserialize plan: {e}")
             return None
 
     def load(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
@@ -71,11 +84,20 @@ class Runtime:
 
             if plan.backend not in available_backends():
                 raise PlanFormatError(f"plan was built for the '{plan.backend}' backend, which this machine lacks")
-        return CudaEngine(plan, bytes(serialized_engine), self.logger)
+        check_plan_plugins(plan.build_info)  # plugin hook: refuse plans whose plugins are missing
+        engine = CudaEngine(plan, bytes(serialized_engine), self.logger)
+        engine.error_recorder = self.error_recorder  # engines start with their runtime's recorder
+        return engine
+
+    def get_plugin_registry(self) -> PluginRegistry:
+        return get_plugin_registry()
 
 
 class CudaEngine:
     """A deserialized plan (ICudaEngine); shared by all its execution contexts."""
+
+    error_recorder = RecorderSlot()  # IErrorRecorder hook
+    profiling_verbosity = property(engine_verbosity)  # inspector hook
 
     def __init__(self, plan: Plan, serialized: bytes, logger: Logger) -> None:
         self.plan = plan
@@ -111,7 +133,10 @@ class CudaEngine:
 
     @property
     def refittable(self) -> bool:
-        return False
+        return engine_refittable(self)
+
+    def is_debug_tensor(self, name: str) -> bool:
+        return name in self.plan.build_info.get(DEBUG_KEY, [])
 
     @property
     def backend(self) -> str:
@@ -188,26 +213,6 @@ def _cuda_engine_state(plan: Plan) -> Any:
     return engine_state(plan)
 
 
-class EngineInspector:
-    """Layer information of an engine (IEngineInspector)."""
-
-    def __init__(self, engine: CudaEngine) -> None:
-        self.engine = engine
-        self.execution_context: ExecutionContext | None = None
-
-    def get_layer_information(self, layer_index: int, format: LayerInformationFormat) -> str:
-        layer = self.engine.plan.layers[layer_index]
-        if format == LayerInformationFormat.JSON:
-            return json.dumps(layer)
-        return f"{layer['name']} [{layer['type']}] tactic={layer['tactic']} origin={','.join(layer['origin'])}"
-
-    def get_engine_information(self, format: LayerInformationFormat) -> str:
-        plan = self.engine.plan
-        if format == LayerInformationFormat.JSON:
-            return json.dumps(engine_summary(plan), indent=2)
-        return "\n".join(self.get_layer_information(i, format) for i in range(len(plan.layers)))
-
-
 def engine_summary(plan: Plan) -> dict[str, Any]:
     """JSON-ready description of a plan: I/O, profiles, layers (used by `kiln inspect` too)."""
     return {
@@ -237,6 +242,9 @@ def _host_array(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
 class ExecutionContext:
     """Per-request state over a shared engine (IExecutionContext): shapes, addresses, profile."""
 
+    error_recorder = RecorderSlot("engine")  # IErrorRecorder hook: defaults to the engine's
+    enqueue_emits_profile = True  # profiler hook: False defers layer times to report_to_profiler()
+
     def __init__(self, engine: CudaEngine, strategy: ExecutionContextAllocationStrategy) -> None:
         self.engine = engine
         self.strategy = strategy
@@ -264,8 +272,8 @@ class ExecutionContext:
 
     def set_optimization_profile_async(self, profile_index: int, stream_handle: int = 0) -> bool:
         if not 0 <= profile_index < self.engine.num_optimization_profiles:
-            self.engine.logger.log(Severity.ERROR, f"profile {profile_index} does not exist "
-                                   f"(engine has {self.engine.num_optimization_profiles})")
+            report_error(self, ErrorCode.INVALID_ARGUMENT, f"profile {profile_index} does not exist "
+                         f"(engine has {self.engine.num_optimization_profiles})")
             return False
         self._profile = profile_index
         self._inferred = None
@@ -288,7 +296,7 @@ class ExecutionContext:
         try:
             self._input_shapes[name] = self.check_input_shape(name, shape)
         except ShapeError as e:
-            self.engine.logger.log(Severity.ERROR, str(e))
+            report_error(self, ErrorCode.INVALID_ARGUMENT, str(e))
             return False
         self._inferred = None
         return True
@@ -346,7 +354,7 @@ class ExecutionContext:
     # -- addresses and allocators ---------------------------------------------------------------
     def set_tensor_address(self, name: str, memory: int) -> bool:
         if self.engine.get_tensor_mode(name) == TensorIOMode.NONE:
-            self.engine.logger.log(Severity.ERROR, f"set_tensor_address: '{name}' is not an I/O tensor")
+            report_error(self, ErrorCode.INVALID_ARGUMENT, f"set_tensor_address: '{name}' is not an I/O tensor")
             return False
         self._addresses[name] = int(memory)
         return True
@@ -372,9 +380,9 @@ class ExecutionContext:
     # -- execution ------------------------------------------------------------------------------
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._cuda is not None:  # CUDA backend hook: host arrays in and out
-            return self._cuda.infer(feeds)
+            return self._cuda.infer(feeds, profiler_for(self))
         timer = self.profiler.report_layer_time if self.profiler is not None else None
-        return self.engine.runner.run(feeds, timer=timer)
+        return run_with_debug(self, feeds, timer)  # debug-tensor hook (plain run without a listener)
 
     def execute_async_v3(self, stream_handle: int = 0) -> bool:
         """Run with the addresses set by set_tensor_address (CPU backend: synchronously)."""
@@ -385,8 +393,28 @@ class ExecutionContext:
             self._execute_bound()
             return True
         except KilnError as e:
-            self.engine.logger.log(Severity.ERROR, f"execution failed: {e}")
+            report_error(self, ErrorCode.FAILED_EXECUTION, f"execution failed: {e}")
             return False
+
+    # -- debug tensors (engine_core.inspector) --------------------------------------------------
+    def set_debug_listener(self, listener: IDebugListener | None) -> bool:
+        debug_state(self).listener = listener
+        return True
+
+    def get_debug_listener(self) -> IDebugListener | None:
+        return debug_state(self).listener
+
+    def set_tensor_debug_state(self, name: str, flag: bool) -> bool:
+        return debug_state(self).set_state(name, flag)
+
+    def get_debug_state(self, name: str) -> bool:
+        return name in debug_state(self).enabled
+
+    def set_all_tensors_debug_state(self, flag: bool) -> bool:
+        return debug_state(self).set_all(flag)
+
+    def report_to_profiler(self) -> bool:
+        return report_to_profiler(self)
 
     def execute_v2(self, bindings: Sequence[int]) -> bool:
         for name, address in zip(self.engine._order, bindings):
@@ -411,7 +439,7 @@ class ExecutionContext:
         missing = [n for n in self._input_names if n not in self._input_shapes]
         if missing:
             raise ShapeError(f"set_input_shape was not called for inputs {missing}")
-        self._cuda.execute(self._input_shapes, self._addresses, int(stream_handle))
+        self._cuda.execute(self._input_shapes, self._addresses, int(stream_handle), profiler_for(self))
 
     def _deliver(self, name: str, value: np.ndarray) -> None:
         """Copy one output to its bound address, or to memory its output allocator provides."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ class CudaEngineState:
                         if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"}
         self.gemm_choice = {layer["name"]: layer["tactic"].split(":", 1)[1] for layer in plan.layers
                             if str(layer.get("tactic", "")).startswith("gemm:")}
+        self.contexts: weakref.WeakSet[CudaContextState] = weakref.WeakSet()
 
     def function(self, module: str, name: str) -> Any:
         key = (module, name)
@@ -48,7 +50,18 @@ class CudaEngineState:
         return self._functions[key]
 
     def create_context(self) -> CudaContextState:
-        return CudaContextState(self)
+        state = CudaContextState(self)
+        self.contexts.add(state)
+        return state
+
+    def refit(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Overwrite device weights in place (captured CUDA graphs keep their addresses) and drop
+        per-shape bindings, whose host-folded values may have read the old weights."""
+        for name, value in weights.items():
+            if name in self.weights:
+                self.weights[name].copy_from(np.ascontiguousarray(value))
+        for ctx in self.contexts:
+            ctx._bindings.clear()
 
 
 class _PreparedLaunch:

@@ -1,0 +1,308 @@
+"""Engine inspection and debugging: EngineInspector with ProfilingVerbosity, and debug tensors.
+
+ProfilingVerbosity is chosen at build time (``config.profiling_verbosity``) and recorded in the
+plan; the inspector never shows more than it allows:
+
+- NONE: no per-layer information (layer count, I/O and profiles only);
+- LAYER_NAMES_ONLY (default): each layer's name, type and chosen implementation (tactic);
+- DETAILED: also inputs, outputs, origin (ONNX nodes fused into it) and output shapes at the opt
+  point — and, with ``inspector.execution_context`` set, the shapes at that context's input shapes.
+
+Debug tensors: ``network.mark_debug(name)`` keeps an intermediate tensor alive through the graph
+passes and records it in the plan; a context then reports each one whose debug state is on to its
+``IDebugListener`` after the layer producing it ran (CPU backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_core.backends.cpu import GraphRunner, LayerTimer
+from engine_core.errors import ExecutionError
+from engine_core.ir import Graph, Value
+from engine_core.types import LayerInformationFormat, ProfilingVerbosity, TensorLocation, datatype_of
+
+if TYPE_CHECKING:
+    from engine_core.builder import BuilderConfig
+    from engine_core.network import NetworkDefinition
+    from engine_core.runtime import CudaEngine, ExecutionContext
+
+_NAMES_ONLY_KEYS = ("name", "type", "tactic")
+DEBUG_KEY = "debug_tensors"
+VERBOSITY_KEY = "profiling_verbosity"
+
+
+# -- build side ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def build_extras(graph: Graph, network: NetworkDefinition, config: BuilderConfig) -> Iterator[dict[str, Any]]:
+    """Wrap the builder's graph passes: refit, debug tensors, plugins, profiling verbosity.
+
+    Yields a dict that holds, once the block ends, the entries to add to ``Plan.build_info``.
+    """
+    from engine_core.plugins import BUILD_INFO_KEY as PLUGINS_KEY
+    from engine_core.plugins import plugins_used
+    from engine_core.refit import unfolded_weights
+
+    info: dict[str, Any] = {VERBOSITY_KEY: ProfilingVerbosity(config.profiling_verbosity).name}
+    with ExitStack() as stack:
+        refit_info = stack.enter_context(unfolded_weights(graph, config))
+        debug_info = stack.enter_context(kept_debug_tensors(graph, getattr(network, "debug_tensors", ())))
+        yield info
+    info.update(refit_info)
+    info.update(debug_info)
+    used = plugins_used(graph)
+    if used:
+        info[PLUGINS_KEY] = used
+
+
+@contextmanager
+def kept_debug_tensors(graph: Graph, names: Any) -> Iterator[dict[str, Any]]:
+    """Debug tensors are graph outputs while the passes run, so none is fused away or removed."""
+    info: dict[str, Any] = {}
+    extra = [n for n in sorted(names) if n not in set(graph.output_names)]
+    graph.outputs.extend(Value(n, np.dtype(np.float32), None) for n in extra)
+    try:
+        yield info
+    finally:
+        graph.outputs = [v for v in graph.outputs if v.name not in set(extra)]
+        if names:
+            info[DEBUG_KEY] = sorted(names)
+
+
+def network_tensor_names(graph: Graph) -> set[str]:
+    """Every tensor name a network has: inputs, constants, node outputs."""
+    return set(graph.input_names) | set(graph.constants) | {o for n in graph.nodes for o in n.outputs if o}
+
+
+# -- inspector ----------------------------------------------------------------------------------
+
+
+def engine_verbosity(engine: CudaEngine) -> ProfilingVerbosity:
+    """The verbosity the plan was built with (plans from before it was recorded: LAYER_NAMES_ONLY)."""
+    return ProfilingVerbosity[engine.plan.build_info.get(VERBOSITY_KEY, "LAYER_NAMES_ONLY")]
+
+
+class EngineInspector:
+    """Layer information of an engine (IEngineInspector), limited by the build's ProfilingVerbosity."""
+
+    def __init__(self, engine: CudaEngine) -> None:
+        self.engine = engine
+        self.execution_context: ExecutionContext | None = None
+        self.error_recorder = getattr(engine, "error_recorder", None)
+
+    @property
+    def verbosity(self) -> ProfilingVerbosity:
+        return engine_verbosity(self.engine)
+
+    def _record(self, layer_index: int) -> dict[str, Any]:
+        layer = self.engine.plan.layers[layer_index]
+        if self.verbosity == ProfilingVerbosity.NONE:
+            return {}
+        if self.verbosity == ProfilingVerbosity.LAYER_NAMES_ONLY:
+            return {k: layer[k] for k in _NAMES_ONLY_KEYS if k in layer}
+        record = dict(layer)
+        shapes = self._context_shapes()
+        if shapes is not None:
+            record["output_shapes"] = [list(shapes[o]) if o in shapes else None for o in layer["outputs"]]
+        return record
+
+    def _context_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Output shapes of every layer at the attached context's current input shapes."""
+        ctx = self.execution_context
+        if ctx is None or ctx.infer_shapes() or not ctx._inferred:
+            return None
+        return {name: info.shape for name, info in ctx._inferred.items() if info is not None and info.shape is not None}
+
+    def get_layer_information(self, layer_index: int, format: LayerInformationFormat) -> str:
+        if not 0 <= layer_index < len(self.engine.plan.layers):
+            raise IndexError(f"layer {layer_index} does not exist (engine has {len(self.engine.plan.layers)})")
+        record = self._record(layer_index)
+        if format == LayerInformationFormat.JSON:
+            return json.dumps(record)
+        return _one_line(record)
+
+    def get_engine_information(self, format: LayerInformationFormat) -> str:
+        from engine_core.runtime import engine_summary
+
+        records = [self._record(i) for i in range(len(self.engine.plan.layers))]
+        if format == LayerInformationFormat.JSON:
+            summary = engine_summary(self.engine.plan)
+            summary["layers"] = [r for r in records if r]
+            summary["num_layers"] = len(records)
+            summary[VERBOSITY_KEY] = self.verbosity.name
+            return json.dumps(summary, indent=2)
+        return "\n".join(_one_line(r) for r in records if r)
+
+
+def _one_line(record: dict[str, Any]) -> str:
+    if not record:
+        return ""
+    text = f"{record['name']} [{record['type']}] tactic={record['tactic']}"
+    if "origin" in record:
+        text += f" origin={','.join(record['origin'])}"
+    if record.get("output_shapes") is not None:
+        text += f" shapes={record['output_shapes']}"
+    return text
+
+
+# -- debug tensors at run time ------------------------------------------------------------------
+
+
+class IDebugListener:
+    """Receives debug tensors while a context runs (host memory on the CPU backend)."""
+
+    def process_debug_tensor(self, addr: int, location: TensorLocation, type: Any, shape: tuple[int, ...],
+                             name: str, stream: int) -> bool:
+        raise NotImplementedError
+
+
+class DebugState:
+    """One context's debug listener and per-tensor debug switches."""
+
+    def __init__(self, engine: CudaEngine) -> None:
+        self.engine = engine
+        self.listener: IDebugListener | None = None
+        self.enabled: set[str] = set()
+
+    @property
+    def debug_tensors(self) -> list[str]:
+        return list(self.engine.plan.build_info.get(DEBUG_KEY, []))
+
+    def set_state(self, name: str, flag: bool) -> bool:
+        if name not in self.debug_tensors:
+            return False
+        (self.enabled.add if flag else self.enabled.discard)(name)
+        return True
+
+    def set_all(self, flag: bool) -> bool:
+        self.enabled = set(self.debug_tensors) if flag else set()
+        return True
+
+    @property
+    def active(self) -> bool:
+        return self.listener is not None and bool(self.enabled)
+
+
+def debug_state(ctx: ExecutionContext) -> DebugState:
+    """The context's DebugState, created on first use."""
+    state = ctx.__dict__.get("_debug_state")
+    if state is None:
+        state = ctx.__dict__["_debug_state"] = DebugState(ctx.engine)
+    return state
+
+
+def run_with_debug(ctx: ExecutionContext, feeds: Mapping[str, np.ndarray],
+                   timer: LayerTimer | None) -> dict[str, np.ndarray]:
+    """Run the engine's graph; with a listener and enabled debug tensors, report them in layer order."""
+    timer = deferred_timer(ctx, timer)
+    state = ctx.__dict__.get("_debug_state")
+    if state is None or not state.active:
+        return ctx.engine.runner.run(feeds, timer=timer)
+    graph = ctx.engine.plan.graph
+    wanted = sorted(state.enabled)
+    runner = _debug_runner(ctx.engine, tuple(wanted))
+    results = runner.run(feeds, timer=timer)
+    for name in _in_layer_order(graph, wanted):
+        _report(state.listener, name, results[name])
+    return {name: results[name] for name in graph.output_names}
+
+
+def _debug_runner(engine: CudaEngine, names: tuple[str, ...]) -> GraphRunner:
+    """A runner whose graph also returns ``names`` (the plan's graph, constants shared: refit-safe)."""
+    cache = engine.__dict__.setdefault("_debug_runners", {})
+    if names not in cache:
+        graph = engine.plan.graph
+        extra = [Value(n, np.dtype(np.float32), None) for n in names if n not in set(graph.output_names)]
+        cache[names] = GraphRunner(dataclasses.replace(graph, outputs=graph.outputs + extra))
+    return cache[names]
+
+
+def _in_layer_order(graph: Graph, names: list[str]) -> list[str]:
+    position = {o: i for i, n in enumerate(graph.nodes) for o in n.outputs if o}
+    return sorted(names, key=lambda n: (position.get(n, -1), n))
+
+
+def _report(listener: IDebugListener, name: str, value: Any) -> None:
+    array = np.ascontiguousarray(value)
+    if array.dtype.kind in "OSU":
+        raise ExecutionError(f"debug tensor '{name}' holds strings, which have no tensor address")
+    address = array.ctypes.data
+    listener.process_debug_tensor(address, TensorLocation.HOST, datatype_of(array.dtype), tuple(array.shape), name, 0)
+
+
+# -- profiler: enqueue_emits_profile / report_to_profiler ---------------------------------------
+
+
+def deferred_timer(ctx: ExecutionContext, timer: LayerTimer | None) -> LayerTimer | None:
+    """With ``ctx.enqueue_emits_profile`` False, a run's layer times wait for ``report_to_profiler``."""
+    if timer is None or getattr(ctx, "enqueue_emits_profile", True):
+        return timer
+    pending: list[tuple[str, float]] = []
+    ctx.__dict__["_pending_layer_times"] = pending  # the reference reports the latest run only
+
+    def keep(layer_name: str, ms: float) -> None:
+        pending.append((layer_name, ms))
+
+    return keep
+
+
+class _DeferredProfiler:
+    """IProfiler stand-in for backends that take a profiler object (CUDA): defers like deferred_timer."""
+
+    def __init__(self, timer: LayerTimer) -> None:
+        self.report_layer_time = timer
+
+
+def profiler_for(ctx: ExecutionContext) -> Any:
+    """The profiler a backend should report to: the context's, or a deferring one (see deferred_timer)."""
+    if ctx.profiler is None:
+        return None
+    timer = deferred_timer(ctx, ctx.profiler.report_layer_time)
+    return ctx.profiler if timer == ctx.profiler.report_layer_time else _DeferredProfiler(timer)
+
+
+def report_to_profiler(ctx: ExecutionContext) -> bool:
+    """Hand the latest run's deferred layer times to the context's profiler (False without one)."""
+    if ctx.profiler is None:
+        return False
+    for layer_name, ms in ctx.__dict__.pop("_pending_layer_times", []):
+        ctx.profiler.report_layer_time(layer_name, ms)
+    return True
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+VERBOSITY_CHOICES = [v.name.lower() for v in ProfilingVerbosity]
+
+
+def add_build_arguments(parser: Any) -> None:
+    """`kiln build` options: --profiling-verbosity, --dump-layer-info, --refit."""
+    parser.add_argument("--profiling-verbosity", choices=VERBOSITY_CHOICES, default="layer_names_only",
+                        help="layer detail kept in the plan for the inspector (default: layer_names_only)")
+    parser.add_argument("--dump-layer-info", action="store_true",
+                        help="print the engine inspector's JSON layer information after the build")
+    parser.add_argument("--refit", action="store_true", help="build a refittable plan (BuilderFlag.REFIT)")
+
+
+def apply_build_arguments(config: BuilderConfig, args: Any) -> None:
+    from engine_core.types import BuilderFlag
+
+    config.profiling_verbosity = ProfilingVerbosity[args.profiling_verbosity.upper()]
+    if args.refit:
+        config.set_flag(BuilderFlag.REFIT)
+
+
+def dump_layer_info(plan: bytes) -> str:
+    """What `kiln build --dump-layer-info` prints: the inspector's JSON engine information."""
+    from engine_core.runtime import Runtime
+
+    engine = Runtime().load(plan)
+    return engine.create_engine_inspector().get_engine_information(LayerInformationFormat.JSON)

@@ -1,0 +1,149 @@
+"""Refit: replace a built engine's named weights without rebuilding it (IRefitter).
+
+A plan built with ``BuilderFlag.REFIT`` keeps every floating-point ONNX initializer / network
+constant as its own, named constant: graph passes that would consume one (constant folding,
+Conv+BN folding) are kept from seeing it, because a folded result could not be recomputed from a
+new value of only one of its inputs. Integer constants stay foldable: they feed shape
+computations, and changing them would change the engine's structure, not its weights.
+
+Refitting while execution contexts exist follows the reference: contexts keep working and see
+the new weights from their next run on; a run in flight during ``refit_cuda_engine`` is undefined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_core.error_recorder import ErrorCode, report_error
+from engine_core.ir import Graph, subgraph_reads
+from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
+from engine_core.plan import serialize_plan
+from engine_core.types import BuilderFlag
+
+if TYPE_CHECKING:
+    from engine_core.builder import BuilderConfig
+    from engine_core.runtime import CudaEngine
+
+#: build_info key listing the names of the refittable weights of a plan.
+BUILD_INFO_KEY = "refittable_weights"
+
+
+def refittable_names(graph: Graph) -> list[str]:
+    """Weights a refit may replace: the graph's floating-point constants, by name."""
+    return sorted(name for name, value in graph.constants.items()
+                  if isinstance(value, np.ndarray) and value.dtype.kind in "fc")
+
+
+@contextmanager
+def unfolded_weights(graph: Graph, config: BuilderConfig) -> Iterator[dict[str, Any]]:
+    """While the graph passes run, hide refittable weights from ``graph.constants`` (REFIT only).
+
+    Passes only fold what they find in ``graph.constants``, so a hidden weight is never folded
+    into another constant; afterwards the weights still in use come back under their names.
+    Yields the build_info entries to record (empty without REFIT).
+    """
+    info: dict[str, Any] = {}
+    if not config.get_flag(BuilderFlag.REFIT):
+        yield info
+        return
+    hidden = {name: graph.constants.pop(name) for name in refittable_names(graph)}
+    try:
+        yield info
+    finally:
+        used = {i for node in graph.nodes for i in (*node.inputs, *subgraph_reads(node))} | set(graph.output_names)
+        for name, value in hidden.items():
+            if name in used:
+                graph.constants[name] = value
+        info[BUILD_INFO_KEY] = sorted(n for n in hidden if n in graph.constants)
+
+
+def engine_refittable(engine: CudaEngine) -> bool:
+    """True when the plan was built with REFIT (``engine.refittable``)."""
+    return "REFIT" in engine.plan.build_info.get("flags", [])
+
+
+class Refitter:
+    """Updates the weights of a refittable engine (IRefitter)."""
+
+    def __init__(self, engine: CudaEngine, logger: Logger | None = None) -> None:
+        if not engine_refittable(engine):
+            raise ValueError(f"engine '{engine.name}' was not built with BuilderFlag.REFIT and cannot be refit")
+        self.engine = engine
+        self.logger = logger or DEFAULT_LOGGER
+        self.error_recorder = getattr(engine, "error_recorder", None)
+        self._names = list(engine.plan.build_info.get(BUILD_INFO_KEY, []))
+        self._pending: dict[str, np.ndarray] = {}
+
+    def _error(self, code: ErrorCode, msg: str) -> bool:
+        report_error(self, code, msg)
+        return False
+
+    def set_named_weights(self, name: str, weights: np.ndarray) -> bool:
+        """Stage new values for weights ``name``; same element count as the built weights."""
+        current = self.engine.plan.graph.constants.get(name) if name in self._names else None
+        if current is None:
+            return self._error(ErrorCode.INVALID_ARGUMENT, f"refit: '{name}' is not a refittable weight of this engine")
+        array = np.asarray(weights)
+        if array.size != current.size:
+            return self._error(ErrorCode.INVALID_ARGUMENT, f"refit: weights '{name}' have {array.size} values, "
+                               f"the engine's have {current.size} (shape {list(current.shape)})")
+        if array.dtype.kind not in "fciu":
+            return self._error(ErrorCode.INVALID_ARGUMENT, f"refit: weights '{name}' have dtype {array.dtype}")
+        self._pending[name] = np.ascontiguousarray(array.astype(current.dtype).reshape(current.shape))
+        return True
+
+    def get_named_weights(self, name: str) -> np.ndarray | None:
+        """Weights staged for ``name``, else the engine's current ones (None for an unknown name)."""
+        if name in self._pending:
+            return self._pending[name]
+        return self.engine.plan.graph.constants.get(name) if name in self._names else None
+
+    def unset_named_weights(self, name: str) -> bool:
+        return self._pending.pop(name, None) is not None
+
+    def get_missing_weights(self) -> list[str]:
+        """Weights that must also be supplied before a refit: none, since no weight is combined
+        with another at build time (REFIT keeps each one unfolded)."""
+        return []
+
+    def get_all_weights(self) -> list[str]:
+        return list(self._names)
+
+    def refit_cuda_engine(self) -> bool:
+        """Apply the staged weights; the engine then behaves as if built with them."""
+        missing = self.get_missing_weights()
+        if missing:
+            return self._error(ErrorCode.INVALID_STATE, f"refit: weights {missing} are still missing")
+        apply_weights(self.engine, self._pending)
+        self.logger.log(Severity.INFO, f"refit {len(self._pending)} weights of engine '{self.engine.name}'")
+        self._pending = {}
+        return True
+
+    refit_cuda_engine_async = refit_cuda_engine
+
+
+def apply_weights(engine: CudaEngine, weights: dict[str, np.ndarray]) -> None:
+    """Swap weights into the engine's graph (shared with all its contexts) and its serialized plan."""
+    if not weights:
+        return
+    engine.plan.graph.constants.update(weights)
+    engine._serialized = serialize_plan(engine.plan)
+    if engine.cuda is not None:
+        _refit_device_weights(engine.cuda, weights)
+
+
+def _refit_device_weights(state: Any, weights: dict[str, np.ndarray]) -> None:
+    """CUDA engines: overwrite the device copies in place, so every context (and every captured
+    CUDA graph, which holds their addresses) reads the new values from its next launch on."""
+    refit = getattr(state, "refit", None)
+    if refit is not None:  # the backend's own hook, when it has one (it may also drop cached bindings)
+        refit(weights)
+        return
+    for name, value in weights.items():
+        buffer = state.weights.get(name)
+        if buffer is not None:
+            buffer.copy_from(value)

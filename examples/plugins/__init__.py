@@ -1,0 +1,1 @@
+"""Example Kiln plugins (custom ONNX-domain ops written in Python)."""
