@@ -7,14 +7,20 @@ same layout, so they load through the same path as models on disk.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from server.core.errors import invalid, not_found
 
 CONFIG_FILENAME = "config.pbtxt"
+
+log = logging.getLogger("kiln.server")
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,72 @@ class ModelRepository:
 
     def close(self) -> None:
         shutil.rmtree(self._staging, ignore_errors=True)
+
+    def fingerprints(self) -> dict[str, str]:
+        """Per model name, a digest of its files' paths, sizes and modification times: changes when any
+        file is added, removed, rewritten or touched. Models in more than one repository get the joined digest."""
+        prints: dict[str, list[str]] = {}
+        for path in self.paths:
+            for directory in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                prints.setdefault(directory.name, []).append(directory_fingerprint(directory))
+        return {name: "+".join(parts) for name, parts in prints.items()}
+
+
+def directory_fingerprint(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # removed while we looked: the next poll sees the result
+            continue
+        if path.is_file():
+            digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+class RepositoryPoller:
+    """Poll mode: every `interval_s`, compare the repository with the last scan and load models that were
+    added or changed, unload models that were removed. A failed load leaves the loaded versions serving (the
+    load path guarantees that); it is retried when the model's files change again."""
+
+    def __init__(self, repository: ModelRepository, interval_s: float,
+                 load: Callable[[str], Awaitable[None]], unload: Callable[[str], Awaitable[None]]) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"--repository-poll-secs must be positive, got {interval_s}")
+        self.repository = repository
+        self.interval_s = interval_s
+        self._load = load
+        self._unload = unload
+        self._known: dict[str, str] = {}
+
+    def baseline(self) -> None:
+        """Remember the repository as it is now (before the startup loads begin)."""
+        self._known = self.repository.fingerprints()
+
+    async def poll_once(self) -> tuple[list[str], list[str]]:
+        """One scan: returns (models loaded or reloaded, models unloaded)."""
+        current = await asyncio.to_thread(self.repository.fingerprints)
+        previous, self._known = self._known, current
+        changed = sorted(name for name, digest in current.items() if previous.get(name) != digest)
+        removed = sorted(set(previous) - set(current))
+        for name in changed:
+            log.info("poll: model '%s' %s in the repository; loading", name,
+                     "changed" if name in previous else "appeared")
+        for name in removed:
+            log.info("poll: model '%s' was removed from the repository; unloading", name)
+        await asyncio.gather(*(self._load(name) for name in changed), *(self._unload(name) for name in removed))
+        return changed, removed
+
+    async def run(self) -> None:
+        """Poll until cancelled; a scan that fails (a directory vanishing mid-scan) is logged and retried."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the poller must outlive any one bad scan
+                log.exception("repository poll failed; retrying in %s s", self.interval_s)
 
 
 def read_source(name: str, directory: Path) -> ModelSource:

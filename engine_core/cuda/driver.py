@@ -43,13 +43,23 @@ def device_count() -> int:
 
 
 @cache
-def primary_context(ordinal: int = 0) -> Any:
-    """Retain and make current the device's primary context (shared with other CUDA users in-process)."""
+def _retained_primary_context(ordinal: int) -> Any:
     from cuda.bindings import driver
 
     _init()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
-    ctx = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    return check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+
+
+def primary_context(ordinal: int = 0) -> Any:
+    """Retain (once) and make current *on this thread* the device's primary context.
+
+    The current context is per thread: server workers run inference on pool threads, so every
+    caller sets it, not only the first (cuCtxSetCurrent is cheap).
+    """
+    from cuda.bindings import driver
+
+    ctx = _retained_primary_context(ordinal)
     check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return ctx
 

@@ -8,6 +8,7 @@ messages about shapes and datatypes, not engine internals.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ import numpy as np
 import onnx
 
 import engine_core as kiln
+from server.plan_cache import build_description, cache_key, files_digest, server_cache, target_arch
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
+from .batcher import BatchingSettings, DynamicBatcher
 from .errors import invalid
 from .model_config import (
     ModelConfig,
@@ -28,7 +31,7 @@ from .model_config import (
     model_shape,
 )
 from .scheduler import DirectScheduler, Scheduler
-from .statistics import ModelStatistics
+from .statistics import Duration, ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
 # Range given to dims the config leaves variable (-1) other than the batch dim.
@@ -49,6 +52,36 @@ class TensorSpec:
         return {"name": self.name, "datatype": self.datatype, "shape": shape}
 
 
+class BatchedStatistics(ModelStatistics):
+    """Statistics where executions are counted by the scheduler, not per request.
+
+    The core calls `record_success` once per request (inference_count, success, queue and per-request compute
+    times); the scheduler calls `record_execution` once per model execution (execution_count, batch_stats),
+    so with dynamic batching execution_count < inference_count, as in Triton.
+    """
+
+    def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes) -> None:
+        with self._lock:
+            self.inference["success"].add(total_ns)
+            self.inference["queue"].add(times.queue_ns)
+            self.inference["compute_input"].add(times.compute_input_ns)
+            self.inference["compute_infer"].add(times.compute_infer_ns)
+            self.inference["compute_output"].add(times.compute_output_ns)
+            self.inference_count += batch_size
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
+        with self._lock:
+            batch = self.batches.setdefault(batch_size, {f: Duration() for f in _BATCH_FIELDS})
+            batch["compute_input"].add(times.compute_input_ns)
+            batch["compute_infer"].add(times.compute_infer_ns)
+            batch["compute_output"].add(times.compute_output_ns)
+            self.execution_count += 1
+
+
+_BATCH_FIELDS = ("compute_input", "compute_infer", "compute_output")
+
+
 def _specs(tensors) -> dict[str, TensorSpec]:
     return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t))) for t in tensors}
 
@@ -66,11 +99,11 @@ class ModelVersion:
         self.inputs = _specs(config.input)
         self.outputs = _specs(config.output)
         self.max_batch_size = config.max_batch_size
-        self.statistics = ModelStatistics(name, str(version))
+        self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
+        self.statistics = BatchedStatistics(name, str(version))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
-        # The seam for dynamic batching: a batcher would be chosen here when config.dynamic_batching is set.
-        self.scheduler: Scheduler = DirectScheduler(contexts, _execute, thread_name=f"kiln-{name}-{version}")
+        self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self.statistics)
 
     def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
         """Validate request inputs against the config; returns engine-ready arrays and the batch size.
@@ -159,6 +192,15 @@ class ModelVersion:
         self.scheduler.close()
 
 
+def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str,
+               statistics: BatchedStatistics) -> Scheduler:
+    """The dynamic batcher when the config asks for it and the model batches; else one job per execution."""
+    if config.HasField("dynamic_batching") and config.max_batch_size > 0:
+        settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
+        return DynamicBatcher(contexts, _execute, thread_name, settings, statistics.record_execution)
+    return DirectScheduler(contexts, _execute, thread_name, statistics.record_execution)
+
+
 def _class_entry(value: float, index: int, labels: list[str]) -> bytes:
     text = f"{value:f}:{index}"
     if index < len(labels):
@@ -183,11 +225,67 @@ def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name:
 
 
 def _execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run on `context`, first switching it to the optimization profile that fits these shapes best."""
+    engine = context.engine  # type: ignore[attr-defined]
+    if engine.backend == "cuda":  # the current CUDA context is per thread; workers run on pool threads
+        from engine_core.cuda.driver import primary_context
+
+        primary_context()
+    if engine.num_optimization_profiles > 1:
+        shapes = {name: tuple(a.shape) for name, a in inputs.items()}
+        profile = select_profile(engine.plan.profiles, shapes)
+        if profile != context.active_optimization_profile:  # type: ignore[attr-defined]
+            context.set_optimization_profile_async(profile)  # type: ignore[attr-defined]
     return context.infer(inputs)  # type: ignore[attr-defined]
 
 
-def _profile_ranges(config: ModelConfig) -> dict[str, tuple[list[int], list[int], list[int]]]:
-    """min/opt/max per input: batch 1..max_batch_size, variable dims 1..DYNAMIC_DIM_MAX, fixed dims as given."""
+ProfileShapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def select_profile(profiles: list[ProfileShapes], shapes: dict[str, tuple[int, ...]]) -> int:
+    """The profile whose min..max covers every input shape, with the least total distance to its opt shapes
+    (the smallest kernels/padding that still fit); profile 0 when none covers them (its error then says why)."""
+    best, best_distance = 0, None
+    for index, profile in enumerate(profiles):
+        distance = 0
+        for name, shape in shapes.items():
+            if name not in profile:
+                continue
+            low, opt, high = profile[name]
+            if len(shape) != len(low) or not all(a <= d <= b for a, d, b in zip(low, shape, high)):
+                break
+            distance += sum(abs(o - d) for o, d in zip(opt, shape))
+        else:
+            if best_distance is None or distance < best_distance:
+                best, best_distance = index, distance
+    return best
+
+
+# Model config parameter: opt batch sizes, one optimization profile each (e.g. "2,8,32"); profile i covers
+# batch 1..size_i. Without it a model gets one profile, batch 1..max_batch_size.
+PROFILE_BATCH_SIZES = "kiln_profile_batch_sizes"
+
+
+def profile_batch_sizes(config: ModelConfig) -> list[int]:
+    """The opt (= max) batch size of each profile to build, ascending, ending at max_batch_size."""
+    if config.max_batch_size <= 0:
+        return [0]
+    parameter = config.parameters.get(PROFILE_BATCH_SIZES)
+    if parameter is None or not parameter.string_value.strip():
+        return [config.max_batch_size]
+    try:
+        sizes = sorted({int(s) for s in parameter.string_value.split(",") if s.strip()})
+    except ValueError:
+        raise invalid(f"model '{config.name}': parameter {PROFILE_BATCH_SIZES} must be comma-separated batch "
+                      f"sizes, got '{parameter.string_value}'") from None
+    if any(not 1 <= s <= config.max_batch_size for s in sizes):
+        raise invalid(f"model '{config.name}': {PROFILE_BATCH_SIZES} {sizes} must lie in 1..{config.max_batch_size}")
+    return sizes if sizes[-1] == config.max_batch_size else [*sizes, config.max_batch_size]
+
+
+def _profile_ranges(config: ModelConfig, batch: int) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """min/opt/max per input: batch 1..`batch` (opt = `batch`), variable dims 1..DYNAMIC_DIM_MAX, fixed dims
+    as given."""
     ranges = {}
     for tensor in config.input:
         dims = model_shape(tensor)
@@ -195,7 +293,7 @@ def _profile_ranges(config: ModelConfig) -> dict[str, tuple[list[int], list[int]
         high = [DYNAMIC_DIM_MAX if d == -1 else d for d in dims]
         opt = list(low)
         if config.max_batch_size > 0:
-            low, opt, high = [1, *low], [config.max_batch_size, *opt], [config.max_batch_size, *high]
+            low, opt, high = [1, *low], [batch, *opt], [batch, *high]
         ranges[tensor.name] = (low, opt, high)
     return ranges
 
@@ -232,15 +330,20 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise invalid(f"model '{source.name}' version {version}: ONNX import failed: {errors}")
     builder_config = kiln.BuilderConfig(_backend_for(config))
-    profile = builder.create_optimization_profile()
-    for name, (low, opt, high) in _profile_ranges(config).items():
-        profile.set_shape(name, low, opt, high)
-    builder_config.add_optimization_profile(profile)
-    plan = kiln.build_plan(network, builder_config)
-    engine = kiln.Runtime().load(plan)
+    for batch in profile_batch_sizes(config):
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in _profile_ranges(config, batch).items():
+            profile.set_shape(name, low, opt, high)
+        builder_config.add_optimization_profile(profile)
+    key = cache_key(files_digest(path.parent), build_description(builder_config), target_arch(builder_config.backend))
+    cached = server_cache().load_or_build(key, lambda: kiln.build_plan(network, builder_config),
+                                          f"model '{source.name}' version {version}")
+    engine = cached.engine
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
-    return ModelVersion(source.name, version, config, engine, _read_labels(source, config))
+    model = ModelVersion(source.name, version, config, engine, _read_labels(source, config))
+    model.plan_origin = cached.origin
+    return model
 
 
 def _backend_for(config: ModelConfig) -> str:

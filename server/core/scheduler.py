@@ -2,19 +2,21 @@
 
 A scheduler takes a `Job` (one request's model-ready input arrays, batch-first when the model batches) and
 returns the model's output arrays for it plus where the time went. `DirectScheduler` runs each job alone on
-the first free execution context, in a worker thread so the event loop never blocks on numpy. A dynamic
-batcher would implement the same `submit`, gather jobs from a queue, concatenate their inputs along the batch
-dimension, run once, and split the outputs back per job.
+the first free execution context, in a worker thread so the event loop never blocks on numpy;
+`batcher.DynamicBatcher` gathers jobs from per-priority queues, concatenates their inputs along the batch
+dimension, runs once, and splits the outputs back per job. Both report each execution (not each request) to
+an `ExecutionRecorder`, which is what makes execution_count and batch_stats differ from per-request counts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -23,6 +25,8 @@ from .statistics import ExecutionTimes
 
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
+# Told about each model execution: (items in the executed batch, its compute times).
+ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Job:
     inputs: dict[str, np.ndarray]
     batch_size: int
     enqueued_ns: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)  # the request's: `priority`, `timeout` (us)
 
 
 @dataclass
@@ -53,49 +58,78 @@ class Scheduler(Protocol):
 class DirectScheduler:
     """No batching: each job runs by itself on a free context from a fixed pool (one per model instance)."""
 
-    def __init__(self, contexts: list[object], execute: Executor, thread_name: str) -> None:
+    def __init__(self, contexts: list[object], execute: Executor, thread_name: str,
+                 record_execution: ExecutionRecorder | None = None) -> None:
         self._contexts = contexts
-        self._free: asyncio.Queue[object] | None = None
+        self._free: list[object] = list(contexts)
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._execute = execute
+        self._record = record_execution
         self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
         self._closed = False
+        self._active = 0  # jobs submitted and not finished: close() leaves the pool to the last of them
 
-    def _queue(self) -> asyncio.Queue[object]:
-        if self._free is None:  # created on first use, inside the serving event loop
-            self._free = asyncio.Queue()
-            for context in self._contexts:
-                self._free.put_nowait(context)
-        return self._free
+    async def _acquire(self) -> object:
+        """A free context; waiting jobs are served in arrival order (a job that just finished cannot jump the
+        queue, which asyncio.Queue allows and which starved some clients under load)."""
+        if self._free and not self._waiters:
+            return self._free.pop()
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a context just as it was cancelled
+                self._release(waiter.result())
+            raise
+
+    def _release(self, context: object) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(context)
+                return
+        self._free.append(context)
 
     async def submit(self, job: Job) -> JobResult:
         if self._closed:
             raise unavailable("this model version was unloaded while the request waited; retry")
-        free = self._queue()
         job.enqueued_ns = job.enqueued_ns or time.perf_counter_ns()
-        context = await free.get()
-        started = time.perf_counter_ns()
+        self._active += 1
         try:
-            loop = asyncio.get_running_loop()
-            outputs, compute_input_ns, compute_infer_ns = await loop.run_in_executor(
-                self._pool, self._run, context, job)
-        except RuntimeError as e:
-            if self._closed:  # the pool shut down between the check above and the hand-off
-                raise unavailable("this model version was unloaded while the request waited; retry") from None
-            raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
+            context = await self._acquire()
+            started = time.perf_counter_ns()
+            try:
+                loop = asyncio.get_running_loop()
+                outputs, compute_input_ns, compute_infer_ns = await loop.run_in_executor(
+                    self._pool, run_on_context, self._execute, context, job.inputs)
+            except RuntimeError as e:
+                raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
+            finally:
+                self._release(context)
         finally:
-            free.put_nowait(context)
+            self._active -= 1
+            if self._closed and not self._active:
+                self._pool.shutdown(wait=False)
         times = ExecutionTimes(queue_ns=started - job.enqueued_ns, compute_input_ns=compute_input_ns,
                                compute_infer_ns=compute_infer_ns)
+        if self._record is not None:
+            self._record(job.batch_size, times)
         return JobResult(outputs, times)
 
-    def _run(self, context: object, job: Job) -> tuple[dict[str, np.ndarray], int, int]:
-        """In a worker thread: make inputs contiguous (the "compute input" step), then execute."""
-        t0 = time.perf_counter_ns()
-        inputs = {name: (np.ascontiguousarray(a) if a.dtype != object else a) for name, a in job.inputs.items()}
-        t1 = time.perf_counter_ns()
-        outputs = self._execute(context, inputs)
-        return outputs, t1 - t0, time.perf_counter_ns() - t1
-
     def close(self) -> None:
+        """Take no new jobs; jobs already submitted still run (a hot swap fails no request)."""
         self._closed = True
-        self._pool.shutdown(wait=False)
+        if not self._active:
+            self._pool.shutdown(wait=False)
+
+
+def run_on_context(execute: Executor, context: object,
+                   inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, int]:
+    """In a worker thread: make inputs contiguous (the "compute input" step), then execute; returns the
+    outputs and the two durations in ns."""
+    t0 = time.perf_counter_ns()
+    inputs = {name: (np.ascontiguousarray(a) if a.dtype != object else a) for name, a in inputs.items()}
+    t1 = time.perf_counter_ns()
+    outputs = execute(context, inputs)
+    return outputs, t1 - t0, time.perf_counter_ns() - t1

@@ -1,0 +1,335 @@
+"""Triton's dynamic batcher: queue requests per model, run several as one execution, split the outputs back.
+
+Requests wait in one queue per priority level. A dispatcher task on the event loop forms a batch whenever an
+execution context is free: it takes the oldest request of the highest priority, then adds every queued
+request whose non-batch shapes and datatypes match, up to `max_batch_size` items. The batch runs at once when
+it is full, when it reaches a preferred size, or when its oldest request has waited `max_queue_delay`;
+otherwise the dispatcher waits for more requests (opportunistic batching: while every context is busy,
+requests simply accumulate, so batches grow with load). Queue policies give per-request timeouts (REJECT
+answers an error, DELAY only lowers the request's priority) and a maximum queue size (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.protos import model_config_pb2
+
+from .errors import ErrorKind, ServerError, invalid, unavailable
+from .scheduler import ExecutionRecorder, Executor, Job, JobResult, run_on_context
+from .statistics import ExecutionTimes
+
+QueuePolicy = model_config_pb2.ModelQueuePolicy
+DynamicBatching = model_config_pb2.ModelDynamicBatching
+
+# A job's compatibility key: per input, its dtype and its shape without the batch dim.
+ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+@dataclass
+class _Pending:
+    """A queued job: its future, where it queues, and when it gives up waiting."""
+
+    job: Job
+    future: asyncio.Future
+    level: int
+    key: ShapeKey
+    deadline_ns: int  # 0 = no timeout
+    reject_on_timeout: bool
+    delayed: bool = False  # DELAY policy: timed out, now behind every request that has not
+
+
+@dataclass
+class _LevelPolicy:
+    timeout_us: int
+    reject_on_timeout: bool
+    allow_override: bool
+    max_queue_size: int  # 0 = unlimited
+
+
+@dataclass
+class BatchingSettings:
+    """The parts of `dynamic_batching` the batcher reads, with Triton's defaults resolved."""
+
+    max_batch_size: int
+    preferred_sizes: tuple[int, ...] = ()
+    max_queue_delay_ns: int = 0
+    priority_levels: int = 0  # 0 = one level
+    default_priority: int = 0
+    policies: dict[int, _LevelPolicy] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: DynamicBatching, max_batch_size: int, model: str) -> BatchingSettings:
+        """Read and check a `dynamic_batching` message; INVALID_ARGUMENT naming the model when inconsistent."""
+        levels = int(config.priority_levels)
+        default = int(config.default_priority_level)
+        if levels and not 1 <= default <= levels:
+            raise invalid(f"model '{model}': default_priority_level {default} must be in 1..{levels} "
+                          f"(priority_levels)")
+        preferred = tuple(sorted({int(s) for s in config.preferred_batch_size}))
+        bad = [s for s in preferred if not 1 <= s <= max_batch_size]
+        if bad:
+            raise invalid(f"model '{model}': preferred_batch_size {bad} must be in 1..{max_batch_size} "
+                          f"(max_batch_size)")
+        unknown = sorted(k for k in config.priority_queue_policy if not 1 <= k <= levels)
+        if unknown:
+            raise invalid(f"model '{model}': priority_queue_policy names levels {unknown}, outside 1..{levels}")
+        policies = {level: _policy(config.priority_queue_policy.get(level, config.default_queue_policy))
+                    for level in range(1, max(levels, 1) + 1)}
+        return cls(max_batch_size, preferred, int(config.max_queue_delay_microseconds) * 1000, levels,
+                   default if levels else 1, policies)
+
+
+def _policy(policy: QueuePolicy) -> _LevelPolicy:
+    return _LevelPolicy(int(policy.default_timeout_microseconds), policy.timeout_action == QueuePolicy.REJECT,
+                        bool(policy.allow_timeout_override), int(policy.max_queue_size))
+
+
+def shape_key(inputs: dict[str, np.ndarray]) -> ShapeKey:
+    """Jobs with equal keys can be concatenated along the batch dim."""
+    return tuple(sorted((name, a.dtype.str, tuple(a.shape[1:])) for name, a in inputs.items()))
+
+
+def _int_parameter(parameters: dict, name: str) -> int | None:
+    value = parameters.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise invalid(f"request parameter '{name}' must be an integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise invalid(f"request parameter '{name}' must be an integer, got {value!r}") from None
+    if number < 0:
+        raise invalid(f"request parameter '{name}' must be >= 0, got {number}")
+    return number
+
+
+def concat_inputs(jobs: list[Job]) -> dict[str, np.ndarray]:
+    """One batch's inputs: each input of every job, concatenated along the batch dim."""
+    if len(jobs) == 1:
+        return jobs[0].inputs
+    return {name: np.concatenate([job.inputs[name] for job in jobs], axis=0) for name in jobs[0].inputs}
+
+
+def split_outputs(outputs: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    """The batch's outputs cut back into per-job outputs (views, in job order); every output must be batched."""
+    total = sum(sizes)
+    if len(sizes) == 1:
+        return [outputs]
+    bounds = np.cumsum(sizes)[:-1]
+    parts: list[dict[str, np.ndarray]] = [{} for _ in sizes]
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        if array.ndim == 0 or array.shape[0] != total:
+            raise ServerError(ErrorKind.INTERNAL, f"output '{name}' has shape {list(array.shape)}; a batch of "
+                                                  f"{total} needs it to start with the batch dim")
+        for part, piece in zip(parts, np.split(array, bounds, axis=0)):
+            part[name] = piece
+    return parts
+
+
+class DynamicBatcher:
+    """A `Scheduler` that batches queued jobs onto a fixed pool of execution contexts."""
+
+    def __init__(self, contexts: list[object], execute: Executor, thread_name: str, settings: BatchingSettings,
+                 record_execution: ExecutionRecorder | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.settings = settings
+        self._contexts = list(contexts)
+        self._free: list[object] = list(contexts)
+        self._execute = execute
+        self._record = record_execution
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
+        self._queues: dict[int, collections.deque[_Pending]] = {
+            level: collections.deque() for level in settings.policies}
+        self._wake: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- submission -----------------------------------------------------------------------------------------
+    async def submit(self, job: Job) -> JobResult:
+        if self._closed:
+            raise unavailable("this model version was unloaded while the request waited; retry")
+        pending = self._enqueue(job)
+        self._ensure_dispatcher()
+        return await pending.future
+
+    def _enqueue(self, job: Job) -> _Pending:
+        level = self._level(job)
+        policy = self.settings.policies[level]
+        queue = self._queues[level]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            raise ServerError(ErrorKind.RESOURCE_EXHAUSTED,
+                              f"exceeds maximum queue size: {policy.max_queue_size} requests are already queued"
+                              + (f" at priority {level}" if self.settings.priority_levels else ""))
+        timeout_us = policy.timeout_us
+        requested = _int_parameter(job.parameters, "timeout")
+        if requested is not None and policy.allow_override:
+            timeout_us = requested
+        job.enqueued_ns = job.enqueued_ns or self._clock()
+        deadline = job.enqueued_ns + timeout_us * 1000 if timeout_us else 0
+        future = asyncio.get_running_loop().create_future()
+        pending = _Pending(job, future, level, shape_key(job.inputs), deadline, policy.reject_on_timeout)
+        queue.append(pending)
+        return pending
+
+    def _level(self, job: Job) -> int:
+        """The queue a job joins: its `priority` parameter (0 or absent = the default level); 1 is highest."""
+        levels = self.settings.priority_levels
+        priority = _int_parameter(job.parameters, "priority") or 0
+        if not levels:
+            return 1
+        if priority == 0:
+            return self.settings.default_priority
+        if priority > levels:
+            raise invalid(f"priority {priority} is out of range: this model has priority levels 1..{levels}")
+        return priority
+
+    def _ensure_dispatcher(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._dispatcher is None or self._dispatcher.done():
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_loop())
+        self._wake.set()
+
+    # -- dispatch -------------------------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        """Form and start batches until the queues are empty; sleeps until the next arrival, deadline or delay."""
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            now = self._clock()
+            self._expire(now)
+            if not any(self._queues.values()):
+                if self._closed:
+                    self._pool.shutdown(wait=False)
+                return
+            wait_ns = None
+            while self._free:
+                batch, wait_ns = self._form_batch(now)
+                if not batch:
+                    break
+                self._start(batch)
+            timeouts = [wait_ns] if wait_ns is not None else []
+            timeouts += [p.deadline_ns - now for q in self._queues.values() for p in q
+                         if p.deadline_ns and not p.delayed]
+            timeout = max(min(timeouts), 0) / 1e9 if timeouts else None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _expire(self, now: int) -> None:
+        """Answer REJECT requests past their deadline; DELAY ones move behind the rest. Drop cancelled ones."""
+        for level, queue in self._queues.items():
+            kept: collections.deque[_Pending] = collections.deque()
+            for pending in queue:
+                if pending.future.done():
+                    continue
+                if pending.deadline_ns and now >= pending.deadline_ns and not pending.delayed:
+                    if pending.reject_on_timeout:
+                        pending.future.set_exception(unavailable(
+                            "request timeout expired while queued (queue policy timeout "
+                            f"{(pending.deadline_ns - pending.job.enqueued_ns) // 1000} us)"))
+                        continue
+                    pending.delayed = True
+                kept.append(pending)
+            self._queues[level] = kept
+
+    def _ordered(self) -> list[_Pending]:
+        """Queued requests in service order: priority level, then not-delayed before delayed, then arrival."""
+        ordered = [p for level in sorted(self._queues) for p in self._queues[level] if not p.delayed]
+        return ordered + [p for level in sorted(self._queues) for p in self._queues[level] if p.delayed]
+
+    def _form_batch(self, now: int) -> tuple[list[_Pending], int | None]:
+        """The batch to run now (empty if it should wait), and how long to wait for it (ns) when waiting."""
+        ordered = self._ordered()
+        if not ordered:
+            return [], None
+        limit = self.settings.max_batch_size
+        head = ordered[0]
+        batch, total = [head], head.job.batch_size
+        for pending in ordered[1:]:
+            if total == limit:
+                break
+            if pending.key == head.key and total + pending.job.batch_size <= limit:
+                batch.append(pending)
+                total += pending.job.batch_size
+        waited = now - min(p.job.enqueued_ns for p in batch)
+        delay = self.settings.max_queue_delay_ns
+        preferred = self.settings.preferred_sizes
+        if total >= limit or waited >= delay or total in preferred:
+            return self._take(batch), None
+        if preferred:  # a preferred size is within reach by dropping the newest members: run that now
+            sizes = np.cumsum([p.job.batch_size for p in batch])
+            reachable = [i for i, size in enumerate(sizes) if int(size) in preferred]
+            if reachable:
+                return self._take(batch[: reachable[-1] + 1]), None
+        return [], delay - waited
+
+    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        chosen = {id(p) for p in batch}
+        for level, queue in self._queues.items():
+            self._queues[level] = collections.deque(p for p in queue if id(p) not in chosen)
+        return batch
+
+    def _start(self, batch: list[_Pending]) -> None:
+        context = self._free.pop()
+        task = asyncio.get_running_loop().create_task(self._run_batch(context, batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
+        """Execute one batch on `context` in a worker thread and answer each member's future."""
+        started = self._clock()
+        jobs = [p.job for p in batch]
+        sizes = [job.batch_size for job in jobs]
+        try:
+            loop = asyncio.get_running_loop()
+            outputs, input_ns, infer_ns, output_ns = await loop.run_in_executor(
+                self._pool, self._execute_batch, context, jobs, sizes)
+        except Exception as e:  # noqa: BLE001 - every member must hear about the failure
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(e)
+        else:
+            if self._record is not None:
+                self._record(sum(sizes), ExecutionTimes(0, input_ns, infer_ns, output_ns))
+            for pending, part in zip(batch, outputs):
+                if not pending.future.done():
+                    times = ExecutionTimes(queue_ns=started - pending.job.enqueued_ns, compute_input_ns=input_ns,
+                                           compute_infer_ns=infer_ns)
+                    pending.future.set_result(JobResult(part, times))
+        finally:
+            self._free.append(context)
+            if self._wake is not None:
+                self._ensure_dispatcher()
+
+    def _execute_batch(self, context: object, jobs: list[Job], sizes: list[int]):
+        """In a worker thread: concatenate (compute input), run (compute infer), split (compute output)."""
+        t0 = time.perf_counter_ns()
+        inputs = concat_inputs(jobs)
+        outputs, input_ns, infer_ns = run_on_context(self._execute, context, inputs)
+        t1 = time.perf_counter_ns()
+        parts = split_outputs(outputs, sizes)
+        return parts, input_ns + (t1 - t0 - input_ns - infer_ns), infer_ns, time.perf_counter_ns() - t1
+
+    def queued(self) -> int:
+        """Requests waiting (not yet running); for tests and statistics."""
+        return sum(len(q) for q in self._queues.values())
+
+    def close(self) -> None:
+        """Take no new jobs; the queued and running ones still finish (a hot swap fails no request)."""
+        self._closed = True
+        if not any(self._queues.values()) and not self._running:
+            self._pool.shutdown(wait=False)

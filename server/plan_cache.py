@@ -1,0 +1,156 @@
+"""Built plans kept on disk, so a restart (or a reload of an unchanged model) loads instead of rebuilding.
+
+An entry's key is a sha256 over everything that decides the plan's bytes: the model's files (the ONNX file and
+any external-data files beside it), the build configuration (backend, flags, optimization level, profiles),
+the target (backend and GPU architecture) and the Kiln and plan-format versions. Entries are written to a
+temporary file and renamed into place, so a reader never sees half a plan; a corrupt or stale entry fails the
+plan's own checks (PlanFormatError), is removed, and the model is rebuilt and stored again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import engine_core as kiln
+from engine_core.version import PLAN_FORMAT_VERSION
+
+log = logging.getLogger("kiln.server")
+
+PLAN_SUFFIX = ".plan"
+
+
+def default_directory() -> Path:
+    """`$KILN_CACHE_DIR/plans`, else `~/.cache/kiln/plans`."""
+    base = os.environ.get("KILN_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "kiln") / "plans"
+
+
+def target_arch(backend: str) -> str:
+    """What the plan's code is compiled for: "cpu", or the GPU's "sm_XY" for the cuda backend."""
+    if backend != "cuda":
+        return backend
+    from engine_core.cuda.driver import compute_capability
+
+    major, minor = compute_capability()
+    return f"sm_{major}{minor}"
+
+
+def files_digest(directory: Path) -> str:
+    """sha256 over a model version directory's files (relative path + content), in path order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def build_description(config: kiln.BuilderConfig) -> dict[str, Any]:
+    """The parts of a builder config that change the plan: backend, flags, level, profiles (min/opt/max)."""
+    profiles = [{name: [list(s) for s in triple] for name, triple in sorted(profile.shapes.items())}
+                for profile in config.profiles]
+    shape_inputs = [{name: [list(s) for s in triple] for name, triple in sorted(profile.shape_values.items())}
+                    for profile in config.profiles]
+    return {"backend": config.backend, "flags": int(config.flags), "level": config.builder_optimization_level,
+            "profiles": profiles, "shape_inputs": shape_inputs}
+
+
+def cache_key(model_digest: str, description: dict[str, Any], arch: str) -> str:
+    parts = {"model": model_digest, "build": description, "arch": arch, "kiln": kiln.__version__,
+             "plan_format": PLAN_FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class CachedBuild:
+    """A loaded engine and how it was obtained: "cache hit", "built", or "rebuilt (...)" with the reason."""
+
+    engine: kiln.CudaEngine
+    origin: str
+
+
+class PlanCache:
+    """A directory of plan files named by key. `directory=None` disables caching (always build)."""
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.directory = Path(directory).expanduser() if directory else None
+
+    def path(self, key: str) -> Path:
+        assert self.directory is not None
+        return self.directory / key[:2] / f"{key}{PLAN_SUFFIX}"
+
+    def read(self, key: str) -> bytes | None:
+        if self.directory is None:
+            return None
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, key: str, plan: bytes) -> None:
+        """Atomically store `plan`: a temporary file in the same directory, then a rename."""
+        if self.directory is None:
+            return
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(plan)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+    def remove(self, key: str) -> None:
+        if self.directory is not None:
+            self.path(key).unlink(missing_ok=True)
+
+    def load_or_build(self, key: str, build: Callable[[], bytes], label: str) -> CachedBuild:
+        """The engine for `key`: from the cache when a valid entry exists, else built (and stored)."""
+        runtime = kiln.Runtime()
+        origin = "built"
+        data = self.read(key)
+        if data is not None:
+            try:
+                engine = runtime.load(data)
+                log.info("%s: plan cache hit (%s), no rebuild", label, self.path(key))
+                return CachedBuild(engine, "cache hit")
+            except kiln.PlanFormatError as e:
+                log.warning("%s: plan cache entry %s is unusable (%s); rebuilding", label, self.path(key), e)
+                self.remove(key)
+                origin = f"rebuilt (cache entry unusable: {e})"
+        plan = build()
+        engine = runtime.load(plan)
+        try:
+            self.write(key, plan)
+        except OSError as e:  # a full or read-only cache must not stop the model from loading
+            log.warning("%s: cannot write plan cache entry %s: %s", label, self.path(key), e)
+        else:
+            if self.directory is not None:
+                log.info("%s: plan %s, stored in the plan cache (%s)", label, origin, self.path(key))
+        return CachedBuild(engine, origin)
+
+
+_default: PlanCache | None = None
+
+
+def configure(directory: str | Path | None) -> PlanCache:
+    """Set the server's plan cache (`--plan-cache-dir`; "" disables it). None means the default directory."""
+    global _default
+    _default = PlanCache(default_directory() if directory is None else (directory or None))
+    return _default
+
+
+def server_cache() -> PlanCache:
+    """The plan cache models are built through; the default directory until `configure` says otherwise."""
+    return _default if _default is not None else configure(None)

@@ -1,0 +1,377 @@
+"""Dynamic batching: the batcher on its own (ordering, timeouts, queue limits, splitting) and a real server.
+
+The unit tests drive `DynamicBatcher` with a real numpy executor whose first execution is held on a gate, so
+which requests queue behind it, and in what order they run, is deterministic. The server tests start
+`python -m server` on a repository of batching configs and send concurrent tritonclient requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as http
+from onnx import TensorProto, helper
+from tritonclient.utils import InferenceServerException
+
+from server.core.batcher import BatchingSettings, DynamicBatcher, concat_inputs, split_outputs
+from server.core.errors import ErrorKind, ServerError
+from server.core.scheduler import Job
+from server.core.statistics import ExecutionTimes
+from server.protos import model_config_pb2
+from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+
+
+# -- the batcher alone ----------------------------------------------------------------------------------------
+class GatedAdder:
+    """Executor computing X + 1; holds its first execution until `release` so later jobs queue behind it."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[list[float]] = []  # first column of X per execution, in execution order
+
+    def __call__(self, context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.started.set()
+        if not self.batches:
+            self.gate.wait(5)
+        self.batches.append(inputs["X"][:, 0].tolist())
+        return {"Y": inputs["X"] + 1}
+
+
+def settings(text: str, max_batch_size: int = 8) -> BatchingSettings:
+    config = model_config_pb2.ModelDynamicBatching()
+    from google.protobuf import text_format
+
+    text_format.Parse(text, config)
+    return BatchingSettings.from_config(config, max_batch_size, "m")
+
+
+def job(value: float, rows: int = 1, cols: int = 3, **parameters) -> Job:
+    return Job({"X": np.full((rows, cols), value, np.float32)}, rows, parameters=parameters)
+
+
+async def _blocked_batcher(executor: GatedAdder, text: str, recorded: list | None = None) -> tuple:
+    """A one-context batcher whose context is busy with a first job (value 0) until the gate opens."""
+    record = (lambda size, times: recorded.append(size)) if recorded is not None else None
+    batcher = DynamicBatcher([object()], executor, "test", settings(text), record)
+    first = asyncio.ensure_future(batcher.submit(job(0)))
+    while not executor.started.is_set():
+        await asyncio.sleep(0.001)
+    return batcher, first
+
+
+def test_queued_requests_run_as_one_batch_and_split_back_exactly():
+    async def scenario():
+        executor, recorded = GatedAdder(), []
+        batcher, first = await _blocked_batcher(executor, "max_queue_delay_microseconds: 0", recorded)
+        rows = [1, 3, 2]
+        tasks = [asyncio.ensure_future(batcher.submit(job(v, r))) for v, r in zip([10, 20, 30], rows)]
+        await asyncio.sleep(0.02)
+        executor.gate.set()
+        results = await asyncio.gather(first, *tasks)
+        batcher.close()
+        return executor, recorded, results, rows
+
+    executor, recorded, results, rows = asyncio.run(scenario())
+    assert executor.batches == [[0.0], [10.0, 20, 20, 20, 30, 30]]
+    assert recorded == [1, 6]
+    for result, value, row in zip(results[1:], [10, 20, 30], rows):
+        np.testing.assert_array_equal(result.outputs["Y"], np.full((row, 3), value + 1, np.float32))
+
+
+def test_higher_priority_runs_first_and_incompatible_shapes_wait():
+    async def scenario():
+        executor = GatedAdder()
+        batcher, first = await _blocked_batcher(executor, "priority_levels: 3 default_priority_level: 2 "
+                                                          "max_queue_delay_microseconds: 0")
+        # max batch 8: low (3) and default (2) fill it only after the high-priority (1) ones.
+        tasks = [asyncio.ensure_future(batcher.submit(job(v, rows, **p))) for v, rows, p in [
+            (30, 4, {"priority": 3}), (20, 4, {}), (11, 2, {"priority": 1}), (12, 2, {"priority": 1}),
+        ]]
+        odd = asyncio.ensure_future(batcher.submit(job(50, 1, cols=5, priority=1)))
+        await asyncio.sleep(0.02)
+        executor.gate.set()
+        await asyncio.gather(first, *tasks, odd)
+        batcher.close()
+        return executor.batches
+
+    batches = asyncio.run(scenario())
+    assert batches[0] == [0.0]
+    assert batches[1] == [11.0, 11, 12, 12, 20, 20, 20, 20]  # priority 1, then 2: 8 items; not the 5-wide
+    assert batches[2] == [50.0]  # different shape: its own batch, before the priority 3 request
+    assert batches[3] == [30.0] * 4
+
+
+def test_queue_timeout_rejects_and_override_is_honored():
+    async def scenario():
+        executor = GatedAdder()
+        text = ("max_queue_delay_microseconds: 0 default_queue_policy { timeout_action: REJECT "
+                "default_timeout_microseconds: 30000 allow_timeout_override: true }")
+        batcher, first = await _blocked_batcher(executor, text)
+        expiring = asyncio.ensure_future(batcher.submit(job(1)))
+        patient = asyncio.ensure_future(batcher.submit(job(2, timeout=5_000_000)))
+        await asyncio.sleep(0.1)
+        executor.gate.set()
+        results = await asyncio.gather(first, expiring, patient, return_exceptions=True)
+        batcher.close()
+        return results
+
+    first, expiring, patient = asyncio.run(scenario())
+    assert isinstance(expiring, ServerError) and expiring.kind == ErrorKind.UNAVAILABLE
+    assert "timeout" in expiring.message
+    np.testing.assert_array_equal(patient.outputs["Y"], np.full((1, 3), 3, np.float32))
+
+
+def test_delay_action_keeps_the_request_but_behind_others():
+    async def scenario():
+        executor = GatedAdder()
+        text = ("max_queue_delay_microseconds: 0 default_queue_policy { timeout_action: DELAY "
+                "default_timeout_microseconds: 20000 }")
+        batcher = DynamicBatcher([object()], executor, "test", settings(text, max_batch_size=1))
+        first = asyncio.ensure_future(batcher.submit(job(0)))
+        while not executor.started.is_set():
+            await asyncio.sleep(0.001)
+        old = asyncio.ensure_future(batcher.submit(job(1)))
+        await asyncio.sleep(0.06)  # `old` is past its timeout now: delayed
+        new = asyncio.ensure_future(batcher.submit(job(2)))
+        await asyncio.sleep(0.01)
+        executor.gate.set()
+        await asyncio.gather(first, old, new)
+        batcher.close()
+        return executor.batches
+
+    assert asyncio.run(scenario()) == [[0.0], [2.0], [1.0]]
+
+
+def test_full_queue_is_resource_exhausted():
+    async def scenario():
+        executor = GatedAdder()
+        batcher, first = await _blocked_batcher(executor, "default_queue_policy { max_queue_size: 2 }")
+        queued = [asyncio.ensure_future(batcher.submit(job(v))) for v in (1, 2)]
+        await asyncio.sleep(0)
+        with pytest.raises(ServerError) as refused:
+            await batcher.submit(job(3))
+        executor.gate.set()
+        await asyncio.gather(first, *queued)
+        batcher.close()
+        return refused.value
+
+    error = asyncio.run(scenario())
+    assert error.kind == ErrorKind.RESOURCE_EXHAUSTED and "queue size" in error.message
+
+
+def test_preferred_size_dispatches_before_the_delay():
+    async def scenario():
+        executor = GatedAdder()
+        executor.gate.set()
+        batcher = DynamicBatcher([object()], executor, "test",
+                                 settings("preferred_batch_size: 4 max_queue_delay_microseconds: 10000000"))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.gather(*[batcher.submit(job(v, 2)) for v in (1, 2)])
+        batcher.close()
+        return loop.time() - t0, executor.batches
+
+    elapsed, batches = asyncio.run(scenario())
+    assert batches == [[1.0, 1, 2, 2]]
+    assert elapsed < 5  # not the 10 s delay
+
+
+def test_bad_settings_and_priorities_are_refused():
+    with pytest.raises(ServerError, match="default_priority_level"):
+        settings("priority_levels: 2 default_priority_level: 3")
+    with pytest.raises(ServerError, match="preferred_batch_size"):
+        settings("preferred_batch_size: 16")
+
+    async def scenario():
+        batcher = DynamicBatcher([object()], GatedAdder(), "test", settings("priority_levels: 2 "
+                                                                            "default_priority_level: 1"))
+        with pytest.raises(ServerError, match="out of range"):
+            await batcher.submit(job(1, priority=3))
+        batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_concat_and_split_round_trip_bytes():
+    jobs = [Job({"S": np.array([[b"a"], [b"b"]], dtype=object)}, 2), Job({"S": np.array([[b"c"]], dtype=object)}, 1)]
+    joined = concat_inputs(jobs)
+    assert joined["S"].ravel().tolist() == [b"a", b"b", b"c"]
+    parts = split_outputs({"S": joined["S"]}, [2, 1])
+    assert [p["S"].ravel().tolist() for p in parts] == [[b"a", b"b"], [b"c"]]
+    with pytest.raises(ServerError, match="batch dim"):
+        split_outputs({"T": np.zeros(2)}, [2, 1])
+    assert ExecutionTimes().queue_ns == 0
+
+
+# -- a real server --------------------------------------------------------------------------------------------
+def _scale_model() -> onnx.ModelProto:
+    """Y = X * 2 + B (B broadcast [1, 4]): results differ per input row, so a wrong split is visible."""
+    bias = helper.make_tensor("B", TensorProto.FLOAT, [1, 4], [0.5, 1.5, 2.5, 3.5])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    nodes = [helper.make_node("Mul", ["X", "two"], ["T"]), helper.make_node("Add", ["T", "B"], ["Y"])]
+    graph = helper.make_graph(nodes, "scale", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n", 4])], [bias, two])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _config(name: str, batching: str) -> str:
+    return (f'name: "{name}"\nmax_batch_size: 8\ninput [{{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }}]\n'
+            f'output [{{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }}]\n'
+            f'instance_group [{{ count: 1 kind: KIND_CPU }}]\n{batching}\n')
+
+
+BATCHING_MODELS = {
+    "batched": "dynamic_batching { max_queue_delay_microseconds: 50000 }",
+    "unbatched": "",
+    "prioritized": "dynamic_batching { priority_levels: 2 default_priority_level: 2 }",
+    "held": ("dynamic_batching { max_queue_delay_microseconds: 1500000 default_queue_policy { max_queue_size: 2 "
+             "timeout_action: REJECT default_timeout_microseconds: 200000 allow_timeout_override: true } }"),
+}
+
+
+@pytest.fixture(scope="module")
+def batching_server(tmp_path_factory: pytest.TempPathFactory):
+    repository = tmp_path_factory.mktemp("batching") / "models"
+    for name, batching in BATCHING_MODELS.items():
+        examples.write_model(repository, name, _scale_model(), _config(name, batching))
+    log_path = repository.parent / "server.log"
+    ports = [free_port() for _ in range(3)]
+    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
+               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+               "--allow-grpc", "false", "--drain-delay", "0"]
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, repository, log_path, *ports, grpc_available=False)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _infer(url: str, model: str, x: np.ndarray, **kwargs) -> np.ndarray:
+    client = http.InferenceServerClient(url)
+    tensor = http.InferInput("X", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor], **kwargs).as_numpy("Y")
+
+
+def _stats(url: str, model: str) -> dict:
+    return http.InferenceServerClient(url).get_inference_statistics(model)["model_stats"][0]
+
+
+def _expected(x: np.ndarray) -> np.ndarray:
+    return x * 2 + np.array([0.5, 1.5, 2.5, 3.5], np.float32)
+
+
+@pytest.mark.parametrize("model", ["batched", "unbatched"])
+def test_concurrent_requests_are_batched_and_answered_exactly(batching_server: ServerProcess, model: str):
+    requests = [np.arange(4 * rows, dtype=np.float32).reshape(rows, 4) + 100 * i
+                for i, rows in enumerate([1, 2, 1, 3] * 6)]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda x: _infer(batching_server.http_url, model, x), requests))
+    for x, y in zip(requests, results):
+        np.testing.assert_array_equal(y, _expected(x))
+    stats = _stats(batching_server.http_url, model)
+    items = sum(len(x) for x in requests)
+    assert stats["inference_count"] == items
+    assert stats["inference_stats"]["success"]["count"] == len(requests)
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in stats["batch_stats"]) == items
+    assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == stats["execution_count"]
+    if model == "batched":
+        assert stats["execution_count"] < len(requests)
+        assert max(b["batch_size"] for b in stats["batch_stats"]) > 3
+    else:
+        assert stats["execution_count"] == len(requests)
+
+
+def test_queue_full_is_429_and_timeouts_fail_the_request(batching_server: ServerProcess):
+    url = batching_server.http_url
+    x = np.ones((1, 4), np.float32)
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(_infer, url, "held", x + i, timeout=5_000_000) for i in range(2)]
+        time.sleep(0.5)  # both reach the queue well within this; their batch waits for the 1.5 s delay
+        assert not any(f.done() for f in held)
+        with pytest.raises(InferenceServerException) as full:
+            _infer(url, "held", x)
+        for i, future in enumerate(held):  # the 1.5 s delay passes, then both run as one batch
+            np.testing.assert_array_equal(future.result(), _expected(x + i))
+    assert full.value.status() == "429" and "queue size" in full.value.message()
+    with pytest.raises(InferenceServerException, match="timeout"):
+        _infer(url, "held", x)  # default 200 ms queue timeout, shorter than the 1.5 s delay
+    np.testing.assert_array_equal(_infer(url, "held", x, timeout=3_000_000), _expected(x))
+
+
+def test_priority_parameter_over_http(batching_server: ServerProcess):
+    url = batching_server.http_url
+    x = np.full((2, 4), 3, np.float32)
+    for priority in (0, 1, 2):
+        np.testing.assert_array_equal(_infer(url, "prioritized", x, priority=priority), _expected(x))
+    with pytest.raises(InferenceServerException) as refused:
+        _infer(url, "prioritized", x, priority=3)
+    assert refused.value.status() == "400" and "priority levels 1..2" in refused.value.message()
+
+
+def test_invalid_batching_config_leaves_the_model_unavailable_with_reason(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    from server import plan_cache
+    from server.core.model import load_model_version
+    from server.core.model_config import parse_config_text
+    from server.repository import read_source
+
+    monkeypatch.setattr(plan_cache, "_default", plan_cache.PlanCache(tmp_path / "plans"))
+    directory = examples.write_model(tmp_path, "bad", _scale_model(),
+                                     _config("bad", "dynamic_batching { preferred_batch_size: 32 }"))
+    source = read_source("bad", directory)
+    with pytest.raises(ServerError, match="preferred_batch_size"):
+        load_model_version(source, 1, parse_config_text(source.config_text, "bad"), 4)
+
+
+# -- profile selection per batch ------------------------------------------------------------------------------
+def test_select_profile_prefers_the_covering_profile_with_the_closest_opt():
+    from server.core.model import select_profile
+
+    profiles = [{"X": ((1, 4), (2, 4), (2, 4))}, {"X": ((1, 4), (8, 4), (8, 4))}, {"X": ((1, 4), (4, 4), (4, 4))}]
+    assert select_profile(profiles, {"X": (1, 4)}) == 0
+    assert select_profile(profiles, {"X": (3, 4)}) == 2  # 0 does not cover 3; opt 4 is closer than 8
+    assert select_profile(profiles, {"X": (5, 4)}) == 1
+    assert select_profile(profiles, {"X": (9, 4)}) == 0  # nothing covers it: profile 0 reports the error
+
+
+def test_batches_run_on_the_profile_that_fits_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from server import plan_cache
+    from server.core import model as model_module
+    from server.core.model_config import parse_config_text
+    from server.repository import read_source
+
+    monkeypatch.setattr(plan_cache, "_default", plan_cache.PlanCache(tmp_path / "plans"))
+    parameters = 'parameters { key: "kiln_profile_batch_sizes" value: { string_value: "2,4" } }'
+    directory = examples.write_model(tmp_path / "models", "profiled", _scale_model(),
+                                     _config("profiled", parameters))
+    source = read_source("profiled", directory)
+    version = model_module.load_model_version(source, 1, parse_config_text(source.config_text, "profiled"), 4)
+    engine = version.engine
+    assert engine.num_optimization_profiles == 3
+    assert [engine.get_tensor_profile_shape("X", p)[1][0] for p in range(3)] == [2, 4, 8]
+    context = engine.create_execution_context()
+    for rows, profile in [(1, 0), (3, 1), (7, 2), (2, 0)]:
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        np.testing.assert_array_equal(model_module._execute(context, {"X": x})["Y"], _expected(x))
+        assert context.active_optimization_profile == profile
+    version.close()
+    with pytest.raises(ServerError, match="kiln_profile_batch_sizes"):
+        bad = _config("profiled", parameters.replace('"2,4"', '"2,x"'))
+        model_module.load_model_version(source, 1, parse_config_text(bad, "profiled"), 4)
