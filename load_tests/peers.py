@@ -1,0 +1,307 @@
+"""Peer servers side by side with Kiln: same ONNX models, same client (`kiln perf`), same machine.
+
+    python -m load_tests.peers setup                  # MLServer + onnxruntime into its own venv (/tmp/peer-mlserver)
+    python -m load_tests.peers repo /tmp/kiln-bench   # the benchmark models, in Kiln's and MLServer's layouts
+    python -m load_tests.peers start mlserver /tmp/kiln-bench   # serve one (Ctrl-C stops it)
+    python -m load_tests.peers bench                  # every scenario, every server -> bench/results/serving_*.json
+
+Peers run from their own venvs so their dependencies never mix with Kiln's. Every server listens on
+127.0.0.1 only. MLServer serves the ONNX files through onnxruntime (load_tests/peer_runtimes/mlserver_onnx.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import onnx
+from onnx import TensorProto, helper
+
+from load_tests import perf
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIMES = Path(__file__).resolve().parent / "peer_runtimes"
+RESULTS = ROOT / "bench" / "results"
+MLSERVER_VENV = Path("/tmp/peer-mlserver")
+MLSERVER_PACKAGES = ["mlserver==1.7.1", "onnxruntime", "numpy", "uvloop<0.22"]  # uvloop 0.22+ breaks its workers
+READY_TIMEOUT_S = 90.0
+ONE_MB_FLOATS = 262144  # 1 MiB of FP32
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+def _examples():
+    spec = importlib.util.spec_from_file_location("make_example_repository",
+                                                  ROOT / "examples" / "make_example_repository.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trivial_model() -> onnx.ModelProto:
+    """OUTPUT = INPUT + 1 on FP32 [1, 16]: next to no compute, so req/s and latency measure the serving path."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["INPUT", "one"], ["OUTPUT"], name="add")], "trivial",
+        [helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, [1, 16])], initializer=[one])
+    return _examples()._model(graph)
+
+
+def identity_model() -> onnx.ModelProto:
+    """OUTPUT = INPUT on FP32 [n]: the payload is all there is (binary vs JSON on 1 MB tensors)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT"], ["OUTPUT"], name="identity")], "identity_fp32",
+        [helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["n"])])
+    return _examples()._model(graph)
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    model: onnx.ModelProto
+    inputs: list[tuple[str, list[int]]]  # fixed shapes the client sends (MLServer metadata)
+    outputs: list[tuple[str, list[int]]]
+
+
+def bench_models() -> list[BenchModel]:
+    return [
+        BenchModel("trivial", trivial_model(), [("INPUT", [1, 16])], [("OUTPUT", [1, 16])]),
+        BenchModel("simple_cnn", _examples().cnn_model(), [("INPUT", [1, 3, 32, 32])], [("PROBABILITIES", [1, 10])]),
+        # fixed 1 MiB dims in the config: Kiln's profile for a -1 dim stops at 4096 (server/core/model.py)
+        BenchModel("identity_fp32", identity_model(), [("INPUT", [ONE_MB_FLOATS])], [("OUTPUT", [ONE_MB_FLOATS])]),
+    ]
+
+
+def _kiln_config(m: BenchModel) -> str:
+    """No batching (max_batch_size 0): Kiln and MLServer get the very same tensors."""
+    def tensors(items: list[tuple[str, list[int]]]) -> str:
+        return ",\n".join(f'  {{ name: "{n}" data_type: TYPE_FP32 dims: [ {", ".join(map(str, s))} ] }}'
+                          for n, s in items)
+    return (f'name: "{m.name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
+            f"input [\n{tensors(m.inputs)}\n]\noutput [\n{tensors(m.outputs)}\n]\n")
+
+
+def _mlserver_settings(m: BenchModel) -> dict:
+    def tensors(items: list[tuple[str, list[int]]]) -> list[dict]:
+        return [{"name": n, "datatype": "FP32", "shape": s} for n, s in items]
+    return {"name": m.name, "implementation": "mlserver_onnx.OnnxModel", "parameters": {"uri": "./model.onnx"},
+            "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
+
+
+def write_repository(directory: Path) -> Path:
+    """`<dir>/kiln/<model>/1/model.onnx + config.pbtxt` and `<dir>/mlserver/<model>/model.onnx + model-settings.json`."""
+    for m in bench_models():
+        kiln_dir = directory / "kiln" / m.name
+        (kiln_dir / "1").mkdir(parents=True, exist_ok=True)
+        onnx.save(m.model, kiln_dir / "1" / "model.onnx")
+        (kiln_dir / "config.pbtxt").write_text(_kiln_config(m))
+        ml_dir = directory / "mlserver" / m.name
+        ml_dir.mkdir(parents=True, exist_ok=True)
+        onnx.save(m.model, ml_dir / "model.onnx")
+        (ml_dir / "model-settings.json").write_text(json.dumps(_mlserver_settings(m), indent=2))
+    return directory
+
+
+# ----------------------------------------------------------------------------------------------- servers
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A server subprocess on 127.0.0.1 with its ports; `running()` starts it and stops it afterwards."""
+
+    name: str
+    command: list[str]
+    http_port: int
+    grpc_port: int
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    version: str = ""
+
+    @contextmanager
+    def running(self) -> Iterator[Server]:
+        with open(self.log_path, "wb") as log:
+            process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                       env={**os.environ, **self.env})
+        try:
+            self._wait_ready(process)
+            yield self
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _wait_ready(self, process: subprocess.Popen) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {process.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready after {READY_TIMEOUT_S:.0f} s; log: {self.log_path}")
+
+
+def kiln_server(repo: Path, logs: Path) -> Server:
+    ports = [free_port() for _ in range(3)]
+    command = [sys.executable, "-m", "server", "--model-repository", str(repo / "kiln"), "--host", "127.0.0.1",
+               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return Server("kiln", command, ports[0], ports[1], logs / "kiln.log", env, _kiln_version())
+
+
+def _kiln_version() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return f"kiln git {out.stdout.strip()} (+ working tree)"
+    except OSError:
+        return "kiln"
+
+
+def mlserver_server(repo: Path, logs: Path, venv: Path = MLSERVER_VENV) -> Server:
+    """MLServer 1.x with its defaults (one parallel inference worker process), ports in settings.json."""
+    ports = [free_port() for _ in range(3)]
+    settings = {"host": "127.0.0.1", "http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2],
+                "debug": False}
+    (repo / "mlserver" / "settings.json").write_text(json.dumps(settings, indent=2))
+    env = {"PYTHONPATH": str(RUNTIMES)}
+    version = subprocess.run([str(venv / "bin" / "python"), "-c", "import mlserver, onnxruntime as o; "
+                              "print(f'mlserver {mlserver.__version__}, onnxruntime {o.__version__}')"],
+                             capture_output=True, text=True).stdout.strip()
+    return Server("mlserver", [str(venv / "bin" / "mlserver"), "start", str(repo / "mlserver")], ports[0],
+                  ports[1], logs / "mlserver.log", env, version)
+
+
+def setup_mlserver(venv: Path = MLSERVER_VENV) -> None:
+    """Create MLServer's own venv and install it there from PyPI (never into Kiln's venv)."""
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "python"), "-m", "ensurepip", "--upgrade"], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *MLSERVER_PACKAGES], check=True)
+
+
+# ----------------------------------------------------------------------------------------------- scenarios
+
+@dataclass(frozen=True)
+class Scenario:
+    """One `kiln perf` run against each of `servers`; results go to bench/results/serving_<name>_<server>.json."""
+
+    name: str
+    servers: tuple[str, ...]
+    args: tuple[str, ...]
+    protocol: str = "http"
+
+
+COMMON = ("-p", "1500", "--warmup", "1", "-r", "6", "--processes", "2")
+SCENARIOS = [
+    Scenario("trivial_http_json", ("kiln", "mlserver"),
+             ("-m", "trivial", "--input-tensor-format", "json", "--concurrency-range", "1:16:x2")),
+    Scenario("trivial_grpc", ("kiln", "mlserver"), ("-m", "trivial", "--concurrency-range", "1:16:x2"), "grpc"),
+    Scenario("cnn_http_json", ("kiln", "mlserver"),
+             ("-m", "simple_cnn", "--input-tensor-format", "json", "--concurrency-range", "1:8:x2")),
+    Scenario("identity1mb_http_binary", ("kiln",),
+             ("-m", "identity_fp32", "--concurrency-range", "1:4:x2", "-p", "4000")),
+    Scenario("identity1mb_http_json", ("kiln",),
+             ("-m", "identity_fp32", "--input-tensor-format", "json",
+              "--concurrency-range", "1:4:x2", "-p", "4000")),
+]
+
+
+def run_scenario(scenario: Scenario, server: Server, out_dir: Path, run: int = 1) -> Path:
+    """One scenario on one server; repeat runs (`run` > 1) get their own files, so noise between runs shows."""
+    port = server.grpc_port if scenario.protocol == "grpc" else server.http_port
+    suffix = f"_run{run}" if run > 1 else ""
+    out = out_dir / f"serving_{scenario.name}_{server.name}{suffix}.json"
+    argv = [*COMMON, *scenario.args, "-i", scenario.protocol, "-u", f"127.0.0.1:{port}", "--label", server.name,
+            "--json-file", str(out)]
+    print(f"== {scenario.name} on {server.name}", file=sys.stderr, flush=True)
+    perf.main(argv)
+    document = json.loads(out.read_text())
+    run_flag = f" --run {run}" if run > 1 else ""
+    document.update(scenario=scenario.name, server=server.name, server_version=server.version, run=run,
+                    command=f"python -m load_tests.peers bench --only {scenario.name} --servers {server.name}{run_flag}")
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    return out
+
+
+def bench(repo: Path, servers: list[str], only: list[str], out_dir: Path, run: int = 1) -> list[Path]:
+    """Scenario by scenario, each server in turn (never two at a time), so drift in the machine's load hits
+    every server alike rather than whichever ran last."""
+    write_repository(repo)
+    logs = repo / "logs"
+    logs.mkdir(exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    factories = {"kiln": kiln_server, "mlserver": mlserver_server}
+    for scenario in SCENARIOS:
+        if only and scenario.name not in only:
+            continue
+        for name in servers:
+            if name in scenario.servers:
+                with factories[name](repo, logs).running() as server:
+                    written.append(run_scenario(scenario, server, out_dir, run))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load_tests.peers", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_setup = sub.add_parser("setup", help="install MLServer into its own venv")
+    p_setup.add_argument("--venv", type=Path, default=MLSERVER_VENV)
+    p_repo = sub.add_parser("repo", help="write the benchmark models")
+    p_repo.add_argument("directory", type=Path)
+    p_start = sub.add_parser("start", help="serve the benchmark models with one server until Ctrl-C")
+    p_start.add_argument("server", choices=["kiln", "mlserver"])
+    p_start.add_argument("directory", type=Path)
+    p_start.add_argument("--seconds", type=float, default=3600.0, help="stop after this long (default 1 h)")
+    p_bench = sub.add_parser("bench", help="run the scenarios and write bench/results/serving_*.json")
+    p_bench.add_argument("--repo", type=Path, default=Path("/tmp/kiln-bench"))
+    p_bench.add_argument("--servers", nargs="+", default=["kiln", "mlserver"], choices=["kiln", "mlserver"])
+    p_bench.add_argument("--only", nargs="*", default=[], choices=[s.name for s in SCENARIOS])
+    p_bench.add_argument("--out", type=Path, default=RESULTS)
+    p_bench.add_argument("--run", type=int, default=1, help="repeat number: > 1 writes serving_*_runN.json")
+    args = parser.parse_args(argv)
+    if args.command == "setup":
+        setup_mlserver(args.venv)
+    elif args.command == "repo":
+        print(write_repository(args.directory))
+    elif args.command == "start":
+        write_repository(args.directory)
+        factory = kiln_server if args.server == "kiln" else mlserver_server
+        with factory(args.directory, args.directory).running() as server:
+            print(f"{server.name}: HTTP 127.0.0.1:{server.http_port}, gRPC 127.0.0.1:{server.grpc_port}", flush=True)
+            try:
+                time.sleep(args.seconds)
+            except KeyboardInterrupt:
+                pass
+    else:
+        for path in bench(args.repo, args.servers, args.only, args.out, args.run):
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

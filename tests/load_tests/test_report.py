@@ -1,0 +1,41 @@
+"""bench/report.py: ratios from result JSON, and the doc block replaced without touching the prose around it."""
+
+from __future__ import annotations
+
+import json
+
+from bench import report
+
+
+def _doc(scenario: str, server: str, rows: list[tuple[int, float, float]]) -> dict:
+    return {"scenario": scenario, "server": server, "command": f"python -m load_tests.peers bench --only {scenario}",
+            "model": "trivial", "protocol": "http", "tensor_format": "json", "mode": "concurrency",
+            "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16]}],
+            "host": {"cpus": 2, "platform": "linux", "python": "3.11"},
+            "results": [{"concurrency": c, "requests_per_s": rps, "errors": 0, "stable": True, "server": None,
+                         "latency_us": {"p50": p99 / 2, "p90": p99, "p95": p99, "p99": p99},
+                         "client": {"cpu_cores": 0.2}} for c, rps, p99 in rows]}
+
+
+def test_peer_ratios_per_level_and_peak():
+    kiln = _doc("trivial_http_json", "kiln", [(1, 400.0, 2000.0), (2, 900.0, 3000.0)])
+    peer = _doc("trivial_http_json", "mlserver", [(1, 200.0, 8000.0), (2, 300.0, 6000.0), (4, 350.0, 9000.0)])
+    ratios = report.peer_ratios(kiln, peer)
+    assert [r["level"] for r in ratios["per_level"]] == [1, 2]  # only levels both measured
+    assert [r["rps"] for r in ratios["per_level"]] == [2.0, 3.0]
+    assert [r["p99"] for r in ratios["per_level"]] == [0.25, 0.5]
+    assert ratios["peak_rps"] == 900.0 / 350.0
+
+
+def test_report_writes_block_and_keeps_prose(tmp_path):
+    for doc in (_doc("trivial_http_json", "kiln", [(1, 400.0, 2000.0)]),
+                _doc("trivial_http_json", "mlserver", [(1, 100.0, 4000.0)])):
+        (tmp_path / f"serving_{doc['scenario']}_{doc['server']}.json").write_text(json.dumps(doc))
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Perf\n\nintro\n\n{report.BEGIN}\nold table\n{report.END}\n\nclosing note\n")
+    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Perf\n\nintro\n") and text.rstrip().endswith("closing note")
+    assert "old table" not in text and text.count(report.BEGIN) == 1
+    assert "| trivial_http_json: Kiln / mlserver | 4.00x | c1: 4.00x | c1: 0.50x |" in text
+    assert "python -m load_tests.peers bench --only trivial_http_json" in text
