@@ -227,6 +227,8 @@ def read_plan_metadata(data: bytes | bytearray | memoryview) -> tuple[dict[str, 
     magic, version, _flags, meta_len, blob_len, digest = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise PlanFormatError("not a Kiln plan (bad magic); was it built by Kiln?")
+    if _flags != 0:  # reserved; not covered by the checksum, so anything else is damage
+        raise PlanFormatError(f"plan header has unknown flags {_flags:#x}; the file is corrupt or from a newer Kiln")
     if version != PLAN_FORMAT_VERSION:
         raise PlanFormatError(f"plan format version {version} is not supported (this Kiln reads {PLAN_FORMAT_VERSION}); rebuild it")
     meta_end = _HEADER.size + meta_len

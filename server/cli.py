@@ -14,7 +14,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from server import plan_cache
+from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore
+from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
 
 log = logging.getLogger("kiln.server")
@@ -41,8 +44,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
     parser.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
     parser.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL")
-    parser.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
-                        help="none: load every model at start; explicit: load/unload through the API")
+    parser.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none",
+                        help="none: load every model at start; explicit: load/unload through the API; "
+                             "poll: load at start, then follow the repository directory")
+    parser.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
+                        help="poll mode: how often the repository is scanned for added/changed/removed models")
+    parser.add_argument("--plan-cache-dir", default=None, metavar="DIR",
+                        help="built plans are cached here (default $KILN_CACHE_DIR/plans or "
+                             "~/.cache/kiln/plans; '' disables the cache)")
     parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: model to load at start ('*' = all; repeatable)")
     parser.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
@@ -53,12 +62,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     add_drain_arguments(parser)
+    add_limit_arguments(parser)
+    add_auth_arguments(parser)
 
 
 def core_options(args: argparse.Namespace) -> CoreOptions:
     return CoreOptions(
         model_repositories=list(args.model_repository),
         model_control_mode=args.model_control_mode,
+        repository_poll_secs=args.repository_poll_secs,
         startup_models=list(args.load_model),
         default_max_batch_size=args.default_max_batch_size,
         strict_readiness=args.strict_readiness,
@@ -92,13 +104,13 @@ async def _serve_listener(server: _Server) -> None:
         log.error("the %s listener could not start on port %s", server.name, server.config.port)  # type: ignore[attr-defined]
 
 
-async def _start_grpc(core: ServerCore, host: str, port: int):
+async def _start_grpc(core: ServerCore, host: str, port: int, **guard):
     try:
         from server.frontends.grpc import start_grpc_server
     except ImportError as e:
         log.warning("gRPC frontend unavailable (%s); serving HTTP only", e)
         return None
-    return await start_grpc_server(core, host, port)
+    return await start_grpc_server(core, host, port, **guard)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -107,16 +119,21 @@ async def serve(args: argparse.Namespace) -> int:
     from server.metrics import create_metrics_app
 
     try:
+        limits = limits_from_args(args)
+        http_restricted, grpc_restricted = restrictions_from_args(args)
+        plan_cache.configure(args.plan_cache_dir)
         core = ServerCore(core_options(args))
     except (FileNotFoundError, ValueError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
+    limiter = InflightLimiter(limits.max_inflight_requests)  # one budget for HTTP and gRPC together
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))
     graceful_s = lifecycle.settings.timeout_s
     servers: list[_Server] = []
     if args.allow_http:
-        servers.append(_uvicorn(lifecycle.wrap_asgi(create_app(core)), args.host, args.http_port, "HTTP", graceful_s))
+        app = create_app(core, limits, limiter, http_restricted)
+        servers.append(_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", graceful_s))
     if args.allow_metrics:
         servers.append(_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics", graceful_s))
     grpc_server = None
@@ -131,7 +148,8 @@ async def serve(args: argparse.Namespace) -> int:
     code = 0
     try:
         if args.allow_grpc:
-            grpc_server = await _start_grpc(core, args.host, args.grpc_port)
+            grpc_server = await _start_grpc(core, args.host, args.grpc_port, limiter=limiter,
+                                            restricted=grpc_restricted)
         log.info("serving: HTTP %s, gRPC %s, metrics %s", args.http_port if args.allow_http else "off",
                  args.grpc_port if grpc_server else "off", args.metrics_port if args.allow_metrics else "off")
         waiter = asyncio.create_task(stop.wait())

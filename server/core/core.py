@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import engine_core as kiln
-from server.repository import ModelRepository, ModelSource, check_upload, select_versions
+from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
 from .model import ModelVersion, load_model_version
@@ -43,7 +43,8 @@ class CoreOptions:
     """Server-wide settings (`kiln serve` flags map onto these)."""
 
     model_repositories: list[str]
-    model_control_mode: str = "none"  # "none": load everything at start; "explicit": load/unload API
+    model_control_mode: str = "none"  # "none": load everything at start; "explicit": load/unload API; "poll"
+    repository_poll_secs: float = 15.0  # poll mode: seconds between repository scans
     startup_models: list[str] = field(default_factory=list)  # explicit mode: models to load at start ("*" = all)
     default_max_batch_size: int = 4
     strict_readiness: bool = True
@@ -77,8 +78,9 @@ class ServerCore:
     """The protocol-neutral server. Create, `await start()`, serve, `await stop()`."""
 
     def __init__(self, options: CoreOptions) -> None:
-        if options.model_control_mode not in ("none", "explicit"):
-            raise ValueError(f"model control mode must be 'none' or 'explicit', got '{options.model_control_mode}'")
+        if options.model_control_mode not in ("none", "explicit", "poll"):
+            raise ValueError(f"model control mode must be 'none', 'explicit' or 'poll', "
+                             f"got '{options.model_control_mode}'")
         self.options = options
         self.repository = ModelRepository(options.model_repositories)
         self.models: dict[str, ModelEntry] = {}
@@ -89,6 +91,11 @@ class ServerCore:
         self._startup_names: list[str] = []
         self._started = False
         self._stopping = False
+        self._poller: RepositoryPoller | None = None
+        if options.model_control_mode == "poll":  # raises ValueError for a bad interval, before serving
+            self._poller = RepositoryPoller(self.repository, options.repository_poll_secs,
+                                            self._load_quietly, self._unload)
+        self._startup_poll: asyncio.Task | None = None
         self._draining = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -99,8 +106,16 @@ class ServerCore:
             wanted = self.options.startup_models
             names = names if "*" in wanted else list(dict.fromkeys(wanted))
         self._startup_names = names
+        if self._poller is not None:
+            self._poller.baseline()
         self._startup = [asyncio.create_task(self._load_quietly(name)) for name in names]
+        if self._poller is not None:
+            self._startup_poll = asyncio.create_task(self._poll_after_startup())
         self._started = True
+
+    async def _poll_after_startup(self) -> None:
+        await asyncio.gather(*self._startup, return_exceptions=True)
+        await self._poller.run()  # type: ignore[union-attr]
 
     async def wait_for_startup(self) -> None:
         if self._startup:
@@ -117,7 +132,7 @@ class ServerCore:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._startup:
+        for task in [*self._startup, *([self._startup_poll] if self._startup_poll else [])]:
             task.cancel()
         for entry in self.models.values():
             for version in entry.versions.values():
@@ -212,7 +227,7 @@ class ServerCore:
         if trace:
             trace.mark("QUEUE_START")
         try:
-            result = await model.scheduler.submit(Job(inputs, batch))
+            result = await model.scheduler.submit(Job(inputs, batch, parameters=request.parameters))
         except ServerError:
             raise
         except (kiln.KilnError, TypeError, ValueError) as e:
@@ -363,10 +378,13 @@ class ServerCore:
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Stop serving `name`; requests already running finish. Unloading an unloaded model is a no-op."""
         self._require_explicit()
+        if name not in self.models and name not in self.repository.names():
+            raise not_found(f"unknown model: '{name}'")
+        await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
         entry = self.models.get(name)
         if entry is None:
-            if name not in self.repository.names():
-                raise not_found(f"unknown model: '{name}'")
             return
         async with entry.lock:
             versions, entry.versions = entry.versions, {}

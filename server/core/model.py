@@ -303,6 +303,8 @@ def _read_labels(source: ModelSource, config: ModelConfig) -> dict[str, list[str
     for tensor in config.output:
         if tensor.label_filename:
             path = source.directory / tensor.label_filename
+            if not path.resolve().is_relative_to(source.directory.resolve()):
+                raise invalid(f"model '{config.name}': label file '{tensor.label_filename}' is outside the model directory")
             if not path.is_file():
                 raise invalid(f"model '{config.name}': label file '{tensor.label_filename}' of output "
                               f"'{tensor.name}' does not exist")
@@ -315,6 +317,8 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     """Build one version (blocking). Raises ServerError / kiln errors with the reason the model cannot load."""
     filename = config.default_model_filename or "model.onnx"
     path: Path = source.model_file(version, filename)
+    if not path.resolve().is_relative_to(source.directory.resolve()):
+        raise invalid(f"model '{source.name}' version {version}: '{filename}' resolves outside the model directory")
     if not path.is_file():
         raise invalid(f"model '{source.name}' version {version}: '{filename}' is missing in {path.parent}")
     data = path.read_bytes()

@@ -100,13 +100,18 @@ class DirectScheduler:
             context = await self._acquire()
             started = time.perf_counter_ns()
             try:
-                loop = asyncio.get_running_loop()
-                outputs, compute_input_ns, compute_infer_ns = await loop.run_in_executor(
+                execution = asyncio.get_running_loop().run_in_executor(
                     self._pool, run_on_context, self._execute, context, job.inputs)
+            except RuntimeError as e:  # the pool is shut down
+                self._release(context)
+                raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
+            # Back to the pool when the thread is done, not when the caller stops waiting: a cancelled request
+            # (HTTP disconnect, gRPC cancel) must not hand a context that is still running to the next job.
+            execution.add_done_callback(lambda _: self._release(context))
+            try:
+                outputs, compute_input_ns, compute_infer_ns = await asyncio.shield(execution)
             except RuntimeError as e:
                 raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
-            finally:
-                self._release(context)
         finally:
             self._active -= 1
             if self._closed and not self._active:

@@ -7,6 +7,7 @@ functions, so every path decodes the same way.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 
@@ -22,7 +23,7 @@ def element_count(shape: Sequence[int]) -> int:
     """Number of elements of `shape`; negative dims are a client error."""
     if any(int(d) < 0 for d in shape):
         raise invalid(f"shape {list(shape)} has a negative dimension")
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(int(d) for d in shape)  # exact: int64 products of hostile shapes wrap
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:

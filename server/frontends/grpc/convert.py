@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 
 from server.core import tensors
 from server.core.errors import invalid
+from server.core.limits import check_shape
 from server.core.types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 from server.protos import grpc_service_pb2 as pb
 from server.protos import model_config_pb2
@@ -133,6 +134,7 @@ def infer_request(message: pb.ModelInferRequest) -> InferRequest:
     for tensor in message.inputs:
         parameters = parameters_from_proto(tensor.parameters)
         shape = tuple(tensor.shape)
+        check_shape(shape, tensor.name)
         if SHM_REGION in parameters:
             if contents.has_data(tensor.contents):
                 raise invalid(f"input '{tensor.name}' has both shared-memory and typed contents data")

@@ -6,9 +6,12 @@ import logging
 
 import grpc
 
+from server.auth import RestrictedApi
+from server.core.limits import InflightLimiter
 from server.protos import grpc_service_pb2, health_pb2, health_pb2_grpc
 from server.protos._pool import POOL
 
+from .guard import GuardInterceptor
 from .health import HealthServicer
 from .options import GrpcOptions
 from .servicer import add_to_server
@@ -27,15 +30,18 @@ def _enable_reflection(server: grpc.aio.Server, names: list[str]) -> bool:
     return True
 
 
-async def start_grpc_server(core, host: str, port: int, **options) -> grpc.aio.Server:
+async def start_grpc_server(core, host: str, port: int, *, limiter: InflightLimiter | None = None,
+                            restricted: RestrictedApi | None = None, **options) -> grpc.aio.Server:
     """Serve Triton's GRPCInferenceService for `core` on host:port and return the started server.
 
-    `options` are the fields of `GrpcOptions` (max_message_size, keepalive_*, http2_*, compression, ...).
-    Stop it with `await server.stop(grace)`.
+    `options` are the fields of `GrpcOptions` (max_message_size, keepalive_*, http2_*, compression, ...);
+    `limiter` (shared with HTTP) bounds ModelInfer calls in flight, `restricted` names API groups that need a
+    metadata credential. Stop it with `await server.stop(grace)`.
     """
     settings = GrpcOptions.from_kwargs(**options)
+    guard = GuardInterceptor(limiter or InflightLimiter(), restricted or RestrictedApi())
     server = grpc.aio.server(options=settings.channel_args(), compression=settings.grpc_compression,
-                             maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+                             maximum_concurrent_rpcs=settings.max_concurrent_rpcs, interceptors=[guard])
     add_to_server(core, settings, server)
     services = [grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name]
     if settings.health:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from server.core.limits import check_load_request
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
 
@@ -122,6 +123,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
         config, files = convert.load_parameters(request.parameters)
+        check_load_request(request.model_name, config, files)
         await self._core.load_model(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 

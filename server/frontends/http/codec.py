@@ -19,18 +19,23 @@ from pydantic import ValidationError
 
 from server.core import InferInput, InferRequest, InferResponse, RequestedOutput
 from server.core.errors import invalid
+from server.core.limits import PayloadTooLarge, check_shape
 from server.core.tensors import element_count, from_raw, to_raw
 from server.core.types import numpy_dtype
 
 from .schemas import InferRequestBody
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-MAX_DECOMPRESSED_BYTES = 1 << 31
+MAX_DECOMPRESSED_BYTES = 1 << 30
 
 
 # -- compression ------------------------------------------------------------------------------------------------
 def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
-    """Undo Content-Encoding gzip/deflate (deflate = zlib stream, as tritonclient sends it; raw deflate too)."""
+    """Undo Content-Encoding gzip/deflate (deflate = zlib stream, as tritonclient sends it; raw deflate too).
+
+    Inflation stops at `limit` bytes (413 beyond: a compression bomb never expands in memory); a stream
+    that ends early is a 400, not a silently shortened body.
+    """
     encoding = (encoding or "identity").strip().lower()
     if encoding in ("identity", ""):
         return body
@@ -43,8 +48,11 @@ def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_
             data = inflater.decompress(body, limit)
         except zlib.error:
             continue
-        if inflater.unconsumed_tail:
-            raise invalid(f"decompressed request body exceeds {limit} bytes")
+        if inflater.unconsumed_tail or (not inflater.eof and len(data) >= limit):
+            raise PayloadTooLarge(f"decompressed request body exceeds the limit of {limit} bytes "
+                                  f"({len(body)} bytes compressed)")
+        if not inflater.eof:
+            raise invalid(f"request body is truncated {encoding} data")
         return data
     raise invalid(f"request body is not valid {encoding} data")
 
@@ -76,11 +84,17 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[:length], memoryview(body)[length:]
 
 
+def _no_constants(name: str) -> Any:
+    """JSON has no NaN/Infinity; Python's parser would accept them, Triton's does not."""
+    raise invalid(f"the request JSON contains '{name}', which JSON cannot carry: send non-finite values as "
+                  "binary tensor data")
+
+
 def parse_header(header: bytes) -> InferRequestBody:
     try:
-        document = json.loads(header)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+        document = json.loads(header, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too-long ints, too-deep nesting
+        raise invalid(f"failed to parse the request JSON buffer: {str(e)[:200]}") from None
     if not isinstance(document, dict):
         raise invalid("the request JSON must be an object")
     try:
@@ -99,7 +113,7 @@ def decode_request(body: bytes, header_length: str | None, model_name: str, mode
     for tensor in document.inputs:
         parameters = dict(tensor.parameters or {})
         shape = tuple(tensor.shape)
-        element_count(shape)
+        check_shape(shape, tensor.name)
         size = parameters.pop("binary_data_size", None)
         if size is not None:
             size = _non_negative_int(size, f"input '{tensor.name}' binary_data_size")
@@ -193,7 +207,8 @@ def _wide_integers(values: np.ndarray, dtype: np.dtype, datatype: str, name: str
 
 # -- responses --------------------------------------------------------------------------------------------------
 def _json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
-    """Flat JSON list of an output's elements, or None if it cannot be JSON (BYTES that are not UTF-8)."""
+    """Flat JSON list of an output's elements, or None if it cannot be JSON (BYTES that are not UTF-8,
+    NaN or infinities, which `json.dumps` would write as tokens no JSON parser accepts)."""
     flat = array.reshape(-1)
     if datatype == "BYTES":
         try:
@@ -202,6 +217,8 @@ def _json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
             return None
     if datatype in ("FP16", "BF16"):
         flat = flat.astype(np.float32)
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        return None
     return flat.tolist()
 
 

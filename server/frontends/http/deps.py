@@ -46,8 +46,8 @@ def json_body(schema: Any, required: bool = True) -> Any:
             return None
         try:
             document = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid(f"failed to parse the request JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, too-long ints, too-deep nesting
+            raise invalid(f"failed to parse the request JSON: {str(e)[:200]}") from None
         try:
             return adapter.validate_python(document)
         except ValidationError as e:

@@ -28,6 +28,11 @@ STATUS_OF_KIND: dict[ErrorKind, int] = {
 }
 
 
+def http_status(error: ServerError) -> int:
+    """The status for `error`: its own when it has one (413 for oversize bodies), else by kind."""
+    return getattr(error, "http_status", None) or STATUS_OF_KIND.get(error.kind, 500)
+
+
 def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
@@ -44,7 +49,7 @@ def _describe_validation(error: RequestValidationError) -> str:
 async def _server_error(request: Request, error: ServerError) -> JSONResponse:
     if error.kind == ErrorKind.INTERNAL:
         log.error("internal error on %s %s: %s", request.method, request.url.path, error.message)
-    return error_response(STATUS_OF_KIND.get(error.kind, 500), error.message)
+    return error_response(http_status(error), error.message)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from server.core.errors import invalid
+from server.core.limits import check_load_request
 
 from ..deps import CoreDep, body_doc, json_body
 from ..schemas import LoadRequest, RepositoryIndexRequest, RepositoryModel, UnloadRequest
@@ -46,6 +47,7 @@ def load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, b
 async def load_model(core: CoreDep, model_name: str, body: LoadRequest | None = json_body(LoadRequest, False)
                      ) -> Response:
     config, files = load_parameters(body.parameters or {} if body else {})
+    check_load_request(model_name, config, files)
     await core.load_model(model_name, config, files)
     return Response(status_code=200)
 

@@ -1,0 +1,199 @@
+"""What one request may cost the server: body and decompressed sizes, requests in flight, repository uploads.
+
+Both frontends share these so that an oversize body, a compression bomb or an overload gets the same answer
+whichever protocol carried it (HTTP 413 / 429, gRPC RESOURCE_EXHAUSTED). The checks run before any tensor is
+allocated or any model file is written, so a hostile request costs at most its own bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from .errors import ErrorKind, ServerError, invalid
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# A model name the repository API may create: a directory name on every platform, no hidden directories.
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
+_MAX_UPLOAD_FILES = 1024
+_MAX_UPLOAD_DEPTH = 16
+# Config fields naming files inside the model directory (a path out of it would read files the server can see).
+_FILE_FIELDS = ("default_model_filename", "label_filename")
+
+
+class PayloadTooLarge(ServerError):
+    """A body (or what it decompresses to) over a limit: HTTP 413, gRPC RESOURCE_EXHAUSTED."""
+
+    http_status = 413
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorKind.RESOURCE_EXHAUSTED, message)
+
+
+def overloaded(message: str) -> ServerError:
+    """Too much work in flight: HTTP 429, gRPC RESOURCE_EXHAUSTED; the client should back off and retry."""
+    return ServerError(ErrorKind.RESOURCE_EXHAUSTED, message)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request size limits; 0 means unlimited for `max_inflight_requests` only."""
+
+    max_body_bytes: int = GIB
+    max_decompressed_bytes: int = GIB
+    # Compressed bodies may grow this many times, past a floor that legitimate small requests never reach.
+    max_compression_ratio: int = 1024
+    ratio_floor_bytes: int = 64 * MIB
+    max_inflight_requests: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_decompressed_bytes, self.max_compression_ratio) <= 0:
+            raise ValueError("body, decompressed size and compression ratio limits must be positive")
+        if self.max_inflight_requests < 0:
+            raise ValueError("max_inflight_requests must be >= 0 (0 = unlimited)")
+
+    def decompressed_limit(self, compressed_bytes: int) -> int:
+        """The most bytes a body of `compressed_bytes` may inflate to (absolute cap and ratio cap)."""
+        by_ratio = max(compressed_bytes * self.max_compression_ratio, self.ratio_floor_bytes)
+        return min(self.max_decompressed_bytes, by_ratio)
+
+    def check_body_size(self, size: int) -> None:
+        if size > self.max_body_bytes:
+            raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes")
+
+
+class InflightLimiter:
+    """Bounded admission: at most `limit` requests run at once, the next one is refused, not queued.
+
+    Refusing at once (instead of queueing without bound) keeps memory flat and admitted latency bounded
+    under overload; clients retry on 429 / RESOURCE_EXHAUSTED. Used from the event loop only, so a plain
+    counter is enough. Both frontends share one instance.
+    """
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self.count = 0
+        self.refused = 0
+
+    def acquire(self) -> None:
+        """Take a slot or raise RESOURCE_EXHAUSTED; pair with `release`."""
+        if self.limit and self.count >= self.limit:
+            self.refused += 1
+            raise overloaded(f"the server is at its limit of {self.limit} requests in flight; retry later")
+        self.count += 1
+
+    def release(self) -> None:
+        self.count -= 1
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+# -- tensors ----------------------------------------------------------------------------------------------------
+MAX_RANK = 64  # numpy's limit: a deeper shape could not even be represented
+MAX_ELEMENTS = (1 << 63) - 1
+
+
+def check_shape(shape: Sequence[int], name: str) -> None:
+    """A client shape numpy can hold and whose element count does not overflow int64 (it would wrap silently
+    and make a huge claimed shape look small), checked with exact integers before any array exists."""
+    if len(shape) > MAX_RANK:
+        raise invalid(f"input '{name}': shape has {len(shape)} dimensions, at most {MAX_RANK} are supported")
+    if any(isinstance(d, bool) or not isinstance(d, int) for d in shape):
+        raise invalid(f"input '{name}': shape {list(shape)} must be a list of integers")
+    if any(d < 0 for d in shape):
+        raise invalid(f"input '{name}': shape {list(shape)} has a negative dimension")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise invalid(f"input '{name}': shape {list(shape)} has more elements than any tensor can hold")
+
+
+# -- repository API ---------------------------------------------------------------------------------------------
+def check_model_name(name: str) -> None:
+    """Names the repository API may load: letters, digits, '_', '.', '-'; no path separators, no hidden names."""
+    if not _MODEL_NAME.match(name or ""):
+        raise invalid(f"invalid model name {name!r}: use 1-255 letters, digits, '_', '.' or '-', "
+                      "not starting with '.' or '-'")
+
+
+def check_relative_path(relative: str, what: str) -> None:
+    """A path that stays inside the model directory: relative, no '..', no empty parts, no control characters."""
+    parts = PurePosixPath(relative).parts if relative else ()
+    bad = (not relative or relative.startswith(("/", "~")) or "\\" in relative or ":" in relative
+           or any(ord(c) < 32 or c == "\x7f" for c in relative) or ".." in parts
+           or "//" in relative or len(parts) > _MAX_UPLOAD_DEPTH)
+    if bad:
+        raise invalid(f"{what} {relative!r} must be relative to the model directory, without '..', "
+                      "a leading '/', a drive or control characters")
+
+
+def _file_fields(document: Any) -> Iterator[str]:
+    """Every value of a file-naming field anywhere in a JSON config (outputs carry label_filename)."""
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _FILE_FIELDS or key in ("defaultModelFilename", "labelFilename"):
+                    yield value if isinstance(value, str) else repr(value)
+                else:
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def check_load_request(name: str, config: str | None, files: dict[str, bytes]) -> None:
+    """Refuse a repository load that could write or read outside the model directory, before anything runs."""
+    check_model_name(name)
+    if len(files) > _MAX_UPLOAD_FILES:
+        raise invalid(f"a load may upload at most {_MAX_UPLOAD_FILES} files, got {len(files)}")
+    for key in files:
+        check_relative_path(key.removeprefix("file:"), "uploaded file path")
+    if config is None:
+        return
+    try:
+        document = json.loads(config)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"load parameter 'config' is not valid JSON: {str(e)[:200]}") from None
+    for value in _file_fields(document):
+        if value:
+            check_relative_path(value, "config file name")
+
+
+# -- flags ------------------------------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    """Bytes with an optional K/M/G suffix (powers of 1024): '1G', '512M', '4096'."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 1048576 or 1G, got '{text}'") from None
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--http-max-body-bytes", type=_size, default=GIB, metavar="BYTES",
+                        help="largest HTTP request body (413 beyond; also caps what a compressed body inflates to)")
+    parser.add_argument("--max-inflight-requests", type=int, default=0, metavar="N",
+                        help="inference requests running at once over HTTP and gRPC together; more are refused "
+                             "with 429 / RESOURCE_EXHAUSTED (0 = unlimited)")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(max_body_bytes=args.http_max_body_bytes, max_decompressed_bytes=args.http_max_body_bytes,
+                         max_inflight_requests=args.max_inflight_requests)

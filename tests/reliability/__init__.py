@@ -1,0 +1,1 @@
+"""Reliability and security: hostile input, repository confinement, auth, overload, fuzzing."""
