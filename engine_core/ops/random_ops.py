@@ -40,7 +40,11 @@ def _draw(node: Node, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if node.op_type.startswith("RandomNormal"):
         values = rng.normal(node.attr("mean", 0.0), node.attr("scale", 1.0), shape)
     else:
-        values = rng.uniform(node.attr("low", 0.0), node.attr("high", 1.0), shape)
+        low, high = node.attr("low", 0.0), node.attr("high", 1.0)
+        values = rng.uniform(low, high, shape).astype(dtype)
+        # a float64 draw just below `high` can round up to it in a narrower dtype: keep [low, high)
+        top = np.nextafter(np.asarray(high, dtype), np.asarray(low, dtype))
+        return np.minimum(values, top) if high > low else values
     return values.astype(dtype)
 
 

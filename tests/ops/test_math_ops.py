@@ -441,6 +441,12 @@ def test_random_uniform_range_and_moments() -> None:
     assert abs(first.mean() - 1.0) < 0.02 and abs(first.var() - 16 / 12) < 0.02
 
 
+def test_random_uniform_never_reaches_high_in_a_narrow_dtype() -> None:
+    """float64 draws just below `high` round up to it in float16 (~50 of 200k here): the op clamps."""
+    first, _ = sample("RandomUniform", shape=[200_000], low=-1.0, high=3.0, dtype=TensorProto.FLOAT16)
+    assert first.dtype == np.float16 and first.min() >= -1.0 and first.max() < 3.0
+
+
 @pytest.mark.parametrize("op", ["RandomNormal", "RandomUniform"])
 def test_seed_reproduces_across_runs_and_plans(op: str) -> None:
     first, second = sample(op, shape=[3, 4], seed=3.0)
