@@ -8,9 +8,6 @@ requests queue behind each other) started with:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.server.conftest import ROOT, ServerProcess, _grpc_importable, _wait_ready, examples, free_port
+from tests.server.conftest import examples, run_server
 
 ADMIN = {"admin-key": "s3cret"}
 MAX_BODY = 1 << 20
@@ -70,31 +67,12 @@ def guarded_server(tmp_path_factory: pytest.TempPathFactory):
     examples.write_model(repository, "slow", slow_model(), SLOW_CONFIG)
     examples.write_model(repository, "victim", examples.add_sub_model(TensorProto.INT32),
                          examples.ADD_SUB_CONFIG.replace('"add_sub"', '"victim"'))
-    log_path = base / "server.log"
-    ports = [free_port() for _ in range(3)]
     restricted = "model-repository,model-config:admin-key=s3cret"
-    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--model-control-mode", "explicit", "--http-max-body-bytes", "1M",
-               "--max-inflight-requests", str(MAX_INFLIGHT),
-               "--http-restricted-api", restricted, "--grpc-restricted-api", restricted]
-    for name in ["add_sub", "identity", "slow", "victim"]:
-        command += ["--load-model", name]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable())
-    try:
-        _wait_ready(server)
+    limits = ["--http-max-body-bytes", "1M", "--max-inflight-requests", str(MAX_INFLIGHT),
+              "--http-restricted-api", restricted, "--grpc-restricted-api", restricted]
+    with run_server(repository, base / "server.log", ["add_sub", "identity", "slow", "victim"], limits) as server:
         yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert "Traceback" not in server.log(), server.log()[-4000:]
+    assert "Traceback" not in server.log(), server.log()[-4000:]
 
 
 @pytest.fixture()

@@ -8,6 +8,7 @@ If the gRPC frontend cannot be imported, the server runs without it (`grpc_avail
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -118,17 +119,15 @@ def _wait_ready(server: ServerProcess) -> None:
     raise RuntimeError(f"server not ready after {READY_TIMEOUT_S} s:\n{server.log()}")
 
 
-@pytest.fixture(scope="session")
-def kiln_server(tmp_path_factory: pytest.TempPathFactory):
-    """Start the server once per test session; yields a `ServerProcess`."""
-    base = tmp_path_factory.mktemp("kiln_server")
-    repository = examples.make_repository(base / "models")
-    log_path = base / "server.log"
+@contextlib.contextmanager
+def run_server(repository: Path, log_path: Path, models: list[str], extra_args: list[str] = ()):
+    """A real `python -m server` on free 127.0.0.1 ports (explicit mode, `models` loaded), ready when yielded;
+    terminated (then killed if it hangs) on exit."""
     ports = [free_port() for _ in range(3)]
     command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--model-control-mode", "explicit"]
-    for name in STARTUP_MODELS:
+               "--model-control-mode", "explicit", *extra_args]
+    for name in models:
         command += ["--load-model", name]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_path, "wb") as log_file:
@@ -144,3 +143,12 @@ def kiln_server(tmp_path_factory: pytest.TempPathFactory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def kiln_server(tmp_path_factory: pytest.TempPathFactory):
+    """Start the server once per test session; yields a `ServerProcess`."""
+    base = tmp_path_factory.mktemp("kiln_server")
+    repository = examples.make_repository(base / "models")
+    with run_server(repository, base / "server.log", STARTUP_MODELS) as server:
+        yield server
