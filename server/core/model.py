@@ -8,7 +8,6 @@ messages about shapes and datatypes, not engine internals.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from .model_config import (
     model_shape,
 )
 from .scheduler import DirectScheduler, Scheduler
-from .statistics import Duration, ExecutionTimes, ModelStatistics
+from .statistics import ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
 # Range given to dims the config leaves variable (-1) other than the batch dim.
@@ -52,36 +51,6 @@ class TensorSpec:
         return {"name": self.name, "datatype": self.datatype, "shape": shape}
 
 
-class BatchedStatistics(ModelStatistics):
-    """Statistics where executions are counted by the scheduler, not per request.
-
-    The core calls `record_success` once per request (inference_count, success, queue and per-request compute
-    times); the scheduler calls `record_execution` once per model execution (execution_count, batch_stats),
-    so with dynamic batching execution_count < inference_count, as in Triton.
-    """
-
-    def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes) -> None:
-        with self._lock:
-            self.inference["success"].add(total_ns)
-            self.inference["queue"].add(times.queue_ns)
-            self.inference["compute_input"].add(times.compute_input_ns)
-            self.inference["compute_infer"].add(times.compute_infer_ns)
-            self.inference["compute_output"].add(times.compute_output_ns)
-            self.inference_count += batch_size
-            self.last_inference_ms = int(time.time() * 1000)
-
-    def record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
-        with self._lock:
-            batch = self.batches.setdefault(batch_size, {f: Duration() for f in _BATCH_FIELDS})
-            batch["compute_input"].add(times.compute_input_ns)
-            batch["compute_infer"].add(times.compute_infer_ns)
-            batch["compute_output"].add(times.compute_output_ns)
-            self.execution_count += 1
-
-
-_BATCH_FIELDS = ("compute_input", "compute_infer", "compute_output")
-
-
 def _specs(tensors) -> dict[str, TensorSpec]:
     return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t))) for t in tensors}
 
@@ -100,7 +69,7 @@ class ModelVersion:
         self.outputs = _specs(config.output)
         self.max_batch_size = config.max_batch_size
         self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
-        self.statistics = BatchedStatistics(name, str(version))
+        self.statistics = ModelStatistics(name, str(version))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
         self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self.statistics)
@@ -193,7 +162,7 @@ class ModelVersion:
 
 
 def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str,
-               statistics: BatchedStatistics) -> Scheduler:
+               statistics: ModelStatistics) -> Scheduler:
     """The dynamic batcher when the config asks for it and the model batches; else one job per execution."""
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)

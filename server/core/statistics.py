@@ -52,20 +52,27 @@ class ModelStatistics:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes) -> None:
-        """One request that ran as one execution of `batch_size` items."""
+        """One successful request of `batch_size` items (inference_count, success, queue, per-request compute).
+
+        Executions are counted separately by the scheduler (`record_execution`), so with dynamic batching
+        execution_count < inference_count, as in Triton."""
         with self._lock:
             self.inference["success"].add(total_ns)
             self.inference["queue"].add(times.queue_ns)
             self.inference["compute_input"].add(times.compute_input_ns)
             self.inference["compute_infer"].add(times.compute_infer_ns)
             self.inference["compute_output"].add(times.compute_output_ns)
+            self.inference_count += batch_size
+            self.last_inference_ms = int(time.time() * 1000)
+
+    def record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
+        """One model execution of `batch_size` items (execution_count, batch_stats)."""
+        with self._lock:
             batch = self.batches.setdefault(batch_size, {f: Duration() for f in _BATCH_FIELDS})
             batch["compute_input"].add(times.compute_input_ns)
             batch["compute_infer"].add(times.compute_infer_ns)
             batch["compute_output"].add(times.compute_output_ns)
-            self.inference_count += batch_size
             self.execution_count += 1
-            self.last_inference_ms = int(time.time() * 1000)
 
     def record_failure(self, total_ns: int) -> None:
         with self._lock:
