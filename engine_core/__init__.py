@@ -43,11 +43,15 @@ from engine_core.runtime import (
 from engine_core.types import (
     BuilderFlag,
     DataType,
+    EngineCapability,
     ExecutionContextAllocationStrategy,
+    HardwareCompatibilityLevel,
     LayerInformationFormat,
     MemoryPoolType,
     NetworkDefinitionCreationFlag,
     ProfilingVerbosity,
+    TempfileControlFlag,
+    TensorFormat,
     TensorIOMode,
     TensorLocation,
     nptype,
@@ -56,7 +60,7 @@ from engine_core.version import __version__
 
 __all__ = [
     "BuildError", "Builder", "ErrorCode", "ErrorRecorder", "IDebugListener", "IErrorRecorder", "PluginDef",
-    "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "CudaEngine", "DataType", "EngineInspector",
+    "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "EngineCapability", "HardwareCompatibilityLevel", "TempfileControlFlag", "TensorFormat", "CudaEngine", "DataType", "EngineInspector",
     "ExecutionContext", "ExecutionContextAllocationStrategy", "ExecutionError", "IOutputAllocator", "IProfiler",
     "KilnError", "LayerInformationFormat", "Logger", "MemoryPoolType", "NetworkDefinition",
     "NetworkDefinitionCreationFlag", "OnnxParser", "OptimizationProfile", "ParseError", "ParserError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -22,9 +23,11 @@ from engine_core.ir import Graph
 from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.network import NetworkDefinition
 from engine_core.ops import TensorInfo
-from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.passes import FUSION_PASSES, PRE_PASSES, infer_shapes
+from engine_core.passes.reduce_precision import precision_policy, reduce_precision
 from engine_core.plan import IOTensor, Plan, serialize_plan
 from engine_core.plugins import plugin_kernels
+from engine_core.timing_cache import TimingCache
 from engine_core.types import BuilderFlag, MemoryPoolType, ProfilingVerbosity, TensorIOMode
 
 ShapeTriple = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -87,6 +90,24 @@ class BuilderConfig:
         self.profiles: list[OptimizationProfile] = []
         self._pool_limits: dict[MemoryPoolType, int] = {}
         self.timing_cache: Any = None
+        self._hardware_compatibility_level = 0  # HardwareCompatibilityLevel.NONE
+
+    @property
+    def hardware_compatibility_level(self) -> int:
+        """Which GPUs the plan may run on (recorded in the plan, checked at load: engine_core.compat)."""
+        from engine_core.types import HardwareCompatibilityLevel
+
+        return HardwareCompatibilityLevel(self._hardware_compatibility_level)
+
+    @hardware_compatibility_level.setter
+    def hardware_compatibility_level(self, level: int) -> None:
+        from engine_core.types import HardwareCompatibilityLevel
+
+        try:
+            self._hardware_compatibility_level = HardwareCompatibilityLevel(level)
+        except ValueError:
+            raise ValueError(f"unknown hardware compatibility level {level!r}; use one of "
+                             f"{[m.name for m in HardwareCompatibilityLevel]}") from None
 
     def set_flag(self, flag: BuilderFlag) -> None:
         self.flags |= 1 << int(flag)
@@ -115,7 +136,22 @@ class BuilderConfig:
     def num_optimization_profiles(self) -> int:
         return len(self.profiles)
 
+    def create_timing_cache(self, serialized: bytes = b"") -> TimingCache:
+        """A timing cache from ``TimingCache.serialize()`` bytes (empty: a new cache)."""
+        return TimingCache.deserialize(serialized)
+
     def set_timing_cache(self, cache: Any, ignore_mismatch: bool = False) -> bool:
+        """Use ``cache`` for tactic timings (read and extended by builds); False if it was measured on
+        another GPU architecture and ``ignore_mismatch`` is not set."""
+        if cache is not None and ignore_mismatch is False and getattr(cache, "arch", None):
+            from engine_core.backends.cuda import is_available
+
+            if is_available():
+                from engine_core.cuda.driver import compute_capability
+
+                major, minor = compute_capability()
+                if cache.arch != f"sm_{major}{minor}":
+                    return False
         self.timing_cache = cache
         return True
 
@@ -307,11 +343,14 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     profiles = _profiles_for(graph, config)
     profile_values = _profile_values(graph, config)
 
-    progress.start("Optimizing graph", len(PIPELINE))
+    policy = precision_policy(config, network, logger)
+    stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *FUSION_PASSES]
+    progress.start("Optimizing graph", len(stages))
     pass_counts: dict[str, int] = {}
     with build_extras(graph, network, config) as extra_info:  # refit, debug tensors, plugins, verbosity
-        for index, graph_pass in enumerate(PIPELINE):
-            pass_counts[graph_pass.__name__] = graph_pass(graph)
+        for index, graph_pass in enumerate(stages):  # folding, precision (reformat layers), fusions, DCE
+            name = getattr(graph_pass, "__name__", None) or graph_pass.func.__name__
+            pass_counts[name] = graph_pass(graph)
             progress.step("Optimizing graph", index)
     progress.finish("Optimizing graph")
     logger.log(Severity.INFO, f"graph passes: {pass_counts}; {len(graph.nodes)} layers remain")
@@ -372,8 +411,12 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     arch, cuda_info = "any", {}
     if config.backend == "cuda":  # CUDA backend hook: tactics, CUBINs and the planned arena size
         from engine_core.backends.cuda import prepare_plan
+        from engine_core.backends.cuda.cudnn_conv import available as cudnn_available
+        from engine_core.backends.cuda.lowering import LoweringOptions
 
-        cuda_build = prepare_plan(graph, inferred)
+        options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available())
+        cache = _timing_cache_for(config)
+        cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:
             layer["tactic"] = cuda_build.tactics.get(layer["name"], "shape")  # "shape": computed on the host
         kernels, arch, memory, cuda_info = cuda_build.kernels, cuda_build.arch, cuda_build.device_memory_size, cuda_build.info
@@ -399,6 +442,15 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         },
     )
     return serialize_plan(plan)
+
+
+def _timing_cache_for(config: BuilderConfig) -> TimingCache | None:
+    """The config's timing cache, unless DISABLE_TIMING_CACHE; a private one when none was set."""
+    if config.get_flag(BuilderFlag.DISABLE_TIMING_CACHE):
+        return None
+    if config.timing_cache is None:
+        config.timing_cache = TimingCache()
+    return config.timing_cache
 
 
 def _io_dims(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:

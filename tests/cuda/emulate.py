@@ -4,30 +4,15 @@ most likely to go wrong) are then checked on every CI machine, not only on the d
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from engine_core.backends.cpu import run_node
-from engine_core.backends.cuda.lowering import Copy, Gemm, Host, Launch, Lowered, Ref
-from engine_core.backends.cuda.pointwise import C_TYPES
-from engine_core.ir import Graph
+from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, Lowered, Ref, transform_weight
+from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
+from engine_core.ir import Graph, Node
 
-_SUFFIX = {suffix: dtype for dtype, (_, suffix) in C_TYPES.items()}
-_ERF = np.vectorize(math.erf, otypes=[np.float64])
-
-_UFUNCS = {
-    "relu": lambda a: np.maximum(a, 0), "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh,
-    "erf": lambda a: _ERF(a).astype(a.dtype), "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "neg": np.negative,
-    "abs": np.abs, "reciprocal": lambda a: 1 / a, "floor": np.floor, "ceil": np.ceil, "sin": np.sin, "cos": np.cos,
-    "identity": lambda a: a, "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum,
-    "min": np.minimum, "div": np.divide, "pow": lambda a, b: np.power(a, b.astype(a.dtype)), "equal": np.equal,
-    "less": np.less, "greater": np.greater, "lessorequal": np.less_equal, "greaterorequal": np.greater_equal,
-    "and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor, "not": np.logical_not,
-    "cast": lambda a: a, "where": np.where, "clip_lo_hi": lambda a, b, c: np.minimum(np.maximum(a, b), c),
-    "clip_lo": np.maximum, "clip_hi": np.minimum, "clip": lambda a: a,
-}
+_SUFFIX = {suffix: dtype for dtype, (_, suffix, _) in C_TYPES.items()}
 
 
 class Emulator:
@@ -37,6 +22,8 @@ class Emulator:
         self.buffers: dict[tuple[str, str], np.ndarray] = {}
         for name, value in graph.constants.items():
             self.buffers[("weight", name)] = _bytes(value)
+        for name, (source, transform) in lowered.weight_transforms.items():
+            self.buffers[("weight", name)] = _bytes(transform_weight(graph.constants[source], transform))
         for name, value in lowered.folded.items():
             self.buffers[("folded", name)] = _bytes(value)
         for name, value in feeds.items():
@@ -85,16 +72,32 @@ class Emulator:
                 self.view(Ref(name), info.dtype, info.shape, _contig(info.shape))[...] = value
 
     def _gemm(self, op: Gemm) -> None:
-        a = self.view(op.a, np.dtype(np.float32), (op.batch, op.m, op.k), (op.a_strides[2], *op.a_strides[:2]))
-        b = self.view(op.b, np.dtype(np.float32), (op.batch, op.k, op.n), (op.b_strides[2], *op.b_strides[:2]))
-        y = self.view(op.y, np.dtype(np.float32), (op.batch, op.m, op.n), (op.m * op.n, op.n, 1))
-        y[...] = op.alpha * (a.astype(np.float64) @ b) + (op.beta * y if op.beta else 0)
+        dt = op.dtype
+        a = self.view(op.a, dt, (op.batch, op.m, op.k), (op.a_strides[2], *op.a_strides[:2])).astype(np.float64)
+        b = self.view(op.b, dt, (op.batch, op.k, op.n), (op.b_strides[2], *op.b_strides[:2])).astype(np.float64)
+        y = self.view(op.y, dt, (op.batch, op.m, op.n), (op.m * op.n, op.n, 1))
+        y[...] = op.alpha * (a @ b) + (op.beta * y.astype(np.float64) if op.beta else 0)
+
+    def _conv(self, op: Conv) -> None:
+        dt = op.dtype
+        x = self.view(op.x, dt, op.x_dims, op.x_strides).astype(np.float32)
+        w = self.view(op.w, dt, op.w_dims, op.w_strides).astype(np.float32)
+        attrs = {"pads": [*op.pads_begin, *op.pads_end], "strides": list(op.strides),
+                 "dilations": list(op.dilations), "group": op.x_dims[1] // op.w_dims[1]}
+        y = run_node(Node("Conv", ["x", "w"], ["y"], attrs, "conv", "", 11, []), [x, w])[0]
+        if op.b is not None:
+            y = y + self.view(op.b, dt, (op.y_dims[1],), (1,)).astype(np.float32).reshape(1, -1, 1, 1)
+        if op.z is not None:
+            y = y + self.view(op.z, dt, op.y_dims, op.z_strides).astype(np.float32)
+        if op.activation == "Relu":
+            y = np.maximum(y, 0)
+        self.view(op.y, dt, op.y_dims, op.y_strides)[...] = y
 
     def _launch(self, op: Launch) -> None:
         name = op.function
         args = [v for v, _ in op.args]
-        if name.startswith("pw_"):
-            self._pointwise(name, args)
+        if op.program is not None:
+            self._program(op.program, args)
         elif name.startswith("gather_w"):
             y, x, idx, outer, nidx, axis_len, inner = args
             word = int(name.split("_")[1][1:])
@@ -104,42 +107,82 @@ class Emulator:
             src = self.view(x, np.dtype(np.uint8), (outer, axis_len, inner * word), (axis_len * inner * word, inner * word, 1))
             dst = self.view(y, np.dtype(np.uint8), (outer, nidx, inner * word), (nidx * inner * word, inner * word, 1))
             dst[...] = src[:, ind, :]
+        elif name.startswith(("max_pool_", "avg_pool_")):
+            self._pool(name, args)
         else:
             self._row_kernel(name, args, op.grid[0])
 
+    def _pool(self, name: str, args: list) -> None:
+        x, y, g = args
+        dt = _SUFFIX[name.rsplit("_", 1)[1]]
+        xv = self.view(x, dt, (g.n, g.c, g.h, g.w), list(g.xs)).astype(np.float32)
+        kind = "MaxPool" if name.startswith("max") else "AveragePool"
+        attrs = {"kernel_shape": [g.kh, g.kw], "strides": [g.sh, g.sw], "pads": [g.ph, g.pw, g.ph_end, g.pw_end],
+                 "count_include_pad": g.count_include_pad}
+        if kind == "MaxPool":
+            attrs["dilations"] = [g.dh, g.dw]
+        out = run_node(Node(kind, ["x"], ["y"], attrs, "pool", "", 19, []), [xv])[0]
+        self.view(y, dt, (g.n, g.c, g.oh, g.ow), list(g.ys))[...] = out[:, :, : g.oh, : g.ow]
+
     def _row_kernel(self, name: str, args: list, rows: int) -> None:
-        f32 = np.dtype(np.float32)
-        if name == "softmax_f32":
-            x, y, cols = args
-            v = self.view(x, f32, (rows, cols), (cols, 1)).astype(np.float64)
+        kind, suffix = name.rsplit("_", 1)
+        dt = _SUFFIX[suffix]
+        if kind in ("softmax", "attn_softmax", "attn_softmax_add", "attn_softmax_bool"):
+            x, y, cols = args[:3]
+            v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
+            if kind != "softmax":
+                scale, g = args[3], args[-1]
+                v = v * scale
+                r = np.arange(rows)
+                q, bh = r % g.queries, r // g.queries
+                b, h = bh // g.heads, bh % g.heads
+                k = np.arange(cols)
+                if kind != "attn_softmax":
+                    mdt = np.dtype(np.bool_) if kind.endswith("bool") else dt
+                    base = (b * g.mb + h * g.mh + q * g.mq)[:, None] + k[None, :] * g.mk
+                    flat = self.view(args[4], mdt, (int(base.max()) + 1,), (1,))
+                    m = flat[base]
+                    v = np.where(m, v, -np.inf) if mdt == np.bool_ else v + m.astype(np.float64)
+                if g.causal:
+                    v = np.where(k[None, :] > q[:, None] + g.causal_offset, -np.inf, v)
             e = np.exp(v - v.max(-1, keepdims=True))
-            self.view(y, f32, (rows, cols), (cols, 1))[...] = e / e.sum(-1, keepdims=True)
-        elif name == "layer_norm_f32":
+            self.view(y, dt, (rows, cols), (cols, 1))[...] = e / e.sum(-1, keepdims=True)
+        elif kind in ("layer_norm", "rms_norm"):
             x, gamma, beta, y, cols, eps = args
-            v = self.view(x, f32, (rows, cols), (cols, 1)).astype(np.float64)
-            norm = (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + eps)
-            norm = norm * self.view(gamma, f32, (cols,), (1,))
+            v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
+            if kind == "layer_norm":
+                norm = (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + eps)
+            else:
+                norm = v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)
+            norm = norm * self.view(gamma, dt, (cols,), (1,)).astype(np.float64)
             if isinstance(beta, Ref):
-                norm = norm + self.view(beta, f32, (cols,), (1,))
-            self.view(y, f32, (rows, cols), (cols, 1))[...] = norm
-        elif name == "reduce_rows_f32":
+                norm = norm + self.view(beta, dt, (cols,), (1,)).astype(np.float64)
+            self.view(y, dt, (rows, cols), (cols, 1))[...] = norm
+        elif kind in ("reduce_rows", "reduce_max_rows", "reduce_min_rows"):
             x, y, cols, scale = args
-            self.view(y, f32, (rows,), (1,))[...] = self.view(x, f32, (rows, cols), (cols, 1)).sum(-1) * scale
+            v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
+            r = {"reduce_rows": lambda: v.sum(-1) * scale, "reduce_max_rows": lambda: v.max(-1),
+                 "reduce_min_rows": lambda: v.min(-1)}[kind]()
+            self.view(y, dt, (rows,), (1,))[...] = r
         else:
             raise NotImplementedError(name)
 
-    def _pointwise(self, name: str, args: list) -> None:
-        y, x0, x1, x2, n, rank, ix = args
-        parts = name.split("_")[1:]
-        suffixes = [p for p in parts if p in _SUFFIX]
-        op = "_".join(p for p in parts if p not in _SUFFIX)
-        dtypes = [_SUFFIX[s] for s in suffixes]
+    def _program(self, kernel: PointwiseKernel, args: list) -> None:
+        """Evaluate a generated pointwise kernel's program with the CPU backend's op implementations."""
+        n_in = len(kernel.ins)
+        y, xs, ix = args[0], args[1:1 + n_in], args[-1]
+        rank = args[-2]
         shape = [ix.shape[d] for d in range(rank)]
-        ins = [self.view(ref, dt, shape, [getattr(ix, f"in{i}")[d] for d in range(rank)])
-               for i, (ref, dt) in enumerate(zip((x0, x1, x2), dtypes[1:]))]
-        out = self.view(y, dtypes[0], shape, [ix.out[d] for d in range(rank)])
+        values = [self.view(ref, dt, shape, [ix.inp[i][d] for d in range(rank)]).copy()
+                  for i, (ref, dt) in enumerate(zip(xs, kernel.ins))]
         with np.errstate(all="ignore"):
-            out[...] = np.asarray(_UFUNCS[op](*ins)).astype(dtypes[0])
+            for pw in kernel.nodes:
+                ins = [values[a] if a >= 0 else None for a in pw.args]
+                node = Node(pw.op, [f"i{k}" if a >= 0 else "" for k, a in enumerate(pw.args)], ["o"],
+                            {k: list(v) if isinstance(v, tuple) else v for k, v in pw.attrs}, pw.op, "", pw.opset, [])
+                values.append(np.asarray(run_node(node, ins)[0]).astype(pw.dtype))
+        out = self.view(y, kernel.out, shape, [ix.out[d] for d in range(rank)])
+        out[...] = np.broadcast_to(values[-1], out.shape).astype(kernel.out)
 
 
 def _bytes(value: np.ndarray) -> np.ndarray:

@@ -96,3 +96,55 @@ def bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
     mask[:, seq - seq // 4:] = 0
     return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64), "attention_mask": mask,
             "token_type_ids": rng.integers(0, 2, (batch, seq)).astype(np.int64)}
+
+
+def _make_models():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from make_models import MODELS
+
+    return MODELS
+
+
+def resnet_small() -> onnx.ModelProto:
+    """tools/make_models.py's small resnet50 (64x64 images, dynamic batch)."""
+    return _make_models()["resnet50"][1]()
+
+
+def mobilenet_small() -> onnx.ModelProto:
+    """tools/make_models.py's small mobilenetv2 (depthwise convolutions, Clip activations)."""
+    return _make_models()["mobilenetv2"][1]()
+
+
+def attention_fp16(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32, causal: int = 0) -> onnx.ModelProto:
+    """ONNX Attention (opset 23) over fp16 Q/K/V [B, H, S, D] with an additive fp16 mask."""
+    shape = [batch, heads, seq, dim]
+    node = helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"], is_causal=causal, name="attention")
+    graph = helper.make_graph([node], "attn", [vi(n, TensorProto.FLOAT16, shape) for n in "qkv"]
+                              + [vi("mask", TensorProto.FLOAT16, [batch, 1, seq, seq])],
+                              [vi("y", TensorProto.FLOAT16, shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def cnn_fp16() -> onnx.ModelProto:
+    """An fp16 CNN: Conv+Relu, MaxPool, BatchNormalization, strided Conv, residual Add, AveragePool, GlobalAveragePool, Gemm."""
+    rng = np.random.default_rng(3)
+    h = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float16)  # noqa: E731
+    n = helper.make_node
+    inits = [("w1", h(8, 3, 3, 3)), ("b1", h(8)), ("s", (1 + h(8)).astype(np.float16)), ("bb", h(8)), ("m", h(8)),
+             ("var", np.abs(1 + h(8)).astype(np.float16)), ("w2", h(16, 8, 3, 3)), ("w3", h(16, 16, 1, 1)),
+             ("fc", h(16, 10)), ("fcb", h(10))]
+    nodes = [n("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             n("Relu", ["c1"], ["r1"], name="relu1"),
+             n("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2], name="pool1"),
+             n("BatchNormalization", ["p1", "s", "bb", "m", "var"], ["bn"], name="bn"),
+             n("Conv", ["bn", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+             n("Conv", ["c2", "w3"], ["c3"], name="conv3"),
+             n("Add", ["c2", "c3"], ["res"], name="residual"),
+             n("Relu", ["res"], ["r2"], name="relu2"),
+             n("AveragePool", ["r2"], ["p2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1], name="avgpool"),
+             n("GlobalAveragePool", ["p2"], ["g"], name="gap"),
+             n("Flatten", ["g"], ["f"], name="flatten"),
+             n("Gemm", ["f", "fc", "fcb"], ["y"], name="fc")]
+    return _model(nodes, [vi("x", TensorProto.FLOAT16, ["batch", 3, 16, 16])],
+                  [vi("y", TensorProto.FLOAT16, ["batch", 10]), vi("r2", TensorProto.FLOAT16, ["batch", 16, 4, 4])],
+                  inits)

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import engine_core as kiln
+from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import prepare_plan, select_gemm_tactics
 from engine_core.backends.cuda.lowering import lower_graph
 from engine_core.backends.cuda.memory import ALIGNMENT, Interval, liveness, plan_memory
@@ -24,7 +25,16 @@ from engine_core.cuda import compile_cubin
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from tests.cuda.emulate import Emulator
-from tests.cuda.models import bert_feeds, bert_small, mlp, op_mix
+from tests.cuda.models import (
+    attention_fp16,
+    bert_feeds,
+    bert_small,
+    cnn_fp16,
+    mlp,
+    mobilenet_small,
+    op_mix,
+    resnet_small,
+)
 
 # -- memory planner ---------------------------------------------------------------------------------
 
@@ -85,7 +95,7 @@ def test_pointwise_family_compiles_for_sm90(tmp_path, monkeypatch):
     kernels += [pointwise_kernel(op, f32, [f32, f32]) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")]
     kernels += [pointwise_kernel("Add", i64, [i64, i64]), pointwise_kernel("Less", b, [i64, i64]),
                 pointwise_kernel("Where", f32, [b, f32, f32]), pointwise_kernel("Cast", b, [f32]),
-                pointwise_kernel("Cast", f32, [i64]), pointwise_kernel("Clip", f32, [f32, f32, f32], "_lo_hi"),
+                pointwise_kernel("Cast", f32, [i64]), pointwise_kernel("Clip", f32, [f32, f32, f32]),
                 pointwise_kernel("And", b, [b, b]), pointwise_kernel("Not", b, [b])]
     cubin = compile_cubin(pointwise_source(kernels), "pw.cu", "sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -97,7 +107,9 @@ def test_pointwise_rejects_what_it_cannot_do():
     with pytest.raises(Unsupported):
         pointwise_kernel("Sigmoid", np.int64, [np.int64])
     with pytest.raises(Unsupported):
-        pointwise_kernel("Add", np.float16, [np.float16, np.float16])
+        pointwise_kernel("Add", np.complex64, [np.complex64, np.complex64])
+    with pytest.raises(Unsupported):
+        pointwise_kernel("Not", np.float32, [np.float32])
 
 
 # -- lowering, checked by emulating every launch on the host ------------------------------------------
@@ -182,7 +194,7 @@ def test_prepare_plan_records_timed_tactics_kernels_and_peak(tmp_path, monkeypat
     build = prepare_plan(graph, {(0, 0): infos, (0, 1): infos, (0, 2): big}, arch="sm_90", timer_for=timer_for)
     assert sorted(seen) == [(8, 32, 256), (8, 256, 64)]  # timed once each, at the opt shapes
     assert build.tactics["fc1"] == "gemm:cublas" and build.tactics["fc2"] == "gemm:kiln_gemm"
-    assert set(build.kernels) == {"pointwise", "softmax", "layer_norm", "reduce", "gather", "gemm"}
+    assert set(build.kernels) == {"pointwise", "softmax", "layer_norm", "reduce", "gather", "gemm", "pool"}
     assert all(cubin[:4] == b"\x7fELF" for cubin in build.kernels.values())
     lowered_max = lower_graph(graph, big)
     assert build.device_memory_size == lowered_max.memory.size > 0
@@ -192,3 +204,104 @@ def test_select_gemm_tactics_only_times_gemm_layers():
     graph, infos = _graph_and_infos(mlp(), {"x": (4, 64)})
     choice, timings = select_gemm_tactics(lower_graph(graph, infos), lambda op: (lambda t: 1.0))
     assert set(choice) == {"fc1", "fc2"} and set(timings["fc1"]) == {"cublas", "kiln_gemm"}
+
+
+# -- convolutions, channels-last layouts, fp16, attention (emulated launches vs the CPU backend) ---------
+
+
+def _emulate_vs_cpu(model, feeds, options, rtol, atol):
+    from engine_core.backends.cuda.lowering import LoweringOptions
+
+    graph, infos = _graph_and_infos(model, {k: v.shape for k, v in feeds.items()})
+    lowered = lower_graph(graph, infos, None, LoweringOptions(**options))
+    got = Emulator(graph, lowered, feeds).run()
+    want = GraphRunner(graph).run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name].astype(np.float32), value.astype(np.float32), rtol=rtol, atol=atol,
+                                   err_msg=name)
+    return lowered
+
+
+def test_fp16_cnn_runs_convolutions_channels_last_with_visible_reformats():
+    x = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float16)
+    lowered = _emulate_vs_cpu(cnn_fp16(), {"x": x}, {"cudnn": True}, rtol=2e-2, atol=2e-2)
+    tactics = lowered.tactics()
+    assert "host" not in tactics.values(), tactics
+    assert tactics["conv1"] == tactics["conv2"] == "conv:cudnn"
+    assert tactics["pool1"] == "kernel:MaxPool" and tactics["bn"].startswith("pointwise:")
+    # the image enters channels-last through a reformat; activations stay NHWC; outputs are linear
+    assert [n for n, t in tactics.items() if t.startswith("reformat")] == ["reformat:x->nhwc"]
+    assert lowered.layouts["c1"] == lowered.layouts["r1"] == lowered.layouts["p1"] == "nhwc"
+    assert lowered.layouts.get("r2", "linear") == "linear" and lowered.weight_transforms["w1#krsc"] == ("w1", "krsc")
+
+
+def test_convolutions_fall_back_to_the_host_visibly_without_cudnn():
+    x = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float16)
+    lowered = _emulate_vs_cpu(cnn_fp16(), {"x": x}, {"cudnn": False}, rtol=2e-2, atol=2e-2)
+    assert lowered.tactics()["conv1"] == "host" and not lowered.layouts.get("c1")
+
+
+def test_small_resnet_and_mobilenet_lower_without_host_layers():
+    rng = np.random.default_rng(2)
+    for model in (resnet_small(), mobilenet_small()):
+        x = rng.standard_normal((1, 3, 64, 64)).astype(np.float32)
+        lowered = _emulate_vs_cpu(model, {model.graph.input[0].name: x}, {"cudnn": True}, rtol=1e-3, atol=1e-4)
+        host = [n for n, t in lowered.tactics().items() if t == "host"]
+        assert host == [], host
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_attention_lowers_to_gemms_around_the_masked_softmax(causal):
+    rng = np.random.default_rng(3)
+    feeds = {n: rng.standard_normal((2, 4, 16, 32)).astype(np.float16) for n in "qkv"}
+    mask = np.zeros((2, 1, 16, 16), np.float16)
+    mask[1, :, :, 12:] = -10000
+    feeds["mask"] = mask
+    lowered = _emulate_vs_cpu(attention_fp16(causal=causal), feeds, {}, rtol=2e-2, atol=2e-2)
+    step = next(s for s in lowered.steps if s.node.op_type == "Attention")
+    assert step.tactic == "gemm:cublas" and [type(o).__name__ for o in step.ops] == ["Gemm", "Launch", "Gemm"]
+    assert step.scratch == ["attention#scores"]
+
+
+def test_fp16_and_channels_last_kernels_compile_for_sm90(tmp_path, monkeypatch):
+    from engine_core.backends.cuda.lowering import LoweringOptions
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    graph, infos = _graph_and_infos(cnn_fp16(), {"x": (2, 3, 16, 16)})
+    lowered = lower_graph(graph, infos, None, LoweringOptions(cudnn=True))
+    cubin = compile_cubin(pointwise_source(lowered.kernels), "pw.cu", "sm_90")
+    for kernel in lowered.kernels:
+        assert kernel.name.encode() in cubin
+
+
+def test_a_reformatted_conv_input_stays_alive_until_the_conv_has_read_it():
+    from engine_core.backends.cuda.lowering import LoweringOptions
+
+    graph, infos = _graph_and_infos(cnn_fp16(), {"x": (4, 3, 16, 16)})
+    lowered = lower_graph(graph, infos, None, LoweringOptions(cudnn=True))
+    conv1 = next(s for s in lowered.steps if s.node.name == "conv1")
+    assert conv1.node.inputs[0] == "x#nhwc"
+    placed = lowered.locations
+    a, b = placed["x#nhwc"][1], placed["c1"][1]
+    size = lambda n: int(np.prod(lowered.infos[n].shape)) * 2  # noqa: E731
+    assert a + size("x#nhwc") <= b or b + size("c1") <= a  # input copy and conv output never share bytes
+
+
+def test_conv_plans_are_timed_once_per_signature_and_cached():
+    from engine_core.backends.cuda import select_conv_plans
+    from engine_core.backends.cuda.lowering import LoweringOptions
+    from engine_core.timing_cache import TimingCache
+
+    graph, infos = _graph_and_infos(resnet_small(), {"input": (2, 3, 64, 64)})
+    lowered = lower_graph(graph, infos, None, LoweringOptions(cudnn=True))
+    tuned = []
+
+    def tuner(conv):
+        tuned.append(conv.key())
+        return 1, {0: 2.0, 1: 1.0, 2: 3.0}
+
+    cache = TimingCache("sm_90")
+    choice, _ = select_conv_plans([lowered], tuner, cache, "sm_90")
+    assert len(tuned) == len(set(tuned)) == len(choice) and set(choice.values()) == {1}
+    again, _ = select_conv_plans([lowered], lambda conv: pytest.fail("timed again"), cache, "sm_90")
+    assert again == choice and cache.hits == len(choice)

@@ -10,17 +10,21 @@ import pytest
 
 import engine_core as kiln
 from engine_core.types import LayerInformationFormat
-from tests.cuda.models import bert_feeds, bert_small, mlp, op_mix
+from tests.cuda.models import attention_fp16, bert_feeds, bert_small, cnn_fp16, mlp, op_mix, resnet_small
 
 pytestmark = pytest.mark.gpu
 
 
-def _build(model, backend: str, profiles: dict | None = None):
+def _build(model, backend: str, profiles: dict | None = None, flags=(), cache=None):
     builder = kiln.Builder()
     net = builder.create_network()
     kiln.OnnxParser(net).parse(model)
     cfg = builder.create_builder_config()
     cfg.backend = backend
+    for flag in flags:
+        cfg.set_flag(flag)
+    if cache is not None:
+        assert cfg.set_timing_cache(cache)
     if profiles:
         prof = builder.create_optimization_profile()
         for name, (lo, opt, hi) in profiles.items():
@@ -153,3 +157,48 @@ def test_profiler_reports_every_device_layer():
     _close(ctx.infer({"x": x}), want, rtol=1e-4, atol=1e-6)
     assert set(ctx.profiler.times) == {"fc1", "relu", "fc2", "bias2", "tanh", "softmax"}
     assert all(0 <= ms < 100 for ms in ctx.profiler.times.values())
+
+
+def test_resnet_small_runs_on_cudnn_channels_last_and_matches_cpu():
+    rng = np.random.default_rng(6)
+    profiles = {"input": ((1, 3, 64, 64), (2, 3, 64, 64), (4, 3, 64, 64))}
+    feeds = [{"input": rng.standard_normal((b, 3, 64, 64)).astype(np.float32)} for b in (1, 4, 4, 4)]
+    engine, results = _both(resnet_small(), feeds, profiles)
+    for got, want in results:
+        _close(got, want, rtol=1e-3, atol=1e-4)
+    tactics = [layer["tactic"] for layer in engine.plan.layers]
+    assert "host" not in tactics and tactics.count("conv:cudnn") > 10
+
+
+def test_tf32_flag_reaches_gemm_and_conv():
+    rng = np.random.default_rng(7)
+    profiles = {"input": ((1, 3, 64, 64), (2, 3, 64, 64), (2, 3, 64, 64))}
+    x = {"input": rng.standard_normal((2, 3, 64, 64)).astype(np.float32)}
+    engine = _build(resnet_small(), "cuda", profiles, flags=[kiln.BuilderFlag.TF32])
+    assert engine.plan.build_info["cuda"]["lowering"]["tf32"] is True
+    want = _build(resnet_small(), "cpu", profiles).create_execution_context().infer(x)
+    _close(engine.create_execution_context().infer(x), want, rtol=5e-2, atol=5e-3)
+
+
+def test_fp16_cnn_and_attention_match_the_cpu_backend():
+    rng = np.random.default_rng(8)
+    x = {"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float16)}
+    profiles = {"x": ((1, 3, 16, 16), (2, 3, 16, 16), (4, 3, 16, 16))}
+    engine, [(got, want)] = _both(cnn_fp16(), [x], profiles)
+    _close({k: v.astype(np.float32) for k, v in got.items()}, {k: v.astype(np.float32) for k, v in want.items()},
+           rtol=2e-2, atol=2e-2)
+    feeds = {n: rng.standard_normal((2, 4, 16, 32)).astype(np.float16) for n in "qkv"}
+    feeds["mask"] = np.where(rng.random((2, 1, 16, 16)) < 0.2, -10000, 0).astype(np.float16)
+    engine, [(got, want)] = _both(attention_fp16(causal=1), [feeds])
+    np.testing.assert_allclose(got["y"].astype(np.float32), want["y"].astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_a_warm_timing_cache_skips_timing():
+    cache = kiln.Builder().create_builder_config().create_timing_cache(b"")
+    profiles = {"x": ((1, 64), (16, 64), (64, 64))}
+    first = _build(mlp(), "cuda", profiles, cache=cache).plan.build_info["cuda"]["timing_cache"]
+    assert first["misses"] == 2 and len(cache) == 2
+    blob = cache.serialize()
+    warm = kiln.Builder().create_builder_config().create_timing_cache(blob)
+    second = _build(mlp(), "cuda", profiles, cache=warm).plan.build_info["cuda"]["timing_cache"]
+    assert second == {"hits": 2, "misses": 0}

@@ -10,15 +10,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.backends.cuda.lowering import GEMM_TACTICS, Gemm, Lowered, lower_graph
+from engine_core.backends.cuda.lowering import F32, GEMM_TACTICS, Conv, Gemm, Lowered, LoweringOptions, lower_graph
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
 from engine_core.backends.cuda.pointwise import pointwise_source
 from engine_core.backends.cuda.tactics import Timer, choose_tactic
 from engine_core.ir import Graph
 from engine_core.ops import TensorInfo
+from engine_core.timing_cache import TimingCache
 
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
-KERNEL_FILES = ("softmax", "layer_norm", "reduce", "gather", "gemm")
+KERNEL_FILES = ("softmax", "layer_norm", "reduce", "gather", "gemm", "pool")
+#: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
+TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
 
 
 def is_available() -> bool:
@@ -47,22 +50,67 @@ class CudaBuild:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def select_gemm_tactics(lowered: Lowered, timer_for: Any) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
-    """For every GEMM layer: time each GEMM tactic (``timer_for(op) -> Timer``) and keep the fastest."""
+def gemm_signature(op: Gemm, arch: str) -> str:
+    """The timing-cache key of a GEMM: everything its tactics' speed depends on."""
+    return (f"{arch}|gemm|m{op.m}n{op.n}k{op.k}b{op.batch}|ta{int(op.trans_a)}tb{int(op.trans_b)}"
+            f"|{op.a_strides[2]},{op.b_strides[2]}|{op.dtype}|tf32={int(op.tf32)}")
+
+
+def select_gemm_tactics(lowered: Lowered, timer_for: Any, cache: TimingCache | None = None,
+                        arch: str = "") -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """For every timed GEMM layer: time each GEMM tactic (``timer_for(op) -> Timer``) and keep the
+    fastest; timings found in ``cache`` are reused, new ones recorded there."""
     choice, timings = {}, {}
     for step in lowered.steps:
         gemm = next((op for op in step.ops if isinstance(op, Gemm)), None)
-        if gemm is not None:
-            timer: Timer = timer_for(gemm)
-            choice[step.node.name], timings[step.node.name] = choose_tactic(GEMM_TACTICS, timer)
+        if gemm is None or gemm.dtype != F32 or step.node.op_type not in TIMED_GEMM_LAYERS:
+            continue
+        key = gemm_signature(gemm, arch)
+        known = cache.query(key) if cache is not None else None
+        if known is not None and all(t in known for t in GEMM_TACTICS):
+            best = min(GEMM_TACTICS, key=lambda t: (known[t], GEMM_TACTICS.index(t)))
+            choice[step.node.name], timings[step.node.name] = best, dict(known)
+            continue
+        timer: Timer = timer_for(gemm)
+        choice[step.node.name], timings[step.node.name] = choose_tactic(GEMM_TACTICS, timer)
+        if cache is not None:
+            cache.update(key, timings[step.node.name])
+    return choice, timings
+
+
+def select_conv_plans(lowered: list[Lowered], tuner: Any, cache: TimingCache | None = None,
+                      arch: str = "") -> tuple[dict[str, int], dict[str, dict[str, float]]]:
+    """For every distinct convolution: time cuDNN's candidate execution plans (``tuner(conv) ->
+    (best index, {index: ms})``) and keep the fastest; cached timings are reused."""
+    from engine_core.backends.cuda.cudnn_conv import signature
+
+    choice: dict[str, int] = {}
+    timings: dict[str, dict[str, float]] = {}
+    for low in lowered:
+        for step in low.steps:
+            for op in step.ops:
+                if not isinstance(op, Conv) or signature(op) in choice:
+                    continue
+                sig = signature(op)
+                key = f"{arch}|{sig}"
+                known = cache.query(key) if cache is not None else None
+                if not known:
+                    _, measured = tuner(op)
+                    known = {str(i): ms for i, ms in measured.items()}
+                    if cache is not None and known:
+                        cache.update(key, known)
+                choice[sig] = int(min(known, key=known.__getitem__)) if known else 0
+                timings[step.node.name] = known
     return choice, timings
 
 
 def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, TensorInfo]],
-                 arch: str | None = None, timer_for: Any = None) -> CudaBuild:
+                 arch: str | None = None, timer_for: Any = None, options: LoweringOptions | None = None,
+                 cache: TimingCache | None = None, conv_tuner: Any = None) -> CudaBuild:
     """Tactics (timed at profile 0's opt shapes), CUBINs for every kernel used, the arena's peak size.
 
     ``timer_for(gemm) -> Timer`` times GEMM candidates; by default CUDA events on this machine's GPU.
+    ``cache`` (the builder config's timing cache) supplies and receives timings.
     """
     from engine_core.cuda.nvrtc import compile_cubin, compile_kernel_file
 
@@ -71,12 +119,24 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
 
         major, minor = compute_capability()
         arch = f"sm_{major}{minor}"
+    options = options or LoweringOptions()
     cubins = {stem: compile_kernel_file(stem, arch) for stem in KERNEL_FILES}
-    opt = lower_graph(graph, inferred[(0, 1)])
+    opt = lower_graph(graph, inferred[(0, 1)], options=options)
     if timer_for is None:
         timer_for = gpu_gemm_timer_factory(cubins["gemm"])
-    choice, timings = select_gemm_tactics(opt, timer_for)
-    lowered = {point: lower_graph(graph, infos, choice) for point, infos in inferred.items()}
+    if cache is not None and cache.arch is None:
+        cache.arch = arch
+    choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
+    lowered = {point: lower_graph(graph, infos, choice, options) for point, infos in inferred.items()}
+    conv_plans: dict[str, int] = {}
+    conv_timings: dict[str, dict[str, float]] = {}
+    if any(isinstance(op, Conv) for low in lowered.values() for s in low.steps for op in s.ops):
+        if conv_tuner is None:
+            from engine_core.backends.cuda.cudnn_conv import CudnnConvs
+
+            conv_tuner = CudnnConvs().autotune
+        at_opt = [low for (p, which), low in lowered.items() if which == 1]
+        conv_plans, conv_timings = select_conv_plans(at_opt, conv_tuner, cache, arch)
     kernels = list(dict.fromkeys(k for low in lowered.values() for k in low.kernels))
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
@@ -88,7 +148,14 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         arch=arch,
         info={"activation_bytes_unshared": max(p.total_unshared for p in plans),
               "host_layers": sorted(n for n, t in tactics.items() if t == "host"),
-              "gemm_timings_ms": timings, "pointwise_kernels": len(kernels)},
+              "gemm_timings_ms": timings, "pointwise_kernels": len(kernels),
+              "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
+              "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
+                                            for profile in sorted({p for p, _ in lowered})],
+              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn},
+              "reformat_layers": sorted({s.node.name for low in lowered.values() for s in low.steps
+                                         if s.tactic.startswith("reformat")}),
+              "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},
     )
 
 

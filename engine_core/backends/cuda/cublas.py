@@ -1,7 +1,8 @@
-"""cuBLAS through ctypes (the nvidia-cublas wheel's libcublas): fp32 strided-batched GEMM.
+"""cuBLAS through ctypes (the nvidia-cublas wheel's libcublas): strided-batched GEMM in fp32, TF32,
+fp16 and bf16 (fp32 accumulation for every type).
 
-Why ctypes: the wheel ships the library, and one entry point (cublasSgemmStridedBatched) is all the
-v0 runner needs; nvmath-python would add a dependency for the same call.
+Why ctypes: the wheel ships the library, and one entry point (cublasGemmStridedBatchedEx) is all the
+runner needs; nvmath-python would add a dependency for the same call.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import os
 import sys
 from functools import cache
 
+import numpy as np
+
 from engine_core.cuda.driver import CudaError
 
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
+#: numpy dtype name -> cudaDataType
+_CUDA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}
+_COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
+_GEMM_DEFAULT = -1
 
 
 @cache
@@ -52,11 +59,11 @@ class Cublas:
         self.lib = lib
         self.handle = ctypes.c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
-        lib.cublasSgemmStridedBatched.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.POINTER(ctypes.c_float),
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int]
+        c = ctypes
+        lib.cublasGemmStridedBatchedEx.argtypes = [
+            c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
+            c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_int, c.c_longlong,
+            c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_int, c.c_int, c.c_int]
         self._stream: int | None = None
         # A fixed workspace: cuBLAS then allocates nothing while a CUDA graph is being captured.
         from engine_core.cuda.driver import DeviceBuffer
@@ -71,15 +78,24 @@ class Cublas:
             self._stream = stream
 
     def gemm(self, a: int, b: int, y: int, m: int, n: int, k: int, batch: int, trans_a: bool, trans_b: bool,
-             a_batch_stride: int, b_batch_stride: int, alpha: float, beta: float, stream: int) -> None:
-        """Row-major Y = alpha A@B + beta Y, computed as the column-major Y^T = B^T A^T."""
+             a_batch_stride: int, b_batch_stride: int, alpha: float, beta: float, stream: int,
+             dtype: np.dtype = np.dtype(np.float32), tf32: bool = False) -> None:
+        """Row-major Y = alpha A@B + beta Y, computed as the column-major Y^T = B^T A^T.
+
+        All operands share ``dtype`` (fp32, fp16 or bf16); accumulation is fp32, with TF32 tensor-core
+        math for fp32 operands when ``tf32`` (the builder's TF32 flag)."""
         self.set_stream(stream)
         op_a, lda = (_OP_T, m) if trans_a else (_OP_N, k)
         op_b, ldb = (_OP_T, k) if trans_b else (_OP_N, n)
+        kind = _CUDA_TYPES.get(np.dtype(dtype).name)
+        if kind is None:
+            raise CudaError(f"cuBLAS GEMM over {np.dtype(dtype)}")
+        compute = _COMPUTE_32F_FAST_TF32 if tf32 and kind == 0 else _COMPUTE_32F
         al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
-        _check(self.lib.cublasSgemmStridedBatched(
-            self.handle, op_b, op_a, n, m, k, ctypes.byref(al), b, ldb, b_batch_stride, a, lda, a_batch_stride,
-            ctypes.byref(be), y, n, m * n, batch), "cublasSgemmStridedBatched")
+        _check(self.lib.cublasGemmStridedBatchedEx(
+            self.handle, op_b, op_a, n, m, k, ctypes.byref(al), b, kind, ldb, b_batch_stride, a, kind, lda,
+            a_batch_stride, ctypes.byref(be), y, kind, n, m * n, batch, compute, _GEMM_DEFAULT),
+            "cublasGemmStridedBatchedEx")
 
     def __del__(self) -> None:
         try:

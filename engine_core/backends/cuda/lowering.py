@@ -1,38 +1,62 @@
-"""Lowering: graph + concrete tensor infos -> device steps, tensor locations and the memory plan.
+"""Lowering: graph + concrete tensor infos -> device steps, tensor layouts/locations and the memory plan.
 
 Pure Python (no GPU): the builder runs it at every profile's shapes to pick tactics, collect the
 kernels to embed and size the arena; the runner runs it once per input-shape set and launches the
-result. Each layer becomes one step: kernel launches, a GEMM, copies, or ``Host`` (the numpy
-implementation with explicit copies; reported as tactic "host", never silent).
+result. Each layer becomes one step: kernel launches, GEMMs, convolutions, copies, or ``Host`` (the
+numpy implementation with explicit copies; reported as tactic "host", never silent).
+
+Layouts: 4-D activations produced by convolutions live channels-last (NHWC) when cuDNN runs them —
+tensor-core convolutions want it — and stay so through pointwise layers and pooling, which read any
+layout through strides. A layer that needs the logical (linear) layout gets a visible reformat step
+in front of it, and graph outputs are always linear.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from engine_core.backends.cuda.memory import MemoryPlan, liveness, plan_memory
 from engine_core.backends.cuda.pointwise import (
+    BF16,
+    FLOATS,
     POINTWISE_OPS,
     PointwiseKernel,
+    PwNode,
     Unsupported,
     broadcast_strides,
     contiguous_strides,
     make_indexer,
     pointwise_kernel,
+    program_kernel,
 )
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from engine_core.ops.registry import normalize_axis
 
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
-F32 = np.dtype(np.float32)
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+#: storage types of the row kernels (softmax, norms, reductions, pooling)
+ROW_SUFFIX = {F32: "f32", F16: "f16", BF16: "bf16"}
 THREADS = 256
 GEMM_TACTICS = ("cublas", "kiln_gemm")
+#: ops that read and write any layout through strides (a channels-last input keeps its layout)
+LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNormalization", "MaxPool",
+                                "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Gelu"}
+ACTIVATIONS = {"": None, "Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "Gelu": "Gelu",
+               "GeluTanh": "Gelu", "LeakyRelu": "LeakyRelu", "Clip": "Clip"}
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """Build choices the lowering needs: TF32 math for fp32 GEMM/conv, whether cuDNN runs convolutions."""
+
+    tf32: bool = False
+    cudnn: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,13 +69,15 @@ class Ref:
 
 @dataclass
 class Launch:
-    """One kernel launch; ``args`` are (value or Ref, ctypes type) pairs."""
+    """One kernel launch; ``args`` are (value or Ref, ctypes type) pairs. ``program`` is the pointwise
+    program a generated kernel evaluates (the emulator runs it on the host)."""
 
     module: str
     function: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: list[tuple[Any, Any]]
+    program: PointwiseKernel | None = None
 
 
 @dataclass
@@ -70,6 +96,8 @@ class Gemm:
     alpha: float = 1.0
     beta: float = 0.0
     tactic: str = "cublas"
+    dtype: np.dtype = F32
+    tf32: bool = False
 
     @property
     def trans_a(self) -> bool:
@@ -78,6 +106,39 @@ class Gemm:
     @property
     def trans_b(self) -> bool:
         return self.b_strides[1] != 1
+
+
+@dataclass
+class Conv:
+    """Y = act(conv(X, W) + B + Z) through cuDNN; every tensor described by logical NCHW dims and the
+    element strides of its physical layout. ``key()`` identifies the cuDNN graph (cached per engine)."""
+
+    x: Ref
+    w: Ref
+    y: Ref
+    b: Ref | None
+    z: Ref | None
+    x_dims: tuple[int, ...]
+    w_dims: tuple[int, ...]
+    y_dims: tuple[int, ...]
+    x_strides: tuple[int, ...]
+    w_strides: tuple[int, ...]
+    y_strides: tuple[int, ...]
+    z_strides: tuple[int, ...] | None
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    dtype: np.dtype
+    activation: str = ""
+    alpha: float = 0.0
+    beta: float = 0.0
+    tf32: bool = False
+
+    def key(self) -> tuple:
+        return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
+                self.z_strides, self.b is not None, self.pads_begin, self.pads_end, self.strides, self.dilations,
+                str(self.dtype), self.activation, self.alpha, self.beta, self.tf32)
 
 
 @dataclass
@@ -98,7 +159,9 @@ class Host:
 class Step:
     node: Node
     tactic: str
-    ops: list[Launch | Gemm | Copy | Host]
+    ops: list[Launch | Gemm | Conv | Copy | Host]
+    #: step-local scratch tensors (planned in the arena for this step only)
+    scratch: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +174,9 @@ class Lowered:
     folded: dict[str, np.ndarray]
     kernels: list[PointwiseKernel]
     infos: dict[str, TensorInfo]
+    #: derived weights: name -> (source weight, transform), e.g. ("w", "krsc") for channels-last filters
+    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
+    layouts: dict[str, str] = field(default_factory=dict)
 
     def tactics(self) -> dict[str, str]:
         return {s.node.name: s.tactic for s in self.steps}
@@ -120,12 +186,36 @@ def grid_for(n: int, threads: int = THREADS) -> tuple[int, int, int]:
     return (max(1, min((n + threads - 1) // threads, 1 << 20)), 1, 1)
 
 
+def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a logical NCHW tensor stored channels-last (NHWC)."""
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def transform_weight(value: np.ndarray, transform: str) -> np.ndarray:
+    """A derived weight's host value (the runner uploads it once per engine)."""
+    if transform == "krsc":
+        return np.ascontiguousarray(np.transpose(value, (0, 2, 3, 1)))
+    raise ValueError(f"unknown weight transform {transform}")
+
+
 @dataclass
 class _Context:
-    infos: Mapping[str, TensorInfo]
+    infos: dict[str, TensorInfo]
     graph_outputs: frozenset[str]
     gemm_choice: Mapping[str, str]
+    options: LoweringOptions
+    constants: Mapping[str, Any]
+    layouts: dict[str, str] = field(default_factory=dict)
     kernels: list[PointwiseKernel] = field(default_factory=list)
+    pre_steps: list[Step] = field(default_factory=list)
+    reformatted: dict[tuple[str, str], str] = field(default_factory=dict)
+    folded_extra: dict[str, np.ndarray] = field(default_factory=dict)
+    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
+    scratch: list[str] = field(default_factory=list)
+    #: inputs a lowering read under another name (a reformatted copy): the step node lists that name,
+    #: so liveness keeps the copy alive until the step has run
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def info(self, name: str) -> TensorInfo:
         info = self.infos.get(name)
@@ -137,45 +227,153 @@ class _Context:
         info = self.infos.get(name)
         return None if info is None else info.value
 
-    def pointwise(self, op: str, out: np.dtype, ins: list[np.dtype], variant: str = "") -> PointwiseKernel:
-        kernel = pointwise_kernel(op, out, ins, variant)
+    def strides(self, name: str) -> tuple[int, ...]:
+        """Element strides of ``name``'s physical layout (logical dims)."""
+        shape = self.info(name).shape
+        return nhwc_strides(shape) if self.layouts.get(name) == "nhwc" else contiguous_strides(shape)
+
+    def kernel(self, kernel: PointwiseKernel) -> PointwiseKernel:
         self.kernels.append(kernel)
         return kernel
 
+    def as_layout(self, name: str, layout: str) -> str:
+        """``name`` in ``layout`` ("linear" or "nhwc"): itself, or a reformat step's output."""
+        current = self.layouts.get(name, "linear")
+        if current == layout:
+            return name
+        key = (name, layout)
+        if key not in self.reformatted:
+            info = self.info(name)
+            out = f"{name}#{layout}"
+            self.infos[out] = TensorInfo(info.dtype, info.shape)
+            if layout == "nhwc":
+                self.layouts[out] = "nhwc"
+            launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out), self.strides(name))
+            node = Node("Identity", [name], [out], {}, f"reformat:{name}->{layout}", "", 1, [name])
+            self.pre_steps.append(Step(node, f"reformat:{layout}", [launch]))
+            self.reformatted[key] = out
+        return self.reformatted[key]
 
-def _launch_pointwise(kernel: PointwiseKernel, y: Ref, xs: list[Ref], shape, out_strides, in_strides) -> Launch:
+    def fold(self, name: str, value: np.ndarray) -> Ref:
+        """A host-computed constant for this step (uploaded with the binding's folded values)."""
+        self.folded_extra[name] = np.ascontiguousarray(value)
+        self.infos[name] = TensorInfo(value.dtype, value.shape, value)
+        return Ref(name)
+
+    def new_scratch(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> Ref:
+        self.infos[name] = TensorInfo(np.dtype(dtype), tuple(shape))
+        self.scratch.append(name)
+        return Ref(name)
+
+
+def launch_program(kernel: PointwiseKernel, y: Ref, xs: list[Ref], shape, out_strides, in_strides) -> Launch:
     n = int(np.prod(shape, dtype=np.int64))
     ix, rank = make_indexer(shape, out_strides, in_strides)
-    ptrs = [(x, ctypes.c_void_p) for x in xs] + [(0, ctypes.c_void_p)] * (3 - len(xs))
     grid = grid_for((n + 3) // 4 if rank <= 1 else n)  # rank <= 1: 4 elements per thread (pointwise.cu)
     return Launch("pointwise", kernel.name, grid, (THREADS, 1, 1),
-                  [(y, ctypes.c_void_p), *ptrs, (n, ctypes.c_longlong), (rank, ctypes.c_int), (ix, type(ix))])
+                  [(y, ctypes.c_void_p), *[(x, ctypes.c_void_p) for x in xs], (n, ctypes.c_longlong),
+                   (rank, ctypes.c_int), (ix, type(ix))], kernel)
 
 
 def copy_launch(ctx: _Context, dtype: np.dtype, dst: Ref, src: Ref, shape, dst_strides, src_strides) -> Launch:
-    return _launch_pointwise(ctx.pointwise("Identity", dtype, [dtype]), dst, [src], shape, dst_strides, [src_strides])
+    return launch_program(ctx.kernel(pointwise_kernel("Identity", dtype, [dtype])), dst, [src], shape, dst_strides,
+                          [src_strides])
 
 
-# -- per-op lowering ------------------------------------------------------------------------------
+def _out_layout(node: Node, ctx: _Context, spatial: bool = False) -> str:
+    """Layout of a layout-aware node's output: channels-last when a same-shape input is (``spatial``:
+    when its first input is, as for pooling), unless the output is a graph output or the layouts
+    coincide (H*W == 1 or C == 1)."""
+    out = node.outputs[0]
+    shape = ctx.info(out).shape
+    if out in ctx.graph_outputs or len(shape) != 4 or shape[1] == 1 or shape[2] * shape[3] == 1:
+        return "linear"
+    if spatial:
+        return ctx.layouts.get(node.inputs[0], "linear")
+    for name in node.inputs:
+        if name and ctx.layouts.get(name) == "nhwc" and ctx.info(name).shape == shape:
+            return "nhwc"
+    return "linear"
+
+
+# -- pointwise ---------------------------------------------------------------------------------------
+
+
+def _pointwise_launch(node: Node, ctx: _Context, nodes: list[PwNode], inputs: list[str]) -> list:
+    out_name = node.outputs[0]
+    out = ctx.info(out_name)
+    if len(inputs) == 0 or any(n == "" for n in inputs):
+        raise Unsupported(f"{node.op_type} with missing inputs")
+    ctx.layouts[out_name] = _out_layout(node, ctx)
+    infos = [ctx.info(n) for n in inputs]
+    kernel = ctx.kernel(program_kernel(nodes, out.dtype, [i.dtype for i in infos]))
+    if int(np.prod(out.shape)) == 0:
+        return []
+    return [launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name),
+                           [broadcast_strides(i.shape, out.shape, ctx.strides(n)) for n, i in zip(inputs, infos)])]
 
 
 def _lower_pointwise(node: Node, ctx: _Context) -> list:
-    out = ctx.info(node.outputs[0])
-    inputs = [name for name in node.inputs]
-    variant = ""
-    if node.op_type == "Clip":
-        lo = len(inputs) > 1 and inputs[1] != ""
-        hi = len(inputs) > 2 and inputs[2] != ""
-        variant = ("_lo" if lo else "") + ("_hi" if hi else "")
-        inputs = [inputs[0]] + ([inputs[1]] if lo else []) + ([inputs[2]] if hi else [])
-        if node.opset < 11:
-            raise Unsupported("Clip before opset 11 keeps bounds in attributes")
-    if len(inputs) == 0 or len(inputs) > 3 or any(n == "" for n in inputs):
-        raise Unsupported(f"{node.op_type} with {len(inputs)} inputs")
-    infos = [ctx.info(n) for n in inputs]
-    kernel = ctx.pointwise(node.op_type, out.dtype, [i.dtype for i in infos], variant)
-    return [_launch_pointwise(kernel, Ref(node.outputs[0]), [Ref(n) for n in inputs], out.shape,
-                              contiguous_strides(out.shape), [broadcast_strides(i.shape, out.shape) for i in infos])]
+    if node.op_type == "Clip" and node.opset < 11:
+        raise Unsupported("Clip before opset 11 keeps bounds in attributes")
+    present = [n for n in node.inputs if n]
+    args, index = [], 0
+    for name in node.inputs:
+        args.append(index if name else -1)
+        index += bool(name)
+    pw = PwNode.make(node.op_type, args, ctx.info(node.outputs[0]).dtype, node.attrs, node.opset)
+    return _pointwise_launch(node, ctx, [pw], present)
+
+
+def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
+    """``kiln.PointwiseChain``: its body (pointwise ONNX nodes) becomes one generated kernel."""
+    from engine_core.passes import infer_shapes
+
+    body: Graph = node.attr("body")
+    inputs = list(node.inputs)
+    if body is None or len(body.inputs) != len(inputs) or len(body.outputs) != 1:
+        raise Unsupported("PointwiseChain without a one-output body matching its inputs")
+    infos = {v.name: TensorInfo(ctx.info(n).dtype, ctx.info(n).shape) for v, n in zip(body.inputs, inputs)}
+    inner = infer_shapes(body, infos, values=False)
+    index = {v.name: i for i, v in enumerate(body.inputs)}
+    nodes: list[PwNode] = []
+    for sub in body.nodes:
+        if sub.op_type not in POINTWISE_OPS and sub.op_type not in ("Gelu", "LeakyRelu"):
+            raise Unsupported(f"{sub.op_type} inside a PointwiseChain")
+        args = []
+        for name in sub.inputs:
+            if not name:
+                args.append(-1)
+            elif name in index:
+                args.append(index[name])
+            elif name in body.constants:
+                raise Unsupported("constant inside a PointwiseChain body")
+            else:
+                raise Unsupported(f"PointwiseChain body reads unknown '{name}'")
+        nodes.append(PwNode.make(sub.op_type, args, inner[sub.outputs[0]].dtype, sub.attrs, sub.opset))
+        index[sub.outputs[0]] = len(inputs) + len(nodes) - 1
+    if index.get(body.outputs[0].name) != len(inputs) + len(nodes) - 1:
+        raise Unsupported("PointwiseChain body output is not its last node")
+    return _pointwise_launch(node, ctx, nodes, inputs)
+
+
+def _lower_batch_norm(node: Node, ctx: _Context) -> list:
+    """Inference BatchNormalization = x * a + b with per-channel a, b computed on the host."""
+    x = ctx.info(node.inputs[0])
+    values = [ctx.value(n) for n in node.inputs[1:5]]
+    if any(v is None for v in values) or len(x.shape) < 2 or x.dtype not in FLOATS or node.attr("training_mode", 0):
+        raise Unsupported("BatchNormalization with non-constant statistics")
+    scale, bias, mean, var = (np.asarray(v, np.float64) for v in values)
+    a = scale / np.sqrt(var + float(node.attr("epsilon", 1e-5)))
+    b = bias - mean * a
+    shape = (x.shape[1],) + (1,) * (len(x.shape) - 2)
+    ra = ctx.fold(f"{node.name}#a", a.reshape(shape).astype(x.dtype))
+    rb = ctx.fold(f"{node.name}#b", b.reshape(shape).astype(x.dtype))
+    nodes = [PwNode.make("Mul", (0, 1), x.dtype), PwNode.make("Add", (3, 2), x.dtype)]
+    return _pointwise_launch(node, ctx, nodes, [node.inputs[0], ra.tensor, rb.tensor])
+
+
+# -- data movement -----------------------------------------------------------------------------------
 
 
 def _lower_view(node: Node, ctx: _Context) -> list:
@@ -189,7 +387,7 @@ def _lower_view(node: Node, ctx: _Context) -> list:
 def _lower_transpose(node: Node, ctx: _Context) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     perm = node.attr("perm", None) or list(reversed(range(len(x.shape))))
-    src = contiguous_strides(x.shape)
+    src = ctx.strides(node.inputs[0])
     return [copy_launch(ctx, x.dtype, Ref(node.outputs[0]), Ref(node.inputs[0]), out.shape,
                         contiguous_strides(out.shape), [src[p] for p in perm])]
 
@@ -254,87 +452,182 @@ def _lower_gather(node: Node, ctx: _Context) -> list:
                     (data.shape[axis], ctypes.c_longlong), (inner_bytes // word, ctypes.c_longlong)])]
 
 
+# -- row kernels ---------------------------------------------------------------------------------------
+
+
 def _rows_cols(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
     return int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis:], dtype=np.int64))
 
 
+def _row_suffix(dtype: np.dtype, what: str) -> str:
+    if dtype not in ROW_SUFFIX:
+        raise Unsupported(f"{what} over {dtype}")
+    return ROW_SUFFIX[dtype]
+
+
+class AttnMask(ctypes.Structure):
+    """Mirror of ``struct KilnAttnMask`` (cuda_kernels/softmax.cu)."""
+
+    _fields_ = [("mb", ctypes.c_longlong), ("mh", ctypes.c_longlong), ("mq", ctypes.c_longlong),
+                ("mk", ctypes.c_longlong), ("heads", ctypes.c_int), ("queries", ctypes.c_int),
+                ("causal", ctypes.c_int), ("causal_offset", ctypes.c_int)]
+
+
 def _lower_softmax(node: Node, ctx: _Context) -> list:
     x = ctx.info(node.inputs[0])
-    if x.dtype != F32 or not x.shape:
-        raise Unsupported(f"Softmax over {x.dtype} rank {len(x.shape)}")
+    if not x.shape:
+        raise Unsupported("Softmax of a scalar")
+    suffix = _row_suffix(x.dtype, "Softmax")
     axis = normalize_axis(node.attr("axis", -1 if node.opset >= 13 else 1), len(x.shape))
     if node.opset >= 13 and axis != len(x.shape) - 1:
         raise Unsupported("Softmax over a non-last axis")
     rows, cols = _rows_cols(x.shape, axis)
     if rows * cols == 0:
         return []
-    return [Launch("softmax", "softmax_f32", (rows, 1, 1), (THREADS, 1, 1),
+    return [Launch("softmax", f"softmax_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
                    [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p),
                     (cols, ctypes.c_longlong)])]
 
 
-def _lower_layer_norm(node: Node, ctx: _Context) -> list:
+def _lower_norm(node: Node, ctx: _Context) -> list:
+    """LayerNormalization / RMSNormalization over trailing axes with same-size scale (and bias)."""
     x = ctx.info(node.inputs[0])
-    if x.dtype != F32 or any(node.outputs[1:]) or ctx.info(node.inputs[1]).dtype != F32:
-        raise Unsupported("LayerNormalization: fp32 with only the Y output")
+    if any(node.outputs[1:]):
+        raise Unsupported(f"{node.op_type} with mean/inv-std outputs")
+    suffix = _row_suffix(x.dtype, node.op_type)
+    if node.attr("stash_type", 1) != 1:
+        raise Unsupported(f"{node.op_type} with a non-fp32 stash_type")
     axis = normalize_axis(node.attr("axis", -1), len(x.shape))
     rows, cols = _rows_cols(x.shape, axis)
     for name in node.inputs[1:3]:
-        if name and int(np.prod(ctx.info(name).shape)) != cols:
-            raise Unsupported("LayerNormalization scale/bias that broadcast")
+        if name and (int(np.prod(ctx.info(name).shape)) != cols or ctx.info(name).dtype != x.dtype):
+            raise Unsupported(f"{node.op_type} scale/bias that broadcast or differ in dtype")
     bias = (Ref(node.inputs[2]), ctypes.c_void_p) if len(node.inputs) > 2 and node.inputs[2] else (0, ctypes.c_void_p)
     if rows * cols == 0:
         return []
-    return [Launch("layer_norm", "layer_norm_f32", (rows, 1, 1), (THREADS, 1, 1),
+    kind = "layer_norm" if node.op_type == "LayerNormalization" else "rms_norm"
+    return [Launch("layer_norm", f"{kind}_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
                    [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.inputs[1]), ctypes.c_void_p), bias,
                     (Ref(node.outputs[0]), ctypes.c_void_p), (cols, ctypes.c_longlong),
                     (float(node.attr("epsilon", 1e-5)), ctypes.c_float)])]
 
 
-def _lower_reduce_mean(node: Node, ctx: _Context) -> list:
+_REDUCE_KERNELS = {"ReduceMean": "reduce_rows", "ReduceSum": "reduce_rows", "ReduceMax": "reduce_max_rows",
+                   "ReduceMin": "reduce_min_rows"}
+
+
+def _lower_reduce(node: Node, ctx: _Context) -> list:
     x = ctx.info(node.inputs[0])
-    if x.dtype != F32 or not x.shape:
-        raise Unsupported("ReduceMean: fp32 rank >= 1 only")
-    if len(node.inputs) > 1 and node.inputs[1]:  # axes as an input (opset 18, or normalized on import)
+    if not x.shape:
+        raise Unsupported(f"{node.op_type} of a scalar")
+    suffix = _row_suffix(x.dtype, node.op_type)
+    if len(node.inputs) > 1 and node.inputs[1]:  # axes as an input (opset 18, or ReduceSum 13)
         axes = ctx.value(node.inputs[1])
         if axes is None:
-            raise Unsupported("ReduceMean axes not known")
+            raise Unsupported(f"{node.op_type} axes not known")
         axes = axes.reshape(-1).tolist()
     else:
         axes = node.attr("axes", None)
     if not axes:
-        raise Unsupported("ReduceMean over all axes / noop_with_empty_axes")
+        raise Unsupported(f"{node.op_type} over all axes / noop_with_empty_axes")
     axes = sorted(normalize_axis(a, len(x.shape)) for a in axes)
     if axes != list(range(axes[0], len(x.shape))):
-        raise Unsupported("ReduceMean over non-trailing axes")
+        raise Unsupported(f"{node.op_type} over non-trailing axes")
     rows, cols = _rows_cols(x.shape, axes[0])
     if rows * cols == 0:
-        raise Unsupported("ReduceMean of an empty tensor")
-    return [Launch("reduce", "reduce_rows_f32", (rows, 1, 1), (THREADS, 1, 1),
+        raise Unsupported(f"{node.op_type} of an empty tensor")
+    scale = 1.0 / cols if node.op_type == "ReduceMean" else 1.0
+    return [Launch("reduce", f"{_REDUCE_KERNELS[node.op_type]}_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
                    [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p),
-                    (cols, ctypes.c_longlong), (1.0 / cols, ctypes.c_float)])]
+                    (cols, ctypes.c_longlong), (scale, ctypes.c_float)])]
 
 
-def _gemm_tactic(node: Node, ctx: _Context) -> str:
-    return ctx.gemm_choice.get(node.name, GEMM_TACTICS[0])
+class PoolGeom(ctypes.Structure):
+    """Mirror of ``struct KilnPoolGeom`` (cuda_kernels/pool.cu)."""
+
+    _fields_ = [("xs", ctypes.c_longlong * 4), ("ys", ctypes.c_longlong * 4)] + [
+        (name, ctypes.c_int) for name in ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "ph", "pw",
+                                          "ph_end", "pw_end", "dh", "dw", "channels_last", "count_include_pad")]
+
+
+def _lower_pool(node: Node, ctx: _Context) -> list:
+    x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
+    if len(x.shape) != 4 or any(node.outputs[1:]):
+        raise Unsupported(f"{node.op_type} that is not 2-D with one output")
+    suffix = _row_suffix(x.dtype, node.op_type)
+    n, c, h, w = x.shape
+    is_global = node.op_type.startswith("Global")
+    kernel = (1, 1) if is_global else tuple(node.attr("kernel_shape"))
+    strides = tuple(node.attr("strides", None) or (1, 1))
+    dilations = tuple(node.attr("dilations", None) or (1, 1))
+    pads = list(node.attr("pads", None) or (0, 0, 0, 0))
+    if is_global:
+        kernel = (h, w)
+    elif node.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        oh, ow = out.shape[2:]
+        total = [max((o - 1) * s + (k - 1) * d + 1 - i, 0) for o, s, k, d, i in
+                 zip((oh, ow), strides, kernel, dilations, (h, w))]
+        lower = node.attr("auto_pad") == "SAME_LOWER"
+        begin = [(t + 1) // 2 if lower else t // 2 for t in total]
+        pads = [begin[0], begin[1], total[0] - begin[0], total[1] - begin[1]]
+    ctx.layouts[node.outputs[0]] = _out_layout(node, ctx, spatial=True)
+    geom = PoolGeom()
+    geom.xs[:] = ctx.strides(node.inputs[0])
+    geom.ys[:] = ctx.strides(node.outputs[0])
+    values = dict(n=n, c=c, h=h, w=w, oh=out.shape[2], ow=out.shape[3], kh=kernel[0], kw=kernel[1], sh=strides[0],
+                  sw=strides[1], ph=pads[0], pw=pads[1], ph_end=pads[2], pw_end=pads[3], dh=dilations[0],
+                  dw=dilations[1], channels_last=int(ctx.layouts[node.outputs[0]] == "nhwc"),
+                  count_include_pad=int(node.attr("count_include_pad", 0)))
+    for key, value in values.items():
+        setattr(geom, key, int(value))
+    total = int(np.prod(out.shape, dtype=np.int64))
+    if total == 0:
+        return []
+    kind = "max_pool" if "Max" in node.op_type else "avg_pool"
+    return [Launch("pool", f"{kind}_{suffix}", grid_for(total), (THREADS, 1, 1),
+                   [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p),
+                    (geom, PoolGeom)])]
+
+
+# -- GEMM ------------------------------------------------------------------------------------------------
+
+
+def _gemm_dtype(dtypes: list[np.dtype], what: str) -> np.dtype:
+    if len(set(dtypes)) != 1 or dtypes[0] not in ROW_SUFFIX:
+        raise Unsupported(f"{what} over {[str(d) for d in dtypes]}")
+    return dtypes[0]
+
+
+def _gemm_tactic(node: Node, ctx: _Context, dtype: np.dtype) -> str:
+    return ctx.gemm_choice.get(node.name, GEMM_TACTICS[0]) if dtype == F32 else "cublas"
+
+
+def _matmul_ops(node: Node, ctx: _Context, a_name: str, b_name: str, trans_a: bool, trans_b: bool,
+                alpha: float) -> list[Gemm]:
+    """Batched GEMM for MatMul semantics (numpy broadcasting of batch dims), operands optionally transposed
+    in their last two dims."""
+    a, b, out = ctx.info(a_name), ctx.info(b_name), ctx.info(node.outputs[0])
+    dtype = _gemm_dtype([a.dtype, b.dtype, out.dtype], "MatMul")
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise Unsupported("MatMul of a vector")
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    batch_shape = out.shape[:-2]
+    batch = int(np.prod(batch_shape, dtype=np.int64))
+    a_rc = (1, m) if trans_a else (k, 1)
+    b_rc = (1, k) if trans_b else (n, 1)
+    if len(b.shape) == 2 and not trans_a:  # weights: fold A's batch into M
+        m, batch, a_bs, b_bs = m * batch, 1, 0, 0
+    else:
+        a_bs, b_bs = (_batch_stride(x.shape, batch_shape, x.shape[-1] * x.shape[-2]) for x in (a, b))
+    if m * n * batch == 0:
+        return []
+    return [Gemm(Ref(a_name), Ref(b_name), Ref(node.outputs[0]), m, n, k, batch, (*a_rc, a_bs), (*b_rc, b_bs),
+                 alpha, 0.0, _gemm_tactic(node, ctx, dtype), dtype, ctx.options.tf32)]
 
 
 def _lower_matmul(node: Node, ctx: _Context) -> list:
-    a, b, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[1]), ctx.info(node.outputs[0])
-    if a.dtype != F32 or b.dtype != F32 or len(a.shape) < 2 or len(b.shape) < 2:
-        raise Unsupported("MatMul: fp32 operands of rank >= 2")
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    batch_shape = out.shape[:-2]
-    batch = int(np.prod(batch_shape, dtype=np.int64))
-    if len(b.shape) == 2:  # weights: fold A's batch into M
-        m, batch, a_bs, b_bs = m * batch, 1, 0, 0
-    else:
-        a_bs, b_bs = (_batch_stride(x.shape, batch_shape, m_or_k * k_or_n)
-                      for x, m_or_k, k_or_n in ((a, m, k), (b, k, n)))
-    if m * n * batch == 0:
-        return []
-    return [Gemm(Ref(node.inputs[0]), Ref(node.inputs[1]), Ref(node.outputs[0]), m, n, k, batch,
-                 (k, 1, a_bs), (n, 1, b_bs), tactic=_gemm_tactic(node, ctx))]
+    return _matmul_ops(node, ctx, node.inputs[0], node.inputs[1], False, False, 1.0)
 
 
 def _batch_stride(shape: tuple[int, ...], batch_shape: tuple[int, ...], matrix: int) -> int:
@@ -347,10 +640,48 @@ def _batch_stride(shape: tuple[int, ...], batch_shape: tuple[int, ...], matrix: 
     raise Unsupported("MatMul with partially broadcast batch dims")
 
 
+def _epilogue(node: Node, ctx: _Context, bias: str | None, activation: str, alpha: float = 0.01,
+              beta: float = 0.0, residual: str | None = None) -> list:
+    """Y = act(Y + bias (+ residual)) in place, as one generated kernel (nothing when there is nothing)."""
+    out_name = node.outputs[0]
+    out = ctx.info(out_name)
+    inputs, nodes = [out_name], []
+    last = 0
+    for extra in (bias, residual):
+        if extra:
+            inputs.append(extra)
+            nodes.append(PwNode.make("Add", (last, len(inputs) - 1), out.dtype))
+            last = -1
+    if activation:
+        op = ACTIVATIONS.get(activation)
+        if op is None:
+            raise Unsupported(f"epilogue activation {activation}")
+        attrs: dict[str, Any] = {}
+        if activation == "GeluTanh":
+            attrs = {"approximate": "tanh"}
+        elif activation == "LeakyRelu":
+            attrs = {"alpha": alpha}
+        args: list[int] = [last]
+        if activation == "Clip":
+            lo = ctx.fold(f"{node.name}#lo", np.asarray(alpha, out.dtype))
+            hi = ctx.fold(f"{node.name}#hi", np.asarray(beta, out.dtype))
+            inputs += [lo.tensor, hi.tensor]
+            args = [last, len(inputs) - 2, len(inputs) - 1]
+        nodes.append(PwNode.make(op, args, out.dtype, attrs))
+    if not nodes:
+        return []
+    n_in = len(inputs)
+    fixed = []
+    for j, pw in enumerate(nodes):  # -1 above means "the previous node's result"
+        fixed.append(replace(pw, args=tuple(n_in + j - 1 if a == -1 else a for a in pw.args)))
+    kernel = ctx.kernel(program_kernel(fixed, out.dtype, [ctx.info(n).dtype for n in inputs]))
+    return [launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name),
+                           [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in inputs])]
+
+
 def _lower_gemm(node: Node, ctx: _Context) -> list:
     a, b, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[1]), ctx.info(node.outputs[0])
-    if a.dtype != F32 or b.dtype != F32:
-        raise Unsupported("Gemm: fp32 only")
+    dtype = _gemm_dtype([a.dtype, b.dtype, out.dtype], "Gemm")
     ta, tb = node.attr("transA", 0), node.attr("transB", 0)
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
@@ -362,56 +693,202 @@ def _lower_gemm(node: Node, ctx: _Context) -> list:
     beta = 0.0
     if len(node.inputs) > 2 and node.inputs[2]:
         c = ctx.info(node.inputs[2])
-        if c.dtype != F32:
+        if c.dtype != dtype:
             raise Unsupported("Gemm C of another dtype")
-        ops.append(copy_launch(ctx, F32, Ref(node.outputs[0]), Ref(node.inputs[2]), out.shape,
+        ops.append(copy_launch(ctx, dtype, Ref(node.outputs[0]), Ref(node.inputs[2]), out.shape,
                                contiguous_strides(out.shape), broadcast_strides(c.shape, out.shape)))
         beta = float(node.attr("beta", 1.0))
     if m * n:
         ops.append(Gemm(Ref(node.inputs[0]), Ref(node.inputs[1]), Ref(node.outputs[0]), m, n, k, 1, a_strides,
-                        b_strides, float(node.attr("alpha", 1.0)), beta, _gemm_tactic(node, ctx)))
+                        b_strides, float(node.attr("alpha", 1.0)), beta, _gemm_tactic(node, ctx, dtype), dtype,
+                        ctx.options.tf32))
     return ops
+
+
+def _lower_fused_matmul(node: Node, ctx: _Context) -> list:
+    """``kiln.FusedMatMul``: GEMM, then bias + activation as one epilogue kernel over the output."""
+    ops: list = _matmul_ops(node, ctx, node.inputs[0], node.inputs[1], bool(node.attr("transA", 0)),
+                            bool(node.attr("transB", 0)), float(node.attr("alpha", 1.0)))
+    bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    if bias and ctx.info(bias).dtype != ctx.info(node.outputs[0]).dtype:
+        raise Unsupported("FusedMatMul bias of another dtype")
+    return ops + _epilogue(node, ctx, bias, node.attr("activation", ""))
+
+
+def _lower_attention(node: Node, ctx: _Context) -> list:
+    """ONNX Attention (4-D Q/K/V, same head count): S = scale Q K^T, P = softmax(S + mask), Y = P V.
+
+    Two batched GEMMs around the attention softmax kernel (which applies mask and causality); S and P
+    live in one step-local scratch buffer.
+    """
+    if len(node.inputs) > 4 and any(node.inputs[4:]) or any(node.outputs[1:]):
+        raise Unsupported("Attention with past key/value or extra outputs")
+    q, k, v = (ctx.info(n) for n in node.inputs[:3])
+    dtype = _gemm_dtype([q.dtype, k.dtype, v.dtype], "Attention")
+    if len(q.shape) != 4 or len(k.shape) != 4 or q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
+        raise Unsupported("Attention that is not 4-D with equal head counts")
+    if node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0) or node.attr("softmax_precision", None):
+        raise Unsupported("Attention softcap / qk output / softmax precision")
+    batch, heads, sq, d = q.shape
+    skv, dv = k.shape[2], v.shape[3]
+    scale = float(node.attr("scale", 0.0) or 1.0 / np.sqrt(d))
+    bh = batch * heads
+    s_ref = ctx.new_scratch(f"{node.name}#scores", dtype, (bh, sq, skv))
+    qk = Gemm(Ref(node.inputs[0]), Ref(node.inputs[1]), s_ref, sq, skv, d, bh, (d, 1, sq * d), (1, d, skv * d),
+              scale, 0.0, "cublas", dtype, ctx.options.tf32)
+    geom = AttnMask()
+    geom.heads, geom.queries = heads, sq
+    geom.causal, geom.causal_offset = int(node.attr("is_causal", 0)), skv - sq
+    args = [(s_ref, ctypes.c_void_p), (s_ref, ctypes.c_void_p), (skv, ctypes.c_longlong), (1.0, ctypes.c_float)]
+    suffix = _row_suffix(dtype, "Attention")
+    kind = "attn_softmax"
+    mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else None
+    if mask:
+        m = ctx.info(mask)
+        if m.dtype == np.bool_:
+            kind = "attn_softmax_bool"
+        elif m.dtype == dtype:
+            kind = "attn_softmax_add"
+        else:
+            raise Unsupported(f"Attention mask of {m.dtype}")
+        strides = broadcast_strides(m.shape, (batch, heads, sq, skv), ctx.strides(mask))
+        geom.mb, geom.mh, geom.mq, geom.mk = strides
+        args.append((Ref(mask), ctypes.c_void_p))
+    args.append((geom, AttnMask))
+    softmax = Launch("softmax", f"{kind}_{suffix}", (bh * sq, 1, 1), (THREADS, 1, 1), args)
+    pv = Gemm(s_ref, Ref(node.inputs[2]), Ref(node.outputs[0]), sq, dv, skv, bh, (skv, 1, sq * skv), (dv, 1, skv * dv),
+              1.0, 0.0, "cublas", dtype, ctx.options.tf32)
+    return [qk, softmax, pv]
+
+
+# -- convolution ---------------------------------------------------------------------------------------------
+
+
+def _lower_conv(node: Node, ctx: _Context) -> list:
+    """Conv / ``kiln.FusedConv`` (2-D) through cuDNN, channels-last activations and KRSC filters."""
+    if not ctx.options.cudnn:
+        raise Unsupported("convolution needs the cuDNN frontend (pip install kiln[gpu])")
+    x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[1]), ctx.info(node.outputs[0])
+    dtype = _gemm_dtype([x.dtype, w.dtype, out.dtype], node.op_type)
+    if len(x.shape) != 4 or node.inputs[1] not in ctx.constants:
+        raise Unsupported("convolution that is not 2-D with constant weights")
+    activation = node.attr("activation", "") if node.op_type == "FusedConv" else ""
+    if activation not in ("", "Relu"):  # cuDNN fuses these; others keep their own layer
+        raise Unsupported(f"FusedConv activation {activation}")
+    kernel = w.shape[2:]
+    strides = tuple(node.attr("strides", None) or (1, 1))
+    dilations = tuple(node.attr("dilations", None) or (1, 1))
+    pads = list(node.attr("pads", None) or (0, 0, 0, 0))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        total = [max((o - 1) * s + (k - 1) * d + 1 - i, 0) for o, s, k, d, i in
+                 zip(out.shape[2:], strides, kernel, dilations, x.shape[2:])]
+        begin = [(t + 1) // 2 if auto_pad == "SAME_LOWER" else t // 2 for t in total]
+        pads = [begin[0], begin[1], total[0] - begin[0], total[1] - begin[1]]
+    elif auto_pad == "VALID":
+        pads = [0, 0, 0, 0]
+    group = int(node.attr("group", 1))
+    if w.shape[1] * group != x.shape[1]:
+        raise Unsupported("convolution whose group does not match its shapes")
+    xin = ctx.as_layout(node.inputs[0], "nhwc")
+    ctx.layouts[node.outputs[0]] = "linear" if node.outputs[0] in ctx.graph_outputs else "nhwc"
+    wname = f"{node.inputs[1]}#krsc"
+    ctx.weight_transforms[wname] = (node.inputs[1], "krsc")
+    ctx.infos[wname] = TensorInfo(w.dtype, w.shape)
+    bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    residual = node.inputs[3] if node.op_type == "FusedConv" and len(node.inputs) > 3 and node.inputs[3] else None
+    if bias and (ctx.info(bias).dtype != dtype or ctx.info(bias).shape != (out.shape[1],)):
+        raise Unsupported("convolution bias of another dtype or shape")
+    z_strides = None
+    if residual:
+        if ctx.info(residual).shape != out.shape or ctx.info(residual).dtype != dtype:
+            raise Unsupported("FusedConv residual of another shape or dtype")
+        z_strides = ctx.strides(residual)
+    ctx.renamed[node.inputs[0]] = xin
+    if int(np.prod(out.shape)) == 0:
+        return []
+    conv = Conv(Ref(xin), Ref(wname), Ref(node.outputs[0]), Ref(bias) if bias else None,
+                Ref(residual) if residual else None, tuple(x.shape), tuple(w.shape), tuple(out.shape),
+                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(node.outputs[0]), z_strides,
+                (pads[0], pads[1]), (pads[2], pads[3]), strides, dilations, dtype, activation, tf32=ctx.options.tf32)
+    return [conv]
 
 
 _LOWER = {
     "Transpose": _lower_transpose, "Expand": _lower_expand, "Concat": _lower_concat, "Slice": _lower_slice,
-    "Gather": _lower_gather, "Softmax": _lower_softmax, "LayerNormalization": _lower_layer_norm,
-    "ReduceMean": _lower_reduce_mean, "MatMul": _lower_matmul, "Gemm": _lower_gemm,
+    "Gather": _lower_gather, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
+    "RMSNormalization": _lower_norm, "ReduceMean": _lower_reduce, "ReduceSum": _lower_reduce,
+    "ReduceMax": _lower_reduce, "ReduceMin": _lower_reduce, "MatMul": _lower_matmul, "Gemm": _lower_gemm,
+    "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "Conv": _lower_conv,
+    "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
+    "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
+    "GlobalMaxPool": _lower_pool,
 }
+_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain"})
 
 
-def lower_node(node: Node, ctx: _Context) -> tuple[str, list]:
-    """(tactic name, device ops) for one layer; ("host", [Host]) when it has no CUDA implementation."""
+def _tactic(node: Node, ops: list) -> str:
+    if any(isinstance(o, Conv) for o in ops):
+        return "conv:cudnn"
+    gemm = next((o for o in ops if isinstance(o, Gemm)), None)
+    if gemm is not None:
+        return f"gemm:{gemm.tactic}"
+    if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization"):
+        launch = next((o for o in ops if isinstance(o, Launch)), None)
+        return f"pointwise:{launch.function}" if launch else "pointwise:empty"
+    return f"kernel:{node.op_type}"
+
+
+def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
+    """(tactic name, device ops, the node as lowered) for one layer; ("host", [Host], node) when it has no
+    CUDA implementation. Inputs a layer cannot read channels-last are reformatted first (``ctx.pre_steps``)."""
+    ctx.scratch = []
+    ctx.renamed = {}
     try:
-        if node.domain not in ("", "ai.onnx"):
+        domain_ok = node.domain in ("", "ai.onnx") or (node.domain == "kiln" and node.op_type in _KILN_OPS)
+        if not domain_ok:
             raise Unsupported(f"domain {node.domain}")
-        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization",):
+        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization", "MaxPool", "Attention"):
             raise Unsupported("multi-output layer")
         for name in node.outputs:
-            ctx.info(name)
+            if name:
+                ctx.info(name)
+        if node.op_type not in LAYOUT_AWARE:
+            node = _with_linear_inputs(node, ctx)
         if node.op_type in VIEW_OPS and node.inputs and node.inputs[0]:
             ctx.info(node.inputs[0])
-            return "view", _lower_view(node, ctx)
-        if node.op_type in POINTWISE_OPS:
-            ops = _lower_pointwise(node, ctx)
-            return f"pointwise:{ops[0].function}", ops
+            return "view", _lower_view(node, ctx), node
+        if node.op_type in POINTWISE_OPS or node.op_type == "Gelu":
+            return _tactic(node, ops := _lower_pointwise(node, ctx)), ops, node
         if node.op_type in _LOWER:
             ops = _LOWER[node.op_type](node, ctx)
-            gemm = next((o for o in ops if isinstance(o, Gemm)), None)
-            return (f"gemm:{gemm.tactic}" if gemm else f"kernel:{node.op_type}"), ops
+            if ctx.renamed:
+                node = replace(node, inputs=[ctx.renamed.get(n, n) for n in node.inputs])
+            return _tactic(node, ops), ops, node
         raise Unsupported(f"no CUDA implementation of {node.op_type}")
     except Unsupported:
-        return "host", [Host(node)]
+        for name in node.outputs:
+            ctx.layouts.pop(name, None)
+        ctx.scratch = []
+        node = _with_linear_inputs(node, ctx)
+        return "host", [Host(node)], node
+
+
+def _with_linear_inputs(node: Node, ctx: _Context) -> Node:
+    if not any(ctx.layouts.get(n) == "nhwc" for n in node.inputs if n):
+        return node
+    inputs = [ctx.as_layout(n, "linear") if n and ctx.layouts.get(n) == "nhwc" else n for n in node.inputs]
+    return replace(node, inputs=inputs)
 
 
 # -- the whole graph --------------------------------------------------------------------------------
 
 
 def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapping[str, str] | None = None,
-                constants_on_device: frozenset[str] | None = None) -> Lowered:
+                options: LoweringOptions | None = None) -> Lowered:
     """Lower every layer that is not a pure shape computation, place tensors, plan the arena."""
     graph_outputs = frozenset(graph.output_names)
-    ctx = _Context(infos, graph_outputs, gemm_choice or {})
+    ctx = _Context(dict(infos), graph_outputs, gemm_choice or {}, options or LoweringOptions(), graph.constants)
     io = set(graph.input_names) | graph_outputs
     locations: dict[str, tuple[str, Any]] = {n: ("io", n) for n in io}
     for name in graph.constants:
@@ -421,16 +898,23 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     for node in graph.nodes:
         if node.outputs and all(infos.get(o) is not None and infos[o].value is not None for o in node.outputs if o):
             continue  # shape computation: its value is known on the host
-        tactic, ops = lower_node(node, ctx)
+        tactic, ops, lowered_node = lower_node(node, ctx)
+        steps.extend(ctx.pre_steps)
+        ctx.pre_steps = []
         if tactic == "view" and not ops:
-            alias[node.outputs[0]] = alias.get(node.inputs[0], node.inputs[0])
-        steps.append(Step(node, tactic, ops))
+            alias[node.outputs[0]] = alias.get(lowered_node.inputs[0], lowered_node.inputs[0])
+        steps.append(Step(lowered_node, tactic, ops, list(ctx.scratch)))
+    for name in ctx.weight_transforms:
+        locations[name] = ("weight", name)
     folded = {}
     for step in steps:
-        for name in step.node.inputs:
+        for name in step.node.inputs + _refs_of(step):
             root = alias.get(name, name)
-            if root and root not in locations and infos.get(root) is not None and infos[root].value is not None:
-                folded[root] = np.ascontiguousarray(infos[root].value)
+            if root in ctx.folded_extra:
+                folded[root] = ctx.folded_extra[root]
+                locations[root] = ("folded", root)
+            elif root and root not in locations and ctx.infos.get(root) is not None and ctx.infos[root].value is not None:
+                folded[root] = np.ascontiguousarray(ctx.infos[root].value)
                 locations[root] = ("folded", root)
     for name in graph.output_names:  # outputs that no step writes: copied from their source
         producer = next((s for s in steps if name in s.node.outputs), None)
@@ -442,7 +926,7 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     sizes, sequence = {}, []
     for step in steps:
         ins = [alias.get(n, n) for n in step.node.inputs if n]
-        outs = [n for n in step.node.outputs if n and n not in alias]
+        outs = [n for n in step.node.outputs if n and n not in alias] + step.scratch
         sequence.append((ins, outs))
         for name in outs:
             if name not in locations:
@@ -454,7 +938,17 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     for name, root in alias.items():
         if name not in locations:
             locations[name] = locations.get(root, ("arena", 0))
-    return Lowered(steps, locations, memory, folded, list(dict.fromkeys(ctx.kernels)), dict(infos))
+    return Lowered(steps, locations, memory, folded, list(dict.fromkeys(ctx.kernels)), ctx.infos,
+                   dict(ctx.weight_transforms), dict(ctx.layouts))
+
+
+def _refs_of(step: Step) -> list[str]:
+    """Tensors a step's launches read besides its node's inputs (folded per-step constants)."""
+    names = []
+    for op in step.ops:
+        if isinstance(op, Launch):
+            names += [v.tensor for v, _ in op.args if isinstance(v, Ref)]
+    return names
 
 
 def _copy_node(name: str) -> Node:

@@ -1,133 +1,260 @@
-"""Generated pointwise kernels: one NVRTC kernel per (op, dtypes) from `cuda_kernels/pointwise.cu`.
+"""Generated pointwise kernels: one NVRTC kernel per pointwise *program* (`cuda_kernels/pointwise.cu`).
 
-Broadcasting, transposes, slices and concatenation all reduce to one strided indexer
-(``Indexer``): output coordinate -> element offset of the output and of each input. The host
+A program is one ONNX pointwise op, or a fused chain of them (``kiln.PointwiseChain``, a conv/GEMM
+epilogue): a list of ``PwNode`` evaluated per output element in registers, reading each input once.
+Broadcasting, transposes, slices, concatenation and channels-last layouts all reduce to one strided
+indexer (``Indexer``): output coordinate -> element offset of the output and of each input. The host
 merges dimensions that are contiguous for every operand, so plain same-shape ops run at rank 1.
+fp16/bf16 values compute in float (only stores round), so a fused chain is at least as accurate as
+the unfused layers.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from engine_core.cuda.nvrtc import KERNEL_DIR
 
 MAX_RANK = 6
+MAX_INPUTS = 8
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
-#: numpy dtype -> (C type, name suffix)
-C_TYPES: dict[np.dtype, tuple[str, str]] = {
-    np.dtype(np.float32): ("float", "f32"),
-    np.dtype(np.float64): ("double", "f64"),
-    np.dtype(np.int64): ("long long", "i64"),
-    np.dtype(np.int32): ("int", "i32"),
-    np.dtype(np.int8): ("signed char", "i8"),
-    np.dtype(np.uint8): ("unsigned char", "u8"),
-    np.dtype(np.bool_): ("bool", "b8"),
+#: numpy dtype -> (storage C type, name suffix, compute C type)
+C_TYPES: dict[np.dtype, tuple[str, str, str]] = {
+    np.dtype(np.float32): ("float", "f32", "float"),
+    np.dtype(np.float64): ("double", "f64", "double"),
+    np.dtype(np.float16): ("__half", "f16", "float"),
+    BF16: ("__nv_bfloat16", "bf16", "float"),
+    np.dtype(np.int64): ("long long", "i64", "long long"),
+    np.dtype(np.int32): ("int", "i32", "int"),
+    np.dtype(np.int16): ("short", "i16", "short"),
+    np.dtype(np.int8): ("signed char", "i8", "signed char"),
+    np.dtype(np.uint8): ("unsigned char", "u8", "unsigned char"),
+    np.dtype(np.uint16): ("unsigned short", "u16", "unsigned short"),
+    np.dtype(np.uint32): ("unsigned int", "u32", "unsigned int"),
+    np.dtype(np.uint64): ("unsigned long long", "u64", "unsigned long long"),
+    np.dtype(np.bool_): ("bool", "b8", "bool"),
 }
-FLOATS = {np.dtype(np.float32), np.dtype(np.float64)}
+FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16})
+BOOL = np.dtype(np.bool_)
 
-# Expressions over a, b, c (inputs 0..2); "{f}" is the float-math suffix ("f" for float, "" for double).
+# Expressions over {a}, {b}, {c} (arguments), {F} (the float compute type), {f} (math suffix: "f" for
+# float, "" for double) and {alpha}/{beta} (the op's float attributes).
 _FLOAT_UNARY = {
-    "Sigmoid": "1 / (1 + exp{f}(-a))", "Tanh": "tanh{f}(a)", "Erf": "erf{f}(a)", "Exp": "exp{f}(a)",
-    "Log": "log{f}(a)", "Sqrt": "sqrt{f}(a)", "Reciprocal": "1 / a", "Floor": "floor{f}(a)",
-    "Ceil": "ceil{f}(a)", "Sin": "sin{f}(a)", "Cos": "cos{f}(a)",
+    "Sigmoid": "({F})1 / (({F})1 + exp{f}(-{a}))", "Tanh": "tanh{f}({a})", "Erf": "erf{f}({a})",
+    "Exp": "exp{f}({a})", "Log": "log{f}({a})", "Sqrt": "sqrt{f}({a})", "Reciprocal": "({F})1 / {a}",
+    "Floor": "floor{f}({a})", "Ceil": "ceil{f}({a})", "Sin": "sin{f}({a})", "Cos": "cos{f}({a})",
+    "Round": "rint{f}({a})", "Softplus": "({a} > ({F})20 ? {a} : log1p{f}(exp{f}({a})))",
+    "Gelu": "({F})0.5 * {a} * (({F})1 + erf{f}({a} * ({F})0.7071067811865476))",
+    "GeluTanh": "({F})0.5 * {a} * (({F})1 + tanh{f}(({F})0.7978845608028654 * ({a} + ({F})0.044715 * {a} * {a} * {a})))",
+    "LeakyRelu": "({a} >= ({F})0 ? {a} : ({F}){alpha} * {a})",
+    "Elu": "({a} >= ({F})0 ? {a} : ({F}){alpha} * (exp{f}({a}) - ({F})1))",
+    "HardSigmoid": "fmax{f}(({F})0, fmin{f}(({F})1, ({F}){alpha} * {a} + ({F}){beta}))",
+    "HardSwish": "{a} * fmax{f}(({F})0, fmin{f}(({F})1, {a} / ({F})6 + ({F})0.5))",
+    "IsNaN": "isnan({a})",
 }
-_ANY_UNARY = {"Relu": "a > 0 ? a : (T0)0", "Neg": "-a", "Abs": "a < 0 ? -a : a", "Identity": "a"}
-_ARITH = {"Add": "a + b", "Sub": "a - b", "Mul": "a * b", "Max": "a > b ? a : b", "Min": "a < b ? a : b"}
-_FLOAT_BINARY = {"Div": "a / b", "Pow": "pow{f}(a, (T0)b)"}
-_COMPARE = {"Equal": "a == b", "Less": "a < b", "Greater": "a > b", "LessOrEqual": "a <= b",
-            "GreaterOrEqual": "a >= b"}
-_BOOL = {"And": "a && b", "Or": "a || b", "Xor": "a != b"}
+_ANY_UNARY = {"Relu": "({a} > 0 ? {a} : 0)", "Neg": "-{a}", "Abs": "({a} < 0 ? -{a} : {a})", "Identity": "{a}",
+              "Sign": "(({a} > 0) - ({a} < 0))"}
+_ARITH = {"Add": "{a} + {b}", "Sub": "{a} - {b}", "Mul": "{a} * {b}", "Max": "({a} > {b} ? {a} : {b})",
+          "Min": "({a} < {b} ? {a} : {b})", "Sum": "{a} + {b}", "Mean": "{a} + {b}"}
+_FLOAT_BINARY = {"Div": "{a} / {b}", "Pow": "pow{f}({a}, ({F}){b})"}
+_COMPARE = {"Equal": "{a} == {b}", "Less": "{a} < {b}", "Greater": "{a} > {b}", "LessOrEqual": "{a} <= {b}",
+            "GreaterOrEqual": "{a} >= {b}"}
+_BOOL = {"And": "{a} && {b}", "Or": "{a} || {b}", "Xor": "{a} != {b}"}
+#: float attributes the expressions read, with the ONNX defaults
+_ATTR_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}}
 
-#: ops lowered to a generated pointwise kernel (Cast, Clip, Where are handled specially)
-POINTWISE_OPS = frozenset(_FLOAT_UNARY) | set(_ANY_UNARY) | set(_ARITH) | set(_FLOAT_BINARY) | set(_COMPARE) \
-    | set(_BOOL) | {"Not", "Cast", "Clip", "Where"}
+#: ops lowered to a generated pointwise kernel (Cast, Clip, Where and variadic ones are special-cased)
+POINTWISE_OPS = frozenset(_FLOAT_UNARY) - {"GeluTanh"} | set(_ANY_UNARY) | set(_ARITH) | set(_FLOAT_BINARY) \
+    | set(_COMPARE) | set(_BOOL) | {"Not", "Cast", "Clip", "Where"}
+_VARIADIC = frozenset({"Sum", "Mean", "Max", "Min"})
 
 
 class Unsupported(Exception):
     """This layer (op, dtypes or layout) has no CUDA implementation yet: it runs on the host."""
 
 
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return tuple(value.reshape(-1).tolist())
+    if isinstance(value, (bytes, str, int, float, bool)) or value is None:
+        return value
+    raise Unsupported(f"attribute of type {type(value).__name__} in a pointwise program")
+
+
+@dataclass(frozen=True)
+class PwNode:
+    """One op of a program. ``args`` index values: 0..n_inputs-1 are the kernel inputs, then each node's
+    result in order; -1 is an absent optional input. ``attrs`` are the ONNX attributes (for the emulator
+    and for the expression's constants)."""
+
+    op: str
+    args: tuple[int, ...]
+    dtype: np.dtype
+    attrs: tuple[tuple[str, Any], ...] = ()
+    opset: int = 21
+
+    @staticmethod
+    def make(op: str, args: Sequence[int], dtype: Any, attrs: Mapping[str, Any] | None = None,
+             opset: int = 21) -> PwNode:
+        return PwNode(op, tuple(args), np.dtype(dtype), tuple(sorted((k, _freeze(v)) for k, v in (attrs or {}).items())),
+                      opset)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(name, default)
+
+
 @dataclass(frozen=True)
 class PointwiseKernel:
-    """One instantiation of the template: name, output type, input types, C expression."""
+    """One generated kernel: output dtype, input dtypes and the program computing the output."""
 
     name: str
     out: np.dtype
     ins: tuple[np.dtype, ...]
-    expr: str
+    nodes: tuple[PwNode, ...]
 
-    def instantiation(self) -> str:
-        types = ", ".join(C_TYPES[t][0] for t in (self.out, *self.ins))
-        expr = self.expr
-        for i, t in enumerate(self.ins):
-            expr = expr.replace(f"T{i}", C_TYPES[t][0])
-        return f"KILN_POINTWISE{len(self.ins)}({self.name}, {types}, {expr})"
+    def source(self) -> str:
+        """The kernel's CUDA C: load each input once, one register per node, one store."""
+        n = len(self.ins)
+        params = ", ".join([f"{C_TYPES[self.out][0]}* __restrict__ y"]
+                           + [f"const {C_TYPES[t][0]}* __restrict__ x{i}" for i, t in enumerate(self.ins)])
+        types = list(self.ins) + [node.dtype for node in self.nodes]
+        body = [f"const {C_TYPES[t][2]} v{i} = kiln_load(x{i}[o[{i}]]);" for i, t in enumerate(self.ins)]
+        for j, node in enumerate(self.nodes):
+            args = [(f"v{a}", types[a]) if a >= 0 else None for a in node.args]
+            body.append(f"const {C_TYPES[node.dtype][2]} v{n + j} = ({C_TYPES[node.dtype][2]})({_expression(node, args)});")
+        body.append(f"y[oy] = KILN_CONVERT({C_TYPES[self.out][0]}, v{n + len(self.nodes) - 1});")
+        lines = "\n        ".join(body)
+        return (f'extern "C" __global__ void {self.name}({params}, long long n, int rank, KilnIndexer ix) {{\n'
+                f"    KILN_FOR_EACH({n}, {{\n        {lines}\n    }})\n}}\n")
 
 
-def _ctype(dtype: np.dtype) -> str:
+def _suffix(dtype: np.dtype) -> str:
     if np.dtype(dtype) not in C_TYPES:
-        raise Unsupported(f"dtype {np.dtype(dtype)} has no pointwise kernels yet")
+        raise Unsupported(f"dtype {np.dtype(dtype)} has no pointwise kernels")
     return C_TYPES[np.dtype(dtype)][1]
 
 
-def pointwise_kernel(op: str, out: np.dtype, ins: Sequence[np.dtype], variant: str = "") -> PointwiseKernel:
-    """The kernel for ``op`` over input dtypes ``ins`` producing ``out``; raises Unsupported."""
-    out, ins = np.dtype(out), tuple(np.dtype(t) for t in ins)
-    name = "_".join(["pw", op.lower() + variant, _ctype(out), *(_ctype(t) for t in ins)])
-    f = "f" if ins and ins[0] == np.float32 else ""
-    expr = _expression(op, out, ins, variant)
-    return PointwiseKernel(name, out, ins, expr.replace("{f}", f))
+def _literal(value: float) -> str:
+    if not math.isfinite(value):
+        raise Unsupported(f"non-finite constant {value} in a pointwise program")
+    return repr(float(value))
 
 
-def _expression(op: str, out: np.dtype, ins: tuple[np.dtype, ...], variant: str) -> str:
-    first = ins[0] if ins else None
+def _expression(node: PwNode, args: list[tuple[str, np.dtype] | None]) -> str:
+    """The C expression for one node over its argument registers; raises Unsupported."""
+    op = node.op
+    present = [a for a in args if a is not None]
+    if not present:
+        raise Unsupported(f"{op} without inputs")
+    first = present[0][1]
+    compute = C_TYPES[first][2] if first in C_TYPES else ""
+    fmt = {"F": compute, "f": "f" if compute == "float" else "",
+           **{k: "" for k in ("alpha", "beta")}}
+    for key, default in _ATTR_DEFAULTS.get(op, {}).items():
+        fmt[key] = _literal(float(node.attr(key, default)))
+    names = {k: (a[0] if a is not None else "") for k, a in zip("abc", args)}
+    if op == "Gelu" and node.attr("approximate", "none") == "tanh":
+        op = "GeluTanh"
     if op in _FLOAT_UNARY and first in FLOATS:
-        return _FLOAT_UNARY[op]
-    if op in _ANY_UNARY and first != np.bool_:
-        return _ANY_UNARY[op]
-    if op == "Identity":
-        return "a"
-    if op in _ARITH and first != np.bool_ and len(ins) == 2:
-        return _ARITH[op]
-    if op in _FLOAT_BINARY and first in FLOATS:
-        return _FLOAT_BINARY[op]
-    if op in _COMPARE and len(ins) == 2:
-        return _COMPARE[op]
-    if op in _BOOL and first == np.bool_:
-        return _BOOL[op]
-    if op == "Not" and first == np.bool_:
-        return "!a"
+        return _FLOAT_UNARY[op].format(**fmt, **names)
+    if op in _ANY_UNARY and (first != BOOL or op == "Identity"):
+        return _ANY_UNARY[op].format(**fmt, **names)
+    if op in _VARIADIC and first != BOOL and len(present) >= 1 and len(present) == len(args):
+        expr = present[0][0]
+        for other, _ in present[1:]:
+            expr = "(" + _ARITH[op].format(a=expr, b=other) + ")"
+        if op == "Mean":
+            if first not in FLOATS:
+                raise Unsupported("integer Mean")
+            expr = f"{expr} / ({compute}){len(present)}"
+        return expr
+    if op in _ARITH and first != BOOL and len(args) == 2:
+        return _ARITH[op].format(**names)
+    if op in _FLOAT_BINARY and first in FLOATS and len(args) == 2:
+        return _FLOAT_BINARY[op].format(**fmt, **names)
+    if op in _COMPARE and len(args) == 2:
+        return _COMPARE[op].format(**names)
+    if op in _BOOL and first == BOOL:
+        return _BOOL[op].format(**names)
+    if op == "Not" and first == BOOL:
+        return f"!{names['a']}"
     if op == "Cast":
-        return "a != 0" if out == np.bool_ else "a"
-    if op == "Where" and first == np.bool_:
-        return "a ? b : c"
-    if op == "Clip" and first != np.bool_:
-        lo, hi = "lo" in variant, "hi" in variant
-        if lo and hi:
-            return "(a < b ? b : a) > c ? c : (a < b ? b : a)"
-        if lo or hi:
-            return "a < b ? b : a" if lo else "a > b ? b : a"
-        return "a"
-    raise Unsupported(f"no pointwise kernel for {op} over {[str(t) for t in ins]}")
+        out = node.dtype
+        if out == BOOL:
+            return f"{names['a']} != 0"
+        if out in (np.dtype(np.float16), BF16):  # round like the real cast would
+            storage = C_TYPES[out][0]
+            return f"kiln_load(KILN_CONVERT({storage}, {names['a']}))"
+        return f"({C_TYPES[out][2]})({names['a']})"
+    if op == "Where" and first == BOOL and len(present) == 3:
+        return f"({names['a']} ? {names['b']} : {names['c']})"
+    if op == "Clip" and first != BOOL:
+        a, lo, hi = names["a"], names["b"], names["c"]
+        expr = a
+        if lo:
+            expr = f"({expr} < {lo} ? {lo} : {expr})"
+        if hi:
+            expr = f"({expr} > {hi} ? {hi} : {expr})"
+        return expr
+    raise Unsupported(f"no pointwise kernel for {op} over {[str(a[1]) for a in present]}")
+
+
+def program_kernel(nodes: Sequence[PwNode], out: Any, ins: Sequence[Any]) -> PointwiseKernel:
+    """The kernel evaluating ``nodes`` (the last one is the output); raises Unsupported.
+
+    Single-op programs get readable names (``pw_relu_f32_f32``); fused ones a content hash.
+    """
+    out, ins, nodes = np.dtype(out), tuple(np.dtype(t) for t in ins), tuple(nodes)
+    if not nodes:
+        raise Unsupported("empty pointwise program")
+    if len(ins) > MAX_INPUTS:
+        raise Unsupported(f"{len(ins)} inputs exceed the {MAX_INPUTS} a pointwise kernel takes")
+    for t in (out, *ins, *(n.dtype for n in nodes)):
+        _suffix(t)
+    node = nodes[0]
+    if len(nodes) == 1 and not node.attrs and all(a == i for i, a in enumerate(node.args) if a >= 0):
+        variant = "".join(f"_{k}" for k, a in zip(("x", "lo", "hi"), node.args) if a >= 0 and k != "x") \
+            if node.op == "Clip" else ""
+        name = "_".join(["pw", node.op.lower() + variant, _suffix(out), *(_suffix(t) for t in ins)])
+    else:
+        digest = hashlib.sha256(repr((nodes, out, ins)).encode()).hexdigest()[:10]
+        ops = "_".join(n.op.lower() for n in nodes[:4])
+        name = f"pw_{ops}_{digest}"
+    kernel = PointwiseKernel(name, out, ins, nodes)
+    kernel.source()  # raises Unsupported now, not at compile time
+    return kernel
+
+
+def pointwise_kernel(op: str, out: Any, ins: Sequence[Any], attrs: Mapping[str, Any] | None = None,
+                     args: Sequence[int] | None = None, opset: int = 21) -> PointwiseKernel:
+    """The kernel for one ``op`` over input dtypes ``ins`` producing ``out``; raises Unsupported."""
+    args = tuple(range(len(ins))) if args is None else tuple(args)
+    return program_kernel([PwNode.make(op, args, out, attrs, opset)], out, ins)
 
 
 def pointwise_source(kernels: Sequence[PointwiseKernel]) -> str:
-    """The template followed by one instantiation per distinct kernel."""
+    """The template followed by one generated kernel per distinct program."""
     template = (KERNEL_DIR / "pointwise.cu").read_text()
-    lines = dict.fromkeys(k.instantiation() for k in kernels)
-    return "#define KILN_GENERATED\n" + template + "\n" + "\n".join(lines) + "\n"
+    sources = dict.fromkeys(k.source() for k in kernels)
+    return "#define KILN_GENERATED\n" + template + "\n" + "\n".join(sources) + "\n"
 
 
 class Indexer(ctypes.Structure):
     """Mirror of ``struct KilnIndexer`` (passed by value to every pointwise kernel)."""
 
     _fields_ = [("shape", ctypes.c_longlong * MAX_RANK), ("out", ctypes.c_longlong * MAX_RANK),
-                ("in0", ctypes.c_longlong * MAX_RANK), ("in1", ctypes.c_longlong * MAX_RANK),
-                ("in2", ctypes.c_longlong * MAX_RANK)]
+                ("inp", (ctypes.c_longlong * MAX_RANK) * MAX_INPUTS)]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -138,12 +265,14 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def broadcast_strides(shape: Sequence[int], out_shape: Sequence[int]) -> tuple[int, ...]:
-    """Element strides reading ``shape`` broadcast to ``out_shape`` (0 along broadcast dims)."""
+def broadcast_strides(shape: Sequence[int], out_shape: Sequence[int],
+                      strides: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Element strides reading ``shape`` (laid out with ``strides``, default contiguous) broadcast to
+    ``out_shape`` (0 along broadcast dims)."""
     pad = len(out_shape) - len(shape)
     full = (1,) * pad + tuple(shape)
-    strides = contiguous_strides(full)
-    return tuple(0 if d == 1 and o != 1 else s for d, o, s in zip(full, out_shape, strides))
+    own = (0,) * pad + tuple(strides if strides is not None else contiguous_strides(shape))
+    return tuple(0 if d == 1 and o != 1 else s for d, o, s in zip(full, out_shape, own))
 
 
 def coalesce(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
@@ -163,6 +292,8 @@ def coalesce(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> tuple[li
 def make_indexer(shape: Sequence[int], out_strides: Sequence[int],
                  in_strides: Sequence[Sequence[int]]) -> tuple[Indexer, int]:
     """The kernel's indexer and rank for iterating ``shape``; raises Unsupported past MAX_RANK."""
+    if len(in_strides) > MAX_INPUTS:
+        raise Unsupported(f"{len(in_strides)} inputs exceed {MAX_INPUTS}")
     dims, strides = coalesce(shape, [out_strides, *in_strides])
     if len(dims) > MAX_RANK:
         raise Unsupported(f"rank {len(dims)} after merging dims exceeds {MAX_RANK}")
@@ -171,5 +302,5 @@ def make_indexer(shape: Sequence[int], out_strides: Sequence[int],
         ix.shape[d] = n
         ix.out[d] = strides[0][d]
         for i, st in enumerate(strides[1:]):
-            getattr(ix, f"in{i}")[d] = st[d]
+            ix.inp[i][d] = st[d]
     return ix, len(dims)

@@ -16,7 +16,18 @@ from typing import Any
 import numpy as np
 
 from engine_core.backends.cpu import run_node
-from engine_core.backends.cuda.lowering import Copy, Gemm, Host, Launch, Lowered, Ref, lower_graph
+from engine_core.backends.cuda.lowering import (
+    Conv,
+    Copy,
+    Gemm,
+    Host,
+    Launch,
+    Lowered,
+    LoweringOptions,
+    Ref,
+    lower_graph,
+    transform_weight,
+)
 from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
 from engine_core.errors import ExecutionError
 from engine_core.ops import TensorInfo
@@ -41,6 +52,15 @@ class CudaEngineState:
                         if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"}
         self.gemm_choice = {layer["name"]: layer["tactic"].split(":", 1)[1] for layer in plan.layers
                             if str(layer.get("tactic", "")).startswith("gemm:")}
+        self.options = lowering_options(plan)
+        #: cuDNN execution plan chosen at build time per convolution signature (heuristics' first otherwise)
+        self.conv_plans: dict[str, int] = dict(plan.build_info.get("cuda", {}).get("conv_plans", {}))
+        if self.options.cudnn:
+            from engine_core.backends.cuda.cudnn_conv import available
+
+            if not available():
+                raise ExecutionError("this plan runs convolutions with cuDNN, but the cuDNN frontend is not "
+                                     "installed here (pip install kiln[gpu])")
         self.contexts: weakref.WeakSet[CudaContextState] = weakref.WeakSet()
 
     def function(self, module: str, name: str) -> Any:
@@ -48,6 +68,12 @@ class CudaEngineState:
         if key not in self._functions:
             self._functions[key] = self.modules[module].function(name)
         return self._functions[key]
+
+    def derived_weight(self, name: str, source: str, transform: str) -> DeviceBuffer:
+        """A weight in another layout (e.g. KRSC filters), made on the device once per engine."""
+        if name not in self.weights:
+            self.weights[name] = DeviceBuffer.from_array(transform_weight(self.plan.graph.constants[source], transform))
+        return self.weights[name]
 
     def create_context(self) -> CudaContextState:
         state = CudaContextState(self)
@@ -60,6 +86,9 @@ class CudaEngineState:
         for name, value in weights.items():
             if name in self.weights:
                 self.weights[name].copy_from(np.ascontiguousarray(value))
+            for derived in [d for d in self.weights if d.startswith(f"{name}#")]:
+                transform = derived.split("#", 1)[1]
+                self.weights[derived].copy_from(transform_weight(np.asarray(value), transform))
         for ctx in self.contexts:
             ctx._bindings.clear()
 
@@ -98,6 +127,8 @@ class _Binding:
 
     def __init__(self, state: CudaEngineState, lowered: Lowered) -> None:
         self.lowered = lowered
+        for name, (source, transform) in lowered.weight_transforms.items():
+            state.derived_weight(name, source, transform)
         self.folded = {name: DeviceBuffer.from_array(v) for name, v in lowered.folded.items()}
         self.prepared: dict[int, _PreparedLaunch] = {}
         for step in lowered.steps:
@@ -135,6 +166,7 @@ class CudaContextState:
         self.arena: DeviceBuffer | None = None
         self._bindings: dict[tuple, _Binding] = {}
         self._cublas = None
+        self._convs = None
         self._stream: int | None = None
         self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
@@ -146,7 +178,8 @@ class CudaContextState:
             graph = self.engine.plan.graph
             infos = {v.name: TensorInfo(v.dtype, tuple(shapes[v.name]) if v.is_tensor else None)
                      for v in graph.inputs}
-            lowered = lower_graph(graph, infer_shapes(graph, infos, values=True), self.engine.gemm_choice)
+            lowered = lower_graph(graph, infer_shapes(graph, infos, values=True), self.engine.gemm_choice,
+                                  self.engine.options)
             need = max(lowered.memory.size, self.engine.plan.device_memory_size, 1)
             if self.arena is None or self.arena.nbytes < lowered.memory.size:
                 self.arena = DeviceBuffer(need)
@@ -252,6 +285,8 @@ class CudaContextState:
                     binding.prepared[id(op)].run(resolve, stream)
                 elif isinstance(op, Gemm):
                     self._gemm(op, resolve, stream)
+                elif isinstance(op, Conv):
+                    self._conv(op, resolve, stream)
                 elif isinstance(op, Copy):
                     _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
                 elif isinstance(op, Host):
@@ -267,9 +302,22 @@ class CudaContextState:
 
                 self._cublas = Cublas()
             self._cublas.gemm(a, b, y, op.m, op.n, op.k, op.batch, op.trans_a, op.trans_b, op.a_strides[2],
-                              op.b_strides[2], op.alpha, op.beta, stream)
+                              op.b_strides[2], op.alpha, op.beta, stream, op.dtype, op.tf32)
             return
         run_kiln_gemm(self.engine.function("gemm", "gemm_f32"), op, a, b, y, stream)
+
+    def _conv(self, op: Conv, resolve, stream: int) -> None:
+        if self._convs is None:
+            from engine_core.backends.cuda.cudnn_conv import CudnnConvs
+
+            self._convs = CudnnConvs()
+        from engine_core.backends.cuda.cudnn_conv import signature
+
+        before = self._convs.workspace_generation
+        self._convs.run(op, resolve, stream, self.engine.conv_plans.get(signature(op), 0))
+        if self._convs.workspace_generation != before:  # a new workspace: graphs captured the old one
+            for binding in self._bindings.values():
+                binding.graphs.clear()
 
     def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
         from cuda.bindings import driver
@@ -337,6 +385,12 @@ class CudaContextState:
                 check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
         return outputs
+
+
+def lowering_options(plan: Plan) -> LoweringOptions:
+    """The lowering choices the build recorded (TF32, cuDNN convolutions): runs must lower identically."""
+    recorded = plan.build_info.get("cuda", {}).get("lowering", {})
+    return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)))
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:

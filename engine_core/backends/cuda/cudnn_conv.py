@@ -1,0 +1,186 @@
+"""Convolutions (with fused bias, residual add and ReLU) through the cuDNN frontend graph API.
+
+Why cuDNN: its runtime-fusion engines are the state of the art for convolutions on tensor cores, and
+one cuDNN graph runs conv + bias + residual + activation as one kernel (the epilogue fusions of the
+reference's fusion list). The frontend (``nvidia-cudnn-frontend``, in the ``gpu`` extra) is optional:
+without it convolutions run on the host, visibly.
+
+Graphs are built per distinct ``Conv.key()`` (shapes, layouts, dtype, epilogue) and cached per
+execution context together with a workspace; executing passes raw device pointers, so captured CUDA
+graphs replay them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from engine_core.backends.cuda.lowering import Conv, Ref
+from engine_core.cuda.driver import CudaError, DeviceBuffer
+
+
+@cache
+def available() -> bool:
+    """True when the cuDNN frontend imports (and so libcudnn loads)."""
+    try:
+        import cudnn
+
+        cudnn.backend_version()
+        return True
+    except Exception:
+        return False
+
+
+def _data_type(cudnn: Any, dtype_name: str) -> Any:
+    types = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
+    if dtype_name not in types:
+        raise CudaError(f"cuDNN convolution over {dtype_name}")
+    return types[dtype_name]
+
+
+class _Built:
+    def __init__(self, graph: Any, tensors: dict[str, Any], index: int, workspace: int) -> None:
+        self.graph, self.tensors, self.index, self.workspace = graph, tensors, index, workspace
+
+
+def signature(op: Conv) -> str:
+    """A stable text key of a convolution's cuDNN graph (for the plan's and the timing cache's choices)."""
+    return "conv|" + "|".join(str(part) for part in op.key())
+
+
+class CudnnConvs:
+    """One cuDNN handle (per execution context) and the graphs it has built."""
+
+    def __init__(self) -> None:
+        import cudnn
+
+        self.cudnn = cudnn
+        self.handle = cudnn.create_handle()
+        self._built: dict[tuple, _Built] = {}
+        self._workspace: DeviceBuffer | None = None
+        self._stream: int | None = None
+        #: bumped when the workspace is reallocated (CUDA graphs captured with the old one are stale)
+        self.workspace_generation = 0
+
+    def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
+        """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
+        cudnn = self.cudnn
+        io = _data_type(cudnn, op.dtype.name)
+        f32 = cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=self.handle)
+        x = graph.tensor(name="X", dim=list(op.x_dims), stride=list(op.x_strides), data_type=io)
+        w = graph.tensor(name="W", dim=list(op.w_dims), stride=list(op.w_strides), data_type=io)
+        tensors = {"x": x, "w": w}
+        y = graph.conv_fprop(image=x, weight=w, pre_padding=list(op.pads_begin), post_padding=list(op.pads_end),
+                             stride=list(op.strides), dilation=list(op.dilations), compute_data_type=f32, name="conv")
+        channels = op.y_dims[1]
+        if op.b is not None:
+            tensors["b"] = graph.tensor(name="B", dim=[1, channels, 1, 1], stride=[channels, 1, channels, channels],
+                                        data_type=io)
+            y = graph.bias(input=y, bias=tensors["b"], name="bias")
+        if op.z is not None:
+            tensors["z"] = graph.tensor(name="Z", dim=list(op.y_dims), stride=list(op.z_strides), data_type=io)
+            y = graph.add(a=y, b=tensors["z"], name="residual")
+        if op.activation == "Relu":
+            y = graph.relu(input=y, name="relu")
+        y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides)).set_data_type(io)
+        tensors["y"] = y
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        if op.dtype.name == "float32" and not op.tf32:  # exact fp32: no TF32 tensor-core engines
+            try:
+                graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+            except Exception:
+                pass
+        graph.check_support()
+        return graph, tensors
+
+    def build(self, op: Conv, index: int = 0) -> _Built:
+        """``op``'s graph with execution plan ``index`` (heuristics order) built; the first plan that
+        builds when ``index`` does not."""
+        key = (op.key(), index)
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        graph, tensors = self._graph(op)
+        count = int(graph.get_execution_plan_count())
+        for candidate in dict.fromkeys([index, *range(count)]):
+            if candidate >= count:
+                continue
+            try:
+                graph.build_plan_at_index(candidate)
+                workspace = int(graph.get_workspace_size_plan_at_index(candidate))
+            except Exception:
+                continue
+            built = self._built[key] = _Built(graph, tensors, candidate, workspace)
+            break
+        else:
+            raise CudaError(f"cuDNN has no buildable plan for convolution {signature(op)}")
+        if built.workspace and (self._workspace is None or self._workspace.nbytes < built.workspace):
+            self._workspace = DeviceBuffer(max(built.workspace, 32 << 20))
+            self.workspace_generation += 1
+        return built
+
+    def run(self, op: Conv, resolve: Any, stream: int, index: int = 0) -> None:
+        """Execute ``op`` on ``stream`` with plan ``index`` (``resolve(Ref) -> device pointer``)."""
+        built = self.build(op, index)
+        if stream != self._stream:
+            self.cudnn.set_stream(self.handle, stream)
+            self._stream = stream
+        pack = {built.tensors["x"]: resolve(op.x), built.tensors["w"]: resolve(op.w),
+                built.tensors["y"]: resolve(op.y)}
+        for name, ref in (("b", op.b), ("z", op.z)):
+            if isinstance(ref, Ref):
+                pack[built.tensors[name]] = resolve(ref)
+        workspace = self._workspace.ptr if self._workspace is not None and built.workspace else None
+        built.graph.execute_plan_at_index(pack, workspace, built.index, handle=self.handle)
+
+    def autotune(self, op: Conv, candidates: int = 4, repeats: int = 5) -> tuple[int, dict[int, float]]:
+        """Time the first ``candidates`` execution plans on scratch buffers: (fastest index, ms by index)."""
+        from cuda.bindings import driver
+
+        from engine_core.cuda.driver import check
+
+        buffers = {name: _scratch(dims, strides, op.dtype.itemsize) for name, dims, strides in (
+            ("x", op.x_dims, op.x_strides), ("w", op.w_dims, op.w_strides), ("y", op.y_dims, op.y_strides),
+            ("b", (op.y_dims[1],), (1,)), ("z", op.y_dims, op.z_strides or op.y_strides))}
+        refs = {Ref(name): buf.ptr for name, buf in buffers.items()}
+        timed = Conv(**{**op.__dict__, "x": Ref("x"), "w": Ref("w"), "y": Ref("y"),
+                        "b": Ref("b") if op.b is not None else None, "z": Ref("z") if op.z is not None else None})
+        stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+        graph, _ = self._graph(op)
+        count = min(int(graph.get_execution_plan_count()), candidates)
+        times: dict[int, float] = {}
+        for index in range(count):
+            try:
+                self.run(timed, refs.__getitem__, stream, index)
+                if self._built[(op.key(), index)].index != index:
+                    continue  # that plan did not build; another one ran instead
+                start = check(driver.cuEventCreate(0), "cuEventCreate")
+                stop = check(driver.cuEventCreate(0), "cuEventCreate")
+                check(driver.cuEventRecord(start, stream), "cuEventRecord")
+                for _ in range(repeats):
+                    self.run(timed, refs.__getitem__, stream, index)
+                check(driver.cuEventRecord(stop, stream), "cuEventRecord")
+                check(driver.cuEventSynchronize(stop), "cuEventSynchronize")
+                times[index] = float(check(driver.cuEventElapsedTime(start, stop), "time")) / repeats
+            except Exception:
+                continue
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        self._stream = None
+        if not times:
+            return 0, {}
+        return min(times, key=times.__getitem__), times
+
+
+def _scratch(dims: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> DeviceBuffer:
+    """Zeroed device memory covering a tensor of ``dims`` laid out with ``strides``."""
+    from cuda.bindings import driver
+
+    from engine_core.cuda.driver import check
+
+    span = 1 + sum((d - 1) * s for d, s in zip(dims, strides))
+    buf = DeviceBuffer(max(span * itemsize, 256))
+    check(driver.cuMemsetD8(buf.ptr, 0, buf.nbytes), "cuMemsetD8")
+    return buf
