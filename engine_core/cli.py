@@ -1,9 +1,11 @@
 """The `kiln` command: a thin layer over the public Python API (every feature is scriptable too).
 
     kiln build model.onnx -o model.plan [--fp16] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
+               [--hardware-compatibility-level ampere_plus] [--version-compatible] [--weight-streaming]
                [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
     kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
-    kiln inspect model.plan [--json]
+             [--weight-streaming-budget BYTES|auto]
+    kiln inspect model.plan [--json]     # also what the plan needs: backend, arch, compat level, Kiln versions
     kiln serve --model-repository DIR [--http-port 8000]
     kiln conformance [--backend cpu] [--op Conv] [-v] [--markdown docs/conformance.md]
     kiln perf -m MODEL [--protocol grpc] [--concurrency-range 1:64:x2] [-f results.json]
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import engine_core as kiln
+from engine_core.compat import check_plan_compatibility, device_arch
 from engine_core.errors import KilnError
 from engine_core.inspector import add_build_arguments, apply_build_arguments, dump_layer_info
 from engine_core.plan import deserialize_plan
@@ -101,8 +104,9 @@ def layer_table(summary: dict) -> str:
 
 
 def io_table(summary: dict) -> str:
-    rows = [[t["mode"].lower(), t["name"], t["dtype"], str(t["shape"])] for t in summary["io"]]
-    return _table(rows, ["mode", "tensor", "dtype", "shape"])
+    rows = [[t["mode"].lower(), t["name"], t["dtype"], str(t["shape"]), t.get("format", "LINEAR")]
+            for t in summary["io"]]
+    return _table(rows, ["mode", "tensor", "dtype", "shape", "format"])
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -186,6 +190,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (OSError, KilnError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.weight_streaming_budget is not None:
+        try:
+            spec = args.weight_streaming_budget
+            engine.weight_streaming_budget_v2 = (engine.get_weight_streaming_automatic_budget() if spec == "auto"
+                                                 else int(spec))
+        except ValueError as e:
+            print(f"error: --weight-streaming-budget: {e}", file=sys.stderr)
+            return 2
+        print(f"weight streaming: budget {engine.weight_streaming_budget_v2} of {engine.streamable_weights_size} "
+              f"bytes resident, scratch {engine.weight_streaming_scratch_memory_size} bytes", file=sys.stderr)
     context = engine.create_execution_context()
     shapes = parse_shape_specs(args.shapes)
     rng = np.random.default_rng(args.seed)
@@ -236,19 +250,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs_here(summary: dict) -> str | None:
+    """Why this Kiln on this machine would refuse the plan (None: it would run it)."""
+    meta = {k: summary[k] for k in ("engine_version", "backend", "arch", "build_info")}
+    if summary["backend"] not in ("cpu", "cuda"):
+        return f"plan was built for the '{summary['backend']}' backend, which this machine lacks"
+    return check_plan_compatibility(meta, device_arch() if summary["backend"] == "cuda" else None, kiln.__version__)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         with open(args.plan, "rb") as f:
-            plan = deserialize_plan(f.read())
+            plan = deserialize_plan(f.read(), check_version=False)  # show what a plan from another version needs
     except (OSError, KilnError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     summary = engine_summary(plan)
+    refusal = runs_here(summary)
+    summary["runs_here"] = {"ok": refusal is None, "reason": refusal}
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    needs = summary["requirements"]
     print(f"plan '{summary['name']}': Kiln {summary['engine_version']}, backend {summary['backend']}, "
           f"arch {summary['arch']}, activation memory {summary['device_memory_size']} bytes")
+    if "error" in needs:
+        print(f"needs: unreadable compatibility record: {needs['error']}")
+    else:
+        print(f"needs: Kiln {needs['kiln_versions']} (version_compatible={needs['version_compatible']}); "
+              f"{needs['devices']}; hardware compatibility level {needs['hardware_compatibility_level']}")
+    print(f"runs here (Kiln {kiln.__version__}): " + ("yes" if refusal is None else f"no: {refusal}"))
     print(io_table(summary))
     for index, profile in enumerate(summary["profiles"]):
         for name, s in profile.items():
@@ -308,6 +339,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print per-layer times")
     p.add_argument("--save-outputs", help="directory to save outputs as NAME.npy")
+    p.add_argument("--weight-streaming-budget", help="bytes of weights kept on the device, or 'auto' "
+                   "(plans built with --weight-streaming)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("inspect", help="describe a plan: I/O, profiles, layers")

@@ -26,7 +26,13 @@ import numpy as np
 from engine_core.backends.cpu import GraphRunner, LayerTimer
 from engine_core.errors import ExecutionError
 from engine_core.ir import Graph, Value
-from engine_core.types import LayerInformationFormat, ProfilingVerbosity, TensorLocation, datatype_of
+from engine_core.types import (
+    HardwareCompatibilityLevel,
+    LayerInformationFormat,
+    ProfilingVerbosity,
+    TensorLocation,
+    datatype_of,
+)
 
 if TYPE_CHECKING:
     from engine_core.builder import BuilderConfig
@@ -43,15 +49,18 @@ VERBOSITY_KEY = "profiling_verbosity"
 
 @contextmanager
 def build_extras(graph: Graph, network: NetworkDefinition, config: BuilderConfig) -> Iterator[dict[str, Any]]:
-    """Wrap the builder's graph passes: refit, debug tensors, plugins, profiling verbosity.
+    """Wrap the builder's graph passes: refit, debug tensors, plugins, profiling verbosity,
+    compatibility (hardware level, VERSION_COMPATIBLE; refused here if the backend cannot honour it).
 
     Yields a dict that holds, once the block ends, the entries to add to ``Plan.build_info``.
     """
+    from engine_core.compat import COMPAT_KEY, build_record
     from engine_core.plugins import BUILD_INFO_KEY as PLUGINS_KEY
     from engine_core.plugins import plugins_used
     from engine_core.refit import unfolded_weights
 
-    info: dict[str, Any] = {VERBOSITY_KEY: ProfilingVerbosity(config.profiling_verbosity).name}
+    info: dict[str, Any] = {VERBOSITY_KEY: ProfilingVerbosity(config.profiling_verbosity).name,
+                            COMPAT_KEY: build_record(config)}
     with ExitStack() as stack:
         refit_info = stack.enter_context(unfolded_weights(graph, config))
         debug_info = stack.enter_context(kept_debug_tensors(graph, getattr(network, "debug_tensors", ())))
@@ -281,23 +290,34 @@ def report_to_profiler(ctx: ExecutionContext) -> bool:
 # -- CLI ----------------------------------------------------------------------------------------
 
 VERBOSITY_CHOICES = [v.name.lower() for v in ProfilingVerbosity]
+COMPAT_CHOICES = [v.name.lower() for v in HardwareCompatibilityLevel]
 
 
 def add_build_arguments(parser: Any) -> None:
-    """`kiln build` options: --profiling-verbosity, --dump-layer-info, --refit."""
+    """`kiln build` options: --profiling-verbosity, --dump-layer-info, --refit, compatibility, weight streaming."""
     parser.add_argument("--profiling-verbosity", choices=VERBOSITY_CHOICES, default="layer_names_only",
                         help="layer detail kept in the plan for the inspector (default: layer_names_only)")
     parser.add_argument("--dump-layer-info", action="store_true",
                         help="print the engine inspector's JSON layer information after the build")
     parser.add_argument("--refit", action="store_true", help="build a refittable plan (BuilderFlag.REFIT)")
+    parser.add_argument("--hardware-compatibility-level", choices=COMPAT_CHOICES, default="none",
+                        help="GPUs the plan may run on: none (the build GPU's compute capability), "
+                             "same_compute_capability, ampere_plus (compute 8.0 and later)")
+    parser.add_argument("--version-compatible", action="store_true",
+                        help="let later Kiln versions of the same major version run the plan (BuilderFlag.VERSION_COMPATIBLE)")
+    parser.add_argument("--weight-streaming", action="store_true",
+                        help="allow weights to be streamed from host memory at run time (BuilderFlag.WEIGHT_STREAMING)")
 
 
 def apply_build_arguments(config: BuilderConfig, args: Any) -> None:
     from engine_core.types import BuilderFlag
 
     config.profiling_verbosity = ProfilingVerbosity[args.profiling_verbosity.upper()]
-    if args.refit:
-        config.set_flag(BuilderFlag.REFIT)
+    config.hardware_compatibility_level = HardwareCompatibilityLevel[args.hardware_compatibility_level.upper()]
+    for switch, flag in (("refit", BuilderFlag.REFIT), ("version_compatible", BuilderFlag.VERSION_COMPATIBLE),
+                         ("weight_streaming", BuilderFlag.WEIGHT_STREAMING)):
+        if getattr(args, switch):
+            config.set_flag(flag)
 
 
 def dump_layer_info(plan: bytes) -> str:

@@ -13,7 +13,14 @@ Layout (little endian)::
                blob             weights and compiled kernels, each 64-byte aligned
 
 Every read checks the magic, the format version, the lengths and the digest before anything is
-interpreted, so a truncated or corrupt file is refused with a message and never executed.
+interpreted, so a truncated or corrupt file is refused with a message and never executed. Then the
+Kiln version that reads it must be one the plan allows (``engine_core.compat``: same major.minor,
+or for ``BuilderFlag.VERSION_COMPATIBLE`` plans the builder's version up to the next major); the
+device check for CUDA plans follows in the runtime. Compatibility facts live in the metadata
+(``build_info["compatibility"]``), which the digest covers, so they need no header change: plans
+without them are read as level NONE, not version-compatible — the rules they were built under.
+
+Each I/O entry carries its tensor ``format`` (``TensorFormat`` name, "LINEAR" when absent).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from engine_core import compat
 from engine_core.errors import PlanFormatError
 from engine_core.ir import Graph, Node, Value
-from engine_core.types import TensorIOMode, dtype_from_name, dtype_name
+from engine_core.types import TensorFormat, TensorIOMode, dtype_from_name, dtype_name
 from engine_core.version import PLAN_FORMAT_VERSION, __version__
 
 MAGIC = b"KILNPLAN"
@@ -46,6 +54,8 @@ class IOTensor:
     dtype: np.dtype
     shape: tuple[int, ...]
     kind: str = "tensor"
+    #: memory layout (a ``TensorFormat`` name); every plan's I/O is LINEAR today
+    format: str = "LINEAR"
 
 
 @dataclass
@@ -203,7 +213,7 @@ def serialize_plan(plan: Plan) -> bytes:
         "arch": plan.arch,
         "device_memory_size": plan.device_memory_size,
         "io": [{"name": t.name, "mode": t.mode.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                "kind": t.kind} for t in plan.io],
+                "kind": t.kind, "format": t.format} for t in plan.io],
         "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in plan.profiles],
         "profile_values": [{k: [list(s) for s in v] for k, v in p.items()} for p in plan.profile_values],
         "layers": plan.layers,
@@ -219,8 +229,13 @@ def serialize_plan(plan: Plan) -> bytes:
     return header + meta_bytes + body_pad + blob_bytes
 
 
-def read_plan_metadata(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """Validate a plan's framing and digest; return its metadata and blob. Raises PlanFormatError."""
+def read_plan_metadata(data: bytes | bytearray | memoryview,
+                       check_version: bool = True) -> tuple[dict[str, Any], memoryview]:
+    """Validate a plan's framing and digest (and, unless ``check_version`` is False, that this Kiln
+    may run it); return its metadata and blob. Raises PlanFormatError.
+
+    ``kiln inspect`` reads with ``check_version=False`` to show what a plan from another version needs.
+    """
     view = memoryview(data).cast("B")
     if len(view) < _HEADER.size:
         raise PlanFormatError(f"not a Kiln plan: {len(view)} bytes is shorter than the plan header")
@@ -243,14 +258,16 @@ def read_plan_metadata(data: bytes | bytearray | memoryview) -> tuple[dict[str, 
         meta = json.loads(bytes(meta_bytes))
     except ValueError as e:
         raise PlanFormatError(f"plan metadata is not valid JSON: {e}") from None
-    ours, theirs = __version__.split(".")[:2], str(meta.get("engine_version", "?")).split(".")[:2]
-    if ours != theirs:
-        raise PlanFormatError(f"plan was built by Kiln {meta.get('engine_version')}, this is Kiln {__version__}; rebuild it")
+    if not isinstance(meta, dict):
+        raise PlanFormatError("plan metadata is malformed: not a JSON object")
+    reason = compat.check_version(meta, __version__) if check_version else None
+    if reason:
+        raise PlanFormatError(reason)
     return meta, blob
 
 
-def deserialize_plan(data: bytes | bytearray | memoryview) -> Plan:
-    meta, blob = read_plan_metadata(data)
+def deserialize_plan(data: bytes | bytearray | memoryview, check_version: bool = True) -> Plan:
+    meta, blob = read_plan_metadata(data, check_version)
     try:
         return Plan(
             name=meta["name"],
@@ -259,7 +276,7 @@ def deserialize_plan(data: bytes | bytearray | memoryview) -> Plan:
             device_memory_size=meta["device_memory_size"],
             graph=_decode_graph(meta["graph"], blob),
             io=[IOTensor(t["name"], TensorIOMode[t["mode"]], dtype_from_name(t["dtype"]), tuple(t["shape"]),
-                         t.get("kind", "tensor")) for t in meta["io"]],
+                         t.get("kind", "tensor"), _tensor_format(t.get("format", "LINEAR"))) for t in meta["io"]],
             profiles=[{k: tuple(tuple(s) for s in v) for k, v in p.items()} for p in meta["profiles"]],
             profile_values=[{k: tuple(tuple(s) for s in v) for k, v in p.items()} for p in meta["profile_values"]],
             layers=meta["layers"],
@@ -269,5 +286,11 @@ def deserialize_plan(data: bytes | bytearray | memoryview) -> Plan:
         )
     except PlanFormatError:
         raise
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # any shape of damaged JSON
         raise PlanFormatError(f"plan metadata is malformed: {type(e).__name__}: {e}") from None
+
+
+def _tensor_format(name: Any) -> str:
+    if name not in TensorFormat.__members__:
+        raise PlanFormatError(f"plan I/O tensor has unknown format {name!r}")
+    return str(name)

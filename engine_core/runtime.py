@@ -2,17 +2,27 @@
 
 On the CPU backend, tensor "addresses" are host pointers (``array.ctypes.data``) and
 ``execute_async_v3`` runs synchronously; ``context.infer({...})`` is the numpy convenience on top.
+
+Compatibility (``engine_core.compat``): a plan is refused (``deserialize_cuda_engine`` -> None, the
+reason logged and recorded) when this Kiln version or this GPU may not run it. Weight streaming
+(``engine_core.weight_streaming``): the engine keeps the budget and the schedule; on the CPU
+backend weights always live in host memory, so the numbers are bookkeeping only.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner
+from engine_core.compat import check_plan_compatibility, device_arch, requirements
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
 from engine_core.inspector import (  # inspector / debug-tensor hooks
@@ -30,14 +40,23 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import IOTensor, Plan, deserialize_plan
 from engine_core.plugins import PluginRegistry, check_plan_plugins, get_plugin_registry
-from engine_core.refit import engine_refittable
+from engine_core.refit import engine_refittable, refittable_names
 from engine_core.types import (
     DataType,
+    EngineCapability,
     ExecutionContextAllocationStrategy,
+    HardwareCompatibilityLevel,
+    TempfileControlFlag,
+    TensorFormat,
     TensorIOMode,
     TensorLocation,
     datatype_of,
 )
+from engine_core.version import __version__
+from engine_core.weight_streaming import LayerWeights, StreamingPlan, automatic_budget, plan_streaming
+
+#: the reference's default: in-memory and named temporary files both allowed
+DEFAULT_TEMPFILE_FLAGS = (1 << TempfileControlFlag.ALLOW_IN_MEMORY_FILES) | (1 << TempfileControlFlag.ALLOW_TEMPORARY_FILES)
 
 
 class IOutputAllocator:
@@ -67,9 +86,23 @@ class Runtime:
 
     def __init__(self, logger: Logger | None = None) -> None:
         self.logger = logger or DEFAULT_LOGGER
+        #: where named temporary files go (None: $TMPDIR, else /tmp); see runtime_file()
+        self.temporary_directory: str | None = None
+        #: TempfileControlFlag bits: which kinds of files the runtime may create
+        self.tempfile_control_flags = DEFAULT_TEMPFILE_FLAGS
+        #: Kiln plans never embed host code, so this gates nothing; kept for scripts that set it
+        self.engine_host_code_allowed = False
 
-    def deserialize_cuda_engine(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine | None:
-        """The reference behaviour: None (and an error logged) for a bad plan."""
+    def load_runtime(self, path: str) -> Runtime | None:
+        """Not applicable: Kiln has no lean runtime libraries; every Kiln reads plans itself (None)."""
+        report_error(self, ErrorCode.UNSUPPORTED_STATE,
+                     f"load_runtime({path!r}): Kiln has no lean runtime libraries; use Runtime() of the Kiln "
+                     "version the plan allows (see `kiln inspect`)")
+        return None
+
+    def deserialize_cuda_engine(self, serialized_engine: bytes | bytearray | memoryview | Any) -> CudaEngine | None:
+        """The reference behaviour: None (and an error logged and recorded) for a bad plan or one this
+        Kiln / this GPU may not run. Takes plan bytes or a stream reader (an object with ``read()``)."""
         try:
             return self.load(serialized_engine)
         except PlanFormatError as e:
@@ -78,6 +111,8 @@ class Runtime:
 
     def load(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
         """Like deserialize_cuda_engine, but raises PlanFormatError saying what is wrong."""
+        if hasattr(serialized_engine, "read"):  # IStreamReader-style: a file or any reader
+            serialized_engine = serialized_engine.read()
         plan = deserialize_plan(serialized_engine)
         if plan.backend != "cpu":
             from engine_core.builder import available_backends
@@ -98,6 +133,9 @@ class CudaEngine:
 
     error_recorder = RecorderSlot()  # IErrorRecorder hook
     profiling_verbosity = property(engine_verbosity)  # inspector hook
+    has_implicit_batch_dimension = False  # the reference's removed implicit-batch mode
+    engine_capability = EngineCapability.STANDARD
+    num_aux_streams = 0  # one stream per context: no auxiliary streams
 
     def __init__(self, plan: Plan, serialized: bytes, logger: Logger) -> None:
         self.plan = plan
@@ -105,6 +143,10 @@ class CudaEngine:
         self._serialized = serialized
         self._io = {t.name: t for t in plan.io}
         self._order = [t.name for t in plan.io]
+        self._contexts: weakref.WeakSet[ExecutionContext] = weakref.WeakSet()
+        self._profile_memory: dict[int, int] = {}
+        self._streaming_layers = _streamable_weights_per_layer(plan)
+        self._budget = self.streamable_weights_size  # reference default: streaming off
         self.runner = GraphRunner(plan.graph)
         self.cuda = _cuda_engine_state(plan)
 
@@ -127,9 +169,101 @@ class CudaEngine:
 
     @property
     def device_memory_size(self) -> int:
+        """Activation memory a context needs (largest over all profiles)."""
         return self.plan.device_memory_size
 
-    device_memory_size_v2 = device_memory_size
+    @property
+    def device_memory_size_v2(self) -> int:
+        """device_memory_size plus the weight-streaming scratch at the current budget."""
+        return self.device_memory_size + self.weight_streaming_scratch_memory_size
+
+    max_workspace_size = device_memory_size  # deprecated reference name for the same figure
+
+    def get_device_memory_size_for_profile(self, profile_index: int) -> int:
+        """Activation memory a context needs while ``profile_index`` is active."""
+        self._check_profile(profile_index)
+        if profile_index not in self._profile_memory:
+            self._profile_memory[profile_index] = _profile_device_memory(self.plan, profile_index)
+        return self._profile_memory[profile_index]
+
+    def get_device_memory_size_for_profile_v2(self, profile_index: int) -> int:
+        return self.get_device_memory_size_for_profile(profile_index) + self.weight_streaming_scratch_memory_size
+
+    def _check_profile(self, profile_index: int) -> None:
+        if not 0 <= profile_index < len(self.plan.profiles):
+            raise IndexError(f"profile {profile_index} does not exist (engine has {len(self.plan.profiles)})")
+
+    @property
+    def hardware_compatibility_level(self) -> HardwareCompatibilityLevel:
+        return requirements(_plan_meta(self.plan)).level
+
+    # -- weight streaming (engine_core.weight_streaming) ----------------------------------------
+    @property
+    def streamable_weights_size(self) -> int:
+        """Bytes of weights that may be streamed (0 unless built with BuilderFlag.WEIGHT_STREAMING)."""
+        return sum({n: b for _, ws in self._streaming_layers for n, b in ws}.values())
+
+    @property
+    def weight_streaming_budget_v2(self) -> int:
+        return self._budget
+
+    @weight_streaming_budget_v2.setter
+    def weight_streaming_budget_v2(self, budget: int) -> None:
+        self._set_budget(int(budget))
+
+    def _set_budget(self, budget: int) -> None:
+        problem = None
+        if "WEIGHT_STREAMING" not in self.plan.build_info.get("flags", []):
+            problem = f"engine '{self.name}' was not built with BuilderFlag.WEIGHT_STREAMING"
+        elif budget < 0:
+            problem = f"weight streaming budget must be >= 0 (0 streams the most weights), got {budget}"
+        elif len(self._contexts):
+            problem = "the weight streaming budget cannot change while execution contexts of the engine exist"
+        if problem:
+            report_error(self, ErrorCode.INVALID_ARGUMENT if budget < 0 else ErrorCode.INVALID_STATE, problem)
+            raise ValueError(problem)
+        self._budget = min(budget, self.streamable_weights_size)
+
+    @property
+    def weight_streaming_budget(self) -> int:
+        """Deprecated v1 view: -1 when streaming is off, else the v2 budget."""
+        return -1 if self._budget >= self.streamable_weights_size else self._budget
+
+    @weight_streaming_budget.setter
+    def weight_streaming_budget(self, budget: int) -> None:
+        """v1 semantics: -1 disables streaming, 0 lets Kiln choose (automatic budget), else bytes."""
+        budget = int(budget)
+        if budget == -1:
+            budget = self.streamable_weights_size
+        elif budget == 0:
+            budget = self.get_weight_streaming_automatic_budget()
+        self._set_budget(budget)
+
+    @property
+    def minimum_weight_streaming_budget(self) -> int:
+        """Deprecated v1: device bytes streaming needs at least (the scratch when streaming all)."""
+        return plan_streaming(self._streaming_layers, 0).scratch_bytes
+
+    def get_weight_streaming_automatic_budget(self) -> int:
+        """A budget that fits this device's free memory (CPU backend: weights are in host memory, so all)."""
+        if self.plan.backend != "cuda":
+            return self.streamable_weights_size
+        from cuda.bindings import driver
+
+        from engine_core.cuda.driver import check, primary_context
+
+        primary_context()
+        free, _total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+        return automatic_budget(self._streaming_layers, int(free), self.device_memory_size)
+
+    @property
+    def weight_streaming_plan(self) -> StreamingPlan:
+        """Resident weights and the per-run upload schedule at the current budget (CUDA runner hook)."""
+        return plan_streaming(self._streaming_layers, self._budget)
+
+    @property
+    def weight_streaming_scratch_memory_size(self) -> int:
+        return self.weight_streaming_plan.scratch_bytes
 
     @property
     def refittable(self) -> bool:
@@ -168,12 +302,28 @@ class CudaEngine:
         host = self.plan.backend == "cpu" or self.is_shape_inference_io(name)
         return TensorLocation.HOST if host else TensorLocation.DEVICE
 
+    # -- tensor formats: read from the plan's I/O records ("LINEAR" unless the builder set another) --
+    def get_tensor_format(self, name: str, profile_index: int = 0) -> TensorFormat:
+        return TensorFormat[self._tensor(name).format]
+
     def get_tensor_format_desc(self, name: str, profile_index: int = 0) -> str:
-        return f"Row major linear {self.get_tensor_dtype(name).name} format"
+        return format_description(self.get_tensor_format(name), self.get_tensor_dtype(name))
+
+    def get_tensor_vectorized_dim(self, name: str, profile_index: int = 0) -> int:
+        """Index of the vectorized dimension, -1 when scalars per vector is 1 (LINEAR, HWC, ...)."""
+        width, channel_from_end = _VECTORIZED.get(self.get_tensor_format(name), (1, 0))
+        return -1 if width == 1 else len(self.get_tensor_shape(name)) - channel_from_end
+
+    def get_tensor_components_per_element(self, name: str, profile_index: int = 0) -> int:
+        return _VECTORIZED.get(self.get_tensor_format(name), (1, 0))[0]
+
+    def get_tensor_bytes_per_component(self, name: str, profile_index: int = 0) -> int:
+        """Bytes of one scalar (-1 for STRING tensors, which have no fixed size)."""
+        dtype = self.get_tensor_dtype(name)
+        return -1 if dtype == DataType.STRING else dtype.itemsize
 
     def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[tuple[int, ...]]:
-        if not 0 <= profile_index < len(self.plan.profiles):
-            raise IndexError(f"profile {profile_index} does not exist (engine has {len(self.plan.profiles)})")
+        self._check_profile(profile_index)
         if self.get_tensor_mode(name) != TensorIOMode.INPUT:
             raise KeyError(f"'{name}' is not an input tensor")
         return [tuple(s) for s in self.plan.profiles[profile_index][name]]
@@ -195,34 +345,142 @@ class CudaEngine:
     def create_execution_context(
         self, strategy: ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy.STATIC
     ) -> ExecutionContext:
-        return ExecutionContext(self, strategy)
+        context = ExecutionContext(self, strategy)
+        self._contexts.add(context)
+        return context
 
     def create_execution_context_without_device_memory(self) -> ExecutionContext:
-        return ExecutionContext(self, ExecutionContextAllocationStrategy.USER_MANAGED)
+        return self.create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED)
 
     def create_engine_inspector(self) -> EngineInspector:
         return EngineInspector(self)
 
 
 def _cuda_engine_state(plan: Plan) -> Any:
-    """CUDA backend hook: per-engine device state (weights, kernels) for plans built for "cuda"."""
+    """CUDA backend hook: per-engine device state (weights, kernels) for plans built for "cuda".
+
+    The plan's compatibility (Kiln version, GPU arch, hardware level) is checked first, so a plan
+    this GPU cannot run is refused with the reason instead of failing inside the driver.
+    """
     if plan.backend != "cuda":
         return None
+    reason = check_plan_compatibility(_plan_meta(plan), device_arch(), __version__)
+    if reason:
+        raise PlanFormatError(reason)
     from engine_core.backends.cuda import engine_state
 
     return engine_state(plan)
 
 
+def _plan_meta(plan: Plan) -> dict[str, Any]:
+    """The metadata keys engine_core.compat reads, from a deserialized plan."""
+    return {"engine_version": plan.engine_version, "backend": plan.backend, "arch": plan.arch,
+            "build_info": plan.build_info}
+
+
+def _streamable_weights_per_layer(plan: Plan) -> list[LayerWeights]:
+    """Each layer's streamable weights (floating-point constants) in run order; [] without WEIGHT_STREAMING."""
+    if "WEIGHT_STREAMING" not in plan.build_info.get("flags", []):
+        return []
+    from engine_core.ir import subgraph_reads
+
+    graph = plan.graph
+    names = set(refittable_names(graph))
+    return [(node.name, [(n, int(graph.constants[n].nbytes))
+                         for n in dict.fromkeys((*node.inputs, *subgraph_reads(node))) if n in names])
+            for node in graph.nodes]
+
+
+def _profile_device_memory(plan: Plan, profile_index: int) -> int:
+    """Activation memory of one profile. CUDA plans: the per-profile arena sizes the build records
+    (``build_info["cuda"]["device_memory_per_profile"]``), else the engine-wide size, an upper bound.
+    CPU plans: the build's own estimate (live-tensor peak) at the profile's max shapes."""
+    if plan.backend != "cpu":
+        cuda_info = plan.build_info.get("cuda") or {}
+        recorded = cuda_info.get("device_memory_per_profile") if isinstance(cuda_info, dict) else None
+        if isinstance(recorded, list) and len(recorded) == len(plan.profiles):
+            return int(recorded[profile_index])
+        return plan.device_memory_size
+    from engine_core.builder import _activation_peak_bytes, _infos_for
+
+    graph = plan.graph
+    values = plan.profile_values[profile_index] if plan.profile_values else {}
+    infos = _infos_for(graph, {k: v[2] for k, v in plan.profiles[profile_index].items()},
+                       {k: v[2] for k, v in values.items()})
+    return _activation_peak_bytes(graph, infer_shapes(graph, infos))
+
+
+#: vectorized formats: (scalars per vector, position of the channel dim counted from the end)
+_VECTORIZED = {
+    TensorFormat.CHW2: (2, 3), TensorFormat.CHW4: (4, 3), TensorFormat.CHW16: (16, 3), TensorFormat.CHW32: (32, 3),
+    TensorFormat.HWC8: (8, 3), TensorFormat.HWC16: (16, 3), TensorFormat.DLA_HWC4: (4, 3),
+    TensorFormat.DHWC8: (8, 4), TensorFormat.CDHW32: (32, 4),
+}
+_WIDTH_WORDS = {2: "Two", 4: "Four", 16: "Sixteen", 32: "Thirty-two"}
+_DTYPE_WORDS = {DataType.FLOAT: "FP32", DataType.HALF: "FP16", DataType.DOUBLE: "FP64"}
+
+
+def format_description(fmt: TensorFormat, dtype: DataType) -> str:
+    """The reference's human-readable format text, e.g. "Row major linear FP32 format"."""
+    dt = _DTYPE_WORDS.get(dtype, dtype.name)
+    width = _VECTORIZED.get(fmt, (1, 0))[0]
+    if fmt == TensorFormat.LINEAR:
+        return f"Row major linear {dt} format"
+    if fmt == TensorFormat.DLA_LINEAR:
+        return f"DLA row major linear {dt} format"
+    if fmt in (TensorFormat.HWC, TensorFormat.DHWC):
+        return f"Channel major {dt} format"
+    if fmt in (TensorFormat.HWC8, TensorFormat.HWC16, TensorFormat.DHWC8, TensorFormat.DLA_HWC4):
+        return f"Channel major {dt} format where C % {width} == 0"
+    return f"{_WIDTH_WORDS[width]} wide channel vectorized row major {dt} format"
+
+
+@contextmanager
+def runtime_file(runtime: Runtime, data: bytes, name: str = "kiln") -> Iterator[str]:
+    """A path holding ``data``, for code that can only be loaded from a file, created as the
+    runtime's tempfile settings allow: an in-memory file (Linux memfd, ALLOW_IN_MEMORY_FILES) if
+    permitted, else a named file in ``temporary_directory`` / $TMPDIR / /tmp (ALLOW_TEMPORARY_FILES);
+    removed afterwards. Raises KilnError naming the setting when neither is allowed.
+    """
+    flags = runtime.tempfile_control_flags
+    if flags & (1 << TempfileControlFlag.ALLOW_IN_MEMORY_FILES) and hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, 0)
+        try:
+            os.write(fd, data)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    if not flags & (1 << TempfileControlFlag.ALLOW_TEMPORARY_FILES):
+        raise KilnError("Runtime.tempfile_control_flags allows neither in-memory files (or this platform has none) "
+                        "nor temporary files, and this step must load code from a file")
+    directory = runtime.temporary_directory or os.environ.get("TMPDIR") or "/tmp"
+    if not os.path.isdir(directory):
+        raise KilnError(f"Runtime.temporary_directory {directory!r} is not a directory")
+    fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        yield path
+    finally:
+        os.unlink(path)
+
+
 def engine_summary(plan: Plan) -> dict[str, Any]:
-    """JSON-ready description of a plan: I/O, profiles, layers (used by `kiln inspect` too)."""
+    """JSON-ready description of a plan: requirements, I/O, profiles, layers (`kiln inspect` too)."""
+    try:
+        needs: dict[str, Any] = requirements(_plan_meta(plan)).as_dict()
+    except ValueError as e:
+        needs = {"error": str(e)}
     return {
         "name": plan.name,
         "engine_version": plan.engine_version,
         "backend": plan.backend,
         "arch": plan.arch,
+        "requirements": needs,
         "device_memory_size": plan.device_memory_size,
-        "io": [{"name": t.name, "mode": t.mode.name, "dtype": datatype_of(t.dtype).name, "shape": list(t.shape)}
-               for t in plan.io],
+        "io": [{"name": t.name, "mode": t.mode.name, "dtype": datatype_of(t.dtype).name, "shape": list(t.shape),
+                "format": t.format} for t in plan.io],
         "profiles": [{k: {"min": list(v[0]), "opt": list(v[1]), "max": list(v[2])} for k, v in p.items()}
                      for p in plan.profiles],
         "layers": plan.layers,
@@ -370,6 +628,19 @@ class ExecutionContext:
 
     def get_output_allocator(self, name: str) -> IOutputAllocator | None:
         return self._allocators.get(name)
+
+    def get_tensor_strides(self, name: str) -> tuple[int, ...]:
+        """Strides in elements of the buffer for ``name`` at the current shapes (LINEAR: row major)."""
+        shape = self.get_tensor_shape(name)
+        strides, step = [], 1
+        for dim in reversed(shape):
+            strides.append(step)
+            step *= max(dim, 1)
+        return tuple(reversed(strides))
+
+    def set_aux_streams(self, aux_streams: Sequence[int]) -> None:
+        """Accepted and unused: the reference uses the first ``engine.num_aux_streams`` (0 in Kiln)."""
+        self._aux_streams = list(aux_streams)[: self.engine.num_aux_streams]
 
     def get_max_output_size(self, name: str) -> int:
         shape = self.get_tensor_shape(name)

@@ -172,3 +172,55 @@ class ProfilingVerbosity(enum.IntEnum):
 class LayerInformationFormat(enum.IntEnum):
     ONELINE = 0
     JSON = 1
+
+
+class HardwareCompatibilityLevel(enum.IntEnum):
+    """Which GPUs a plan may run on besides the build GPU's compute capability (reference values).
+
+    NONE: the build GPU's compute capability only. AMPERE_PLUS: any GPU of compute capability 8.0 or
+    later (the plan must then carry code every such GPU can load). SAME_COMPUTE_CAPABILITY: any GPU
+    of the build GPU's compute capability, without the warning about a different GPU model.
+    """
+
+    NONE = 0
+    AMPERE_PLUS = 1
+    SAME_COMPUTE_CAPABILITY = 2
+
+
+class TempfileControlFlag(enum.IntEnum):
+    """Bit offsets of ``Runtime.tempfile_control_flags`` (``flags |= 1 << int(flag)``)."""
+
+    ALLOW_IN_MEMORY_FILES = 0
+    ALLOW_TEMPORARY_FILES = 1
+
+
+class TensorFormat(enum.IntEnum):
+    """Memory layouts of engine I/O tensors (reference values); Kiln plans use LINEAR today."""
+
+    LINEAR = 0
+    CHW2 = 1
+    HWC8 = 2
+    CHW4 = 3
+    CHW16 = 4
+    CHW32 = 5
+    DHWC8 = 6
+    CDHW32 = 7
+    HWC = 8
+    DLA_LINEAR = 9
+    DLA_HWC4 = 10
+    HWC16 = 11
+    DHWC = 12
+
+
+class EngineCapability(enum.IntEnum):
+    STANDARD = 0
+    SAFETY = 1
+    DLA_STANDALONE = 2
+
+
+class SerializationFlag(enum.IntEnum):
+    """``ISerializationConfig`` flags (bit offsets)."""
+
+    EXCLUDE_WEIGHTS = 0
+    EXCLUDE_LEAN_RUNTIME = 1
+    INCLUDE_REFIT = 2
