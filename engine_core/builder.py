@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import time
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -404,6 +404,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             "tactic": f"{config.backend}:numpy",
             "output_shapes_opt": [list(opt[o].shape) if o in opt and opt[o].shape is not None else None
                                   for o in n.outputs],
+            "precision": str(opt[n.outputs[0]].dtype) if n.outputs and n.outputs[0] in opt else None,
         }
         for n in graph.nodes
     ]
@@ -436,6 +437,7 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             "flags": config.enabled_flags,
             "optimization_level": config.builder_optimization_level,
             "passes": pass_counts,
+            **({"precision": {"warnings": list(policy.warnings)}} if policy is not None else {}),
             "build_seconds": round(time.perf_counter() - started, 4),
             **extra_info,
             **({"cuda": cuda_info} if cuda_info else {}),

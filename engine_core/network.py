@@ -2,24 +2,71 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from engine_core.inspector import network_tensor_names
 from engine_core.ir import Dim, Graph, Node, Value
-from engine_core.types import DataType, datatype_of, nptype
+from engine_core.types import DataType, TensorFormat, datatype_of, nptype
 
 
-@dataclass
 class NetworkTensor:
-    """ITensor-like view of a graph input or output."""
+    """ITensor-like view of a graph input or output.
 
-    name: str
-    dtype: DataType
-    shape: tuple[int, ...]
-    is_network_input: bool = False
-    is_network_output: bool = False
+    ``dtype`` and ``allowed_formats`` are live: setting them on a tensor of a network records the
+    I/O binding type/formats the user wants (``network.io_dtypes`` / ``network.io_formats``); the
+    model's own type stays in the graph, and the build inserts reformat layers between the two.
+    """
+
+    def __init__(self, name: str, dtype: DataType, shape: tuple[int, ...], is_network_input: bool = False,
+                 is_network_output: bool = False, network: NetworkDefinition | None = None) -> None:
+        self.name = name
+        self._dtype = DataType(dtype)
+        self.shape = shape
+        self.is_network_input = is_network_input
+        self.is_network_output = is_network_output
+        self._network = network
+
+    def __repr__(self) -> str:
+        return f"NetworkTensor(name={self.name!r}, dtype={self.dtype.name}, shape={self.shape})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NetworkTensor) and (self.name, self.dtype, self.shape) == (
+            other.name, other.dtype, other.shape)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable view
+
+    @property
+    def dtype(self) -> DataType:
+        if self._network is not None and self.name in self._network.io_dtypes:
+            return datatype_of(self._network.io_dtypes[self.name])
+        return self._dtype
+
+    @dtype.setter
+    def dtype(self, value: DataType) -> None:
+        value = DataType(value)
+        if self._network is None:
+            self._dtype = value
+            return
+        self._network.set_io_dtype(self.name, value)
+
+    @property
+    def allowed_formats(self) -> int:
+        """Bitmask of TensorFormat values the binding may use (all formats when never set)."""
+        if self._network is None:
+            return _ALL_FORMATS
+        return self._network.io_formats.get(self.name, _ALL_FORMATS)
+
+    @allowed_formats.setter
+    def allowed_formats(self, mask: int) -> None:
+        if self._network is None:
+            raise ValueError(f"tensor '{self.name}' is not a network input or output")
+        self._network.set_io_formats(self.name, mask)
+
+
+#: every TensorFormat allowed (the reference's default for an I/O tensor)
+_ALL_FORMATS = sum(1 << int(f) for f in TensorFormat)
+#: Float types a float I/O tensor's binding may be switched between.
+_IO_FLOAT_TYPES = (DataType.FLOAT, DataType.HALF, DataType.BF16)
 
 
 def _dims(shape: tuple[Dim, ...] | None) -> tuple[int, ...]:
@@ -37,6 +84,10 @@ class NetworkDefinition:
         self.graph = Graph()
         #: tensors marked with mark_debug (kept through the build; see engine_core.inspector)
         self.debug_tensors: set[str] = set()
+        #: I/O tensor -> numpy dtype of its binding where the user changed it (``tensor.dtype = HALF``)
+        self.io_dtypes: dict[str, np.dtype] = {}
+        #: I/O tensor -> allowed TensorFormat bitmask where the user set one
+        self.io_formats: dict[str, int] = {}
 
     @property
     def name(self) -> str:
@@ -59,7 +110,38 @@ class NetworkDefinition:
         return len(self.graph.nodes)
 
     def _tensor(self, v: Value, is_input: bool) -> NetworkTensor:
-        return NetworkTensor(v.name, datatype_of(v.dtype), _dims(v.shape), is_input, not is_input)
+        return NetworkTensor(v.name, datatype_of(v.dtype), _dims(v.shape), is_input, not is_input, self)
+
+    def _io_value(self, name: str) -> Value:
+        for v in (*self.graph.inputs, *self.graph.outputs):
+            if v.name == name:
+                return v
+        raise ValueError(f"'{name}' is not a network input or output")
+
+    def set_io_dtype(self, name: str, dtype: DataType) -> None:
+        """Make the binding of I/O tensor ``name`` ``dtype`` (FLOAT/HALF/BF16 for float tensors).
+
+        Weakly typed builds insert a reformat (Cast) between the binding and the network where the
+        types differ; strongly typed builds refuse a type other than the model's.
+        """
+        value = self._io_value(name)
+        dtype = DataType(dtype)
+        model = datatype_of(value.dtype)
+        if dtype == model:
+            self.io_dtypes.pop(name, None)
+            return
+        if model not in _IO_FLOAT_TYPES or dtype not in _IO_FLOAT_TYPES:
+            raise ValueError(f"tensor '{name}' is {model.name} in the model: its binding type can only be "
+                             f"switched among FLOAT, HALF and BF16 for float tensors, not to {dtype.name}")
+        self.io_dtypes[name] = np.dtype(nptype(dtype))
+
+    def set_io_formats(self, name: str, mask: int) -> None:
+        """Record the allowed TensorFormat bitmask of I/O tensor ``name`` (checked by the build)."""
+        self._io_value(name)
+        mask = int(mask)
+        if mask <= 0 or mask & ~_ALL_FORMATS:
+            raise ValueError(f"tensor '{name}': allowed_formats {mask:#x} is not a non-empty mask of TensorFormat bits")
+        self.io_formats[name] = mask
 
     def get_input(self, index: int) -> NetworkTensor:
         return self._tensor(self.graph.inputs[index], True)

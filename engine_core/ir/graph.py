@@ -63,9 +63,52 @@ class Node:
     domain: str = ""
     opset: int = 0
     origin: list[str] = field(default_factory=list)
+    #: layer precision constraint (``layer.precision``): a float numpy dtype, None when not set.
+    #: Build-time only (the reduce_precision pass realizes it as tensor dtypes and Casts).
+    precision_constraint: np.dtype | None = None
+    #: output type constraints (``layer.set_output_type``): output index -> numpy dtype
+    output_type_constraints: dict[int, np.dtype] = field(default_factory=dict)
 
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default)
+
+    # -- precision constraints (the reference's ILayer API; enforced by passes.reduce_precision) --
+    @property
+    def precision(self) -> Any:
+        """The constrained compute type (a DataType); FLOAT when no constraint is set, as in the reference."""
+        from engine_core.types import DataType, datatype_of
+
+        return DataType.FLOAT if self.precision_constraint is None else datatype_of(self.precision_constraint)
+
+    @precision.setter
+    def precision(self, dtype: Any) -> None:
+        self.precision_constraint = _float_dtype(dtype, f"precision of layer {self}")
+
+    @property
+    def precision_is_set(self) -> bool:
+        return self.precision_constraint is not None
+
+    def reset_precision(self) -> None:
+        self.precision_constraint = None
+
+    def set_output_type(self, index: int, dtype: Any) -> None:
+        """Constrain output ``index`` to ``dtype`` (a Cast is inserted after the layer when needed)."""
+        if not 0 <= index < len(self.outputs):
+            raise IndexError(f"layer {self} has {len(self.outputs)} outputs, no output {index}")
+        self.output_type_constraints[index] = _float_dtype(dtype, f"output {index} type of layer {self}")
+
+    def get_output_type(self, index: int) -> Any:
+        """The constrained type of output ``index`` (FLOAT when none is set, as in the reference)."""
+        from engine_core.types import DataType, datatype_of
+
+        dtype = self.output_type_constraints.get(index)
+        return DataType.FLOAT if dtype is None else datatype_of(dtype)
+
+    def output_type_is_set(self, index: int) -> bool:
+        return index in self.output_type_constraints
+
+    def reset_output_type(self, index: int) -> None:
+        self.output_type_constraints.pop(index, None)
 
     def __str__(self) -> str:
         return f"{self.op_type} '{self.name}'"
@@ -152,6 +195,20 @@ class Graph:
                 raise ValueError(f"node {n} reads tensor(s) {missing} that no node or input produces")
             pending = rest
         self.nodes = ordered
+
+
+#: Types a precision constraint may name (the floating-point compute types Kiln builds).
+CONSTRAINABLE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _float_dtype(dtype: Any, what: str) -> np.dtype:
+    """A DataType (or numpy dtype) as a numpy dtype, refusing types no layer can be constrained to."""
+    from engine_core.types import DataType, nptype
+
+    np_dtype = np.dtype(nptype(dtype)) if isinstance(dtype, DataType) else np.dtype(dtype)
+    if np_dtype.name not in CONSTRAINABLE_DTYPES:
+        raise ValueError(f"{what}: {np_dtype.name} is not supported (use FLOAT, HALF or BF16)")
+    return np_dtype
 
 
 def has_subgraph(node: Node) -> bool:

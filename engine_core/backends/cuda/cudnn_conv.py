@@ -88,11 +88,10 @@ class CudnnConvs:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        if op.dtype.name == "float32" and not op.tf32:  # exact fp32: no TF32 tensor-core engines
-            try:
-                graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
-            except Exception:
-                pass
+        if op.dtype.name == "float32" and not op.tf32:  # exact fp32: no TF32 or down-converting engines
+            notes = cudnn.numerical_note
+            graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
+                                          notes.REDUCED_PRECISION_REDUCTION])
         graph.check_support()
         return graph, tensors
 

@@ -294,6 +294,13 @@ def make_indexer(shape: Sequence[int], out_strides: Sequence[int],
     """The kernel's indexer and rank for iterating ``shape``; raises Unsupported past MAX_RANK."""
     if len(in_strides) > MAX_INPUTS:
         raise Unsupported(f"{len(in_strides)} inputs exceed {MAX_INPUTS}")
+    # Iterate in the output's physical order (largest stride first): consecutive threads then write
+    # consecutive addresses whatever the logical layout (channels-last outputs would otherwise be
+    # written C elements apart), and dims contiguous in memory merge.
+    order = sorted(range(len(shape)), key=lambda d: -int(out_strides[d]))
+    shape = [shape[d] for d in order]
+    out_strides = [out_strides[d] for d in order]
+    in_strides = [[st[d] for d in order] for st in in_strides]
     dims, strides = coalesce(shape, [out_strides, *in_strides])
     if len(dims) > MAX_RANK:
         raise Unsupported(f"rank {len(dims)} after merging dims exceeds {MAX_RANK}")
