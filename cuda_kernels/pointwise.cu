@@ -35,6 +35,12 @@ template <> struct KilnConvert<__nv_bfloat16> {
 };
 #define KILN_CONVERT(D, v) KilnConvert<D>::of(v)
 
+// V consecutive elements moved as one aligned access (the vector path of generated kernels).
+template <typename T, int V> struct alignas(sizeof(T) * V) KilnVec { T v[V]; };
+__device__ __forceinline__ bool kiln_aligned(const void* p, unsigned long long bytes) {
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+
 // Offsets of output element i for NIN inputs (general rank).
 template <int NIN>
 __device__ __forceinline__ void kiln_offsets(long long i, long long n, int rank, const KilnIndexer& ix,

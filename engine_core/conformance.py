@@ -219,9 +219,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-v", "--verbose", action="store_true", help="list every failing case with its reason")
     ap.add_argument("--markdown", help="write the per-op table to this markdown file")
     ap.add_argument("--json", help="write all results to this JSON file")
+    ap.add_argument("--shard", help="run only shard K of N (K/N, 0-based): parallel runs, merged with --from-json")
+    ap.add_argument("--from-json", nargs="+", help="report on results saved by --json instead of running cases")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _select(args: argparse.Namespace) -> list[CaseResult]:
+    """Run the selected cases, or load results saved by earlier (sharded) runs."""
+    if args.from_json:
+        results = []
+        for path in args.from_json:
+            with open(path) as f:
+                results += [CaseResult(**r) for r in json.load(f)["results"]]
+        return results
     cases = collect_cases()
     by_name = {c.name: c for c in cases}
     if args.op:
@@ -229,7 +238,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         cases = [c for c in cases if case_op(c, by_name) in wanted]
     if args.case:
         cases = [c for c in cases if args.case in c.name]
-    results = run_cases(cases, args.backend, progress=True)
+    if args.shard:
+        index, count = (int(part) for part in args.shard.split("/"))
+        cases = cases[index::count]
+    return run_cases(cases, args.backend, progress=True)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    results = _select(args)
     s = summarize(results)
     if args.verbose:
         for r in results:

@@ -305,3 +305,19 @@ def test_conv_plans_are_timed_once_per_signature_and_cached():
     assert len(tuned) == len(set(tuned)) == len(choice) and set(choice.values()) == {1}
     again, _ = select_conv_plans([lowered], lambda conv: pytest.fail("timed again"), cache, "sm_90")
     assert again == choice and cache.hits == len(choice)
+
+
+def test_prepare_plan_defers_lowering_when_shapes_depend_on_input_values(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    node = helper.make_node("Reshape", ["x", "shape"], ["y"])
+    model = helper.make_model(helper.make_graph(
+        [node, helper.make_node("Relu", ["y"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)]), opset_imports=[helper.make_opsetid("", 17)])
+    graph, infos = _graph_and_infos(model, {"x": (2, 6), "shape": (2,)})
+    build = prepare_plan(graph, {(0, 0): infos, (0, 1): infos, (0, 2): infos}, arch="sm_90",
+                         timer_for=lambda gemm: pytest.fail("nothing to time"))
+    assert build.tactics == {} and "pointwise" in build.kernels  # lowered per binding at run time

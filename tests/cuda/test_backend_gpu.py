@@ -39,6 +39,12 @@ def _both(model, feeds_list, profiles=None):
     return gpu, [(gctx.infer(f), cctx.infer(f)) for f in feeds_list]
 
 
+def _close_to_scale(got, want, fraction):
+    for name in want:
+        scale = float(np.abs(want[name]).max())
+        assert float(np.abs(got[name] - want[name]).max()) <= fraction * scale, name
+
+
 def _close(got, want, rtol, atol):
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
@@ -164,8 +170,8 @@ def test_resnet_small_runs_on_cudnn_channels_last_and_matches_cpu():
     profiles = {"input": ((1, 3, 64, 64), (2, 3, 64, 64), (4, 3, 64, 64))}
     feeds = [{"input": rng.standard_normal((b, 3, 64, 64)).astype(np.float32)} for b in (1, 4, 4, 4)]
     engine, results = _both(resnet_small(), feeds, profiles)
-    for got, want in results:
-        _close(got, want, rtol=1e-3, atol=1e-4)
+    for got, want in results:  # random weights give logits in the thousands: error relative to their scale
+        _close_to_scale(got, want, 1e-5)
     tactics = [layer["tactic"] for layer in engine.plan.layers]
     assert "host" not in tactics and tactics.count("conv:cudnn") > 10
 
@@ -177,7 +183,7 @@ def test_tf32_flag_reaches_gemm_and_conv():
     engine = _build(resnet_small(), "cuda", profiles, flags=[kiln.BuilderFlag.TF32])
     assert engine.plan.build_info["cuda"]["lowering"]["tf32"] is True
     want = _build(resnet_small(), "cpu", profiles).create_execution_context().infer(x)
-    _close(engine.create_execution_context().infer(x), want, rtol=5e-2, atol=5e-3)
+    _close_to_scale(engine.create_execution_context().infer(x), want, 3e-3)  # TF32: 10-bit mantissa
 
 
 def test_fp16_cnn_and_attention_match_the_cpu_backend():

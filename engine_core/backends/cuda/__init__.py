@@ -121,13 +121,19 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         arch = f"sm_{major}{minor}"
     options = options or LoweringOptions()
     cubins = {stem: compile_kernel_file(stem, arch) for stem in KERNEL_FILES}
-    opt = lower_graph(graph, inferred[(0, 1)], options=options)
     if timer_for is None:
         timer_for = gpu_gemm_timer_factory(cubins["gemm"])
     if cache is not None and cache.arch is None:
         cache.arch = arch
-    choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
-    lowered = {point: lower_graph(graph, infos, choice, options) for point, infos in inferred.items()}
+    choice: dict[str, str] = {}
+    timings: dict[str, dict[str, float]] = {}
+    opt = _lower_or_none(graph, inferred[(0, 1)], {}, options)
+    if opt is not None:
+        choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
+    lowered = {point: low for point, infos in inferred.items()
+               if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+    if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
+        lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
     conv_plans: dict[str, int] = {}
     conv_timings: dict[str, dict[str, float]] = {}
     if any(isinstance(op, Conv) for low in lowered.values() for s in low.steps for op in s.ops):
@@ -140,7 +146,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     kernels = list(dict.fromkeys(k for low in lowered.values() for k in low.kernels))
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
-    tactics = lowered[(0, 1)].tactics()
+    tactics = next(iter(lowered.values())).tactics() if (0, 1) not in lowered else lowered[(0, 1)].tactics()
     return CudaBuild(
         tactics=tactics,
         kernels=cubins,
@@ -157,6 +163,17 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
                                          if s.tactic.startswith("reformat")}),
               "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},
     )
+
+
+def _lower_or_none(graph: Graph, infos: Mapping[str, TensorInfo], choice: Mapping[str, str],
+                   options: LoweringOptions) -> Lowered | None:
+    """The lowering at one profile point, or None when some tensor shape is only known at run time."""
+    from engine_core.backends.cuda.pointwise import Unsupported
+
+    try:
+        return lower_graph(graph, infos, choice, options)
+    except Unsupported:
+        return None
 
 
 def gpu_gemm_timer_factory(gemm_cubin: bytes):

@@ -124,19 +124,68 @@ class PointwiseKernel:
     nodes: tuple[PwNode, ...]
 
     def source(self) -> str:
-        """The kernel's CUDA C: load each input once, one register per node, one store."""
+        """The kernel's CUDA C: load each input once, one register per node, one store.
+
+        A vector path first: when the operands are contiguous or scalars (rank <= 1 after merging), the
+        element count divides by V and the pointers are aligned, each thread moves V consecutive elements
+        with one 16-byte (or narrower) load per input and one store; otherwise the strided path.
+        """
         n = len(self.ins)
         params = ", ".join([f"{C_TYPES[self.out][0]}* __restrict__ y"]
                            + [f"const {C_TYPES[t][0]}* __restrict__ x{i}" for i, t in enumerate(self.ins)])
+        scalar = [f"const {C_TYPES[t][2]} v{i} = kiln_load(x{i}[o[{i}]]);" for i, t in enumerate(self.ins)]
+        scalar += self._program_lines()
+        scalar.append(f"y[oy] = KILN_CONVERT({C_TYPES[self.out][0]}, v{n + len(self.nodes) - 1});")
+        lines = "\n        ".join(scalar)
+        return (f'extern "C" __global__ void {self.name}({params}, long long n, int rank, KilnIndexer ix) {{\n'
+                f"{self._vector_path()}"
+                f"    KILN_FOR_EACH({n}, {{\n        {lines}\n    }})\n}}\n")
+
+    def _program_lines(self) -> list[str]:
+        n = len(self.ins)
         types = list(self.ins) + [node.dtype for node in self.nodes]
-        body = [f"const {C_TYPES[t][2]} v{i} = kiln_load(x{i}[o[{i}]]);" for i, t in enumerate(self.ins)]
+        body = []
         for j, node in enumerate(self.nodes):
             args = [(f"v{a}", types[a]) if a >= 0 else None for a in node.args]
             body.append(f"const {C_TYPES[node.dtype][2]} v{n + j} = ({C_TYPES[node.dtype][2]})({_expression(node, args)});")
-        body.append(f"y[oy] = KILN_CONVERT({C_TYPES[self.out][0]}, v{n + len(self.nodes) - 1});")
-        lines = "\n        ".join(body)
-        return (f'extern "C" __global__ void {self.name}({params}, long long n, int rank, KilnIndexer ix) {{\n'
-                f"    KILN_FOR_EACH({n}, {{\n        {lines}\n    }})\n}}\n")
+        return body
+
+    def vector_width(self) -> int:
+        widest = max(np.dtype(t).itemsize for t in (self.out, *self.ins))
+        return min(8, 16 // widest)
+
+    def _vector_path(self) -> str:
+        width = self.vector_width()
+        if width < 2:
+            return ""
+        n = len(self.ins)
+        out_t = C_TYPES[self.out][0]
+        conds = ["rank == 1", f"n % {width} == 0", "ix.out[0] == 1", f"kiln_aligned(y, {width} * sizeof({out_t}))"]
+        for i, t in enumerate(self.ins):
+            conds.append(f"(ix.in[{i}][0] == 0 || (ix.in[{i}][0] == 1 && kiln_aligned(x{i}, {width} * sizeof({C_TYPES[t][0]}))))")
+        loads = []
+        for i, t in enumerate(self.ins):
+            st = C_TYPES[t][0]
+            loads.append(f"KilnVec<{st}, {width}> a{i}; if (ix.in[{i}][0]) a{i} = *reinterpret_cast<const KilnVec<{st}, "
+                         f"{width}>*>(x{i} + t * {width}); else {{ _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) "
+                         f"a{i}.v[u] = x{i}[0]; }}")
+        lane = [f"const {C_TYPES[t][2]} v{i} = kiln_load(a{i}.v[u]);" for i, t in enumerate(self.ins)]
+        lane += self._program_lines()
+        lane.append(f"out.v[u] = KILN_CONVERT({out_t}, v{n + len(self.nodes) - 1});")
+        body = "\n                ".join(lane)
+        load_lines = "\n            ".join(loads)
+        return (f"    if ({' && '.join(conds)}) {{\n"
+                f"        const long long kiln_step = (long long)gridDim.x * blockDim.x;\n"
+                f"        for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < n / {width}; t += kiln_step) {{\n"
+                f"            {load_lines}\n"
+                f"            KilnVec<{out_t}, {width}> out;\n"
+                f"            _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) {{\n"
+                f"                {body}\n"
+                f"            }}\n"
+                f"            *reinterpret_cast<KilnVec<{out_t}, {width}>*>(y + t * {width}) = out;\n"
+                f"        }}\n"
+                f"        return;\n"
+                f"    }}\n")
 
 
 def _suffix(dtype: np.dtype) -> str:

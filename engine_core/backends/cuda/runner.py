@@ -28,6 +28,7 @@ from engine_core.backends.cuda.lowering import (
     lower_graph,
     transform_weight,
 )
+from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
 from engine_core.errors import ExecutionError
 from engine_core.ops import TensorInfo
@@ -37,6 +38,12 @@ from engine_core.plan import Plan
 Shapes = Mapping[str, tuple[int, ...]]
 #: captured graphs kept per input-shape binding (one per distinct set of I/O addresses)
 MAX_GRAPHS_PER_SHAPE = 4
+#: integer inputs up to this many elements may key a binding when shapes depend on their values
+MAX_SHAPE_VALUES = 4096
+
+
+class ShapesNeedValues(ExecutionError):
+    """Some tensor shapes depend on input values the binding was not given."""
 
 
 class CudaEngineState:
@@ -68,6 +75,25 @@ class CudaEngineState:
         if key not in self._functions:
             self._functions[key] = self.modules[module].function(name)
         return self._functions[key]
+
+    def ensure_pointwise(self, kernels: list) -> None:
+        """Make every generated kernel of a binding launchable: one the build did not compile (shapes
+        that were only known at run time, e.g. from input values) is compiled by NVRTC now."""
+        missing = []
+        for kernel in kernels:
+            try:
+                self.function("pointwise", kernel.name)
+            except Exception:
+                missing.append(kernel)
+        if not missing:
+            return
+        from engine_core.backends.cuda.pointwise import pointwise_source
+        from engine_core.cuda.nvrtc import compile_cubin
+
+        module = Module(compile_cubin(pointwise_source(missing), "pointwise_runtime.cu", self.plan.arch))
+        self.modules[f"pointwise#{len(self.modules)}"] = module
+        for kernel in missing:
+            self._functions[("pointwise", kernel.name)] = module.function(kernel.name)
 
     def derived_weight(self, name: str, source: str, transform: str) -> DeviceBuffer:
         """A weight in another layout (e.g. KRSC filters), made on the device once per engine."""
@@ -130,6 +156,7 @@ class _Binding:
         for name, (source, transform) in lowered.weight_transforms.items():
             state.derived_weight(name, source, transform)
         self.folded = {name: DeviceBuffer.from_array(v) for name, v in lowered.folded.items()}
+        state.ensure_pointwise(lowered.kernels)
         self.prepared: dict[int, _PreparedLaunch] = {}
         for step in lowered.steps:
             for op in step.ops:
@@ -171,15 +198,30 @@ class CudaContextState:
         self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
     # -- binding ----------------------------------------------------------------------------------
-    def bind(self, shapes: Shapes) -> _Binding:
+    def bind(self, shapes: Shapes, values: Mapping[str, np.ndarray] | None = None) -> _Binding:
+        """The binding for these input shapes (lowered, arena sized), made on first use.
+
+        ``values``: host values of small integer inputs, for graphs whose shapes depend on input values
+        (shape-tensor style inputs such as Reshape's shape or Squeeze's axes fed at run time); the
+        binding is then keyed on those values too. Without them such graphs raise ExecutionError.
+        """
         key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
+        if values:
+            key += tuple(sorted((k, v.dtype.str, tuple(v.shape), v.tobytes()) for k, v in values.items()))
         binding = self._bindings.get(key)
         if binding is None:
             graph = self.engine.plan.graph
-            infos = {v.name: TensorInfo(v.dtype, tuple(shapes[v.name]) if v.is_tensor else None)
-                     for v in graph.inputs}
-            lowered = lower_graph(graph, infer_shapes(graph, infos, values=True), self.engine.gemm_choice,
-                                  self.engine.options)
+            infos = {v.name: TensorInfo(v.dtype, tuple(shapes[v.name]) if v.is_tensor else None,
+                                        (values or {}).get(v.name)) for v in graph.inputs}
+            inferred = infer_shapes(graph, infos, values=True)
+            unknown = [o for o in graph.output_names if inferred.get(o) is None or inferred[o].shape is None]
+            try:
+                if unknown:
+                    raise Unsupported(f"output shapes of {unknown} depend on input values")
+                lowered = lower_graph(graph, inferred, self.engine.gemm_choice, self.engine.options)
+            except Unsupported as e:
+                raise ShapesNeedValues(f"{e}: the CUDA backend needs every tensor shape before launching "
+                                       "(feed such inputs through infer(), or declare them shape inputs)") from None
             need = max(lowered.memory.size, self.engine.plan.device_memory_size, 1)
             if self.arena is None or self.arena.nbytes < lowered.memory.size:
                 self.arena = DeviceBuffer(need)
@@ -207,7 +249,8 @@ class CudaContextState:
         return resolve
 
     # -- running ----------------------------------------------------------------------------------
-    def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None) -> None:
+    def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
+                values: Mapping[str, np.ndarray] | None = None) -> None:
         """Launch every step on ``stream``; host syncs happen only around host-fallback layers.
 
         Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
@@ -216,7 +259,7 @@ class CudaContextState:
         layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
         ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
         """
-        binding = self.bind(shapes)
+        binding = self.bind(shapes, values)
         if profiler is not None:
             self._launch_profiled(binding, addresses, stream, profiler)
             return
@@ -347,6 +390,8 @@ class CudaContextState:
                 continue
             info = infos[name]
             value = np.ascontiguousarray(np.asarray(value, dtype=info.dtype))
+            if value.shape != tuple(info.shape) and value.size == int(np.prod(info.shape, dtype=np.int64)):
+                value = value.reshape(info.shape)  # e.g. a (1,) result where inference says scalar
             if value.shape != tuple(info.shape):
                 raise ExecutionError(f"layer {node}: host output '{name}' has shape {value.shape}, "
                                      f"shape inference said {info.shape}")
@@ -365,7 +410,13 @@ class CudaContextState:
         from cuda.bindings import driver
 
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
-        binding = self.bind(shapes)
+        values = None
+        try:
+            binding = self.bind(shapes)
+        except ShapesNeedValues:
+            values = {name: np.asarray(v) for name, v in feeds.items()
+                      if np.asarray(v).dtype.kind in "iub" and np.asarray(v).size <= MAX_SHAPE_VALUES}
+            binding = self.bind(shapes, values)
         stream = self.stream()
         graph, infos = self.engine.plan.graph, binding.lowered.infos
         arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
@@ -379,7 +430,7 @@ class CudaContextState:
         for name, array in arrays.items():
             if array.nbytes:
                 check(driver.cuMemcpyHtoDAsync(addresses[name], array.ctypes.data, array.nbytes, stream), "HtoD")
-        self.execute(shapes, addresses, stream, profiler)
+        self.execute(shapes, addresses, stream, profiler, values)
         for name, array in outputs.items():
             if array.nbytes:
                 check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
