@@ -30,10 +30,11 @@ __device__ void softmax_rows(const T* __restrict__ x, T* __restrict__ y, long lo
     float m = -CUDART_INF_F;
     for (long long i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, value(i));
     m = kiln_block_reduce<true>(m);
+    if (m == -CUDART_INF_F) m = 0.0f;  // a fully masked row: every weight becomes 0, not NaN
     float s = 0.0f;
     for (long long i = threadIdx.x; i < cols; i += blockDim.x) s += __expf(value(i) - m);
     s = kiln_block_reduce<false>(s);
-    const float inv = 1.0f / s;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
     for (long long i = threadIdx.x; i < cols; i += blockDim.x) out[i] = kiln_to<T>(__expf(value(i) - m) * inv);
 }
 

@@ -148,11 +148,14 @@ def run_case(case: Any, backend: str = "cpu") -> CaseResult:
     return done(PASS)
 
 
-def run_cases(cases: Iterable[Any], backend: str = "cpu", progress: bool = False) -> list[CaseResult]:
+def run_cases(cases: Iterable[Any], backend: str = "cpu", progress: bool = False,
+              trace: bool = False) -> list[CaseResult]:
     cases = list(cases)
     by_name = {c.name: c for c in cases}
     results = []
     for index, case in enumerate(cases):
+        if trace:  # the last name printed names the case if the process dies (a crash in native code)
+            print(f"case {case.name}", file=sys.stderr, flush=True)
         r = run_case(case, backend)
         r.op = case_op(case, by_name)
         results.append(r)
@@ -220,6 +223,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--markdown", help="write the per-op table to this markdown file")
     ap.add_argument("--json", help="write all results to this JSON file")
     ap.add_argument("--shard", help="run only shard K of N (K/N, 0-based): parallel runs, merged with --from-json")
+    ap.add_argument("--trace", action="store_true", help="print each case's name before running it")
     ap.add_argument("--from-json", nargs="+", help="report on results saved by --json instead of running cases")
 
 
@@ -241,7 +245,7 @@ def _select(args: argparse.Namespace) -> list[CaseResult]:
     if args.shard:
         index, count = (int(part) for part in args.shard.split("/"))
         cases = cases[index::count]
-    return run_cases(cases, args.backend, progress=True)
+    return run_cases(cases, args.backend, progress=True, trace=args.trace)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

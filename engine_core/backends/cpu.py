@@ -68,7 +68,7 @@ class GraphRunner:
                 raise ExecutionError(f"layer {node}: input tensor {e} was never computed") from None
             start = time.perf_counter() if timer else 0.0
             try:
-                results = run_node(node, args) if not has_subgraph(node) else _run_scoped(node, args, env)
+                results = run_node(node, args) if not has_subgraph(node) else run_scoped(node, args, env)
             except KilnError as e:
                 raise ExecutionError(f"layer {node}: {e}") from e
             except Exception as e:  # numpy errors in user-visible form, naming the layer
@@ -86,7 +86,7 @@ class GraphRunner:
             raise ExecutionError(f"graph output {e} was never computed") from None
 
 
-def _run_scoped(node: Node, args: list, env: Mapping[str, np.ndarray | None]) -> list[np.ndarray]:
+def run_scoped(node: Node, args: list, env: Mapping[str, np.ndarray | None]) -> list[np.ndarray]:
     """Control-flow ops see enclosing tensors: they take the environment as a keyword."""
     op = get_op(node.op_type, node.domain)
     assert op is not None

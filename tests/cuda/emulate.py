@@ -145,8 +145,10 @@ class Emulator:
                     v = np.where(m, v, -np.inf) if mdt == np.bool_ else v + m.astype(np.float64)
                 if g.causal:
                     v = np.where(k[None, :] > q[:, None] + g.causal_offset, -np.inf, v)
-            e = np.exp(v - v.max(-1, keepdims=True))
-            self.view(y, dt, (rows, cols), (cols, 1))[...] = e / e.sum(-1, keepdims=True)
+            top = v.max(-1, keepdims=True)
+            e = np.exp(v - np.where(np.isneginf(top), 0, top))
+            total = e.sum(-1, keepdims=True)
+            self.view(y, dt, (rows, cols), (cols, 1))[...] = e / np.where(total > 0, total, 1)
         elif kind in ("layer_norm", "rms_norm"):
             x, gamma, beta, y, cols, eps = args
             v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)

@@ -729,6 +729,8 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
         raise Unsupported("Attention that is not 4-D with equal head counts")
     if node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0) or node.attr("softmax_precision", None):
         raise Unsupported("Attention softcap / qk output / softmax precision")
+    if node.attr("left_window_size", -1) >= 0 or node.attr("right_window_size", -1) >= 0:
+        raise Unsupported("Attention with a sliding window")
     batch, heads, sq, d = q.shape
     skv, dv = k.shape[2], v.shape[3]
     scale = float(node.attr("scale", 0.0) or 1.0 / np.sqrt(d))
@@ -738,13 +740,16 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
               scale, 0.0, "cublas", dtype, ctx.options.tf32)
     geom = AttnMask()
     geom.heads, geom.queries = heads, sq
-    geom.causal, geom.causal_offset = int(node.attr("is_causal", 0)), skv - sq
+    # no past keys: the causal frontier is top-left aligned (key k visible to query q when k <= q)
+    geom.causal, geom.causal_offset = int(node.attr("is_causal", 0)), 0
     args = [(s_ref, ctypes.c_void_p), (s_ref, ctypes.c_void_p), (skv, ctypes.c_longlong), (1.0, ctypes.c_float)]
     suffix = _row_suffix(dtype, "Attention")
     kind = "attn_softmax"
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else None
     if mask:
         m = ctx.info(mask)
+        if not m.shape or m.shape[-1] != skv:
+            raise Unsupported("Attention mask shorter than the keys")
         if m.dtype == np.bool_:
             kind = "attn_softmax_bool"
         elif m.dtype == dtype:

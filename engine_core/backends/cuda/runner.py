@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cpu import run_node
+from engine_core.backends.cpu import GraphRunner, run_node, run_scoped
 from engine_core.backends.cuda.lowering import (
     Conv,
     Copy,
@@ -31,6 +31,8 @@ from engine_core.backends.cuda.lowering import (
 from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
 from engine_core.errors import ExecutionError
+from engine_core.ir.graph import has_subgraph, subgraph_reads
+from engine_core.logger import DEFAULT_LOGGER, Severity
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import Plan
@@ -194,6 +196,9 @@ class CudaContextState:
         self._bindings: dict[tuple, _Binding] = {}
         self._cublas = None
         self._convs = None
+        self._host_runner: GraphRunner | None = None
+        #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
+        self.host_fallback: list[str] = []
         self._stream: int | None = None
         self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
@@ -367,22 +372,26 @@ class CudaContextState:
 
         node, infos = op.node, binding.lowered.infos
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        args = []
-        for name in node.inputs:
-            if not name:
-                args.append(None)
-            elif name in self.engine.plan.graph.constants:
-                args.append(self.engine.plan.graph.constants[name])
-            elif infos.get(name) is not None and infos[name].value is not None:
-                args.append(infos[name].value)
-            else:
-                info = infos[name]
-                out = np.empty(info.shape, info.dtype)
-                if out.nbytes:
-                    check(driver.cuMemcpyDtoH(out.ctypes.data, resolve(Ref(name)), out.nbytes), "cuMemcpyDtoH")
-                args.append(out)
+
+        def fetch(name: str) -> np.ndarray:
+            if name in self.engine.plan.graph.constants:
+                return self.engine.plan.graph.constants[name]
+            if infos.get(name) is not None and infos[name].value is not None:
+                return infos[name].value
+            info = infos[name]
+            out = np.empty(info.shape, info.dtype)
+            if out.nbytes:
+                check(driver.cuMemcpyDtoH(out.ctypes.data, resolve(Ref(name)), out.nbytes), "cuMemcpyDtoH")
+            return out
+
+        args = [fetch(name) if name else None for name in node.inputs]
         try:
-            results = run_node(node, args)
+            if has_subgraph(node):  # bodies read enclosing tensors: hand them over as the scope
+                scope = {name: fetch(name) for name in subgraph_reads(node) if name in binding.lowered.locations
+                         or name in self.engine.plan.graph.constants or name in infos}
+                results = run_scoped(node, args, scope)
+            else:
+                results = run_node(node, args)
         except Exception as e:
             raise ExecutionError(f"layer {node} (host fallback) failed: {type(e).__name__}: {e}") from e
         for name, value in zip(node.outputs, results):
@@ -398,6 +407,16 @@ class CudaContextState:
             if value.nbytes:
                 check(driver.cuMemcpyHtoD(resolve(Ref(name)), value.ctypes.data, value.nbytes), "cuMemcpyHtoD")
 
+    def _on_host(self, feeds: Mapping[str, np.ndarray], reason: str) -> dict[str, np.ndarray]:
+        """The whole graph on the CPU backend, for runs the device path cannot plan ahead; logged once
+        per reason and kept in ``host_fallback`` (the inspector's per-layer report covers planned runs)."""
+        if reason not in self.host_fallback:
+            self.host_fallback.append(reason)
+            DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}' runs on the host: {reason}")
+        if self._host_runner is None:
+            self._host_runner = GraphRunner(self.engine.plan.graph)
+        return self._host_runner.run(feeds)
+
     def stream(self) -> int:
         if self._stream is None:
             from cuda.bindings import driver
@@ -411,12 +430,18 @@ class CudaContextState:
 
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         values = None
+        graph = self.engine.plan.graph
+        if not all(v.is_tensor for v in (*graph.inputs, *graph.outputs)):
+            return self._on_host(feeds, "sequence/optional/map inputs or outputs")
         try:
             binding = self.bind(shapes)
         except ShapesNeedValues:
             values = {name: np.asarray(v) for name, v in feeds.items()
                       if np.asarray(v).dtype.kind in "iub" and np.asarray(v).size <= MAX_SHAPE_VALUES}
-            binding = self.bind(shapes, values)
+            try:
+                binding = self.bind(shapes, values)
+            except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
+                return self._on_host(feeds, str(e))
         stream = self.stream()
         graph, infos = self.engine.plan.graph, binding.lowered.infos
         arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
