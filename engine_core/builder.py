@@ -412,10 +412,12 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     arch, cuda_info = "any", {}
     if config.backend == "cuda":  # CUDA backend hook: tactics, CUBINs and the planned arena size
         from engine_core.backends.cuda import prepare_plan
+        from engine_core.backends.cuda.cublaslt import available as cublaslt_available
         from engine_core.backends.cuda.cudnn_conv import available as cudnn_available
         from engine_core.backends.cuda.lowering import LoweringOptions
 
-        options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available())
+        options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
+                                  cublaslt=cublaslt_available())
         cache = _timing_cache_for(config)
         cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:

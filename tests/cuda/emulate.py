@@ -76,7 +76,14 @@ class Emulator:
         a = self.view(op.a, dt, (op.batch, op.m, op.k), (op.a_strides[2], *op.a_strides[:2])).astype(np.float64)
         b = self.view(op.b, dt, (op.batch, op.k, op.n), (op.b_strides[2], *op.b_strides[:2])).astype(np.float64)
         y = self.view(op.y, dt, (op.batch, op.m, op.n), (op.m * op.n, op.n, 1))
-        y[...] = op.alpha * (a @ b) + (op.beta * y.astype(np.float64) if op.beta else 0)
+        result = op.alpha * (a @ b) + (op.beta * y.astype(np.float64) if op.beta else 0)
+        if op.bias is not None:
+            result = result + self.view(op.bias, dt, (op.n,), (1,)).astype(np.float64)
+        if op.epilogue == "relu_bias":
+            result = np.maximum(result, 0)
+        elif op.epilogue == "gelu_bias":
+            result = 0.5 * result * (1 + np.tanh(0.7978845608028654 * (result + 0.044715 * result ** 3)))
+        y[...] = result
 
     def _conv(self, op: Conv) -> None:
         dt = op.dtype

@@ -63,7 +63,7 @@ def select_gemm_tactics(lowered: Lowered, timer_for: Any, cache: TimingCache | N
     choice, timings = {}, {}
     for step in lowered.steps:
         gemm = next((op for op in step.ops if isinstance(op, Gemm)), None)
-        if gemm is None or gemm.dtype != F32 or step.node.op_type not in TIMED_GEMM_LAYERS:
+        if gemm is None or gemm.dtype != F32 or gemm.epilogue or step.node.op_type not in TIMED_GEMM_LAYERS:
             continue
         key = gemm_signature(gemm, arch)
         known = cache.query(key) if cache is not None else None
@@ -158,7 +158,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
               "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
                                             for profile in sorted({p for p, _ in lowered})],
-              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn},
+              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn, "cublaslt": options.cublaslt},
               "reformat_layers": sorted({s.node.name for low in lowered.values() for s in low.steps
                                          if s.tactic.startswith("reformat")}),
               "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},

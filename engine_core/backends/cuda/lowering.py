@@ -57,6 +57,8 @@ class LoweringOptions:
 
     tf32: bool = False
     cudnn: bool = False
+    #: cuBLASLt runs FusedMatMul with its bias / activation fused into the GEMM
+    cublaslt: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class Gemm:
     tactic: str = "cublas"
     dtype: np.dtype = F32
     tf32: bool = False
+    #: cuBLASLt epilogue ("bias", "relu_bias", "gelu_bias") reading ``bias`` (bias[N]); tactic "cublaslt"
+    bias: Ref | None = None
+    epilogue: str = ""
 
     @property
     def trans_a(self) -> bool:
@@ -705,14 +710,27 @@ def _lower_gemm(node: Node, ctx: _Context) -> list:
     return ops
 
 
+#: FusedMatMul activation -> the cuBLASLt epilogue computing bias + it inside the GEMM
+_LT_EPILOGUES = {"": "bias", "Relu": "relu_bias", "GeluTanh": "gelu_bias"}
+
+
 def _lower_fused_matmul(node: Node, ctx: _Context) -> list:
-    """``kiln.FusedMatMul``: GEMM, then bias + activation as one epilogue kernel over the output."""
+    """``kiln.FusedMatMul``: with cuBLASLt the bias (and ReLU / tanh-GELU) run in the GEMM's epilogue;
+    otherwise (or for other activations) one generated epilogue kernel follows the GEMM."""
     ops: list = _matmul_ops(node, ctx, node.inputs[0], node.inputs[1], bool(node.attr("transA", 0)),
                             bool(node.attr("transB", 0)), float(node.attr("alpha", 1.0)))
     bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
-    if bias and ctx.info(bias).dtype != ctx.info(node.outputs[0]).dtype:
+    out = ctx.info(node.outputs[0])
+    if bias and ctx.info(bias).dtype != out.dtype:
         raise Unsupported("FusedMatMul bias of another dtype")
-    return ops + _epilogue(node, ctx, bias, node.attr("activation", ""))
+    activation = node.attr("activation", "")
+    if ctx.options.cublaslt and bias and len(ops) == 1 and ops[0].batch == 1 and ctx.info(bias).shape == (ops[0].n,):
+        gemm = ops[0]
+        gemm.bias, gemm.tactic = Ref(bias), "cublaslt"
+        gemm.epilogue = _LT_EPILOGUES.get(activation, "bias")
+        rest = "" if activation in _LT_EPILOGUES else activation
+        return ops + _epilogue(node, ctx, None, rest)
+    return ops + _epilogue(node, ctx, bias, activation)
 
 
 def _lower_attention(node: Node, ctx: _Context) -> list:

@@ -195,6 +195,7 @@ class CudaContextState:
         self.arena: DeviceBuffer | None = None
         self._bindings: dict[tuple, _Binding] = {}
         self._cublas = None
+        self._cublaslt = None
         self._convs = None
         self._host_runner: GraphRunner | None = None
         #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
@@ -344,6 +345,14 @@ class CudaContextState:
 
     def _gemm(self, op: Gemm, resolve, stream: int) -> None:
         a, b, y = resolve(op.a), resolve(op.b), resolve(op.y)
+        if op.tactic == "cublaslt":
+            if self._cublaslt is None:
+                from engine_core.backends.cuda.cublaslt import CublasLt
+
+                self._cublaslt = CublasLt()
+            self._cublaslt.matmul(a, b, y, resolve(op.bias) if op.bias else 0, op.m, op.n, op.k, op.trans_a,
+                                  op.trans_b, op.alpha, op.dtype, op.tf32, op.epilogue, stream)
+            return
         if op.tactic == "cublas":
             if self._cublas is None:
                 from engine_core.backends.cuda.cublas import Cublas
@@ -466,7 +475,8 @@ class CudaContextState:
 def lowering_options(plan: Plan) -> LoweringOptions:
     """The lowering choices the build recorded (TF32, cuDNN convolutions): runs must lower identically."""
     recorded = plan.build_info.get("cuda", {}).get("lowering", {})
-    return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)))
+    return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)),
+                           cublaslt=bool(recorded.get("cublaslt", False)))
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
