@@ -187,11 +187,22 @@ class Emulator:
         with np.errstate(all="ignore"):
             for pw in kernel.nodes:
                 ins = [values[a] if a >= 0 else None for a in pw.args]
+                if pw.op in ("QuantizeLinear", "DequantizeLinear"):  # elementwise scales: the formula itself
+                    values.append(_qdq(pw, ins))
+                    continue
                 node = Node(pw.op, [f"i{k}" if a >= 0 else "" for k, a in enumerate(pw.args)], ["o"],
                             {k: list(v) if isinstance(v, tuple) else v for k, v in pw.attrs}, pw.op, "", pw.opset, [])
                 values.append(np.asarray(run_node(node, ins)[0]).astype(pw.dtype))
         out = self.view(y, kernel.out, shape, [ix.out[d] for d in range(rank)])
         out[...] = np.broadcast_to(values[-1], out.shape).astype(kernel.out)
+
+
+def _qdq(pw, ins: list) -> np.ndarray:
+    x, scale, zero = ins[0], ins[1].astype(np.float32), ins[2] if len(ins) > 2 and ins[2] is not None else 0
+    if pw.op == "DequantizeLinear":
+        return ((x.astype(np.float32) - np.asarray(zero, np.float32)) * scale).astype(pw.dtype)
+    info = np.iinfo(pw.dtype)
+    return np.clip(np.rint(x.astype(np.float32) / scale) + np.asarray(zero, np.float32), info.min, info.max).astype(pw.dtype)
 
 
 def _bytes(value: np.ndarray) -> np.ndarray:

@@ -321,3 +321,22 @@ def test_prepare_plan_defers_lowering_when_shapes_depend_on_input_values(tmp_pat
     build = prepare_plan(graph, {(0, 0): infos, (0, 1): infos, (0, 2): infos}, arch="sm_90",
                          timer_for=lambda gemm: pytest.fail("nothing to time"))
     assert build.tactics == {} and "pointwise" in build.kernels  # lowered per binding at run time
+
+
+def test_qdq_per_channel_runs_as_pointwise_kernels():
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(9)
+    scale = (rng.random(4) * 0.05 + 0.01).astype(np.float32)
+    zero = rng.integers(-5, 5, 4).astype(np.int8)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=1),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=1)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 3]),
+         helper.make_tensor_value_info("q", TensorProto.INT8, [2, 4, 3])],
+        [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    x = (rng.standard_normal((2, 4, 3)) * 3).astype(np.float32)
+    lowered = _emulate_vs_ort(model, {"x": x}, rtol=0, atol=1e-6)
+    assert [t.split(":")[0] for t in lowered.tactics().values()] == ["pointwise", "pointwise"]

@@ -46,7 +46,8 @@ THREADS = 256
 GEMM_TACTICS = ("cublas", "kiln_gemm")
 #: ops that read and write any layout through strides (a channels-last input keeps its layout)
 LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNormalization", "MaxPool",
-                                "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Gelu"}
+                                "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Gelu", "QuantizeLinear",
+                                "DequantizeLinear"}
 ACTIVATIONS = {"": None, "Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "Gelu": "Gelu",
                "GeluTanh": "Gelu", "LeakyRelu": "LeakyRelu", "Clip": "Clip"}
 
@@ -360,6 +361,34 @@ def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
     if index.get(body.outputs[0].name) != len(inputs) + len(nodes) - 1:
         raise Unsupported("PointwiseChain body output is not its last node")
     return _pointwise_launch(node, ctx, nodes, inputs)
+
+
+def _lower_qdq(node: Node, ctx: _Context) -> list:
+    """QuantizeLinear / DequantizeLinear (per-tensor or per-axis, int8/uint8/int16/uint16) as pointwise
+    kernels; the scale and zero point broadcast along ``axis``. Blocked quantization stays on the host."""
+    x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
+    if node.attr("block_size", 0) or (node.op_type == "QuantizeLinear" and node.attr("saturate", 1) != 1):
+        raise Unsupported(f"{node.op_type} with blocks or saturate=0")
+    inputs = [n for n in node.inputs if n]
+    axis = normalize_axis(node.attr("axis", 1), len(x.shape)) if x.shape else 0
+    strides = [broadcast_strides(x.shape, out.shape, ctx.strides(node.inputs[0]))]
+    for name in inputs[1:]:
+        info = ctx.info(name)
+        size = int(np.prod(info.shape, dtype=np.int64))
+        if size == 1:
+            strides.append((0,) * len(out.shape))
+        elif len(info.shape) == 1 and x.shape and info.shape[0] == x.shape[axis]:
+            strides.append(tuple(1 if d == axis else 0 for d in range(len(out.shape))))
+        else:
+            raise Unsupported(f"{node.op_type} scale/zero point of shape {info.shape}")
+    args = [0, 1, 2 if len(inputs) > 2 else -1]
+    pw = PwNode.make(node.op_type, args, out.dtype, {}, node.opset)
+    kernel = ctx.kernel(program_kernel([pw], out.dtype, [ctx.info(n).dtype for n in inputs]))
+    ctx.layouts[node.outputs[0]] = _out_layout(node, ctx)
+    if int(np.prod(out.shape)) == 0:
+        return []
+    return [launch_program(kernel, Ref(node.outputs[0]), [Ref(n) for n in inputs], out.shape,
+                           ctx.strides(node.outputs[0]), strides)]
 
 
 def _lower_batch_norm(node: Node, ctx: _Context) -> list:
@@ -845,7 +874,7 @@ _LOWER = {
     "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "Conv": _lower_conv,
     "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
     "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
-    "GlobalMaxPool": _lower_pool,
+    "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
 }
 _KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain"})
 
@@ -856,7 +885,8 @@ def _tactic(node: Node, ops: list) -> str:
     gemm = next((o for o in ops if isinstance(o, Gemm)), None)
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
-    if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization"):
+    if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
+                                                         "DequantizeLinear"):
         launch = next((o for o in ops if isinstance(o, Launch)), None)
         return f"pointwise:{launch.function}" if launch else "pointwise:empty"
     return f"kernel:{node.op_type}"

@@ -69,6 +69,16 @@ _FLOAT_BINARY = {"Div": "{a} / {b}", "Pow": "pow{f}({a}, ({F}){b})"}
 _COMPARE = {"Equal": "{a} == {b}", "Less": "{a} < {b}", "Greater": "{a} > {b}", "LessOrEqual": "{a} <= {b}",
             "GreaterOrEqual": "{a} >= {b}"}
 _BOOL = {"And": "{a} && {b}", "Or": "{a} || {b}", "Xor": "{a} != {b}"}
+#: integer types of QuantizeLinear/DequantizeLinear (fp8 and int4 run on the host) -> saturation range
+_QUANT_RANGE = {np.dtype(np.int8): (-128, 127), np.dtype(np.uint8): (0, 255), np.dtype(np.int16): (-32768, 32767),
+                np.dtype(np.uint16): (0, 65535)}
+
+
+def compute_of(dtype: np.dtype) -> str:
+    """The C type a value of ``dtype`` computes in."""
+    return C_TYPES[np.dtype(dtype)][2]
+
+
 #: float attributes the expressions read, with the ONNX defaults
 _ATTR_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}}
 
@@ -246,6 +256,13 @@ def _expression(node: PwNode, args: list[tuple[str, np.dtype] | None]) -> str:
             storage = C_TYPES[out][0]
             return f"kiln_load(KILN_CONVERT({storage}, {names['a']}))"
         return f"({C_TYPES[out][2]})({names['a']})"
+    if op == "DequantizeLinear" and first in _QUANT_RANGE:
+        zero = f" - ({compute_of(node.dtype)})({names['c']})" if names["c"] else ""
+        return f"(({compute_of(node.dtype)}){names['a']}{zero}) * ({compute_of(node.dtype)}){names['b']}"
+    if op == "QuantizeLinear" and first in FLOATS and node.dtype in _QUANT_RANGE:
+        lo, hi = _QUANT_RANGE[node.dtype]
+        zero = f" + (float)({names['c']})" if names["c"] else ""
+        return f"fminf(fmaxf(rintf((float){names['a']} / (float){names['b']}){zero}, {lo}.0f), {hi}.0f)"
     if op == "Where" and first == BOOL and len(present) == 3:
         return f"({names['a']} ? {names['b']} : {names['c']})"
     if op == "Clip" and first != BOOL:
