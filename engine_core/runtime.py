@@ -515,6 +515,7 @@ class ExecutionContext:
         self._allocators: dict[str, IOutputAllocator] = {}
         self._inferred: dict[str, TensorInfo] | None = None
         self._shape_values: dict[str, np.ndarray] = {}
+        self._device_memory: tuple[int, int] | None = None
         self._cuda = engine.cuda.create_context() if engine.cuda is not None else None  # CUDA backend hook
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
@@ -710,7 +711,43 @@ class ExecutionContext:
         missing = [n for n in self._input_names if n not in self._input_shapes]
         if missing:
             raise ShapeError(f"set_input_shape was not called for inputs {missing}")
-        self._cuda.execute(self._input_shapes, self._addresses, int(stream_handle), profiler_for(self))
+        if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and self._device_memory is None:
+            raise ExecutionError("this context's device memory is user-managed: call set_device_memory first")
+        addresses, allocated = dict(self._addresses), []
+        for name in self._output_names:  # output allocators provide device memory for unbound outputs
+            allocator = self._allocators.get(name)
+            if allocator is None:
+                continue
+            shape = self.get_tensor_shape(name)
+            if any(d < 0 for d in shape):
+                raise ExecutionError(f"output '{name}' has a data-dependent shape, which CUDA plans do not support yet")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(self.engine._tensor(name).dtype).itemsize
+            address = allocator.reallocate_output_async(name, addresses.get(name, 0), nbytes, 256, int(stream_handle))
+            if not address and nbytes:
+                raise ExecutionError(f"output allocator returned no memory for '{name}' ({nbytes} bytes)")
+            addresses[name] = int(address or 0)
+            allocated.append((allocator, name, shape))
+        self._cuda.execute(self._input_shapes, addresses, int(stream_handle), profiler_for(self))
+        for allocator, name, shape in allocated:
+            allocator.notify_shape(name, tuple(shape))
+
+    # -- user-managed device memory -----------------------------------------------------------
+    def set_device_memory(self, memory: int, size: int) -> None:
+        """Give the context ``size`` bytes at device address ``memory`` for its activations (needed with
+        the USER_MANAGED strategy; at least ``engine.device_memory_size_v2`` bytes). CPU plans record it."""
+        if size < 0 or (memory == 0 and size):
+            raise ValueError("set_device_memory needs an address and a non-negative size")
+        self._device_memory = (int(memory), int(size))
+        if self._cuda is not None:
+            self._cuda.use_memory(int(memory), int(size))
+
+    @property
+    def device_memory(self) -> int:
+        raise AttributeError("device_memory is write-only (as in the reference)")
+
+    @device_memory.setter
+    def device_memory(self, memory: int) -> None:
+        self.set_device_memory(memory, self.engine.device_memory_size)
 
     def _deliver(self, name: str, value: np.ndarray) -> None:
         """Copy one output to its bound address, or to memory its output allocator provides."""

@@ -208,3 +208,42 @@ def test_a_warm_timing_cache_skips_timing():
     warm = kiln.Builder().create_builder_config().create_timing_cache(blob)
     second = _build(mlp(), "cuda", profiles, cache=warm).plan.build_info["cuda"]["timing_cache"]
     assert second == {"hits": 2, "misses": 0}
+
+
+def test_user_managed_device_memory_and_output_allocator():
+    from cuda.bindings import driver
+
+    from engine_core.cuda.driver import DeviceBuffer, check
+    from engine_core.types import ExecutionContextAllocationStrategy
+
+    class Allocator(kiln.IOutputAllocator):
+        def __init__(self):
+            super().__init__()
+            self.buffers, self.shapes = {}, {}
+
+        def reallocate_output_async(self, name, memory, size, alignment, stream):
+            self.buffers[name] = DeviceBuffer(max(size, 1))
+            return self.buffers[name].ptr
+
+        def notify_shape(self, name, shape):
+            self.shapes[name] = shape
+
+    profiles = {"x": ((1, 64), (8, 64), (32, 64))}
+    engine = _build(mlp(), "cuda", profiles)
+    ctx = engine.create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED)
+    x = np.random.default_rng(9).standard_normal((5, 64)).astype(np.float32)
+    dx = DeviceBuffer.from_array(x)
+    ctx.set_input_shape("x", x.shape)
+    ctx.set_tensor_address("x", dx.ptr)
+    allocator = Allocator()
+    ctx.set_output_allocator("y", allocator)
+    stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+    assert not ctx.execute_async_v3(stream)  # no device memory given yet: a clear failure, not a crash
+    memory = DeviceBuffer(engine.device_memory_size)
+    ctx.set_device_memory(memory.ptr, memory.nbytes)
+    assert ctx.execute_async_v3(stream)
+    check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    want = _build(mlp(), "cpu", profiles).create_execution_context().infer({"x": x})["y"]
+    assert allocator.shapes["y"] == (5, 32)
+    np.testing.assert_allclose(allocator.buffers["y"].to_array(np.float32, (5, 32)), want, rtol=1e-4, atol=1e-6)
+    assert ctx._cuda.arena.ptr == memory.ptr

@@ -44,6 +44,13 @@ MAX_GRAPHS_PER_SHAPE = 4
 MAX_SHAPE_VALUES = 4096
 
 
+class UserMemory:
+    """Caller-owned device memory used as a context's arena (not freed by Kiln)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr, self.nbytes = ptr, nbytes
+
+
 class ShapesNeedValues(ExecutionError):
     """Some tensor shapes depend on input values the binding was not given."""
 
@@ -194,6 +201,7 @@ class CudaContextState:
         self.engine = engine
         self.arena: DeviceBuffer | None = None
         self._bindings: dict[tuple, _Binding] = {}
+        self._user_memory = False
         self._cublas = None
         self._cublaslt = None
         self._convs = None
@@ -229,12 +237,22 @@ class CudaContextState:
                 raise ShapesNeedValues(f"{e}: the CUDA backend needs every tensor shape before launching "
                                        "(feed such inputs through infer(), or declare them shape inputs)") from None
             need = max(lowered.memory.size, self.engine.plan.device_memory_size, 1)
+            if self.arena is not None and self.arena.nbytes < lowered.memory.size and self._user_memory:
+                raise ExecutionError(f"the device memory given to this context ({self.arena.nbytes} bytes) is "
+                                     f"smaller than these shapes need ({lowered.memory.size} bytes)")
             if self.arena is None or self.arena.nbytes < lowered.memory.size:
                 self.arena = DeviceBuffer(need)
                 for other in self._bindings.values():  # graphs captured the old arena's addresses
                     other.graphs.clear()
             binding = self._bindings[key] = _Binding(self.engine, lowered)
         return binding
+
+    def use_memory(self, ptr: int, size: int) -> None:
+        """Activations live in caller-owned device memory from now on (USER_MANAGED strategy)."""
+        self.arena = UserMemory(ptr, size)
+        self._user_memory = True
+        for binding in self._bindings.values():  # graphs captured the old arena's addresses
+            binding.graphs.clear()
 
     def _resolver(self, binding: _Binding, addresses: Mapping[str, int]):
         locations, weights, folded = binding.lowered.locations, self.engine.weights, binding.folded
