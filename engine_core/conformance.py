@@ -149,7 +149,9 @@ def run_case(case: Any, backend: str = "cpu") -> CaseResult:
 
 
 def run_cases(cases: Iterable[Any], backend: str = "cpu", progress: bool = False,
-              trace: bool = False) -> list[CaseResult]:
+              trace: bool = False, checkpoint: str | None = None) -> list[CaseResult]:
+    """Run ``cases``; with ``checkpoint`` the results so far are saved there (JSON) after every case, so
+    a process that dies in native code keeps what it measured."""
     cases = list(cases)
     by_name = {c.name: c for c in cases}
     results = []
@@ -159,6 +161,9 @@ def run_cases(cases: Iterable[Any], backend: str = "cpu", progress: bool = False
         r = run_case(case, backend)
         r.op = case_op(case, by_name)
         results.append(r)
+        if checkpoint:
+            with open(checkpoint, "w") as f:
+                json.dump({"summary": {}, "results": [asdict(x) for x in results]}, f)
         if progress and sys.stderr.isatty():
             print(f"\r[{index + 1}/{len(cases)}] {case.name[:60]:<60}", end="", file=sys.stderr)
     if progress and sys.stderr.isatty():
@@ -245,7 +250,8 @@ def _select(args: argparse.Namespace) -> list[CaseResult]:
     if args.shard:
         index, count = (int(part) for part in args.shard.split("/"))
         cases = cases[index::count]
-    return run_cases(cases, args.backend, progress=True, trace=args.trace)
+    return run_cases(cases, args.backend, progress=True, trace=args.trace,
+                     checkpoint=args.json if args.trace else None)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -38,6 +38,11 @@ def _data_type(cudnn: Any, dtype_name: str) -> Any:
     return types[dtype_name]
 
 
+#: every cuDNN handle made: destroying one while graphs built on it are alive (garbage collection order at
+#: exit) crashed processes in native code, so handles live as long as the process
+_HANDLES: list[Any] = []
+
+
 class _Built:
     def __init__(self, graph: Any, tensors: dict[str, Any], index: int, workspace: int) -> None:
         self.graph, self.tensors, self.index, self.workspace = graph, tensors, index, workspace
@@ -56,6 +61,7 @@ class CudnnConvs:
 
         self.cudnn = cudnn
         self.handle = cudnn.create_handle()
+        _HANDLES.append(self.handle)  # never destroyed: graphs built on it may outlive this object
         self._built: dict[tuple, _Built] = {}
         self._workspace: DeviceBuffer | None = None
         self._stream: int | None = None
