@@ -16,9 +16,10 @@ import uvicorn
 
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
-from server.core import CoreOptions, ServerCore
+from server.core import CoreOptions, ServerCore, build_process
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
+from server.repository import configure_watch
 
 log = logging.getLogger("kiln.server")
 
@@ -30,6 +31,14 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got '{text}'")
+
+
+def _memory_size(text: str) -> int:
+    """A `--build-memory-limit` value in bytes; 0 means no limit."""
+    try:
+        return build_process.parse_size(text) or 0
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +58,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "poll: load at start, then follow the repository directory")
     parser.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
                         help="poll mode: how often the repository is scanned for added/changed/removed models")
+    parser.add_argument("--repository-watch", type=_bool, default=True, metavar="BOOL",
+                        help="poll mode: also rescan on file-system events (needs the watchfiles package), so a "
+                             "model copied into the repository loads within a second")
     parser.add_argument("--plan-cache-dir", default=None, metavar="DIR",
                         help="built plans are cached here (default $KILN_CACHE_DIR/plans or "
                              "~/.cache/kiln/plans; '' disables the cache)")
+    parser.add_argument("--build-memory-limit", type=_memory_size, default=None, metavar="SIZE",
+                        help="memory one model build may use (e.g. 8G, 512M; 0 = no limit); a build past it "
+                             "fails and the model is UNAVAILABLE (default: half of this machine's memory)")
+    parser.add_argument("--build-timeout-secs", type=float, default=build_process.DEFAULT_TIMEOUT_S,
+                        metavar="SECONDS", help="a model build running longer is stopped and fails (0 = no limit)")
     parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: model to load at start ('*' = all; repeatable)")
     parser.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
@@ -64,6 +81,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)
+
+
+def build_limits(args: argparse.Namespace) -> build_process.BuildLimits:
+    """The bounds every model build runs under (builds run in child processes: server/core/build_process.py)."""
+    memory = build_process.default_memory_limit() if args.build_memory_limit is None else args.build_memory_limit
+    return build_process.BuildLimits(memory or None, args.build_timeout_secs or None)
 
 
 def core_options(args: argparse.Namespace) -> CoreOptions:
@@ -122,11 +145,14 @@ async def serve(args: argparse.Namespace) -> int:
         limits = limits_from_args(args)
         http_restricted, grpc_restricted = restrictions_from_args(args)
         plan_cache.configure(args.plan_cache_dir)
+        build_process.configure(build_limits(args))
+        configure_watch(args.repository_watch)
         core = ServerCore(core_options(args))
     except (FileNotFoundError, ValueError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
     limiter = InflightLimiter(limits.max_inflight_requests)  # one budget for HTTP and gRPC together
+    warm_up = asyncio.create_task(asyncio.to_thread(build_process.warm_up))  # overlaps the listeners' start
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))
     graceful_s = lifecycle.settings.timeout_s
@@ -163,8 +189,10 @@ async def serve(args: argparse.Namespace) -> int:
         code = 1
     finally:
         core.begin_drain()
+        build_process.stop_all()  # loads still building fail now instead of holding the exit up
         await lifecycle.shutdown(servers, tasks, grpc_server)
         await core.stop()
+        await asyncio.gather(warm_up, return_exceptions=True)
     return code
 
 

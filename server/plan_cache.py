@@ -3,8 +3,11 @@
 An entry's key is a sha256 over everything that decides the plan's bytes: the model's files (the ONNX file and
 any external-data files beside it), the build configuration (backend, flags, optimization level, profiles),
 the target (backend and GPU architecture) and the Kiln and plan-format versions. Entries are written to a
-temporary file and renamed into place, so a reader never sees half a plan; a corrupt or stale entry fails the
-plan's own checks (PlanFormatError), is removed, and the model is rebuilt and stored again.
+temporary file, fsync'ed and renamed into place, so a reader never sees half a plan: a server killed while
+writing leaves only a temporary file (removed by a later start once it is an hour old), never an entry. A
+corrupt or stale entry fails the plan's own checks (PlanFormatError), is removed, and the model is rebuilt and
+stored again. Builds run in child processes (server/core/build_process.py) that never touch the cache: the
+server stores a plan only once the child has handed all of it over.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,9 @@ from engine_core.version import PLAN_FORMAT_VERSION
 log = logging.getLogger("kiln.server")
 
 PLAN_SUFFIX = ".plan"
+TEMPORARY_SUFFIX = ".tmp"
+#: Temporary files older than this are leftovers of a killed writer (a write takes seconds at most).
+STALE_TEMPORARY_S = 3600.0
 
 
 def default_directory() -> Path:
@@ -81,6 +88,24 @@ class PlanCache:
 
     def __init__(self, directory: str | Path | None) -> None:
         self.directory = Path(directory).expanduser() if directory else None
+        self.remove_stale_temporaries()
+
+    def remove_stale_temporaries(self, older_than_s: float = STALE_TEMPORARY_S) -> int:
+        """Delete temporary files a killed writer left behind (never read as entries, but they take space).
+        Only old ones: another server sharing the directory may be writing a fresh one right now."""
+        if self.directory is None or not self.directory.is_dir():
+            return 0
+        removed, cutoff = 0, time.time() - older_than_s
+        for path in self.directory.glob(f"*/.*{TEMPORARY_SUFFIX}"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except OSError:  # gone already, or not ours to delete: harmless either way
+                continue
+        if removed:
+            log.info("plan cache: removed %d temporary file(s) left by interrupted writes", removed)
+        return removed
 
     def path(self, key: str) -> Path:
         assert self.directory is not None
@@ -93,6 +118,9 @@ class PlanCache:
             return self.path(key).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:  # unreadable entry (permissions, a directory in its place): build instead
+            log.warning("plan cache entry %s cannot be read (%s); building", self.path(key), e)
+            return None
 
     def write(self, key: str, plan: bytes) -> None:
         """Atomically store `plan`: a temporary file in the same directory, then a rename."""
@@ -100,7 +128,7 @@ class PlanCache:
             return
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=target.parent)
+        fd, temporary = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=TEMPORARY_SUFFIX, dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(plan)

@@ -12,13 +12,20 @@ import hashlib
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from server.core.errors import invalid, not_found
-
 CONFIG_FILENAME = "config.pbtxt"
+
+
+def _errors():
+    """server.core.errors, imported on use: server.core imports this module, so importing it at the top would
+    make `import server.repository` fail unless server.core happened to be imported first."""
+    from server.core import errors
+
+    return errors
 
 log = logging.getLogger("kiln.server")
 
@@ -56,9 +63,9 @@ class ModelRepository:
     def _directory(self, name: str) -> Path:
         found = [path / name for path in self.paths if (path / name).is_dir()]
         if not found:
-            raise not_found(f"model '{name}' is not in the model repository")
+            raise _errors().not_found(f"model '{name}' is not in the model repository")
         if len(found) > 1:
-            raise invalid(f"model '{name}' is in more than one repository: {[str(p) for p in found]}")
+            raise _errors().invalid(f"model '{name}' is in more than one repository: {[str(p) for p in found]}")
         return found[0]
 
     def source(self, name: str) -> ModelSource:
@@ -87,15 +94,24 @@ class ModelRepository:
     def fingerprints(self) -> dict[str, str]:
         """Per model name, a digest of its files' paths, sizes and modification times: changes when any
         file is added, removed, rewritten or touched. Models in more than one repository get the joined digest."""
-        prints: dict[str, list[str]] = {}
+        return {name: digest for name, (digest, _) in self.scan().items()}
+
+    def scan(self) -> dict[str, tuple[str, float]]:
+        """Per model name: its fingerprint and the newest modification time (seconds) among its files."""
+        prints: dict[str, list[tuple[str, float]]] = {}
         for path in self.paths:
             for directory in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                prints.setdefault(directory.name, []).append(directory_fingerprint(directory))
-        return {name: "+".join(parts) for name, parts in prints.items()}
+                prints.setdefault(directory.name, []).append(_directory_scan(directory))
+        return {name: ("+".join(d for d, _ in parts), max(m for _, m in parts)) for name, parts in prints.items()}
 
 
 def directory_fingerprint(directory: Path) -> str:
+    return _directory_scan(directory)[0]
+
+
+def _directory_scan(directory: Path) -> tuple[str, float]:
     digest = hashlib.sha256()
+    newest = 0.0
     for path in sorted(directory.rglob("*")):
         try:
             stat = path.stat()
@@ -103,13 +119,38 @@ def directory_fingerprint(directory: Path) -> str:
             continue
         if path.is_file():
             digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
+            newest = max(newest, stat.st_mtime)
+    return digest.hexdigest(), newest
+
+
+#: A model whose files changed less than this long ago is still being copied: it loads on the next scan.
+QUIET_S = 0.25
+_watch_enabled = True
+
+
+def configure_watch(enabled: bool) -> None:
+    """`--repository-watch`: follow poll-mode repositories by file-system events (watchfiles) when installed."""
+    global _watch_enabled
+    _watch_enabled = enabled
+
+
+def _awatch():
+    """watchfiles' `awatch`, or None when the package is not installed (then poll mode polls)."""
+    try:
+        from watchfiles import awatch
+    except ImportError:
+        return None
+    return awatch
 
 
 class RepositoryPoller:
-    """Poll mode: every `interval_s`, compare the repository with the last scan and load models that were
-    added or changed, unload models that were removed. A failed load leaves the loaded versions serving (the
-    load path guarantees that); it is retried when the model's files change again."""
+    """Poll mode: compare the repository with the last scan and load models that were added or changed,
+    unload models that were removed. Scans run on file-system events (watchfiles, when installed: a model
+    copied in loads within a second) and every `interval_s` regardless (events can be missed, e.g. on network
+    file systems); without watchfiles, only every `interval_s`. A model whose files are still changing
+    (newest file under QUIET_S old) waits for the next scan, so a copy in progress is not loaded half-written.
+    A failed load leaves the loaded versions serving (the load path guarantees that); it is retried when the
+    model's files change again."""
 
     def __init__(self, repository: ModelRepository, interval_s: float,
                  load: Callable[[str], Awaitable[None]], unload: Callable[[str], Awaitable[None]]) -> None:
@@ -120,6 +161,7 @@ class RepositoryPoller:
         self._load = load
         self._unload = unload
         self._known: dict[str, str] = {}
+        self.pending: list[str] = []  # models seen changing in the last scan, still being written
 
     def baseline(self) -> None:
         """Remember the repository as it is now (before the startup loads begin)."""
@@ -127,10 +169,20 @@ class RepositoryPoller:
 
     async def poll_once(self) -> tuple[list[str], list[str]]:
         """One scan: returns (models loaded or reloaded, models unloaded)."""
-        current = await asyncio.to_thread(self.repository.fingerprints)
-        previous, self._known = self._known, current
+        scanned = await asyncio.to_thread(self.repository.scan)
+        settling = time.time() - QUIET_S
+        previous = self._known
+        current = {name: digest for name, (digest, _) in scanned.items()}
         changed = sorted(name for name, digest in current.items() if previous.get(name) != digest)
-        removed = sorted(set(previous) - set(current))
+        self.pending = [name for name in changed if scanned[name][1] > settling]
+        for name in self.pending:  # still being written: keep the old fingerprint so the next scan retries
+            if name in previous:
+                current[name] = previous[name]
+            else:
+                del current[name]
+        changed = [name for name in changed if name not in self.pending]
+        self._known = current
+        removed = sorted(set(previous) - set(current) - set(self.pending))
         for name in changed:
             log.info("poll: model '%s' %s in the repository; loading", name,
                      "changed" if name in previous else "appeared")
@@ -140,15 +192,38 @@ class RepositoryPoller:
         return changed, removed
 
     async def run(self) -> None:
-        """Poll until cancelled; a scan that fails (a directory vanishing mid-scan) is logged and retried."""
+        """Follow the repository until cancelled (watch or poll, see the class)."""
+        awatch = _awatch() if _watch_enabled else None
+        if awatch is None:
+            log.info("poll mode: scanning the repository every %s s%s", self.interval_s,
+                     "" if not _watch_enabled else " (install watchfiles to follow it by file-system events)")
+            await self._poll_forever()
+        else:
+            await self._watch_forever(awatch)
+
+    async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.poll_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the poller must outlive any one bad scan
-                log.exception("repository poll failed; retrying in %s s", self.interval_s)
+            await asyncio.sleep(QUIET_S if self.pending else self.interval_s)
+            await self._scan()
+
+    async def _watch_forever(self, awatch) -> None:
+        log.info("poll mode: watching %s for changes (and scanning every %s s)",
+                 ", ".join(str(p) for p in self.repository.paths), self.interval_s)
+        async for _ in awatch(*self.repository.paths, watch_filter=None, debounce=400, step=50,
+                              rust_timeout=int(self.interval_s * 1000), yield_on_timeout=True):
+            await self._scan()
+            while self.pending:  # a copy in progress: look again once it has been quiet for a moment
+                await asyncio.sleep(QUIET_S)
+                await self._scan()
+
+    async def _scan(self) -> None:
+        """One poll_once; a scan that fails (a directory vanishing mid-scan) is logged, the next one retries."""
+        try:
+            await self.poll_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the poller must outlive any one bad scan
+            log.exception("repository scan failed; retrying at the next change or in %s s", self.interval_s)
 
 
 def read_source(name: str, directory: Path) -> ModelSource:
@@ -169,7 +244,7 @@ def select_versions(policy, available: list[int]) -> list[int]:
         wanted = sorted(set(policy.specific.versions))
         missing = [v for v in wanted if v not in available]
         if missing:
-            raise invalid(f"version policy asks for versions {missing}, which are not in the repository "
+            raise _errors().invalid(f"version policy asks for versions {missing}, which are not in the repository "
                           f"(available: {available})")
         return wanted
     count = policy.latest.num_versions if which == "latest" else 1
@@ -185,12 +260,12 @@ def check_upload(name: str, files: dict[str, bytes]) -> None:
 
 def _check_name(name: str) -> None:
     if not name or name in {".", ".."} or "/" in name or "\\" in name:
-        raise invalid(f"invalid model name '{name}'")
+        raise _errors().invalid(f"invalid model name '{name}'")
 
 
 def _safe_relative(relative: str) -> PurePosixPath:
     """A relative path that stays inside the model directory; anything else is refused."""
     path = PurePosixPath(relative)
     if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative:
-        raise invalid(f"uploaded file path '{relative}' must be relative to the model directory, without '..'")
+        raise _errors().invalid(f"uploaded file path '{relative}' must be relative to the model directory, without '..'")
     return path

@@ -17,18 +17,31 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import numpy_helper
+from onnx.external_data_helper import ExternalDataInfo
 
 from engine_core.errors import ParseError
 from engine_core.ir import Graph, Node, Value
 from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.ops import get_op
+from engine_core.passes.constant_folding import max_constant_bytes
 from engine_core.types import onnx_to_np
 
 #: Op implementations follow opset >= 7 semantics (normalizing older attribute forms where they
 #: changed). Models declaring an older opset import when each op's schema is unchanged since then.
 MIN_OPSET = 7
 MAX_OPSET = onnx.defs.onnx_opset_version()
+
+# Bounds on what a model file may ask the importer to build, so a hostile file fails with a reason instead of
+# exhausting memory or time. Real models stay far below them: a few levels of Loop/If bodies, attribute lists
+# of a few dozen entries (weights are tensors, not attribute lists).
+#: Loop/If/Scan bodies nested deeper than this are refused.
+MAX_SUBGRAPH_DEPTH = 16
+#: Entries in one list attribute (ints, floats, strings, tensors, graphs).
+MAX_ATTRIBUTE_ELEMENTS = 1 << 20
+#: Bytes in one string attribute.
+MAX_ATTRIBUTE_STRING_BYTES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -71,10 +84,19 @@ class OnnxParser:
         """Import a serialized model (or a ModelProto); ``path`` resolves external weights."""
         try:
             proto = model if isinstance(model, onnx.ModelProto) else onnx.load_model_from_string(bytes(model))
-            if path is not None:
-                onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
         except Exception as e:  # onnx raises DecodeError, ValueError, OSError, ...
             self._error(f"not a valid ONNX model: {e}")
+            return False
+        try:
+            depth = _subgraph_depth(proto.graph)
+            if depth > MAX_SUBGRAPH_DEPTH:
+                raise ParseError(f"subgraphs (Loop/If/Scan bodies) nest {depth} levels deep; Kiln accepts at "
+                                 f"most {MAX_SUBGRAPH_DEPTH}")
+            _load_external_data(proto, None if path is None else os.path.dirname(os.path.abspath(path)))
+        except MemoryError:
+            raise  # not a property of the model: the caller's memory limit (a build process's) says why
+        except Exception as e:  # noqa: BLE001 - ParseError says why; anything else is a malformed field
+            self._error(str(e) if isinstance(e, ParseError) else f"not a valid ONNX model: {e}")
             return False
         return self._import(proto)
 
@@ -124,9 +146,17 @@ class OnnxParser:
         tensors visible from enclosing graphs)."""
         graph = Graph(name=g.name or "network", opsets=dict(opsets))
         for init in g.initializer:
-            graph.constants[init.name] = numpy_helper.to_array(init)
+            try:
+                graph.constants[init.name] = _to_array(init)
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - dims that disagree with the data, unknown types, ...
+                self._error(f"initializer '{init.name}': {e}")
         for sparse in g.sparse_initializer:
-            graph.constants[sparse.values.name] = _sparse_to_dense(sparse)
+            try:
+                graph.constants[sparse.values.name] = _sparse_to_dense(sparse)
+            except Exception as e:  # noqa: BLE001 - as above
+                self._error(f"sparse initializer '{sparse.values.name}': {e}")
         graph.inputs = [_value(v) for v in g.input if v.name not in graph.constants]
         graph.outputs = [_value(v) for v in g.output]
         visible = set(outer or ()) | set(graph.constants) | set(graph.input_names) | {""}
@@ -185,14 +215,15 @@ class OnnxParser:
         A = onnx.AttributeProto
         if attr.ref_attr_name:
             raise ParseError(f"attribute '{attr.name}' refers to a function attribute outside a function")
+        _check_attribute_size(attr)
         if attr.type == A.GRAPH:
             return self.import_graph(attr.g, graph.opsets, visible)
         if attr.type == A.GRAPHS:
             return [self.import_graph(g, graph.opsets, visible) for g in attr.graphs]
         if attr.type == A.TENSOR:
-            return numpy_helper.to_array(attr.t)
+            return _to_array(attr.t)
         if attr.type == A.TENSORS:
-            return [numpy_helper.to_array(t) for t in attr.tensors]
+            return [_to_array(t) for t in attr.tensors]
         if attr.type == A.SPARSE_TENSOR:
             return _sparse_to_dense(attr.sparse_tensor)
         if attr.type == A.STRING:
@@ -236,7 +267,113 @@ def _value(v: onnx.ValueInfoProto) -> Value:
     return Value(v.name, np.dtype(np.float32), None)
 
 
+def _check_attribute_size(attr: onnx.AttributeProto) -> None:
+    """Refuse list and string attributes too large for any real model, before converting them to Python."""
+    count = max(len(attr.ints), len(attr.floats), len(attr.strings), len(attr.tensors), len(attr.graphs),
+                len(attr.sparse_tensors), len(attr.type_protos))
+    if count > MAX_ATTRIBUTE_ELEMENTS:
+        raise ParseError(f"attribute '{attr.name}' has {count} entries; Kiln accepts at most {MAX_ATTRIBUTE_ELEMENTS} "
+                         "(store large values as tensors)")
+    size = max([len(attr.s), *(len(s) for s in attr.strings)])
+    if size > MAX_ATTRIBUTE_STRING_BYTES:
+        raise ParseError(f"attribute '{attr.name}' holds a string of {size} bytes; Kiln accepts at most "
+                         f"{MAX_ATTRIBUTE_STRING_BYTES}")
+
+
+def _declared_bytes(dims: Any, elem_type: int) -> int:
+    """Bytes a tensor of these dims takes once materialized (Python ints: hostile dims must not overflow)."""
+    count = 1
+    for d in dims:
+        if d < 0:
+            raise ParseError(f"negative dimension {d} in {list(dims)}")
+        count *= int(d)
+    itemsize = onnx_to_np(elem_type).itemsize if elem_type else 1
+    return count * max(itemsize, 1)
+
+
+def _check_tensor_size(name: str, dims: Any, elem_type: int, what: str = "tensor") -> int:
+    size = _declared_bytes(dims, elem_type)
+    if size > max_constant_bytes():
+        raise ParseError(f"{what} '{name}' of shape {list(dims)} would take {size} bytes, over Kiln's limit of "
+                         f"{max_constant_bytes()} bytes for one constant (KILN_MAX_CONSTANT_BYTES)")
+    return size
+
+
+def _to_array(tensor: onnx.TensorProto) -> np.ndarray:
+    _check_tensor_size(tensor.name, tensor.dims, tensor.data_type)
+    return numpy_helper.to_array(tensor)
+
+
+def _subgraph_depth(graph: onnx.GraphProto) -> int:
+    """How many levels of bodies (graph attributes) `graph` contains; 0 for none."""
+    depth = 0
+    for node in graph.node:
+        for attr in node.attribute:
+            for body in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                depth = max(depth, 1 + _subgraph_depth(body))
+    return depth
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Any:
+    """Every TensorProto of `graph` and its bodies: initializers, sparse values/indices, tensor attributes."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sparse in [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []:
+                yield from (sparse.values, sparse.indices)
+            for sparse in attr.sparse_tensors:
+                yield from (sparse.values, sparse.indices)
+            for body in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _all_tensors(body)
+
+
+def _load_external_data(model: onnx.ModelProto, base_dir: str | None) -> None:
+    """Read every external tensor's bytes into the model, confined to `base_dir` (the model file's directory).
+
+    Reads exactly the bytes each tensor's dims need (never a whole file), refuses locations that resolve
+    outside the directory (absolute paths, '..', links pointing out), and refuses external data altogether
+    when the model came without a path: relative locations would otherwise resolve against the cwd.
+    """
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = ExternalDataInfo(tensor)
+        if base_dir is None:
+            raise ParseError(f"tensor '{tensor.name}' keeps its data in the external file '{info.location}'; "
+                             "parse the model from its file (parse_from_file, or parse(..., path=))")
+        size = _check_tensor_size(tensor.name, tensor.dims, tensor.data_type, "external tensor")
+        if info.length and info.length != size:
+            raise ParseError(f"external tensor '{tensor.name}' declares {info.length} bytes, its shape "
+                             f"{list(tensor.dims)} needs {size}")
+        tensor.raw_data = _read_confined(base_dir, info.location, info.offset or 0, size, tensor.name)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+def _read_confined(base_dir: str, location: str, offset: int, size: int, name: str) -> bytes:
+    root = os.path.realpath(base_dir)
+    target = os.path.realpath(os.path.join(root, location))
+    if os.path.isabs(location) or os.path.commonpath([root, target]) != root:
+        raise ParseError(f"external tensor '{name}': location '{location}' is outside the model's directory")
+    try:
+        with open(target, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(size)
+    except OSError as e:
+        raise ParseError(f"external tensor '{name}': cannot read '{location}': {e.strerror}") from None
+    if len(data) != size:
+        raise ParseError(f"external tensor '{name}': '{location}' holds {len(data)} bytes from offset {offset}, "
+                         f"the tensor needs {size}")
+    return data
+
+
 def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    _check_tensor_size(sparse.values.name, sparse.dims, sparse.values.data_type, "sparse tensor")
     values = numpy_helper.to_array(sparse.values)
     indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
     dims = tuple(sparse.dims)

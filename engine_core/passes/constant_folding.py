@@ -2,18 +2,33 @@
 
 Ops that are not deterministic (random) are kept; so are folds whose result would be much larger
 than their inputs (an Expand or Tile of a small constant is cheaper to run than to store).
+Each fold's output size is predicted by the op's (cheap) shape inference before anything runs, so a
+hostile ConstantOfShape/Expand/Tile never allocates its output here; one whose constant output would
+exceed `max_constant_bytes()` fails the build, since every run of the plan would have to allocate it.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from engine_core.backends.cpu import run_node
-from engine_core.ir import Graph, has_subgraph
-from engine_core.ops import get_op
+from engine_core.errors import BuildError
+from engine_core.ir import Graph, Node, has_subgraph
+from engine_core.ops import TensorInfo, get_op
+from engine_core.passes.shape_inference import VALUE_LIMIT
 
 #: Never store a folded result larger than this many bytes unless its inputs were as large.
 GROWTH_LIMIT_BYTES = 1 << 20
+#: Default bound on one constant tensor (imported or computed from constants): 16 GiB.
+MAX_CONSTANT_BYTES = 1 << 34
+
+
+def max_constant_bytes() -> int:
+    """The bound on one constant tensor: `KILN_MAX_CONSTANT_BYTES` if set, else MAX_CONSTANT_BYTES."""
+    text = os.environ.get("KILN_MAX_CONSTANT_BYTES", "")
+    return int(text) if text.strip().isdigit() else MAX_CONSTANT_BYTES
 
 
 def fold_constants(graph: Graph) -> int:
@@ -25,7 +40,8 @@ def fold_constants(graph: Graph) -> int:
         op = get_op(node.op_type, node.domain)
         present = [i for i in node.inputs if i]
         if node.op_type == "Shape" and not node.domain and present and present[0] in static_shapes:
-            args = [np.empty(static_shapes[present[0]], dtype=np.uint8)]  # only the shape is read
+            # only the shape is read: a zero-stride view, so a huge declared input shape allocates nothing
+            args = [np.broadcast_to(np.zeros((), np.uint8), static_shapes[present[0]])]
         elif op is None or not op.deterministic or not present or not all(i in graph.constants for i in present):
             kept.append(node)
             continue
@@ -34,15 +50,21 @@ def fold_constants(graph: Graph) -> int:
         if has_subgraph(node):
             kept.append(node)
             continue
+        in_bytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray) and a.strides != (0,) * a.ndim)
+        predicted = _predicted_bytes(node, args)
+        if predicted is not None and predicted > max_constant_bytes():
+            raise BuildError(f"layer {node}: its output, computed from constants only, would take {predicted} "
+                             f"bytes, over the limit of {max_constant_bytes()} (KILN_MAX_CONSTANT_BYTES)")
+        growth_limit = max(GROWTH_LIMIT_BYTES, 2 * in_bytes)
+        if predicted is not None and predicted > growth_limit:
+            kept.append(node)  # cheaper to run than to store; and running it here could exhaust memory
+            continue
         try:
             outputs = run_node(node, args)
         except Exception:
             kept.append(node)  # the error surfaces, with its layer name, when the plan runs
             continue
-        in_bytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
-        if any(not isinstance(o, np.ndarray) for o in outputs) or (
-            sum(o.nbytes for o in outputs) > max(GROWTH_LIMIT_BYTES, 2 * in_bytes)
-        ):
+        if any(not isinstance(o, np.ndarray) for o in outputs) or sum(o.nbytes for o in outputs) > growth_limit:
             kept.append(node)
             continue
         for name, value in zip(node.outputs, outputs):
@@ -52,3 +74,25 @@ def fold_constants(graph: Graph) -> int:
     graph.nodes = kept
     return folded
 
+
+def _info(array: np.ndarray) -> TensorInfo:
+    """What shape inference sees of a constant: values only for small ones, as in the shape-inference pass."""
+    return TensorInfo.of(array) if array.size <= VALUE_LIMIT else TensorInfo(array.dtype, array.shape)
+
+
+def _predicted_bytes(node: Node, args: list) -> int | None:
+    """Total bytes of the node's outputs by its shape inference, or None when that cannot tell."""
+    op = get_op(node.op_type, node.domain)
+    try:
+        infos = op.infer(node, *(_info(a) if isinstance(a, np.ndarray) else None for a in args))
+    except Exception:  # noqa: BLE001 - no prediction: fall back to running the node
+        return None
+    total = 0
+    for info in infos if isinstance(infos, (list, tuple)) else [infos]:
+        if info is None or info.shape is None:
+            return None
+        count = 1
+        for d in info.shape:
+            count *= int(d)
+        total += count * info.dtype.itemsize
+    return total
