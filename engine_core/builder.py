@@ -9,6 +9,7 @@ and logs on failure); ``build_plan`` raises ``BuildError`` with the reason inste
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -388,6 +389,12 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             dims = _io_dims(shapes)  # type: ignore[arg-type]
         io.append(IOTensor(v.name, TensorIOMode.OUTPUT, dtype, dims))
 
+    for p in range(len(profiles)):  # a model that cannot run even at its smallest shapes fails here
+        size, name, shape = _largest_tensor(graph, inferred[(p, 0)])
+        if size > _physical_memory_bytes():
+            raise BuildError(f"tensor '{name}' {list(shape)} would take {size / 2**30:.1f} GiB even at the smallest "
+                             f"input shapes (optimization profile {p}), more than this machine's memory: "
+                             "no request could run")
     memory = max(_activation_peak_bytes(graph, inferred[(p, 2)]) for p in range(len(profiles)))
     limit = config.get_memory_pool_limit(MemoryPoolType.WORKSPACE)
     if memory > limit and config.backend != "cpu":
@@ -446,6 +453,24 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         },
     )
     return serialize_plan(plan)
+
+
+def _largest_tensor(graph: Graph, infos: dict[str, TensorInfo]) -> tuple[int, str, tuple[int, ...]]:
+    """(bytes, name, shape) of the largest non-constant tensor with a known shape."""
+    best: tuple[int, str, tuple[int, ...]] = (0, "", ())
+    for name, info in infos.items():
+        if name not in graph.constants and info is not None and info.shape is not None and info.dtype is not None:
+            size = int(np.prod(info.shape, dtype=np.float64)) * np.dtype(info.dtype).itemsize
+            if size > best[0]:
+                best = (size, name, tuple(info.shape))
+    return best
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no limit
+        return 1 << 62
 
 
 def _timing_cache_for(config: BuilderConfig) -> TimingCache | None:

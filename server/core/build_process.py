@@ -19,7 +19,6 @@ interpreter start). CUDA builds use `spawn`: a fresh interpreter, so no CUDA sta
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import resource
@@ -31,8 +30,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import engine_core as kiln
-from engine_core.ops import TensorInfo
-from engine_core.passes import infer_shapes
 
 log = logging.getLogger("kiln.server")
 
@@ -239,34 +236,7 @@ def parse_and_build(model_path: str, config: kiln.BuilderConfig) -> bytes:
     if not parser.parse_from_file(model_path):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise kiln.BuildError(f"ONNX import failed: {errors}")
-    check_smallest_shapes(network, config, physical_memory_bytes())
-    return kiln.build_plan(network, config)
-
-
-def check_smallest_shapes(network: kiln.NetworkDefinition, config: kiln.BuilderConfig, limit: int) -> None:
-    """Refuse a model one of whose tensors, at the smallest input shapes a profile allows, exceeds `limit`
-    (this machine's memory): it could not serve a single request (e.g. an Expand of the input to a huge
-    constant shape). Where shapes cannot be told here, the builder has the last word."""
-    graph = network.graph
-    for index, profile in enumerate(config.profiles or [None]):
-        inputs = {}
-        for value in graph.inputs:
-            shape = profile.shapes[value.name][0] if profile is not None and value.name in profile.shapes else value.shape
-            if value.is_tensor and (shape is None or not all(isinstance(d, int) and d >= 0 for d in shape)):
-                return
-            inputs[value.name] = TensorInfo(value.dtype, tuple(shape) if value.is_tensor else None)
-        try:
-            infos = infer_shapes(graph, inputs)
-        except Exception:  # noqa: BLE001 - the build reports what is wrong, with more context
-            return
-        for name, info in infos.items():
-            if name in graph.constants or info is None or info.shape is None:
-                continue
-            size = math.prod(info.shape) * info.dtype.itemsize
-            if size > limit:
-                raise kiln.BuildError(f"tensor '{name}' {list(info.shape)} would take {format_size(size)} even at "
-                                      f"the smallest input shapes (optimization profile {index}), more than this "
-                                      f"machine's memory ({format_size(limit)}): no request could run")
+    return kiln.build_plan(network, config)  # refuses tensors over this machine's memory at the smallest shapes
 
 
 def _child_main(sender: Connection, model_path: str, config: kiln.BuilderConfig, address_limit: int | None,
