@@ -1,15 +1,17 @@
 """Soak: mixed good and bad traffic for N minutes while the server's RSS is sampled; RSS must stay flat.
 
     python -m load_tests.soak --minutes 10                       # starts a server on the example repository
-    python -m load_tests.soak --minutes 2 --json-file soak.json
+    python -m load_tests.soak --minutes 2 --json-file soak.json  # default file: bench/results/soak_<time>.json
 
-Traffic (threads, `--concurrency` of them, round-robin over the mix): add_sub JSON and binary over HTTP,
-simple_cnn images, identity with every datatype, gRPC ModelInfer, and fuzzed bad requests (load_tests.fuzz).
-Every good answer is checked against numpy; a request is *lost* when it gets no HTTP answer at all.
-RSS comes from /proc/<pid>/status (psutil is not needed). "Flat" means: after the first `--warmup-s`,
-the median of the last quarter of samples exceeds the median of the first quarter by less than
-`--max-growth-mb` (default 32 MiB), and the least-squares slope is under `--max-slope-mb-per-min`.
-Exit code 0 when flat, no request lost and no unexpected 5xx.
+Traffic (threads, `--concurrency` of them, each picking at random from the mix): add_sub JSON and binary over
+HTTP (batch 1..8), simple_cnn images with classification, identity with several datatypes, gRPC ModelInfer on
+add_sub and simple_cnn, and fuzzed bad requests (load_tests.fuzz, a third of the traffic). Every good answer is
+checked against numpy; a request is *lost* when it gets no answer at all (HTTP transport error, gRPC
+UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED / UNKNOWN).
+RSS comes from /proc/<pid>/status (psutil is not needed), every `--sample-s`. "Flat" means: over the last 80%
+of the run (the first 20% is warm-up: allocator arenas, caches, first-time imports) the least-squares slope of
+RSS is under `--max-slope-mb-per-min` and the fitted line rises less than `--max-growth-mb` end to end.
+Exit code 0 when flat, no request lost, no wrong answer, no unexpected 5xx and no worker restart.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
+import re
 import sys
 import threading
 import time
@@ -50,13 +52,20 @@ class SoakReport:
     wrong_answers: int = 0
     server_errors: int = 0
     lost: int = 0
+    worker_restarts: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
+    by_action: dict[str, int] = field(default_factory=dict)
     rss_samples_mb: list[float] = field(default_factory=list)
-    rss_start_mb: float = 0.0
-    rss_end_mb: float = 0.0
-    rss_growth_mb: float = 0.0
+    rss_sample_minutes: list[float] = field(default_factory=list)
+    rss_start_mb: float = 0.0  # first sample of the fit window
+    rss_end_mb: float = 0.0  # last sample
+    rss_max_mb: float = 0.0
+    rss_growth_mb: float = 0.0  # the fitted line's rise over the fit window
     rss_slope_mb_per_min: float = 0.0
+    max_slope_mb_per_min: float = 0.0
+    max_growth_mb: float = 0.0
     flat: bool = False
+    passed: bool = False
 
 
 class Traffic:
@@ -122,26 +131,84 @@ class Traffic:
         try:
             response = self.grpc.ModelInfer(request, timeout=60)
         except grpc.RpcError as e:
+            if e.code() in LOST_GRPC_CODES:
+                raise NoAnswer(f"gRPC {e.code().name}") from None
             return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
         got = np.frombuffer(response.raw_output_contents[0], np.int32)
         return "good", 200, bool(np.array_equal(got, a.ravel() + 1))
+
+    def grpc_cnn(self) -> tuple[str, int, bool]:
+        if self.grpc is None:
+            return self.cnn()
+        import grpc
+
+        from server.protos import grpc_service_pb2 as pb
+        batch = self.rng.randint(1, 4)
+        x = np.full((batch, 3, 32, 32), 0.25, np.float32)
+        request = pb.ModelInferRequest(model_name="simple_cnn")
+        request.inputs.add(name="INPUT", datatype="FP32").shape.extend(x.shape)
+        request.raw_input_contents.append(x.tobytes())
+        try:
+            response = self.grpc.ModelInfer(request, timeout=60)
+        except grpc.RpcError as e:
+            if e.code() in LOST_GRPC_CODES:
+                raise NoAnswer(f"gRPC {e.code().name}") from None
+            return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
+        ok = len(response.outputs) >= 1 and response.outputs[0].shape[0] == batch
+        return "good", 200, bool(ok)
+
+    def identity(self) -> tuple[str, int, bool]:
+        """Every input of the identity model (it takes all of them), values chosen per datatype; each output must
+        echo its input. Its config leaves max_batch_size to auto-completion (4): the one dim is the batch."""
+        n = self.rng.randint(1, 4)
+        values = {"BOOL": [i % 2 == 0 for i in range(n)], "UINT8": list(range(n)), "UINT16": list(range(n)),
+                  "UINT32": list(range(n)), "UINT64": list(range(n)), "INT8": [-i for i in range(n)],
+                  "INT16": [-i for i in range(n)], "INT32": [i * 1000 for i in range(n)],
+                  "INT64": [i << 40 for i in range(n)], "FP16": [i / 2 for i in range(n)],
+                  "FP32": [i / 4 for i in range(n)], "FP64": [i / 8 for i in range(n)],
+                  "BF16": [float(i) for i in range(n)], "BYTES": [f"s{i}" for i in range(n)]}
+        body = {"inputs": [{"name": f"IN_{t}", "shape": [n], "datatype": t, "data": v} for t, v in values.items()]}
+        response = self.http.post("/v2/models/identity/infer", json=body)
+        if response.status_code != 200:
+            return "good", response.status_code, False
+        got = {o["name"]: o["data"] for o in response.json()["outputs"]}
+        return "good", 200, all(got.get(f"OUT_{t}") == v for t, v in values.items())
 
     def bad(self) -> tuple[str, int, bool]:
         method, path, body, headers = build_request(self.rng.choice(self.ops), self.gen)
         response = self.http.request(method, path, content=body or None, headers=headers)
         return "bad", response.status_code, response.status_code < 500 or response.status_code == 503
 
-    def one(self) -> tuple[str, int, bool]:
-        action = self.rng.choice([self.add_sub_json, self.add_sub_binary, self.cnn, self.grpc_infer, self.bad,
-                                  self.bad])
-        return action()
+    def one(self) -> tuple[str, str, int, bool]:
+        """One request of a random kind: (action name, 'good' or 'bad', status, correct)."""
+        action = self.rng.choice([self.add_sub_json, self.add_sub_binary, self.cnn, self.identity, self.grpc_infer,
+                                  self.grpc_cnn, self.bad, self.bad, self.bad])
+        return (action.__name__, *action())
+
+
+class NoAnswer(Exception):
+    """The request got no answer (a lost request)."""
+
+
+def _lost_grpc_codes() -> set:
+    try:
+        import grpc
+    except ImportError:
+        return set()
+    return {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.UNKNOWN}
+
+
+LOST_GRPC_CODES = _lost_grpc_codes()
 
 
 def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: str | None = None,
-         sample_s: float = 5.0, warmup_s: float = 20.0, seed: int = 0) -> SoakReport:
-    report = SoakReport(minutes=minutes)
+         sample_s: float = 5.0, seed: int = 0, max_slope: float = 2.0, max_growth: float = 32.0,
+         metrics_url: str | None = None) -> SoakReport:
+    report = SoakReport(minutes=minutes, max_slope_mb_per_min=max_slope, max_growth_mb=max_growth)
     schema = httpx.get(base_url + "/openapi.json", timeout=30).json()
     statuses: Counter[str] = Counter()
+    actions: Counter[str] = Counter()
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -149,15 +216,16 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
         traffic = Traffic(base_url, grpc_url, seed * 1000 + index, schema)
         while not stop.is_set():
             try:
-                kind, status, ok = traffic.one()
-            except httpx.HTTPError as e:
+                action, kind, status, ok = traffic.one()
+            except (httpx.HTTPError, NoAnswer) as e:
                 with lock:
                     report.requests += 1
                     report.lost += 1
-                    statuses[type(e).__name__] += 1
+                    statuses[f"{type(e).__name__}: {e}"[:80]] += 1
                 continue
             with lock:
                 report.requests += 1
+                actions[action] += 1
                 statuses[str(status)] += 1
                 if kind == "bad":
                     report.bad_sent += 1
@@ -172,30 +240,41 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
     for thread in threads:
         thread.start()
     started = time.monotonic()
-    times: list[float] = []
     while time.monotonic() - started < minutes * 60:
         time.sleep(sample_s)
-        if time.monotonic() - started >= warmup_s:
-            times.append((time.monotonic() - started) / 60)
-            report.rss_samples_mb.append(round(rss_mb(pid), 1))
+        report.rss_sample_minutes.append(round((time.monotonic() - started) / 60, 3))
+        report.rss_samples_mb.append(round(rss_mb(pid), 1))
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
     report.statuses = dict(sorted(statuses.items()))
-    _judge(report, times)
+    report.by_action = dict(sorted(actions.items()))
+    if metrics_url:
+        report.worker_restarts = worker_restarts(metrics_url)
+    judge(report)
     return report
 
 
-def _judge(report: SoakReport, times: list[float], max_growth_mb: float = 32.0, max_slope: float = 8.0) -> None:
-    samples = report.rss_samples_mb
-    if len(samples) < 4:
-        return
-    quarter = max(len(samples) // 4, 1)
-    report.rss_start_mb = statistics.median(samples[:quarter])
-    report.rss_end_mb = statistics.median(samples[-quarter:])
-    report.rss_growth_mb = round(report.rss_end_mb - report.rss_start_mb, 1)
-    report.rss_slope_mb_per_min = round(float(np.polyfit(times, samples, 1)[0]), 2)
-    report.flat = report.rss_growth_mb < max_growth_mb and report.rss_slope_mb_per_min < max_slope
+def worker_restarts(metrics_url: str) -> int:
+    """Sum of kiln_worker_restarts_total over every model (a restart in a soak is a fault to explain)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    return int(sum(float(v) for v in re.findall(r"^kiln_worker_restarts_total\{[^}]*\} (\S+)$", text, re.M)))
+
+
+def judge(report: SoakReport, fit_share: float = 0.8) -> None:
+    """Flat RSS: least-squares line over the samples of the last `fit_share` of the run; its slope (MiB/min)
+    and its rise over that window must stay under the report's limits. Sets `flat` and `passed`."""
+    times, samples = report.rss_sample_minutes, report.rss_samples_mb
+    window = [(t, s) for t, s in zip(times, samples) if t >= (1 - fit_share) * report.minutes]
+    if len(window) >= 4:
+        t, s = np.array(window).T
+        slope, intercept = np.polyfit(t, s, 1)
+        report.rss_start_mb, report.rss_end_mb, report.rss_max_mb = float(s[0]), float(s[-1]), float(max(samples))
+        report.rss_slope_mb_per_min = round(float(slope), 3)
+        report.rss_growth_mb = round(float(slope * (t[-1] - t[0])), 1)
+        report.flat = bool(slope < report.max_slope_mb_per_min and report.rss_growth_mb < report.max_growth_mb)
+    report.passed = (report.flat and report.lost == 0 and report.server_errors == 0 and report.wrong_answers == 0
+                     and report.worker_restarts == 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,32 +282,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--warmup-s", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-file", help="also write the report here")
+    parser.add_argument("--max-slope-mb-per-min", type=float, default=2.0)
+    parser.add_argument("--max-growth-mb", type=float, default=32.0)
+    parser.add_argument("--json-file", help="default: bench/results/soak_<time>.json")
     args = parser.parse_args(argv)
     with example_server() as (url, pid):
         grpc_url = None
         try:
             import server.frontends.grpc  # noqa: F401
 
-            grpc_url = _grpc_url(pid)
+            grpc_url = _flag_url(pid, b"--grpc-port", "{}")
         except ImportError:
             pass
-        report = soak(url, pid, args.minutes, args.concurrency, grpc_url, args.sample_s, args.warmup_s, args.seed)
-    text = json.dumps(asdict(report), indent=2)
-    print(text)
-    if args.json_file:
-        Path(args.json_file).write_text(text + "\n")
-    return 0 if report.flat and report.lost == 0 and report.server_errors == 0 and report.wrong_answers == 0 else 1
+        report = soak(url, pid, args.minutes, args.concurrency, grpc_url, args.sample_s, args.seed,
+                      args.max_slope_mb_per_min, args.max_growth_mb, _flag_url(pid, b"--metrics-port", "http://{}/metrics"))
+    summary = {k: v for k, v in asdict(report).items() if k not in ("rss_samples_mb", "rss_sample_minutes")}
+    print(json.dumps(summary, indent=2))
+    path = Path(args.json_file or Path(__file__).resolve().parents[1] / "bench" / "results"
+                / f"soak_{time.strftime('%Y%m%dT%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = "python -m load_tests.soak " + " ".join(sys.argv[1:] if argv is None else argv)
+    path.write_text(json.dumps({"command": command.strip(), **asdict(report)}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0 if report.passed else 1
 
 
-def _grpc_url(pid: int) -> str | None:
-    """The gRPC port of the server we started: read from its command line."""
+def _flag_url(pid: int, flag: bytes, template: str) -> str | None:
+    """The URL of a port of the server we started (`--grpc-port`, `--metrics-port`): read from its command line."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    for flag, value in zip(argv, argv[1:]):
-        if flag == b"--grpc-port":
-            return f"127.0.0.1:{value.decode()}"
+    for name, value in zip(argv, argv[1:]):
+        if name == flag:
+            return template.format(f"127.0.0.1:{value.decode()}")
     return None
 
 

@@ -18,6 +18,7 @@ from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
+from server.core.settings import AdaptiveSettings
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
 from server.repository import configure_watch
 
@@ -58,6 +59,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "poll: load at start, then follow the repository directory")
     parser.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS",
                         help="poll mode: how often the repository is scanned for added/changed/removed models")
+    parser.add_argument("--adaptive-profiles", action="store_true",
+                        help="refit optimization profiles to the request shapes seen and hot-swap the rebuilt plan")
+    parser.add_argument("--adaptive-profiles-interval-secs", type=float, default=60.0,
+                        help="how often each model's traffic is looked at (default 60)")
+    parser.add_argument("--adaptive-profiles-min-requests", type=int, default=1000,
+                        help="requests seen since the last fit before a model is refitted (default 1000)")
+    parser.add_argument("--adaptive-profiles-max", type=int, default=4,
+                        help="quantile cuts per variable dim (default 4)")
     parser.add_argument("--repository-watch", type=_bool, default=True, metavar="BOOL",
                         help="poll mode: also rescan on file-system events (needs the watchfiles package), so a "
                              "model copied into the repository loads within a second")
@@ -100,7 +109,16 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         log_verbose=args.log_verbose,
         log_file=args.log_file,
         log_format=args.log_format,
+        adaptive=_adaptive(args),
     )
+
+
+def _adaptive(args: argparse.Namespace) -> AdaptiveSettings:
+    """--adaptive-profiles and its knobs; without the flag the KILN_ADAPTIVE_* environment decides."""
+    if not args.adaptive_profiles:
+        return AdaptiveSettings.from_env()
+    return AdaptiveSettings(True, args.adaptive_profiles_interval_secs, args.adaptive_profiles_min_requests,
+                            args.adaptive_profiles_max)
 
 
 class _Server(uvicorn.Server):

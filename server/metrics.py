@@ -3,7 +3,8 @@
 Served on their own port (default 8002) at `/metrics`. A collector turns `ModelStatistics` into metric
 families, so the numbers are the same ones /stats reports. Counter names carry no `_total` suffix, exactly as
 Triton exposes them (dashboards written for Triton keep working), so the text is rendered here rather than by
-prometheus_client's `generate_latest`, which would rename them.
+prometheus_client's `generate_latest`, which would rename them. Kiln's own families (`kiln_*`: worker restarts,
+live workers, adaptive-profile rebuilds) follow Prometheus naming instead.
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ _COUNTERS = {
 }
 
 
+# Kiln's own per-version families (Prometheus naming, `_total` on counters): name -> (help, type, read it
+# from a `ModelVersion`).
+_KILN_FAMILIES = {
+    "kiln_worker_restarts_total": ("Execution contexts (workers) replaced after their execution failed",
+                                   "counter", lambda v: v.worker_restarts),
+    "kiln_workers": ("Execution contexts (workers) serving; fewer than configured when a replacement failed",
+                     "gauge", lambda v: v.workers.alive),
+    "kiln_profile_rebuilds_total": ("Plans rebuilt with optimization profiles fitted to traffic and swapped in",
+                                    "counter", lambda v: v.profile_rebuilds),
+    "kiln_optimization_profiles": ("Optimization profiles in the plan serving this version", "gauge",
+                                   lambda v: v.engine.num_optimization_profiles),
+}
+
+
 class InferenceMetricsCollector:
     """A prometheus_client collector over the core's loaded model versions."""
 
@@ -60,6 +75,13 @@ class InferenceMetricsCollector:
             family = Metric(name, help_text, "counter")
             for stat in stats:
                 family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
+            yield family
+        versions = self._core.loaded_versions()
+        for name, (help_text, kind, read_version) in _KILN_FAMILIES.items():
+            family = Metric(name, help_text, kind)
+            for version in versions:
+                family.add_sample(name, {"model": version.name, "version": str(version.version)},
+                                  float(read_version(version)))
             yield family
 
 

@@ -17,7 +17,7 @@ Core API (all `async`; versions are strings, "" = latest ready):
     model_config(name, version), infer(InferRequest) -> InferResponse, repository_index(ready=False),
     load_model(name, config_json | None, files {path: bytes}), unload_model(name, unload_dependents=False),
     model_statistics(name="", version=""), system_shared_memory_status/register/unregister,
-    cuda_shared_memory_status/register/unregister (UNAVAILABLE: no CUDA IPC), trace_settings(model, updates),
+    cuda_shared_memory_status/register/unregister (CUDA IPC; INVALID_ARGUMENT "no CUDA device on this server" without a GPU), trace_settings(model, updates),
     log_settings(updates).
 """
 

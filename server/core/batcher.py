@@ -7,12 +7,25 @@ it is full, when it reaches a preferred size, or when its oldest request has wai
 otherwise the dispatcher waits for more requests (opportunistic batching: while every context is busy,
 requests simply accumulate, so batches grow with load). Queue policies give per-request timeouts (REJECT
 answers an error, DELAY only lowers the request's priority) and a maximum queue size (RESOURCE_EXHAUSTED).
+
+Padding (model config parameter `kiln_pad_batch: "true"`): requests whose non-batch dims differ are batched
+too when their inputs have the same names, datatypes and ranks and fall in the same optimization profile.
+Each input is padded with zeros to the largest shape in the batch; each output is cut back to the shape the
+request would get alone (the engine's shape inference, no execution). That is done only where it is sound:
+every output dim that changes with the padding must follow an input dim. When one does not (a reduced or
+data-dependent dim), the batch runs without the odd members and padding is switched off for the model.
+Whether zeros are neutral for the model's math (true for elementwise ops and row-wise ops over unpadded
+axes, not for a softmax or mean over a padded axis) is the config owner's call; docs/server.md says so.
+
+A fault while executing (see `scheduler.Workers`) fails only the requests of that batch, and their worker
+context is replaced; the dispatcher keeps serving on the others meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +36,29 @@ import numpy as np
 from server.protos import model_config_pb2
 
 from .errors import ErrorKind, ServerError, invalid, unavailable
-from .scheduler import ExecutionRecorder, Executor, Job, JobResult, run_on_context
+from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, Workers
 from .statistics import ExecutionTimes
+
+log = logging.getLogger("kiln.server.batcher")
 
 QueuePolicy = model_config_pb2.ModelQueuePolicy
 DynamicBatching = model_config_pb2.ModelDynamicBatching
 
 # A job's compatibility key: per input, its dtype and its shape without the batch dim.
 ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+# With padding: the job's profile (bucket) and, per input, its dtype and rank.
+PadKey = tuple[int, tuple[tuple[str, str, int], ...]]
+Shapes = dict[str, tuple[int, ...]]
+
+
+@dataclass
+class Padding:
+    """What the batcher needs from the model to pad: the output shapes that given input shapes produce
+    (None when shape inference cannot tell), and the bucket (optimization profile) of a job's input shapes;
+    only jobs of one bucket are padded together, so a batch never outgrows its profile."""
+
+    output_shapes: Callable[[Shapes], Shapes | None]
+    bucket: Callable[[Shapes], int] = lambda shapes: 0
 
 
 @dataclass
@@ -44,6 +72,19 @@ class _Pending:
     deadline_ns: int  # 0 = no timeout
     reject_on_timeout: bool
     delayed: bool = False  # DELAY policy: timed out, now behind every request that has not
+    pad_key: PadKey | None = None  # set when the model pads: jobs with equal pad keys may be padded together
+
+
+@dataclass
+class _Outcome:
+    """One batch's execution as its worker thread hands it back: the members that ran, those deferred (left
+    out of a padded batch), their output parts, and the compute-output time."""
+
+    execution: Execution
+    ran: list[_Pending]
+    deferred: list[_Pending]
+    parts: list[dict[str, np.ndarray]] = field(default_factory=list)
+    output_ns: int = 0
 
 
 @dataclass
@@ -97,6 +138,51 @@ def shape_key(inputs: dict[str, np.ndarray]) -> ShapeKey:
     return tuple(sorted((name, a.dtype.str, tuple(a.shape[1:])) for name, a in inputs.items()))
 
 
+def pad_key(inputs: dict[str, np.ndarray], bucket: int) -> PadKey | None:
+    """Jobs with equal keys can be padded to one shape; None for BYTES inputs (no neutral padding value)."""
+    if any(a.dtype == object for a in inputs.values()):
+        return None
+    return bucket, tuple(sorted((name, a.dtype.str, a.ndim) for name, a in inputs.items()))
+
+
+def pad_inputs(jobs: list[Job]) -> dict[str, np.ndarray]:
+    """One batch's inputs: each job's input zero-padded (at the end of each non-batch dim) to the largest
+    shape among the jobs, then stacked along the batch dim."""
+    batch: dict[str, np.ndarray] = {}
+    total = sum(job.batch_size for job in jobs)
+    for name, first in jobs[0].inputs.items():
+        arrays = [job.inputs[name] for job in jobs]
+        target = tuple(max(a.shape[d] for a in arrays) for d in range(1, first.ndim))
+        out = np.zeros((total, *target), dtype=first.dtype)
+        row = 0
+        for a in arrays:
+            out[(slice(row, row + a.shape[0]), *(slice(0, d) for d in a.shape[1:]))] = a
+            row += a.shape[0]
+        batch[name] = out
+    return batch
+
+
+def unpad_shapes(padded_in: Shapes, own_in: list[Shapes], padded_out: Shapes | None,
+                 own_out: list[Shapes | None]) -> list[Shapes] | None:
+    """Per job, the shape of each output to cut from its rows of the padded batch's output; None when that is
+    not sound: an output dim that differs between the padded batch and a job alone must follow one input dim
+    (same size as that input dim in the padded batch and in every job)."""
+    if padded_out is None or any(o is None for o in own_out):
+        return None
+    candidates = [(name, axis) for name, shape in padded_in.items() for axis in range(1, len(shape))]
+    for name, shape in padded_out.items():
+        for axis in range(1, len(shape)):
+            sizes = [o[name][axis] for o in own_out]  # type: ignore[index]
+            if shape[axis] < 0 or any(s < 0 for s in sizes):
+                return None
+            if all(s == shape[axis] for s in sizes):
+                continue
+            if not any(padded_in[n][a] == shape[axis] and all(s == i[n][a] for s, i in zip(sizes, own_in))
+                       for n, a in candidates):
+                return None
+    return [dict(o) for o in own_out]  # type: ignore[arg-type]
+
+
 def _int_parameter(parameters: dict, name: str) -> int | None:
     value = parameters.get(name)
     if value is None:
@@ -141,9 +227,11 @@ class DynamicBatcher:
 
     def __init__(self, contexts: list[object], execute: Executor, thread_name: str, settings: BatchingSettings,
                  record_execution: ExecutionRecorder | None = None,
-                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
+                 clock: Callable[[], int] = time.perf_counter_ns,
+                 create_context: Callable[[], object] | None = None, padding: Padding | None = None) -> None:
         self.settings = settings
-        self._contexts = list(contexts)
+        self.workers = Workers(contexts, create_context, thread_name)
+        self.padding = padding  # None: only jobs of equal shapes share a batch
         self._free: list[object] = list(contexts)
         self._execute = execute
         self._record = record_execution
@@ -160,6 +248,9 @@ class DynamicBatcher:
     async def submit(self, job: Job) -> JobResult:
         if self._closed:
             raise unavailable("this model version was unloaded while the request waited; retry")
+        gone = self.workers.none_left()
+        if gone is not None:
+            raise gone
         pending = self._enqueue(job)
         self._ensure_dispatcher()
         return await pending.future
@@ -180,6 +271,8 @@ class DynamicBatcher:
         deadline = job.enqueued_ns + timeout_us * 1000 if timeout_us else 0
         future = asyncio.get_running_loop().create_future()
         pending = _Pending(job, future, level, shape_key(job.inputs), deadline, policy.reject_on_timeout)
+        if self.padding is not None:
+            pending.pad_key = pad_key(job.inputs, self.padding.bucket({n: a.shape for n, a in job.inputs.items()}))
         queue.append(pending)
         return pending
 
@@ -210,6 +303,8 @@ class DynamicBatcher:
             self._wake.clear()
             now = self._clock()
             self._expire(now)
+            if self.workers.none_left() is not None:
+                self._fail_queued(self.workers.none_left())  # type: ignore[arg-type]
             if not any(self._queues.values()):
                 if self._closed:
                     self._pool.shutdown(wait=False)
@@ -246,6 +341,14 @@ class DynamicBatcher:
                 kept.append(pending)
             self._queues[level] = kept
 
+    def _fail_queued(self, error: ServerError) -> None:
+        """No worker is left: nothing queued can ever run, so every queued request hears it now."""
+        for level, queue in self._queues.items():
+            for pending in queue:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            self._queues[level] = collections.deque()
+
     def _ordered(self) -> list[_Pending]:
         """Queued requests in service order: priority level, then not-delayed before delayed, then arrival."""
         ordered = [p for level in sorted(self._queues) for p in self._queues[level] if not p.delayed]
@@ -262,7 +365,7 @@ class DynamicBatcher:
         for pending in ordered[1:]:
             if total == limit:
                 break
-            if pending.key == head.key and total + pending.job.batch_size <= limit:
+            if self._compatible(head, pending) and total + pending.job.batch_size <= limit:
                 batch.append(pending)
                 total += pending.job.batch_size
         waited = now - min(p.job.enqueued_ns for p in batch)
@@ -276,6 +379,12 @@ class DynamicBatcher:
             if reachable:
                 return self._take(batch[: reachable[-1] + 1]), None
         return [], delay - waited
+
+    def _compatible(self, head: _Pending, other: _Pending) -> bool:
+        """Equal shapes always batch; with padding on, equal pad keys (same profile, dtypes, ranks) too."""
+        if other.key == head.key:
+            return True
+        return self.padding is not None and head.pad_key is not None and other.pad_key == head.pad_key
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
         chosen = {id(p) for p in batch}
@@ -292,37 +401,87 @@ class DynamicBatcher:
     async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
         started = self._clock()
-        jobs = [p.job for p in batch]
-        sizes = [job.batch_size for job in jobs]
+        give_back: object | None = context
         try:
             loop = asyncio.get_running_loop()
-            outputs, input_ns, infer_ns, output_ns = await loop.run_in_executor(
-                self._pool, self._execute_batch, context, jobs, sizes)
+            outcome = await loop.run_in_executor(self._pool, self._execute_batch, context, batch)
         except Exception as e:  # noqa: BLE001 - every member must hear about the failure
             for pending in batch:
                 if not pending.future.done():
                     pending.future.set_exception(e)
         else:
-            if self._record is not None:
-                self._record(sum(sizes), ExecutionTimes(0, input_ns, infer_ns, output_ns))
-            for pending, part in zip(batch, outputs):
-                if not pending.future.done():
-                    times = ExecutionTimes(queue_ns=started - pending.job.enqueued_ns, compute_input_ns=input_ns,
-                                           compute_infer_ns=infer_ns)
-                    pending.future.set_result(JobResult(part, times))
+            give_back = outcome.execution.context
+            self._requeue(outcome.deferred)
+            self._answer(outcome, started)
         finally:
-            self._free.append(context)
+            if give_back is not None:
+                self._free.append(give_back)
             if self._wake is not None:
                 self._ensure_dispatcher()
 
-    def _execute_batch(self, context: object, jobs: list[Job], sizes: list[int]):
-        """In a worker thread: concatenate (compute input), run (compute infer), split (compute output)."""
+    def _answer(self, outcome: _Outcome, started: int) -> None:
+        """Set each executed member's result (its part of the outputs) or the execution's error."""
+        execution = outcome.execution
+        if execution.error is not None:
+            for pending in outcome.ran:
+                if not pending.future.done():
+                    pending.future.set_exception(execution.error)
+            return
+        if self._record is not None:
+            self._record(sum(p.job.batch_size for p in outcome.ran),
+                         ExecutionTimes(0, execution.compute_input_ns, execution.compute_infer_ns,
+                                        outcome.output_ns))
+        for pending, part in zip(outcome.ran, outcome.parts):
+            if not pending.future.done():
+                times = ExecutionTimes(queue_ns=started - pending.job.enqueued_ns,
+                                       compute_input_ns=execution.compute_input_ns,
+                                       compute_infer_ns=execution.compute_infer_ns)
+                pending.future.set_result(JobResult(part, times))
+
+    def _requeue(self, deferred: list[_Pending]) -> None:
+        """Members left out of a batch go back to the front of their queues, in their order."""
+        for pending in reversed(deferred):
+            self._queues[pending.level].appendleft(pending)
+
+    def _execute_batch(self, context: object, batch: list[_Pending]) -> _Outcome:
+        """In a worker thread: concatenate or pad (compute input), run (compute infer), split and cut back
+        (compute output). Members whose padding would not be sound are deferred, not run."""
         t0 = time.perf_counter_ns()
-        inputs = concat_inputs(jobs)
-        outputs, input_ns, infer_ns = run_on_context(self._execute, context, inputs)
+        ran, deferred, cuts = batch, [], None
+        if any(p.key != batch[0].key for p in batch):
+            padding = self.padding  # read once: another worker may switch padding off meanwhile
+            cuts = self._unpad_plan(padding, [p.job for p in batch]) if padding is not None else None
+            if cuts is None:
+                ran = [p for p in batch if p.key == batch[0].key]
+                deferred = [p for p in batch if p.key != batch[0].key]
+        jobs = [p.job for p in ran]
+        inputs = concat_inputs(jobs) if cuts is None else pad_inputs(jobs)
         t1 = time.perf_counter_ns()
-        parts = split_outputs(outputs, sizes)
-        return parts, input_ns + (t1 - t0 - input_ns - infer_ns), infer_ns, time.perf_counter_ns() - t1
+        execution = self.workers.run(self._execute, context, inputs)
+        if execution.error is not None:
+            return _Outcome(execution, ran, deferred)
+        t2 = time.perf_counter_ns()
+        parts = split_outputs(execution.outputs, [job.batch_size for job in jobs])  # type: ignore[arg-type]
+        if cuts is not None:
+            parts = [{name: array[tuple(slice(0, d) for d in cut[name])] if name in cut else array
+                      for name, array in part.items()} for part, cut in zip(parts, cuts)]
+        execution.compute_input_ns += t1 - t0  # concatenating/padding is part of preparing the input
+        return _Outcome(execution, ran, deferred, parts, time.perf_counter_ns() - t2)
+
+    def _unpad_plan(self, padding: Padding, jobs: list[Job]) -> list[Shapes] | None:
+        """Per job, the output shapes to cut back to after padding; None (and padding switched off for this
+        model, with a warning) when the model's outputs do not follow its padded input dims."""
+        own_in = [{n: tuple(a.shape) for n, a in job.inputs.items()} for job in jobs]
+        padded_in = {n: (sum(job.batch_size for job in jobs),
+                         *(max(s[n][d] for s in own_in) for d in range(1, len(own_in[0][n]))))
+                     for n in own_in[0]}
+        cuts = unpad_shapes(padded_in, own_in, padding.output_shapes(padded_in),
+                            [padding.output_shapes(s) for s in own_in])
+        if cuts is None and self.padding is not None:
+            log.warning("%s: kiln_pad_batch is set, but an output dim does not follow the padded input dims; "
+                        "requests of different shapes now run in separate batches", self.workers.label)
+            self.padding = None
+        return cuts
 
     def queued(self) -> int:
         """Requests waiting (not yet running); for tests and statistics."""

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -138,7 +139,8 @@ def build_plan(model_path: str | Path, config: kiln.BuilderConfig, label: str,
     # RLIMIT_AS breaks CUDA (the driver reserves address space far beyond what it uses): watchdog only.
     address_limit = limits.memory_bytes if config.backend == "cpu" else None
     cpu_limit = int(limits.timeout_s) + 30 if limits.timeout_s else None
-    process = context.Process(target=_child_main, args=(sender, str(model_path), config, address_limit, cpu_limit),
+    process = context.Process(target=_child_main, args=(sender, str(model_path), config, address_limit, cpu_limit,
+                                                        plugin_modules()),
                               name=f"kiln-build {label}", daemon=True)
     with _active_lock:
         if _stopping:
@@ -239,9 +241,26 @@ def parse_and_build(model_path: str, config: kiln.BuilderConfig) -> bytes:
     return kiln.build_plan(network, config)  # refuses tensors over this machine's memory at the smallest shapes
 
 
+def plugin_modules() -> list[str]:
+    """The modules defining the plugins registered in this process: a build child imports them, so models
+    using plugins build there too (the child does not share this process's registry)."""
+    from engine_core.plugins import get_plugin_registry
+
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m pkg.plugin_server`
+    names = set()
+    for plugin in get_plugin_registry()._plugins.values():
+        name = getattr(plugin.cpu, "__module__", "")
+        names.add(main_spec.name if name == "__main__" and main_spec is not None else name)
+    return sorted(n for n in names if n and n != "__main__")
+
+
 def _child_main(sender: Connection, model_path: str, config: kiln.BuilderConfig, address_limit: int | None,
-                cpu_limit: int | None) -> None:
+                cpu_limit: int | None, plugins: list[str] = ()) -> None:
     """Entry of the build process: set its limits, build, send ("ok", size) + bytes or (kind, message)."""
+    import importlib
+
+    for module in plugins:
+        importlib.import_module(module)
     if address_limit is not None:
         resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
     if cpu_limit is not None:

@@ -19,12 +19,14 @@ import numpy as np
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
+from . import cuda_ipc
+from .adaptive import close_enough, describe, fit_profiles
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
 from .model import ModelVersion, load_model_version
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
-from .settings import LogSettings, TraceSettings
-from .shared_memory import SystemSharedMemory, cuda_unavailable
+from .settings import AdaptiveSettings, LogSettings, TraceSettings
+from .shared_memory import SharedMemory
 from .tensors import from_raw, raw_size, to_raw
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput, numpy_dtype
 
@@ -51,6 +53,7 @@ class CoreOptions:
     log_verbose: int = 0
     log_file: str = ""
     log_format: str = "default"
+    adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings.from_env)  # --adaptive-profiles
 
 
 class ModelState:
@@ -84,7 +87,7 @@ class ServerCore:
         self.options = options
         self.repository = ModelRepository(options.model_repositories)
         self.models: dict[str, ModelEntry] = {}
-        self.system_shm = SystemSharedMemory()
+        self.system_shm = SharedMemory()  # system and CUDA regions, one namespace as in Triton
         self.logging = LogSettings(options.log_verbose, options.log_file, options.log_format)
         self.trace = TraceSettings()
         self._startup: list[asyncio.Task] = []
@@ -96,6 +99,7 @@ class ServerCore:
             self._poller = RepositoryPoller(self.repository, options.repository_poll_secs,
                                             self._load_quietly, self._unload)
         self._startup_poll: asyncio.Task | None = None
+        self._adaptive_task: asyncio.Task | None = None
         self._draining = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -111,6 +115,8 @@ class ServerCore:
         self._startup = [asyncio.create_task(self._load_quietly(name)) for name in names]
         if self._poller is not None:
             self._startup_poll = asyncio.create_task(self._poll_after_startup())
+        if self.options.adaptive.enabled:
+            self._adaptive_task = asyncio.create_task(self._adapt_profiles_forever())
         self._started = True
 
     async def _poll_after_startup(self) -> None:
@@ -132,7 +138,7 @@ class ServerCore:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in [*self._startup, *([self._startup_poll] if self._startup_poll else [])]:
+        for task in [*self._startup, *(t for t in (self._startup_poll, self._adaptive_task) if t)]:
             task.cancel()
         for entry in self.models.values():
             for version in entry.versions.values():
@@ -154,7 +160,8 @@ class ServerCore:
                    for n in self._startup_names)
 
     async def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": kiln.__version__, "extensions": list(EXTENSIONS)}
+        cuda = ["cuda_shared_memory"] if cuda_ipc.available() else []  # only where a region can be registered
+        return {"name": SERVER_NAME, "version": kiln.__version__, "extensions": [*EXTENSIONS, *cuda]}
 
     def _version(self, name: str, version: str = "") -> ModelVersion:
         """The ready version `version` of model `name` ("" = the latest ready one)."""
@@ -224,6 +231,7 @@ class ServerCore:
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
+        model.traffic.record(inputs)
         if trace:
             trace.mark("QUEUE_START")
         try:
@@ -393,6 +401,52 @@ class ServerCore:
                 version.close()
         log.info("successfully unloaded model '%s'", name)
 
+    # -- adaptive profiles ----------------------------------------------------------------------------------
+    async def _adapt_profiles_forever(self) -> None:
+        """Every interval, refit each loaded version that has seen `min_requests` requests since its last fit."""
+        settings = self.options.adaptive
+        while True:
+            await asyncio.sleep(settings.interval_s)
+            for name, entry in list(self.models.items()):
+                for number, model in list(entry.versions.items()):
+                    if (not model.profiles_matter
+                            or model.traffic.requests - model.traffic_at_fit < settings.min_requests):
+                        continue
+                    try:
+                        await self.refit_profiles(name, number)
+                    except Exception as e:  # noqa: BLE001 - a failed rebuild keeps the current plan serving
+                        log.error("adaptive profiles: rebuild of model '%s' version %d failed, the current plan "
+                                  "keeps serving: %s", name, number, e)
+
+    async def refit_profiles(self, name: str, version: int) -> bool:
+        """Fit profiles to the traffic `name`/`version` has seen; if they differ from its plan's, build a plan
+        with them in the background and swap it in. Requests already queued finish on the old plan (it is
+        closed, not dropped) and new ones go to the new plan, so none fail. True when a new plan was swapped in.
+        """
+        entry = self.models.get(name)
+        if entry is None:
+            return False
+        async with entry.lock:
+            old = entry.versions.get(version)
+            if old is None or old.source is None or old.requested_config is None:
+                return False
+            old.traffic_at_fit = old.traffic.requests
+            fitted = fit_profiles(old.traffic, old.profile_ranges(), self.options.adaptive.max_profiles)
+            if fitted is None or close_enough(fitted, old.current_profiles()):
+                return False
+            new = await asyncio.to_thread(load_model_version, old.source, version, old.requested_config,
+                                          self.options.default_max_batch_size, fitted)
+            if entry.versions.get(version) is not old:  # unloaded or reloaded meanwhile: the fit is stale
+                new.close()
+                return False
+            new.adopt(old)
+            new.traffic_at_fit = old.traffic_at_fit
+            entry.versions[version] = new
+            old.close()
+        log.info("adaptive profiles: model '%s' version %d now runs a plan with %d profiles fitted to %d requests "
+                 "(%s)", name, version, len(fitted), new.traffic.requests, describe(fitted))
+        return True
+
     # -- statistics -----------------------------------------------------------------------------------------
     def loaded_versions(self) -> list[ModelVersion]:
         return [v for entry in self.models.values() for _, v in sorted(entry.versions.items())]
@@ -421,13 +475,13 @@ class ServerCore:
         self.system_shm.unregister(name)
 
     async def cuda_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
-        raise cuda_unavailable()
+        return self.system_shm.cuda_status(name)
 
     async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        raise cuda_unavailable()
+        await asyncio.to_thread(self.system_shm.register_cuda, name, bytes(raw_handle), int(device_id), int(byte_size))
 
     async def unregister_cuda_shared_memory(self, name: str = "") -> None:
-        raise cuda_unavailable()
+        await asyncio.to_thread(self.system_shm.unregister_cuda, name)
 
     # -- settings -------------------------------------------------------------------------------------------
     async def trace_settings(self, model_name: str = "", updates: dict[str, Any] | None = None) -> dict[str, Any]:

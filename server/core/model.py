@@ -8,6 +8,7 @@ messages about shapes and datatypes, not engine internals.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,15 @@ import numpy as np
 import onnx
 
 import engine_core as kiln
+from engine_core.ops import TensorInfo
+from engine_core.passes import infer_shapes
 from server.plan_cache import build_description, cache_key, files_digest, server_cache, target_arch
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
-from .batcher import BatchingSettings, DynamicBatcher
+from . import build_process
+from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
+from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
 from .model_config import (
     ModelConfig,
@@ -29,8 +34,8 @@ from .model_config import (
     datatype_of,
     model_shape,
 )
-from .scheduler import DirectScheduler, Scheduler
-from .statistics import ModelStatistics
+from .scheduler import DirectScheduler, Scheduler, Workers
+from .statistics import ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
 # Range given to dims the config leaves variable (-1) other than the batch dim.
@@ -70,9 +75,53 @@ class ModelVersion:
         self.max_batch_size = config.max_batch_size
         self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
         self.statistics = ModelStatistics(name, str(version))
+        self.source: ModelSource | None = None  # what it was built from, so it can be rebuilt (adaptive profiles)
+        self.requested_config: ModelConfig | None = None
+        self.profile_rebuilds = 0  # plans swapped in by adaptive profiles since the version was loaded
+        self.traffic_at_fit = 0  # traffic.requests when profiles were last fitted
+        self._restarts_before = 0  # worker restarts of the plans this one replaced
+        batched = config.max_batch_size > 0
+        self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
-        self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self.statistics)
+        self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,
+                                               engine)
+
+    def _record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
+        """Executions go to whatever statistics this version has now (a rebuilt plan adopts its predecessor's)."""
+        self.statistics.record_execution(batch_size, times)
+
+    @property
+    def workers(self) -> Workers:
+        return self.scheduler.workers  # type: ignore[attr-defined]
+
+    @property
+    def worker_restarts(self) -> int:
+        """Execution contexts replaced after a fault, over this version's life (metrics)."""
+        return self._restarts_before + self.workers.restarts
+
+    @property
+    def profiles_matter(self) -> bool:
+        """Whether profiles fitted to traffic can pay off: on the GPU (kernels and graphs per profile), or when the
+        batcher pads (requests are padded only within a profile). The CPU backend runs numpy on actual shapes,
+        so without padding a rebuild would buy nothing."""
+        return bool(self.traffic.counts) and (self.engine.backend == "cuda"
+                                              or getattr(self.scheduler, "padding", None) is not None)
+
+    def profile_ranges(self) -> ProfileRanges:
+        """The base profile (every dim's full range) adaptive profiles are fitted within."""
+        return _profile_ranges(self.config, max(self.max_batch_size, 1))
+
+    def current_profiles(self) -> list[ProfileRanges]:
+        return [{name: tuple(list(s) for s in shapes) for name, shapes in profile.items()}  # type: ignore[misc]
+                for profile in self.engine.plan.profiles]
+
+    def adopt(self, old: ModelVersion) -> None:
+        """Take over `old`'s statistics, traffic and counters: this is the same version on a rebuilt plan."""
+        self.statistics = old.statistics
+        self.traffic.adopt(old.traffic)
+        self._restarts_before = old.worker_restarts
+        self.profile_rebuilds = old.profile_rebuilds + 1
 
     def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
         """Validate request inputs against the config; returns engine-ready arrays and the batch size.
@@ -161,13 +210,100 @@ class ModelVersion:
         self.scheduler.close()
 
 
-def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str,
-               statistics: ModelStatistics) -> Scheduler:
-    """The dynamic batcher when the config asks for it and the model batches; else one job per execution."""
+def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine) -> Scheduler:
+    """The dynamic batcher when the config asks for it and the model batches; else one job per execution.
+    Either replaces a faulted context with a fresh one from `engine`."""
+    label = f"model '{config.name}'"
+    pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
-        return DynamicBatcher(contexts, _execute, thread_name, settings, statistics.record_execution)
-    return DirectScheduler(contexts, _execute, thread_name, statistics.record_execution)
+        padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
+        batcher = DynamicBatcher(contexts, _execute, thread_name, settings, record,
+                                 create_context=engine.create_execution_context, padding=padding)
+        batcher.workers.label = label
+        return batcher
+    scheduler = DirectScheduler(contexts, _execute, thread_name, record,
+                                create_context=engine.create_execution_context)
+    scheduler.workers.label = label
+    return scheduler
+
+
+# Model config parameter: "true" lets the dynamic batcher pad requests of different shapes into one batch.
+PAD_BATCH = "kiln_pad_batch"
+
+
+def pad_batch(config: ModelConfig) -> bool:
+    """Whether the config turns padding on; anything but true/false is INVALID_ARGUMENT naming the model."""
+    parameter = config.parameters.get(PAD_BATCH)
+    text = parameter.string_value.strip().lower() if parameter is not None else ""
+    if text in ("", "false", "0", "no"):
+        return False
+    if text in ("true", "1", "yes"):
+        if config.max_batch_size <= 0 or not config.HasField("dynamic_batching"):
+            raise invalid(f"model '{config.name}': {PAD_BATCH} needs dynamic_batching and max_batch_size > 0")
+        return True
+    raise invalid(f"model '{config.name}': parameter {PAD_BATCH} must be 'true' or 'false', got "
+                  f"'{parameter.string_value}'")
+
+
+# Model config parameter: the engine precision, e.g. parameters { key: "kiln_precision" value { string_value:
+# "fp16" } }. fp32 (default, exact), tf32 (TF32 tensor cores for fp32 math), fp16 / bf16 (reduced precision
+# with fp32 I/O and accumulation; implies tf32 for the layers that stay fp32).
+PRECISION = "kiln_precision"
+_PRECISION_FLAGS = {"fp32": (), "tf32": (kiln.BuilderFlag.TF32,),
+                    "fp16": (kiln.BuilderFlag.FP16, kiln.BuilderFlag.TF32),
+                    "bf16": (kiln.BuilderFlag.BF16, kiln.BuilderFlag.TF32)}
+
+
+def precision_flags(config: ModelConfig) -> tuple[kiln.BuilderFlag, ...]:
+    """Builder flags for the config's `kiln_precision`; an unknown value is INVALID_ARGUMENT naming the model."""
+    parameter = config.parameters.get(PRECISION)
+    text = parameter.string_value.strip().lower() if parameter is not None else ""
+    if text in ("", "fp32"):
+        return ()
+    if text not in _PRECISION_FLAGS:
+        raise invalid(f"model '{config.name}': parameter {PRECISION} must be one of "
+                      f"{', '.join(_PRECISION_FLAGS)}, got '{parameter.string_value}'")
+    return _PRECISION_FLAGS[text]
+
+
+class ShapeOracle:
+    """Output shapes for given input shapes, from the plan's shape inference (no execution), cached: what the
+    batcher cuts padded outputs back to. None when inference cannot tell (data-dependent or failing shapes)."""
+
+    CACHE_SIZE = 4096
+
+    def __init__(self, engine: kiln.CudaEngine) -> None:
+        self._graph = engine.plan.graph
+        self._dtypes = {v.name: v.dtype for v in self._graph.inputs}
+        self._outputs = list(self._graph.output_names)
+        self._cache: dict[tuple, dict[str, tuple[int, ...]] | None] = {}
+        self._lock = threading.Lock()
+
+    def output_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]] | None:
+        key = tuple(sorted(shapes.items()))
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            infos = infer_shapes(self._graph, {n: TensorInfo(self._dtypes[n], tuple(s)) for n, s in shapes.items()},
+                                 values=True)
+            result = {name: tuple(int(d) for d in infos[name].shape) for name in self._outputs}  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - any failure means "cannot tell": the batcher then does not pad
+            result = None
+        with self._lock:
+            if len(self._cache) >= self.CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = result
+        return result
+
+
+def _bucket(engine: kiln.CudaEngine):
+    """A job's bucket for padding: the optimization profile its own shapes select."""
+    profiles = engine.plan.profiles
+    if len(profiles) <= 1:
+        return lambda shapes: 0
+    return lambda shapes: select_profile(profiles, shapes)
 
 
 def _class_entry(value: float, index: int, labels: list[str]) -> bytes:
@@ -282,8 +418,10 @@ def _read_labels(source: ModelSource, config: ModelConfig) -> dict[str, list[str
 
 
 def load_model_version(source: ModelSource, version: int, config: ModelConfig,
-                       default_max_batch_size: int) -> ModelVersion:
-    """Build one version (blocking). Raises ServerError / kiln errors with the reason the model cannot load."""
+                       default_max_batch_size: int, profiles: list[ProfileRanges] | None = None) -> ModelVersion:
+    """Build one version (blocking). Raises ServerError / kiln errors with the reason the model cannot load.
+    `profiles` replaces the profiles the config implies (adaptive profiles fitted to traffic)."""
+    requested_config = config
     filename = config.default_model_filename or "model.onnx"
     path: Path = source.model_file(version, filename)
     if not path.resolve().is_relative_to(source.directory.resolve()):
@@ -296,26 +434,24 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     except Exception as e:  # noqa: BLE001 - protobuf raises several types for a corrupt file
         raise invalid(f"model '{source.name}' version {version}: {filename} is not a valid ONNX model: {e}") from None
     config = complete_config(config, proto, source.name, default_max_batch_size)
-    builder = kiln.Builder()
-    network = builder.create_network()
-    parser = kiln.OnnxParser(network)
-    if not parser.parse(proto, path=str(path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise invalid(f"model '{source.name}' version {version}: ONNX import failed: {errors}")
+    builder = kiln.Builder()  # the ONNX import itself runs in the build process (bounded memory and time)
     builder_config = kiln.BuilderConfig(_backend_for(config))
-    for batch in profile_batch_sizes(config):
+    for flag in precision_flags(config):
+        builder_config.set_flag(flag)
+    for ranges in profiles or [_profile_ranges(config, batch) for batch in profile_batch_sizes(config)]:
         profile = builder.create_optimization_profile()
-        for name, (low, opt, high) in _profile_ranges(config, batch).items():
+        for name, (low, opt, high) in ranges.items():
             profile.set_shape(name, low, opt, high)
         builder_config.add_optimization_profile(profile)
     key = cache_key(files_digest(path.parent), build_description(builder_config), target_arch(builder_config.backend))
-    cached = server_cache().load_or_build(key, lambda: kiln.build_plan(network, builder_config),
-                                          f"model '{source.name}' version {version}")
+    label = f"model '{source.name}' version {version}"
+    cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label)
     engine = cached.engine
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
     model = ModelVersion(source.name, version, config, engine, _read_labels(source, config))
     model.plan_origin = cached.origin
+    model.source, model.requested_config = source, requested_config
     return model
 
 

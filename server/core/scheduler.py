@@ -6,12 +6,18 @@ the first free execution context, in a worker thread so the event loop never blo
 `batcher.DynamicBatcher` gathers jobs from per-priority queues, concatenates their inputs along the batch
 dimension, runs once, and splits the outputs back per job. Both report each execution (not each request) to
 an `ExecutionRecorder`, which is what makes execution_count and batch_stats differ from per-request counts.
+
+Both run executions through `Workers`, which owns the fault policy: an execution that raises (anything but the
+engine refusing the request's shapes or dtypes before it runs) fails only the requests in it, with an INTERNAL
+error that says so, and the context it ran on is discarded and replaced by a fresh one from the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +26,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine_core.errors import ShapeError
+
 from .errors import ErrorKind, ServerError, unavailable
 from .statistics import ExecutionTimes
+
+log = logging.getLogger("kiln.server.workers")
 
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -45,6 +55,82 @@ class JobResult:
     times: ExecutionTimes
 
 
+@dataclass
+class Execution:
+    """What a worker thread hands back: the context to return to the pool (the one it ran on, its replacement
+    after a fault, or None when no replacement could be made) and either the outputs or the error."""
+
+    context: object | None
+    outputs: dict[str, np.ndarray] | None = None
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    error: BaseException | None = None
+
+
+# Raised by the engine before it runs anything, about the request itself: the context is still sound.
+REQUEST_ERRORS = (ShapeError, TypeError)
+
+
+class Workers:
+    """The execution contexts of one model version, and what happens when one of them faults.
+
+    After an unexpected exception (or a CUDA error) a context's state is unknown: reusing it could fail or
+    corrupt later requests. So the context is dropped and a fresh one made from the engine, in the worker
+    thread that saw the fault (a CUDA context is current there). `restarts` counts replacements (for metrics);
+    `alive` shrinks only when a replacement cannot be made, and at 0 the scheduler refuses requests instead
+    of queueing them forever.
+    """
+
+    def __init__(self, contexts: list[object], create: Callable[[], object] | None = None,
+                 label: str = "model") -> None:
+        self.initial = list(contexts)
+        self.alive = len(contexts)
+        self.restarts = 0
+        self.faults = 0
+        self.label = label
+        self._create = create
+        self._lock = threading.Lock()
+
+    def run(self, execute: Executor, context: object, inputs: dict[str, np.ndarray]) -> Execution:
+        """In a worker thread: execute on `context`; never raises (the error travels in the result)."""
+        try:
+            outputs, input_ns, infer_ns = run_on_context(execute, context, inputs)
+        except REQUEST_ERRORS as e:
+            return Execution(context, error=e)
+        except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them
+            return Execution(self._replace(context, e), error=self._fault_error(e))
+        return Execution(context, outputs, input_ns, infer_ns)
+
+    def _fault_error(self, error: BaseException) -> ServerError:
+        return ServerError(ErrorKind.INTERNAL, f"{self.label}: execution failed ({type(error).__name__}: {error}); "
+                                               f"the worker that ran it was replaced, retrying may succeed")
+
+    def _replace(self, context: object, error: BaseException) -> object | None:
+        """A fresh context for the faulted `context` (None when it cannot be made: the pool shrinks)."""
+        with self._lock:
+            self.faults += 1
+        log.error("%s: worker fault, replacing its execution context", self.label, exc_info=error)
+        if self._create is None:  # nothing to make a new one from (schedulers built on bare contexts)
+            return context
+        try:
+            fresh = self._create()
+        except Exception:  # noqa: BLE001 - logged; the pool runs on with one worker fewer
+            log.exception("%s: could not create a replacement execution context", self.label)
+            with self._lock:
+                self.alive -= 1
+            return None
+        with self._lock:
+            self.restarts += 1
+        return fresh
+
+    def none_left(self) -> ServerError | None:
+        """The error for requests when every worker is gone, else None."""
+        if self.alive > 0:
+            return None
+        return unavailable(f"{self.label}: every execution context failed and none could be recreated; "
+                           f"reload the model")
+
+
 class Scheduler(Protocol):
     async def submit(self, job: Job) -> JobResult:
         """Run `job` and return its outputs; raises what the execution raised."""
@@ -59,8 +145,9 @@ class DirectScheduler:
     """No batching: each job runs by itself on a free context from a fixed pool (one per model instance)."""
 
     def __init__(self, contexts: list[object], execute: Executor, thread_name: str,
-                 record_execution: ExecutionRecorder | None = None) -> None:
-        self._contexts = contexts
+                 record_execution: ExecutionRecorder | None = None,
+                 create_context: Callable[[], object] | None = None) -> None:
+        self.workers = Workers(contexts, create_context, thread_name)
         self._free: list[object] = list(contexts)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._execute = execute
@@ -72,6 +159,9 @@ class DirectScheduler:
     async def _acquire(self) -> object:
         """A free context; waiting jobs are served in arrival order (a job that just finished cannot jump the
         queue, which asyncio.Queue allows and which starved some clients under load)."""
+        gone = self.workers.none_left()
+        if gone is not None:
+            raise gone
         if self._free and not self._waiters:
             return self._free.pop()
         waiter = asyncio.get_running_loop().create_future()
@@ -83,7 +173,16 @@ class DirectScheduler:
                 self._release(waiter.result())
             raise
 
-    def _release(self, context: object) -> None:
+    def _release(self, context: object | None) -> None:
+        """Hand `context` to the oldest waiter; None (a faulted worker that could not be replaced) hands nothing,
+        and once no worker is left every waiter is told so."""
+        if context is None:
+            gone = self.workers.none_left()
+            while gone is not None and self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(gone)
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -101,17 +200,19 @@ class DirectScheduler:
             started = time.perf_counter_ns()
             try:
                 execution = asyncio.get_running_loop().run_in_executor(
-                    self._pool, run_on_context, self._execute, context, job.inputs)
+                    self._pool, self.workers.run, self._execute, context, job.inputs)
             except RuntimeError as e:  # the pool is shut down
                 self._release(context)
                 raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
             # Back to the pool when the thread is done, not when the caller stops waiting: a cancelled request
             # (HTTP disconnect, gRPC cancel) must not hand a context that is still running to the next job.
-            execution.add_done_callback(lambda _: self._release(context))
-            try:
-                outputs, compute_input_ns, compute_infer_ns = await asyncio.shield(execution)
-            except RuntimeError as e:
-                raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
+            # After a fault the thread hands back the replacement context instead.
+            execution.add_done_callback(lambda done: self._release(_context_after(done, context)))
+            result: Execution = await asyncio.shield(execution)
+            if result.error is not None:
+                raise result.error
+            outputs = result.outputs
+            compute_input_ns, compute_infer_ns = result.compute_input_ns, result.compute_infer_ns
         finally:
             self._active -= 1
             if self._closed and not self._active:
@@ -127,6 +228,13 @@ class DirectScheduler:
         self._closed = True
         if not self._active:
             self._pool.shutdown(wait=False)
+
+
+def _context_after(done: asyncio.Future, context: object) -> object | None:
+    """The context to give back once an execution future is done (`Workers.run` never raises)."""
+    if done.cancelled() or done.exception() is not None:
+        return context
+    return done.result().context
 
 
 def run_on_context(execute: Executor, context: object,

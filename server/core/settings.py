@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,3 +213,42 @@ class TraceSettings:
                   "request_id": trace.request_id, "timestamps": trace.timestamps}
         with self._lock, open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class AdaptiveSettings:
+    """Traffic-adaptive optimization profiles (server/core/adaptive.py). Off by default.
+
+    `kiln serve --adaptive-profiles` turns it on; without the flag the environment can (KILN_ADAPTIVE_PROFILES=1,
+    and KILN_ADAPTIVE_INTERVAL_S, KILN_ADAPTIVE_MIN_REQUESTS, KILN_ADAPTIVE_MAX_PROFILES for the rest), which
+    is how tests and benchmarks start a server with it.
+    """
+
+    enabled: bool = False
+    interval_s: float = 60.0  # how often the traffic of each model is looked at
+    min_requests: int = 1000  # requests seen since the last fit before a model is refitted
+    max_profiles: int = 4  # quantile cuts per variable dim (plus one profile up to the declared maximum)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.min_requests < 1 or not 1 <= self.max_profiles <= 16:
+            raise ValueError(f"adaptive profiles: interval_s must be > 0, min_requests >= 1 and max_profiles in "
+                             f"1..16, got {self.interval_s}, {self.min_requests}, {self.max_profiles}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> AdaptiveSettings:
+        """Settings from KILN_ADAPTIVE_* variables; a malformed value is a ValueError naming the variable."""
+        env = os.environ if environ is None else environ
+
+        def read(name: str, kind: type, default: Any) -> Any:
+            text = env.get(name, "").strip()
+            if not text:
+                return default
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+
+        enabled = env.get("KILN_ADAPTIVE_PROFILES", "").strip().lower() in ("1", "true", "yes", "on")
+        return cls(enabled, read("KILN_ADAPTIVE_INTERVAL_S", float, cls.interval_s),
+                   read("KILN_ADAPTIVE_MIN_REQUESTS", int, cls.min_requests),
+                   read("KILN_ADAPTIVE_MAX_PROFILES", int, cls.max_profiles))

@@ -1,8 +1,9 @@
-"""Shared-memory regions clients register so tensors need not travel in the request (Triton's extension).
+"""Shared-memory regions clients register so tensors need not travel in the request (Triton's extensions).
 
-System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here; inputs are read from and outputs
-written to `[offset, offset + byte_size)` of a region. CUDA shared memory needs CUDA IPC, which this server
-does not have: those calls fail with UNAVAILABLE instead of pretending to work.
+System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here. CUDA shared memory is a client's
+device allocation opened through CUDA IPC (`cuda_ipc.py`; copies through the host for now, see there for
+the zero-copy hook). As in Triton, both kinds share one namespace of region names, and inputs are read from
+and outputs written to `[offset, offset + byte_size)` of a region whatever its kind, with the same checks.
 """
 
 from __future__ import annotations
@@ -11,10 +12,29 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
+from . import cuda_ipc
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
 
 SHM_ROOT = "/dev/shm"
+
+
+SYSTEM = "system"
+CUDA = "cuda"
+
+
+class Region(Protocol):
+    """What inference needs of a registered region, whatever memory backs it."""
+
+    name: str
+    kind: str
+    byte_size: int
+
+    def read(self, offset: int, nbytes: int) -> bytes: ...
+    def write(self, offset: int, data: bytes) -> None: ...
+    def close(self) -> None: ...
+    def status(self) -> dict[str, object]: ...
 
 
 @dataclass
@@ -24,72 +44,160 @@ class SystemRegion:
     offset: int
     byte_size: int
     mapping: mmap.mmap
+    kind: str = SYSTEM
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        start = self.offset + offset
+        return bytes(self.mapping[start:start + nbytes])
+
+    def write(self, offset: int, data: bytes) -> None:
+        start = self.offset + offset
+        self.mapping[start:start + len(data)] = data
+
+    def close(self) -> None:
+        self.mapping.close()
 
     def status(self) -> dict[str, object]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
-class SystemSharedMemory:
-    """The registered system shared-memory regions, by name."""
+@dataclass
+class CudaRegion:
+    name: str
+    device_id: int
+    byte_size: int
+    ipc: cuda_ipc.IpcMapping
+    kind: str = CUDA
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.ipc.read(offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.ipc.write(offset, data)
+
+    def close(self) -> None:
+        self.ipc.close()
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+
+class SharedMemory:
+    """The registered shared-memory regions of both kinds, by name (one namespace, as in Triton).
+
+    `register`/`unregister`/`status` are the system extension, the `*_cuda` methods the CUDA one; each
+    kind's calls see only regions of that kind. `read`/`write` serve inference for either kind.
+    """
 
     def __init__(self) -> None:
-        self._regions: dict[str, SystemRegion] = {}
+        self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
 
+    # -- system shared memory ---------------------------------------------------------------------------
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map `byte_size` bytes at `offset` of the POSIX shared-memory object `key`."""
-        if not name:
-            raise invalid("a shared memory region needs a name")
+        _check_name(name)
         if offset < 0 or byte_size <= 0:
             raise invalid(f"shared memory region '{name}': offset must be >= 0 and byte_size > 0")
         with self._lock:
-            if name in self._regions:
-                raise ServerError(ErrorKind.ALREADY_EXISTS,
-                                  f"shared memory region '{name}' is already registered")
+            self._check_free(name)
             self._regions[name] = SystemRegion(name, key, offset, byte_size, _map(name, key, offset, byte_size))
 
     def unregister(self, name: str = "") -> None:
-        """Unregister `name`, or every region when `name` is empty (unknown names are ignored, as in Triton)."""
-        with self._lock:
-            names = [name] if name else list(self._regions)
-            for region_name in names:
-                region = self._regions.pop(region_name, None)
-                if region is not None:
-                    region.mapping.close()
+        """Unregister `name`, or every system region when `name` is empty (unknown names are ignored)."""
+        self._unregister(SYSTEM, name)
 
     def status(self, name: str = "") -> list[dict[str, object]]:
+        return self._status(SYSTEM, name)
+
+    # -- CUDA shared memory -----------------------------------------------------------------------------
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the client's CUDA IPC handle (64 raw bytes) of an allocation of >= `byte_size` on `device_id`."""
+        _check_name(name)
         with self._lock:
-            if name:
-                if name not in self._regions:
-                    raise not_found(f"shared memory region '{name}' is not registered")
-                return [self._regions[name].status()]
-            return [r.status() for r in self._regions.values()]
+            self._check_free(name)
+            try:
+                ipc = cuda_ipc.open_handle(bytes(raw_handle), int(device_id), int(byte_size))
+            except ServerError as e:
+                raise ServerError(e.kind, f"failed to register CUDA shared memory region '{name}': "
+                                          f"{e.message}") from None
+            self._regions[name] = CudaRegion(name, int(device_id), int(byte_size), ipc)
 
-    def _span(self, name: str, offset: int, byte_size: int) -> tuple[SystemRegion, int]:
-        region = self._regions.get(name)
-        if region is None:
-            raise invalid(f"shared memory region '{name}' is not registered")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise invalid(f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside its "
-                          f"{region.byte_size} bytes")
-        return region, region.offset + offset
+    def unregister_cuda(self, name: str = "") -> None:
+        """Close `name`'s IPC mapping, or every CUDA region's when `name` is empty (unknown names ignored)."""
+        self._unregister(CUDA, name)
 
+    def cuda_status(self, name: str = "") -> list[dict[str, object]]:
+        return self._status(CUDA, name)
+
+    # -- inference ----------------------------------------------------------------------------------------
     def read(self, name: str, offset: int, byte_size: int) -> bytes:
         """A copy of `byte_size` bytes at `offset` (relative to the registered offset) of region `name`."""
         with self._lock:
-            region, start = self._span(name, offset, byte_size)
-            return bytes(region.mapping[start:start + byte_size])
+            region = self._span(name, offset, byte_size)
+            return region.read(offset, byte_size)
 
     def write(self, name: str, offset: int, byte_size: int, data: bytes) -> None:
         """Write `data` into a span of `byte_size` bytes; INVALID_ARGUMENT if it does not fit."""
         if len(data) > byte_size:
             raise invalid(f"output needs {len(data)} bytes, shared memory region '{name}' span has {byte_size}")
         with self._lock:
-            region, start = self._span(name, offset, byte_size)
-            region.mapping[start:start + len(data)] = data
+            region = self._span(name, offset, byte_size)
+            region.write(offset, data)
 
     def close(self) -> None:
         self.unregister("")
+        self.unregister_cuda("")
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _check_free(self, name: str) -> None:
+        if name in self._regions:
+            kind = "CUDA" if self._regions[name].kind == CUDA else "system"
+            raise ServerError(ErrorKind.ALREADY_EXISTS,
+                              f"shared memory region '{name}' is already registered (as {kind} shared memory)")
+
+    def _unregister(self, kind: str, name: str) -> None:
+        """Forget then close each region; one that fails to close (a CUDA error) does not keep the rest open."""
+        failures: list[ServerError] = []
+        with self._lock:
+            names = [name] if name else list(self._regions)
+            for region_name in names:
+                region = self._regions.get(region_name)
+                if region is not None and region.kind == kind:
+                    del self._regions[region_name]
+                    try:
+                        region.close()
+                    except ServerError as e:
+                        failures.append(e)
+        if failures:
+            raise failures[0]
+
+    def _status(self, kind: str, name: str) -> list[dict[str, object]]:
+        label = "CUDA" if kind == CUDA else "system"
+        with self._lock:
+            if name:
+                region = self._regions.get(name)
+                if region is None or region.kind != kind:
+                    raise not_found(f"{label} shared memory region '{name}' is not registered")
+                return [region.status()]
+            return [r.status() for r in self._regions.values() if r.kind == kind]
+
+    def _span(self, name: str, offset: int, byte_size: int) -> Region:
+        region = self._regions.get(name)
+        if region is None:
+            raise invalid(f"shared memory region '{name}' is not registered")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise invalid(f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside its "
+                          f"{region.byte_size} bytes")
+        return region
+
+
+SystemSharedMemory = SharedMemory  # the name server/core/core.py imports
+
+
+def _check_name(name: str) -> None:
+    if not name:
+        raise invalid("a shared memory region needs a name")
 
 
 def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
@@ -112,6 +220,6 @@ def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
 
 
 def cuda_unavailable() -> ServerError:
-    """The error every CUDA shared-memory call gets: no CUDA IPC here, so nothing is registered."""
+    """Only for core.py until its CUDA shared-memory methods call `SharedMemory.*_cuda`; then delete this."""
     return unavailable("CUDA shared memory is not supported by this server (no CUDA IPC support); "
                        "use system shared memory instead")

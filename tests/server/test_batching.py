@@ -241,11 +241,39 @@ BATCHING_MODELS = {
 }
 
 
+def _ragged_model(concat: bool) -> onnx.ModelProto:
+    """X [n, s] -> Y = 2 X [n, s] and Z = ReduceSum(X, axis 1) [n, 1]: zero padding is neutral for both, so a
+    padded batch must answer exactly. With `concat`, Y = Concat(X, X) [n, 2 s] instead: a dim that follows no
+    input dim, so padding must switch itself off."""
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
+    first = (helper.make_node("Concat", ["X", "X"], ["Y"], axis=1) if concat
+             else helper.make_node("Mul", ["X", "two"], ["Y"]))
+    nodes = [first, helper.make_node("ReduceSum", ["X", "axes"], ["Z"], keepdims=1)]
+    graph = helper.make_graph(nodes, "ragged", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n", "s"])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n", "y"]),
+                               helper.make_tensor_value_info("Z", TensorProto.FLOAT, ["n", 1])], [two, axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _ragged_config(name: str) -> str:
+    return (f'name: "{name}"\nmax_batch_size: 8\ninput [{{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }}]\n'
+            f'output [{{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }}, '
+            f'{{ name: "Z" data_type: TYPE_FP32 dims: [ 1 ] }}]\n'
+            f'instance_group [{{ count: 1 kind: KIND_CPU }}]\n'
+            f'dynamic_batching {{ max_queue_delay_microseconds: 100000 }}\n'
+            f'parameters {{ key: "kiln_pad_batch" value: {{ string_value: "true" }} }}\n')
+
+
 @pytest.fixture(scope="module")
 def batching_server(tmp_path_factory: pytest.TempPathFactory):
     repository = tmp_path_factory.mktemp("batching") / "models"
     for name, batching in BATCHING_MODELS.items():
         examples.write_model(repository, name, _scale_model(), _config(name, batching))
+    examples.write_model(repository, "padded", _ragged_model(concat=False), _ragged_config("padded"))
+    examples.write_model(repository, "unpaddable", _ragged_model(concat=True), _ragged_config("unpaddable"))
     log_path = repository.parent / "server.log"
     ports = [free_port() for _ in range(3)]
     command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
@@ -375,3 +403,66 @@ def test_batches_run_on_the_profile_that_fits_them(tmp_path: Path, monkeypatch: 
     with pytest.raises(ServerError, match="kiln_profile_batch_sizes"):
         bad = _config("profiled", parameters.replace('"2,4"', '"2,x"'))
         model_module.load_model_version(source, 1, parse_config_text(bad, "profiled"), 4)
+
+
+# -- padding requests of different shapes into one batch ------------------------------------------------------
+def test_pad_inputs_and_cut_shapes():
+    from server.core.batcher import pad_inputs, unpad_shapes
+
+    jobs = [Job({"X": np.ones((1, 2), np.float32)}, 1), Job({"X": np.full((2, 3), 2, np.float32)}, 2)]
+    padded = pad_inputs(jobs)["X"]
+    np.testing.assert_array_equal(padded, [[1, 1, 0], [2, 2, 2], [2, 2, 2]])
+    own_in = [{"X": (1, 2)}, {"X": (2, 3)}]
+    follows = unpad_shapes({"X": (3, 3)}, own_in, {"Y": (3, 3), "Z": (3, 1)},
+                           [{"Y": (1, 2), "Z": (1, 1)}, {"Y": (2, 3), "Z": (2, 1)}])
+    assert follows == [{"Y": (1, 2), "Z": (1, 1)}, {"Y": (2, 3), "Z": (2, 1)}]
+    # Y's dim is 2 s: it changes with the padding but equals no input dim; data-dependent (-1) dims neither.
+    assert unpad_shapes({"X": (3, 3)}, own_in, {"Y": (3, 6)}, [{"Y": (1, 4)}, {"Y": (2, 6)}]) is None
+    assert unpad_shapes({"X": (3, 3)}, own_in, {"Y": (3, -1)}, [{"Y": (1, -1)}, {"Y": (2, -1)}]) is None
+    assert unpad_shapes({"X": (3, 3)}, own_in, None, [None, None]) is None
+
+
+def _ragged_requests() -> list[np.ndarray]:
+    lengths = [3, 7, 1, 5, 7, 2, 6, 4] * 3
+    return [np.arange(1 + i % 2)[:, None] * 10 + np.arange(n, dtype=np.float32) + i for i, n in enumerate(lengths)]
+
+
+def _infer_ragged(url: str, model: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    client = http.InferenceServerClient(url)
+    tensor = http.InferInput("X", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x.astype(np.float32))
+    result = client.infer(model, [tensor])
+    return result.as_numpy("Y"), result.as_numpy("Z")
+
+
+@pytest.mark.parametrize("model", ["padded", "unpaddable"])
+def test_requests_of_different_lengths_are_padded_into_one_batch(batching_server: ServerProcess, model: str):
+    requests = _ragged_requests()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda x: _infer_ragged(batching_server.http_url, model, x), requests))
+    for x, (y, z) in zip(requests, results):
+        expected = np.concatenate([x, x], axis=1) if model == "unpaddable" else 2 * x
+        np.testing.assert_array_equal(y, expected)  # exactly its own shape and values: padding cut back
+        np.testing.assert_array_equal(z, x.sum(axis=1, keepdims=True))
+    stats = _stats(batching_server.http_url, model)
+    assert stats["inference_stats"]["success"]["count"] == len(requests)
+    assert stats["inference_count"] == sum(len(x) for x in requests)
+    if model == "padded":
+        # 8 distinct lengths: without padding at least 8 executions; padded, far fewer.
+        assert stats["execution_count"] < 8
+        assert max(b["batch_size"] for b in stats["batch_stats"]) > 3
+    else:
+        assert "kiln_pad_batch is set, but an output dim does not follow" in batching_server.log()
+
+
+def test_pad_batch_parameter_is_checked():
+    from server.core.model import pad_batch
+    from server.core.model_config import parse_config_text
+
+    assert pad_batch(parse_config_text(_ragged_config("m"), "m"))
+    bad = _ragged_config("m").replace('string_value: "true"', 'string_value: "maybe"')
+    with pytest.raises(ServerError, match="kiln_pad_batch must be 'true' or 'false'"):
+        pad_batch(parse_config_text(bad, "m"))
+    unbatched = _ragged_config("m").replace("dynamic_batching { max_queue_delay_microseconds: 100000 }", "")
+    with pytest.raises(ServerError, match="needs dynamic_batching"):
+        pad_batch(parse_config_text(unbatched, "m"))

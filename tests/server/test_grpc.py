@@ -383,14 +383,6 @@ def test_system_shared_memory_io(client) -> None:
     assert not set(handles) & set(client.get_system_shared_memory_status().regions)
 
 
-def test_cuda_shared_memory_is_unavailable(client) -> None:
-    with pytest.raises(InferenceServerException) as info:
-        client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64)
-    assert _status(info.value) == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(InferenceServerException):
-        client.get_cuda_shared_memory_status()
-
-
 # -- settings -----------------------------------------------------------------------------------------------------
 def test_trace_and_log_settings(client) -> None:
     global_before = client.get_trace_settings(as_json=True)["settings"]

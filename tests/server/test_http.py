@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ def test_health_and_server_metadata(client):
     assert metadata["name"] == "kiln"
     assert {"binary_tensor_data", "classification", "model_repository", "statistics",
             "system_shared_memory", "trace", "logging"} <= set(metadata["extensions"])
-    assert "cuda_shared_memory" not in metadata["extensions"]
+    # cuda_shared_memory is listed only with a CUDA device: tests/server/test_cuda_shared_memory.py
 
 
 def test_model_metadata_and_config(client):
@@ -363,16 +362,6 @@ def test_system_shared_memory_inputs_and_outputs(client):
         for handle in handles.values():
             shm.destroy_shared_memory_region(handle)
     assert client.get_system_shared_memory_status() == []
-
-
-def test_cuda_shared_memory_is_clearly_unavailable(client):
-    handle = base64.b64encode(bytes(64))  # tritonclient passes the handle base64-encoded, as get_raw_handle gives it
-    for call in (lambda: client.register_cuda_shared_memory("r", handle, 0, 64),
-                 lambda: client.get_cuda_shared_memory_status(),
-                 lambda: client.unregister_cuda_shared_memory("r")):
-        with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as failure:
-            call()
-        assert failure.value.status() == "503"
 
 
 # -- trace and log settings -------------------------------------------------------------------------------------

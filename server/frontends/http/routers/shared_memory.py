@@ -1,4 +1,4 @@
-"""System and CUDA shared-memory extension (CUDA answers 503: no CUDA IPC in this server)."""
+"""System and CUDA shared-memory extensions (Triton's paths and JSON; the work is in server/core/shared_memory)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import binascii
 from typing import Any
 
 from fastapi import APIRouter, Response
+from pydantic import BaseModel
 
 from server.core.errors import invalid
 
@@ -14,6 +15,14 @@ from ..deps import CoreDep, body_doc, json_body
 from ..schemas import CudaSharedMemoryRegisterRequest, SystemSharedMemoryRegion, SystemSharedMemoryRegisterRequest
 
 router = APIRouter(tags=["shared memory"])
+
+
+class CudaSharedMemoryRegion(BaseModel):
+    """One registered CUDA region, as Triton's status reports it."""
+
+    name: str
+    device_id: int
+    byte_size: int
 
 
 @router.get("/v2/systemsharedmemory/status", response_model=list[SystemSharedMemoryRegion])
@@ -38,8 +47,8 @@ async def system_unregister(core: CoreDep, region_name: str = "") -> Response:
     return Response(status_code=200)
 
 
-@router.get("/v2/cudasharedmemory/status")
-@router.get("/v2/cudasharedmemory/region/{region_name}/status")
+@router.get("/v2/cudasharedmemory/status", response_model=list[CudaSharedMemoryRegion])
+@router.get("/v2/cudasharedmemory/region/{region_name}/status", response_model=list[CudaSharedMemoryRegion])
 async def cuda_status(core: CoreDep, region_name: str = "") -> list[dict[str, Any]]:
     return await core.cuda_shared_memory_status(region_name)
 

@@ -1,0 +1,56 @@
+"""A plugin op that fails on a magic value, to make a worker fault on demand in a real server.
+
+`kiln.test::FailOnMagic` returns X + 1, and raises RuntimeError when any element of X equals MAGIC (13): the
+worker that runs such a request faults exactly like a context whose kernel failed. `python -m
+tests.reliability.fault_plugin <server flags>` is `python -m server` with the plugin registered (a server
+loads plugins by importing them, as TensorRT's trtexec does with --plugins; importing this module registers it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from engine_core.ops import TensorInfo
+from engine_core.plugins import get_plugin_registry, register_plugin
+
+MAGIC = 13.0
+DOMAIN = "kiln.test"
+OP = "FailOnMagic"
+
+
+def _infer(node, x: TensorInfo) -> TensorInfo:
+    return TensorInfo(x.dtype, x.shape)
+
+
+def _cpu(node, x: np.ndarray) -> np.ndarray:
+    if np.any(x == MAGIC):
+        raise RuntimeError(f"magic value {MAGIC:g} in the input")
+    return x + 1
+
+
+def register() -> None:
+    """Register the plugin (once per process)."""
+    if get_plugin_registry().get_plugin(OP, domain=DOMAIN) is None:
+        register_plugin(OP, "1", DOMAIN, _infer, _cpu, doc="fails when the input holds the magic value 13")
+
+
+def model(width: int = 4) -> onnx.ModelProto:
+    """Y = FailOnMagic(X), X and Y [n, width] FP32."""
+    graph = helper.make_graph([helper.make_node(OP, ["X"], ["Y"], domain=DOMAIN)], "fault",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n", width])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n", width])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    proto.ir_version = 8
+    return proto
+
+
+register()  # on import: builds run in forked children that import this module, not the server's __main__
+
+if __name__ == "__main__":
+    from server.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,250 @@
+"""Worker faults: an execution that raises fails only its own requests, its context is replaced, serving goes on.
+
+The schedulers are first driven alone (exact control over which execution fails and with what: an exception,
+a CUDA error, a BaseException, a context that cannot be recreated); then a real server runs a model whose
+plugin op raises on the magic value 13 (tests/reliability/fault_plugin.py), over HTTP and gRPC, and its
+metrics must count the restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
+
+from engine_core.cuda.driver import CudaError
+from engine_core.errors import ShapeError
+from server.core.batcher import BatchingSettings, DynamicBatcher
+from server.core.errors import ErrorKind, ServerError
+from server.core.scheduler import DirectScheduler, Job
+from server.protos import model_config_pb2
+from tests.reliability import fault_plugin
+from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+
+TIMEOUT_S = 10  # a hang shows up as a timeout, not as a stuck test run
+
+
+class Context:
+    """A stand-in execution context: numbered, so a test can see which one ran and that it was replaced."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        Context.made += 1
+        self.number = Context.made
+
+
+class FlakyExecutor:
+    """X + 1 on any context; raises `error` for inputs holding 13 (the context's fault)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.contexts: list[int] = []
+
+    def __call__(self, context: Context, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.contexts.append(context.number)
+        if np.any(inputs["X"] == 13):
+            raise self.error
+        return {"Y": inputs["X"] + 1}
+
+
+def _job(value: float) -> Job:
+    return Job({"X": np.full((1, 2), value, np.float32)}, 1)
+
+
+def _batcher(executor: FlakyExecutor, create=Context, max_batch_size: int = 4) -> DynamicBatcher:
+    settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), max_batch_size, "m")
+    return DynamicBatcher([Context()], executor, "test", settings, create_context=create)
+
+
+async def _submit(scheduler, value: float):
+    return await asyncio.wait_for(scheduler.submit(_job(value)), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("kind", ["direct", "batched"])
+@pytest.mark.parametrize("error", [RuntimeError("kernel exploded"), CudaError("CUDA_ERROR_ILLEGAL_ADDRESS"),
+                                   SystemExit(3)], ids=["exception", "cuda", "base-exception"])
+def test_a_fault_fails_its_request_and_the_context_is_replaced(kind: str, error: BaseException):
+    async def scenario():
+        executor = FlakyExecutor(error)
+        scheduler = (DirectScheduler([Context()], executor, "test", create_context=Context) if kind == "direct"
+                     else _batcher(executor))
+        before = await _submit(scheduler, 1)
+        with pytest.raises(ServerError) as fault:
+            await _submit(scheduler, 13)
+        after = [await _submit(scheduler, v) for v in (2, 3)]
+        scheduler.close()
+        return scheduler.workers, executor.contexts, before, fault.value, after
+
+    workers, contexts, before, fault, after = asyncio.run(scenario())
+    assert fault.kind == ErrorKind.INTERNAL
+    assert "execution failed" in fault.message and type(error).__name__ in fault.message
+    assert "replaced" in fault.message
+    np.testing.assert_array_equal(before.outputs["Y"], [[2, 2]])
+    assert [r.outputs["Y"][0, 0] for r in after] == [3, 4]
+    assert contexts[0] == contexts[1] and contexts[2] == contexts[3] and contexts[2] != contexts[1]
+    assert (workers.faults, workers.restarts, workers.alive) == (1, 1, 1)
+
+
+def test_a_request_the_engine_refuses_is_no_fault():
+    async def scenario():
+        executor = FlakyExecutor(ShapeError("input 'X' shape [1, 2] is outside optimization profile 0"))
+        scheduler = DirectScheduler([Context()], executor, "test", create_context=Context)
+        with pytest.raises(ShapeError):
+            await _submit(scheduler, 13)
+        scheduler.close()
+        return scheduler.workers
+
+    workers = asyncio.run(scenario())
+    assert (workers.faults, workers.restarts) == (0, 0)
+
+
+def test_only_the_faulted_batch_fails_and_queued_requests_run_on():
+    async def scenario():
+        executor = FlakyExecutor(RuntimeError("boom"))
+        batcher = _batcher(executor, max_batch_size=1)  # one request per execution: batch-mates would share the fault
+        results = await asyncio.gather(*[_submit(batcher, v) for v in (13, 5, 6, 7)], return_exceptions=True)
+        batcher.close()
+        return results
+
+    poisoned, *rest = asyncio.run(scenario())
+    assert isinstance(poisoned, ServerError) and poisoned.kind == ErrorKind.INTERNAL
+    # The others queued behind the poisoned one run on the replacement context.
+    assert [r.outputs["Y"][0, 0] for r in rest] == [6, 7, 8]
+
+
+def test_when_no_context_can_be_recreated_requests_are_refused_not_hung():
+    def broken() -> Context:
+        raise RuntimeError("out of device memory")
+
+    async def scenario():
+        executor = FlakyExecutor(RuntimeError("boom"))
+        batcher = _batcher(executor, create=broken, max_batch_size=1)
+        results = await asyncio.gather(*[_submit(batcher, v) for v in (13, 5, 6)], return_exceptions=True)
+        with pytest.raises(ServerError) as refused:
+            await _submit(batcher, 1)
+        direct = DirectScheduler([Context()], executor, "test", create_context=broken)
+        direct_results = await asyncio.gather(*[_submit(direct, v) for v in (13, 5)], return_exceptions=True)
+        batcher.close()
+        direct.close()
+        return batcher.workers, results, refused.value, direct_results
+
+    workers, results, refused, direct_results = asyncio.run(scenario())
+    assert workers.alive == 0 and workers.restarts == 0 and workers.faults == 1
+    assert results[0].kind == ErrorKind.INTERNAL
+    assert all(isinstance(r, ServerError) and r.kind == ErrorKind.UNAVAILABLE for r in results[1:])
+    assert refused.kind == ErrorKind.UNAVAILABLE and "none could be recreated" in refused.message
+    assert [r.kind for r in direct_results] == [ErrorKind.INTERNAL, ErrorKind.UNAVAILABLE]
+
+
+# -- a real server ----------------------------------------------------------------------------------------------
+def _config(name: str, extra: str, count: int) -> str:
+    return (f'name: "{name}"\nmax_batch_size: 8\ninput [{{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }}]\n'
+            f'output [{{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }}]\n'
+            f'instance_group [{{ count: {count} kind: KIND_CPU }}]\n{extra}\n')
+
+
+FAULT_MODELS = {"faulty_batched": ("dynamic_batching { max_queue_delay_microseconds: 2000 }", 2),
+                "faulty_direct": ("", 1)}
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory: pytest.TempPathFactory):
+    """`python -m server` with the fault plugin registered, on a repository of the two fault models."""
+    base = tmp_path_factory.mktemp("faults")
+    for name, (extra, count) in FAULT_MODELS.items():
+        examples.write_model(base / "models", name, fault_plugin.model(), _config(name, extra, count))
+    ports = [free_port() for _ in range(3)]
+    command = [sys.executable, "-m", "tests.reliability.fault_plugin", "--model-repository", str(base / "models"),
+               "--host", "127.0.0.1", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+               "--metrics-port", str(ports[2]), "--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
+    log_path = base / "server.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, base / "models", log_path, *ports, grpc_available=True)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _infer(url: str, model: str, x: np.ndarray) -> np.ndarray:
+    tensor = http.InferInput("X", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return http.InferenceServerClient(url).infer(model, [tensor]).as_numpy("Y")
+
+
+def _metric(server: ServerProcess, name: str, model: str) -> float:
+    text = httpx.get(server.metrics_url, timeout=5).text
+    match = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.M)
+    assert match, f"{name} for {model} not in /metrics"
+    return float(match.group(1))
+
+
+def _outcome(url: str, model: str, x: np.ndarray):
+    try:
+        return _infer(url, model, x)
+    except InferenceServerException as e:
+        return e
+
+
+@pytest.mark.parametrize("model", list(FAULT_MODELS))
+def test_server_keeps_serving_after_worker_faults(fault_server: ServerProcess, model: str):
+    url = fault_server.http_url
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(_infer(url, model, x), x + 1)
+    with pytest.raises(InferenceServerException) as fault:
+        _infer(url, model, np.full((1, 4), 13, np.float32))
+    assert fault.value.status() == "500"
+    assert "magic value 13" in fault.value.message() and "replaced" in fault.value.message()
+
+    # Concurrent load with poison mixed in: every request gets an answer (no hang); the good ones are right,
+    # or fail with the fault of the batch they shared with a poisoned one.
+    requests = [np.full((1 + i % 3, 4), 13.0 if i % 7 == 3 else 100.0 + i, np.float32) for i in range(28)]
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda r: _outcome(url, model, r), requests))
+    faults = 0
+    for request, outcome in zip(requests, outcomes):
+        if isinstance(outcome, InferenceServerException):
+            assert outcome.status() == "500" and "magic value 13" in outcome.message()
+            faults += 1
+        else:
+            assert not np.any(request == 13)
+            np.testing.assert_array_equal(outcome, request + 1)
+    assert faults >= 4  # the four poisoned requests, at least
+    if model == "faulty_direct":
+        assert faults == 4  # no batching: nobody shares a poisoned execution
+
+    for i in range(6):  # and afterwards every worker serves correctly again
+        np.testing.assert_array_equal(_infer(url, model, x + i), x + i + 1)
+    stats = http.InferenceServerClient(url).get_inference_statistics(model)["model_stats"][0]
+    assert stats["inference_stats"]["fail"]["count"] == faults + 1
+    restarts = _metric(fault_server, "kiln_worker_restarts_total", model)
+    assert 5 <= restarts <= faults + 1  # one restart per faulted execution
+    assert _metric(fault_server, "kiln_workers", model) == FAULT_MODELS[model][1]
+
+
+def test_grpc_client_sees_internal_and_the_log_has_the_traceback(fault_server: ServerProcess):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(fault_server.grpc_url)
+    tensor = grpcclient.InferInput("X", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.full((1, 4), 13, np.float32))
+    with pytest.raises(InferenceServerException) as fault:
+        client.infer("faulty_direct", [tensor])
+    assert fault.value.status() == "StatusCode.INTERNAL" and "magic value 13" in fault.value.message()
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    np.testing.assert_array_equal(client.infer("faulty_direct", [tensor]).as_numpy("Y"), np.full((1, 4), 2))
+    log = Path(fault_server.log_path).read_text(errors="replace")
+    assert "worker fault, replacing its execution context" in log and "RuntimeError: magic value 13" in log
