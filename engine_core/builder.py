@@ -345,7 +345,9 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     profile_values = _profile_values(graph, config)
 
     policy = precision_policy(config, network, logger)
-    stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *FUSION_PASSES]
+    # optimization level 0: no layer fusions (every ONNX layer stays a layer: for debugging numerics)
+    fusions = FUSION_PASSES if config.builder_optimization_level > 0 else FUSION_PASSES[-1:]
+    stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *fusions]
     progress.start("Optimizing graph", len(stages))
     pass_counts: dict[str, int] = {}
     with build_extras(graph, network, config) as extra_info:  # refit, debug tensors, plugins, verbosity

@@ -59,6 +59,7 @@ def build(model: onnx.ModelProto, shapes: dict[str, tuple], flags: tuple = (), s
     assert parser.parse(model.SerializeToString()), [str(e) for e in parser.errors]
     config = b.create_builder_config()
     config.backend = backend
+    config.builder_optimization_level = 0  # no fusions: these tests inspect each ONNX layer's type
     for flag in flags:
         config.set_flag(flag)
     profile = b.create_optimization_profile()

@@ -825,8 +825,6 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     if len(x.shape) != 4 or node.inputs[1] not in ctx.constants:
         raise Unsupported("convolution that is not 2-D with constant weights")
     activation = node.attr("activation", "") if node.op_type == "FusedConv" else ""
-    if activation not in ("", "Relu"):  # cuDNN fuses these; others keep their own layer
-        raise Unsupported(f"FusedConv activation {activation}")
     kernel = w.shape[2:]
     strides = tuple(node.attr("strides", None) or (1, 1))
     dilations = tuple(node.attr("dilations", None) or (1, 1))
@@ -851,19 +849,22 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     residual = node.inputs[3] if node.op_type == "FusedConv" and len(node.inputs) > 3 and node.inputs[3] else None
     if bias and (ctx.info(bias).dtype != dtype or ctx.info(bias).shape != (out.shape[1],)):
         raise Unsupported("convolution bias of another dtype or shape")
-    z_strides = None
-    if residual:
-        if ctx.info(residual).shape != out.shape or ctx.info(residual).dtype != dtype:
-            raise Unsupported("FusedConv residual of another shape or dtype")
-        z_strides = ctx.strides(residual)
+    # cuDNN fuses a same-shape residual and ReLU; anything else follows as one generated epilogue kernel
+    fused_residual = residual if residual and ctx.info(residual).shape == out.shape and \
+        ctx.info(residual).dtype == dtype else None
+    fused_activation = activation if activation in ("", "Relu") and (fused_residual or not residual) else ""
     ctx.renamed[node.inputs[0]] = xin
     if int(np.prod(out.shape)) == 0:
         return []
     conv = Conv(Ref(xin), Ref(wname), Ref(node.outputs[0]), Ref(bias) if bias else None,
-                Ref(residual) if residual else None, tuple(x.shape), tuple(w.shape), tuple(out.shape),
-                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(node.outputs[0]), z_strides,
-                (pads[0], pads[1]), (pads[2], pads[3]), strides, dilations, dtype, activation, tf32=ctx.options.tf32)
-    return [conv]
+                Ref(fused_residual) if fused_residual else None, tuple(x.shape), tuple(w.shape), tuple(out.shape),
+                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(node.outputs[0]),
+                ctx.strides(fused_residual) if fused_residual else None, (pads[0], pads[1]), (pads[2], pads[3]),
+                strides, dilations, dtype, fused_activation, tf32=ctx.options.tf32)
+    rest = _epilogue(node, ctx, None, "" if fused_activation else activation,
+                     float(node.attr("activation_alpha", 0.01)), float(node.attr("activation_beta", 0.0)),
+                     None if fused_residual else residual)
+    return [conv, *rest]
 
 
 _LOWER = {
