@@ -6,7 +6,8 @@ On the CPU backend, tensor "addresses" are host pointers (``array.ctypes.data``)
 Compatibility (``engine_core.compat``): a plan is refused (``deserialize_cuda_engine`` -> None, the
 reason logged and recorded) when this Kiln version or this GPU may not run it. Weight streaming
 (``engine_core.weight_streaming``): the engine keeps the budget and the schedule; on the CPU
-backend weights always live in host memory, so the numbers are bookkeeping only.
+backend weights always live in host memory, so the numbers are bookkeeping only; the CUDA runner
+places weights by it when a context is made and streams the others every run.
 """
 
 from __future__ import annotations
@@ -265,6 +266,11 @@ class CudaEngine:
     def weight_streaming_scratch_memory_size(self) -> int:
         return self.weight_streaming_plan.scratch_bytes
 
+    def _streamed_weights(self) -> set[str]:
+        """Weights the current budget leaves in host memory (CUDA runner hook: read per new context)."""
+        plan = self.weight_streaming_plan
+        return {u.weight for step in plan.steps for u in step.uploads}
+
     @property
     def refittable(self) -> bool:
         return engine_refittable(self)
@@ -370,6 +376,14 @@ def _cuda_engine_state(plan: Plan) -> Any:
     from engine_core.backends.cuda import engine_state
 
     return engine_state(plan)
+
+
+def _active_debug(ctx: ExecutionContext) -> tuple[IDebugListener, tuple[str, ...]] | None:
+    """The context's debug listener and enabled debug tensors, when both exist (CUDA backend hook)."""
+    state = ctx.__dict__.get("_debug_state")
+    if state is None or not state.active:
+        return None
+    return state.listener, tuple(sorted(state.enabled))
 
 
 def _plan_meta(plan: Plan) -> dict[str, Any]:
@@ -516,7 +530,9 @@ class ExecutionContext:
         self._inferred: dict[str, TensorInfo] | None = None
         self._shape_values: dict[str, np.ndarray] = {}
         self._device_memory: tuple[int, int] | None = None
-        self._cuda = engine.cuda.create_context() if engine.cuda is not None else None  # CUDA backend hook
+        self._input_consumed_event = 0
+        # CUDA backend hook: the budget cannot change while contexts exist, so weights are placed now
+        self._cuda = engine.cuda.create_context(engine._streamed_weights()) if engine.cuda is not None else None
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
         for name in self._input_names:  # static inputs need no set_input_shape
@@ -652,7 +668,7 @@ class ExecutionContext:
     # -- execution ------------------------------------------------------------------------------
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._cuda is not None:  # CUDA backend hook: host arrays in and out
-            return self._cuda.infer(feeds, profiler_for(self))
+            return self._cuda.infer(feeds, profiler_for(self), _active_debug(self))
         timer = self.profiler.report_layer_time if self.profiler is not None else None
         return run_with_debug(self, feeds, timer)  # debug-tensor hook (plain run without a listener)
 
@@ -687,6 +703,22 @@ class ExecutionContext:
 
     def report_to_profiler(self) -> bool:
         return report_to_profiler(self)
+
+    # -- input-consumed event -------------------------------------------------------------------
+    def set_input_consumed_event(self, event: int) -> bool:
+        """CUDA event (a CUevent handle as int, 0 to clear) that ``execute_async_v3`` records on its stream
+        once no later layer reads an input, so the caller may refill input buffers before the run ends.
+        CPU plans run synchronously: inputs are consumed when execute returns and the event is not recorded
+        (a never-recorded CUDA event counts as complete)."""
+        try:
+            self._input_consumed_event = int(event or 0)
+        except (TypeError, ValueError):
+            report_error(self, ErrorCode.INVALID_ARGUMENT, f"set_input_consumed_event: {event!r} is not an event handle")
+            return False
+        return True
+
+    def get_input_consumed_event(self) -> int:
+        return self._input_consumed_event
 
     def execute_v2(self, bindings: Sequence[int]) -> bool:
         for name, address in zip(self.engine._order, bindings):
@@ -727,7 +759,8 @@ class ExecutionContext:
                 raise ExecutionError(f"output allocator returned no memory for '{name}' ({nbytes} bytes)")
             addresses[name] = int(address or 0)
             allocated.append((allocator, name, shape))
-        self._cuda.execute(self._input_shapes, addresses, int(stream_handle), profiler_for(self))
+        self._cuda.execute(self._input_shapes, addresses, int(stream_handle), profiler_for(self),
+                           debug=_active_debug(self), consumed_event=self._input_consumed_event or None)
         for allocator, name, shape in allocated:
             allocator.notify_shape(name, tuple(shape))
 

@@ -3,14 +3,23 @@
 ``CudaEngineState`` holds what all contexts of an engine share (loaded CUBINs, weights uploaded
 once); ``CudaContextState`` holds one context's arena and its per-input-shape bindings (lowering,
 folded shape values on the device, prepared kernel parameter blocks).
+
+Weight streaming (``engine_core.weight_streaming``): weights the engine's budget does not keep
+resident live in pinned host memory; each run uploads them on a second (copy) stream into two
+scratch slots per context, ordered by events (a layer waits for its slot's upload, an upload waits
+for the slot's previous reader). What a run enqueues, in host order, is a pure ``RunSchedule``
+(``run_schedule``) that the device path interprets and the CPU tests check without a GPU; it also
+places the input-consumed event and the debug-listener callbacks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,17 +34,22 @@ from engine_core.backends.cuda.lowering import (
     Lowered,
     LoweringOptions,
     Ref,
+    Step,
     lower_graph,
     transform_weight,
 )
 from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
 from engine_core.errors import ExecutionError
+from engine_core.ir import Value
 from engine_core.ir.graph import has_subgraph, subgraph_reads
 from engine_core.logger import DEFAULT_LOGGER, Severity
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import Plan
+from engine_core.refit import refittable_names
+from engine_core.types import TensorLocation, datatype_of
+from engine_core.weight_streaming import LayerWeights, StreamingPlan, plan_streaming
 
 Shapes = Mapping[str, tuple[int, ...]]
 #: captured graphs kept per input-shape binding (one per distinct set of I/O addresses)
@@ -55,17 +69,201 @@ class ShapesNeedValues(ExecutionError):
     """Some tensor shapes depend on input values the binding was not given."""
 
 
+# -- what one run enqueues (pure: no driver, checked on CPU) -------------------------------------------
+
+#: the two streams a run uses: the context's (compute) stream and its copy stream
+COMPUTE, COPY = "compute", "copy"
+#: one enqueue action, in host order:
+#:   ("step", i)                      run lowered step i on the compute stream
+#:   ("record", stream, event)        record an internal event ("start", "ready<k>", "done<i>")
+#:   ("wait", stream, event)          make ``stream`` wait for an internal event
+#:   ("upload", k)                    copy streaming step k's weights into its slot (copy stream)
+#:   ("consumed",)                    record the user's input-consumed event (compute stream)
+#:   ("debug", name)                  hand debug tensor ``name`` to the debug listener
+Action = tuple
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    """One run's actions in host order, and where each step finds its streamed weights."""
+
+    actions: tuple[Action, ...]
+    #: step index -> {weight key: (slot, byte offset in the slot)} for the weights it reads streamed
+    streamed: dict[int, dict[str, tuple[int, int]]]
+    #: the upload schedule over lowered steps (its layer indices are step indices)
+    streaming: StreamingPlan
+    #: internal events the actions record, by name
+    events: tuple[str, ...]
+
+    @property
+    def uses_copy_stream(self) -> bool:
+        return self.streaming.streaming
+
+
+def step_reads(step: Step) -> list[str]:
+    """Tensors a step addresses on the device (outputs too, harmlessly): every Ref of its ops, and a
+    host layer's inputs (it fetches them itself)."""
+    names = [n for n in step.node.inputs if n] if any(isinstance(op, Host) for op in step.ops) else []
+    for op in step.ops:
+        if isinstance(op, Launch):
+            names += [v.tensor for v, _ in op.args if isinstance(v, Ref)]
+        elif isinstance(op, Gemm):
+            names += [r.tensor for r in (op.a, op.b, op.y, op.bias) if r is not None]
+        elif isinstance(op, Conv):
+            names += [r.tensor for r in (op.x, op.w, op.b, op.z) if r is not None]
+        elif isinstance(op, Copy):
+            names.append(op.src.tensor)
+    return names
+
+
+def _located(lowered: Lowered, step: Step, kind: str) -> list[str]:
+    """Keys of the given location kind ("weight", "io") that a step reads, in first-use order."""
+    keys = []
+    for name in step_reads(step):
+        location = lowered.locations.get(name)
+        if location is not None and location[0] == kind:
+            keys.append(location[1])
+    return list(dict.fromkeys(keys))
+
+
+def streamed_reads(lowered: Lowered, streamed: Mapping[str, int]) -> list[LayerWeights]:
+    """Per lowered step (named by its index), the streamed weights it reads: ``(key, nbytes)``."""
+    return [(str(index), [(key, streamed[key]) for key in _located(lowered, step, "weight") if key in streamed])
+            for index, step in enumerate(lowered.steps)]
+
+
+def last_input_reader(lowered: Lowered, inputs: Collection[str]) -> int:
+    """Index of the last step that reads a graph input (views of inputs included); -1 when none does."""
+    last = -1
+    for index, step in enumerate(lowered.steps):
+        if any(key in inputs for key in _located(lowered, step, "io")):
+            last = index
+    return last
+
+
+def debug_positions(lowered: Lowered, names: Iterable[str]) -> dict[int, list[str]]:
+    """Step index after which each debug tensor is reported: its (last) producer; -1 (before the first
+    step) for tensors no step writes (inputs, weights, values known on the host)."""
+    producer: dict[str, int] = {}
+    for index, step in enumerate(lowered.steps):
+        for name in step.node.outputs:
+            if name:
+                producer[name] = index
+    positions: dict[int, list[str]] = {}
+    for name in sorted(names, key=lambda n: (producer.get(n, -1), n)):
+        positions.setdefault(producer.get(name, -1), []).append(name)
+    return positions
+
+
+def run_schedule(lowered: Lowered, streamed: Mapping[str, int], inputs: Collection[str] = (),
+                 consumed: bool = False, debug: Sequence[str] = ()) -> RunSchedule:
+    """The actions of one run.
+
+    ``streamed``: weight key -> nbytes of the weights that live in host memory (all > 0). Their
+    uploads follow ``plan_streaming`` over the lowered steps: step k's uploads are enqueued on the copy
+    stream right after the compute stream recorded "done" of the slot's previous reader (or, for the
+    first two, after "start", which also orders them after the previous run), and step k waits for
+    "ready<k>". The waits are also what puts the copy stream into a CUDA-graph capture (fork at
+    "start") and back (every "ready" is joined by the compute stream). ``consumed``: record the
+    input-consumed event after the last step reading a graph input. ``debug``: report those tensors
+    right after the step producing them, while stream order still guarantees their bytes.
+    """
+    plan = plan_streaming(streamed_reads(lowered, streamed), 0)
+    by_after: dict[int, list[int]] = {}
+    for k, sstep in enumerate(plan.steps):
+        by_after.setdefault(sstep.issue_after, []).append(k)
+    ready_for = {sstep.layer_index: k for k, sstep in enumerate(plan.steps)}
+    done_after = {sstep.issue_after for sstep in plan.steps if sstep.issue_after >= 0}
+    reports = debug_positions(lowered, debug)
+    consumed_after = last_input_reader(lowered, inputs) if consumed else None
+    actions: list[Action] = []
+
+    def issue(k: int) -> None:
+        after = plan.steps[k].issue_after
+        if after >= 0:
+            actions.append(("wait", COPY, f"done{after}"))
+        actions.append(("upload", k))
+        actions.append(("record", COPY, f"ready{k}"))
+
+    if plan.steps:
+        actions += [("record", COMPUTE, "start"), ("wait", COPY, "start")]
+        for k in by_after.get(-1, []):
+            issue(k)
+    if consumed_after == -1:
+        actions.append(("consumed",))
+    actions += [("debug", name) for name in reports.get(-1, [])]
+    for index in range(len(lowered.steps)):
+        if index in ready_for:
+            actions.append(("wait", COMPUTE, f"ready{ready_for[index]}"))
+        actions.append(("step", index))
+        if index in done_after:
+            actions.append(("record", COMPUTE, f"done{index}"))
+        if consumed_after == index:
+            actions.append(("consumed",))
+        actions += [("debug", name) for name in reports.get(index, [])]
+        for k in by_after.get(index, []):
+            issue(k)
+    placed = {s.layer_index: {u.weight: (s.slot, u.offset) for u in s.uploads} for s in plan.steps}
+    events = tuple(dict.fromkeys(a[2] for a in actions if a[0] == "record"))
+    return RunSchedule(tuple(actions), placed, plan, events)
+
+
+class PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc), freed with the object. Why pinned: only copies from
+    page-locked memory run asynchronously on the copy stream (and may be captured in CUDA graphs)."""
+
+    def __init__(self, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        primary_context()
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(driver.cuMemHostAlloc(max(self.nbytes, 1), 0), "cuMemHostAlloc"))
+
+    @staticmethod
+    def from_array(array: np.ndarray) -> PinnedBuffer:
+        buf = PinnedBuffer(np.asarray(array).nbytes)
+        buf.copy_from(array)
+        return buf
+
+    def copy_from(self, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        if array.nbytes != self.nbytes:
+            raise ExecutionError(f"cannot write {array.nbytes} bytes into a {self.nbytes}-byte host weight buffer")
+        if array.nbytes:
+            ctypes.memmove(self.ptr, array.ctypes.data, array.nbytes)
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuMemFreeHost(self.ptr)
+        except Exception:
+            pass
+
+
 class CudaEngineState:
-    """Per engine: modules from the plan's CUBINs and the weights, on the device once."""
+    """Per engine: modules from the plan's CUBINs and the weights, on the device once.
+
+    Plans built with WEIGHT_STREAMING place their streamable weights when the first context is made
+    (``place_weights``, at the engine's budget then): uploading them all at load time would defeat
+    streaming for models larger than the device, and the budget may only change while no context exists.
+    """
 
     def __init__(self, plan: Plan) -> None:
         primary_context()
         self.plan = plan
         self.modules = {name: Module(cubin) for name, cubin in plan.kernels.items()}
         self._functions: dict[tuple[str, str], Any] = {}
+        streaming = "WEIGHT_STREAMING" in plan.build_info.get("flags", [])
+        #: weights a budget may leave in host memory (none without BuilderFlag.WEIGHT_STREAMING)
+        self.streamable = frozenset(refittable_names(plan.graph)) if streaming else frozenset()
         self.weights = {name: DeviceBuffer.from_array(np.ascontiguousarray(value))
                         for name, value in plan.graph.constants.items()
-                        if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"}
+                        if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU" and name not in self.streamable}
+        #: streamed weights (and their derived layouts) in pinned host memory, uploaded every run
+        self.host_weights: dict[str, PinnedBuffer] = {}
+        self.streamed: frozenset[str] = frozenset()
+        self._placed = not self.streamable
         self.gemm_choice = {layer["name"]: layer["tactic"].split(":", 1)[1] for layer in plan.layers
                             if str(layer.get("tactic", "")).startswith("gemm:")}
         self.options = lowering_options(plan)
@@ -78,6 +276,37 @@ class CudaEngineState:
                 raise ExecutionError("this plan runs convolutions with cuDNN, but the cuDNN frontend is not "
                                      "installed here (pip install kiln[gpu])")
         self.contexts: weakref.WeakSet[CudaContextState] = weakref.WeakSet()
+
+    def place_weights(self, streamed: Iterable[str]) -> None:
+        """Keep ``streamed`` weights in pinned host memory and every other streamable one on the device.
+
+        Device copies are freed before new ones are made (peak memory); derived layouts of streamable
+        weights are dropped and remade by the next binding where their source now lives. Existing
+        contexts (normally none: the budget cannot change while contexts exist) re-bind.
+        """
+        constants = self.plan.graph.constants
+        wanted = frozenset(n for n in streamed if n in self.streamable and constants[n].nbytes > 0)
+        if self._placed and wanted == self.streamed:
+            return
+        for ctx in self.contexts:
+            ctx._bindings.clear()
+        derived = [d for d in (*self.weights, *self.host_weights) if "#" in d and d.split("#", 1)[0] in self.streamable]
+        for name in derived:
+            self.weights.pop(name, None)
+            self.host_weights.pop(name, None)
+        for name in self.streamable:
+            (self.weights if name in wanted else self.host_weights).pop(name, None)
+        for name in sorted(self.streamable):
+            if name in wanted and name not in self.host_weights:
+                self.host_weights[name] = PinnedBuffer.from_array(constants[name])
+            elif name not in wanted and name not in self.weights:
+                self.weights[name] = DeviceBuffer.from_array(np.ascontiguousarray(constants[name]))
+        self.streamed, self._placed = wanted, True
+
+    @property
+    def streamed_sizes(self) -> dict[str, int]:
+        """Weight key -> nbytes of everything a run uploads (streamed weights and their derived layouts)."""
+        return {name: buf.nbytes for name, buf in self.host_weights.items()}
 
     def function(self, module: str, name: str) -> Any:
         key = (module, name)
@@ -104,26 +333,42 @@ class CudaEngineState:
         for kernel in missing:
             self._functions[("pointwise", kernel.name)] = module.function(kernel.name)
 
-    def derived_weight(self, name: str, source: str, transform: str) -> DeviceBuffer:
-        """A weight in another layout (e.g. KRSC filters), made on the device once per engine."""
-        if name not in self.weights:
-            self.weights[name] = DeviceBuffer.from_array(transform_weight(self.plan.graph.constants[source], transform))
+    def derived_weight(self, name: str, source: str, transform: str) -> DeviceBuffer | PinnedBuffer:
+        """A weight in another layout (e.g. KRSC filters), made once per engine: on the device, or in
+        pinned host memory when its source is streamed (it is then streamed too)."""
+        if name in self.weights:
+            return self.weights[name]
+        if name in self.host_weights:
+            return self.host_weights[name]
+        value = transform_weight(self.plan.graph.constants[source], transform)
+        if source in self.streamed:
+            self.host_weights[name] = PinnedBuffer.from_array(value)
+            return self.host_weights[name]
+        self.weights[name] = DeviceBuffer.from_array(value)
         return self.weights[name]
 
-    def create_context(self) -> CudaContextState:
+    def create_context(self, streamed: Iterable[str] = ()) -> CudaContextState:
+        """A context's state; ``streamed``: the weights the engine's budget leaves in host memory."""
+        self.place_weights(streamed)
         state = CudaContextState(self)
         self.contexts.add(state)
         return state
 
     def refit(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Overwrite device weights in place (captured CUDA graphs keep their addresses) and drop
+        """Overwrite weights in place, on the device or (streamed) in pinned host memory: captured CUDA
+        graphs keep their addresses and upload the new bytes from their next replay on. Drops
         per-shape bindings, whose host-folded values may have read the old weights."""
+        if any(key.split("#", 1)[0] in weights for key in self.host_weights):
+            from engine_core.cuda.driver import synchronize
+
+            synchronize()  # no upload may be reading a host copy while it is overwritten
         for name, value in weights.items():
-            if name in self.weights:
-                self.weights[name].copy_from(np.ascontiguousarray(value))
-            for derived in [d for d in self.weights if d.startswith(f"{name}#")]:
-                transform = derived.split("#", 1)[1]
-                self.weights[derived].copy_from(transform_weight(np.asarray(value), transform))
+            for store in (self.weights, self.host_weights):
+                if name in store:
+                    store[name].copy_from(np.ascontiguousarray(value))
+                for derived in [d for d in store if d.startswith(f"{name}#")]:
+                    transform = derived.split("#", 1)[1]
+                    store[derived].copy_from(transform_weight(np.asarray(value), transform))
         for ctx in self.contexts:
             ctx._bindings.clear()
 
@@ -176,6 +421,44 @@ class _Binding:
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_failed = False
         self.runs = 0
+        self.streamed = state.streamed_sizes  # fixed for the binding's life (place_weights drops bindings)
+        self.inputs = frozenset(v.name for v in state.plan.graph.inputs)
+        self._schedules: dict[tuple, RunSchedule] = {}
+        self.events = _Events()
+        #: device copies of debug tensors the arena does not hold as the listener expects (see _debug_pointer)
+        self.debug_buffers: dict[str, DeviceBuffer] = {}
+
+    def schedule(self, consumed: bool = False, debug: tuple[str, ...] = ()) -> RunSchedule:
+        """The run schedule for these options, made once per binding."""
+        key = (consumed, debug)
+        if key not in self._schedules:
+            self._schedules[key] = run_schedule(self.lowered, self.streamed, self.inputs, consumed, debug)
+        return self._schedules[key]
+
+
+class _Events:
+    """Internal CUDA events of a binding's runs by name (timing off: they only order streams)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        event = self._events.get(name)
+        if event is None:
+            from cuda.bindings import driver
+
+            flags = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            event = self._events[name] = check(driver.cuEventCreate(flags), "cuEventCreate")
+        return event
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            for event in self._events.values():
+                driver.cuEventDestroy(event)
+        except Exception:
+            pass
 
 
 class _Graph:
@@ -209,6 +492,9 @@ class CudaContextState:
         #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
         self.host_fallback: list[str] = []
         self._stream: int | None = None
+        self._copy_stream: int | None = None
+        #: the two weight-streaming scratch slots (device), sized for the largest binding's schedule
+        self._slots: list[DeviceBuffer | None] = [None, None]
         self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
 
     # -- binding ----------------------------------------------------------------------------------
@@ -254,9 +540,12 @@ class CudaContextState:
         for binding in self._bindings.values():  # graphs captured the old arena's addresses
             binding.graphs.clear()
 
-    def _resolver(self, binding: _Binding, addresses: Mapping[str, int]):
+    def _resolver(self, binding: _Binding, addresses: Mapping[str, int]) -> tuple[Any, dict[str, int]]:
+        """``resolve(Ref) -> device pointer`` and the dict of streamed weights' slot addresses that the
+        run loop refills before each step (a streamed weight has an address only in its step)."""
         locations, weights, folded = binding.lowered.locations, self.engine.weights, binding.folded
         base = self.arena.ptr if self.arena is not None else 0
+        current: dict[str, int] = {}
 
         def resolve(ref: Ref) -> int:
             kind, key = locations[ref.tensor]
@@ -267,14 +556,20 @@ class CudaContextState:
                     raise ExecutionError(f"no device address set for '{key}'")
                 return addresses[key] + ref.offset
             if kind == "weight":
-                return weights[key].ptr + ref.offset
+                buffer = weights.get(key)
+                if buffer is not None:
+                    return buffer.ptr + ref.offset
+                if key not in current:
+                    raise ExecutionError(f"weight '{key}' is streamed but this step has no upload of it")
+                return current[key] + ref.offset
             return folded[key].ptr + ref.offset
 
-        return resolve
+        return resolve, current
 
     # -- running ----------------------------------------------------------------------------------
     def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
-                values: Mapping[str, np.ndarray] | None = None) -> None:
+                values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
+                consumed_event: Any = None) -> None:
         """Launch every step on ``stream``; host syncs happen only around host-fallback layers.
 
         Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
@@ -282,22 +577,33 @@ class CudaContextState:
         graph; later runs with those addresses replay it with one launch. Plans with host-fallback
         layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
         ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
+        Streamed weights' uploads (copy stream) are part of the capture. ``debug``: (IDebugListener,
+        tensor names): runs launch layer by layer (no replay) and report each tensor after its layer.
+        ``consumed_event``: a CUevent recorded once no later step reads an input (captured as an
+        external event node, so replays record it too).
         """
         binding = self.bind(shapes, values)
+        names = tuple(sorted(debug[1])) if debug is not None else ()
+        schedule = binding.schedule(bool(consumed_event), names)
+        self._ensure_slots(schedule)
+        listener = debug[0] if names else None
         if profiler is not None:
-            self._launch_profiled(binding, addresses, stream, profiler)
+            self._launch_profiled(binding, schedule, addresses, stream, profiler, consumed_event, listener)
+            return
+        if listener is not None:
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, listener=listener)
             return
         if not self.use_graphs or stream == 0 or binding.has_host or binding.graph_failed:
-            self._launch_all(binding, addresses, stream)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event)
             return
-        key = tuple(sorted(addresses.items()))
+        key = (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)))
         graph = binding.graphs.get(key)
         if graph is None:
             binding.runs += 1
             if binding.runs < 2:  # first run eagerly: library initialisation must not be captured
-                self._launch_all(binding, addresses, stream)
+                self._launch_all(binding, schedule, addresses, stream, consumed_event)
                 return
-            graph = self._capture(binding, addresses, stream)
+            graph = self._capture(binding, schedule, addresses, stream, consumed_event)
             if graph is None:
                 return
             if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
@@ -307,14 +613,15 @@ class CudaContextState:
 
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
 
-    def _capture(self, binding: _Binding, addresses: Mapping[str, int], stream: int) -> _Graph | None:
+    def _capture(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
+                 consumed_event: Any) -> _Graph | None:
         """Capture one run into an instantiated graph; on failure, run eagerly and stop trying."""
         from cuda.bindings import driver
 
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         try:
-            self._launch_all(binding, addresses, stream)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, capturing=True)
         except Exception:
             driver.cuStreamEndCapture(stream)
             binding.graph_failed = True
@@ -324,42 +631,139 @@ class CudaContextState:
             return _Graph(graph, check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
         except Exception:
             binding.graph_failed = True
-            self._launch_all(binding, addresses, stream)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event)
             return None
 
-    def _launch_profiled(self, binding: _Binding, addresses: Mapping[str, int], stream: int, profiler: Any) -> None:
+    def _launch_profiled(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
+                         profiler: Any, consumed_event: Any = None, listener: Any = None) -> None:
         from cuda.bindings import driver
 
         events = [check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(len(binding.lowered.steps) + 1)]
         check(driver.cuEventRecord(events[0], stream), "cuEventRecord")
-        self._launch_all(binding, addresses, stream, events[1:])
+        self._launch_all(binding, schedule, addresses, stream, consumed_event, after_step=events[1:], listener=listener)
         check(driver.cuEventSynchronize(events[-1]), "cuEventSynchronize")
         for step, start, stop in zip(binding.lowered.steps, events, events[1:]):
             profiler.report_layer_time(step.node.name, float(check(driver.cuEventElapsedTime(start, stop), "time")))
         for event in events:
             driver.cuEventDestroy(event)
 
-    def _launch_all(self, binding: _Binding, addresses: Mapping[str, int], stream: int,
-                    after_step: list | None = None) -> None:
+    def _ensure_slots(self, schedule: RunSchedule) -> None:
+        """Scratch slots at least as large as ``schedule`` needs; growing them invalidates captured graphs."""
+        for slot, need in enumerate(schedule.streaming.slot_bytes):
+            if need and (self._slots[slot] is None or self._slots[slot].nbytes < need):
+                self._slots[slot] = DeviceBuffer(need)
+                for binding in self._bindings.values():
+                    binding.graphs.clear()
+
+    def copy_stream(self) -> int:
+        """The stream weight uploads run on (non-blocking: ordered by events only)."""
+        if self._copy_stream is None:
+            from cuda.bindings import driver
+
+            flags = int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            self._copy_stream = int(check(driver.cuStreamCreate(flags), "cuStreamCreate"))
+        return self._copy_stream
+
+    def _launch_all(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
+                    consumed_event: Any = None, after_step: list | None = None, capturing: bool = False,
+                    listener: Any = None) -> None:
+        """Enqueue one run: interpret ``schedule.actions`` on the compute and copy streams."""
         from cuda.bindings import driver
 
-        resolve = self._resolver(binding, addresses)
-        for index, step in enumerate(binding.lowered.steps):
-            if after_step is not None and index:
-                check(driver.cuEventRecord(after_step[index - 1], stream), "cuEventRecord")
-            for op in step.ops:
-                if isinstance(op, Launch):
-                    binding.prepared[id(op)].run(resolve, stream)
-                elif isinstance(op, Gemm):
-                    self._gemm(op, resolve, stream)
-                elif isinstance(op, Conv):
-                    self._conv(op, resolve, stream)
-                elif isinstance(op, Copy):
-                    _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
-                elif isinstance(op, Host):
-                    self._host(op, binding, resolve, stream)
-        if after_step:
-            check(driver.cuEventRecord(after_step[-1], stream), "cuEventRecord")
+        resolve, current = self._resolver(binding, addresses)
+        steps, events = binding.lowered.steps, binding.events
+        streams = {COMPUTE: stream, COPY: self.copy_stream() if schedule.uses_copy_stream else stream}
+        for action in schedule.actions:
+            kind = action[0]
+            if kind == "step":
+                index = action[1]
+                current.clear()
+                for key, (slot, offset) in schedule.streamed.get(index, {}).items():
+                    current[key] = self._slots[slot].ptr + offset
+                self._run_step(steps[index], binding, resolve, stream)
+                if after_step is not None:
+                    check(driver.cuEventRecord(after_step[index], stream), "cuEventRecord")
+            elif kind == "record":
+                check(driver.cuEventRecord(events[action[2]], streams[action[1]]), "cuEventRecord")
+            elif kind == "wait":
+                check(driver.cuStreamWaitEvent(streams[action[1]], events[action[2]], 0), "cuStreamWaitEvent")
+            elif kind == "upload":
+                self._upload(schedule.streaming.steps[action[1]], streams[COPY])
+            elif kind == "consumed":
+                if capturing:  # a plain record inside a capture would only order the capture's own nodes
+                    flag = int(driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+                    check(driver.cuEventRecordWithFlags(consumed_event, stream, flag), "cuEventRecordWithFlags")
+                else:
+                    check(driver.cuEventRecord(consumed_event, stream), "cuEventRecord(input consumed)")
+            elif kind == "debug" and listener is not None:
+                self._report_debug(listener, action[1], binding, resolve, stream)
+
+    def _run_step(self, step: Step, binding: _Binding, resolve, stream: int) -> None:
+        for op in step.ops:
+            if isinstance(op, Launch):
+                binding.prepared[id(op)].run(resolve, stream)
+            elif isinstance(op, Gemm):
+                self._gemm(op, resolve, stream)
+            elif isinstance(op, Conv):
+                self._conv(op, resolve, stream)
+            elif isinstance(op, Copy):
+                _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
+            elif isinstance(op, Host):
+                self._host(op, binding, resolve, stream)
+
+    def _upload(self, sstep: Any, copy_stream: int) -> None:
+        """One streaming step's weights, pinned host -> its slot, on the copy stream."""
+        from cuda.bindings import driver
+
+        slot = self._slots[sstep.slot].ptr
+        for upload in sstep.uploads:
+            source = self.engine.host_weights[upload.weight]
+            check(driver.cuMemcpyHtoDAsync(slot + upload.offset, source.ptr, upload.nbytes, copy_stream),
+                  f"upload of streamed weight '{upload.weight}'")
+
+    # -- debug tensors ------------------------------------------------------------------------------
+    def _report_debug(self, listener: Any, name: str, binding: _Binding, resolve, stream: int) -> None:
+        """Hand one debug tensor to the listener: a device pointer valid in ``stream`` order at the time of
+        the call (the layers after it are not enqueued yet), in the linear layout of its logical shape."""
+        info = binding.lowered.infos.get(name)
+        if info is None or info.shape is None:
+            raise ExecutionError(f"debug tensor '{name}' has no shape in this run")
+        pointer = self._debug_pointer(name, info, binding, resolve, stream)
+        listener.process_debug_tensor(pointer, TensorLocation.DEVICE, datatype_of(info.dtype), tuple(info.shape),
+                                      name, stream)
+
+    def _debug_pointer(self, name: str, info: TensorInfo, binding: _Binding, resolve, stream: int) -> int:
+        """Where the listener reads ``name``: in place when it is linear and device-resident, else a copy in a
+        per-binding buffer (channels-last activations, streamed weights, values known only on the host)."""
+        from cuda.bindings import driver
+
+        location = binding.lowered.locations.get(name)
+        streamed = location is not None and location[0] == "weight" and location[1] not in self.engine.weights
+        nhwc = binding.lowered.layouts.get(name) == "nhwc"
+        if location is not None and not streamed and not nhwc:
+            return resolve(Ref(name))
+        nbytes = int(np.prod(info.shape, dtype=np.int64)) * info.dtype.itemsize
+        if nhwc:  # the arena holds N,H,W,C: bring it to N,C,H,W
+            n, c, h, w = info.shape
+            raw = np.empty((n, h, w, c), info.dtype)
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            if nbytes:
+                check(driver.cuMemcpyDtoH(raw.ctypes.data, resolve(Ref(name)), nbytes), "cuMemcpyDtoH")
+            value = raw.transpose(0, 3, 1, 2)
+        elif name in self.engine.plan.graph.constants:
+            value = np.asarray(self.engine.plan.graph.constants[name])
+        elif info.value is not None:
+            value = np.asarray(info.value, info.dtype)
+        else:
+            raise ExecutionError(f"debug tensor '{name}' is not computed on the device in this run")
+        buffer = binding.debug_buffers.get(name)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = binding.debug_buffers[name] = DeviceBuffer(nbytes)
+        if nbytes:
+            array = np.ascontiguousarray(value)
+            check(driver.cuMemcpyHtoDAsync(buffer.ptr, array.ctypes.data, nbytes, stream), "cuMemcpyHtoDAsync")
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")  # the host array is temporary
+        return buffer.ptr
 
     def _gemm(self, op: Gemm, resolve, stream: int) -> None:
         a, b, y = resolve(op.a), resolve(op.b), resolve(op.y)
@@ -434,14 +838,27 @@ class CudaContextState:
             if value.nbytes:
                 check(driver.cuMemcpyHtoD(resolve(Ref(name)), value.ctypes.data, value.nbytes), "cuMemcpyHtoD")
 
-    def _on_host(self, feeds: Mapping[str, np.ndarray], reason: str) -> dict[str, np.ndarray]:
+    def _on_host(self, feeds: Mapping[str, np.ndarray], reason: str,
+                 debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
         """The whole graph on the CPU backend, for runs the device path cannot plan ahead; logged once
-        per reason and kept in ``host_fallback`` (the inspector's per-layer report covers planned runs)."""
+        per reason and kept in ``host_fallback`` (the inspector's per-layer report covers planned runs).
+        Debug tensors are then reported from host memory (TensorLocation.HOST), as the CPU backend does."""
         if reason not in self.host_fallback:
             self.host_fallback.append(reason)
             DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}' runs on the host: {reason}")
+        graph = self.engine.plan.graph
+        if debug is not None and debug[1]:
+            listener, names = debug[0], sorted(debug[1])
+            extra = [Value(n, np.dtype(np.float32), None) for n in names if n not in set(graph.output_names)]
+            results = GraphRunner(dataclasses.replace(graph, outputs=graph.outputs + extra)).run(feeds)
+            order = {o: i for i, node in enumerate(graph.nodes) for o in node.outputs if o}
+            for name in sorted(names, key=lambda n: (order.get(n, -1), n)):
+                array = np.ascontiguousarray(results[name])
+                listener.process_debug_tensor(array.ctypes.data, TensorLocation.HOST, datatype_of(array.dtype),
+                                              tuple(array.shape), name, 0)
+            return {name: results[name] for name in graph.output_names}
         if self._host_runner is None:
-            self._host_runner = GraphRunner(self.engine.plan.graph)
+            self._host_runner = GraphRunner(graph)
         return self._host_runner.run(feeds)
 
     def stream(self) -> int:
@@ -451,15 +868,17 @@ class CudaContextState:
             self._stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
         return self._stream
 
-    def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None) -> dict[str, np.ndarray]:
-        """Host numpy in/out: inputs to device buffers, run on the context's stream, outputs back."""
+    def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None,
+              debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
+        """Host numpy in/out: inputs to device buffers, run on the context's stream, outputs back.
+        ``debug``: (IDebugListener, tensor names) as in ``execute``."""
         from cuda.bindings import driver
 
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         values = None
         graph = self.engine.plan.graph
         if not all(v.is_tensor for v in (*graph.inputs, *graph.outputs)):
-            return self._on_host(feeds, "sequence/optional/map inputs or outputs")
+            return self._on_host(feeds, "sequence/optional/map inputs or outputs", debug)
         try:
             binding = self.bind(shapes)
         except ShapesNeedValues:
@@ -468,7 +887,7 @@ class CudaContextState:
             try:
                 binding = self.bind(shapes, values)
             except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
-                return self._on_host(feeds, str(e))
+                return self._on_host(feeds, str(e), debug)
         stream = self.stream()
         graph, infos = self.engine.plan.graph, binding.lowered.infos
         arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
@@ -482,7 +901,7 @@ class CudaContextState:
         for name, array in arrays.items():
             if array.nbytes:
                 check(driver.cuMemcpyHtoDAsync(addresses[name], array.ctypes.data, array.nbytes, stream), "HtoD")
-        self.execute(shapes, addresses, stream, profiler, values)
+        self.execute(shapes, addresses, stream, profiler, values, debug)
         for name, array in outputs.items():
             if array.nbytes:
                 check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
