@@ -776,7 +776,8 @@ class ExecutionContext:
 
     @property
     def device_memory(self) -> int:
-        raise AttributeError("device_memory is write-only (as in the reference)")
+        """The address given by set_device_memory (0 when none); the reference's property is write-only."""
+        return self._device_memory[0] if self._device_memory else 0
 
     @device_memory.setter
     def device_memory(self, memory: int) -> None:
