@@ -17,6 +17,13 @@ from engine_core.builder import (
     available_backends,
     build_plan,
 )
+from engine_core.calibration import (
+    CalibrationAlgoType,
+    IInt8Calibrator,
+    IInt8EntropyCalibrator2,
+    IInt8MinMaxCalibrator,
+    IInt8PercentileCalibrator,
+)
 from engine_core.error_recorder import ErrorCode, ErrorRecorder, IErrorRecorder
 from engine_core.errors import (
     BuildError,
@@ -60,7 +67,7 @@ from engine_core.version import __version__
 
 __all__ = [
     "BuildError", "Builder", "ErrorCode", "ErrorRecorder", "IDebugListener", "IErrorRecorder", "PluginDef",
-    "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "EngineCapability", "HardwareCompatibilityLevel", "TempfileControlFlag", "TensorFormat", "CudaEngine", "DataType", "EngineInspector",
+    "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "CalibrationAlgoType", "IInt8Calibrator", "IInt8EntropyCalibrator2", "IInt8MinMaxCalibrator", "IInt8PercentileCalibrator", "EngineCapability", "HardwareCompatibilityLevel", "TempfileControlFlag", "TensorFormat", "CudaEngine", "DataType", "EngineInspector",
     "ExecutionContext", "ExecutionContextAllocationStrategy", "ExecutionError", "IOutputAllocator", "IProfiler",
     "KilnError", "LayerInformationFormat", "Logger", "MemoryPoolType", "NetworkDefinition",
     "NetworkDefinitionCreationFlag", "OnnxParser", "OptimizationProfile", "ParseError", "ParserError",

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine_core.calibration import calibrate
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import BuildError, KilnError
 from engine_core.inspector import build_extras
@@ -25,6 +26,7 @@ from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.network import NetworkDefinition
 from engine_core.ops import TensorInfo
 from engine_core.passes import FUSION_PASSES, PRE_PASSES, infer_shapes
+from engine_core.passes.quantize_implicit import int8_policy, quantize_implicit
 from engine_core.passes.reduce_precision import precision_policy, reduce_precision
 from engine_core.plan import IOTensor, Plan, serialize_plan
 from engine_core.plugins import plugin_kernels
@@ -91,6 +93,8 @@ class BuilderConfig:
         self.profiles: list[OptimizationProfile] = []
         self._pool_limits: dict[MemoryPoolType, int] = {}
         self.timing_cache: Any = None
+        #: IInt8Calibrator for implicit INT8 (BuilderFlag.INT8 on a model without Q/DQ)
+        self.int8_calibrator: Any = None
         self._hardware_compatibility_level = 0  # HardwareCompatibilityLevel.NONE
 
     @property
@@ -345,9 +349,12 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     profile_values = _profile_values(graph, config)
 
     policy = precision_policy(config, network, logger)
+    int8 = int8_policy(config, network, logger)  # implicit INT8: calibrate on the fp32 graph, insert Q/DQ
+    ranges = calibrate(network.graph, config) if int8 is not None and int8.implicit else {}
+    quantize = [partial(quantize_implicit, ranges=ranges)] if ranges else []
     # optimization level 0: no layer fusions (every ONNX layer stays a layer: for debugging numerics)
     fusions = FUSION_PASSES if config.builder_optimization_level > 0 else FUSION_PASSES[-1:]
-    stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *fusions]
+    stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *quantize, *fusions]
     progress.start("Optimizing graph", len(stages))
     pass_counts: dict[str, int] = {}
     with build_extras(graph, network, config) as extra_info:  # refit, debug tensors, plugins, verbosity
@@ -449,6 +456,8 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             "optimization_level": config.builder_optimization_level,
             "passes": pass_counts,
             **({"precision": {"warnings": list(policy.warnings)}} if policy is not None else {}),
+            **({"int8": {"mode": int8.mode, "calibrated_tensors": len(ranges), "warnings": int8.warnings}}
+               if int8 is not None else {}),
             "build_seconds": round(time.perf_counter() - started, 4),
             **extra_info,
             **({"cuda": cuda_info} if cuda_info else {}),

@@ -1,6 +1,6 @@
 """The `kiln` command: a thin layer over the public Python API (every feature is scriptable too).
 
-    kiln build model.onnx -o model.plan [--fp16] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
+    kiln build model.onnx -o model.plan [--fp16] [--int8 --calib-data DIR [--calib-cache FILE] [--quant-report]] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
                [--hardware-compatibility-level ampere_plus] [--version-compatible] [--weight-streaming]
                [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
     kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
@@ -131,6 +131,13 @@ def cmd_build(args: argparse.Namespace) -> int:
         config.set_memory_pool_limit(kiln.MemoryPoolType.WORKSPACE, int(args.workspace * (1 << 20)))
     apply_build_arguments(config, args)  # --profiling-verbosity, --refit
     try:
+        calibrator = _int8_calibrator(args, network)
+    except (ValueError, KilnError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if calibrator is not None:
+        config.int8_calibrator = calibrator
+    try:
         shapes = profile_shapes(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -165,6 +172,62 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(io_table(summary))
     print(f"\nwrote {output}: {len(plan)} bytes, {len(summary['layers'])} layers, "
           f"activation memory {summary['device_memory_size']} bytes, built in {time.perf_counter() - started:.2f} s")
+    if args.quant_report:
+        return _print_quant_report(network, config, calibrator, plan, logger)
+    return 0
+
+
+def _int8_calibrator(args: argparse.Namespace, network: kiln.NetworkDefinition):
+    """The calibrator --calib-data/--calib-cache/--calibrator ask for (None: no calibration flags)."""
+    from engine_core.calibration import load_calibration_data, make_calibrator
+
+    if not (args.calib_data or args.calib_cache):
+        if args.quant_report and args.int8:
+            raise ValueError("--quant-report needs --calib-data DIR (it measures errors on the first batch)")
+        return None
+    if not args.int8:
+        raise ValueError("--calib-data/--calib-cache calibrate for INT8: add --int8")
+    if args.quant_report and not args.calib_data:
+        raise ValueError("--quant-report needs --calib-data DIR (it measures errors on the first batch)")
+    names = [v.name for v in network.graph.inputs if v.is_tensor]
+    batches = load_calibration_data(args.calib_data, names) if args.calib_data else []
+    if not batches and not os.path.exists(args.calib_cache):
+        raise ValueError(f"calibration cache '{args.calib_cache}' does not exist: give --calib-data DIR to create it")
+    return make_calibrator(batches, args.calibrator, args.calib_cache, args.percentile)
+
+
+def _print_quant_report(network: kiln.NetworkDefinition, config, calibrator, plan: bytes, logger) -> int:
+    """Per-layer INT8 error on the first calibration batch, and the whole plan vs a float32 build."""
+    from engine_core.calibration import parse_cache, quantization_report
+    from engine_core.passes.quantize_implicit import has_qdq
+
+    if calibrator is None:
+        print("error: --quant-report needs --int8 and --calib-data DIR", file=sys.stderr)
+        return 2
+    feeds = calibrator.batches[0]
+    ranges = None if has_qdq(network.graph) else parse_cache(calibrator.cache_bytes or b"")
+    rows = quantization_report(network.graph, feeds, ranges)
+    print(f"\nINT8 quantization error per layer (first calibration batch, vs float32; {len(rows)} layers)")
+    print(_table([[r.layer, r.op_type, f"{r.max_abs_error:.4g}", f"{r.mean_abs_error:.4g}",
+                   f"{100 * r.relative_error:.2f}%"] for r in rows],
+                 ["layer", "type", "max abs err", "mean abs err", "max rel err"]))
+    config.clear_flag(kiln.BuilderFlag.INT8)
+    try:
+        reference = kiln.build_plan(network, config, logger) if ranges is not None else None
+    except KilnError as e:
+        print(f"error: float32 reference build failed: {e}", file=sys.stderr)
+        return 1
+    if reference is not None:
+        int8_out = kiln.Runtime().load(plan).create_execution_context().infer(feeds)
+        fp32_out = kiln.Runtime().load(reference).create_execution_context().infer(feeds)
+        for name, ref in fp32_out.items():
+            if ref.dtype.kind != "f":
+                continue
+            diff = np.abs(int8_out[name].astype(np.float64) - ref)
+            agree = (f", top-1 agreement {np.mean(int8_out[name].argmax(-1) == ref.argmax(-1)) * 100:.1f}%"
+                     if ref.ndim == 2 else "")
+            print(f"output '{name}': INT8 plan vs float32 plan max abs err {diff.max():.4g}, "
+                  f"mean abs err {diff.mean():.4g}{agree}")
     return 0
 
 
@@ -326,6 +389,15 @@ def make_parser() -> argparse.ArgumentParser:
     for name in PRECISION_FLAGS:
         p.add_argument(f"--{name}", action="store_true", help=f"allow {name.upper()} precision")
     p.add_argument("--workspace", type=float, help="workspace memory limit in MiB")
+    p.add_argument("--calib-data", metavar="DIR", help="INT8 calibration batches: .npz files (keys = input "
+                   "names), NAME.npy / NAME_<k>.npy, or any .npy for a one-input model (needs --int8)")
+    p.add_argument("--calib-cache", metavar="FILE", help="calibration cache: read when it exists (no calibration "
+                   "run), else written after calibrating")
+    p.add_argument("--calibrator", choices=["entropy", "minmax", "percentile"], default="entropy",
+                   help="how ranges come from activation statistics (default: entropy, as IInt8EntropyCalibrator2)")
+    p.add_argument("--percentile", type=float, help="percentile of |x| for --calibrator percentile (default 99.99)")
+    p.add_argument("--quant-report", action="store_true", help="print per-layer INT8 error vs float32 on the "
+                   "first calibration batch")
     p.add_argument("-v", "--verbose", action="store_true")
     add_build_arguments(p)
     _add_shape_args(p)

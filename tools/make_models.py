@@ -2,8 +2,9 @@
 
     python tools/make_models.py --out models/ [--models resnet50,bert_base] [--small]
 
-Models: resnet50, mobilenetv2, bert_base (dynamic batch and sequence), gpt2 (decoder block stack),
-yolo_nms (a YOLO-style detector head ending in NonMaxSuppression). ``--small`` keeps every
+Models: resnet50, resnet50_qdq (explicit Q/DQ: per-channel int8 weights, per-tensor activations;
+needs onnxruntime for its activation scales), mobilenetv2, bert_base (dynamic batch and sequence),
+gpt2 (decoder block stack), yolo_nms (a YOLO-style detector head ending in NonMaxSuppression). ``--small`` keeps every
 architecture but shrinks widths/depths/resolution, for tests. Each builder returns a ModelProto
 whose graph uses the op forms that PyTorch's exporter emits (Erf-GELU, Shape->Gather->Reshape, ...).
 """
@@ -273,9 +274,120 @@ def yolo_nms(image_size: int = 320, width: int = 32, classes: int = 80, anchors:
     ])
 
 
+def resnet50_qdq(image_size: int = 224, width: int = 64, blocks: Sequence[int] = (3, 4, 6, 3), classes: int = 1000,
+                 calib_batches: int = 4, calib_batch_size: int = 4) -> onnx.ModelProto:
+    """ResNet-50 (the builder above) explicitly quantized the way a QAT export looks: BN folded into the
+    convs, per-channel int8 weights (int8 initializer -> DequantizeLinear, axis = output channel),
+    per-tensor int8 activations (QuantizeLinear -> DequantizeLinear) in front of every Conv/Gemm and on
+    the residual input of every Add. Activation scales are max |x| / 127 over seeded N(0, 1) images
+    (run through onnxruntime on the float model, so the scales do not depend on Kiln)."""
+    model = resnet50(image_size, width, blocks, classes)
+    _fold_batchnorm(model.graph)
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    targets = {n.input[0] for n in graph.node if n.op_type in ("Conv", "Gemm")}
+    targets |= {n.input[1] for n in graph.node if n.op_type == "Add" and n.input[1] not in weights}
+    rng = np.random.default_rng(2024)
+    images = [rng.standard_normal((calib_batch_size, 3, image_size, image_size)).astype(np.float32)
+              for _ in range(calib_batches)]
+    amax = _activation_amax(model, sorted(targets), images)
+    nodes: list[onnx.NodeProto] = []
+    replaced: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            indexes = [(0, None), (1, 0)]  # (input, weight axis): Gemm weights are (classes, cin) with transB
+        elif node.op_type == "Add" and node.input[1] in targets:
+            indexes = [(1, None)]
+        else:
+            indexes = []
+        for index, axis in indexes:
+            name = node.input[index]
+            if name not in replaced:
+                replaced[name] = (_dequantized_weight(graph, weights[name], axis, nodes) if axis is not None
+                                  else _fake_quantized(graph, name, amax[name], nodes))
+            node.input[index] = replaced[name]
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.name = "resnet50_qdq"
+    onnx.checker.check_model(model)
+    return model
+
+
+def _fold_batchnorm(graph: onnx.GraphProto) -> None:
+    """Conv -> BatchNormalization pairs become one Conv with scaled weights and a bias (QAT exports do this)."""
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    drop = set()
+    for bn in graph.node:
+        conv = producers.get(bn.input[0])
+        if bn.op_type != "BatchNormalization" or conv is None or conv.op_type != "Conv":
+            continue
+        gamma, beta, mean, var = (numpy_helper.to_array(inits[i]).astype(np.float64) for i in bn.input[1:5])
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        w = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+        s = gamma / np.sqrt(var + eps)
+        inits[conv.input[1]].CopyFrom(numpy_helper.from_array((w * s.reshape(-1, 1, 1, 1)).astype(np.float32),
+                                                              conv.input[1]))
+        bias_name = conv.input[1] + "_bias"
+        graph.initializer.append(numpy_helper.from_array((beta - mean * s).astype(np.float32), bias_name))
+        conv.input.append(bias_name)
+        conv.output[0] = bn.output[0]
+        drop.add(id(bn))
+    kept = [n for n in graph.node if id(n) not in drop]
+    used = {i for n in kept for i in n.input}
+    del graph.node[:]
+    graph.node.extend(kept)
+    unused = [t for t in graph.initializer if t.name not in used]
+    for t in unused:
+        graph.initializer.remove(t)
+
+
+def _activation_amax(model: onnx.ModelProto, names: list[str], images: list[np.ndarray]) -> dict[str, float]:
+    """max |x| of each named tensor over the images, computed by onnxruntime on the float model."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names)
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    amax = dict.fromkeys(names, 0.0)
+    for x in images:
+        for name, value in zip(names, session.run(names, {"input": x})):
+            amax[name] = max(amax[name], float(np.abs(value).max()))
+    return amax
+
+
+def _fake_quantized(graph: onnx.GraphProto, name: str, amax: float, nodes: list[onnx.NodeProto]) -> str:
+    """name -> QuantizeLinear(int8, amax/127) -> DequantizeLinear; returns the dequantized tensor."""
+    scale, zero = f"{name}_scale", f"{name}_zero"
+    graph.initializer.extend([numpy_helper.from_array(np.array(max(amax, 1e-8) / 127, np.float32), scale),
+                              numpy_helper.from_array(np.array(0, np.int8), zero)])
+    nodes.append(helper.make_node("QuantizeLinear", [name, scale, zero], [f"{name}_q"], name=f"{name}_Q"))
+    nodes.append(helper.make_node("DequantizeLinear", [f"{name}_q", scale, zero], [f"{name}_dq"], name=f"{name}_DQ"))
+    return f"{name}_dq"
+
+
+def _dequantized_weight(graph: onnx.GraphProto, init: onnx.TensorProto, axis: int, nodes: list[onnx.NodeProto]) -> str:
+    """A float weight -> int8 initializer (symmetric, per channel along ``axis``) + DequantizeLinear."""
+    w = numpy_helper.to_array(init)
+    amax = np.abs(np.moveaxis(w, axis, 0)).reshape(w.shape[axis], -1).max(axis=1)
+    scale = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale.reshape([-1 if d == axis else 1 for d in range(w.ndim)])), -127, 127).astype(np.int8)
+    name = init.name
+    graph.initializer.remove(init)
+    graph.initializer.extend([numpy_helper.from_array(q, f"{name}_int8"),
+                              numpy_helper.from_array(scale, f"{name}_scale"),
+                              numpy_helper.from_array(np.zeros(scale.shape, np.int8), f"{name}_zero")])
+    nodes.append(helper.make_node("DequantizeLinear", [f"{name}_int8", f"{name}_scale", f"{name}_zero"],
+                                  [f"{name}_dq"], name=f"{name}_DQ", axis=axis))
+    return f"{name}_dq"
+
+
 #: name -> (full-size builder, small builder for tests)
 MODELS: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[[], onnx.ModelProto]]] = {
     "resnet50": (resnet50, lambda: resnet50(image_size=64)),
+    "resnet50_qdq": (resnet50_qdq, lambda: resnet50_qdq(image_size=64)),
     "mobilenetv2": (mobilenetv2, lambda: mobilenetv2(image_size=64, width_mult=0.5, classes=100)),
     "bert_base": (bert, lambda: bert(layers=2, hidden=64, heads=4, ffn=128, vocab=1000, max_positions=128)),
     "gpt2": (gpt2, lambda: gpt2(layers=2, hidden=64, heads=4, vocab=1000, max_positions=128)),
