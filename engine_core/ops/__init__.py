@@ -6,6 +6,7 @@ from engine_core.ops import (  # noqa: F401  (imported for their registrations)
     cast,
     control_flow,
     elementwise,
+    fused,
     image,
     indexing,
     logic,

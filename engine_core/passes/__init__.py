@@ -1,15 +1,30 @@
-"""Graph passes run by the builder. One pass = one function in one file."""
+"""Graph passes run by the builder. One pass = one function in one file; each returns its change count."""
 
 from engine_core.passes.constant_folding import fold_constants
 from engine_core.passes.dead_code import eliminate_dead_code
+from engine_core.passes.eliminate_transposes import eliminate_transposes
 from engine_core.passes.fold_conv_batchnorm import fold_conv_batchnorm
+from engine_core.passes.fuse_attention import fuse_attention
+from engine_core.passes.fuse_conv_epilogue import fuse_conv_epilogue
+from engine_core.passes.fuse_gelu import fuse_gelu
+from engine_core.passes.fuse_layer_norm import fuse_layer_norm
+from engine_core.passes.fuse_log_softmax import fuse_log_softmax
+from engine_core.passes.fuse_matmul_epilogue import fuse_matmul_epilogue
+from engine_core.passes.fuse_pointwise_chain import fuse_pointwise_chain
+from engine_core.passes.fuse_rms_norm import fuse_rms_norm
 from engine_core.passes.shape_inference import infer_shapes
 
-#: Folding passes, run before the precision pass (builder.build_plan); each returns its change count.
+#: Folding passes, run before the precision pass (builder.build_plan).
 PRE_PASSES = (fold_constants, fold_conv_batchnorm)
-#: Fusions and clean-up, run after the precision pass.
-FUSION_PASSES = (eliminate_dead_code,)
+#: Fusions, then clean-up, run after the precision pass. Order matters: the normalization, GELU and
+#: attention patterns are matched while their parts are still plain ONNX nodes; the epilogue fusions
+#: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
+#: eliminate_transposes merges them; pointwise chains take whatever pointwise layers are left.
+FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fuse_matmul_epilogue,
+                 fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
-__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "fold_constants", "fold_conv_batchnorm", "infer_shapes"]
+__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes", "fold_constants",
+           "fold_conv_batchnorm", "fuse_attention", "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm",
+           "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_pointwise_chain", "fuse_rms_norm", "infer_shapes"]

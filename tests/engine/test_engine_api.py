@@ -33,10 +33,11 @@ def test_small_cnn_matches_onnxruntime(rng, batch):
     x = rng.standard_normal((batch, 3, 16, 16)).astype(np.float32)
     out = engine.create_execution_context().infer({"x": x})
     np.testing.assert_allclose(out["y"], ort_run(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
-    # Conv+BN folded: no BatchNormalization layer left, and the conv layer records both ONNX nodes
+    # Conv+BN folded (then fused with its activation): no BatchNormalization layer left, and the conv layer
+    # records the ONNX nodes it covers
     types = [layer["type"] for layer in engine.plan.layers]
     assert "BatchNormalization" not in types
-    assert any(len(layer["origin"]) == 2 for layer in engine.plan.layers if layer["type"] == "Conv")
+    assert any(len(layer["origin"]) >= 2 for layer in engine.plan.layers if layer["type"] in ("Conv", "FusedConv"))
 
 
 def test_engine_describes_io_and_profiles():

@@ -33,7 +33,7 @@ def conv_bn_relu(rng: np.random.Generator, batch: int | str = 1) -> onnx.ModelPr
 
 
 def build(model: onnx.ModelProto, verbosity=ProfilingVerbosity.LAYER_NAMES_ONLY, debug=(), dynamic=False,
-          builder: kiln.Builder | None = None) -> bytes | None:
+          builder: kiln.Builder | None = None, fuse: bool = True) -> bytes | None:
     builder = builder or kiln.Builder()
     network = builder.create_network()
     assert kiln.OnnxParser(network).parse(model)
@@ -42,6 +42,7 @@ def build(model: onnx.ModelProto, verbosity=ProfilingVerbosity.LAYER_NAMES_ONLY,
     config = builder.create_builder_config()
     config.backend = "cpu"
     config.profiling_verbosity = verbosity
+    config.builder_optimization_level = 3 if fuse else 0  # 0: no fusions, one layer per ONNX node
     if dynamic:
         profile = builder.create_optimization_profile()
         profile.set_shape("x", (1, 3, 5, 5), (2, 3, 5, 5), (4, 3, 5, 5))
@@ -51,7 +52,7 @@ def build(model: onnx.ModelProto, verbosity=ProfilingVerbosity.LAYER_NAMES_ONLY,
 
 def test_inspector_honours_profiling_verbosity(rng):
     model = conv_bn_relu(rng, batch="N")
-    engines = {v: kiln.Runtime().load(build(model, v, dynamic=True)) for v in ProfilingVerbosity}
+    engines = {v: kiln.Runtime().load(build(model, v, dynamic=True, fuse=False)) for v in ProfilingVerbosity}
     for verbosity, engine in engines.items():
         assert engine.profiling_verbosity == verbosity
     none = engines[ProfilingVerbosity.NONE].create_engine_inspector()
@@ -189,14 +190,14 @@ def test_profiler_immediate_and_deferred(rng):
     assert not context.report_to_profiler()  # no profiler attached
     context.profiler = profiler = LayerTimes()
     context.infer({"x": x})
-    assert profiler.layers == ["conv", "relu"]  # BN folded into the conv
+    assert profiler.layers == ["conv"]  # BN folded into the conv, the ReLU fused with it
     context.enqueue_emits_profile = False
     context.infer({"x": x})
     context.infer({"x": x})
-    assert profiler.layers == ["conv", "relu"]
+    assert profiler.layers == ["conv"]
     assert context.report_to_profiler()
-    assert profiler.layers == ["conv", "relu"] * 2  # only the latest run's times
-    assert context.report_to_profiler() and len(profiler.layers) == 4
+    assert profiler.layers == ["conv"] * 2  # only the latest run's times
+    assert context.report_to_profiler() and len(profiler.layers) == 2
 
 
 def test_profiler_for_backends_taking_a_profiler_object(rng):

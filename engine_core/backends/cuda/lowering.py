@@ -849,6 +849,10 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     residual = node.inputs[3] if node.op_type == "FusedConv" and len(node.inputs) > 3 and node.inputs[3] else None
     if bias and (ctx.info(bias).dtype != dtype or ctx.info(bias).shape != (out.shape[1],)):
         raise Unsupported("convolution bias of another dtype or shape")
+    conv_shape = (x.shape[0], w.shape[0], *[(i + p0 + p1 - d * (k - 1) - 1) // st + 1 for i, p0, p1, d, k, st in
+                                            zip(x.shape[2:], pads[:2], pads[2:], dilations, kernel, strides)])
+    if tuple(conv_shape) != tuple(out.shape):  # a residual that broadcasts wider than the convolution
+        raise Unsupported(f"FusedConv output {out.shape} is wider than its convolution {tuple(conv_shape)}")
     # cuDNN fuses a same-shape residual and ReLU; anything else follows as one generated epilogue kernel
     fused_residual = residual if residual and ctx.info(residual).shape == out.shape and \
         ctx.info(residual).dtype == dtype else None

@@ -1,0 +1,143 @@
+"""Kiln's fused layers (domain "kiln"), produced by the fusion passes (engine_core/passes/fuse_*.py).
+
+Each keeps the exact meaning of the ONNX nodes it replaces: the CPU implementations compute the unfused
+math with the registered ONNX ops, and the CUDA backend lowers them to one library call or kernel.
+
+* ``FusedConv(X, W, B?, Z?)``: ``act(Conv(X, W, B) + Z)`` (Z usually has the conv output's shape; it
+  broadcasts like Add's operand); Conv attributes plus ``activation``
+  ("", "Relu", "Clip", "LeakyRelu", "Sigmoid") with ``activation_alpha`` / ``activation_beta`` (Clip's min
+  and max, LeakyRelu's alpha).
+* ``FusedMatMul(A, B, bias?)``: ``act(alpha * A' @ B' + bias)`` with MatMul broadcasting; ``transA`` /
+  ``transB`` transpose the last two dims; ``activation`` in "", "Relu", "Gelu", "GeluTanh", "Sigmoid", "Tanh".
+* ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
+  node's inputs one to one, one output), evaluated element by element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine_core.ir import Node
+from engine_core.ops.registry import ShapeInferenceError, TensorInfo, broadcast_shapes, get_op, register_op
+
+DOMAIN = "kiln"
+#: activation name -> (ONNX op, opset, attributes from the fused node's alpha/beta)
+ACTIVATIONS: dict[str, tuple[str, int]] = {
+    "Relu": ("Relu", 14), "Sigmoid": ("Sigmoid", 13), "Tanh": ("Tanh", 13), "LeakyRelu": ("LeakyRelu", 16),
+    "Clip": ("Clip", 13), "Gelu": ("Gelu", 20), "GeluTanh": ("Gelu", 20),
+}
+
+
+def _onnx(op: str, attrs: dict[str, Any] | None = None, opset: int = 21) -> Node:
+    return Node(op, [], [], attrs or {}, op, "", opset, [])
+
+
+def activate(node: Node, y: np.ndarray) -> np.ndarray:
+    """The fused node's activation applied with the ONNX op's own CPU implementation."""
+    name = node.attr("activation", "")
+    if not name:
+        return y
+    if name not in ACTIVATIONS:
+        raise ShapeInferenceError(f"{node}: unknown fused activation '{name}'")
+    op, opset = ACTIVATIONS[name]
+    attrs: dict[str, Any] = {}
+    args: list[Any] = [y]
+    if name == "LeakyRelu":
+        attrs = {"alpha": float(node.attr("activation_alpha", 0.01))}
+    elif name == "GeluTanh":
+        attrs = {"approximate": "tanh"}
+    elif name == "Clip":
+        args += [np.asarray(node.attr("activation_alpha", -np.inf), y.dtype),
+                 np.asarray(node.attr("activation_beta", np.inf), y.dtype)]
+    result = get_op(op).cpu(_onnx(op, attrs, opset), *args)
+    return result[0] if isinstance(result, (list, tuple)) else result
+
+
+def _conv_node(node: Node) -> Node:
+    keep = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+    return Node("Conv", [], [], {k: v for k, v in node.attrs.items() if k in keep}, node.name, "", 11, [])
+
+
+def _fused_conv_infer(node: Node, x: TensorInfo, w: TensorInfo, b: TensorInfo | None = None,
+                      z: TensorInfo | None = None) -> TensorInfo:
+    out = get_op("Conv").infer(_conv_node(node), x, w, *([b] if b is not None else []))
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    if z is not None:  # Add's broadcasting: the fusion pass cannot see shapes, so Z may widen the output
+        if z.dtype != out.dtype:
+            raise ShapeInferenceError(f"{node}: residual is {z.dtype}, the convolution computes {out.dtype}")
+        if z.shape is None or out.shape is None:
+            return TensorInfo(out.dtype, None)
+        return TensorInfo(out.dtype, broadcast_shapes(out.shape, z.shape))
+    return out
+
+
+def _fused_conv_cpu(node: Node, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None,
+                    z: np.ndarray | None = None) -> np.ndarray:
+    y = get_op("Conv").cpu(_conv_node(node), x, w, *([b] if b is not None else []))
+    y = y[0] if isinstance(y, (list, tuple)) else y
+    if z is not None:
+        y = (y + z).astype(y.dtype, copy=False)
+    return activate(node, y)
+
+
+register_op("FusedConv", infer=_fused_conv_infer, cpu=_fused_conv_cpu, domain=DOMAIN,
+            doc="act(Conv(X, W, B) + Z): a convolution with its bias, residual add and activation")
+
+
+def _swap_last(shape: tuple, flag: Any) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2]) if flag and len(shape) >= 2 else tuple(shape)
+
+
+def _fused_matmul_infer(node: Node, a: TensorInfo, b: TensorInfo, bias: TensorInfo | None = None) -> TensorInfo:
+    if a.shape is None or b.shape is None:
+        return TensorInfo(a.dtype, None)
+    at = TensorInfo(a.dtype, _swap_last(a.shape, node.attr("transA", 0)))
+    bt = TensorInfo(b.dtype, _swap_last(b.shape, node.attr("transB", 0)))
+    out = get_op("MatMul").infer(_onnx("MatMul"), at, bt)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    if bias is not None and bias.shape is not None and out.shape is not None:
+        if broadcast_shapes(out.shape, bias.shape) != tuple(out.shape):
+            raise ShapeInferenceError(f"{node}: bias {bias.shape} does not broadcast to the output {out.shape}")
+    return out
+
+
+def _fused_matmul_cpu(node: Node, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    if node.attr("transA", 0):
+        a = np.swapaxes(a, -1, -2)
+    if node.attr("transB", 0):
+        b = np.swapaxes(b, -1, -2)
+    y = get_op("MatMul").cpu(_onnx("MatMul"), a, b)
+    y = y[0] if isinstance(y, (list, tuple)) else y
+    alpha = float(node.attr("alpha", 1.0))
+    if alpha != 1.0:
+        y = (y * alpha).astype(a.dtype, copy=False)
+    if bias is not None:
+        y = (y + bias).astype(y.dtype, copy=False)
+    return activate(node, y)
+
+
+register_op("FusedMatMul", infer=_fused_matmul_infer, cpu=_fused_matmul_cpu, domain=DOMAIN,
+            doc="act(alpha * A' @ B' + bias): a GEMM with its bias and activation")
+
+
+def _chain_infer(node: Node, *inputs: TensorInfo, scope: Any = None) -> TensorInfo:
+    """The body's output info for these inputs (the body reads only its own inputs: ``scope`` is unused)."""
+    from engine_core.passes.shape_inference import infer_shapes
+
+    body = node.attr("body")
+    infos = infer_shapes(body, {v.name: info for v, info in zip(body.inputs, inputs)}, values=False)
+    return infos[body.outputs[0].name]
+
+
+def _chain_cpu(node: Node, *inputs: np.ndarray, scope: Any = None) -> np.ndarray:
+    from engine_core.backends.cpu import GraphRunner
+
+    body = node.attr("body")
+    out = GraphRunner(body).run({v.name: x for v, x in zip(body.inputs, inputs)})
+    return out[body.outputs[0].name]
+
+
+register_op("PointwiseChain", infer=_chain_infer, cpu=_chain_cpu, domain=DOMAIN,
+            doc="a chain of pointwise ops (attribute body) evaluated in one pass")

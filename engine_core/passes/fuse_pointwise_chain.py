@@ -1,0 +1,95 @@
+"""Connected pointwise layers -> one ``kiln.PointwiseChain`` (its ``body`` holds the original nodes).
+
+Why: each pointwise layer reads and writes whole tensors; a chain of them (a mask computation, the casts
+at a precision boundary, residual add + activation) becomes one generated kernel that reads every input
+once and keeps intermediates in registers. A layer joins its reader's group when that reader is its only
+reader, the tensor between them is not a graph output, and the group keeps at most MAX_INPUTS inputs.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from engine_core.ir import Graph, Node, Value
+from engine_core.passes.pattern import Uses, replace_nodes
+
+
+@cache
+def chain_ops() -> tuple[frozenset[str], int]:
+    """(ops a chain may contain, most inputs of one chain): what the CUDA backend generates code for.
+
+    Imported on first use, so importing the passes does not load the CUDA backend.
+    """
+    from engine_core.backends.cuda.pointwise import MAX_INPUTS, POINTWISE_OPS
+
+    return frozenset(POINTWISE_OPS) | {"Gelu", "LeakyRelu"}, MAX_INPUTS
+
+
+def _chainable(node: Node) -> bool:
+    if node.domain not in ("", "ai.onnx") or node.op_type not in chain_ops()[0] or len(node.outputs) != 1:
+        return False
+    return not (node.op_type == "Clip" and node.opset < 11)
+
+
+def _external_inputs(group: list[Node]) -> list[str]:
+    produced = {n.outputs[0] for n in group}
+    seen: dict[str, None] = {}
+    for node in group:
+        for name in node.inputs:
+            if name and name not in produced:
+                seen.setdefault(name)
+    return list(seen)
+
+
+def fuse_pointwise_chain(graph: Graph) -> int:
+    """Group and replace every chain of two or more pointwise layers; returns how many chains were made."""
+    uses = Uses(graph)
+    group_of: dict[int, list[Node]] = {}
+    for node in graph.nodes:  # topological order: a node's producers were seen before it
+        if not _chainable(node):
+            continue
+        group = [node]
+        for name in dict.fromkeys(n for n in node.inputs if n):
+            producer = uses.producers.get(name)
+            if producer is None or id(producer) not in group_of or uses.sole_reader(name) is not node:
+                continue
+            candidate = group_of[id(producer)]
+            if candidate is group or len(_external_inputs(candidate + group)) > chain_ops()[1]:
+                continue
+            group = candidate + group
+        for member in group:
+            group_of[id(member)] = group
+    fused: dict[int, Node] = {}
+    removed: set[int] = set()
+    done: set[int] = set()
+    for group in group_of.values():
+        if id(group) in done or len(group) < 2:
+            continue
+        done.add(id(group))
+        members = sorted(group, key=graph.nodes.index)
+        last = members[-1]
+        inputs = _external_inputs(members)
+        body = Graph(f"{last.name}_body", [Value(n, _dtype_hint(graph, n)) for n in inputs],
+                     [Value(last.outputs[0], _dtype_hint(graph, last.outputs[0]))], [_copy(n) for n in members], {},
+                     dict(graph.opsets))
+        node = Node("PointwiseChain", inputs, [last.outputs[0]], {"body": body}, last.name, "kiln", 1,
+                    [o for n in members for o in n.origin])
+        fused[id(last)] = node
+        removed.update(id(n) for n in members)
+    replace_nodes(graph, fused, removed)
+    return len(fused)
+
+
+def _copy(node: Node) -> Node:
+    return Node(node.op_type, list(node.inputs), list(node.outputs), dict(node.attrs), node.name, node.domain,
+                node.opset, list(node.origin))
+
+
+def _dtype_hint(graph: Graph, name: str):
+    """A declared dtype for a body value (the shapes and exact types are inferred at each use)."""
+    if name in graph.constants:
+        return graph.constants[name].dtype
+    for value in (*graph.inputs, *graph.outputs):
+        if value.name == name:
+            return value.dtype
+    return "float32"

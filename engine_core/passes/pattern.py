@@ -1,0 +1,126 @@
+"""Small matching helpers the fusion passes share: who reads a tensor, constant scalars, node rewiring."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
+
+
+class Uses:
+    """Producers and consumers of every tensor of a graph, and its outputs, for one pass over it.
+
+    A control-flow node counts as a reader of every outer tensor its bodies read, so no fusion removes
+    a tensor a Loop/If/Scan body still needs.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.producers = graph.producers()
+        self.consumers = graph.consumers()
+        for node in graph.nodes:
+            if has_subgraph(node):
+                for name in subgraph_reads(node) - set(node.inputs):
+                    self.consumers.setdefault(name, []).append(node)
+        self.outputs = set(graph.output_names)
+
+    def sole_reader(self, tensor: str) -> Node | None:
+        """The one node reading ``tensor`` when it has exactly one reader and is not a graph output."""
+        readers = self.consumers.get(tensor, [])
+        if tensor in self.outputs or len(readers) != 1:
+            return None
+        return readers[0]
+
+    def producer(self, tensor: str, op_type: str) -> Node | None:
+        node = self.producers.get(tensor)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def scalar(graph: Graph, name: str) -> float | None:
+    """The value of a one-element float constant, else None."""
+    value = graph.constants.get(name)
+    if not isinstance(value, np.ndarray) or value.size != 1 or value.dtype.kind not in "fc" and \
+            value.dtype.name != "bfloat16":
+        return None
+    return float(value.reshape(-1)[0].astype(np.float64))
+
+
+def other_input(node: Node, name: str) -> str | None:
+    """The input of a binary node that is not ``name`` (None if ``name`` is not one of two inputs)."""
+    if len(node.inputs) != 2 or name not in node.inputs:
+        return None
+    return node.inputs[1] if node.inputs[0] == name else node.inputs[0]
+
+
+def is_op(node: Node | None, *op_types: str) -> bool:
+    """``node`` is a standard-domain ONNX node of one of these types."""
+    return node is not None and node.op_type in op_types and node.domain in ("", "ai.onnx")
+
+
+def replace_nodes(graph: Graph, fused: dict[int, Node], removed: set[int]) -> None:
+    """Put each fused node where the node it is keyed by (id) was, drop ``removed`` nodes."""
+    graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in removed or id(n) in fused]
+
+
+def last_axis_mean(graph: Graph, node: Node | None) -> bool:
+    """``node`` is ReduceMean over the last axis only, keeping dims (axes are input 1 once parsed)."""
+    if not is_op(node, "ReduceMean") or not node.attr("keepdims", 1):
+        return False
+    axes = graph.constants.get(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else node.attr("axes")
+    return axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] == [-1]
+
+
+def squared(graph: Graph, node: Node | None) -> str | None:
+    """x when ``node`` is Pow(x, 2) or Mul(x, x)."""
+    if is_op(node, "Pow") and scalar(graph, node.inputs[1]) == 2.0:
+        return node.inputs[0]
+    if is_op(node, "Mul") and node.inputs[0] == node.inputs[1]:
+        return node.inputs[0]
+    return None
+
+
+def vector(graph: Graph, name: str) -> np.ndarray | None:
+    """A constant with every dim but the last equal to 1, as 1-D (a per-feature scale or shift)."""
+    value = graph.constants.get(name)
+    if not isinstance(value, np.ndarray) or value.ndim == 0 or any(d != 1 for d in value.shape[:-1]):
+        return None
+    return value.reshape(-1)
+
+
+def as_vector(graph: Graph, name: str, value: np.ndarray) -> str:
+    """``name`` when the constant already is ``value`` (1-D), else a new constant holding ``value``."""
+    return name if graph.constants[name].ndim == 1 else graph.add_constant(f"{name}_vector", value)
+
+
+def origins(nodes: list[Node]) -> list[str]:
+    """The ONNX node names a fused layer covers, in graph order of ``nodes``."""
+    return [o for n in nodes for o in n.origin]
+
+
+#: ops whose output has the rank of their non-constant input (scaling Q, casting K and V)
+_SAME_RANK = ("Mul", "Div", "Add", "Sub", "Cast", "Identity", "Relu", "Neg")
+
+
+def _scalar_constant(graph: Graph, name: str) -> bool:
+    """A one-element constant of rank <= 1 (combining with it never raises a tensor's rank here)."""
+    value = graph.constants.get(name)
+    return value is not None and value.size == 1 and value.ndim <= 1
+
+
+def known_rank(graph: Graph, uses: Uses, name: str, depth: int = 4) -> int | None:
+    """The rank of ``name`` when the graph states it without shape inference (the IR keeps no
+    intermediate shapes): a Transpose's perm, a Reshape to a constant shape, a graph input's shape,
+    through ops that keep the rank of a tensor combined with a scalar constant."""
+    node = uses.producers.get(name)
+    if node is None:
+        value = next((v for v in graph.inputs if v.name == name), None)
+        return len(value.shape) if value is not None and value.shape is not None else None
+    if is_op(node, "Transpose") and node.attr("perm"):
+        return len(node.attr("perm"))
+    if is_op(node, "Reshape") and node.inputs[1] in graph.constants:
+        return int(graph.constants[node.inputs[1]].size)
+    if depth and is_op(node, *_SAME_RANK):
+        tensors = [i for i in node.inputs if i and not _scalar_constant(graph, i)]
+        if len(tensors) == 1:
+            return known_rank(graph, uses, tensors[0], depth - 1)
+    return None
