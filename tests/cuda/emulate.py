@@ -16,8 +16,11 @@ _SUFFIX = {suffix: dtype for dtype, (_, suffix, _) in C_TYPES.items()}
 
 
 class Emulator:
-    def __init__(self, graph: Graph, lowered: Lowered, feeds: dict[str, np.ndarray]) -> None:
+    def __init__(self, graph: Graph, lowered: Lowered, feeds: dict[str, np.ndarray], unfused_convs: bool = False) -> None:
+        """``unfused_convs``: run convolutions as cuDNN does when it has no engine for the fused graph (the
+        bare convolution, then the conv's fallback epilogue kernels)."""
         self.graph, self.lowered = graph, lowered
+        self.unfused_convs = unfused_convs
         self.arena = np.zeros(max(lowered.memory.size, 1), np.uint8)
         self.buffers: dict[tuple[str, str], np.ndarray] = {}
         for name, value in graph.constants.items():
@@ -86,6 +89,11 @@ class Emulator:
         y[...] = result
 
     def _conv(self, op: Conv) -> None:
+        if self.unfused_convs and op.fallback:
+            self._conv(op.bare())
+            for launch in op.fallback:
+                self._launch(launch)
+            return
         dt = op.dtype
         x = self.view(op.x, dt, op.x_dims, op.x_strides).astype(np.float32)
         w = self.view(op.w, dt, op.w_dims, op.w_strides).astype(np.float32)

@@ -210,12 +210,12 @@ def test_select_gemm_tactics_only_times_gemm_layers():
 # -- convolutions, channels-last layouts, fp16, attention (emulated launches vs the CPU backend) ---------
 
 
-def _emulate_vs_cpu(model, feeds, options, rtol, atol):
+def _emulate_vs_cpu(model, feeds, options, rtol, atol, unfused_convs=False):
     from engine_core.backends.cuda.lowering import LoweringOptions
 
     graph, infos = _graph_and_infos(model, {k: v.shape for k, v in feeds.items()})
     lowered = lower_graph(graph, infos, None, LoweringOptions(**options))
-    got = Emulator(graph, lowered, feeds).run()
+    got = Emulator(graph, lowered, feeds, unfused_convs).run()
     want = GraphRunner(graph).run(feeds)
     for name, value in want.items():
         np.testing.assert_allclose(got[name].astype(np.float32), value.astype(np.float32), rtol=rtol, atol=atol,
@@ -234,6 +234,13 @@ def test_fp16_cnn_runs_convolutions_channels_last_with_visible_reformats():
     assert [n for n, t in tactics.items() if t.startswith("reformat")] == ["reformat:x->nhwc"]
     assert lowered.layouts["r1"] == lowered.layouts["p1"] == "nhwc"  # conv1+relu1 fused: r1 is the conv output
     assert {s.node.op_type for s in lowered.steps if s.tactic == "conv:cudnn"} == {"FusedConv", "Conv"}
+    # conv3 + residual + relu2 writes the graph output r2: cuDNN writes channels-last into a step buffer,
+    # a reformat copy writes r2; the epilogue is ready as kernels in case cuDNN cannot fuse it
+    step = next(s for s in lowered.steps if "r2" in s.node.outputs)
+    conv = step.ops[0]
+    assert step.scratch == [f"{step.node.name}#conv"] and conv.y.tensor == step.scratch[0]
+    assert conv.z is not None and conv.activation == "Relu" and len(conv.fallback) == 1
+    assert [type(op).__name__ for op in step.ops] == ["Conv", "Launch"]
     assert lowered.layouts.get("r2", "linear") == "linear" and lowered.weight_transforms["w1#krsc"] == ("w1", "krsc")
 
 
@@ -343,3 +350,17 @@ def test_qdq_per_channel_runs_as_pointwise_kernels():
     x = (rng.standard_normal((2, 4, 3)) * 3).astype(np.float32)
     lowered = _emulate_vs_ort(model, {"x": x}, rtol=0, atol=1e-6)
     assert [t.split(":")[0] for t in lowered.tactics().values()] == ["pointwise", "pointwise"]
+
+
+@pytest.mark.parametrize("model", ["cnn", "resnet", "mobilenet"])
+def test_conv_epilogue_kernels_stand_in_when_cudnn_cannot_fuse(model):
+    """cuDNN may have no engine for a fused graph (exact fp32, odd channel counts): the bare convolution then
+    runs and the lowering's fallback kernels add bias, residual and activation."""
+    rng = np.random.default_rng(10)
+    if model == "cnn":
+        feeds, make, tol = {"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float16)}, cnn_fp16, 2e-2
+    else:
+        feeds = {"input": rng.standard_normal((2, 3, 64, 64)).astype(np.float32)}
+        make, tol = (resnet_small if model == "resnet" else mobilenet_small), 1e-3
+    lowered = _emulate_vs_cpu(make(), feeds, {"cudnn": True}, rtol=tol, atol=tol * 10, unfused_convs=True)
+    assert any(op.fallback for s in lowered.steps for op in s.ops if type(op).__name__ == "Conv")

@@ -207,6 +207,8 @@ def test_input_consumed_event_fires_after_the_first_layer_and_inputs_may_be_refi
         check(driver.cuStreamSynchronize(other), "sync")
         to_consumed = check(driver.cuEventElapsedTime(start, consumed), "elapsed")
         total = check(driver.cuEventElapsedTime(start, end), "elapsed")
-        assert 0 <= to_consumed < 0.5 * total, (run, to_consumed, total)
+        # (run 0 creates library handles and run 1 captures the CUDA graph on the host between the events:
+        # only replays are timed)
+        assert 0 <= to_consumed and (run < 2 or to_consumed < 0.5 * total), (run, to_consumed, total)
         np.testing.assert_array_equal(dy.to_array(np.float32, (batch, d)), want)
     assert any(b.graphs for b in ctx._cuda._bindings.values())

@@ -44,7 +44,9 @@ def _model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict
         nodes, "g", [helper.make_tensor_value_info(n, F, s) for n, s in inputs.items()],
         [helper.make_tensor_value_info(n, F, None) for n in outputs],
         [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10  # readable by older onnxruntime builds too (the GPU machine's)
+    return model
 
 
 def _graph(model: onnx.ModelProto) -> Graph:
@@ -384,7 +386,9 @@ def _where_attention() -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", F, None)],
         [numpy_helper.from_array(np.float32(0.5), "scale"),
          numpy_helper.from_array(np.float32(np.finfo(np.float32).min), "fill")])
-    return helper.make_model(graph_def, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph_def, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
 
 
 def _where_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:

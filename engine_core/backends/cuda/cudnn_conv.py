@@ -67,6 +67,9 @@ class CudnnConvs:
         self._stream: int | None = None
         #: bumped when the workspace is reallocated (CUDA graphs captured with the old one are stale)
         self.workspace_generation = 0
+        #: fused graphs cuDNN has no engine for: their bare convolution runs, the caller adds the epilogue
+        self._unfusable: set[tuple] = set()
+        self._fusable: set[tuple] = set()
 
     def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
         """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
@@ -127,19 +130,45 @@ class CudnnConvs:
             self.workspace_generation += 1
         return built
 
-    def run(self, op: Conv, resolve: Any, stream: int, index: int = 0) -> None:
-        """Execute ``op`` on ``stream`` with plan ``index`` (``resolve(Ref) -> device pointer``)."""
-        built = self.build(op, index)
+    def fusable(self, op: Conv) -> Conv:
+        """``op`` itself, or its bare convolution when cuDNN has no engine for the fused graph (remembered)."""
+        key = op.key()
+        if key in self._unfusable:
+            return op.bare()
+        if key in self._fusable or (op.b is None and op.z is None and not op.activation):
+            return op
+        try:  # decided once, in the first (eager) run: nothing cuDNN does here may land in a CUDA-graph capture
+            self._graph(op)
+            self._fusable.add(key)
+            return op
+        except Exception:  # cuDNN: no engine supports this epilogue here (e.g. exact fp32, odd channel counts)
+            self._unfusable.add(key)
+            return op.bare()
+
+    def run(self, op: Conv, resolve: Any, stream: int, index: int = 0) -> bool:
+        """Execute ``op`` on ``stream`` with plan ``index`` (``resolve(Ref) -> device pointer``). True when only
+        the bare convolution ran: the caller then runs ``op.fallback`` (bias, residual, activation)."""
+        target = self.fusable(op)
+        try:
+            built = self.build(target, index)
+        except CudaError:
+            if target is op and target.bare().key() != op.key():
+                self._unfusable.add(op.key())
+                target = op.bare()
+                built = self.build(target, index)
+            else:
+                raise
         if stream != self._stream:
             self.cudnn.set_stream(self.handle, stream)
             self._stream = stream
-        pack = {built.tensors["x"]: resolve(op.x), built.tensors["w"]: resolve(op.w),
-                built.tensors["y"]: resolve(op.y)}
-        for name, ref in (("b", op.b), ("z", op.z)):
+        pack = {built.tensors["x"]: resolve(target.x), built.tensors["w"]: resolve(target.w),
+                built.tensors["y"]: resolve(target.y)}
+        for name, ref in (("b", target.b), ("z", target.z)):
             if isinstance(ref, Ref):
                 pack[built.tensors[name]] = resolve(ref)
         workspace = self._workspace.ptr if self._workspace is not None and built.workspace else None
         built.graph.execute_plan_at_index(pack, workspace, built.index, handle=self.handle)
+        return target is not op
 
     def autotune(self, op: Conv, candidates: int = 4, repeats: int = 5) -> tuple[int, dict[int, float]]:
         """Time the first ``candidates`` execution plans on scratch buffers: (fastest index, ms by index)."""
@@ -154,6 +183,8 @@ class CudnnConvs:
         timed = Conv(**{**op.__dict__, "x": Ref("x"), "w": Ref("w"), "y": Ref("y"),
                         "b": Ref("b") if op.b is not None else None, "z": Ref("z") if op.z is not None else None})
         stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+        op = self.fusable(op)
+        timed = timed if op.key() == timed.key() else timed.bare()
         graph, _ = self._graph(op)
         count = min(int(graph.get_execution_plan_count()), candidates)
         times: dict[int, float] = {}

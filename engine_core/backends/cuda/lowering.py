@@ -140,6 +140,13 @@ class Conv:
     alpha: float = 0.0
     beta: float = 0.0
     tf32: bool = False
+    #: bias + residual + activation as generated kernels, for when cuDNN has no engine for the fused graph
+    #: (then the bare convolution runs and these follow)
+    fallback: list = field(default_factory=list)
+
+    def bare(self) -> Conv:
+        """The convolution alone (no bias, residual or activation)."""
+        return replace(self, b=None, z=None, z_strides=None, activation="", fallback=[])
 
     def key(self) -> tuple:
         return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
@@ -675,9 +682,12 @@ def _batch_stride(shape: tuple[int, ...], batch_shape: tuple[int, ...], matrix: 
 
 
 def _epilogue(node: Node, ctx: _Context, bias: str | None, activation: str, alpha: float = 0.01,
-              beta: float = 0.0, residual: str | None = None) -> list:
-    """Y = act(Y + bias (+ residual)) in place, as one generated kernel (nothing when there is nothing)."""
-    out_name = node.outputs[0]
+              beta: float = 0.0, residual: str | None = None, target: str | None = None,
+              bias_axis: int | None = None) -> list:
+    """Y = act(Y + bias (+ residual)) in place on ``target`` (default: the node's output), as one generated
+    kernel (nothing when there is nothing). ``bias_axis``: the bias is a vector along that axis (a
+    convolution's channels); otherwise it broadcasts like an Add operand (a GEMM's columns)."""
+    out_name = target or node.outputs[0]
     out = ctx.info(out_name)
     inputs, nodes = [out_name], []
     last = 0
@@ -709,8 +719,10 @@ def _epilogue(node: Node, ctx: _Context, bias: str | None, activation: str, alph
     for j, pw in enumerate(nodes):  # -1 above means "the previous node's result"
         fixed.append(replace(pw, args=tuple(n_in + j - 1 if a == -1 else a for a in pw.args)))
     kernel = ctx.kernel(program_kernel(fixed, out.dtype, [ctx.info(n).dtype for n in inputs]))
+    strides = [tuple(1 if d == bias_axis else 0 for d in range(len(out.shape))) if n == bias and bias_axis is not None
+               else broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in inputs]
     return [launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name),
-                           [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in inputs])]
+                           strides)]
 
 
 def _lower_gemm(node: Node, ctx: _Context) -> list:
@@ -841,7 +853,12 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     if w.shape[1] * group != x.shape[1]:
         raise Unsupported("convolution whose group does not match its shapes")
     xin = ctx.as_layout(node.inputs[0], "nhwc")
-    ctx.layouts[node.outputs[0]] = "linear" if node.outputs[0] in ctx.graph_outputs else "nhwc"
+    # cuDNN writes channels-last; a graph output (linear) gets it through a step-local buffer and a reformat
+    result = node.outputs[0]
+    y_name = result
+    if result in ctx.graph_outputs:
+        y_name = ctx.new_scratch(f"{node.name}#conv", out.dtype, tuple(out.shape)).tensor
+    ctx.layouts[y_name] = "nhwc"
     wname = f"{node.inputs[1]}#krsc"
     ctx.weight_transforms[wname] = (node.inputs[1], "krsc")
     ctx.infos[wname] = TensorInfo(w.dtype, w.shape)
@@ -860,14 +877,20 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     ctx.renamed[node.inputs[0]] = xin
     if int(np.prod(out.shape)) == 0:
         return []
-    conv = Conv(Ref(xin), Ref(wname), Ref(node.outputs[0]), Ref(bias) if bias else None,
+    alpha, beta = float(node.attr("activation_alpha", 0.01)), float(node.attr("activation_beta", 0.0))
+    conv = Conv(Ref(xin), Ref(wname), Ref(y_name), Ref(bias) if bias else None,
                 Ref(fused_residual) if fused_residual else None, tuple(x.shape), tuple(w.shape), tuple(out.shape),
-                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(node.outputs[0]),
+                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(y_name),
                 ctx.strides(fused_residual) if fused_residual else None, (pads[0], pads[1]), (pads[2], pads[3]),
                 strides, dilations, dtype, fused_activation, tf32=ctx.options.tf32)
-    rest = _epilogue(node, ctx, None, "" if fused_activation else activation,
-                     float(node.attr("activation_alpha", 0.01)), float(node.attr("activation_beta", 0.0)),
-                     None if fused_residual else residual)
+    if bias or fused_residual or fused_activation:
+        conv.fallback = _epilogue(node, ctx, bias, fused_activation, alpha, beta, fused_residual, y_name,
+                                  bias_axis=1)
+    rest = _epilogue(node, ctx, None, "" if fused_activation else activation, alpha, beta,
+                     None if fused_residual else residual, y_name)
+    if y_name != result:
+        rest.append(copy_launch(ctx, out.dtype, Ref(result), Ref(y_name), out.shape, contiguous_strides(out.shape),
+                                ctx.strides(y_name)))
     return [conv, *rest]
 
 
@@ -1004,8 +1027,8 @@ def _refs_of(step: Step) -> list[str]:
     """Tensors a step's launches read besides its node's inputs (folded per-step constants)."""
     names = []
     for op in step.ops:
-        if isinstance(op, Launch):
-            names += [v.tensor for v, _ in op.args if isinstance(v, Ref)]
+        for launch in [op] if isinstance(op, Launch) else op.fallback if isinstance(op, Conv) else []:
+            names += [v.tensor for v, _ in launch.args if isinstance(v, Ref)]
     return names
 
 

@@ -54,6 +54,9 @@ from engine_core.weight_streaming import LayerWeights, StreamingPlan, plan_strea
 Shapes = Mapping[str, tuple[int, ...]]
 #: captured graphs kept per input-shape binding (one per distinct set of I/O addresses)
 MAX_GRAPHS_PER_SHAPE = 4
+#: KILN_CUDNN_HEURISTIC=1: run every convolution with cuDNN's first heuristic plan (ignore the autotuned
+#: choice): for telling a tuning problem from a kernel problem
+HEURISTIC_CONV_PLANS = os.environ.get("KILN_CUDNN_HEURISTIC", "0") == "1"
 #: integer inputs up to this many elements may key a binding when shapes depend on their values
 MAX_SHAPE_VALUES = 4096
 
@@ -111,6 +114,7 @@ def step_reads(step: Step) -> list[str]:
             names += [r.tensor for r in (op.a, op.b, op.y, op.bias) if r is not None]
         elif isinstance(op, Conv):
             names += [r.tensor for r in (op.x, op.w, op.b, op.z) if r is not None]
+            names += [v.tensor for launch in op.fallback for v, _ in launch.args if isinstance(v, Ref)]
         elif isinstance(op, Copy):
             names.append(op.src.tensor)
     return names
@@ -414,8 +418,8 @@ class _Binding:
         self.prepared: dict[int, _PreparedLaunch] = {}
         for step in lowered.steps:
             for op in step.ops:
-                if isinstance(op, Launch):
-                    self.prepared[id(op)] = _PreparedLaunch(op, state.function(op.module, op.function))
+                for launch in [op] if isinstance(op, Launch) else op.fallback if isinstance(op, Conv) else []:
+                    self.prepared[id(launch)] = _PreparedLaunch(launch, state.function(launch.module, launch.function))
         self.io_buffers: dict[str, DeviceBuffer] = {}
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, _Graph] = {}
@@ -705,7 +709,9 @@ class CudaContextState:
             elif isinstance(op, Gemm):
                 self._gemm(op, resolve, stream)
             elif isinstance(op, Conv):
-                self._conv(op, resolve, stream)
+                if self._conv(op, resolve, stream):  # cuDNN could not fuse the epilogue: it follows here
+                    for launch in op.fallback:
+                        binding.prepared[id(launch)].run(resolve, stream)
             elif isinstance(op, Copy):
                 _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
             elif isinstance(op, Host):
@@ -785,7 +791,8 @@ class CudaContextState:
             return
         run_kiln_gemm(self.engine.function("gemm", "gemm_f32"), op, a, b, y, stream)
 
-    def _conv(self, op: Conv, resolve, stream: int) -> None:
+    def _conv(self, op: Conv, resolve, stream: int) -> bool:
+        """Run ``op`` through cuDNN; True when only the bare convolution ran (the caller runs op.fallback)."""
         if self._convs is None:
             from engine_core.backends.cuda.cudnn_conv import CudnnConvs
 
@@ -793,10 +800,12 @@ class CudaContextState:
         from engine_core.backends.cuda.cudnn_conv import signature
 
         before = self._convs.workspace_generation
-        self._convs.run(op, resolve, stream, self.engine.conv_plans.get(signature(op), 0))
+        index = 0 if HEURISTIC_CONV_PLANS else self.engine.conv_plans.get(signature(op), 0)
+        unfused = self._convs.run(op, resolve, stream, index)
         if self._convs.workspace_generation != before:  # a new workspace: graphs captured the old one
             for binding in self._bindings.values():
                 binding.graphs.clear()
+        return unfused
 
     def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
         from cuda.bindings import driver
