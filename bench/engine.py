@@ -199,7 +199,7 @@ def profile_by_op(engine, ctx) -> dict[str, float]:
 
 
 def bench_model(name: str, precisions: list[str], batches: list[int], peers: list[str],
-                compile_batches: list[int], workdir: Path, profile: bool) -> list[dict]:
+                compile_batches: list[int], workdir: Path, profile: bool, on_row=None) -> list[dict]:
     import torch
 
     module, names, make_inputs = torch_model(name)
@@ -248,6 +248,8 @@ def bench_model(name: str, precisions: list[str], batches: list[int], peers: lis
                 row["ms_by_layer_type"] = profile_by_op(engine, ctx)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "ms_by_layer_type"}), flush=True)
+            if on_row is not None:
+                on_row(row)
         del compiled
         torch.cuda.empty_cache()
     return rows
@@ -266,14 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    rows = []
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine_{time.strftime('%Y%m%dT%H%M%S')}.json"
+
+    def save(row: dict) -> None:  # after every row: a run cut short keeps what it measured
+        rows.append(row)
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "python": platform.python_version(), "argv": sys.argv[1:], "rows": rows},
+                                   indent=1))
+
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
             batches = [int(b) for b in args.batches.split(",")]
             if name == "bert_base":
                 batches = [b for b in batches if b <= 64] or [1]
-            rows += bench_model(name, args.precisions.split(","), batches, args.peers.split(","),
-                                [int(b) for b in args.compile_batches.split(",")], Path(work), args.profile)
+            bench_model(name, args.precisions.split(","), batches, args.peers.split(","),
+                        [int(b) for b in args.compile_batches.split(",")], Path(work), args.profile, on_row=save)
     print(f"\n{'model':<10}{'prec':>6}{'batch':>6}{'kiln ms':>10}{'eager ms':>10}{'compile ms':>11}{'x best':>8}"
           f"{'items/s':>10}{'max|d|':>10}")
     for r in rows:
@@ -283,11 +295,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('torch_eager_ms', float('nan')):>10.3f}{compiled:>11.3f}"
               f"{r.get('speedup_vs_best_torch', float('nan')):>8.2f}{r['kiln_items_per_s']:>10.1f}"
               f"{r['max_abs_diff']:>10.2e}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"engine_{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "python": platform.python_version(), "argv": sys.argv[1:], "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
 
