@@ -40,6 +40,12 @@ template <typename T, int V> struct alignas(sizeof(T) * V) KilnVec { T v[V]; };
 __device__ __forceinline__ bool kiln_aligned(const void* p, unsigned long long bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;
 }
+// Every vector start stays aligned when each dim but the innermost steps a multiple of V elements.
+__device__ __forceinline__ bool kiln_outer_strides_ok(const long long* strides, int rank, int v) {
+    for (int d = 0; d < rank - 1; ++d)
+        if (strides[d] % v != 0) return false;
+    return true;
+}
 
 // Offsets of output element i for NIN inputs (general rank).
 template <int NIN>

@@ -142,6 +142,8 @@ class Emulator:
     def _row_kernel(self, name: str, args: list, rows: int) -> None:
         kind, suffix = name.rsplit("_", 1)
         dt = _SUFFIX[suffix]
+        if kind.endswith("_warp"):  # one warp per row: the row count is the last argument
+            kind, rows, args = kind[: -len("_warp")], args[-1], args[:-1]
         if kind in ("softmax", "attn_softmax", "attn_softmax_add", "attn_softmax_bool"):
             x, y, cols = args[:3]
             v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)

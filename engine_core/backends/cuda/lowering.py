@@ -525,9 +525,19 @@ def _lower_softmax(node: Node, ctx: _Context) -> list:
     rows, cols = _rows_cols(x.shape, axis)
     if rows * cols == 0:
         return []
-    return [Launch("softmax", f"softmax_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
-                   [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p),
-                    (cols, ctypes.c_longlong)])]
+    args = [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p), (cols, ctypes.c_longlong)]
+    if cols <= WARP_ROW_LIMIT:
+        return [Launch("softmax", f"softmax_warp_{suffix}", _warp_grid(rows), (THREADS, 1, 1),
+                       [*args, (rows, ctypes.c_longlong)])]
+    return [Launch("softmax", f"softmax_{suffix}", (rows, 1, 1), (THREADS, 1, 1), args)]
+
+
+#: rows up to this long run one warp per row (softmax.cu's *_warp kernels)
+WARP_ROW_LIMIT = 1024
+
+
+def _warp_grid(rows: int) -> tuple[int, int, int]:
+    return (max(1, (rows + THREADS // 32 - 1) // (THREADS // 32)), 1, 1)
 
 
 def _lower_norm(node: Node, ctx: _Context) -> list:
@@ -819,7 +829,11 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
         geom.mb, geom.mh, geom.mq, geom.mk = strides
         args.append((Ref(mask), ctypes.c_void_p))
     args.append((geom, AttnMask))
-    softmax = Launch("softmax", f"{kind}_{suffix}", (bh * sq, 1, 1), (THREADS, 1, 1), args)
+    if skv <= WARP_ROW_LIMIT:
+        softmax = Launch("softmax", f"{kind}_warp_{suffix}", _warp_grid(bh * sq), (THREADS, 1, 1),
+                         [*args, (bh * sq, ctypes.c_longlong)])
+    else:
+        softmax = Launch("softmax", f"{kind}_{suffix}", (bh * sq, 1, 1), (THREADS, 1, 1), args)
     pv = Gemm(s_ref, Ref(node.inputs[2]), Ref(node.outputs[0]), sq, dv, skv, bh, (skv, 1, sq * skv), (dv, 1, skv * dv),
               1.0, 0.0, "cublas", dtype, ctx.options.tf32)
     return [qk, softmax, pv]

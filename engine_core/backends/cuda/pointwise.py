@@ -136,9 +136,9 @@ class PointwiseKernel:
     def source(self) -> str:
         """The kernel's CUDA C: load each input once, one register per node, one store.
 
-        A vector path first: when the operands are contiguous or scalars (rank <= 1 after merging), the
-        element count divides by V and the pointers are aligned, each thread moves V consecutive elements
-        with one 16-byte (or narrower) load per input and one store; otherwise the strided path.
+        A vector path first: when the innermost dim (after merging) is contiguous in the output and in every
+        input (or broadcast), divides by V and every vector start is aligned, each thread moves V consecutive
+        elements with one 16-byte (or narrower) load per input and one store; otherwise the strided path.
         """
         n = len(self.ins)
         params = ", ".join([f"{C_TYPES[self.out][0]}* __restrict__ y"]
@@ -170,29 +170,37 @@ class PointwiseKernel:
             return ""
         n = len(self.ins)
         out_t = C_TYPES[self.out][0]
-        conds = ["rank == 1", f"n % {width} == 0", "ix.out[0] == 1", f"kiln_aligned(y, {width} * sizeof({out_t}))"]
+        last = "rank - 1"
+        conds = ["rank >= 1", f"ix.shape[{last}] % {width} == 0", f"ix.out[{last}] == 1",
+                 f"kiln_aligned(y, {width} * sizeof({out_t}))", f"kiln_outer_strides_ok(ix.out, rank, {width})"]
         for i, t in enumerate(self.ins):
-            conds.append(f"(ix.in[{i}][0] == 0 || (ix.in[{i}][0] == 1 && kiln_aligned(x{i}, {width} * sizeof({C_TYPES[t][0]}))))")
+            conds.append(f"(ix.in[{i}][{last}] == 0 || (ix.in[{i}][{last}] == 1 && kiln_aligned(x{i}, {width} * "
+                         f"sizeof({C_TYPES[t][0]})) && kiln_outer_strides_ok(ix.in[{i}], rank, {width})))")
         loads = []
         for i, t in enumerate(self.ins):
             st = C_TYPES[t][0]
-            loads.append(f"KilnVec<{st}, {width}> a{i}; if (ix.in[{i}][0]) a{i} = *reinterpret_cast<const KilnVec<{st}, "
-                         f"{width}>*>(x{i} + t * {width}); else {{ _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) "
-                         f"a{i}.v[u] = x{i}[0]; }}")
+            loads.append(f"KilnVec<{st}, {width}> a{i}; if (ix.in[{i}][{last}]) a{i} = *reinterpret_cast<const KilnVec<"
+                         f"{st}, {width}>*>(x{i} + o[{i}]); else {{ _Pragma(\"unroll\") for (int u = 0; u < {width}; "
+                         f"++u) a{i}.v[u] = x{i}[o[{i}]]; }}")
         lane = [f"const {C_TYPES[t][2]} v{i} = kiln_load(a{i}.v[u]);" for i, t in enumerate(self.ins)]
         lane += self._program_lines()
         lane.append(f"out.v[u] = KILN_CONVERT({out_t}, v{n + len(self.nodes) - 1});")
         body = "\n                ".join(lane)
         load_lines = "\n            ".join(loads)
+        offsets = (f"if (rank == 1) {{ oy = i; _Pragma(\"unroll\") for (int k = 0; k < {max(n, 1)}; ++k) o[k] = "
+                   f"i * ix.in[k][0]; }} else kiln_offsets<{n}>(i, n, rank, ix, oy, o);")
         return (f"    if ({' && '.join(conds)}) {{\n"
                 f"        const long long kiln_step = (long long)gridDim.x * blockDim.x;\n"
                 f"        for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < n / {width}; t += kiln_step) {{\n"
+                f"            const long long i = t * {width};\n"
+                f"            long long oy, o[{max(n, 1)}];\n"
+                f"            {offsets}\n"
                 f"            {load_lines}\n"
                 f"            KilnVec<{out_t}, {width}> out;\n"
                 f"            _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) {{\n"
                 f"                {body}\n"
                 f"            }}\n"
-                f"            *reinterpret_cast<KilnVec<{out_t}, {width}>*>(y + t * {width}) = out;\n"
+                f"            *reinterpret_cast<KilnVec<{out_t}, {width}>*>(y + oy) = out;\n"
                 f"        }}\n"
                 f"        return;\n"
                 f"    }}\n")

@@ -424,6 +424,8 @@ class _Binding:
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_failed = False
+        #: the first captured graph was replayed against a layer-by-layer run (``_replay_matches``)
+        self.verified = False
         self.runs = 0
         self.streamed = state.streamed_sizes  # fixed for the binding's life (place_weights drops bindings)
         self.inputs = frozenset(v.name for v in state.plan.graph.inputs)
@@ -610,12 +612,55 @@ class CudaContextState:
             graph = self._capture(binding, schedule, addresses, stream, consumed_event)
             if graph is None:
                 return
+            if not binding.verified:
+                binding.verified = True
+                if not self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event):
+                    binding.graph_failed = True
+                    DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}': a captured CUDA graph "
+                                       "did not reproduce the layer-by-layer results for these shapes; they run "
+                                       "without graph replay")
+                    return
             if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
                 binding.graphs.pop(next(iter(binding.graphs)))
             binding.graphs[key] = graph
         from cuda.bindings import driver
 
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+
+    def _replay_matches(self, binding: _Binding, graph: _Graph, schedule: Any, addresses: Mapping[str, int],
+                        stream: int, consumed_event: Any) -> bool:
+        """Once per binding: run layer by layer, then replay the captured graph on the same inputs, and compare
+        the outputs. Why: a library call that is not capture-safe (host-side argument staging, say) would
+        otherwise replay wrong results silently; such bindings keep launching layer by layer."""
+        from cuda.bindings import driver
+
+        outputs = [(name, binding.lowered.infos[name]) for name in self.engine.plan.graph.output_names
+                   if name in addresses and binding.lowered.infos.get(name) is not None]
+
+        def fetch() -> list[np.ndarray]:
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            arrays = []
+            for name, info in outputs:
+                out = np.empty(info.shape, info.dtype)
+                if out.nbytes:
+                    check(driver.cuMemcpyDtoH(out.ctypes.data, addresses[name], out.nbytes), "cuMemcpyDtoH")
+                arrays.append(out)
+            return arrays
+
+        self._launch_all(binding, schedule, addresses, stream, consumed_event)
+        want = fetch()
+        check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+        got = fetch()
+        for a, b in zip(want, got):
+            if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
+                a64, b64 = a.astype(np.float64), b.astype(np.float64)
+                scale = max(1.0, float(np.nanmax(np.abs(a64)))) if a64.size else 1.0
+                if a64.size and (not np.array_equal(np.isnan(a64), np.isnan(b64))
+                                 or float(np.nanmax(np.abs(a64 - b64))) > 1e-3 * scale):
+                    return False
+            elif not np.array_equal(a, b):
+                return False
+        return True
 
     def _capture(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
                  consumed_event: Any) -> _Graph | None:
