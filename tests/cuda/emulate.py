@@ -16,9 +16,11 @@ _SUFFIX = {suffix: dtype for dtype, (_, suffix, _) in C_TYPES.items()}
 
 
 class Emulator:
-    def __init__(self, graph: Graph, lowered: Lowered, feeds: dict[str, np.ndarray], unfused_convs: bool = False) -> None:
-        """``unfused_convs``: run convolutions as cuDNN does when it has no engine for the fused graph (the
-        bare convolution, then the conv's fallback epilogue kernels)."""
+    def __init__(self, graph: Graph, lowered: Lowered, feeds: dict[str, np.ndarray],
+                 unfused_convs: bool | str = False) -> None:
+        """``unfused_convs``: True runs convolutions as when cuDNN has no engine for the fused graph (the bare
+        convolution, then the conv's fallback kernels); "bias_only" as a binding whose capture did not
+        reproduce (conv + bias in cuDNN, then the ``rest`` kernels)."""
         self.graph, self.lowered = graph, lowered
         self.unfused_convs = unfused_convs
         self.arena = np.zeros(max(lowered.memory.size, 1), np.uint8)
@@ -89,6 +91,11 @@ class Emulator:
         y[...] = result
 
     def _conv(self, op: Conv) -> None:
+        if self.unfused_convs == "bias_only" and op.rest:
+            self._conv(op.bias_only())
+            for launch in op.rest:
+                self._launch(launch)
+            return
         if self.unfused_convs and op.fallback:
             self._conv(op.bare())
             for launch in op.fallback:

@@ -352,8 +352,9 @@ def test_qdq_per_channel_runs_as_pointwise_kernels():
     assert [t.split(":")[0] for t in lowered.tactics().values()] == ["pointwise", "pointwise"]
 
 
+@pytest.mark.parametrize("mode", [True, "bias_only"])
 @pytest.mark.parametrize("model", ["cnn", "resnet", "mobilenet"])
-def test_conv_epilogue_kernels_stand_in_when_cudnn_cannot_fuse(model):
+def test_conv_epilogue_kernels_stand_in_when_cudnn_cannot_fuse(model, mode):
     """cuDNN may have no engine for a fused graph (exact fp32, odd channel counts): the bare convolution then
     runs and the lowering's fallback kernels add bias, residual and activation."""
     rng = np.random.default_rng(10)
@@ -362,5 +363,5 @@ def test_conv_epilogue_kernels_stand_in_when_cudnn_cannot_fuse(model):
     else:
         feeds = {"input": rng.standard_normal((2, 3, 64, 64)).astype(np.float32)}
         make, tol = (resnet_small if model == "resnet" else mobilenet_small), 1e-3
-    lowered = _emulate_vs_cpu(make(), feeds, {"cudnn": True}, rtol=tol, atol=tol * 10, unfused_convs=True)
+    lowered = _emulate_vs_cpu(make(), feeds, {"cudnn": True}, rtol=tol, atol=tol * 10, unfused_convs=mode)
     assert any(op.fallback for s in lowered.steps for op in s.ops if type(op).__name__ == "Conv")

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine_core.backends.cuda.lowering import F32, GEMM_TACTICS, Conv, Gemm, Lowered, LoweringOptions, lower_graph
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
-from engine_core.backends.cuda.pointwise import pointwise_source
+from engine_core.backends.cuda.pointwise import POINTWISE_OPTIONS, pointwise_source
 from engine_core.backends.cuda.tactics import Timer, choose_tactic
 from engine_core.ir import Graph
 from engine_core.ops import TensorInfo
@@ -144,7 +144,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         at_opt = [low for (p, which), low in lowered.items() if which == 1]
         conv_plans, conv_timings = select_conv_plans(at_opt, conv_tuner, cache, arch)
     kernels = list(dict.fromkeys(k for low in lowered.values() for k in low.kernels))
-    cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch)
+    cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch, POINTWISE_OPTIONS)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
     tactics = next(iter(lowered.values())).tactics() if (0, 1) not in lowered else lowered[(0, 1)].tactics()
     return CudaBuild(

@@ -145,15 +145,18 @@ class CudnnConvs:
             self._unfusable.add(key)
             return op.bare()
 
-    def run(self, op: Conv, resolve: Any, stream: int, index: int = 0) -> bool:
-        """Execute ``op`` on ``stream`` with plan ``index`` (``resolve(Ref) -> device pointer``). True when only
-        the bare convolution ran: the caller then runs ``op.fallback`` (bias, residual, activation)."""
-        target = self.fusable(op)
+    def run(self, op: Conv, resolve: Any, stream: int, index: int = 0, bias_only: bool = False) -> str:
+        """Execute ``op`` on ``stream`` with plan ``index`` (``resolve(Ref) -> device pointer``). Returns what
+        the caller must still run: "" (cuDNN did it all), "rest" (``op.rest``: residual and activation, with
+        ``bias_only``) or "fallback" (``op.fallback``: cuDNN has no engine for the fused graph, only the bare
+        convolution ran)."""
+        wanted = op.bias_only() if bias_only and op.rest else op
+        target = self.fusable(wanted)
         try:
             built = self.build(target, index)
         except CudaError:
-            if target is op and target.bare().key() != op.key():
-                self._unfusable.add(op.key())
+            if target is wanted and target.bare().key() != wanted.key():
+                self._unfusable.add(wanted.key())
                 target = op.bare()
                 built = self.build(target, index)
             else:
@@ -168,7 +171,9 @@ class CudnnConvs:
                 pack[built.tensors[name]] = resolve(ref)
         workspace = self._workspace.ptr if self._workspace is not None and built.workspace else None
         built.graph.execute_plan_at_index(pack, workspace, built.index, handle=self.handle)
-        return target is not op
+        if target is wanted:
+            return "rest" if wanted is not op else ""
+        return "fallback"
 
     def autotune(self, op: Conv, candidates: int = 4, repeats: int = 5) -> tuple[int, dict[int, float]]:
         """Time the first ``candidates`` execution plans on scratch buffers: (fastest index, ms by index)."""

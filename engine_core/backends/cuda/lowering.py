@@ -143,10 +143,17 @@ class Conv:
     #: bias + residual + activation as generated kernels, for when cuDNN has no engine for the fused graph
     #: (then the bare convolution runs and these follow)
     fallback: list = field(default_factory=list)
+    #: residual + activation alone as generated kernels, for running cuDNN with the bias epilogue only (a
+    #: binding whose captured CUDA graph did not reproduce with the full epilogue in cuDNN)
+    rest: list = field(default_factory=list)
 
     def bare(self) -> Conv:
         """The convolution alone (no bias, residual or activation)."""
-        return replace(self, b=None, z=None, z_strides=None, activation="", fallback=[])
+        return replace(self, b=None, z=None, z_strides=None, activation="", fallback=[], rest=[])
+
+    def bias_only(self) -> Conv:
+        """The convolution with its bias only (residual and activation left to ``rest``)."""
+        return replace(self, z=None, z_strides=None, activation="", fallback=[], rest=[])
 
     def key(self) -> tuple:
         return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
@@ -900,6 +907,8 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     if bias or fused_residual or fused_activation:
         conv.fallback = _epilogue(node, ctx, bias, fused_activation, alpha, beta, fused_residual, y_name,
                                   bias_axis=1)
+    if fused_residual or fused_activation:
+        conv.rest = _epilogue(node, ctx, None, fused_activation, alpha, beta, fused_residual, y_name)
     rest = _epilogue(node, ctx, None, "" if fused_activation else activation, alpha, beta,
                      None if fused_residual else residual, y_name)
     if y_name != result:
@@ -1041,7 +1050,7 @@ def _refs_of(step: Step) -> list[str]:
     """Tensors a step's launches read besides its node's inputs (folded per-step constants)."""
     names = []
     for op in step.ops:
-        for launch in [op] if isinstance(op, Launch) else op.fallback if isinstance(op, Conv) else []:
+        for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
             names += [v.tensor for v, _ in launch.args if isinstance(v, Ref)]
     return names
 

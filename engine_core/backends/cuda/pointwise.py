@@ -317,6 +317,11 @@ def pointwise_kernel(op: str, out: Any, ins: Sequence[Any], attrs: Mapping[str, 
     return program_kernel([PwNode.make(op, args, out, attrs, opset)], out, ins)
 
 
+#: NVRTC options of the generated module: no FMA contraction, so the vector and strided paths of a kernel
+#: (chosen per launch by alignment) give bit-identical results
+POINTWISE_OPTIONS = ("--fmad=false",)
+
+
 def pointwise_source(kernels: Sequence[PointwiseKernel]) -> str:
     """The template followed by one generated kernel per distinct program."""
     template = (KERNEL_DIR / "pointwise.cu").read_text()

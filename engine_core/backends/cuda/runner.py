@@ -329,10 +329,11 @@ class CudaEngineState:
                 missing.append(kernel)
         if not missing:
             return
-        from engine_core.backends.cuda.pointwise import pointwise_source
+        from engine_core.backends.cuda.pointwise import POINTWISE_OPTIONS, pointwise_source
         from engine_core.cuda.nvrtc import compile_cubin
 
-        module = Module(compile_cubin(pointwise_source(missing), "pointwise_runtime.cu", self.plan.arch))
+        module = Module(compile_cubin(pointwise_source(missing), "pointwise_runtime.cu", self.plan.arch,
+                                      POINTWISE_OPTIONS))
         self.modules[f"pointwise#{len(self.modules)}"] = module
         for kernel in missing:
             self._functions[("pointwise", kernel.name)] = module.function(kernel.name)
@@ -418,14 +419,18 @@ class _Binding:
         self.prepared: dict[int, _PreparedLaunch] = {}
         for step in lowered.steps:
             for op in step.ops:
-                for launch in [op] if isinstance(op, Launch) else op.fallback if isinstance(op, Conv) else []:
+                for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
                     self.prepared[id(launch)] = _PreparedLaunch(launch, state.function(launch.module, launch.function))
         self.io_buffers: dict[str, DeviceBuffer] = {}
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
+        self.has_conv_epilogues = any(isinstance(op, Conv) and op.rest for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_failed = False
         #: the first captured graph was replayed against a layer-by-layer run (``_replay_matches``)
         self.verified = False
+        #: cuDNN runs only conv + bias (residual and activation as kernels): set when a capture with the full
+        #: epilogue in cuDNN did not reproduce; the capture is then tried once more this way
+        self.conv_bias_only = False
         self.runs = 0
         self.streamed = state.streamed_sizes  # fixed for the binding's life (place_weights drops bindings)
         self.inputs = frozenset(v.name for v in state.plan.graph.inputs)
@@ -613,12 +618,19 @@ class CudaContextState:
             if graph is None:
                 return
             if not binding.verified:
-                binding.verified = True
-                if not self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event):
-                    binding.graph_failed = True
+                if self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event):
+                    binding.verified = True
+                elif not binding.conv_bias_only and binding.has_conv_epilogues:
+                    binding.conv_bias_only = True  # next runs: capture again with cuDNN doing conv + bias only
+                    binding.runs = 0
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event)  # the replay was wrong
+                    return
+                else:
+                    binding.verified = binding.graph_failed = True
                     DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}': a captured CUDA graph "
                                        "did not reproduce the layer-by-layer results for these shapes; they run "
                                        "without graph replay")
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event)  # the replay was wrong
                     return
             if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
                 binding.graphs.pop(next(iter(binding.graphs)))
@@ -754,9 +766,9 @@ class CudaContextState:
             elif isinstance(op, Gemm):
                 self._gemm(op, resolve, stream)
             elif isinstance(op, Conv):
-                if self._conv(op, resolve, stream):  # cuDNN could not fuse the epilogue: it follows here
-                    for launch in op.fallback:
-                        binding.prepared[id(launch)].run(resolve, stream)
+                remaining = self._conv(op, resolve, stream, binding.conv_bias_only)
+                for launch in op.fallback if remaining == "fallback" else op.rest if remaining == "rest" else []:
+                    binding.prepared[id(launch)].run(resolve, stream)  # the epilogue cuDNN did not run
             elif isinstance(op, Copy):
                 _memcpy_dtod(resolve(op.dst), resolve(op.src), op.nbytes, stream)
             elif isinstance(op, Host):
@@ -836,8 +848,9 @@ class CudaContextState:
             return
         run_kiln_gemm(self.engine.function("gemm", "gemm_f32"), op, a, b, y, stream)
 
-    def _conv(self, op: Conv, resolve, stream: int) -> bool:
-        """Run ``op`` through cuDNN; True when only the bare convolution ran (the caller runs op.fallback)."""
+    def _conv(self, op: Conv, resolve, stream: int, bias_only: bool = False) -> str:
+        """Run ``op`` through cuDNN; returns which of its epilogue lists the caller must run ("" / "rest" /
+        "fallback", see CudnnConvs.run)."""
         if self._convs is None:
             from engine_core.backends.cuda.cudnn_conv import CudnnConvs
 
@@ -846,11 +859,11 @@ class CudaContextState:
 
         before = self._convs.workspace_generation
         index = 0 if HEURISTIC_CONV_PLANS else self.engine.conv_plans.get(signature(op), 0)
-        unfused = self._convs.run(op, resolve, stream, index)
+        remaining = self._convs.run(op, resolve, stream, index, bias_only)
         if self._convs.workspace_generation != before:  # a new workspace: graphs captured the old one
             for binding in self._bindings.values():
                 binding.graphs.clear()
-        return unfused
+        return remaining
 
     def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
         from cuda.bindings import driver
