@@ -384,14 +384,18 @@ def _lower_qdq(node: Node, ctx: _Context) -> list:
     if node.attr("block_size", 0) or (node.op_type == "QuantizeLinear" and node.attr("saturate", 1) != 1):
         raise Unsupported(f"{node.op_type} with blocks or saturate=0")
     inputs = [n for n in node.inputs if n]
-    axis = normalize_axis(node.attr("axis", 1), len(x.shape)) if x.shape else 0
     strides = [broadcast_strides(x.shape, out.shape, ctx.strides(node.inputs[0]))]
     for name in inputs[1:]:
         info = ctx.info(name)
         size = int(np.prod(info.shape, dtype=np.int64))
         if size == 1:
             strides.append((0,) * len(out.shape))
-        elif len(info.shape) == 1 and x.shape and info.shape[0] == x.shape[axis]:
+            continue
+        axis = node.attr("axis", 1)
+        if not -len(x.shape) <= axis < len(x.shape):
+            raise Unsupported(f"{node.op_type} axis {axis} for rank {len(x.shape)}")
+        axis = normalize_axis(axis, len(x.shape))
+        if len(info.shape) == 1 and info.shape[0] == x.shape[axis]:
             strides.append(tuple(1 if d == axis else 0 for d in range(len(out.shape))))
         else:
             raise Unsupported(f"{node.op_type} scale/zero point of shape {info.shape}")

@@ -230,7 +230,7 @@ def _expression(node: PwNode, args: list[tuple[str, np.dtype] | None]) -> str:
            **{k: "" for k in ("alpha", "beta")}}
     for key, default in _ATTR_DEFAULTS.get(op, {}).items():
         fmt[key] = _literal(float(node.attr(key, default)))
-    names = {k: (a[0] if a is not None else "") for k, a in zip("abc", args)}
+    names = {k: "" for k in "abc"} | {k: (a[0] if a is not None else "") for k, a in zip("abc", args)}
     if op == "Gelu" and node.attr("approximate", "none") == "tanh":
         op = "GeluTanh"
     if op in _FLOAT_UNARY and first in FLOATS:

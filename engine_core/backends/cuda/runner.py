@@ -68,6 +68,10 @@ class UserMemory:
         self.ptr, self.nbytes = ptr, nbytes
 
 
+class HostValueNotTensor(ExecutionError):
+    """A host layer produced a sequence / optional / map: only a whole-graph host run can carry it."""
+
+
 class ShapesNeedValues(ExecutionError):
     """Some tensor shapes depend on input values the binding was not given."""
 
@@ -895,6 +899,8 @@ class CudaContextState:
         for name, value in zip(node.outputs, results):
             if not name:
                 continue
+            if value is None or isinstance(value, (list, tuple, dict)):
+                raise HostValueNotTensor(f"layer {node} (host) produces a non-tensor value")
             info = infos[name]
             value = np.ascontiguousarray(np.asarray(value, dtype=info.dtype))
             if value.shape != tuple(info.shape) and value.size == int(np.prod(info.shape, dtype=np.int64)):
@@ -946,6 +952,8 @@ class CudaContextState:
         graph = self.engine.plan.graph
         if not all(v.is_tensor for v in (*graph.inputs, *graph.outputs)):
             return self._on_host(feeds, "sequence/optional/map inputs or outputs", debug)
+        if any(v.dtype.kind in "OSUV" for v in (*graph.inputs, *graph.outputs)):
+            return self._on_host(feeds, "string inputs or outputs", debug)
         try:
             binding = self.bind(shapes)
         except ShapesNeedValues:
@@ -968,7 +976,11 @@ class CudaContextState:
         for name, array in arrays.items():
             if array.nbytes:
                 check(driver.cuMemcpyHtoDAsync(addresses[name], array.ctypes.data, array.nbytes, stream), "HtoD")
-        self.execute(shapes, addresses, stream, profiler, values, debug)
+        try:
+            self.execute(shapes, addresses, stream, profiler, values, debug)
+        except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            return self._on_host(feeds, str(e), debug)
         for name, array in outputs.items():
             if array.nbytes:
                 check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
