@@ -1,12 +1,13 @@
 """Peer servers side by side with Kiln: same ONNX models, same client (`kiln perf`), same machine.
 
-    python -m load_tests.peers setup                  # MLServer + onnxruntime into its own venv (/tmp/peer-mlserver)
-    python -m load_tests.peers repo /tmp/kiln-bench   # the benchmark models, in Kiln's and MLServer's layouts
-    python -m load_tests.peers start mlserver /tmp/kiln-bench   # serve one (Ctrl-C stops it)
+    python -m load_tests.peers setup                  # MLServer and KServe (+ onnxruntime), each in its own venv
+    python -m load_tests.peers repo /tmp/kiln-bench   # the benchmark models, in each server's layout
+    python -m load_tests.peers start kserve /tmp/kiln-bench   # serve one (Ctrl-C stops it)
     python -m load_tests.peers bench                  # every scenario, every server -> bench/results/serving_*.json
 
-Peers run from their own venvs so their dependencies never mix with Kiln's. Every server listens on
-127.0.0.1 only. MLServer serves the ONNX files through onnxruntime (load_tests/peer_runtimes/mlserver_onnx.py).
+Peers run from their own venvs so their dependencies never mix with Kiln's. Kiln and MLServer listen on
+127.0.0.1 only; KServe's Python server hard-codes 0.0.0.0 (HTTP) and [::] (gRPC). Both peers serve the ONNX
+files through onnxruntime in their documented custom-model way (load_tests/peer_runtimes/).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ RUNTIMES = Path(__file__).resolve().parent / "peer_runtimes"
 RESULTS = ROOT / "bench" / "results"
 MLSERVER_VENV = Path("/tmp/peer-mlserver")
 MLSERVER_PACKAGES = ["mlserver==1.7.1", "onnxruntime", "numpy", "uvloop<0.22"]  # uvloop 0.22+ breaks its workers
+KSERVE_VENV = Path("/tmp/peers/kserve-venv")
+KSERVE_PACKAGES = ["kserve==0.21.0", "onnxruntime", "numpy"]
 READY_TIMEOUT_S = 90.0
 ONE_MB_FLOATS = 262144  # 1 MiB of FP32
 
@@ -101,8 +104,15 @@ def _mlserver_settings(m: BenchModel) -> dict:
             "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
 
 
+def _kserve_io(m: BenchModel) -> dict:
+    """The tensor metadata KServe's v2 metadata endpoint reports (`kserve_onnx.OnnxModel.get_input_types`)."""
+    settings = _mlserver_settings(m)
+    return {"inputs": settings["inputs"], "outputs": settings["outputs"]}
+
+
 def write_repository(directory: Path) -> Path:
-    """`<dir>/kiln/<model>/1/model.onnx + config.pbtxt` and `<dir>/mlserver/<model>/model.onnx + model-settings.json`."""
+    """`<dir>/kiln/<model>/1/model.onnx + config.pbtxt`, `<dir>/mlserver/<model>/model.onnx + model-settings.json`
+    and `<dir>/kserve/<model>/model.onnx + io.json`: the same ONNX bytes for every server."""
     for m in bench_models():
         kiln_dir = directory / "kiln" / m.name
         (kiln_dir / "1").mkdir(parents=True, exist_ok=True)
@@ -112,6 +122,10 @@ def write_repository(directory: Path) -> Path:
         ml_dir.mkdir(parents=True, exist_ok=True)
         onnx.save(m.model, ml_dir / "model.onnx")
         (ml_dir / "model-settings.json").write_text(json.dumps(_mlserver_settings(m), indent=2))
+        ks_dir = directory / "kserve" / m.name
+        ks_dir.mkdir(parents=True, exist_ok=True)
+        onnx.save(m.model, ks_dir / "model.onnx")
+        (ks_dir / "io.json").write_text(json.dumps(_kserve_io(m), indent=2))
     return directory
 
 
@@ -195,12 +209,34 @@ def mlserver_server(repo: Path, logs: Path, venv: Path = MLSERVER_VENV) -> Serve
                   ports[1], logs / "mlserver.log", env, version)
 
 
-def setup_mlserver(venv: Path = MLSERVER_VENV) -> None:
-    """Create MLServer's own venv and install it there from PyPI (never into Kiln's venv)."""
+def kserve_server(repo: Path, logs: Path, venv: Path = KSERVE_VENV) -> Server:
+    """KServe's Python model server (`kserve.ModelServer`) with its defaults: one HTTP worker (uvicorn + uvloop),
+    gRPC on, access log and per-request latency logging on."""
+    ports = [free_port() for _ in range(2)]
+    command = [str(venv / "bin" / "python"), str(RUNTIMES / "kserve_onnx.py"), "--model_dir", str(repo / "kserve"),
+               "--http_port", str(ports[0]), "--grpc_port", str(ports[1])]
+    version = subprocess.run([str(venv / "bin" / "python"), "-c", "from importlib.metadata import version as v; "
+                              "print(f'kserve {v(\"kserve\")}, onnxruntime {v(\"onnxruntime\")}')"],
+                             capture_output=True, text=True).stdout.strip()
+    return Server("kserve", command, ports[0], ports[1], logs / "kserve.log", {}, version)
+
+
+PEERS = {"mlserver": (MLSERVER_VENV, MLSERVER_PACKAGES), "kserve": (KSERVE_VENV, KSERVE_PACKAGES)}
+FACTORIES = {"kiln": kiln_server, "mlserver": mlserver_server, "kserve": kserve_server}
+
+
+def setup_peer(name: str, venv: Path | None = None) -> None:
+    """Create the peer's own venv and install it there from PyPI (never into Kiln's venv)."""
+    default_venv, packages = PEERS[name]
+    venv = venv or default_venv
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
         subprocess.run([str(venv / "bin" / "python"), "-m", "ensurepip", "--upgrade"], check=True)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *MLSERVER_PACKAGES], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages], check=True)
+
+
+def setup_mlserver(venv: Path = MLSERVER_VENV) -> None:
+    setup_peer("mlserver", venv)
 
 
 # ----------------------------------------------------------------------------------------------- scenarios
@@ -215,13 +251,15 @@ class Scenario:
     protocol: str = "http"
 
 
-COMMON = ("-p", "1500", "--warmup", "1", "-r", "6", "--processes", "2")
+COMMON = ("-p", "2000", "--warmup", "1", "-r", "5", "--processes", "2")
+ALL = ("kiln", "mlserver", "kserve")
 SCENARIOS = [
-    Scenario("trivial_http_json", ("kiln", "mlserver"),
+    Scenario("trivial_http_json", ALL,
              ("-m", "trivial", "--input-tensor-format", "json", "--concurrency-range", "1:16:x2")),
-    Scenario("trivial_grpc", ("kiln", "mlserver"), ("-m", "trivial", "--concurrency-range", "1:16:x2"), "grpc"),
-    Scenario("cnn_http_json", ("kiln", "mlserver"),
-             ("-m", "simple_cnn", "--input-tensor-format", "json", "--concurrency-range", "1:8:x2")),
+    Scenario("trivial_grpc", ALL, ("-m", "trivial", "--concurrency-range", "1:16:x2"), "grpc"),
+    Scenario("cnn_http_json", ALL,
+             ("-m", "simple_cnn", "--input-tensor-format", "json", "--concurrency-range", "1:16:x2")),
+    Scenario("cnn_grpc", ALL, ("-m", "simple_cnn", "--concurrency-range", "1:16:x2"), "grpc"),
     Scenario("identity1mb_http_binary", ("kiln",),
              ("-m", "identity_fp32", "--concurrency-range", "1:4:x2", "-p", "4000")),
     Scenario("identity1mb_http_json", ("kiln",),
@@ -255,13 +293,12 @@ def bench(repo: Path, servers: list[str], only: list[str], out_dir: Path, run: i
     logs.mkdir(exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    factories = {"kiln": kiln_server, "mlserver": mlserver_server}
     for scenario in SCENARIOS:
         if only and scenario.name not in only:
             continue
         for name in servers:
             if name in scenario.servers:
-                with factories[name](repo, logs).running() as server:
+                with FACTORIES[name](repo, logs).running() as server:
                     written.append(run_scenario(scenario, server, out_dir, run))
     return written
 
@@ -269,29 +306,32 @@ def bench(repo: Path, servers: list[str], only: list[str], out_dir: Path, run: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m load_tests.peers", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_setup = sub.add_parser("setup", help="install MLServer into its own venv")
-    p_setup.add_argument("--venv", type=Path, default=MLSERVER_VENV)
+    p_setup = sub.add_parser("setup", help="install the peers, each into its own venv")
+    p_setup.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
+    p_setup.add_argument("--venv", type=Path, default=None, help="venv path (with a single --peers name)")
     p_repo = sub.add_parser("repo", help="write the benchmark models")
     p_repo.add_argument("directory", type=Path)
     p_start = sub.add_parser("start", help="serve the benchmark models with one server until Ctrl-C")
-    p_start.add_argument("server", choices=["kiln", "mlserver"])
+    p_start.add_argument("server", choices=list(FACTORIES))
     p_start.add_argument("directory", type=Path)
     p_start.add_argument("--seconds", type=float, default=3600.0, help="stop after this long (default 1 h)")
     p_bench = sub.add_parser("bench", help="run the scenarios and write bench/results/serving_*.json")
     p_bench.add_argument("--repo", type=Path, default=Path("/tmp/kiln-bench"))
-    p_bench.add_argument("--servers", nargs="+", default=["kiln", "mlserver"], choices=["kiln", "mlserver"])
+    p_bench.add_argument("--servers", nargs="+", default=list(ALL), choices=list(FACTORIES))
     p_bench.add_argument("--only", nargs="*", default=[], choices=[s.name for s in SCENARIOS])
     p_bench.add_argument("--out", type=Path, default=RESULTS)
     p_bench.add_argument("--run", type=int, default=1, help="repeat number: > 1 writes serving_*_runN.json")
     args = parser.parse_args(argv)
     if args.command == "setup":
-        setup_mlserver(args.venv)
+        if args.venv is not None and len(args.peers) != 1:
+            parser.error("--venv needs exactly one --peers name")
+        for name in args.peers:
+            setup_peer(name, args.venv)
     elif args.command == "repo":
         print(write_repository(args.directory))
     elif args.command == "start":
         write_repository(args.directory)
-        factory = kiln_server if args.server == "kiln" else mlserver_server
-        with factory(args.directory, args.directory).running() as server:
+        with FACTORIES[args.server](args.directory, args.directory).running() as server:
             print(f"{server.name}: HTTP 127.0.0.1:{server.http_port}, gRPC 127.0.0.1:{server.grpc_port}", flush=True)
             try:
                 time.sleep(args.seconds)

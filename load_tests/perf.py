@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--protocol", choices=["http", "grpc"], default="http")
     p.add_argument("--input-tensor-format", choices=["binary", "json"], default="binary",
                    help="HTTP tensor encoding of inputs and outputs (gRPC is always binary)")
+    p.add_argument("--response-compression", choices=["none", "gzip", "deflate"], default="none",
+                   help="HTTP: the Accept-Encoding to send (default none, as perf_analyzer)")
     p.add_argument("-b", "--batch-size", type=int, default=1, help="replaces a leading -1 dim of each input")
     p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="NAME:D1,D2",
                    help="full shape of an input (repeatable); needed for dynamic dims other than the batch")
@@ -423,7 +425,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outputs = tuple(o["name"] for o in metadata.get("outputs", [])
                         if not args.only_outputs or o["name"] in args.only_outputs)
         configs = [WorkerConfig(args.url, args.protocol, args.model_name, args.model_version, inputs, outputs,
-                                binary, args.priority, args.request_timeout, seed=i) for i in range(args.processes)]
+                                binary, args.priority, args.request_timeout, seed=i,
+                                response_compression=args.response_compression) for i in range(args.processes)]
         progress(f"kiln perf: {args.model_name} at {args.protocol}://{args.url} "
                  f"({args.input_tensor_format} tensors, {args.processes} client processes)")
         pool = WorkerPool.start(configs)

@@ -53,18 +53,36 @@ class ServerSplit:
     compute_input_us: float
     compute_infer_us: float
     compute_output_us: float
+    inferences: int = 0  # items (batch sizes summed) over the interval
+    executions: int = 0  # model executions over the interval: inferences / executions is the average batch
 
-    def as_dict(self) -> dict[str, float | int]:
+    @property
+    def avg_batch(self) -> float | None:
+        return self.inferences / self.executions if self.executions > 0 else None
+
+    def as_dict(self) -> dict[str, float | int | None]:
         return {"count": self.count, "queue_us": self.queue_us, "compute_input_us": self.compute_input_us,
-                "compute_infer_us": self.compute_infer_us, "compute_output_us": self.compute_output_us}
+                "compute_infer_us": self.compute_infer_us, "compute_output_us": self.compute_output_us,
+                "inferences": self.inferences, "executions": self.executions, "avg_batch": self.avg_batch}
+
+
+def _model_entry(snapshot: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The `model_stats` entry of `model` in a Triton statistics answer (HTTP JSON or gRPC as_json)."""
+    for entry in snapshot.get("model_stats", []):
+        if entry.get("name") == model:
+            return entry
+    return None
 
 
 def _inference_stats(snapshot: dict[str, Any], model: str) -> dict[str, Any] | None:
-    """The `inference_stats` of `model` in a Triton statistics answer (HTTP JSON or gRPC as_json)."""
-    for entry in snapshot.get("model_stats", []):
-        if entry.get("name") == model:
-            return entry.get("inference_stats", {})
-    return None
+    entry = _model_entry(snapshot, model)
+    return None if entry is None else entry.get("inference_stats", {})
+
+
+def _counts(snapshot: dict[str, Any], model: str) -> tuple[int, int]:
+    """(inference_count, execution_count); gRPC's JSON carries int64 as strings, absent fields are 0."""
+    entry = _model_entry(snapshot, model) or {}
+    return int(entry.get("inference_count", 0)), int(entry.get("execution_count", 0))
 
 
 def _field(stats: dict[str, Any], name: str) -> tuple[int, int]:
@@ -83,4 +101,5 @@ def server_split(before: dict[str, Any] | None, after: dict[str, Any] | None, mo
     if count <= 0:
         return ServerSplit(0, 0.0, 0.0, 0.0, 0.0)
     averages = [(_field(new, f)[1] - _field(old, f)[1]) / count / 1e3 for f in SERVER_FIELDS]
-    return ServerSplit(count, *averages)
+    (inferences_0, executions_0), (inferences_1, executions_1) = _counts(before, model), _counts(after, model)
+    return ServerSplit(count, *averages, inferences_1 - inferences_0, executions_1 - executions_0)

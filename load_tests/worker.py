@@ -46,6 +46,7 @@ class WorkerConfig:
     priority: int = 0
     request_timeout_s: float = 30.0
     seed: int = 0
+    response_compression: str = "none"  # HTTP: "none" (identity), "gzip" or "deflate"
 
 
 def make_array(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
@@ -60,6 +61,20 @@ def make_array(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
     if np.issubdtype(dtype, np.integer):
         return rng.integers(0, 100, spec.shape).astype(dtype)
     return rng.standard_normal(spec.shape).astype(dtype)
+
+
+def http_headers(binary: bool, response_compression: str) -> dict[str, str]:
+    """Headers of every HTTP request.
+
+    Accept-Encoding is always explicit: aiohttp (under tritonclient's asyncio client) otherwise adds
+    `gzip, deflate` by itself, and servers that honour it (Kiln, Triton) would compress every response
+    although perf_analyzer asks for none unless told to. JSON bodies get a Content-Type: tritonclient's asyncio
+    client sends none, and servers that parse by it (MLServer, KServe) need one.
+    """
+    headers = {"Accept-Encoding": "identity" if response_compression == "none" else response_compression}
+    if not binary:
+        headers["Content-Type"] = "application/json"
+    return headers
 
 
 @dataclass
@@ -88,9 +103,8 @@ class _Client:
             else:
                 item.set_data_from_numpy(make_array(spec, rng), binary_data=self.config.binary)
             self.inputs.append(item)
-        if self.config.protocol == "http" and not self.config.binary:
-            # tritonclient's asyncio client sends no Content-Type; servers that parse by it (MLServer) need one
-            self.headers = {"Content-Type": "application/json"}
+        if self.config.protocol == "http":
+            self.headers = http_headers(self.config.binary, self.config.response_compression)
         if self.config.outputs:
             if self.config.protocol == "grpc":
                 self.outputs = [module.InferRequestedOutput(n) for n in self.config.outputs]

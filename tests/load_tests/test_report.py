@@ -39,3 +39,33 @@ def test_report_writes_block_and_keeps_prose(tmp_path):
     assert "old table" not in text and text.count(report.BEGIN) == 1
     assert "| trivial_http_json: Kiln / mlserver | 4.00x | c1: 4.00x | c1: 0.50x |" in text
     assert "python -m load_tests.peers bench --only trivial_http_json" in text
+
+
+def test_every_peer_gets_a_ratio_row_with_geomeans(tmp_path):
+    for doc in (_doc("trivial_grpc", "kiln", [(1, 400.0, 2000.0), (2, 800.0, 2000.0)]),
+                _doc("trivial_grpc", "mlserver", [(1, 100.0, 4000.0), (2, 200.0, 8000.0)]),
+                _doc("trivial_grpc", "kserve", [(1, 400.0, 1000.0), (2, 200.0, 4000.0)])):
+        (tmp_path / f"serving_{doc['scenario']}_{doc['server']}.json").write_text(json.dumps(doc))
+    page = tmp_path / "performance.md"
+    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "| trivial_grpc: Kiln / mlserver | 4.00x | c1: 4.00x, c2: 4.00x | c1: 0.50x, c2: 0.25x | 4.00x | 0.35x |" in text
+    assert "| trivial_grpc: Kiln / kserve | 2.00x | c1: 1.00x, c2: 4.00x | c1: 2.00x, c2: 0.50x | 2.00x | 1.00x |" in text
+
+
+def test_gpu_serving_section(tmp_path):
+    (tmp_path / "serving_trivial_grpc_kiln.json").write_text(json.dumps(_doc("trivial_grpc", "kiln", [(1, 1.0, 1.0)])))
+    gpu = {"tool": "load_tests/gpu_serving.py", "command": "python load_tests/gpu_serving.py --out x",
+           "setup": {"model": "resnet50", "precision": "fp16", "max_batch": 128}, "device": {"gpus": ["H100"]},
+           "load_s": {"batched": 60.0, "direct": 1.0}, "elapsed_s": 300.0, "started_utc": "t",
+           "raw": [{"batch": 1, "infer_per_s": 500.0, "latency_ms": 2.0}],
+           "efficiency": [{"variant": "direct", "concurrency": 1, "raw_batch": 1, "server_avg_batch": 1.0,
+                           "served_infer_per_s": 450.0, "raw_infer_per_s": 500.0, "efficiency": 0.9,
+                           "p50_ms": 2.2, "p99_ms": 3.0, "server_queue_us": 4.0, "errors": 0}]}
+    (tmp_path / "gpu_serving_resnet50_fp16.json").write_text(json.dumps(gpu))
+    page = tmp_path / "performance.md"
+    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "### GPU serving: resnet50 fp16, max batch 128 (H100)" in text
+    assert "| 1 | 500.0 | 2.00 |" in text
+    assert "| direct | 1 | 1.0 | 450.0 | 500.0 (b1) | 90% | 2.20 | 3.00 | 4 | 0 |" in text

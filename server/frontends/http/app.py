@@ -9,6 +9,7 @@ from server.core import ServerCore
 from server.core.limits import InflightLimiter, RequestLimits
 
 from .errors import install_error_handlers
+from .fastpath import InferFastPath
 from .guard import GuardMiddleware
 from .routers import ALL
 
@@ -29,5 +30,7 @@ def create_app(core: ServerCore, limits: RequestLimits | None = None, limiter: I
     for router in ALL:
         app.include_router(router)
     install_error_handlers(app)
+    # Starlette runs the middleware added last first: Guard (auth, size, admission), then the inference fast path.
+    app.add_middleware(InferFastPath, core=core, limits=limits)
     app.add_middleware(GuardMiddleware, limits=limits, limiter=limiter, restricted=restricted or RestrictedApi())
     return app

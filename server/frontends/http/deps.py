@@ -19,7 +19,8 @@ from server.core.errors import invalid
 T = TypeVar("T")
 
 
-def get_core(request: Request) -> ServerCore:
+async def get_core(request: Request) -> ServerCore:
+    """Async on purpose: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request."""
     return request.app.state.core
 
 

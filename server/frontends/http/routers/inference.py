@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request, Response
 
 from server.core import InferRequest, InferResponse, ServerCore
+from server.core.limits import RequestLimits
 
 from ..codec import HEADER_LENGTH, compress, decode_request, decompress, encode_response, pick_encoding
 from ..deps import CoreDep
@@ -27,37 +30,58 @@ _DOC = {"requestBody": {"content": {"application/json": {"schema": InferRequestB
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_model=InferResponseBody,
              openapi_extra=_DOC)
 async def infer(core: CoreDep, request: Request, model_name: str, model_version: str = "") -> Response:
-    raw = await request.body()
-    limit = request.app.state.limits.decompressed_limit(len(raw))
-    body = decompress(raw, request.headers.get("content-encoding"), limit)
-    infer_request = decode_request(body, request.headers.get(HEADER_LENGTH), model_name, model_version)
-    response = await _infer_unless_disconnected(core, infer_request, request)
-    if response is None:  # nobody is listening any more
+    """FastAPI's route (OpenAPI docs, and any request the fast path in `fastpath.py` leaves to the router)."""
+    outcome = await run_infer(core, request.app.state.limits, await request.body(), request.headers.get,
+                              model_name, model_version, lambda: wait_for_disconnect(request.receive))
+    if outcome is None:  # nobody is listening any more
         return Response(status_code=499)
+    return Response(content=outcome.content, media_type=outcome.media_type, headers=outcome.headers)
+
+
+@dataclass
+class InferOutcome:
+    """A successful inference answer, protocol-level: body, its media type and the extra headers."""
+
+    content: bytes
+    media_type: str
+    headers: dict[str, str]
+
+
+async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header: Callable[[str], str | None],
+                    model_name: str, model_version: str,
+                    disconnected: Callable[[], Awaitable[None]]) -> InferOutcome | None:
+    """One inference request from its raw body and headers (`header` looks a name up case-insensitively) to the
+    response body; None when the client went away first. Raises ServerError for every client-visible failure.
+    The route and the fast path (`fastpath.py`) both run this, so they behave the same."""
+    body = decompress(raw, header("content-encoding"), limits.decompressed_limit(len(raw)))
+    infer_request = decode_request(body, header(HEADER_LENGTH), model_name, model_version)
+    response = await _infer_unless_disconnected(core, infer_request, disconnected)
+    if response is None:
+        return None
     binary_default = bool(infer_request.parameters.get("binary_data_output", False))
     content, header_length = encode_response(response, binary_default)
     headers = {}
     if header_length is not None:
         headers[HEADER_LENGTH] = str(header_length)
-    encoding = pick_encoding(request.headers.get("accept-encoding"))
+    encoding = pick_encoding(header("accept-encoding"))
     if encoding is not None:
         content = compress(content, encoding)
         headers["Content-Encoding"] = encoding
     media_type = "application/octet-stream" if header_length is not None else "application/json"
-    return Response(content=content, media_type=media_type, headers=headers)
+    return InferOutcome(content, media_type, headers)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
     """Returns when the client goes away (the body is already read, so the only message left is disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def _infer_unless_disconnected(core: ServerCore, infer_request: InferRequest,
-                                     request: Request) -> InferResponse | None:
+                                     disconnected: Callable[[], Awaitable[None]]) -> InferResponse | None:
     """Run the request, cancelling it if the client disconnects first (a queued job then never runs)."""
     work = asyncio.ensure_future(core.infer(infer_request))
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
