@@ -215,14 +215,15 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     Either replaces a faulted context with a fresh one from `engine`."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
+    execute = _execute_bucketed if engine.backend == "cuda" and config.max_batch_size > 0 else _execute
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
-        batcher = DynamicBatcher(contexts, _execute, thread_name, settings, record,
+        batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
                                  create_context=engine.create_execution_context, padding=padding)
         batcher.workers.label = label
         return batcher
-    scheduler = DirectScheduler(contexts, _execute, thread_name, record,
+    scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                 create_context=engine.create_execution_context)
     scheduler.workers.label = label
     return scheduler
@@ -327,6 +328,24 @@ def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name:
     if int(np.prod(resolved, dtype=np.int64)) != count:
         raise invalid(f"tensor '{name}' with shape {list(item_shape)} cannot be reshaped to {list(target)}")
     return resolved
+
+
+def _execute_bucketed(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """CUDA models that batch: pad the batch to the next power of two the profile allows and cut the outputs
+    back. Why: every distinct batch size is a new binding on the device (lowering, cuDNN plans, a captured
+    CUDA graph); buckets bound them to log2(max batch) + 1 instead of one per size the batcher forms."""
+    sizes = {a.shape[0] for a in inputs.values() if a.ndim}
+    if len(sizes) != 1:
+        return _execute(context, inputs)
+    batch = sizes.pop()
+    engine = context.engine  # type: ignore[attr-defined]
+    bucket = 1 << max(batch - 1, 0).bit_length()
+    highest = max(p[name][2][0] for p in engine.plan.profiles for name in inputs if name in p)
+    if bucket == batch or bucket > highest:
+        return _execute(context, inputs)
+    padded = {name: np.concatenate([a, np.zeros((bucket - batch, *a.shape[1:]), a.dtype)]) for name, a in inputs.items()}
+    outputs = _execute(context, padded)
+    return {name: out[:batch] if out.ndim and out.shape[0] == bucket else out for name, out in outputs.items()}
 
 
 def _execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
