@@ -120,16 +120,20 @@ def _wait_ready(server: ServerProcess) -> None:
 
 
 @contextlib.contextmanager
-def run_server(repository: Path, log_path: Path, models: list[str], extra_args: list[str] = ()):
-    """A real `python -m server` on free 127.0.0.1 ports (explicit mode, `models` loaded), ready when yielded;
-    terminated (then killed if it hangs) on exit."""
+def run_server(repository: Path, log_path: Path, models: list[str] | None, extra_args: list[str] = (),
+               module: str = "server", env: dict[str, str] | None = None):
+    """A real `python -m <module>` server on free 127.0.0.1 ports, ready when yielded; terminated (then killed
+    if it hangs) on exit. ``models``: explicit mode with these loaded; None: every model in the repository.
+    ``module``: e.g. a test module that registers plugins before starting the server; ``env``: added variables."""
     ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
+    command = [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--model-control-mode", "explicit", *extra_args]
-    for name in models:
-        command += ["--load-model", name]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               *extra_args]
+    if models is not None:
+        command += ["--model-control-mode", "explicit"]
+        for name in models:
+            command += ["--load-model", name]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable())

@@ -8,10 +8,7 @@ must be answered exactly, and the statistics must continue across the swap (same
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +19,7 @@ import tritonclient.http as http
 
 from server.core.adaptive import ShapeHistogram, close_enough, fit_profiles, same_profiles, variable_dims
 from server.core.settings import AdaptiveSettings
-from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+from tests.server.conftest import ServerProcess, examples, run_server
 from tests.server.test_batching import _ragged_config, _ragged_model
 
 BASE = {"X": ([1, 1], [8, 1], [8, 4096])}
@@ -78,22 +75,11 @@ def test_settings_from_the_environment():
 def adaptive_server(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("adaptive")
     examples.write_model(base / "models", "ragged", _ragged_model(concat=False), _ragged_config("ragged"))
-    ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(base / "models"), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--allow-grpc", "false", "--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
-    env = {**os.environ, "KILN_ADAPTIVE_PROFILES": "1", "KILN_ADAPTIVE_INTERVAL_S": "0.5",
-           "KILN_ADAPTIVE_MIN_REQUESTS": "60", "KILN_ADAPTIVE_MAX_PROFILES": "2"}
-    log_path = base / "server.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, base / "models", log_path, *ports, grpc_available=False)
-    try:
-        _wait_ready(server)
+    env = {"KILN_ADAPTIVE_PROFILES": "1", "KILN_ADAPTIVE_INTERVAL_S": "0.5", "KILN_ADAPTIVE_MIN_REQUESTS": "60",
+           "KILN_ADAPTIVE_MAX_PROFILES": "2"}
+    args = ["--allow-grpc", "false", "--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
+    with run_server(base / "models", base / "server.log", None, args, env=env) as server:
         yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def _metric(server: ServerProcess, name: str) -> float:

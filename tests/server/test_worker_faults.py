@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from server.core.errors import ErrorKind, ServerError
 from server.core.scheduler import DirectScheduler, Job
 from server.protos import model_config_pb2
 from tests.reliability import fault_plugin
-from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+from tests.server.conftest import ServerProcess, examples, run_server
 
 TIMEOUT_S = 10  # a hang shows up as a timeout, not as a stuck test run
 
@@ -163,20 +161,9 @@ def fault_server(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("faults")
     for name, (extra, count) in FAULT_MODELS.items():
         examples.write_model(base / "models", name, fault_plugin.model(), _config(name, extra, count))
-    ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "tests.reliability.fault_plugin", "--model-repository", str(base / "models"),
-               "--host", "127.0.0.1", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
-               "--metrics-port", str(ports[2]), "--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
-    log_path = base / "server.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    server = ServerProcess(process, base / "models", log_path, *ports, grpc_available=True)
-    try:
-        _wait_ready(server)
+    args = ["--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
+    with run_server(base / "models", base / "server.log", None, args, module="tests.reliability.fault_plugin") as server:
         yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def _infer(url: str, model: str, x: np.ndarray) -> np.ndarray:
