@@ -25,25 +25,31 @@ _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
 _GEMM_DEFAULT = -1
 
 
-@cache
-def library() -> ctypes.CDLL:
-    """Load libcublas (after libcublasLt from the same folder); raises CudaError when absent."""
-    patterns = ("nvidia/cu13/lib/libcublas.so*", "nvidia/cublas/lib/libcublas.so*", "torch/lib/libcublas.so*")
+def load_wheel_library(stem: str) -> ctypes.CDLL:
+    """``lib<stem>.so`` from the nvidia-cublas wheel (cu13 or older layout), torch's copy, or the system;
+    raises CudaError when absent."""
+    patterns = (f"nvidia/cu13/lib/lib{stem}.so*", f"nvidia/cublas/lib/lib{stem}.so*", f"torch/lib/lib{stem}.so*")
     for base in sys.path:
         for pattern in patterns:
-            found = sorted(p for p in glob.glob(os.path.join(base, pattern)) if "Lt" not in os.path.basename(p))
+            found = sorted(p for p in glob.glob(os.path.join(base, pattern))
+                           if os.path.basename(p).startswith(f"lib{stem}.so"))
             if found:
-                folder = os.path.dirname(found[0])
-                for lt in sorted(glob.glob(os.path.join(folder, "libcublasLt.so*"))):
-                    ctypes.CDLL(lt, mode=ctypes.RTLD_GLOBAL)
-                    break
                 return ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
-    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+    for name in (f"lib{stem}.so.13", f"lib{stem}.so.12", f"lib{stem}.so"):
         try:
             return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-    raise CudaError("libcublas not found (install nvidia-cublas)")
+    raise CudaError(f"lib{stem} not found (install nvidia-cublas)")
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """libcublas, loaded after libcublasLt (which it needs)."""
+    from engine_core.backends.cuda.cublaslt import library as lt_library
+
+    lt_library()
+    return load_wheel_library("cublas")
 
 
 def _check(status: int, what: str) -> None:

@@ -8,9 +8,6 @@ computed as the column-major Y^T = B^T A^T, whose per-row bias is our per-column
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 from functools import cache
 
 import numpy as np
@@ -36,18 +33,9 @@ class _Heuristic(ctypes.Structure):
 @cache
 def library() -> ctypes.CDLL:
     """libcublasLt from the nvidia-cublas wheel (or the system); raises CudaError when absent."""
-    patterns = ("nvidia/cu13/lib/libcublasLt.so*", "nvidia/cublas/lib/libcublasLt.so*", "torch/lib/libcublasLt.so*")
-    for base in sys.path:
-        for pattern in patterns:
-            found = sorted(glob.glob(os.path.join(base, pattern)))
-            if found:
-                return ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-        try:
-            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-    raise CudaError("libcublasLt not found (install nvidia-cublas)")
+    from engine_core.backends.cuda.cublas import load_wheel_library
+
+    return load_wheel_library("cublasLt")
 
 
 def available() -> bool:
