@@ -206,9 +206,12 @@ class CudnnConvs:
                 check(driver.cuEventRecord(stop, stream), "cuEventRecord")
                 check(driver.cuEventSynchronize(stop), "cuEventSynchronize")
                 times[index] = float(check(driver.cuEventElapsedTime(start, stop), "time")) / repeats
+                driver.cuEventDestroy(start)
+                driver.cuEventDestroy(stop)
             except Exception:
                 continue
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        driver.cuStreamDestroy(stream)
         self._stream = None
         if not times:
             return 0, {}
