@@ -218,7 +218,12 @@ def test_server_keeps_serving_after_worker_faults(fault_server: ServerProcess, m
     stats = http.InferenceServerClient(url).get_inference_statistics(model)["model_stats"][0]
     assert stats["inference_stats"]["fail"]["count"] == faults + 1
     restarts = _metric(fault_server, "kiln_worker_restarts_total", model)
-    assert 5 <= restarts <= faults + 1  # one restart per faulted execution
+    # one restart per faulted execution: the first fault plus one per poisoned execution; the batcher may put
+    # several poisoned requests into one execution, so only the direct model has exactly one per request
+    if model == "faulty_direct":
+        assert restarts == 5
+    else:
+        assert 2 <= restarts <= faults + 1
     assert _metric(fault_server, "kiln_workers", model) == FAULT_MODELS[model][1]
 
 
