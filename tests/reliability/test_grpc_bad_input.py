@@ -11,6 +11,7 @@ import pytest
 
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
+from tests.server.conftest import require_grpc
 
 SERVICE = "/inference.GRPCInferenceService/"
 ADMIN = (("admin-key", "s3cret"),)
@@ -18,10 +19,7 @@ ADMIN = (("admin-key", "s3cret"),)
 
 @pytest.fixture(scope="module")
 def channel(guarded_server):
-    if not guarded_server.grpc_available:
-        pytest.skip("gRPC frontend not importable")
-    with grpc.insecure_channel(guarded_server.grpc_url) as channel:
-        grpc.channel_ready_future(channel).result(timeout=30)
+    with grpc.insecure_channel(require_grpc(guarded_server).grpc_url) as channel:
         yield channel
 
 

@@ -136,7 +136,8 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable())
+    grpc_off = any(a == "--allow-grpc" and b == "false" for a, b in zip(extra_args, list(extra_args)[1:]))
+    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable() and not grpc_off)
     try:
         _wait_ready(server)
         yield server
@@ -147,6 +148,17 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def require_grpc(server: ServerProcess) -> ServerProcess:
+    """``server`` once its gRPC port accepts calls; skips the test when the gRPC frontend is not importable."""
+    if not server.grpc_available:
+        pytest.skip("gRPC frontend not importable")
+    import grpc
+
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,6 @@ which requests queue behind it, and in what order they run, is deterministic. Th
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +25,7 @@ from server.core.errors import ErrorKind, ServerError
 from server.core.scheduler import Job
 from server.core.statistics import ExecutionTimes
 from server.protos import model_config_pb2
-from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+from tests.server.conftest import ServerProcess, examples, run_server
 
 
 # -- the batcher alone ----------------------------------------------------------------------------------------
@@ -274,20 +272,9 @@ def batching_server(tmp_path_factory: pytest.TempPathFactory):
         examples.write_model(repository, name, _scale_model(), _config(name, batching))
     examples.write_model(repository, "padded", _ragged_model(concat=False), _ragged_config("padded"))
     examples.write_model(repository, "unpaddable", _ragged_model(concat=True), _ragged_config("unpaddable"))
-    log_path = repository.parent / "server.log"
-    ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--allow-grpc", "false", "--drain-delay", "0"]
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    server = ServerProcess(process, repository, log_path, *ports, grpc_available=False)
-    try:
-        _wait_ready(server)
+    with run_server(repository, repository.parent / "server.log", None, ["--allow-grpc", "false", "--drain-delay", "0"]) \
+            as server:
         yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def _infer(url: str, model: str, x: np.ndarray, **kwargs) -> np.ndarray:

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from server.core import cuda_ipc
 from server.core.errors import ErrorKind, ServerError
 from server.core.shared_memory import SHM_ROOT, SharedMemory
+from tests.server.conftest import require_grpc
 
 grpc = pytest.importorskip("grpc")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -42,11 +43,7 @@ def http(kiln_server) -> httpclient.InferenceServerClient:
 
 @pytest.fixture(scope="module")
 def grpc_client(kiln_server):
-    if not kiln_server.grpc_available:
-        pytest.skip("gRPC frontend not importable")
-    with grpc.insecure_channel(kiln_server.grpc_url) as channel:
-        grpc.channel_ready_future(channel).result(timeout=30)
-    with grpcclient.InferenceServerClient(kiln_server.grpc_url) as client:
+    with grpcclient.InferenceServerClient(require_grpc(kiln_server).grpc_url) as client:
         yield client
 
 

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from server.frontends.grpc import GrpcOptions  # noqa: E402
 from server.protos import health_pb2, health_pb2_grpc  # noqa: E402
+from tests.server.conftest import require_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,11 +35,7 @@ ADD_SUB_INPUTS = (np.arange(16, dtype=np.int32).reshape(1, 16), np.full((1, 16),
 @pytest.fixture(scope="module")
 def grpc_server(kiln_server):
     """The shared server process (tests/server/conftest.py), once its gRPC port accepts calls."""
-    if not kiln_server.grpc_available:
-        pytest.skip("gRPC frontend not importable")
-    with grpc.insecure_channel(kiln_server.grpc_url) as channel:
-        grpc.channel_ready_future(channel).result(timeout=30)
-    return kiln_server
+    return require_grpc(kiln_server)
 
 
 @pytest.fixture(scope="module")
