@@ -117,10 +117,21 @@ class Traffic:
         ok = response.status_code == 200 and len(response.json()["outputs"][0]["data"]) == batch * 3
         return "good", response.status_code, ok
 
+    def _model_infer(self, request):
+        """The ModelInfer response, or the (kind, status, correct) outcome of a refused request; a lost one
+        (unavailable, cancelled, ...) raises NoAnswer."""
+        import grpc
+
+        try:
+            return self.grpc.ModelInfer(request, timeout=60)
+        except grpc.RpcError as e:
+            if e.code() in LOST_GRPC_CODES:
+                raise NoAnswer(f"gRPC {e.code().name}") from None
+            return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
+
     def grpc_infer(self) -> tuple[str, int, bool]:
         if self.grpc is None:
             return self.add_sub_json()
-        import grpc
 
         from server.protos import grpc_service_pb2 as pb
         request = pb.ModelInferRequest(model_name="add_sub")
@@ -128,19 +139,15 @@ class Traffic:
         for name in ("INPUT0", "INPUT1"):
             request.inputs.add(name=name, datatype="INT32").shape.extend([1, 16])
         request.raw_input_contents.extend([a.tobytes(), np.ones_like(a).tobytes()])
-        try:
-            response = self.grpc.ModelInfer(request, timeout=60)
-        except grpc.RpcError as e:
-            if e.code() in LOST_GRPC_CODES:
-                raise NoAnswer(f"gRPC {e.code().name}") from None
-            return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
+        response = self._model_infer(request)
+        if isinstance(response, tuple):
+            return response
         got = np.frombuffer(response.raw_output_contents[0], np.int32)
         return "good", 200, bool(np.array_equal(got, a.ravel() + 1))
 
     def grpc_cnn(self) -> tuple[str, int, bool]:
         if self.grpc is None:
             return self.cnn()
-        import grpc
 
         from server.protos import grpc_service_pb2 as pb
         batch = self.rng.randint(1, 4)
@@ -148,12 +155,9 @@ class Traffic:
         request = pb.ModelInferRequest(model_name="simple_cnn")
         request.inputs.add(name="INPUT", datatype="FP32").shape.extend(x.shape)
         request.raw_input_contents.append(x.tobytes())
-        try:
-            response = self.grpc.ModelInfer(request, timeout=60)
-        except grpc.RpcError as e:
-            if e.code() in LOST_GRPC_CODES:
-                raise NoAnswer(f"gRPC {e.code().name}") from None
-            return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
+        response = self._model_infer(request)
+        if isinstance(response, tuple):
+            return response
         ok = len(response.outputs) >= 1 and response.outputs[0].shape[0] == batch
         return "good", 200, bool(ok)
 
