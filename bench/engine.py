@@ -236,6 +236,11 @@ def bench_model(name: str, precisions: list[str], batches: list[int], peers: lis
                         continue
                     fn = peer_module if mode == "eager" else compiled[mode]
                     try:
+                        if mode != "eager":  # the first call compiles (max-autotune: minutes): worth reporting
+                            start = time.perf_counter()
+                            fn(*torch_inputs)
+                            torch.cuda.synchronize()
+                            row[f"torch_{mode}_compile_s"] = round(time.perf_counter() - start, 1)
                         row[f"torch_{mode}_ms"] = round(cuda_time(lambda f=fn, x=torch_inputs: f(*x), stream), 4)
                     except Exception as e:  # a compile failure is a result, not a crash
                         row[f"torch_{mode}_error"] = f"{type(e).__name__}: {str(e)[:200]}"

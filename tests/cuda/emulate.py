@@ -131,6 +131,8 @@ class Emulator:
             dst[...] = src[:, ind, :]
         elif name.startswith(("max_pool_", "avg_pool_")):
             self._pool(name, args)
+        elif name.startswith("flash_attention_"):
+            self._flash_attention(name, args, op.grid)
         else:
             self._row_kernel(name, args, op.grid[0])
 
@@ -145,6 +147,30 @@ class Emulator:
             attrs["dilations"] = [g.dh, g.dw]
         out = run_node(Node(kind, ["x"], ["y"], attrs, "pool", "", 19, []), [xv])[0]
         self.view(y, dt, (g.n, g.c, g.oh, g.ow), list(g.ys))[...] = out[:, :, : g.oh, : g.ow]
+
+    def _flash_attention(self, name: str, args: list, grid) -> None:
+        """softmax(scale Q K^T + mask) V per (batch, head) through the launch's strides; TF32 operands as fp32."""
+        q, k, v, y, mask, g = args
+        _, dim, suffix = name.rsplit("_", 2)
+        dt, d = (np.dtype(np.float32) if suffix == "tf32" else _SUFFIX[suffix]), int(dim)
+        batch, heads, sq, skv = grid[2], g.heads, g.sq, g.skv
+        kvh = heads // g.kv_group
+        qv = self.view(q, dt, (batch, heads, sq, d), (g.qb, g.qh, g.qs, 1)).astype(np.float64)
+        kv = self.view(k, dt, (batch, kvh, skv, d), (g.kb, g.kh, g.ks, 1)).astype(np.float64)
+        vv = self.view(v, dt, (batch, kvh, skv, d), (g.vb, g.vh, g.vs, 1)).astype(np.float64)
+        kv, vv = np.repeat(kv, g.kv_group, axis=1), np.repeat(vv, g.kv_group, axis=1)
+        s = np.einsum("bhqd,bhkd->bhqk", qv, kv) * g.scale
+        if g.mask_kind:
+            mdt = np.dtype(np.bool_) if g.mask_kind == 2 else dt
+            m = self.view(mask, mdt, (batch, heads, sq, skv), (g.mb, g.mh, g.mq, g.mk))
+            s = np.where(m, s, -np.inf) if g.mask_kind == 2 else s + m.astype(np.float64)
+        if g.causal:
+            s = np.where(np.arange(skv)[None, :] > np.arange(sq)[:, None] + g.causal_offset, -np.inf, s)
+        top = s.max(-1, keepdims=True)
+        e = np.exp(s - np.where(np.isneginf(top), 0, top))
+        total = e.sum(-1, keepdims=True)
+        p = e / np.where(total > 0, total, 1)
+        self.view(y, dt, (batch, heads, sq, d), (g.ob, g.oh, g.os, 1))[...] = np.einsum("bhqk,bhkd->bhqd", p, vv)
 
     def _row_kernel(self, name: str, args: list, rows: int) -> None:
         kind, suffix = name.rsplit("_", 1)

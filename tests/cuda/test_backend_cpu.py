@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -26,7 +27,8 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from tests.cuda.emulate import Emulator
 from tests.cuda.models import (
-    attention_fp16,
+    attention_feeds,
+    attention_model,
     bert_feeds,
     bert_small,
     cnn_fp16,
@@ -259,17 +261,33 @@ def test_small_resnet_and_mobilenet_lower_without_host_layers():
         assert host == [], host
 
 
-@pytest.mark.parametrize("causal", [0, 1])
-def test_attention_lowers_to_gemms_around_the_masked_softmax(causal):
-    rng = np.random.default_rng(3)
-    feeds = {n: rng.standard_normal((2, 4, 16, 32)).astype(np.float16) for n in "qkv"}
-    mask = np.zeros((2, 1, 16, 16), np.float16)
-    mask[1, :, :, 12:] = -10000
-    feeds["mask"] = mask
-    lowered = _emulate_vs_cpu(attention_fp16(causal=causal), feeds, {}, rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("case, options, tactic", [
+    (dict(causal=0), {}, "kernel:flash_attention"),
+    (dict(causal=1), {}, "kernel:flash_attention"),
+    (dict(dtype=onnx.TensorProto.BFLOAT16, dim=64, seq=80, kv_seq=70, mask="bool"), {}, "kernel:flash_attention"),
+    (dict(dtype=onnx.TensorProto.FLOAT, three_d=True, heads=4, kv_heads=2, seq=70), {"tf32": True},
+     "kernel:flash_attention"),
+    (dict(three_d=True, dim=128, causal=1, mask=""), {}, "kernel:flash_attention"),
+    (dict(dtype=onnx.TensorProto.FLOAT, causal=1), {}, "gemm:cublas"),          # fp32 without TF32: no flash
+    (dict(dtype=onnx.TensorProto.FLOAT, three_d=True), {}, "gemm:cublas"),      # ... the 3-D form through copies
+    (dict(dim=48), {}, "gemm:cublas"),                                          # no kernel for this head size
+])
+def test_attention_lowering_flash_or_gemms_around_the_masked_softmax(case, options, tactic):
+    model = attention_model(**case)
+    feeds = attention_feeds(model, np.random.default_rng(3))
+    fp32 = case.get("dtype") == onnx.TensorProto.FLOAT
+    tol = 1e-4 if fp32 and not options else 2e-2
+    lowered = _emulate_vs_cpu(model, feeds, options, rtol=tol, atol=tol)
     step = next(s for s in lowered.steps if s.node.op_type == "Attention")
-    assert step.tactic == "gemm:cublas" and [type(o).__name__ for o in step.ops] == ["Gemm", "Launch", "Gemm"]
-    assert step.scratch == ["attention#scores"]
+    assert step.tactic == tactic
+    if tactic == "kernel:flash_attention":
+        assert [o.function for o in step.ops] == [f"flash_attention_{case.get('dim', 32)}_"
+                                                  f"{'tf32' if fp32 else 'bf16' if 'dtype' in case else 'f16'}"]
+        assert step.scratch == []
+    else:
+        kinds = [type(o).__name__ for o in step.ops]
+        copies = 4 if case.get("three_d") else 0  # Q, K, V in; Y out
+        assert kinds.count("Gemm") == 2 and len(kinds) == 3 + copies and "attention#scores" in step.scratch
 
 
 def test_fp16_and_channels_last_kernels_compile_for_sm90(tmp_path, monkeypatch):

@@ -6,11 +6,22 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 import engine_core as kiln
 from engine_core.types import LayerInformationFormat
-from tests.cuda.models import attention_fp16, bert_feeds, bert_small, cnn_fp16, mlp, op_mix, resnet_small
+from tests.cuda.models import (
+    attention_feeds,
+    attention_fp16,
+    attention_model,
+    bert_feeds,
+    bert_small,
+    cnn_fp16,
+    mlp,
+    op_mix,
+    resnet_small,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -198,6 +209,27 @@ def test_fp16_cnn_and_attention_match_the_cpu_backend():
     feeds["mask"] = np.where(rng.random((2, 1, 16, 16)) < 0.2, -10000, 0).astype(np.float16)
     engine, [(got, want)] = _both(attention_fp16(causal=1), [feeds])
     np.testing.assert_allclose(got["y"].astype(np.float32), want["y"].astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", [
+    dict(three_d=True, heads=12, seq=128, dim=64),                                  # BERT-base's shape, fp16
+    dict(causal=1, seq=100, dim=32),
+    dict(dtype=onnx.TensorProto.BFLOAT16, dim=128, seq=200, kv_seq=150, mask="bool"),
+    dict(dtype=onnx.TensorProto.FLOAT, three_d=True, heads=8, kv_heads=2, seq=70),   # TF32, grouped-query
+    dict(dtype=onnx.TensorProto.FLOAT, dim=128, seq=64, causal=1, mask=""),          # TF32, 32-key tiles
+])
+def test_flash_attention_matches_the_cpu_backend(case):
+    """The fused kernel (mma.sync fp16/bf16/TF32, online softmax) against the CPU backend in fp64-accurate
+    numpy; fp16/bf16/TF32 operands give errors of a few 1e-3 on outputs of magnitude ~1."""
+    model = attention_model(**case)
+    feeds = attention_feeds(model, np.random.default_rng(11), masked_from=case.get("kv_seq", case["seq"]) // 2)
+    fp32 = case.get("dtype") == onnx.TensorProto.FLOAT
+    gpu = _build(model, "cuda", flags=[kiln.BuilderFlag.TF32] if fp32 else [])
+    assert {layer["name"]: layer["tactic"] for layer in gpu.plan.layers}["attention"] == "kernel:flash_attention"
+    got = gpu.create_execution_context().infer(feeds)["y"].astype(np.float32)
+    want = _build(model, "cpu").create_execution_context().infer(feeds)["y"].astype(np.float32)
+    tol = 2e-2 if case.get("dtype") == onnx.TensorProto.BFLOAT16 else 5e-3
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 def test_a_warm_timing_cache_skips_timing():

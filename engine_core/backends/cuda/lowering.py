@@ -795,59 +795,134 @@ def _lower_fused_matmul(node: Node, ctx: _Context) -> list:
     return ops + _epilogue(node, ctx, bias, activation)
 
 
-def _lower_attention(node: Node, ctx: _Context) -> list:
-    """ONNX Attention (4-D Q/K/V, same head count): S = scale Q K^T, P = softmax(S + mask), Y = P V.
+class FlashGeom(ctypes.Structure):
+    """Mirror of ``struct KilnFlashGeom`` (cuda_kernels/flash_attention.cu)."""
 
-    Two batched GEMMs around the attention softmax kernel (which applies mask and causality); S and P
-    live in one step-local scratch buffer.
+    _fields_ = [*[(n, ctypes.c_longlong) for n in ("qb", "qh", "qs", "kb", "kh", "ks", "vb", "vh", "vs", "ob", "oh",
+                                                    "os", "mb", "mh", "mq", "mk")],
+                *[(n, ctypes.c_int) for n in ("heads", "kv_group", "sq", "skv", "causal", "causal_offset",
+                                              "mask_kind")],
+                ("scale", ctypes.c_float)]
+
+
+#: head sizes with a fused flash_attention kernel; query rows and threads per block (cuda_kernels/flash_attention.cu)
+FLASH_HEAD_DIMS = (32, 64, 128)
+FLASH_ROWS, FLASH_THREADS = 64, 128
+
+
+def _heads_view(ctx: _Context, name: str, heads: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, element strides) of an Attention operand as [batch, heads, seq, head_dim]: the 4-D form as it
+    is, the 3-D form [batch, seq, heads * head_dim] split by its head count (no copy)."""
+    shape, strides = ctx.info(name).shape, ctx.strides(name)
+    if len(shape) == 4:
+        return tuple(shape), tuple(strides)
+    if len(shape) != 3 or not heads or shape[2] % heads:
+        raise Unsupported("Attention operand that is neither 4-D nor 3-D with a head count dividing its width")
+    d = shape[2] // heads
+    return (shape[0], heads, shape[1], d), (strides[0], d * strides[2], strides[1], strides[2])
+
+
+def _flash_suffix(dtype: np.dtype, ctx: _Context) -> str | None:
+    """flash_attention kernel suffix for ``dtype``: fp16/bf16, and fp32 only where TF32 is allowed."""
+    if dtype == F32:
+        return "tf32" if ctx.options.tf32 else None
+    return {F16: "f16", BF16: "bf16"}.get(dtype)
+
+
+def _lower_attention(node: Node, ctx: _Context) -> list:
+    """ONNX Attention without past keys: Y = softmax(scale Q K^T + mask) V, 3-D or 4-D operands.
+
+    One fused flash_attention launch (Q/K/V/Y through strides: the 3-D form needs no head transposes,
+    scores stay on chip) when the type and head size allow; otherwise two batched GEMMs around the
+    attention softmax kernel with the scores in a step-local scratch buffer.
     """
     if len(node.inputs) > 4 and any(node.inputs[4:]) or any(node.outputs[1:]):
         raise Unsupported("Attention with past key/value or extra outputs")
-    q, k, v = (ctx.info(n) for n in node.inputs[:3])
-    dtype = _gemm_dtype([q.dtype, k.dtype, v.dtype], "Attention")
-    if len(q.shape) != 4 or len(k.shape) != 4 or q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
-        raise Unsupported("Attention that is not 4-D with equal head counts")
+    dtype = _gemm_dtype([ctx.info(n).dtype for n in node.inputs[:3]], "Attention")
     if node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0) or node.attr("softmax_precision", None):
         raise Unsupported("Attention softcap / qk output / softmax precision")
     if node.attr("left_window_size", -1) >= 0 or node.attr("right_window_size", -1) >= 0:
         raise Unsupported("Attention with a sliding window")
-    batch, heads, sq, d = q.shape
-    skv, dv = k.shape[2], v.shape[3]
+    q_heads, kv_heads = node.attr("q_num_heads", None), node.attr("kv_num_heads", None)
+    (batch, heads, sq, d), q_st = _heads_view(ctx, node.inputs[0], q_heads)
+    (_, k_heads, skv, dk), k_st = _heads_view(ctx, node.inputs[1], kv_heads)
+    (_, v_heads, _, dv), v_st = _heads_view(ctx, node.inputs[2], kv_heads)
+    _, y_st = _heads_view(ctx, node.outputs[0], q_heads)
+    if k_heads != v_heads or heads % k_heads or dk != d:
+        raise Unsupported("Attention with mismatched key/value heads or head sizes")
     scale = float(node.attr("scale", 0.0) or 1.0 / np.sqrt(d))
-    bh = batch * heads
-    s_ref = ctx.new_scratch(f"{node.name}#scores", dtype, (bh, sq, skv))
-    qk = Gemm(Ref(node.inputs[0]), Ref(node.inputs[1]), s_ref, sq, skv, d, bh, (d, 1, sq * d), (1, d, skv * d),
-              scale, 0.0, "cublas", dtype, ctx.options.tf32)
-    geom = AttnMask()
-    geom.heads, geom.queries = heads, sq
-    # no past keys: the causal frontier is top-left aligned (key k visible to query q when k <= q)
-    geom.causal, geom.causal_offset = int(node.attr("is_causal", 0)), 0
-    args = [(s_ref, ctypes.c_void_p), (s_ref, ctypes.c_void_p), (skv, ctypes.c_longlong), (1.0, ctypes.c_float)]
-    suffix = _row_suffix(dtype, "Attention")
-    kind = "attn_softmax"
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3] else None
+    mask_kind, mask_strides = 0, (0, 0, 0, 0)
     if mask:
         m = ctx.info(mask)
         if not m.shape or m.shape[-1] != skv:
             raise Unsupported("Attention mask shorter than the keys")
-        if m.dtype == np.bool_:
-            kind = "attn_softmax_bool"
-        elif m.dtype == dtype:
-            kind = "attn_softmax_add"
-        else:
+        if m.dtype not in (np.bool_, dtype):
             raise Unsupported(f"Attention mask of {m.dtype}")
-        strides = broadcast_strides(m.shape, (batch, heads, sq, skv), ctx.strides(mask))
-        geom.mb, geom.mh, geom.mq, geom.mk = strides
+        mask_kind = 2 if m.dtype == np.bool_ else 1
+        mask_strides = broadcast_strides(m.shape, (batch, heads, sq, skv), ctx.strides(mask))
+    causal = int(node.attr("is_causal", 0))  # no past keys: the frontier is top-left aligned (key k <= query q)
+    if batch * heads * sq * dv == 0:
+        return []
+    suffix = _flash_suffix(dtype, ctx)
+    if suffix and d == dv and d in FLASH_HEAD_DIMS and all(st[3] == 1 for st in (q_st, k_st, v_st, y_st)):
+        g = FlashGeom(*q_st[:3], *k_st[:3], *v_st[:3], *y_st[:3], *mask_strides, heads, heads // k_heads, sq, skv,
+                      causal, 0, mask_kind, scale)
+        args = [*[(Ref(n), ctypes.c_void_p) for n in (*node.inputs[:3], node.outputs[0])],
+                (Ref(mask) if mask else 0, ctypes.c_void_p), (g, FlashGeom)]
+        return [Launch("flash_attention", f"flash_attention_{d}_{suffix}", (-(-sq // FLASH_ROWS), heads, batch),
+                       (FLASH_THREADS, 1, 1), args)]
+    if k_heads != heads:
+        raise Unsupported("grouped-query Attention outside the flash kernel")
+    return _unfused_attention(node, ctx, dtype, (batch, heads, sq, skv, d, dv), (q_st, k_st, v_st, y_st), scale,
+                              causal, mask, mask_kind, mask_strides)
+
+
+def _unfused_attention(node: Node, ctx: _Context, dtype: np.dtype, dims: tuple[int, ...],
+                       views: tuple[tuple[int, ...], ...], scale: float, causal: int, mask: str | None,
+                       mask_kind: int, mask_strides: tuple[int, ...]) -> list:
+    """S = scale Q K^T (batched GEMM), P = attention softmax(S) in place, Y = P V (batched GEMM); operands
+    that are not [batch, heads, seq, dim]-contiguous go through step-local copies."""
+    batch, heads, sq, skv, d, dv = dims
+    ops: list = []
+
+    def contiguous(name: str, shape: tuple[int, ...], strides: tuple[int, ...], write: bool) -> Ref:
+        if tuple(strides) == contiguous_strides(shape):
+            return Ref(name)
+        ref = ctx.new_scratch(f"{node.name}#{name}#bhsd", dtype, shape)
+        if not write:
+            ops.append(copy_launch(ctx, dtype, ref, Ref(name), shape, contiguous_strides(shape), strides))
+        return ref
+
+    q = contiguous(node.inputs[0], (batch, heads, sq, d), views[0], False)
+    k = contiguous(node.inputs[1], (batch, heads, skv, d), views[1], False)
+    v = contiguous(node.inputs[2], (batch, heads, skv, dv), views[2], False)
+    y = contiguous(node.outputs[0], (batch, heads, sq, dv), views[3], True)
+    bh = batch * heads
+    s_ref = ctx.new_scratch(f"{node.name}#scores", dtype, (bh, sq, skv))
+    ops.append(Gemm(q, k, s_ref, sq, skv, d, bh, (d, 1, sq * d), (1, d, skv * d), scale, 0.0, "cublas", dtype,
+                    ctx.options.tf32))
+    geom = AttnMask()
+    geom.heads, geom.queries = heads, sq
+    geom.causal, geom.causal_offset = causal, 0
+    args = [(s_ref, ctypes.c_void_p), (s_ref, ctypes.c_void_p), (skv, ctypes.c_longlong), (1.0, ctypes.c_float)]
+    suffix = _row_suffix(dtype, "Attention")
+    kind = ("attn_softmax", "attn_softmax_add", "attn_softmax_bool")[mask_kind]
+    if mask:
+        geom.mb, geom.mh, geom.mq, geom.mk = mask_strides
         args.append((Ref(mask), ctypes.c_void_p))
     args.append((geom, AttnMask))
     if skv <= WARP_ROW_LIMIT:
-        softmax = Launch("softmax", f"{kind}_warp_{suffix}", _warp_grid(bh * sq), (THREADS, 1, 1),
-                         [*args, (bh * sq, ctypes.c_longlong)])
+        ops.append(Launch("softmax", f"{kind}_warp_{suffix}", _warp_grid(bh * sq), (THREADS, 1, 1),
+                          [*args, (bh * sq, ctypes.c_longlong)]))
     else:
-        softmax = Launch("softmax", f"{kind}_{suffix}", (bh * sq, 1, 1), (THREADS, 1, 1), args)
-    pv = Gemm(s_ref, Ref(node.inputs[2]), Ref(node.outputs[0]), sq, dv, skv, bh, (skv, 1, sq * skv), (dv, 1, skv * dv),
-              1.0, 0.0, "cublas", dtype, ctx.options.tf32)
-    return [qk, softmax, pv]
+        ops.append(Launch("softmax", f"{kind}_{suffix}", (bh * sq, 1, 1), (THREADS, 1, 1), args))
+    ops.append(Gemm(s_ref, v, y, sq, dv, skv, bh, (skv, 1, sq * skv), (dv, 1, skv * dv), 1.0, 0.0, "cublas", dtype,
+                    ctx.options.tf32))
+    if y.tensor != node.outputs[0]:
+        shape = (batch, heads, sq, dv)
+        ops.append(copy_launch(ctx, dtype, Ref(node.outputs[0]), y, shape, views[3], contiguous_strides(shape)))
+    return ops
 
 
 # -- convolution ---------------------------------------------------------------------------------------------
@@ -940,6 +1015,8 @@ def _tactic(node: Node, ops: list) -> str:
     gemm = next((o for o in ops if isinstance(o, Gemm)), None)
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
+    if node.op_type == "Attention":
+        return "kernel:flash_attention"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
                                                          "DequantizeLinear"):
         launch = next((o for o in ops if isinstance(o, Launch)), None)
