@@ -117,12 +117,44 @@ def mobilenet_small() -> onnx.ModelProto:
 
 def attention_fp16(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32, causal: int = 0) -> onnx.ModelProto:
     """ONNX Attention (opset 23) over fp16 Q/K/V [B, H, S, D] with an additive fp16 mask."""
-    shape = [batch, heads, seq, dim]
-    node = helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"], is_causal=causal, name="attention")
-    graph = helper.make_graph([node], "attn", [vi(n, TensorProto.FLOAT16, shape) for n in "qkv"]
-                              + [vi("mask", TensorProto.FLOAT16, [batch, 1, seq, seq])],
-                              [vi("y", TensorProto.FLOAT16, shape)])
+    return attention_model(batch, heads, seq, dim, causal)
+
+
+def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32, causal: int = 0,
+                    dtype: int = TensorProto.FLOAT16, kv_heads: int | None = None, three_d: bool = False,
+                    mask: str = "add", kv_seq: int | None = None) -> onnx.ModelProto:
+    """ONNX Attention (opset 23): 4-D Q/K/V [B, H, S, D] or the 3-D form [B, S, H*D] with head counts
+    (``kv_heads`` < ``heads``: grouped-query); ``mask`` "add" (same type, [B, 1, Sq, Skv]), "bool" ([Sq, Skv])
+    or "" (none)."""
+    kv_heads, kv_seq = kv_heads or heads, kv_seq or seq
+    if three_d:
+        q_shape, kv_shape = [batch, seq, heads * dim], [batch, kv_seq, kv_heads * dim]
+        attrs = {"q_num_heads": heads, "kv_num_heads": kv_heads}
+    else:
+        q_shape, kv_shape, attrs = [batch, heads, seq, dim], [batch, kv_heads, kv_seq, dim], {}
+    inputs = [vi("q", dtype, q_shape), vi("k", dtype, kv_shape), vi("v", dtype, kv_shape)]
+    if mask:
+        inputs.append(vi("mask", TensorProto.BOOL, [seq, kv_seq]) if mask == "bool"
+                      else vi("mask", dtype, [batch, 1, seq, kv_seq]))
+    node = helper.make_node("Attention", [i.name for i in inputs], ["y"], is_causal=causal, name="attention", **attrs)
+    graph = helper.make_graph([node], "attn", inputs, [vi("y", dtype, q_shape)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def attention_feeds(model, rng, masked_from: int = 12) -> dict[str, np.ndarray]:
+    """Seeded Q/K/V (and a mask hiding batch 1's last keys, or a boolean band) for ``attention_model``."""
+    feeds = {}
+    for value in model.graph.input:
+        shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        if value.name != "mask":
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds["mask"] = np.tril(np.ones(shape, bool), 3)
+        else:
+            feeds["mask"] = np.zeros(shape, dtype)
+            feeds["mask"][1, :, :, masked_from:] = -10000
+    return feeds
 
 
 def cnn_fp16() -> onnx.ModelProto:
