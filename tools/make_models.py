@@ -345,17 +345,7 @@ def _fold_batchnorm(graph: onnx.GraphProto) -> None:
 
 def _activation_amax(model: onnx.ModelProto, names: list[str], images: list[np.ndarray]) -> dict[str, float]:
     """max |x| of each named tensor over the images, computed by onnxruntime on the float model."""
-    import onnxruntime as ort
-
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names)
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    amax = dict.fromkeys(names, 0.0)
-    for x in images:
-        for name, value in zip(names, session.run(names, {"input": x})):
-            amax[name] = max(amax[name], float(np.abs(value).max()))
-    return amax
+    return _amax_over_feeds(model, names, [{"input": x} for x in images])
 
 
 def _fake_quantized(graph: onnx.GraphProto, name: str, amax: float, nodes: list[onnx.NodeProto]) -> str:
@@ -384,6 +374,57 @@ def _dequantized_weight(graph: onnx.GraphProto, init: onnx.TensorProto, axis: in
     return f"{name}_dq"
 
 
+def bert_qdq(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, vocab: int = 30522,
+             max_positions: int = 512, calib_batches: int = 4, calib_batch: int = 4, calib_sequence: int = 32) -> onnx.ModelProto:
+    """BERT (the builder above) explicitly quantized the way a QAT export looks: every linear layer's weight
+    as an int8 initializer read through a per-output-column DequantizeLinear (axis 1 of [K, N]) and its input
+    through QuantizeLinear -> DequantizeLinear (int8, per tensor, zero point 0; one pair per tensor, shared by
+    the Q/K/V projections). Attention's activation x activation MatMuls stay float. Activation scales are
+    max |x| / 127 over seeded random token batches, run through onnxruntime on the float model."""
+    model = bert(layers, hidden, heads, ffn, vocab, max_positions)
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    linear = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    rng = np.random.default_rng(2025)
+    feeds = [{"input_ids": rng.integers(0, vocab, (calib_batch, calib_sequence)).astype(np.int64),
+              "attention_mask": np.ones((calib_batch, calib_sequence), np.int64),
+              "token_type_ids": rng.integers(0, 2, (calib_batch, calib_sequence)).astype(np.int64)}
+             for _ in range(calib_batches)]
+    amax = _amax_over_feeds(model, sorted({n.input[0] for n in linear}), feeds)
+    nodes: list[onnx.NodeProto] = []
+    replaced: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in weights:
+            for index, axis in ((0, None), (1, 1)):
+                name = node.input[index]
+                if name not in replaced:
+                    replaced[name] = (_dequantized_weight(graph, weights[name], axis, nodes) if axis is not None
+                                      else _fake_quantized(graph, name, amax[name], nodes))
+                node.input[index] = replaced[name]
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.name = "bert_qdq"
+    onnx.checker.check_model(model)
+    return model
+
+
+def _amax_over_feeds(model: onnx.ModelProto, names: list[str], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """max |x| of each named tensor over the feeds, computed by onnxruntime on the float model."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names)
+    probe.ir_version = min(probe.ir_version, 10)  # onnxruntime builds that predate IR 14 refuse newer files
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    amax = dict.fromkeys(names, 0.0)
+    for feed in feeds:
+        for name, value in zip(names, session.run(names, feed)):
+            amax[name] = max(amax[name], float(np.abs(value).max()))
+    return amax
+
+
 #: name -> (full-size builder, small builder for tests)
 MODELS: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[[], onnx.ModelProto]]] = {
     "resnet50": (resnet50, lambda: resnet50(image_size=64)),
@@ -392,6 +433,7 @@ MODELS: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[[], onnx.ModelPr
     "bert_base": (bert, lambda: bert(layers=2, hidden=64, heads=4, ffn=128, vocab=1000, max_positions=128)),
     "gpt2": (gpt2, lambda: gpt2(layers=2, hidden=64, heads=4, vocab=1000, max_positions=128)),
     "yolo_nms": (yolo_nms, lambda: yolo_nms(image_size=128, width=8, classes=8, score=0.5)),
+    "bert_qdq": (bert_qdq, lambda: bert_qdq(layers=2, hidden=64, heads=4, ffn=128, vocab=1000, max_positions=128)),
 }
 
 

@@ -9,6 +9,8 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
   and max, LeakyRelu's alpha).
 * ``FusedMatMul(A, B, bias?)``: ``act(alpha * A' @ B' + bias)`` with MatMul broadcasting; ``transA`` /
   ``transB`` transpose the last two dims; ``activation`` in "", "Relu", "Gelu", "GeluTanh", "Sigmoid", "Tanh".
+* ``QMatMul(x_q, x_scale, W_q, w_scale, bias?)``: ``act(float(x_q @ W_q) * x_scale * w_scale[n] + bias)``,
+  int8 operands with int32 sums (``transB``: W_q is [N, K]); ``activation`` as for FusedMatMul.
 * ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
   node's inputs one to one, one output), evaluated element by element.
 """
@@ -141,3 +143,59 @@ def _chain_cpu(node: Node, *inputs: np.ndarray, scope: Any = None) -> np.ndarray
 
 register_op("PointwiseChain", infer=_chain_infer, cpu=_chain_cpu, domain=DOMAIN,
             doc="a chain of pointwise ops (attribute body) evaluated in one pass")
+
+
+# -- QMatMul: an INT8 GEMM from explicit Q/DQ (passes/fuse_qdq_matmul.py) ----------------------------
+
+#: the largest K whose int32 accumulator cannot overflow (|int8 x int8| <= 128 * 128)
+QMATMUL_MAX_K = (2**31 - 1) // (128 * 128)
+
+
+def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, w_scale: TensorInfo,
+                   bias: TensorInfo | None = None) -> TensorInfo:
+    """[..., K] int8 x [K, N] int8 (transB: [N, K]) -> [..., N] in the scales' float type."""
+    dtype = x_scale.dtype
+    if x.dtype != np.int8 or w.dtype != np.int8:
+        raise ShapeInferenceError(f"{node}: QMatMul needs int8 operands, got {x.dtype} and {w.dtype}")
+    if dtype.kind != "f" and dtype.name != "bfloat16" or w_scale.dtype != dtype:
+        raise ShapeInferenceError(f"{node}: scales must share one float type, got {x_scale.dtype} and {w_scale.dtype}")
+    if bias is not None and bias.dtype != dtype:
+        raise ShapeInferenceError(f"{node}: bias is {bias.dtype}, the scales are {dtype}")
+    if x.shape is None or w.shape is None:
+        return TensorInfo(dtype, None)
+    if len(w.shape) != 2 or not x.shape:
+        raise ShapeInferenceError(f"{node}: QMatMul needs a 2-D weight and a non-scalar input, got {w.shape}, {x.shape}")
+    n, k = w.shape if node.attr("transB", 0) else w.shape[::-1]
+    if x.shape[-1] != k:
+        raise ShapeInferenceError(f"{node}: input {x.shape} and weight {w.shape} disagree on K")
+    if k > QMATMUL_MAX_K:
+        raise ShapeInferenceError(f"{node}: K = {k} could overflow the int32 accumulator (at most {QMATMUL_MAX_K})")
+    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, n)), "bias": (bias, (n,))}
+    for what, (info, allowed) in sizes.items():
+        if info is not None and info.shape is not None and int(np.prod(info.shape)) not in allowed:
+            raise ShapeInferenceError(f"{node}: {what} of shape {info.shape} for {n} output columns")
+    return TensorInfo(dtype, (*x.shape[:-1], n))
+
+
+def qmatmul_accumulate(x: np.ndarray, w: np.ndarray, trans_b: bool) -> np.ndarray:
+    """The int32 accumulator of int8 products: exact (float64 sums of int8 products stay below 2**53)."""
+    from engine_core.ops.quantization import exact_matmul
+
+    return exact_matmul(x, w.T if trans_b else w).astype(np.int32)
+
+
+def _qmatmul_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
+                 bias: np.ndarray | None = None) -> np.ndarray:
+    """act(float(acc) * x_scale * w_scale[n] + bias[n]) in float32, stored in the scales' type: the order
+    and rounding of the CUDA epilogue kernel, so the two backends agree bit for bit (up to the activation's
+    math library)."""
+    acc = qmatmul_accumulate(x, w, bool(node.attr("transB", 0)))
+    f32 = np.float32
+    y = acc.astype(f32) * x_scale.astype(f32).reshape(()) * w_scale.astype(f32).reshape(-1)
+    if bias is not None:
+        y = y + bias.astype(f32).reshape(-1)
+    return activate(node, y).astype(x_scale.dtype, copy=False)
+
+
+register_op("QMatMul", infer=_qmatmul_infer, cpu=_qmatmul_cpu, domain=DOMAIN,
+            doc="act(int8 x @ int8 W (int32 sums) * x_scale * w_scale[n] + bias): a Q/DQ MatMul as an INT8 GEMM")

@@ -3,6 +3,7 @@
 from engine_core.passes.constant_folding import fold_constants
 from engine_core.passes.dead_code import eliminate_dead_code
 from engine_core.passes.eliminate_transposes import eliminate_transposes
+from engine_core.passes.fold_attention_heads import fold_attention_heads
 from engine_core.passes.fold_conv_batchnorm import fold_conv_batchnorm
 from engine_core.passes.fuse_attention import fuse_attention
 from engine_core.passes.fuse_conv_epilogue import fuse_conv_epilogue
@@ -11,6 +12,7 @@ from engine_core.passes.fuse_layer_norm import fuse_layer_norm
 from engine_core.passes.fuse_log_softmax import fuse_log_softmax
 from engine_core.passes.fuse_matmul_epilogue import fuse_matmul_epilogue
 from engine_core.passes.fuse_pointwise_chain import fuse_pointwise_chain
+from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
 from engine_core.passes.fuse_rms_norm import fuse_rms_norm
 from engine_core.passes.shape_inference import infer_shapes
 
@@ -19,12 +21,16 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: Fusions, then clean-up, run after the precision pass. Order matters: the normalization, GELU and
 #: attention patterns are matched while their parts are still plain ONNX nodes; the epilogue fusions
 #: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
-#: eliminate_transposes merges them; pointwise chains take whatever pointwise layers are left.
-FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fuse_matmul_epilogue,
-                 fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+#: eliminate_transposes merges them; fold_attention_heads then drops the head split/merge copies around each
+#: Attention (3-D form) before eliminate_transposes or the epilogue fusions touch those Reshapes and
+#: Transposes; pointwise chains take whatever pointwise layers are left.
+FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
+                 fuse_qdq_matmul, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain,
+                 eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
-__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes", "fold_constants",
-           "fold_conv_batchnorm", "fuse_attention", "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm",
-           "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_pointwise_chain", "fuse_rms_norm", "infer_shapes"]
+__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
+           "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_conv_epilogue",
+           "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_pointwise_chain",
+           "fuse_qdq_matmul", "fuse_rms_norm", "infer_shapes"]

@@ -17,6 +17,8 @@ from engine_core.backends.cpu import run_node
 from engine_core.errors import BuildError
 from engine_core.ir import Graph, Node, has_subgraph
 from engine_core.ops import TensorInfo, get_op
+from engine_core.passes.fuse_qdq_matmul import keeps_int8_weight
+from engine_core.passes.pattern import Uses
 from engine_core.passes.shape_inference import VALUE_LIMIT
 
 #: Never store a folded result larger than this many bytes unless its inputs were as large.
@@ -36,13 +38,15 @@ def fold_constants(graph: Graph) -> int:
     static_shapes = {v.name: v.shape for v in graph.inputs if not v.is_dynamic}
     folded = 0
     kept = []
+    uses = Uses(graph)
     for node in graph.nodes:
         op = get_op(node.op_type, node.domain)
         present = [i for i in node.inputs if i]
         if node.op_type == "Shape" and not node.domain and present and present[0] in static_shapes:
             # only the shape is read: a zero-stride view, so a huge declared input shape allocates nothing
             args = [np.broadcast_to(np.zeros((), np.uint8), static_shapes[present[0]])]
-        elif op is None or not op.deterministic or not present or not all(i in graph.constants for i in present):
+        elif op is None or not op.deterministic or not present or not all(i in graph.constants for i in present) \
+                or keeps_int8_weight(graph, node, uses):  # an INT8 GEMM reads this weight as int8
             kept.append(node)
             continue
         else:
@@ -55,7 +59,9 @@ def fold_constants(graph: Graph) -> int:
         if predicted is not None and predicted > max_constant_bytes():
             raise BuildError(f"layer {node}: its output, computed from constants only, would take {predicted} "
                              f"bytes, over the limit of {max_constant_bytes()} (KILN_MAX_CONSTANT_BYTES)")
-        growth_limit = max(GROWTH_LIMIT_BYTES, 2 * in_bytes)
+        # a type conversion (DequantizeLinear int8 -> fp32 weights, Cast) grows bytes, not elements: fold it
+        elements = max((a.size for a in args if isinstance(a, np.ndarray) and a.strides != (0,) * a.ndim), default=0)
+        growth_limit = max(GROWTH_LIMIT_BYTES, 2 * in_bytes, 8 * elements)
         if predicted is not None and predicted > growth_limit:
             kept.append(node)  # cheaper to run than to store; and running it here could exhaust memory
             continue

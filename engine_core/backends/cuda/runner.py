@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner, run_node, run_scoped
+from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import (
     Conv,
     Copy,
@@ -121,6 +122,8 @@ def step_reads(step: Step) -> list[str]:
             names += [v.tensor for launch in op.fallback for v, _ in launch.args if isinstance(v, Ref)]
         elif isinstance(op, Copy):
             names.append(op.src.tensor)
+        elif isinstance(op, Int8Gemm):
+            names += [r.tensor for r in op.refs()]
     return names
 
 
@@ -502,6 +505,7 @@ class CudaContextState:
         self._user_memory = False
         self._cublas = None
         self._cublaslt = None
+        self._int8 = None
         self._convs = None
         self._host_runner: GraphRunner | None = None
         #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
@@ -769,6 +773,8 @@ class CudaContextState:
                 binding.prepared[id(op)].run(resolve, stream)
             elif isinstance(op, Gemm):
                 self._gemm(op, resolve, stream)
+            elif isinstance(op, Int8Gemm):
+                self._int8_gemm(op, resolve, stream)
             elif isinstance(op, Conv):
                 remaining = self._conv(op, resolve, stream, binding.conv_bias_only)
                 for launch in op.fallback if remaining == "fallback" else op.rest if remaining == "rest" else []:
@@ -851,6 +857,16 @@ class CudaContextState:
                               op.b_strides[2], op.alpha, op.beta, stream, op.dtype, op.tf32)
             return
         run_kiln_gemm(self.engine.function("gemm", "gemm_f32"), op, a, b, y, stream)
+
+    def _int8_gemm(self, op: Int8Gemm, resolve, stream: int) -> None:
+        if self._int8 is None:
+            from engine_core.backends.cuda.cublaslt import CublasLt
+            from engine_core.backends.cuda.int8_gemm import Int8GemmRunner
+
+            if self._cublaslt is None:
+                self._cublaslt = CublasLt()
+            self._int8 = Int8GemmRunner(self._cublaslt)  # shares the context's cuBLASLt handle and workspace
+        self._int8.run(op, resolve, stream)
 
     def _conv(self, op: Conv, resolve, stream: int, bias_only: bool = False) -> str:
         """Run ``op`` through cuDNN; returns which of its epilogue lists the caller must run ("" / "rest" /

@@ -1,0 +1,194 @@
+"""``kiln.QMatMul`` on the GPU: an INT8 tensor-core GEMM (cuBLASLt IMMA) plus one dequantizing epilogue.
+
+Lowering: ``Int8Gemm`` computes acc[M, N] (int32) = x_q[M, K] @ W_q^T from int8 operands; a generated
+pointwise kernel then writes ``act(float(acc) * x_scale * w_scale[n] + bias[n])`` into the float output
+(fp32/fp16/bf16), in the order and rounding of the CPU implementation (engine_core/ops/fused.py).
+
+Why this shape: cuBLASLt's IMMA kernels with ordinary (column-major) layouts take only the "TN" form --
+op(A) = T, op(B) = N -- with m and k multiples of 4. Row-major Y[M, N] = X W is column-major
+Y^T = W^T X^T, so cuBLASLt's A is the weight stored as [N, K] row-major (a transB Gemm weight as it is;
+a MatMul [K, N] weight transposed once per engine: weight transform "nk") and its B is X as it lies.
+Leading batch dims of X fold into M. Shapes outside these rules run on the host (visible as "host").
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_core.backends.cuda.lowering import Launch, Ref, _Context, launch_program
+from engine_core.backends.cuda.pointwise import PwNode, Unsupported, broadcast_strides, program_kernel
+from engine_core.cuda.driver import CudaError
+from engine_core.ir import Node
+from engine_core.ops import TensorInfo
+
+if TYPE_CHECKING:
+    from engine_core.backends.cuda.cublaslt import CublasLt
+
+INT8, INT32, F32 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.float32)
+#: weight transform turning a [K, N] weight into the [N, K] rows cuBLASLt's "TN" form reads
+NK_TRANSFORM = "nk"
+#: cudaDataType / cublasComputeType_t values
+_CUDA_R_8I, _CUDA_R_32I, _COMPUTE_32I = 3, 10, 72
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE_BYTES = 1
+#: activation name -> (pointwise op, attributes) of the epilogue
+_ACTIVATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Relu": ("Relu", {}), "Sigmoid": ("Sigmoid", {}), "Tanh": ("Tanh", {}), "Gelu": ("Gelu", {}),
+    "GeluTanh": ("Gelu", {"approximate": "tanh"}),
+}
+
+
+@dataclass
+class Int8Gemm:
+    """acc[m, n] (int32, row-major) = x[m, k] (int8, row-major) @ w[n, k]^T (int8, row-major)."""
+
+    x: Ref
+    w: Ref
+    y: Ref
+    m: int
+    n: int
+    k: int
+
+    def refs(self) -> list[Ref]:
+        """Every tensor the GEMM addresses (for the runner's read sets and weight streaming)."""
+        return [self.x, self.w, self.y]
+
+
+def nk_weight(value: np.ndarray) -> np.ndarray:
+    """The ``nk`` weight transform: a [K, N] weight as contiguous [N, K] rows."""
+    return np.ascontiguousarray(np.asarray(value).T)
+
+
+def _output_columns(w: TensorInfo, trans_b: bool) -> tuple[int, int]:
+    """(N, K) of a QMatMul weight."""
+    n, k = w.shape if trans_b else w.shape[::-1]
+    return int(n), int(k)
+
+
+def _weight_rows(node: Node, ctx: _Context, trans_b: bool) -> str:
+    """The weight as [N, K] rows: itself for transB, else a derived weight transposed once per engine."""
+    name = node.inputs[2]
+    if trans_b:
+        return name
+    derived = f"{name}#{NK_TRANSFORM}"
+    ctx.weight_transforms[derived] = (name, NK_TRANSFORM)
+    w = ctx.info(name)
+    ctx.infos[derived] = TensorInfo(w.dtype, tuple(w.shape[::-1]))
+    return derived
+
+
+def _dequant_epilogue(node: Node, ctx: _Context, acc: str) -> Launch:
+    """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output."""
+    out_name = node.outputs[0]
+    out = ctx.info(out_name)
+    bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else ""
+    inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else [])]
+    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
+             PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
+    if bias:
+        nodes.append(PwNode.make("Add", [len(inputs) + len(nodes) - 1, 3], F32))
+    activation = node.attr("activation", "")
+    if activation:
+        if activation not in _ACTIVATIONS:
+            raise Unsupported(f"QMatMul activation {activation}")
+        op, attrs = _ACTIVATIONS[activation]
+        nodes.append(PwNode.make(op, [len(inputs) + len(nodes) - 1], F32, attrs))
+    kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
+    strides = [broadcast_strides(ctx.info(n).shape, out.shape) for n in inputs]
+    return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
+
+
+def lower_qmatmul(node: Node, ctx: _Context) -> list:
+    """``kiln.QMatMul`` -> [Int8Gemm into a step-local int32 buffer, the dequantizing epilogue]; raises
+    Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA kernels do not take."""
+    x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
+    if x.dtype != INT8 or w.dtype != INT8 or len(w.shape) != 2:
+        raise Unsupported(f"QMatMul over {x.dtype} x {w.dtype} {w.shape}")
+    trans_b = bool(node.attr("transB", 0))
+    n, k = _output_columns(w, trans_b)
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if n % 4 or k % 4:
+        raise Unsupported(f"INT8 GEMM needs N and K multiples of 4, got N={n}, K={k}")
+    bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else ""
+    for name in (node.inputs[1], node.inputs[3], bias):
+        if name and ctx.info(name).dtype != out.dtype:
+            raise Unsupported(f"QMatMul {name} is {ctx.info(name).dtype}, the output {out.dtype}")
+    if m * n == 0:
+        return []
+    weight = _weight_rows(node, ctx, trans_b)
+    acc = ctx.new_scratch(f"{node.name}#acc", INT32, tuple(out.shape))
+    return [Int8Gemm(Ref(node.inputs[0]), Ref(weight), acc, m, n, k), _dequant_epilogue(node, ctx, acc.tensor)]
+
+
+# -- execution ---------------------------------------------------------------------------------------
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CudaError(f"{what} failed with cuBLAS status {status}")
+
+
+class _Plan:
+    """cuBLASLt descriptors and the heuristic's algorithm for one (m, n, k) INT8 GEMM."""
+
+    def __init__(self, lt: CublasLt, m: int, n: int, k: int) -> None:
+        from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES, _Heuristic
+
+        c, lib = ctypes, lt.lib
+        self.desc = c.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32I, _CUDA_R_32I), "cublasLtMatmulDescCreate")
+        op_a, op_b = c.c_int(_OP_T), c.c_int(_OP_N)  # Lt's A: the weight rows; Lt's B: x as it lies
+        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
+        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
+        self.layouts = []
+        for kind, rows, cols, ld in ((_CUDA_R_8I, k, n, k), (_CUDA_R_8I, k, m, k), (_CUDA_R_32I, n, m, n)):
+            layout = c.c_void_p()
+            _check(lib.cublasLtMatrixLayoutCreate(c.byref(layout), kind, c.c_uint64(rows), c.c_uint64(cols),
+                                                  c.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+            self.layouts.append(layout)
+        pref = c.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(c.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        limit = c.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, c.byref(limit), 8), "PREF")
+        self.heuristic = _Heuristic()
+        found = c.c_int(0)
+        a_l, b_l, y_l = self.layouts
+        status = lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, self.desc, a_l, b_l, y_l, y_l, pref, 1,
+                                                    c.byref(self.heuristic), c.byref(found))
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        if status != 0 or found.value == 0:
+            raise CudaError(f"cuBLASLt has no INT8 algorithm for M={m} N={n} K={k} (status {status})")
+
+
+class Int8GemmRunner:
+    """Runs ``Int8Gemm`` steps on one cuBLASLt handle and workspace (an execution context's)."""
+
+    def __init__(self, lt: CublasLt | None = None) -> None:
+        if lt is None:
+            from engine_core.backends.cuda.cublaslt import CublasLt
+
+            lt = CublasLt()
+        self.lt = lt
+        self._plans: dict[tuple[int, int, int], _Plan] = {}
+        self._one, self._zero = ctypes.c_int32(1), ctypes.c_int32(0)
+
+    def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
+        """Enqueue acc = x @ w^T on ``stream``; ``resolve`` maps a Ref to its device address."""
+        from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES
+
+        key = (op.m, op.n, op.k)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(self.lt, op.m, op.n, op.k)
+        c, lt = ctypes, self.lt
+        a_l, b_l, y_l = plan.layouts
+        y = c.c_void_p(resolve(op.y))
+        _check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(self._one), c.c_void_p(resolve(op.w)), a_l,
+                                     c.c_void_p(resolve(op.x)), b_l, c.byref(self._zero), y, y_l, y, y_l,
+                                     c.byref(plan.heuristic), c.c_void_p(lt.workspace.ptr),
+                                     c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)), "cublasLtMatmul (int8)")

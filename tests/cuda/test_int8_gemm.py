@@ -1,0 +1,181 @@
+"""``kiln.QMatMul`` on the CUDA backend: the INT8 GEMM lowering (engine_core/backends/cuda/int8_gemm.py).
+
+Without a GPU: the lowered steps (Int8Gemm + dequantizing epilogue kernel) run through the numpy emulator
+and must equal the CPU backend bit for bit (int32 sums are exact, the epilogue keeps the CPU op's order).
+With a GPU (``-m gpu``): a Q/DQ MLP and tools/make_models.py's small bert_qdq against the CPU backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import engine_core as kiln
+from engine_core.backends.cpu import GraphRunner
+from engine_core.backends.cuda import lowering
+from engine_core.backends.cuda.int8_gemm import Int8Gemm, lower_qmatmul
+from engine_core.backends.cuda.pointwise import Unsupported
+from engine_core.ir import Graph, Node
+from engine_core.ops import TensorInfo
+from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
+from tests.cuda.emulate import Emulator
+
+_WIRED = fuse_qdq_matmul in PIPELINE and "QMatMul" in lowering._LOWER and hasattr(Emulator, "_int8gemm")
+needs_wiring = pytest.mark.skipif(not _WIRED, reason="QMatMul is not wired into the pipeline / lowering yet")
+
+
+def qdq_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """x[B, din] -> Q/DQ -> MatMul(per-column int8 W) + bias + Relu -> Q/DQ -> Gemm(transB, per-tensor W)
+    + bias -> Gelu -> y: both weight layouts and both scale kinds."""
+    rng = np.random.default_rng(seed)
+    w1 = rng.integers(-127, 128, (din, hidden)).astype(np.int8)
+    w2 = rng.integers(-127, 128, (dout, hidden)).astype(np.int8)
+    inits = {"w1": w1, "w1_scale": rng.uniform(0.002, 0.01, hidden).astype(np.float32), "w1_zero": np.zeros(hidden, np.int8),
+             "b1": (0.1 * rng.standard_normal(hidden)).astype(np.float32), "w2": w2,
+             "w2_scale": np.array(0.004, np.float32), "b2": (0.1 * rng.standard_normal(dout)).astype(np.float32),
+             "s_x": np.array(0.03, np.float32), "s_h": np.array(0.05, np.float32), "zero": np.array(0, np.int8)}
+    n = helper.make_node
+    nodes = [n("QuantizeLinear", ["x", "s_x", "zero"], ["xq"], name="q_x"),
+             n("DequantizeLinear", ["xq", "s_x", "zero"], ["xd"], name="dq_x"),
+             n("DequantizeLinear", ["w1", "w1_scale", "w1_zero"], ["w1d"], name="dq_w1", axis=1),
+             n("MatMul", ["xd", "w1d"], ["h"], name="fc1"), n("Add", ["h", "b1"], ["hb"], name="bias1"),
+             n("Relu", ["hb"], ["r"], name="relu"),
+             n("QuantizeLinear", ["r", "s_h", "zero"], ["rq"], name="q_h"),
+             n("DequantizeLinear", ["rq", "s_h", "zero"], ["rd"], name="dq_h"),
+             n("DequantizeLinear", ["w2", "w2_scale"], ["w2d"], name="dq_w2"),
+             n("Gemm", ["rd", "w2d", "b2"], ["g"], transB=1, name="fc2"), n("Gelu", ["g"], ["y"], name="gelu")]
+    graph = helper.make_graph(nodes, "qdq_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", din])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dout])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def _bert_qdq() -> onnx.ModelProto:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from make_models import MODELS
+
+    return MODELS["bert_qdq"][1]()
+
+
+def _bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[:, seq - seq // 4:] = 0
+    return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64), "attention_mask": mask,
+            "token_type_ids": rng.integers(0, 2, (batch, seq)).astype(np.int64)}
+
+
+# -- host emulation of the lowered steps --------------------------------------------------------------
+
+
+def _lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):
+    net = kiln.Builder().create_network()
+    assert kiln.OnnxParser(net).parse(model)
+    graph = copy.deepcopy(net.graph)
+    for graph_pass in PIPELINE:
+        graph_pass(graph)
+    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
+    return graph, lowering.lower_graph(graph, infos)
+
+
+@needs_wiring
+@pytest.mark.parametrize("batch", [1, 7])
+def test_emulated_int8_gemm_steps_equal_the_cpu_backend(batch):
+    x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
+    graph, lowered = _lowered(qdq_mlp(), {"x": x})
+    steps = {s.node.name: s for s in lowered.steps}
+    assert {s.node.op_type for s in lowered.steps} >= {"QMatMul"} and "host" not in lowered.tactics().values()
+    for name, (n, k) in (("fc1", (96, 64)), ("fc2", (32, 96))):
+        gemm = steps[name].ops[0]
+        assert isinstance(gemm, Int8Gemm) and (gemm.m, gemm.n, gemm.k) == (batch, n, k)
+    assert lowered.weight_transforms == {"w1#nk": ("w1", "nk")}  # MatMul's [K, N] weight as [N, K] rows, once
+    got = Emulator(graph, lowered, {"x": x}).run()["y"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
+
+
+@needs_wiring
+def test_emulated_bert_qdq_runs_every_linear_layer_as_int8():
+    feeds = _bert_feeds(2, 16)
+    graph, lowered = _lowered(_bert_qdq(), feeds)
+    qmatmuls = [s for s in lowered.steps if s.node.op_type == "QMatMul"]
+    assert len(qmatmuls) == 2 * 6 + 1  # Q, K, V, output, two FFN per layer; the pooler
+    assert all(isinstance(s.ops[0], Int8Gemm) for s in qmatmuls) and "host" not in lowered.tactics().values()
+    got, want = Emulator(graph, lowered, feeds).run(), GraphRunner(graph).run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_k_or_n_not_a_multiple_of_four_runs_on_the_host():
+    """cuBLASLt's IMMA kernels need m and k multiples of 4: other shapes take the visible host path."""
+    node = Node("QMatMul", ["x", "s", "w", "ws", ""], ["y"], {"transB": 1, "activation": ""}, "fc", "kiln", 1)
+    i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+    infos = {"x": TensorInfo(i8, (4, 6)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (8, 6)),
+             "ws": TensorInfo(f32, (8,)), "y": TensorInfo(f32, (4, 8))}
+    graph = Graph(nodes=[node])
+    ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
+    with pytest.raises(Unsupported, match="multiples of 4"):
+        lower_qmatmul(node, ctx)
+
+
+# -- on the GPU -------------------------------------------------------------------------------------
+
+
+def _engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple]) -> kiln.CudaEngine:
+    builder = kiln.Builder()
+    net = builder.create_network()
+    assert kiln.OnnxParser(net).parse(model)
+    config = builder.create_builder_config()
+    config.backend = backend
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in profiles.items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    return kiln.Runtime().load(kiln.build_plan(net, config))
+
+
+def _int8_layers(engine) -> dict[str, str]:
+    return {layer["name"]: layer["tactic"] for layer in engine.plan.layers if layer["type"] == "QMatMul"}
+
+
+@pytest.mark.gpu
+def test_qdq_mlp_on_the_gpu_equals_the_cpu_backend():
+    profiles = {"x": ((1, 64), (16, 64), (64, 64))}
+    gpu, cpu = _engine(qdq_mlp(), "cuda", profiles), _engine(qdq_mlp(), "cpu", profiles)
+    tactics = _int8_layers(gpu)
+    assert set(tactics) == {"fc1", "fc2"} and "host" not in tactics.values(), tactics
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    rng = np.random.default_rng(3)
+    for batch in (1, 7, 64):
+        x = {"x": rng.standard_normal((batch, 64)).astype(np.float32)}
+        got, want = gctx.infer(x)["y"], cctx.infer(x)["y"]
+        # int32 sums are exact; fc1's epilogue is bit-exact, fc2's Gelu differs by the erf's last bits
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_bert_qdq_on_the_gpu_matches_the_cpu_backend():
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    profiles = {n: ((1, 8), (2, 64), (4, 128)) for n in names}
+    model = _bert_qdq()
+    gpu, cpu = _engine(model, "cuda", profiles), _engine(model, "cpu", profiles)
+    tactics = _int8_layers(gpu)
+    assert len(tactics) == 13 and "host" not in tactics.values(), tactics
+    assert gpu.plan.build_info["cuda"]["host_layers"] == []
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    for feeds in (_bert_feeds(2, 64), _bert_feeds(1, 8, seed=1), _bert_feeds(4, 33, seed=2)):
+        got, want = gctx.infer(feeds), cctx.infer(feeds)
+        for name in want:
+            # float differences elsewhere (LayerNorm, softmax) can move a value across a QuantizeLinear
+            # rounding boundary: one int8 step, so compare to the output's scale, not bit for bit
+            scale = float(np.abs(want[name]).max())
+            error = np.abs(got[name] - want[name])
+            assert float(error.max()) <= 0.03 * scale and float(error.mean()) <= 1e-3 * scale, (name, error.max())
