@@ -8,6 +8,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from engine_core.backends.cpu import run_node
+from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, Lowered, Ref, transform_weight
 from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
 from engine_core.ir import Graph, Node
@@ -89,6 +90,12 @@ class Emulator:
         elif op.epilogue == "gelu_bias":
             result = 0.5 * result * (1 + np.tanh(0.7978845608028654 * (result + 0.044715 * result ** 3)))
         y[...] = result
+
+    def _int8gemm(self, op: Int8Gemm) -> None:
+        """int8 x int8 -> exact int32 sums (float64 products of int8 values are exact)."""
+        x = self.view(op.x, np.dtype(np.int8), (op.m, op.k), (op.k, 1)).astype(np.float64)
+        w = self.view(op.w, np.dtype(np.int8), (op.n, op.k), (op.k, 1)).astype(np.float64)
+        self.view(op.y, np.dtype(np.int32), (op.m, op.n), (op.n, 1))[...] = (x @ w.T).astype(np.int32)
 
     def _conv(self, op: Conv) -> None:
         if self.unfused_convs == "bias_only" and op.rest:

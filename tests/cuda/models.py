@@ -180,3 +180,39 @@ def cnn_fp16() -> onnx.ModelProto:
     return _model(nodes, [vi("x", TensorProto.FLOAT16, ["batch", 3, 16, 16])],
                   [vi("y", TensorProto.FLOAT16, ["batch", 10]), vi("r2", TensorProto.FLOAT16, ["batch", 16, 4, 4])],
                   inits)
+
+
+def make_models_names() -> list[str]:
+    """Every model tools/make_models.py builds (its MODELS keys): the GPU model tests cover each one."""
+    return sorted(_make_models())
+
+
+def small_model(name: str) -> onnx.ModelProto:
+    """tools/make_models.py's small variant of ``name`` (the size its tests use)."""
+    return _make_models()[name][1]()
+
+
+#: image side of each small image model in tools/make_models.py's MODELS (the rest use 64)
+SMALL_IMAGE_SIZE = {"yolo_nms": 128}
+
+
+def small_model_feeds(name: str, batch: int, seed: int, seq: int = 16) -> dict[str, np.ndarray]:
+    """Seeded inputs for ``small_model(name)``: images N(0, 1), token ids below the small vocab (1000)."""
+    if name.startswith("bert"):
+        return bert_feeds(batch, seq, seed)
+    rng = np.random.default_rng(seed)
+    if name == "gpt2":
+        return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64)}
+    size = SMALL_IMAGE_SIZE.get(name, 64)
+    return {"input": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
+
+
+def small_model_profiles(name: str, batches: tuple[int, int, int] = (1, 2, 4),
+                         seqs: tuple[int, int, int] = (8, 16, 32)) -> dict[str, tuple]:
+    """One optimization profile (input -> (min, opt, max)) with a dynamic batch (and sequence for text)."""
+    if name.startswith("bert"):
+        return {n: tuple(zip(batches, seqs)) for n in ("input_ids", "attention_mask", "token_type_ids")}
+    if name == "gpt2":
+        return {"input_ids": tuple(zip(batches, seqs))}
+    size = SMALL_IMAGE_SIZE.get(name, 64)
+    return {"input": tuple((b, 3, size, size) for b in batches)}

@@ -19,7 +19,7 @@ from engine_core.ops import TensorInfo
 from engine_core.timing_cache import TimingCache
 
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
-KERNEL_FILES = ("softmax", "layer_norm", "reduce", "gather", "gemm", "pool")
+KERNEL_FILES = ("softmax", "layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
 
@@ -132,8 +132,10 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
     lowered = {point: low for point, infos in inferred.items()
                if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+    host_fallback = None
     if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
         lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
+        host_fallback = _data_dependent_layers(graph)
     conv_plans: dict[str, int] = {}
     conv_timings: dict[str, dict[str, float]] = {}
     if any(isinstance(op, Conv) for low in lowered.values() for s in low.steps for op in s.ops):
@@ -147,6 +149,8 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch, POINTWISE_OPTIONS)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
     tactics = next(iter(lowered.values())).tactics() if (0, 1) not in lowered else lowered[(0, 1)].tactics()
+    if host_fallback:  # the runner will run the whole graph on the host: say so in the plan, per layer
+        tactics = {n.name: "host" for n in graph.nodes}
     return CudaBuild(
         tactics=tactics,
         kernels=cubins,
@@ -154,6 +158,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         arch=arch,
         info={"activation_bytes_unshared": max(p.total_unshared for p in plans),
               "host_layers": sorted(n for n, t in tactics.items() if t == "host"),
+              "host_fallback": host_fallback,
               "gemm_timings_ms": timings, "pointwise_kernels": len(kernels),
               "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
@@ -163,6 +168,17 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
                                          if s.tactic.startswith("reformat")}),
               "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},
     )
+
+
+#: ops whose output sizes depend on tensor data (not only on shapes or shape values): a plan holding one runs
+#: as a whole on the host (the runner's fallback); the build reports it
+DATA_DEPENDENT_OPS = frozenset({"NonZero", "NonMaxSuppression", "Unique", "Compress", "Loop", "If", "Scan"})
+
+
+def _data_dependent_layers(graph: Graph) -> str | None:
+    """Why the runner will run ``graph`` on the host as a whole, or None when only shape values are missing."""
+    layers = [f"{n.op_type} '{n.name}'" for n in graph.nodes if n.op_type in DATA_DEPENDENT_OPS]
+    return f"data-dependent output shapes: {', '.join(layers)}" if layers else None
 
 
 def _lower_or_none(graph: Graph, infos: Mapping[str, TensorInfo], choice: Mapping[str, str],

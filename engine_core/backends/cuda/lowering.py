@@ -216,6 +216,8 @@ def transform_weight(value: np.ndarray, transform: str) -> np.ndarray:
     """A derived weight's host value (the runner uploads it once per engine)."""
     if transform == "krsc":
         return np.ascontiguousarray(np.transpose(value, (0, 2, 3, 1)))
+    if transform == "nk":  # a [K, N] int8 GEMM weight as the [N, K] rows cuBLASLt's IMMA "TN" form reads
+        return np.ascontiguousarray(value.T)
     raise ValueError(f"unknown weight transform {transform}")
 
 
@@ -482,6 +484,22 @@ def _lower_slice(node: Node, ctx: _Context) -> list:
         strides[a] *= st
     return [copy_launch(ctx, x.dtype, Ref(node.outputs[0]), Ref(node.inputs[0], base * x.dtype.itemsize), out.shape,
                         contiguous_strides(out.shape), strides)]
+
+
+def _lower_split(node: Node, ctx: _Context) -> list:
+    """Split: one strided copy per output, each reading the input from its offset along the axis (the
+    output shapes, known from shape inference, give the sizes whichever way the split was declared)."""
+    x = ctx.info(node.inputs[0])
+    axis = normalize_axis(node.attr("axis", 0), len(x.shape))
+    strides = contiguous_strides(x.shape)
+    ops, start = [], 0
+    for name in node.outputs:
+        out = ctx.info(name)
+        if name and int(np.prod(out.shape, dtype=np.int64)):
+            ops.append(copy_launch(ctx, x.dtype, Ref(name), Ref(node.inputs[0], start * strides[axis] * x.dtype.itemsize),
+                                   out.shape, contiguous_strides(out.shape), strides))
+        start += out.shape[axis]
+    return ops
 
 
 def _lower_gather(node: Node, ctx: _Context) -> list:
@@ -996,17 +1014,24 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     return [conv, *rest]
 
 
+def _lower_qmatmul(node: Node, ctx: _Context) -> list:
+    from engine_core.backends.cuda.int8_gemm import lower_qmatmul  # int8_gemm imports this module
+
+    return lower_qmatmul(node, ctx)
+
+
 _LOWER = {
     "Transpose": _lower_transpose, "Expand": _lower_expand, "Concat": _lower_concat, "Slice": _lower_slice,
-    "Gather": _lower_gather, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
+    "Gather": _lower_gather, "Split": _lower_split, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
     "RMSNormalization": _lower_norm, "ReduceMean": _lower_reduce, "ReduceSum": _lower_reduce,
     "ReduceMax": _lower_reduce, "ReduceMin": _lower_reduce, "MatMul": _lower_matmul, "Gemm": _lower_gemm,
     "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "Conv": _lower_conv,
     "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
     "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
     "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
+    "QMatMul": _lower_qmatmul,
 }
-_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain"})
+_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul"})
 
 
 def _tactic(node: Node, ops: list) -> str:
@@ -1015,6 +1040,8 @@ def _tactic(node: Node, ops: list) -> str:
     gemm = next((o for o in ops if isinstance(o, Gemm)), None)
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
+    if node.op_type == "QMatMul" and ops:
+        return "gemm:cublaslt_int8"
     if node.op_type == "Attention":
         return "kernel:flash_attention"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
@@ -1033,7 +1060,7 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
         domain_ok = node.domain in ("", "ai.onnx") or (node.domain == "kiln" and node.op_type in _KILN_OPS)
         if not domain_ok:
             raise Unsupported(f"domain {node.domain}")
-        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization", "MaxPool", "Attention"):
+        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization", "MaxPool", "Attention", "Split"):
             raise Unsupported("multi-output layer")
         for name in node.outputs:
             if name:
