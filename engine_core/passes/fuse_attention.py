@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from engine_core.ir import Graph, Node
 from engine_core.passes.pattern import Uses, is_op, known_rank, origins, other_input, replace_nodes, scalar
+from engine_core.passes.symbolic import Symbols, symbolic_shapes
 
 #: Where(cond, scores, fill) before the softmax is a boolean mask when fill is at most this: exp(fill - max)
 #: is 0 in every float type, as for the -inf the Attention op adds (rows with no visible key differ: Where
@@ -36,6 +37,20 @@ def _key(graph: Graph, uses: Uses, kt: str, extra: list[Node]) -> str | None:
     return None
 
 
+def _mask_over_keys(graph: Graph, sym: Symbols, mask: str, kt: str, key: str, name: str, extra: list[Node]) -> str:
+    """The mask as Attention's ``attn_mask``, whose last dim must be the key count: an Add/Where operand may
+    broadcast along the keys (last dim 1), which Attention would read as "pad with -inf". Unless the shapes prove
+    the last dims equal (K^T's last dim, ``kt``), an Expand to the key count of ``key`` ([B, H, S, D]) goes in
+    front: a copy of the mask, not of the scores."""
+    mask_shape, key_shape = sym.shape(mask), sym.shape(kt)
+    if mask_shape and key_shape and mask_shape[-1] == key_shape[-1]:
+        return mask
+    keys, expanded = graph.unique_name(f"{name}_keys"), graph.unique_name(f"{name}_mask")
+    extra.append(Node("Shape", [key], [keys], {"start": -2, "end": -1}, keys, "", 15, []))
+    extra.append(Node("Expand", [mask, keys], [expanded], {}, expanded, "", 13, []))
+    return expanded
+
+
 def _four_d(graph: Graph, uses: Uses, name: str) -> bool:
     """``name`` is known to be 4-D ([batch, heads, seq, head_dim], as Attention's 4-D form needs)."""
     return known_rank(graph, uses, name) == 4
@@ -55,6 +70,7 @@ def _scores_side(graph: Graph, uses: Uses, add: Node) -> tuple[str, str] | None:
 def fuse_attention(graph: Graph) -> int:
     """Replace every matching attention block by an ``Attention`` node; returns how many."""
     uses = Uses(graph)
+    sym: Symbols | None = None
     fused: dict[int, Node] = {}
     removed: set[int] = set()
     added: list[tuple[Node, Node]] = []  # (new Transpose, the node it must precede)
@@ -99,6 +115,9 @@ def fuse_attention(graph: Graph) -> int:
             continue
         key_transpose = uses.producers[node.inputs[1]]  # replaced by ``extra`` (which keeps its origin) if any
         covered += [node] + ([] if extra else [key_transpose])
+        if mask:
+            sym = sym or symbolic_shapes(graph)
+            mask = _mask_over_keys(graph, sym, mask, node.inputs[1], key, softmax.name, extra)
         inputs = [node.inputs[0], key, out.inputs[1]] + ([mask] if mask else [])
         attention = Node("Attention", inputs, [out.outputs[0]], {"scale": float(scale)}, f"{softmax.name}_attention",
                          "", 23, origins(sorted(covered, key=graph.nodes.index)))

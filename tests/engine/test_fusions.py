@@ -329,7 +329,8 @@ def test_decomposed_rms_norm_becomes_rms_normalization(rng):
 # -- fuse_attention ----------------------------------------------------------------------------------
 
 
-def _attention_model(rng: np.random.Generator, key_perm: str, masked: bool) -> onnx.ModelProto:
+def _attention_model(rng: np.random.Generator, key_perm: str, masked: bool,
+                     mask_shape: tuple[int, ...] = (2, 1, 1, 6)) -> onnx.ModelProto:
     """BERT-style heads: q/k/v [B, S, H*D] -> Reshape [B, S, H, D] -> Transpose -> scaled masked softmax."""
     nodes = [helper.make_node("Reshape", [t, "shape"], [f"{t}4"]) for t in ("q", "k", "v")]
     nodes += [helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
@@ -345,7 +346,7 @@ def _attention_model(rng: np.random.Generator, key_perm: str, masked: bool) -> o
         nodes.append(helper.make_node("Add", ["ss", "mask"], ["sm"], name="mask_add"))
     nodes += [helper.make_node("Softmax", ["sm" if masked else "ss"], ["p"], name="softmax", axis=-1),
               helper.make_node("MatMul", ["p", "vh"], ["y"], name="context")]
-    inputs = {t: [2, 6, 8] for t in "qkv"} | ({"mask": [2, 1, 1, 6]} if masked else {})
+    inputs = {t: [2, 6, 8] for t in "qkv"} | ({"mask": list(mask_shape)} if masked else {})
     return _model(nodes, inputs, ["y"], {"shape": np.array([0, 0, 2, 4], np.int64), "sqrt_d": np.float32(2.0)})
 
 
@@ -363,6 +364,19 @@ def test_attention_block_becomes_onnx_attention(rng, key_perm, masked):
     assert key.op_type == "Transpose" and key.attrs["perm"] == [0, 2, 1, 3] and key.inputs == ["k4"]
     assert {"scores", "scale", "softmax", "context"} <= set(attention.origin)
     _matches_ort(model, _attention_feeds(rng, masked))
+
+
+def test_a_mask_broadcast_over_the_keys_is_expanded_not_padded(rng):
+    """Add(scores, mask[..., 1]) adds one value to every key; Attention reads a short mask as "pad with -inf",
+    so the fused node gets the mask expanded to the key count."""
+    model = _attention_model(rng, "one_transpose", True, mask_shape=(2, 1, 1, 1))
+    graph = _graph(model)
+    assert fuse_attention(graph) == 1
+    attention = next(n for n in graph.nodes if n.op_type == "Attention")
+    expand = next(n for n in graph.nodes if attention.inputs[3] in n.outputs)
+    assert expand.op_type == "Expand" and expand.inputs[0] == "mask"
+    feeds = _attention_feeds(rng, False) | {"mask": rng.standard_normal((2, 1, 1, 1)).astype(np.float32)}
+    _matches_ort(model, feeds)
 
 
 def _attention_feeds(rng: np.random.Generator, masked: bool) -> dict[str, np.ndarray]:
