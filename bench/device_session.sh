@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks for one `device` call (H100 machine, repo root, results under $OUT).
+#
+#   bash bench/device_session.sh STAGE [STAGE ...]     (carry ["wheels"]; wheels/ from ../shared/tools/device-wheels.sh)
+#
+# Stages, in the order a session should spend its 30 device minutes (each stage is time-boxed):
+#   tests        every @pytest.mark.gpu test (CUDA backend, fused layers, flash attention, every tools/make_models.py
+#                model at fp32/TF32/FP16, INT8 GEMM, CUDA shared memory over HTTP/gRPC)            ~4 min
+#   bert         bench.engine BERT-base tf32+fp16 at batch 1, 8, 64 vs torch eager + compile reduce-overhead  ~4 min
+#   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
+#   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32, both models (compiles for minutes)       ~9 min
+#   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~6 min
+#   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
+# The machine has no network: everything Kiln needs beyond the image comes from wheels/.
+set -o pipefail
+export PYTHONPATH=$PWD KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kc} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --find-links wheels nvidia-cudnn-frontend fastapi starlette pydantic \
+  pydantic-core typing-inspection annotated-types uvicorn h11 click anyio sniffio python-rapidjson prometheus-client \
+  tritonclient==2.73.0 httpx httpcore idna certifi gevent geventhttpclient greenlet zope.event zope.interface brotli \
+  urllib3 six protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 watchfiles opentelemetry-api \
+  importlib-metadata uvloop httptools 2>&1 | tail -2
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+
+quiet() { grep -v -e Warning -e "warnings.warn" -e "^  " -e "^$"; }
+
+for stage in "$@"; do
+  echo "== $stage"
+  case $stage in
+    tests)
+      timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda tests/engine \
+        tests/server/test_cuda_shared_memory.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+    bert)
+      timeout 280 python3 -m bench.engine --models bert_base --precisions tf32,fp16 --batches 1,8,64 \
+        --peers eager,reduce-overhead --compile-batches 1,8,64 --profile --out "$OUT" 2>&1 | quiet | tail -12 ;;
+    resnet)
+      timeout 330 python3 -m bench.engine --models resnet50 --precisions tf32,fp16 --batches 1,8,32,128 \
+        --peers eager,reduce-overhead --compile-batches 1,8,32,128 --out "$OUT" 2>&1 | quiet | tail -14 ;;
+    autotune)
+      timeout 250 python3 -m bench.engine --models bert_base --precisions tf32 --batches 1,8,64 \
+        --peers max-autotune-no-cudagraphs --compile-batches 1,8,64 --out "$OUT" 2>&1 | quiet | tail -6
+      timeout 310 python3 -m bench.engine --models resnet50 --precisions tf32 --batches 1,8,32,128 \
+        --peers max-autotune-no-cudagraphs --compile-batches 1,8,32,128 --out "$OUT" 2>&1 | quiet | tail -7 ;;
+    int8)
+      timeout 300 python3 -m bench.int8 --out "$OUT" 2>&1 | quiet | tail -14
+      timeout 60 python3 -m bench.accuracy --out "$OUT" 2>&1 | quiet | tail -6 ;;
+    conformance)
+      mkdir -p /tmp/conf
+      seq 0 47 | xargs -P 14 -I{} sh -c 'timeout 240 python3 -m engine_core.conformance --backend cuda --trace \
+        --shard {}/48 --json /tmp/conf/c{}.json > /tmp/conf/log{} 2>&1 || echo "shard {} rc=$?" >> /tmp/conf/failed'
+      python3 -m engine_core.conformance --from-json /tmp/conf/c*.json --backend cuda \
+        --markdown "$OUT/conformance_cuda.md" --json "$OUT/conformance_cuda.json" | tail -2
+      cat /tmp/conf/failed 2>/dev/null ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
