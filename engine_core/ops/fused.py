@@ -9,8 +9,11 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
   and max, LeakyRelu's alpha).
 * ``FusedMatMul(A, B, bias?)``: ``act(alpha * A' @ B' + bias)`` with MatMul broadcasting; ``transA`` /
   ``transB`` transpose the last two dims; ``activation`` in "", "Relu", "Gelu", "GeluTanh", "Sigmoid", "Tanh".
-* ``QMatMul(x_q, x_scale, W_q, w_scale, bias?)``: ``act(float(x_q @ W_q) * x_scale * w_scale[n] + bias)``,
-  int8 operands with int32 sums (``transB``: W_q is [N, K]); ``activation`` as for FusedMatMul.
+* ``QMatMul(x_q, x_scale, W_q, w_scale, bias?, y_scale?)``: ``act(float(x_q @ W_q) * x_scale * w_scale[n] +
+  bias)``, int8 operands with int32 sums (``transB``: W_q is [N, K]); ``activation`` as for FusedMatMul. The
+  float result has type ``float_dtype`` (ONNX type number; absent or 0: the scales' type). With ``y_scale``
+  (input 5; input 4 is then "" when there is no bias) the layer requantizes: it writes int8
+  ``QuantizeLinear(result, y_scale)`` (round half to even, saturate, zero point 0).
 * ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
   node's inputs one to one, one output), evaluated element by element.
 """
@@ -149,20 +152,37 @@ register_op("PointwiseChain", infer=_chain_infer, cpu=_chain_cpu, domain=DOMAIN,
 
 #: the largest K whose int32 accumulator cannot overflow (|int8 x int8| <= 128 * 128)
 QMATMUL_MAX_K = (2**31 - 1) // (128 * 128)
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def qmatmul_float_dtype(node: Node, scale_dtype: np.dtype) -> np.dtype:
+    """The type of a QMatMul's float result (before any requantization): ``float_dtype``, else the scales'."""
+    from engine_core.types import onnx_to_np
+
+    declared = node.attr("float_dtype", 0)
+    return np.dtype(onnx_to_np(declared)) if declared else np.dtype(scale_dtype)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).name in _FLOATS
 
 
 def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, w_scale: TensorInfo,
-                   bias: TensorInfo | None = None) -> TensorInfo:
-    """[..., K] int8 x [K, N] int8 (transB: [N, K]) -> [..., N] in the scales' float type."""
-    dtype = x_scale.dtype
+                   bias: TensorInfo | None = None, y_scale: TensorInfo | None = None) -> TensorInfo:
+    """[..., K] int8 x [K, N] int8 (transB: [N, K]) -> [..., N] in ``float_dtype`` (int8 with y_scale)."""
     if x.dtype != np.int8 or w.dtype != np.int8:
         raise ShapeInferenceError(f"{node}: QMatMul needs int8 operands, got {x.dtype} and {w.dtype}")
-    if dtype.kind != "f" and dtype.name != "bfloat16" or w_scale.dtype != dtype:
+    if not _is_float(x_scale.dtype) or w_scale.dtype != x_scale.dtype:
         raise ShapeInferenceError(f"{node}: scales must share one float type, got {x_scale.dtype} and {w_scale.dtype}")
-    if bias is not None and bias.dtype != dtype:
-        raise ShapeInferenceError(f"{node}: bias is {bias.dtype}, the scales are {dtype}")
+    dtype = qmatmul_float_dtype(node, x_scale.dtype)
+    if not _is_float(dtype):
+        raise ShapeInferenceError(f"{node}: float_dtype must be a float type, got {dtype}")
+    for what, info in (("bias", bias), ("y_scale", y_scale)):
+        if info is not None and not _is_float(info.dtype):
+            raise ShapeInferenceError(f"{node}: {what} must be a float tensor, got {info.dtype}")
+    out_dtype = np.dtype(np.int8) if y_scale is not None else dtype
     if x.shape is None or w.shape is None:
-        return TensorInfo(dtype, None)
+        return TensorInfo(out_dtype, None)
     if len(w.shape) != 2 or not x.shape:
         raise ShapeInferenceError(f"{node}: QMatMul needs a 2-D weight and a non-scalar input, got {w.shape}, {x.shape}")
     n, k = w.shape if node.attr("transB", 0) else w.shape[::-1]
@@ -170,11 +190,11 @@ def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo
         raise ShapeInferenceError(f"{node}: input {x.shape} and weight {w.shape} disagree on K")
     if k > QMATMUL_MAX_K:
         raise ShapeInferenceError(f"{node}: K = {k} could overflow the int32 accumulator (at most {QMATMUL_MAX_K})")
-    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, n)), "bias": (bias, (n,))}
+    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, n)), "bias": (bias, (n,)), "y_scale": (y_scale, (1,))}
     for what, (info, allowed) in sizes.items():
         if info is not None and info.shape is not None and int(np.prod(info.shape)) not in allowed:
             raise ShapeInferenceError(f"{node}: {what} of shape {info.shape} for {n} output columns")
-    return TensorInfo(dtype, (*x.shape[:-1], n))
+    return TensorInfo(out_dtype, (*x.shape[:-1], n))
 
 
 def qmatmul_accumulate(x: np.ndarray, w: np.ndarray, trans_b: bool) -> np.ndarray:
@@ -185,17 +205,24 @@ def qmatmul_accumulate(x: np.ndarray, w: np.ndarray, trans_b: bool) -> np.ndarra
 
 
 def _qmatmul_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
-                 bias: np.ndarray | None = None) -> np.ndarray:
-    """act(float(acc) * x_scale * w_scale[n] + bias[n]) in float32, stored in the scales' type: the order
+                 bias: np.ndarray | None = None, y_scale: np.ndarray | None = None) -> np.ndarray:
+    """act(float(acc) * x_scale * w_scale[n] + bias[n]) in float32, stored in ``float_dtype``: the order
     and rounding of the CUDA epilogue kernel, so the two backends agree bit for bit (up to the activation's
-    math library)."""
+    math library). With ``y_scale`` that stored value is quantized by QuantizeLinear's own code, so the layer
+    equals QMatMul -> QuantizeLinear exactly."""
+    from engine_core.ops.quantization import quantize
+
     acc = qmatmul_accumulate(x, w, bool(node.attr("transB", 0)))
     f32 = np.float32
     y = acc.astype(f32) * x_scale.astype(f32).reshape(()) * w_scale.astype(f32).reshape(-1)
     if bias is not None:
         y = y + bias.astype(f32).reshape(-1)
-    return activate(node, y).astype(x_scale.dtype, copy=False)
+    y = activate(node, y).astype(qmatmul_float_dtype(node, x_scale.dtype), copy=False)
+    if y_scale is None:
+        return y
+    return quantize(y, y_scale.reshape(()), None, np.dtype(np.int8))
 
 
 register_op("QMatMul", infer=_qmatmul_infer, cpu=_qmatmul_cpu, domain=DOMAIN,
-            doc="act(int8 x @ int8 W (int32 sums) * x_scale * w_scale[n] + bias): a Q/DQ MatMul as an INT8 GEMM")
+            doc="act(int8 x @ int8 W (int32 sums) * x_scale * w_scale[n] + bias), optionally requantized to int8: "
+                "a Q/DQ MatMul as an INT8 GEMM")

@@ -12,6 +12,17 @@ dequantized float tensors. Only symmetric int8 (zero points 0) fuses: an asymmet
 would need correction terms, so such graphs stay as they are. The activation's DequantizeLinear stays when
 other layers read it (dead-code elimination drops it otherwise).
 
+Requantizing epilogue (the guide's "fused requantize"): when the layer's result (after its activation) is
+read only by a ``QuantizeLinear`` to int8 with one scale and zero point 0 -- BERT's FFN1 GELU output feeding
+FFN2's input quantization -- that QuantizeLinear joins the layer: ``QMatMul(x_q, x_scale, W_q, w_scale,
+bias or "", y_scale)`` writes int8 (``saturate(rint(y / y_scale))``, exactly QuantizeLinear), and the next
+DequantizeLinear -> QMatMul reads it with no float tensor in between.
+
+Reduced precision: the precision pass leaves Q/DQ scales in their own type and declares a DequantizeLinear's
+16-bit output with ``output_dtype``; the fused layer's float result then has that type (attribute
+``float_dtype``, an ONNX type number, set when it differs from the scales' type) while its epilogue still
+computes in float32 with the exact scales.
+
 ``fold_constants`` must leave the weight's DequantizeLinear in place (``keeps_int8_weight``): folded, the
 weight would be a float constant and its int8 form lost.
 """
@@ -22,8 +33,10 @@ import numpy as np
 
 from engine_core.ir import Graph, Node
 from engine_core.passes.pattern import Uses, is_op, known_rank, other_input, replace_nodes
+from engine_core.types import np_to_onnx, onnx_to_np
 
 INT8 = np.dtype(np.int8)
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
 #: ONNX activation op -> QMatMul activation name (Gelu's approximate attribute picks GeluTanh)
 _ACTIVATIONS = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh"}
 
@@ -42,10 +55,18 @@ def _zero_point_ok(graph: Graph, dq: Node) -> bool:
     return isinstance(zero, np.ndarray) and zero.dtype == INT8 and not np.any(zero)
 
 
+def _dq_output_dtype(graph: Graph, dq: Node) -> np.dtype | None:
+    """The float type a DequantizeLinear writes: its ``output_dtype`` (set by the precision pass), else its
+    scale's; None for a non-float type."""
+    declared = dq.attr("output_dtype", 0)
+    dtype = np.dtype(onnx_to_np(declared)) if declared else graph.constants[dq.inputs[1]].dtype
+    return dtype if dtype.name in FLOAT_TYPES else None
+
+
 def _plain_dq(graph: Graph, dq: Node | None) -> bool:
-    """A DequantizeLinear with a constant float scale, zero point 0, no blocks and no output type override."""
+    """A DequantizeLinear with a constant float scale, zero point 0, no blocks, writing a float type."""
     return is_op(dq, "DequantizeLinear") and len(dq.inputs) >= 2 and _float_constant(graph, dq.inputs[1]) is not None \
-        and not dq.attr("block_size", 0) and not dq.attr("output_dtype", 0) and _zero_point_ok(graph, dq)
+        and not dq.attr("block_size", 0) and _zero_point_ok(graph, dq) and _dq_output_dtype(graph, dq) is not None
 
 
 def _quantized_dtype(graph: Graph, uses: Uses, dq: Node) -> np.dtype | None:
@@ -114,6 +135,21 @@ def _activation(node: Node | None) -> str | None:
     return _ACTIVATIONS.get(node.op_type) if is_op(node, *_ACTIVATIONS) else None
 
 
+def _requantize_scale(graph: Graph, q: Node | None, tail: str) -> str | None:
+    """The scale of ``q`` when it quantizes ``tail`` the way a requantizing epilogue can: int8 (an all-zero
+    int8 zero point, or none and ``output_dtype`` int8), one constant float scale, no blocks, the default
+    saturation and precision."""
+    if not is_op(q, "QuantizeLinear") or len(q.inputs) < 2 or q.inputs[0] != tail:
+        return None
+    scale = _float_constant(graph, q.inputs[1])
+    if scale is None or scale.size != 1 or q.attr("block_size", 0) or q.attr("precision", 0) \
+            or not q.attr("saturate", 1):
+        return None
+    if len(q.inputs) > 2 and q.inputs[2]:
+        return q.inputs[1] if _zero_point_ok(graph, q) else None
+    return q.inputs[1] if q.attr("output_dtype", 0) == np_to_onnx(INT8) else None
+
+
 def _gemm_operands(mm: Node) -> tuple[int, str] | None:
     """(transB, bias or "") of a MatMul/Gemm this pass can take: Gemm without transA, alpha 1, and a C that
     is a per-column bias with beta 1."""
@@ -129,8 +165,9 @@ def _gemm_operands(mm: Node) -> tuple[int, str] | None:
     return trans_b, mm.inputs[2]
 
 
-def _match(graph: Graph, uses: Uses, mm: Node) -> tuple[Node, list[Node]] | None:
-    """The QMatMul node replacing ``mm`` (and the nodes it covers), or None."""
+def _match(graph: Graph, uses: Uses, mm: Node, requantize: bool) -> tuple[Node, list[Node]] | None:
+    """The QMatMul node replacing ``mm`` (and the nodes it covers, a requantizing QuantizeLinear last), or
+    None."""
     operands = _gemm_operands(mm)
     if operands is None:
         return None
@@ -140,7 +177,8 @@ def _match(graph: Graph, uses: Uses, mm: Node) -> tuple[Node, list[Node]] | None
     if x_dq is None or w_dq is None:
         return None
     x_scale, w_scale = graph.constants[x_dq.inputs[1]], graph.constants[w_dq.inputs[1]]
-    if x_scale.dtype != w_scale.dtype:
+    float_dtype = _dq_output_dtype(graph, x_dq)
+    if x_scale.dtype != w_scale.dtype or float_dtype != _dq_output_dtype(graph, w_dq):
         return None
     columns = graph.constants[w_dq.inputs[0]].shape[0 if trans_b else 1]
     out_rank = 2 if is_op(mm, "Gemm") else known_rank(graph, uses, mm.inputs[0])
@@ -155,27 +193,34 @@ def _match(graph: Graph, uses: Uses, mm: Node) -> tuple[Node, list[Node]] | None
             bias, tail = found, step.outputs[0]
             covered.append(step)
             step = uses.sole_reader(tail)
-    if bias and graph.constants[bias].dtype != x_scale.dtype:
-        return None
     activation = _activation(step)
     if activation is not None:
         covered.append(step)
         tail = step.outputs[0]
-    node = Node("QMatMul", [x_dq.inputs[0], x_dq.inputs[1], w_dq.inputs[0], w_dq.inputs[1], bias], [tail],
-                {"transB": trans_b, "activation": activation or ""}, mm.name, "kiln", 1,
-                [o for n in covered for o in n.origin])
+    inputs = [x_dq.inputs[0], x_dq.inputs[1], w_dq.inputs[0], w_dq.inputs[1], bias]
+    q = uses.sole_reader(tail) if requantize else None
+    y_scale = _requantize_scale(graph, q, tail)
+    if y_scale is not None:
+        covered.append(q)
+        inputs.append(y_scale)
+        tail = q.outputs[0]
+    attrs = {"transB": trans_b, "activation": activation or ""}
+    if float_dtype != x_scale.dtype:
+        attrs["float_dtype"] = np_to_onnx(float_dtype)
+    node = Node("QMatMul", inputs, [tail], attrs, mm.name, "kiln", 1, [o for n in covered for o in n.origin])
     return node, covered
 
 
-def fuse_qdq_matmul(graph: Graph) -> int:
-    """Fuse every eligible Q/DQ MatMul/Gemm chain in place; returns how many QMatMul layers were made."""
+def fuse_qdq_matmul(graph: Graph, *, requantize: bool = True) -> int:
+    """Fuse every eligible Q/DQ MatMul/Gemm chain in place; returns how many QMatMul layers were made.
+    ``requantize=False`` leaves every QuantizeLinear a layer of its own (to compare against)."""
     uses = Uses(graph)
     fused: dict[int, Node] = {}
     removed: set[int] = set()
     for mm in list(graph.nodes):
         if id(mm) in removed or not is_op(mm, "MatMul", "Gemm"):
             continue
-        match = _match(graph, uses, mm)
+        match = _match(graph, uses, mm, requantize)
         if match is None:
             continue
         node, covered = match
@@ -183,6 +228,11 @@ def fuse_qdq_matmul(graph: Graph) -> int:
         removed.update(id(n) for n in covered)
     replace_nodes(graph, fused, removed)
     return len(fused)
+
+
+def requantizes(node: Node) -> bool:
+    """Whether a QMatMul writes int8 through its requantizing epilogue (it has the output scale, input 5)."""
+    return node.op_type == "QMatMul" and len(node.inputs) > 5 and bool(node.inputs[5])
 
 
 def keeps_int8_weight(graph: Graph, node: Node, uses: Uses) -> bool:

@@ -16,6 +16,14 @@ kiln-domain fused ops are the exception: all their float inputs are data), or wh
 constrained it (``layer.precision = FLOAT``). Softmax, normalizations and reductions keep 16-bit I/O:
 their kernels accumulate in float32.
 
+Q/DQ follow TensorRT, not the ONNX schema of their opset: a scale and a zero point are quantization
+parameters, never data, so they keep the model's types (an fp32 scale stays exact); QuantizeLinear's data
+input takes the compute type and DequantizeLinear's output does too (declared by its ``output_dtype``
+attribute, which every opset's implementation here honours). So with FP16 a DequantizeLinear feeds its
+fp16 MatMul directly: no reformat Cast sits between them and the Q/DQ -> INT8 GEMM fusion sees the
+pattern. A DequantizeLinear of a constant (an int8 weight fold_constants kept for that fusion) is a data
+layer, not a shape computation.
+
 Precision constraints follow the reference: with OBEY_PRECISION_CONSTRAINTS a constraint that cannot
 be honoured is a BuildError; with PREFER_PRECISION_CONSTRAINTS it is a warning and the layer gets
 its default type; with neither flag, constraints are ignored with a warning. User I/O types
@@ -56,6 +64,7 @@ FLOAT_TYPES = ("float32", "float16", "bfloat16")
 KILN_DOMAIN = "kiln"
 #: Ops that read their input whatever its float type (its shape, or a conversion): no Cast before them.
 _ANY_INPUT_OPS = frozenset({"Cast", "Shape", "Size"})
+_QUANTIZE, _DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
 
 _IGNORED_WARNING = ("Detected layers with precision constraints but neither OBEY_PRECISION_CONSTRAINTS nor "
                     "PREFER_PRECISION_CONSTRAINTS builder flag is set: the constraints are ignored")
@@ -239,6 +248,8 @@ class _Rewriter:
                 node.inputs[k] = self._cast(name, wanted[k])
         if has_subgraph(node):
             self._pin_body_reads(node)
+        if _is_qdq(node, _DEQUANTIZE):
+            self._declare_dequantize_output(node, compute)
         if node.op_type == "Cast" and not node.domain and compute is not None and compute != FLOAT32:
             if np.dtype(_cast_target(node)) == FLOAT32:
                 node.attrs["to"] = np_to_onnx(compute)
@@ -275,7 +286,7 @@ class _Rewriter:
         """The type the flags give the node, and why it must stay as it is (None: it need not)."""
         if has_subgraph(node):
             return None, "layers with bodies (Loop/If/Scan) keep the model's types"
-        if self._is_shape_computation(node):
+        if self._is_shape_computation(node) and not _is_qdq(node, _DEQUANTIZE):
             return None, "it computes values known at build time (a shape computation)"
         if self._schema(node) is None and node.domain != KILN_DOMAIN:
             return None, f"op {node.domain or 'ai.onnx'}::{node.op_type} has no ONNX schema to type it"
@@ -288,6 +299,8 @@ class _Rewriter:
         """Why ``node`` cannot compute in ``dtype`` (None: it can)."""
         if node.domain == KILN_DOMAIN:
             return None
+        if _is_qdq(node, _DEQUANTIZE):
+            return self._dequantize_unsupported(node, dtype)
         schema = self._schema(node)
         if schema is None:
             return f"op {node.op_type} has no schema"
@@ -324,6 +337,9 @@ class _Rewriter:
             return original
         if node.domain == KILN_DOMAIN:
             return [compute if d == FLOAT32 else d for d in original]
+        if _is_qdq(node, _QUANTIZE, _DEQUANTIZE):  # only QuantizeLinear's x is data; scales keep their type
+            return [compute if k == 0 and d == FLOAT32 and node.op_type == _QUANTIZE else d
+                    for k, d in enumerate(original)]
         schema = self._schema(node)
         assert schema is not None  # a compute type other than float32 implies a schema
         var = self._data_var(node, schema)
@@ -353,7 +369,21 @@ class _Rewriter:
         results = list(result) if isinstance(result, (list, tuple)) else [result]
         return [r.dtype for r in results] + original[len(results):]
 
+    def _dequantize_unsupported(self, node: Node, dtype: np.dtype) -> str | None:
+        """Why a DequantizeLinear cannot write ``dtype`` (None: it can): any float type, for a float output."""
+        out = self._orig_dtype(node.outputs[0]) if node.outputs and node.outputs[0] else None
+        if out is None or out.name not in FLOAT_TYPES:
+            return f"it dequantizes to {dtype_name(out) if out is not None else 'an unknown type'}, not a float type"
+        return None if dtype.name in FLOAT_TYPES else f"DequantizeLinear does not write {dtype.name}"
+
     # -- edits ---------------------------------------------------------------------------------
+    def _declare_dequantize_output(self, node: Node, compute: np.dtype | None) -> None:
+        """A DequantizeLinear computing in another float type than its model output declares that type as
+        its ``output_dtype`` (its scale keeps its own type: TensorRT's Q/DQ typing)."""
+        if compute is None or compute == self._orig_dtype(node.outputs[0]):
+            return
+        node.attrs["output_dtype"] = np_to_onnx(compute)
+
     def _cast(self, name: str, dtype: np.dtype) -> str:
         """A tensor holding ``name`` as ``dtype``: a converted weight, or the output of a (shared) Cast."""
         key = (name, dtype_name(dtype))
@@ -483,6 +513,11 @@ class _Rewriter:
     def _schema(self, node: Node) -> _Schema | None:
         return _schema_of(node.op_type, node.domain, node.opset or self.graph.opsets.get(node.domain, self.opset),
                           len(node.inputs), len(node.outputs))
+
+
+def _is_qdq(node: Node, *op_types: str) -> bool:
+    """``node`` is a standard-domain QuantizeLinear/DequantizeLinear of one of ``op_types``."""
+    return node.op_type in op_types and node.domain in ("", "ai.onnx")
 
 
 def _check_io_change(name: str, model: np.dtype, wanted: np.dtype) -> None:

@@ -2,7 +2,9 @@
 
 Lowering: ``Int8Gemm`` computes acc[M, N] (int32) = x_q[M, K] @ W_q^T from int8 operands; a generated
 pointwise kernel then writes ``act(float(acc) * x_scale * w_scale[n] + bias[n])`` into the float output
-(fp32/fp16/bf16), in the order and rounding of the CPU implementation (engine_core/ops/fused.py).
+(fp32/fp16/bf16), in the order and rounding of the CPU implementation (engine_core/ops/fused.py). A
+requantizing QMatMul (``y_scale``, input 5) ends that program with a Cast to its float type (the value the
+unfused graph would hold) and the pointwise QuantizeLinear, and the kernel stores int8.
 
 Why this shape: cuBLASLt's IMMA kernels with ordinary (column-major) layouts take only the "TN" form --
 op(A) = T, op(B) = N -- with m and k multiples of 4. Row-major Y[M, N] = X W is column-major
@@ -20,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine_core.backends.cuda.lowering import Launch, Ref, _Context, launch_program
-from engine_core.backends.cuda.pointwise import PwNode, Unsupported, broadcast_strides, program_kernel
+from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
 from engine_core.cuda.driver import CudaError
 from engine_core.ir import Node
 from engine_core.ops import TensorInfo
+from engine_core.ops.fused import qmatmul_float_dtype
+from engine_core.types import np_to_onnx
 
 if TYPE_CHECKING:
     from engine_core.backends.cuda.cublaslt import CublasLt
@@ -82,22 +86,36 @@ def _weight_rows(node: Node, ctx: _Context, trans_b: bool) -> str:
     return derived
 
 
+def _optional(node: Node, index: int) -> str:
+    return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
+
+
 def _dequant_epilogue(node: Node, ctx: _Context, acc: str) -> Launch:
-    """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output."""
+    """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output; with y_scale
+    then Cast to the float type and QuantizeLinear (the pointwise op's own code) -> int8."""
     out_name = node.outputs[0]
     out = ctx.info(out_name)
-    bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else ""
-    inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else [])]
+    bias, y_scale = _optional(node, 4), _optional(node, 5)
+    inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else []), *([y_scale] if y_scale else [])]
     nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
              PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
+
+    def last() -> int:
+        return len(inputs) + len(nodes) - 1
+
     if bias:
-        nodes.append(PwNode.make("Add", [len(inputs) + len(nodes) - 1, 3], F32))
+        nodes.append(PwNode.make("Add", [last(), 3], F32))
     activation = node.attr("activation", "")
     if activation:
         if activation not in _ACTIVATIONS:
             raise Unsupported(f"QMatMul activation {activation}")
         op, attrs = _ACTIVATIONS[activation]
-        nodes.append(PwNode.make(op, [len(inputs) + len(nodes) - 1], F32, attrs))
+        nodes.append(PwNode.make(op, [last()], F32, attrs))
+    if y_scale:
+        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
+        if result != F32:  # round like the float tensor the unfused graph stores
+            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
+        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], INT8))
     kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
     strides = [broadcast_strides(ctx.info(n).shape, out.shape) for n in inputs]
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
@@ -114,10 +132,12 @@ def lower_qmatmul(node: Node, ctx: _Context) -> list:
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
     if n % 4 or k % 4:
         raise Unsupported(f"INT8 GEMM needs N and K multiples of 4, got N={n}, K={k}")
-    bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else ""
-    for name in (node.inputs[1], node.inputs[3], bias):
-        if name and ctx.info(name).dtype != out.dtype:
-            raise Unsupported(f"QMatMul {name} is {ctx.info(name).dtype}, the output {out.dtype}")
+    y_scale = _optional(node, 5)
+    for name in (node.inputs[1], node.inputs[3], _optional(node, 4), y_scale):
+        if name and ctx.info(name).dtype not in FLOATS:
+            raise Unsupported(f"QMatMul {name} is {ctx.info(name).dtype}, not a float type")
+    if (out.dtype == INT8) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):
+        raise Unsupported(f"QMatMul writing {out.dtype} ({'with' if y_scale else 'without'} an output scale)")
     if m * n == 0:
         return []
     weight = _weight_rows(node, ctx, trans_b)
