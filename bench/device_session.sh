@@ -9,7 +9,7 @@
 #   bert         bench.engine BERT-base tf32+fp16 at batch 1, 8, 64 vs torch eager + compile reduce-overhead  ~4 min
 #   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32, both models (compiles for minutes)       ~9 min
-#   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~6 min
+#   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~9 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
 # The machine has no network: everything Kiln needs beyond the image comes from wheels/.
 set -o pipefail
@@ -43,7 +43,9 @@ for stage in "$@"; do
       timeout 310 python3 -m bench.engine --models resnet50 --precisions tf32 --batches 1,8,32,128 \
         --peers max-autotune-no-cudagraphs --compile-batches 1,8,32,128 --out "$OUT" 2>&1 | quiet | tail -7 ;;
     int8)
-      timeout 300 python3 -m bench.int8 --out "$OUT" 2>&1 | quiet | tail -14
+      cp bench/results/int8_calib_*.cache "$OUT"/ 2>/dev/null  # committed calibration caches skip host calibration
+      timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit,int8_implicit_percentile,int8_explicit \
+        2>&1 | quiet | tail -34
       timeout 60 python3 -m bench.accuracy --out "$OUT" 2>&1 | quiet | tail -6 ;;
     conformance)
       mkdir -p /tmp/conf

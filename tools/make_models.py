@@ -285,30 +285,18 @@ def resnet50_qdq(image_size: int = 224, width: int = 64, blocks: Sequence[int] =
     _fold_batchnorm(model.graph)
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
-    targets = {n.input[0] for n in graph.node if n.op_type in ("Conv", "Gemm")}
-    targets |= {n.input[1] for n in graph.node if n.op_type == "Add" and n.input[1] not in weights}
-    rng = np.random.default_rng(2024)
-    images = [rng.standard_normal((calib_batch_size, 3, image_size, image_size)).astype(np.float32)
-              for _ in range(calib_batches)]
-    amax = _activation_amax(model, sorted(targets), images)
-    nodes: list[onnx.NodeProto] = []
-    replaced: dict[str, str] = {}
-    for node in graph.node:
+    quantized = {n.input[0] for n in graph.node if n.op_type in ("Conv", "Gemm")}
+    quantized |= {n.input[1] for n in graph.node if n.op_type == "Add" and n.input[1] not in weights}
+    targets: dict[int, list[tuple[int, int | None]]] = {}
+    for k, node in enumerate(graph.node):
         if node.op_type in ("Conv", "Gemm"):
-            indexes = [(0, None), (1, 0)]  # (input, weight axis): Gemm weights are (classes, cin) with transB
-        elif node.op_type == "Add" and node.input[1] in targets:
-            indexes = [(1, None)]
-        else:
-            indexes = []
-        for index, axis in indexes:
-            name = node.input[index]
-            if name not in replaced:
-                replaced[name] = (_dequantized_weight(graph, weights[name], axis, nodes) if axis is not None
-                                  else _fake_quantized(graph, name, amax[name], nodes))
-            node.input[index] = replaced[name]
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+            targets[k] = [(0, None), (1, 0)]  # (input, weight axis): Gemm weights are (classes, cin) with transB
+        elif node.op_type == "Add" and node.input[1] in quantized:
+            targets[k] = [(1, None)]
+    rng = np.random.default_rng(2024)
+    feeds = [{"input": rng.standard_normal((calib_batch_size, 3, image_size, image_size)).astype(np.float32)}
+             for _ in range(calib_batches)]
+    insert_qdq(model, targets, feeds)
     graph.name = "resnet50_qdq"
     onnx.checker.check_model(model)
     return model
@@ -343,9 +331,30 @@ def _fold_batchnorm(graph: onnx.GraphProto) -> None:
         graph.initializer.remove(t)
 
 
-def _activation_amax(model: onnx.ModelProto, names: list[str], images: list[np.ndarray]) -> dict[str, float]:
-    """max |x| of each named tensor over the images, computed by onnxruntime on the float model."""
-    return _amax_over_feeds(model, names, [{"input": x} for x in images])
+def insert_qdq(model: onnx.ModelProto, targets: dict[int, list[tuple[int, int | None]]],
+               feeds: list[dict[str, np.ndarray]]) -> onnx.ModelProto:
+    """Make ``model`` explicitly quantized in place: for node k of ``targets``, each (input index, weight axis)
+    becomes an int8 initializer read through a per-channel DequantizeLinear (axis given) or a per-tensor
+    QuantizeLinear -> DequantizeLinear of the activation (axis None; scale max |x| / 127 over ``feeds``, run
+    through onnxruntime on the float model). A tensor read by several targets is quantized once. Why public:
+    bench/int8.py quantizes real exported models with the same rules."""
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    activations = sorted({graph.node[k].input[i] for k, wanted in targets.items() for i, axis in wanted if axis is None})
+    amax = _amax_over_feeds(model, activations, feeds)
+    nodes: list[onnx.NodeProto] = []
+    replaced: dict[str, str] = {}
+    for k, node in enumerate(graph.node):
+        for index, axis in targets.get(k, []):
+            name = node.input[index]
+            if name not in replaced:
+                replaced[name] = (_dequantized_weight(graph, weights[name], axis, nodes) if axis is not None
+                                  else _fake_quantized(graph, name, amax[name], nodes))
+            node.input[index] = replaced[name]
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
 
 
 def _fake_quantized(graph: onnx.GraphProto, name: str, amax: float, nodes: list[onnx.NodeProto]) -> str:
@@ -390,20 +399,8 @@ def bert_qdq(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 30
               "attention_mask": np.ones((calib_batch, calib_sequence), np.int64),
               "token_type_ids": rng.integers(0, 2, (calib_batch, calib_sequence)).astype(np.int64)}
              for _ in range(calib_batches)]
-    amax = _amax_over_feeds(model, sorted({n.input[0] for n in linear}), feeds)
-    nodes: list[onnx.NodeProto] = []
-    replaced: dict[str, str] = {}
-    for node in graph.node:
-        if node.op_type == "MatMul" and node.input[1] in weights:
-            for index, axis in ((0, None), (1, 1)):
-                name = node.input[index]
-                if name not in replaced:
-                    replaced[name] = (_dequantized_weight(graph, weights[name], axis, nodes) if axis is not None
-                                      else _fake_quantized(graph, name, amax[name], nodes))
-                node.input[index] = replaced[name]
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    linear_ids = {id(n) for n in linear}
+    insert_qdq(model, {k: [(0, None), (1, 1)] for k, n in enumerate(graph.node) if id(n) in linear_ids}, feeds)
     graph.name = "bert_qdq"
     onnx.checker.check_model(model)
     return model
