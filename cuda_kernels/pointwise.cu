@@ -8,6 +8,7 @@
 // fp16/bf16 values are loaded into float and computed in float; only stores round.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #define KILN_MAX_RANK 6
 #define KILN_MAX_INPUTS 8
@@ -21,6 +22,7 @@ struct KilnIndexer {
 // Loads: reduced-precision floats compute in float; every other type computes as itself.
 __device__ __forceinline__ float kiln_load(__half v) { return __half2float(v); }
 __device__ __forceinline__ float kiln_load(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float kiln_load(__nv_fp8_e4m3 v) { return (float)v; }
 template <typename S> __device__ __forceinline__ S kiln_load(S v) { return v; }
 
 // Stores (and explicit Casts): to fp16/bf16 through float, everything else by C conversion.
@@ -32,6 +34,14 @@ template <> struct KilnConvert<__half> {
 };
 template <> struct KilnConvert<__nv_bfloat16> {
     template <typename S> __device__ __forceinline__ static __nv_bfloat16 of(S v) { return __float2bfloat16((float)v); }
+};
+// E4M3 (QuantizeLinear's default saturate=1): round to nearest even, saturate to +-448, NaN stays NaN
+template <> struct KilnConvert<__nv_fp8_e4m3> {
+    template <typename S> __device__ __forceinline__ static __nv_fp8_e4m3 of(S v) {
+        __nv_fp8_e4m3 r;
+        r.__x = __nv_cvt_float_to_fp8((float)v, __NV_SATFINITE, __NV_E4M3);
+        return r;
+    }
 };
 #define KILN_CONVERT(D, v) KilnConvert<D>::of(v)
 

@@ -10,10 +10,11 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
 * ``FusedMatMul(A, B, bias?)``: ``act(alpha * A' @ B' + bias)`` with MatMul broadcasting; ``transA`` /
   ``transB`` transpose the last two dims; ``activation`` in "", "Relu", "Gelu", "GeluTanh", "Sigmoid", "Tanh".
 * ``QMatMul(x_q, x_scale, W_q, w_scale, bias?, y_scale?)``: ``act(float(x_q @ W_q) * x_scale * w_scale[n] +
-  bias)``, int8 operands with int32 sums (``transB``: W_q is [N, K]); ``activation`` as for FusedMatMul. The
-  float result has type ``float_dtype`` (ONNX type number; absent or 0: the scales' type). With ``y_scale``
-  (input 5; input 4 is then "" when there is no bias) the layer requantizes: it writes int8
-  ``QuantizeLinear(result, y_scale)`` (round half to even, saturate, zero point 0).
+  bias)``, int8 operands with int32 sums or float8e4m3fn operands with float32 sums (``transB``: W_q is
+  [N, K]); ``activation`` as for FusedMatMul. The float result has type ``float_dtype`` (ONNX type number;
+  absent or 0: the scales' type). With ``y_scale`` (input 5; input 4 is then "" when there is no bias) the
+  layer requantizes: it writes ``QuantizeLinear(result, y_scale)`` in the operand type (round half to even,
+  saturate, zero point 0).
 * ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
   node's inputs one to one, one output), evaluated element by element.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from engine_core.ir import Node
@@ -148,11 +150,15 @@ register_op("PointwiseChain", infer=_chain_infer, cpu=_chain_cpu, domain=DOMAIN,
             doc="a chain of pointwise ops (attribute body) evaluated in one pass")
 
 
-# -- QMatMul: an INT8 GEMM from explicit Q/DQ (passes/fuse_qdq_matmul.py) ----------------------------
+# -- QMatMul: an INT8 / FP8 E4M3 GEMM from explicit Q/DQ (passes/fuse_qdq_matmul.py) ------------------
 
 #: the largest K whose int32 accumulator cannot overflow (|int8 x int8| <= 128 * 128)
 QMATMUL_MAX_K = (2**31 - 1) // (128 * 128)
 _FLOATS = ("float32", "float16", "bfloat16")
+INT8 = np.dtype(np.int8)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+#: operand types a QMatMul takes; x and W share one, a requantized output has it too
+QMATMUL_OPERANDS = (INT8, FP8)
 
 
 def qmatmul_float_dtype(node: Node, scale_dtype: np.dtype) -> np.dtype:
@@ -169,9 +175,11 @@ def _is_float(dtype: np.dtype) -> bool:
 
 def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, w_scale: TensorInfo,
                    bias: TensorInfo | None = None, y_scale: TensorInfo | None = None) -> TensorInfo:
-    """[..., K] int8 x [K, N] int8 (transB: [N, K]) -> [..., N] in ``float_dtype`` (int8 with y_scale)."""
-    if x.dtype != np.int8 or w.dtype != np.int8:
-        raise ShapeInferenceError(f"{node}: QMatMul needs int8 operands, got {x.dtype} and {w.dtype}")
+    """[..., K] x [K, N] (transB: [N, K]), both int8 or both float8e4m3fn -> [..., N] in ``float_dtype``
+    (the operand type with y_scale)."""
+    if x.dtype != w.dtype or x.dtype not in QMATMUL_OPERANDS:
+        raise ShapeInferenceError(f"{node}: QMatMul needs two int8 or two float8e4m3fn operands, got {x.dtype} "
+                                  f"and {w.dtype}")
     if not _is_float(x_scale.dtype) or w_scale.dtype != x_scale.dtype:
         raise ShapeInferenceError(f"{node}: scales must share one float type, got {x_scale.dtype} and {w_scale.dtype}")
     dtype = qmatmul_float_dtype(node, x_scale.dtype)
@@ -180,7 +188,7 @@ def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo
     for what, info in (("bias", bias), ("y_scale", y_scale)):
         if info is not None and not _is_float(info.dtype):
             raise ShapeInferenceError(f"{node}: {what} must be a float tensor, got {info.dtype}")
-    out_dtype = np.dtype(np.int8) if y_scale is not None else dtype
+    out_dtype = x.dtype if y_scale is not None else dtype
     if x.shape is None or w.shape is None:
         return TensorInfo(out_dtype, None)
     if len(w.shape) != 2 or not x.shape:
@@ -188,7 +196,7 @@ def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo
     n, k = w.shape if node.attr("transB", 0) else w.shape[::-1]
     if x.shape[-1] != k:
         raise ShapeInferenceError(f"{node}: input {x.shape} and weight {w.shape} disagree on K")
-    if k > QMATMUL_MAX_K:
+    if x.dtype == INT8 and k > QMATMUL_MAX_K:  # fp32 sums of e4m3 products (<= 448**2 each) cannot overflow
         raise ShapeInferenceError(f"{node}: K = {k} could overflow the int32 accumulator (at most {QMATMUL_MAX_K})")
     sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, n)), "bias": (bias, (n,)), "y_scale": (y_scale, (1,))}
     for what, (info, allowed) in sizes.items():
@@ -198,18 +206,24 @@ def _qmatmul_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo
 
 
 def qmatmul_accumulate(x: np.ndarray, w: np.ndarray, trans_b: bool) -> np.ndarray:
-    """The int32 accumulator of int8 products: exact (float64 sums of int8 products stay below 2**53)."""
+    """The accumulator: int8 -> int32, exact (float64 sums of int8 products stay below 2**53).
+    float8e4m3fn -> float32: the exact sum rounded once. Why exact: an e4m3 product has at most 8 significant
+    bits between 2**-18 and 2**18, so float64 sums of fewer than 2**17 of them lose nothing; the one rounding
+    to float32 makes the result independent of summation order (cuBLASLt sums in float32 in its own order:
+    it differs from this by at most K * 2**-24 * sum|x_k * w_k| per element)."""
     from engine_core.ops.quantization import exact_matmul
 
-    return exact_matmul(x, w.T if trans_b else w).astype(np.int32)
+    acc = exact_matmul(x, w.T if trans_b else w)
+    return acc.astype(np.float32) if x.dtype == FP8 else acc.astype(np.int32)
 
 
 def _qmatmul_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
                  bias: np.ndarray | None = None, y_scale: np.ndarray | None = None) -> np.ndarray:
     """act(float(acc) * x_scale * w_scale[n] + bias[n]) in float32, stored in ``float_dtype``: the order
-    and rounding of the CUDA epilogue kernel, so the two backends agree bit for bit (up to the activation's
-    math library). With ``y_scale`` that stored value is quantized by QuantizeLinear's own code, so the layer
-    equals QMatMul -> QuantizeLinear exactly."""
+    and rounding of the CUDA epilogue kernel, so the two backends agree bit for bit for int8 (up to the
+    activation's math library) and up to the accumulator's summation order for fp8. With ``y_scale`` that
+    stored value is quantized by QuantizeLinear's own code (int8: round half to even and saturate; fp8:
+    round to nearest even, saturating to +-448), so the layer equals QMatMul -> QuantizeLinear exactly."""
     from engine_core.ops.quantization import quantize
 
     acc = qmatmul_accumulate(x, w, bool(node.attr("transB", 0)))
@@ -220,9 +234,92 @@ def _qmatmul_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, 
     y = activate(node, y).astype(qmatmul_float_dtype(node, x_scale.dtype), copy=False)
     if y_scale is None:
         return y
-    return quantize(y, y_scale.reshape(()), None, np.dtype(np.int8))
+    return quantize(y, y_scale.reshape(()), None, x.dtype)
 
 
 register_op("QMatMul", infer=_qmatmul_infer, cpu=_qmatmul_cpu, domain=DOMAIN,
-            doc="act(int8 x @ int8 W (int32 sums) * x_scale * w_scale[n] + bias), optionally requantized to int8: "
-                "a Q/DQ MatMul as an INT8 GEMM")
+            doc="act(x @ W * x_scale * w_scale[n] + bias) over int8 (int32 sums) or float8e4m3fn (float32 sums) "
+                "operands, optionally requantized to the operand type: a Q/DQ MatMul as an INT8 / FP8 GEMM")
+
+
+# -- QConv: an INT8 convolution from explicit Q/DQ (passes/fuse_qdq_conv.py) -------------------------
+
+
+def _qconv_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, w_scale: TensorInfo,
+                 bias: TensorInfo | None = None, residual: TensorInfo | None = None,
+                 y_scale: TensorInfo | None = None) -> TensorInfo:
+    """[N, C, H, W] int8 (*) [K, C, R, S] int8 -> [N, K, OH, OW] in ``float_dtype`` (int8 with y_scale); a
+    residual broadcasts like Add's operand."""
+    if x.dtype != np.int8 or w.dtype != np.int8:
+        raise ShapeInferenceError(f"{node}: QConv needs int8 operands, got {x.dtype} and {w.dtype}")
+    if not _is_float(x_scale.dtype) or w_scale.dtype != x_scale.dtype:
+        raise ShapeInferenceError(f"{node}: scales must share one float type, got {x_scale.dtype} and {w_scale.dtype}")
+    dtype = qmatmul_float_dtype(node, x_scale.dtype)
+    if not _is_float(dtype):
+        raise ShapeInferenceError(f"{node}: float_dtype must be a float type, got {dtype}")
+    for what, info in (("bias", bias), ("residual", residual), ("y_scale", y_scale)):
+        if info is not None and not _is_float(info.dtype):
+            raise ShapeInferenceError(f"{node}: {what} must be a float tensor, got {info.dtype}")
+    out_dtype = np.dtype(np.int8) if y_scale is not None else dtype
+    if x.shape is None or w.shape is None:
+        return TensorInfo(out_dtype, None)
+    if len(x.shape) != 4 or len(w.shape) != 4 or int(node.attr("group", 1)) != 1:
+        raise ShapeInferenceError(f"{node}: QConv is a 2-D one-group convolution, got {x.shape} and {w.shape}")
+    f32 = np.dtype(np.float32)
+    out = get_op("Conv").infer(_conv_node(node), TensorInfo(f32, x.shape), TensorInfo(f32, w.shape))
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    reduction = int(np.prod(w.shape[1:]))
+    if reduction > QMATMUL_MAX_K:
+        raise ShapeInferenceError(f"{node}: C*R*S = {reduction} could overflow the int32 accumulator "
+                                  f"(at most {QMATMUL_MAX_K})")
+    k = w.shape[0]
+    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, k)), "bias": (bias, (k,)), "y_scale": (y_scale, (1,))}
+    for what, (info, allowed) in sizes.items():
+        if info is not None and info.shape is not None and int(np.prod(info.shape)) not in allowed:
+            raise ShapeInferenceError(f"{node}: {what} of shape {info.shape} for {k} output channels")
+    if residual is None:
+        return TensorInfo(out_dtype, out.shape)
+    if residual.shape is None:
+        return TensorInfo(out_dtype, None)
+    return TensorInfo(out_dtype, broadcast_shapes(out.shape, residual.shape))
+
+
+def qconv_accumulate(node: Node, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The int32 accumulator of a one-group int8 convolution: im2col and one float64 BLAS product, exact
+    (sums of int8 products stay far below 2**53), zero padding (zero point 0)."""
+    from engine_core.ops.nn import conv, window_geometry
+
+    win = window_geometry(_conv_node(node), x.shape[2:], w.shape[2:])
+    return conv(x.astype(np.float64), w.astype(np.float64), win, 1).astype(np.int32)
+
+
+def _channels(value: np.ndarray) -> np.ndarray:
+    """A per-tensor or per-channel float32 vector shaped to broadcast along an NCHW tensor's channels."""
+    value = value.astype(np.float32)
+    return value.reshape(()) if value.size == 1 else value.reshape(1, -1, 1, 1)
+
+
+def _qconv_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
+               bias: np.ndarray | None = None, residual: np.ndarray | None = None,
+               y_scale: np.ndarray | None = None) -> np.ndarray:
+    """act(float(acc) * x_scale * w_scale[k] + bias[k] + residual) in float32, stored in ``float_dtype``:
+    the order and rounding of the CUDA epilogue kernel (engine_core/backends/cuda/int8_conv.py), so the two
+    backends agree bit for bit (up to the activation's math library). With ``y_scale`` the stored value is
+    quantized by QuantizeLinear's own code, so the layer equals QConv -> QuantizeLinear exactly."""
+    from engine_core.ops.quantization import quantize
+
+    acc = qconv_accumulate(node, x, w)
+    y = acc.astype(np.float32) * x_scale.astype(np.float32).reshape(()) * _channels(w_scale)
+    if bias is not None:
+        y = y + _channels(bias)
+    if residual is not None:
+        y = y + residual.astype(np.float32)
+    y = activate(node, y).astype(qmatmul_float_dtype(node, x_scale.dtype), copy=False)
+    if y_scale is None:
+        return y
+    return quantize(y, y_scale.reshape(()), None, np.dtype(np.int8))
+
+
+register_op("QConv", infer=_qconv_infer, cpu=_qconv_cpu, domain=DOMAIN,
+            doc="act(conv(int8 x, int8 W) (int32 sums) * x_scale * w_scale[k] + bias + residual), optionally "
+                "requantized to int8: a Q/DQ Conv as an INT8 implicit GEMM")

@@ -25,6 +25,14 @@ computes in float32 with the exact scales.
 
 ``fold_constants`` must leave the weight's DequantizeLinear in place (``keeps_int8_weight``): folded, the
 weight would be a float constant and its int8 form lost.
+
+FP8 (E4M3): the same pattern over ``float8e4m3fn`` tensors (opset 19+) fuses into a QMatMul with fp8
+operands whose accumulator is float32 (Hopper's FP8 tensor cores through cuBLASLt). x and W must share the
+type (int8 x fp8 does not fuse); zero points must be absent or 0 (ONNX requires 0 for float8 anyway). The
+weight may be scaled per tensor or per output column: cuBLASLt's own A/B scales are per tensor only, but the
+CUDA lowering applies both scales in its pointwise epilogue (see backends/cuda/int8_gemm.py), so a
+per-column scale costs nothing there. A following ``QuantizeLinear`` to float8e4m3fn (per tensor, saturate=1)
+is the requantizing epilogue as for int8. E5M2 and the "fnuz" types stay unfused.
 """
 
 from __future__ import annotations
@@ -32,10 +40,10 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.ir import Graph, Node
+from engine_core.ops.fused import INT8, QMATMUL_OPERANDS
 from engine_core.passes.pattern import Uses, is_op, known_rank, other_input, replace_nodes
 from engine_core.types import np_to_onnx, onnx_to_np
 
-INT8 = np.dtype(np.int8)
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 #: ONNX activation op -> QMatMul activation name (Gelu's approximate attribute picks GeluTanh)
 _ACTIVATIONS = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh"}
@@ -48,11 +56,11 @@ def _float_constant(graph: Graph, name: str) -> np.ndarray | None:
 
 
 def _zero_point_ok(graph: Graph, dq: Node) -> bool:
-    """No zero point, or a constant int8 zero point that is all zeros (symmetric quantization)."""
+    """No zero point, or a constant int8 / float8e4m3fn zero point that is all zeros (symmetric)."""
     if len(dq.inputs) < 3 or not dq.inputs[2]:
         return True
     zero = graph.constants.get(dq.inputs[2])
-    return isinstance(zero, np.ndarray) and zero.dtype == INT8 and not np.any(zero)
+    return isinstance(zero, np.ndarray) and zero.dtype in QMATMUL_OPERANDS and not np.any(zero.astype(np.float32))
 
 
 def _dq_output_dtype(graph: Graph, dq: Node) -> np.dtype | None:
@@ -92,22 +100,23 @@ def _quantized_dtype(graph: Graph, uses: Uses, dq: Node) -> np.dtype | None:
     return np.dtype(np.uint8)  # QuantizeLinear's default
 
 
-def _activation_dq(graph: Graph, uses: Uses, name: str) -> Node | None:
-    """The DequantizeLinear producing ``name`` when it dequantizes an int8 tensor with one scale."""
+def _activation_dq(graph: Graph, uses: Uses, name: str, types: tuple[np.dtype, ...] = (INT8,)) -> Node | None:
+    """The DequantizeLinear producing ``name`` when it dequantizes a tensor of one of ``types`` (int8 unless
+    told: fuse_qdq_conv reads int8 only) with one scale."""
     dq = uses.producers.get(name)
-    if not _plain_dq(graph, dq) or _quantized_dtype(graph, uses, dq) != INT8:
+    if not _plain_dq(graph, dq) or _quantized_dtype(graph, uses, dq) not in types:
         return None
     return dq if _float_constant(graph, dq.inputs[1]).size == 1 else None
 
 
 def _weight_dq(graph: Graph, uses: Uses, name: str, trans_b: int) -> Node | None:
-    """The DequantizeLinear producing ``name`` from a 2-D int8 constant, scaled per tensor or per output
-    column (axis 1 of [K, N]; axis 0 of a transB [N, K] weight)."""
+    """The DequantizeLinear producing ``name`` from a 2-D int8 or float8e4m3fn constant, scaled per tensor or
+    per output column (axis 1 of [K, N]; axis 0 of a transB [N, K] weight)."""
     dq = uses.producers.get(name)
     if not _plain_dq(graph, dq):
         return None
     weight = graph.constants.get(dq.inputs[0])
-    if not isinstance(weight, np.ndarray) or weight.dtype != INT8 or weight.ndim != 2:
+    if not isinstance(weight, np.ndarray) or weight.dtype not in QMATMUL_OPERANDS or weight.ndim != 2:
         return None
     scale = _float_constant(graph, dq.inputs[1])
     if scale.size == 1:
@@ -135,10 +144,10 @@ def _activation(node: Node | None) -> str | None:
     return _ACTIVATIONS.get(node.op_type) if is_op(node, *_ACTIVATIONS) else None
 
 
-def _requantize_scale(graph: Graph, q: Node | None, tail: str) -> str | None:
-    """The scale of ``q`` when it quantizes ``tail`` the way a requantizing epilogue can: int8 (an all-zero
-    int8 zero point, or none and ``output_dtype`` int8), one constant float scale, no blocks, the default
-    saturation and precision."""
+def _requantize_scale(graph: Graph, q: Node | None, tail: str, dtype: np.dtype = INT8) -> str | None:
+    """The scale of ``q`` when it quantizes ``tail`` the way a requantizing epilogue can: to the operands'
+    ``dtype`` (an all-zero zero point of that type, or none and ``output_dtype`` that type), one constant
+    float scale, no blocks, the default saturation and precision."""
     if not is_op(q, "QuantizeLinear") or len(q.inputs) < 2 or q.inputs[0] != tail:
         return None
     scale = _float_constant(graph, q.inputs[1])
@@ -146,8 +155,9 @@ def _requantize_scale(graph: Graph, q: Node | None, tail: str) -> str | None:
             or not q.attr("saturate", 1):
         return None
     if len(q.inputs) > 2 and q.inputs[2]:
-        return q.inputs[1] if _zero_point_ok(graph, q) else None
-    return q.inputs[1] if q.attr("output_dtype", 0) == np_to_onnx(INT8) else None
+        zero = graph.constants.get(q.inputs[2])
+        return q.inputs[1] if _zero_point_ok(graph, q) and zero.dtype == dtype else None
+    return q.inputs[1] if q.attr("output_dtype", 0) == np_to_onnx(dtype) else None
 
 
 def _gemm_operands(mm: Node) -> tuple[int, str] | None:
@@ -172,9 +182,12 @@ def _match(graph: Graph, uses: Uses, mm: Node, requantize: bool) -> tuple[Node, 
     if operands is None:
         return None
     trans_b, gemm_c = operands
-    x_dq = _activation_dq(graph, uses, mm.inputs[0])
+    x_dq = _activation_dq(graph, uses, mm.inputs[0], QMATMUL_OPERANDS)
     w_dq = _weight_dq(graph, uses, mm.inputs[1], trans_b)
     if x_dq is None or w_dq is None:
+        return None
+    operand = graph.constants[w_dq.inputs[0]].dtype
+    if _quantized_dtype(graph, uses, x_dq) != operand:  # int8 x fp8: no tensor-core GEMM takes the mix
         return None
     x_scale, w_scale = graph.constants[x_dq.inputs[1]], graph.constants[w_dq.inputs[1]]
     float_dtype = _dq_output_dtype(graph, x_dq)
@@ -199,7 +212,7 @@ def _match(graph: Graph, uses: Uses, mm: Node, requantize: bool) -> tuple[Node, 
         tail = step.outputs[0]
     inputs = [x_dq.inputs[0], x_dq.inputs[1], w_dq.inputs[0], w_dq.inputs[1], bias]
     q = uses.sole_reader(tail) if requantize else None
-    y_scale = _requantize_scale(graph, q, tail)
+    y_scale = _requantize_scale(graph, q, tail, operand)
     if y_scale is not None:
         covered.append(q)
         inputs.append(y_scale)
@@ -231,19 +244,21 @@ def fuse_qdq_matmul(graph: Graph, *, requantize: bool = True) -> int:
 
 
 def requantizes(node: Node) -> bool:
-    """Whether a QMatMul writes int8 through its requantizing epilogue (it has the output scale, input 5)."""
+    """Whether a QMatMul writes its operand type (int8 / fp8) through its requantizing epilogue (it has the
+    output scale, input 5)."""
     return node.op_type == "QMatMul" and len(node.inputs) > 5 and bool(node.inputs[5])
 
 
 def keeps_int8_weight(graph: Graph, node: Node, uses: Uses) -> bool:
-    """Whether constant folding must leave ``node`` alone: a DequantizeLinear of an int8 2-D constant with
-    zero point 0 whose every reader is a MatMul/Gemm taking it as the weight (input 1) and a dequantized
-    tensor as input 0 -- the layers this pass turns into INT8 GEMMs, which read the weight as int8."""
+    """Whether constant folding must leave ``node`` alone: a DequantizeLinear of an int8 or float8e4m3fn 2-D
+    constant with zero point 0 whose every reader is a MatMul/Gemm taking it as the weight (input 1) and a
+    dequantized tensor as input 0 -- the layers this pass turns into INT8 / FP8 GEMMs, which read the weight
+    in its quantized type."""
     if not _plain_dq(graph, node) or node.inputs[0] not in graph.constants:
         return False
     weight = graph.constants[node.inputs[0]]
     readers = uses.consumers.get(node.outputs[0], [])
-    if weight.dtype != INT8 or weight.ndim != 2 or not readers:
+    if weight.dtype not in QMATMUL_OPERANDS or weight.ndim != 2 or not readers:
         return False
     return all(is_op(r, "MatMul", "Gemm") and r.inputs[1] == node.outputs[0] and r.inputs[0] != node.outputs[0]
                and is_op(uses.producers.get(r.inputs[0]), "DequantizeLinear") for r in readers)

@@ -4,6 +4,7 @@ most likely to go wrong) are then checked on every CI machine, not only on the d
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -96,6 +97,14 @@ class Emulator:
         x = self.view(op.x, np.dtype(np.int8), (op.m, op.k), (op.k, 1)).astype(np.float64)
         w = self.view(op.w, np.dtype(np.int8), (op.n, op.k), (op.k, 1)).astype(np.float64)
         self.view(op.y, np.dtype(np.int32), (op.m, op.n), (op.n, 1))[...] = (x @ w.T).astype(np.int32)
+
+    def _fp8gemm(self, op) -> None:
+        """e4m3 x e4m3 -> float32: exact float64 sums rounded once (the CPU op's accumulator; cuBLASLt's float32
+        sums differ by at most K * 2**-24 * sum|x_k * w_k|)."""
+        fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+        x = self.view(op.x, fp8, (op.m, op.k), (op.k, 1)).astype(np.float64)
+        w = self.view(op.w, fp8, (op.n, op.k), (op.k, 1)).astype(np.float64)
+        self.view(op.y, np.dtype(np.float32), (op.m, op.n), (op.n, 1))[...] = (x @ w.T).astype(np.float32)
 
     def _conv(self, op: Conv) -> None:
         if self.unfused_convs == "bias_only" and op.rest:
@@ -251,6 +260,8 @@ def _qdq(pw, ins: list) -> np.ndarray:
     x, scale, zero = ins[0], ins[1].astype(np.float32), ins[2] if len(ins) > 2 and ins[2] is not None else 0
     if pw.op == "DequantizeLinear":
         return ((x.astype(np.float32) - np.asarray(zero, np.float32)) * scale).astype(pw.dtype)
+    if pw.dtype == np.dtype(ml_dtypes.float8_e4m3fn):  # saturate=1: clamp to the largest finite E4M3, then round
+        return np.clip(x.astype(np.float32) / scale + np.asarray(zero, np.float32), -448, 448).astype(pw.dtype)
     info = np.iinfo(pw.dtype)
     return np.clip(np.rint(x.astype(np.float32) / scale) + np.asarray(zero, np.float32), info.min, info.max).astype(pw.dtype)
 

@@ -11,6 +11,7 @@ import copy
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -19,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import lowering
-from engine_core.backends.cuda.int8_gemm import Int8Gemm, lower_qmatmul
+from engine_core.backends.cuda.int8_gemm import Fp8Gemm, Int8Gemm, lower_qmatmul
 from engine_core.backends.cuda.pointwise import PointwiseKernel, PwNode, Unsupported
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
@@ -278,3 +279,89 @@ def test_fp16_bert_qdq_on_the_gpu_matches_the_cpu_backend():
             scale = float(np.abs(want[name]).max())
             error = np.abs(got[name] - want[name])
             assert float(error.max()) <= 0.03 * scale and float(error.mean()) <= 2e-3 * scale, (name, error.max())
+
+
+# -- FP8 (E4M3) -----------------------------------------------------------------------------------------
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """x[B, din] -> Q/DQ(fp8) -> MatMul(per-tensor e4m3 W) + bias + Relu -> Q/DQ(fp8) -> Gemm(transB,
+    per-column e4m3 W) + bias -> Gelu -> y: both layouts, both scale kinds, fc1 requantizing to e4m3."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((din, hidden)) * 60).astype(FP8)
+    w2 = (rng.standard_normal((dout, hidden)) * 60).astype(FP8)
+    inits = {"w1": w1, "w1_scale": np.array(0.003, np.float32), "b1": (0.1 * rng.standard_normal(hidden)).astype(np.float32),
+             "w2": w2, "w2_scale": rng.uniform(0.001, 0.004, dout).astype(np.float32),
+             "b2": (0.1 * rng.standard_normal(dout)).astype(np.float32), "s_x": np.array(0.01, np.float32),
+             "s_h": np.array(0.02, np.float32), "zero": np.zeros((), FP8)}
+    n = helper.make_node
+    nodes = [n("QuantizeLinear", ["x", "s_x", "zero"], ["xq"], name="q_x"),
+             n("DequantizeLinear", ["xq", "s_x", "zero"], ["xd"], name="dq_x"),
+             n("DequantizeLinear", ["w1", "w1_scale"], ["w1d"], name="dq_w1"),
+             n("MatMul", ["xd", "w1d"], ["h"], name="fc1"), n("Add", ["h", "b1"], ["hb"], name="bias1"),
+             n("Relu", ["hb"], ["r"], name="relu"),
+             n("QuantizeLinear", ["r", "s_h", "zero"], ["rq"], name="q_h"),
+             n("DequantizeLinear", ["rq", "s_h", "zero"], ["rd"], name="dq_h"),
+             n("DequantizeLinear", ["w2", "w2_scale"], ["w2d"], name="dq_w2", axis=0),
+             n("Gemm", ["rd", "w2d", "b2"], ["g"], transB=1, name="fc2"), n("Gelu", ["g"], ["y"], name="gelu")]
+    graph = helper.make_graph(nodes, "fp8_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", din])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dout])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+@needs_wiring
+@pytest.mark.parametrize("batch", [1, 7])
+def test_emulated_fp8_gemm_steps_equal_the_cpu_backend(batch):
+    """Both layers are FP8 GEMMs (float32 sums) with the generated epilogue; fc1 requantizes: its epilogue
+    stores e4m3 (round to nearest even, saturating). Emulated steps equal the CPU backend bit for bit."""
+    x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
+    graph, lowered = _lowered(fp8_mlp(), {"x": x})
+    steps = {s.node.name: s for s in lowered.steps}
+    for name, (n, k) in (("fc1", (96, 64)), ("fc2", (32, 96))):
+        gemm = steps[name].ops[0]
+        assert type(gemm) is Fp8Gemm and (gemm.m, gemm.n, gemm.k) == (batch, n, k)
+        assert lowered.infos[steps[name].scratch[0]].dtype == np.float32  # the float32 accumulator
+    assert lowered.weight_transforms == {"w1#nk": ("w1", "nk")}
+    assert steps["fc1"].node.outputs == ["rq"] and lowered.infos["rq"].dtype == FP8
+    fc1_ops = steps["fc1"].ops
+    assert [type(o).__name__ for o in fc1_ops] == ["Fp8Gemm", "Launch"]
+    assert fc1_ops[1].program.out == FP8 and fc1_ops[1].program.nodes[-1].op == "QuantizeLinear"
+    assert [type(o).__name__ for o in steps["fc2"].ops] == ["Fp8Gemm", "Launch"]
+    got = Emulator(graph, lowered, {"x": x}).run()["y"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
+
+
+def test_fp8_k_or_n_not_a_multiple_of_sixteen_runs_on_the_host():
+    """cuBLASLt's FP8 kernels need 16-byte aligned leading dimensions: K and N multiples of 16."""
+    node = Node("QMatMul", ["x", "s", "w", "ws", ""], ["y"], {"transB": 1, "activation": ""}, "fc", "kiln", 1)
+    f32 = np.dtype(np.float32)
+    for n, k in ((24, 32), (32, 8)):
+        infos = {"x": TensorInfo(FP8, (4, k)), "s": TensorInfo(f32, ()), "w": TensorInfo(FP8, (n, k)),
+                 "ws": TensorInfo(f32, ()), "y": TensorInfo(f32, (4, n))}
+        ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), {})
+        with pytest.raises(Unsupported, match=f"FP8 GEMM needs N and K multiples of 16, got N={n}, K={k}"):
+            lower_qmatmul(node, ctx)
+
+
+@pytest.mark.gpu
+def test_fp8_mlp_on_the_gpu_matches_the_cpu_backend():
+    """Both FP8 GEMMs run in cuBLASLt. Tolerance: the float32 accumulators differ from the CPU's exactly
+    rounded sums by float32 rounding (~1e-7 relative); fc1's e4m3 requantization can move a hidden value
+    lying on a rounding boundary by one e4m3 step (1/8 relative), which moves a few outputs by up to
+    max|w2| * w2_scale * that step: max error <= 2% of max|y|, mean error <= 1e-4 of max|y|."""
+    profiles = {"x": ((1, 64), (16, 64), (64, 64))}
+    gpu, cpu = _engine(fp8_mlp(), "cuda", profiles), _engine(fp8_mlp(), "cpu", profiles)
+    layers = _int8_layers(gpu)
+    assert set(layers) == {"fc1", "fc2"} and "host" not in layers.values(), layers
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    rng = np.random.default_rng(5)
+    for batch in (1, 7, 64):
+        x = {"x": rng.standard_normal((batch, 64)).astype(np.float32)}
+        got, want = gctx.infer(x)["y"], cctx.infer(x)["y"]
+        scale, error = float(np.abs(want).max()), np.abs(got - want)
+        assert float(error.max()) <= 0.02 * scale and float(error.mean()) <= 1e-4 * scale, (batch, error.max())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -202,9 +203,14 @@ def test_qmatmul_shape_inference_names_the_problem():
     assert (out.dtype, out.shape) == (f32, (2, 3, 4))
     with pytest.raises(ShapeInferenceError, match="disagree on K"):
         op.infer(node, TensorInfo(i8, (2, 7)), TensorInfo(f32, ()), TensorInfo(i8, (8, 4)), TensorInfo(f32, (4,)))
-    with pytest.raises(ShapeInferenceError, match="int8 operands"):
+    with pytest.raises(ShapeInferenceError, match="two int8 or two float8e4m3fn operands, got uint8 and int8"):
         op.infer(node, TensorInfo(np.uint8, (2, 8)), TensorInfo(f32, ()), TensorInfo(i8, (8, 4)),
                  TensorInfo(f32, (4,)))
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ShapeInferenceError, match="got float8_e4m3fn and int8"):  # no mixed int8 x fp8 GEMM
+        op.infer(node, TensorInfo(fp8, (2, 8)), TensorInfo(f32, ()), TensorInfo(i8, (8, 4)), TensorInfo(f32, (4,)))
+    out = op.infer(node, TensorInfo(fp8, (2, 8)), TensorInfo(f32, ()), TensorInfo(fp8, (8, 4)), TensorInfo(f32, ()))
+    assert (out.dtype, out.shape) == (f32, (2, 4))
     with pytest.raises(ShapeInferenceError, match="w_scale of shape"):
         op.infer(node, TensorInfo(i8, (2, 8)), TensorInfo(f32, ()), TensorInfo(i8, (8, 4)), TensorInfo(f32, (3,)))
 
@@ -468,3 +474,101 @@ def test_fp16_bert_qdq_keeps_every_linear_layer_int8_and_matches_fp32():
             scale = float(np.abs(value).max())
             error = np.abs(got[name].astype(np.float64) - value)
             assert float(error.max()) <= 1.5e-2 * scale and float(error.mean()) <= 3e-3 * scale, (name, error.max())
+
+
+# -- FP8 (E4M3) ---------------------------------------------------------------------------------------
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8_linear(rng, *, per_channel: bool = False, requantize: bool = False, weight_dtype=FP8,
+                x_dtype=FP8, k: int = 64, n: int = 48) -> tuple[onnx.ModelProto, dict]:
+    """x -> Q(fp8) -> DQ -> MatMul <- DQ(fp8 W constant) -> Add(bias) -> Relu [-> Q(fp8) -> DQ] -> y."""
+    w = (rng.standard_normal((k, n)) * 40).astype(np.float32).astype(weight_dtype)
+    w_scale = rng.uniform(0.002, 0.02, n if per_channel else ()).astype(np.float32)
+    inits = {"w_q": w, "w_scale": w_scale, "x_scale": np.array(0.01, np.float32),
+             "x_zero": np.zeros((), x_dtype), "b": rng.standard_normal(n).astype(np.float32),
+             "y_scale": np.array(0.02, np.float32), "y_zero": np.zeros((), FP8)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["x_q"], name="q"),
+             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero"], ["x_dq"], name="dq_x"),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w_dq"], name="dq_w", axis=1),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["mm"], name="fc"),
+             helper.make_node("Add", ["mm", "b"], ["biased"], name="bias"),
+             helper.make_node("Relu", ["biased"], ["act"], name="act")]
+    tail = "act"
+    if requantize:
+        nodes += [helper.make_node("QuantizeLinear", ["act", "y_scale", "y_zero"], ["y_q"], name="q_y"),
+                  helper.make_node("DequantizeLinear", ["y_q", "y_scale", "y_zero"], ["y_dq"], name="dq_y")]
+        tail = "y_dq"
+    nodes.append(helper.make_node("Identity", [tail], ["y"], name="out"))
+    model = _model(nodes, {"x": [3, 5, k]}, ["y"], inits)
+    return model, {"x": (rng.standard_normal((3, 5, k)) * 1.5).astype(np.float32)}
+
+
+def _fp8_reference(feeds: dict, model: onnx.ModelProto) -> np.ndarray:
+    """Exact float64 sums of e4m3 products rounded once to float32, then the float32 epilogue in the op's
+    order (x_scale, w_scale, bias, Relu)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    x_q = np.clip(feeds["x"] / inits["x_scale"], -448, 448).astype(FP8)
+    acc = (x_q.astype(np.float64) @ inits["w_q"].astype(np.float64)).astype(np.float32)
+    y = acc * inits["x_scale"] * inits["w_scale"].reshape(-1) + inits["b"]
+    return np.maximum(y, 0)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_matmul_bias_relu_becomes_one_qmatmul(rng, per_channel):
+    """Per-tensor and per-column weight scales both fuse: the CUDA lowering applies the scales in its
+    epilogue, not through cuBLASLt's per-tensor A/B scales."""
+    model, feeds = _fp8_linear(rng, per_channel=per_channel)
+    before, after, count = _fused(model)
+    assert count == 1 and _ops(after) == ["QuantizeLinear", "QMatMul", "Identity"]
+    node = after.nodes[1]
+    assert node.inputs == ["x_q", "x_scale", "w_q", "w_scale", "b"] and node.attrs == {"transB": 0,
+                                                                                       "activation": "Relu"}
+    assert after.constants["w_q"].dtype == FP8  # the weight stays e4m3
+    got = GraphRunner(after).run(feeds)["y"]
+    np.testing.assert_array_equal(got, _fp8_reference(feeds, model))
+    # the unfused graph sums the dequantized products in float32 (K = 64 terms)
+    _close(got, GraphRunner(before).run(feeds)["y"])
+
+
+def test_fp8_requantizing_epilogue_writes_e4m3(rng):
+    """Relu -> Q(fp8): the layer writes e4m3, exactly QMatMul (float) -> QuantizeLinear."""
+    model, feeds = _fp8_linear(rng, requantize=True)
+    _, after, count = _fused(model)
+    plain = _graph(model)
+    fuse_gelu(plain)
+    fuse_qdq_matmul(plain, requantize=False)
+    eliminate_dead_code(plain)
+    assert count == 1 and _ops(after) == ["QuantizeLinear", "QMatMul", "DequantizeLinear", "Identity"]
+    assert _ops(plain) == ["QuantizeLinear", "QMatMul", "QuantizeLinear", "DequantizeLinear", "Identity"]
+    node = after.nodes[1]
+    assert node.inputs[5] == "y_scale" and node.outputs == ["y_q"]
+    infos = [TensorInfo(FP8, (3, 5, 64))] + [TensorInfo(after.constants[n].dtype, after.constants[n].shape)
+                                             for n in node.inputs[1:]]
+    assert get_op("QMatMul", "kiln").infer(node, *infos).dtype == FP8
+    np.testing.assert_array_equal(GraphRunner(after).run(feeds)["y"], GraphRunner(plain).run(feeds)["y"])
+
+
+@pytest.mark.parametrize("case", ["int8_x_fp8_w", "e5m2_weight", "fp8_requantize_to_int8"])
+def test_fp8_graphs_outside_the_pattern_stay_as_they_are(rng, case):
+    if case == "int8_x_fp8_w":  # no tensor-core GEMM mixes int8 and e4m3 operands
+        model, _ = _fp8_linear(rng, x_dtype=np.int8)
+    elif case == "e5m2_weight":
+        model, _ = _fp8_linear(rng, weight_dtype=ml_dtypes.float8_e5m2)
+    else:  # the layer fuses, but a QuantizeLinear to another type than its operands' stays a layer
+        model, _ = _fp8_linear(rng, requantize=True)
+        zero = next(t for t in model.graph.initializer if t.name == "y_zero")
+        zero.CopyFrom(numpy_helper.from_array(np.array(0, np.int8), "y_zero"))
+        _, after, count = _fused(model)
+        assert count == 1 and _ops(after) == ["QuantizeLinear", "QMatMul", "QuantizeLinear", "DequantizeLinear",
+                                              "Identity"]
+        return
+    before, after, count = _fused(model)
+    assert count == 0 and _ops(after) == _ops(before)
+
+
+def test_keeps_fp8_weight_for_constant_folding(rng):
+    model, _ = _fp8_linear(rng)
+    graph = _graph(model)
+    assert keeps_int8_weight(graph, next(n for n in graph.nodes if n.name == "dq_w"), Uses(graph))

@@ -11,22 +11,37 @@ op(A) = T, op(B) = N -- with m and k multiples of 4. Row-major Y[M, N] = X W is 
 Y^T = W^T X^T, so cuBLASLt's A is the weight stored as [N, K] row-major (a transB Gemm weight as it is;
 a MatMul [K, N] weight transposed once per engine: weight transform "nk") and its B is X as it lies.
 Leading batch dims of X fold into M. Shapes outside these rules run on the host (visible as "host").
+
+FP8 (E4M3, sm_89+/Hopper): ``Fp8Gemm`` is the same "TN" call with ``CUDA_R_8F_E4M3`` A/B,
+``CUBLAS_COMPUTE_32F``, ``CUDA_R_32F`` scale type and a float32 C/D (a combination cuBLASLt's FP8 table
+lists), alpha 1, beta 0, no A/B scale pointers: D holds the raw float32 sums and the same generated epilogue
+applies ``x_scale * w_scale[n]``, bias and activation. Why not cuBLASLt's A/B/D scales: the epilogue kernel
+runs anyway (bias, activation, requantization), so folding the scales into the GEMM saves nothing, while
+keeping them there gives per-column weight scales (cuBLASLt's are per tensor), scales of any float type (its
+scale pointers must be float32) and the CPU op's rounding order (only the summation order differs: cuBLASLt
+sums in float32, the CPU op rounds the exact sum once). cuBLASLt's FP8 kernels need 16-byte aligned operands
+and leading dimensions: K and N multiples of 16 here (M is free); other shapes run on the host.
+
+A requantizing FP8 layer would end its epilogue with an E4M3 store, which the generated pointwise kernels do
+not have yet (fp8 QuantizeLinear runs on the host): until they do, the epilogue writes the float result to a
+step-local buffer and the step's last op is that QuantizeLinear on the host -- correct, and visible as a
+``Host`` op in the step (CUDA-graph capture is then off for the engine, as for any host layer).
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from engine_core.backends.cuda.lowering import Launch, Ref, _Context, launch_program
+from engine_core.backends.cuda.lowering import Host, Launch, Ref, _Context, launch_program
 from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
 from engine_core.cuda.driver import CudaError
 from engine_core.ir import Node
 from engine_core.ops import TensorInfo
-from engine_core.ops.fused import qmatmul_float_dtype
+from engine_core.ops.fused import FP8, qmatmul_float_dtype
 from engine_core.types import np_to_onnx
 
 if TYPE_CHECKING:
@@ -35,8 +50,9 @@ if TYPE_CHECKING:
 INT8, INT32, F32 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.float32)
 #: weight transform turning a [K, N] weight into the [N, K] rows cuBLASLt's "TN" form reads
 NK_TRANSFORM = "nk"
-#: cudaDataType / cublasComputeType_t values
-_CUDA_R_8I, _CUDA_R_32I, _COMPUTE_32I = 3, 10, 72
+#: cudaDataType / cublasComputeType_t values (library_types.h, cublas_api.h of the CUDA 13 wheels)
+_CUDA_R_32F, _CUDA_R_8I, _CUDA_R_32I, _CUDA_R_8F_E4M3 = 0, 3, 10, 28
+_COMPUTE_32F, _COMPUTE_32I = 68, 72
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1
@@ -57,10 +73,26 @@ class Int8Gemm:
     m: int
     n: int
     k: int
+    #: the layer's tactic name (without the "gemm:" prefix)
+    tactic: ClassVar[str] = "cublaslt_int8"
+    #: cuBLASLt types: (A/B cudaDataType, C/D cudaDataType, compute type, scale type)
+    types: ClassVar[tuple[int, int, int, int]] = (_CUDA_R_8I, _CUDA_R_32I, _COMPUTE_32I, _CUDA_R_32I)
+    #: the accumulator's element type
+    acc_dtype: ClassVar[np.dtype] = INT32
 
     def refs(self) -> list[Ref]:
         """Every tensor the GEMM addresses (for the runner's read sets and weight streaming)."""
         return [self.x, self.w, self.y]
+
+
+@dataclass
+class Fp8Gemm(Int8Gemm):
+    """acc[m, n] (float32 sums, row-major) = x[m, k] (e4m3) @ w[n, k]^T (e4m3). A subclass so the runner's
+    Int8Gemm dispatch (one cuBLASLt handle and workspace per context) runs it; the plan follows ``types``."""
+
+    tactic: ClassVar[str] = "cublaslt_fp8"
+    types: ClassVar[tuple[int, int, int, int]] = (_CUDA_R_8F_E4M3, _CUDA_R_32F, _COMPUTE_32F, _CUDA_R_32F)
+    acc_dtype: ClassVar[np.dtype] = F32
 
 
 def nk_weight(value: np.ndarray) -> np.ndarray:
@@ -90,12 +122,13 @@ def _optional(node: Node, index: int) -> str:
     return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
 
 
-def _dequant_epilogue(node: Node, ctx: _Context, acc: str) -> Launch:
+def _dequant_epilogue(node: Node, ctx: _Context, acc: str, float_out: str = "") -> Launch:
     """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output; with y_scale
-    then Cast to the float type and QuantizeLinear (the pointwise op's own code) -> int8."""
-    out_name = node.outputs[0]
+    then Cast to the float type and QuantizeLinear (the pointwise op's own code) -> int8. ``float_out``: stop
+    before the requantization and write the float result there instead."""
+    out_name = float_out or node.outputs[0]
     out = ctx.info(out_name)
-    bias, y_scale = _optional(node, 4), _optional(node, 5)
+    bias, y_scale = _optional(node, 4), "" if float_out else _optional(node, 5)
     inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else []), *([y_scale] if y_scale else [])]
     nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
              PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
@@ -115,34 +148,55 @@ def _dequant_epilogue(node: Node, ctx: _Context, acc: str) -> Launch:
         result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
         if result != F32:  # round like the float tensor the unfused graph stores
             nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
-        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], INT8))
+        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], out.dtype))
     kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
     strides = [broadcast_strides(ctx.info(n).shape, out.shape) for n in inputs]
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
 
 
+def _host_requantize(node: Node, ctx: _Context, acc: str) -> list:
+    """[the epilogue into a step-local float buffer, QuantizeLinear(that, y_scale) on the host]: a
+    requantizing layer whose output type the pointwise kernels cannot store (float8e4m3fn)."""
+    out = ctx.info(node.outputs[0])
+    result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
+    buffer = ctx.new_scratch(f"{node.name}#float", result, tuple(out.shape))
+    quantize = Node("QuantizeLinear", [buffer.tensor, node.inputs[5]], [node.outputs[0]],
+                    {"output_dtype": np_to_onnx(out.dtype), "saturate": 1}, f"{node.name}#quantize", "", 21, [])
+    return [_dequant_epilogue(node, ctx, acc, buffer.tensor), Host(quantize)]
+
+
 def lower_qmatmul(node: Node, ctx: _Context) -> list:
-    """``kiln.QMatMul`` -> [Int8Gemm into a step-local int32 buffer, the dequantizing epilogue]; raises
-    Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA kernels do not take."""
+    """``kiln.QMatMul`` -> [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing
+    epilogue]; raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels
+    do not take."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
-    if x.dtype != INT8 or w.dtype != INT8 or len(w.shape) != 2:
+    if x.dtype != w.dtype or x.dtype not in (INT8, FP8) or len(w.shape) != 2:
         raise Unsupported(f"QMatMul over {x.dtype} x {w.dtype} {w.shape}")
+    gemm_type = Fp8Gemm if x.dtype == FP8 else Int8Gemm
     trans_b = bool(node.attr("transB", 0))
     n, k = _output_columns(w, trans_b)
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if n % 4 or k % 4:
-        raise Unsupported(f"INT8 GEMM needs N and K multiples of 4, got N={n}, K={k}")
+    multiple = 16 if gemm_type is Fp8Gemm else 4
+    if n % multiple or k % multiple:
+        kind = "FP8" if gemm_type is Fp8Gemm else "INT8"
+        raise Unsupported(f"{kind} GEMM needs N and K multiples of {multiple}, got N={n}, K={k}")
     y_scale = _optional(node, 5)
     for name in (node.inputs[1], node.inputs[3], _optional(node, 4), y_scale):
         if name and ctx.info(name).dtype not in FLOATS:
             raise Unsupported(f"QMatMul {name} is {ctx.info(name).dtype}, not a float type")
-    if (out.dtype == INT8) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):
+    if (out.dtype == x.dtype) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):
         raise Unsupported(f"QMatMul writing {out.dtype} ({'with' if y_scale else 'without'} an output scale)")
     if m * n == 0:
         return []
     weight = _weight_rows(node, ctx, trans_b)
-    acc = ctx.new_scratch(f"{node.name}#acc", INT32, tuple(out.shape))
-    return [Int8Gemm(Ref(node.inputs[0]), Ref(weight), acc, m, n, k), _dequant_epilogue(node, ctx, acc.tensor)]
+    acc = ctx.new_scratch(f"{node.name}#acc", gemm_type.acc_dtype, tuple(out.shape))
+    gemm = gemm_type(Ref(node.inputs[0]), Ref(weight), acc, m, n, k)
+    try:
+        return [gemm, _dequant_epilogue(node, ctx, acc.tensor)]
+    except Unsupported:
+        if not y_scale or out.dtype == INT8:
+            raise
+    return [gemm, *_host_requantize(node, ctx, acc.tensor)]
 
 
 # -- execution ---------------------------------------------------------------------------------------
@@ -154,19 +208,23 @@ def _check(status: int, what: str) -> None:
 
 
 class _Plan:
-    """cuBLASLt descriptors and the heuristic's algorithm for one (m, n, k) INT8 GEMM."""
+    """cuBLASLt descriptors and the heuristic's algorithm for one (types, m, n, k) INT8 / FP8 GEMM."""
 
-    def __init__(self, lt: CublasLt, m: int, n: int, k: int) -> None:
+    def __init__(self, lt: CublasLt, m: int, n: int, k: int,
+                 types: tuple[int, int, int, int] = Int8Gemm.types) -> None:
         from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES, _Heuristic
 
         c, lib = ctypes, lt.lib
+        operand, result, compute, scale = types
         self.desc = c.c_void_p()
-        _check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), _COMPUTE_32I, _CUDA_R_32I), "cublasLtMatmulDescCreate")
+        _check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, scale), "cublasLtMatmulDescCreate")
+        # alpha 1, beta 0 in the scale type (int32 for IMMA, float32 for FP8)
+        self.one, self.zero = (c.c_float(1.0), c.c_float(0.0)) if scale == _CUDA_R_32F else (c.c_int32(1), c.c_int32(0))
         op_a, op_b = c.c_int(_OP_T), c.c_int(_OP_N)  # Lt's A: the weight rows; Lt's B: x as it lies
         _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
         _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
         self.layouts = []
-        for kind, rows, cols, ld in ((_CUDA_R_8I, k, n, k), (_CUDA_R_8I, k, m, k), (_CUDA_R_32I, n, m, n)):
+        for kind, rows, cols, ld in ((operand, k, n, k), (operand, k, m, k), (result, n, m, n)):
             layout = c.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(c.byref(layout), kind, c.c_uint64(rows), c.c_uint64(cols),
                                                   c.c_int64(ld)), "cublasLtMatrixLayoutCreate")
@@ -182,11 +240,13 @@ class _Plan:
                                                     c.byref(self.heuristic), c.byref(found))
         lib.cublasLtMatmulPreferenceDestroy(pref)
         if status != 0 or found.value == 0:
-            raise CudaError(f"cuBLASLt has no INT8 algorithm for M={m} N={n} K={k} (status {status})")
+            what = "FP8" if operand == _CUDA_R_8F_E4M3 else "INT8"
+            raise CudaError(f"cuBLASLt has no {what} algorithm for M={m} N={n} K={k} (status {status})")
 
 
 class Int8GemmRunner:
-    """Runs ``Int8Gemm`` steps on one cuBLASLt handle and workspace (an execution context's)."""
+    """Runs ``Int8Gemm`` and ``Fp8Gemm`` steps on one cuBLASLt handle and workspace (an execution
+    context's)."""
 
     def __init__(self, lt: CublasLt | None = None) -> None:
         if lt is None:
@@ -194,21 +254,20 @@ class Int8GemmRunner:
 
             lt = CublasLt()
         self.lt = lt
-        self._plans: dict[tuple[int, int, int], _Plan] = {}
-        self._one, self._zero = ctypes.c_int32(1), ctypes.c_int32(0)
+        self._plans: dict[tuple, _Plan] = {}
 
     def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
         """Enqueue acc = x @ w^T on ``stream``; ``resolve`` maps a Ref to its device address."""
         from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES
 
-        key = (op.m, op.n, op.k)
+        key = (op.types, op.m, op.n, op.k)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(self.lt, op.m, op.n, op.k)
+            plan = self._plans[key] = _Plan(self.lt, op.m, op.n, op.k, op.types)
         c, lt = ctypes, self.lt
         a_l, b_l, y_l = plan.layouts
         y = c.c_void_p(resolve(op.y))
-        _check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(self._one), c.c_void_p(resolve(op.w)), a_l,
-                                     c.c_void_p(resolve(op.x)), b_l, c.byref(self._zero), y, y_l, y, y_l,
+        _check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(plan.one), c.c_void_p(resolve(op.w)), a_l,
+                                     c.c_void_p(resolve(op.x)), b_l, c.byref(plan.zero), y, y_l, y, y_l,
                                      c.byref(plan.heuristic), c.c_void_p(lt.workspace.ptr),
-                                     c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)), "cublasLtMatmul (int8)")
+                                     c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)), f"cublasLtMatmul ({op.tactic})")

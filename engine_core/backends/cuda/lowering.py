@@ -1041,7 +1041,7 @@ def _tactic(node: Node, ops: list) -> str:
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
     if node.op_type == "QMatMul" and ops:
-        return "gemm:cublaslt_int8"
+        return f"gemm:{ops[0].tactic}"  # cublaslt_int8 / cublaslt_fp8
     if node.op_type == "Attention":
         return "kernel:flash_attention"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",

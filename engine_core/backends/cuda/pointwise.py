@@ -26,6 +26,7 @@ from engine_core.cuda.nvrtc import KERNEL_DIR
 MAX_RANK = 6
 MAX_INPUTS = 8
 BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 #: numpy dtype -> (storage C type, name suffix, compute C type)
 C_TYPES: dict[np.dtype, tuple[str, str, str]] = {
@@ -42,6 +43,7 @@ C_TYPES: dict[np.dtype, tuple[str, str, str]] = {
     np.dtype(np.uint32): ("unsigned int", "u32", "unsigned int"),
     np.dtype(np.uint64): ("unsigned long long", "u64", "unsigned long long"),
     np.dtype(np.bool_): ("bool", "b8", "bool"),
+    E4M3: ("__nv_fp8_e4m3", "e4m3", "float"),  # Q/DQ and casts only (not in FLOATS: no arithmetic in fp8)
 }
 FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16})
 BOOL = np.dtype(np.bool_)
@@ -69,7 +71,8 @@ _FLOAT_BINARY = {"Div": "{a} / {b}", "Pow": "pow{f}({a}, ({F}){b})"}
 _COMPARE = {"Equal": "{a} == {b}", "Less": "{a} < {b}", "Greater": "{a} > {b}", "LessOrEqual": "{a} <= {b}",
             "GreaterOrEqual": "{a} >= {b}"}
 _BOOL = {"And": "{a} && {b}", "Or": "{a} || {b}", "Xor": "{a} != {b}"}
-#: integer types of QuantizeLinear/DequantizeLinear (fp8 and int4 run on the host) -> saturation range
+#: integer types of QuantizeLinear/DequantizeLinear (int4 runs on the host) -> saturation range; E4M3 saturates
+#: in its store (KilnConvert)
 _QUANT_RANGE = {np.dtype(np.int8): (-128, 127), np.dtype(np.uint8): (0, 255), np.dtype(np.int16): (-32768, 32767),
                 np.dtype(np.uint16): (0, 65535)}
 
@@ -260,13 +263,16 @@ def _expression(node: PwNode, args: list[tuple[str, np.dtype] | None]) -> str:
         out = node.dtype
         if out == BOOL:
             return f"{names['a']} != 0"
-        if out in (np.dtype(np.float16), BF16):  # round like the real cast would
+        if out in (np.dtype(np.float16), BF16, E4M3):  # round like the real cast would
             storage = C_TYPES[out][0]
             return f"kiln_load(KILN_CONVERT({storage}, {names['a']}))"
         return f"({C_TYPES[out][2]})({names['a']})"
-    if op == "DequantizeLinear" and first in _QUANT_RANGE:
+    if op == "DequantizeLinear" and (first in _QUANT_RANGE or first == E4M3):
         zero = f" - ({compute_of(node.dtype)})({names['c']})" if names["c"] else ""
         return f"(({compute_of(node.dtype)}){names['a']}{zero}) * ({compute_of(node.dtype)}){names['b']}"
+    if op == "QuantizeLinear" and first in FLOATS and node.dtype == E4M3 and dict(node.attrs).get("saturate", 1):
+        zero = f" + (float)({names['c']})" if names["c"] else ""  # rounded (and saturated) as the E4M3 store does
+        return f"kiln_load(KILN_CONVERT(__nv_fp8_e4m3, (float){names['a']} / (float){names['b']}{zero}))"
     if op == "QuantizeLinear" and first in FLOATS and node.dtype in _QUANT_RANGE:
         lo, hi = _QUANT_RANGE[node.dtype]
         zero = f" + (float)({names['c']})" if names["c"] else ""
