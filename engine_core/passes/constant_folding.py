@@ -17,6 +17,7 @@ from engine_core.backends.cpu import run_node
 from engine_core.errors import BuildError
 from engine_core.ir import Graph, Node, has_subgraph
 from engine_core.ops import TensorInfo, get_op
+from engine_core.passes.fuse_qdq_conv import keeps_int8_conv_weight
 from engine_core.passes.fuse_qdq_matmul import keeps_int8_weight
 from engine_core.passes.pattern import Uses
 from engine_core.passes.shape_inference import VALUE_LIMIT
@@ -46,7 +47,7 @@ def fold_constants(graph: Graph) -> int:
             # only the shape is read: a zero-stride view, so a huge declared input shape allocates nothing
             args = [np.broadcast_to(np.zeros((), np.uint8), static_shapes[present[0]])]
         elif op is None or not op.deterministic or not present or not all(i in graph.constants for i in present) \
-                or keeps_int8_weight(graph, node, uses):  # an INT8 GEMM reads this weight as int8
+                or keeps_int8_weight(graph, node, uses) or keeps_int8_conv_weight(graph, node, uses):  # read as int8
             kept.append(node)
             continue
         else:

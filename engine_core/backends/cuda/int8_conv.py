@@ -1,0 +1,196 @@
+"""``kiln.QConv`` on the GPU: an implicit GEMM on the INT8 cuBLASLt step (``Int8Gemm``) plus one epilogue.
+
+Lowering, with activations channels-last (NHWC) int8:
+
+1. the GEMM operand ``cols`` [N*OH*OW, R*S*Cp]: a 1x1 stride-1 unpadded convolution over C % 4 == 0 channels
+   reads the input itself (NHWC *is* [N*H*W, C]); otherwise a zero-filled scratch [N, Hp, Wp, Cp] gets the
+   input copied into its interior, from any layout (only when the convolution pads or Cp != C: so the stem
+   needs no reformat of the network input), and one strided copy reads it (or the NHWC input) as
+   the 6-D view [N, OH, OW, R, S, Cp] (strides Hp*Wp*Cp, sh*Wp*Cp, sw*Cp, dh*Wp*Cp, dw*Cp, 1) into ``cols``:
+   im2col with the generated pointwise copy kernel, no new kernel;
+2. ``Int8Gemm``: acc[N*OH*OW, K] (int32) = cols @ W^T with W as [K, R*S*Cp] rows (the existing "krsc"
+   weight transform; for Cp != C two small copies pad it per run);
+3. one generated pointwise program: ``act(float(acc) * x_scale * w_scale[k] + bias[k] + residual)``, with
+   ``y_scale`` a Cast to the float type and QuantizeLinear to int8, written in the output's layout
+   (NHWC unless a graph output): the CPU op's order and rounding (engine_core/ops/fused.py).
+
+Why Cp: cuBLASLt's IMMA kernels need the reduction (and the output columns K) to be multiples of 4, so C is
+padded with zero channels (zero products): ResNet's 3-channel stem reads C = 4. Shapes outside these rules
+(K % 4 != 0, a residual that widens the output) raise Unsupported: the layer then runs on the host, visibly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_core.backends.cuda.int8_gemm import _ACTIVATIONS, F32, INT8, INT32, Int8Gemm, _optional
+from engine_core.backends.cuda.lowering import (
+    Launch,
+    Ref,
+    _Context,
+    copy_launch,
+    launch_program,
+    nhwc_strides,
+)
+from engine_core.backends.cuda.pointwise import (
+    FLOATS,
+    PwNode,
+    Unsupported,
+    broadcast_strides,
+    contiguous_strides,
+    program_kernel,
+)
+from engine_core.ir import Node
+from engine_core.ops import TensorInfo
+from engine_core.ops.fused import _conv_node, qmatmul_float_dtype
+from engine_core.ops.nn import Window, window_geometry
+from engine_core.types import np_to_onnx
+
+#: cuBLASLt IMMA: the reduction and the output columns must be multiples of this
+ALIGN = 4
+
+
+def padded_channels(c: int) -> int:
+    """C rounded up to a multiple of ``ALIGN`` (zero channels contribute nothing to the sums)."""
+    return -(-c // ALIGN) * ALIGN
+
+
+def _geometry(node: Node, x: TensorInfo, w: TensorInfo) -> Window:
+    return window_geometry(_conv_node(node), x.shape[2:], w.shape[2:])
+
+
+def _fill_zero(node: Node, ctx: _Context, target: Ref, count: int) -> Launch:
+    """``count`` int8 zeros at ``target``: a copy from one folded zero byte read with stride 0."""
+    zero = ctx.fold(f"{node.name}#zero", np.zeros((1,), np.int8))
+    return copy_launch(ctx, INT8, target, zero, (count,), (1,), (0,))
+
+
+def _columns(node: Node, ctx: _Context, xin: str, win: Window, cp: int) -> tuple[Ref, list[Launch]]:
+    """The GEMM's left operand [N*OH*OW, R*S*Cp] (int8, row-major) and the launches that build it."""
+    n, c, h, w = ctx.info(xin).shape
+    (kh, kw), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilations
+    (pt, pl), (oh, ow) = win.pads_begin, win.out
+    pads = any(win.pads_begin) or any(win.pads_end)
+    if not pads and cp == c and (kh, kw, sh, sw) == (1, 1, 1, 1):
+        return Ref(xin), []  # NHWC [N, H, W, C] is already [N*H*W, C]
+    ops: list[Launch] = []
+    if pads or cp != c:
+        hp = max(pt + h, (oh - 1) * sh + (kh - 1) * dh + 1)
+        wp = max(pl + w, (ow - 1) * sw + (kw - 1) * dw + 1)
+        source = ctx.new_scratch(f"{node.name}#padded", INT8, (n, hp, wp, cp))
+        ops.append(_fill_zero(node, ctx, source, n * hp * wp * cp))
+        interior = Ref(source.tensor, (pt * wp + pl) * cp)
+        ops.append(copy_launch(ctx, INT8, interior, Ref(xin), (n, c, h, w), (hp * wp * cp, 1, wp * cp, cp),
+                               ctx.strides(xin)))
+    else:
+        source, hp, wp = Ref(xin), h, w
+    view = (n, oh, ow, kh, kw, cp)
+    cols = ctx.new_scratch(f"{node.name}#cols", INT8, (n * oh * ow, kh * kw * cp))
+    ops.append(copy_launch(ctx, INT8, cols, source, view, contiguous_strides(view),
+                           (hp * wp * cp, sh * wp * cp, sw * cp, dh * wp * cp, dw * cp, 1)))
+    return cols, ops
+
+
+def _weight_rows(node: Node, ctx: _Context, cp: int) -> tuple[Ref, list[Launch]]:
+    """The weight as [K, R*S*Cp] int8 rows: the engine's "krsc" copy when Cp == C; otherwise that copy
+    spread into a zeroed per-run scratch (R*S*K*Cp bytes: 12.5 KB for ResNet's stem)."""
+    name = node.inputs[2]
+    w = ctx.info(name)
+    k, c, kh, kw = w.shape
+    derived = f"{name}#krsc"
+    ctx.weight_transforms[derived] = (name, "krsc")
+    ctx.infos[derived] = TensorInfo(w.dtype, tuple(w.shape))
+    if cp == c:
+        return Ref(derived), []
+    rows = ctx.new_scratch(f"{node.name}#weight", INT8, (k, kh * kw * cp))
+    spread = copy_launch(ctx, INT8, rows, Ref(derived), (k, kh, kw, c), (kh * kw * cp, kw * cp, cp, 1),
+                         contiguous_strides((k, kh, kw, c)))
+    return rows, [_fill_zero(node, ctx, rows, k * kh * kw * cp), spread]
+
+
+def _channel_strides(ctx: _Context, name: str, rank: int) -> tuple[int, ...]:
+    """Strides reading a per-tensor (stride 0) or per-channel (axis 1) vector along an NCHW output."""
+    size = int(np.prod(ctx.info(name).shape, dtype=np.int64))
+    return tuple(1 if d == 1 and size > 1 else 0 for d in range(rank))
+
+
+def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
+    """One generated kernel: act(float(acc) * x_scale * w_scale[k] + bias[k] + residual) -> the output;
+    with y_scale then Cast to the float type and QuantizeLinear -> int8 (the CPU op's order)."""
+    out = ctx.info(out_name)
+    bias, residual, y_scale = _optional(node, 4), _optional(node, 5), _optional(node, 6)
+    inputs = [acc.tensor, node.inputs[1], node.inputs[3], *[n for n in (bias, residual, y_scale) if n]]
+    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
+             PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
+
+    def last() -> int:
+        return len(inputs) + len(nodes) - 1
+
+    for extra in (bias, residual):
+        if extra:
+            nodes.append(PwNode.make("Add", [last(), inputs.index(extra)], F32))
+    activation = node.attr("activation", "")
+    if activation:
+        if activation not in _ACTIVATIONS:
+            raise Unsupported(f"QConv activation {activation}")
+        op, attrs = _ACTIVATIONS[activation]
+        nodes.append(PwNode.make(op, [last()], F32, attrs))
+    if y_scale:
+        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
+        if result != F32:  # round like the float tensor the unfused graph stores
+            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
+        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], INT8))
+    rank = len(out.shape)
+    strides = [nhwc_strides(out.shape), (0,) * rank, _channel_strides(ctx, node.inputs[3], rank)]
+    if bias:
+        strides.append(_channel_strides(ctx, bias, rank))
+    if residual:
+        strides.append(broadcast_strides(ctx.info(residual).shape, out.shape, ctx.strides(residual)))
+    if y_scale:
+        strides.append((0,) * rank)
+    kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
+    return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
+
+
+def _check(node: Node, ctx: _Context) -> None:
+    """Raise Unsupported for what this lowering does not take (the layer then runs on the host)."""
+    x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
+    if x.dtype != INT8 or w.dtype != INT8 or len(x.shape) != 4 or len(w.shape) != 4:
+        raise Unsupported(f"QConv over {x.dtype} {x.shape} x {w.dtype} {w.shape}")
+    if node.inputs[2] not in ctx.constants:
+        raise Unsupported("QConv with a computed weight")
+    if w.shape[0] % ALIGN:
+        raise Unsupported(f"INT8 implicit GEMM needs output channels a multiple of {ALIGN}, got {w.shape[0]}")
+    y_scale = _optional(node, 6)
+    for name in (node.inputs[1], node.inputs[3], _optional(node, 4), _optional(node, 5), y_scale):
+        if name and ctx.info(name).dtype not in FLOATS:
+            raise Unsupported(f"QConv {name} is {ctx.info(name).dtype}, not a float type")
+    if (out.dtype == INT8) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):
+        raise Unsupported(f"QConv writing {out.dtype} ({'with' if y_scale else 'without'} an output scale)")
+
+
+def lower_qconv(node: Node, ctx: _Context) -> list:
+    """``kiln.QConv`` -> [im2col copies (when needed), Int8Gemm into a step-local int32 buffer, the epilogue]."""
+    _check(node, ctx)
+    x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
+    win = _geometry(node, x, w)
+    n, c = x.shape[:2]
+    k = w.shape[0]
+    if tuple(out.shape) != (n, k, *win.out):  # a residual that broadcasts wider than the convolution
+        raise Unsupported(f"QConv output {out.shape} is wider than its convolution {(n, k, *win.out)}")
+    out_name = node.outputs[0]
+    flat = out_name in ctx.graph_outputs or k == 1 or out.shape[2] * out.shape[3] == 1
+    ctx.layouts[out_name] = "linear" if flat else "nhwc"
+    cp = padded_channels(c)
+    xin = node.inputs[0]
+    if cp == c and not any(win.pads_begin) and not any(win.pads_end):  # cols read x itself: NHWC needed
+        xin = ctx.as_layout(xin, "nhwc")
+        ctx.renamed[node.inputs[0]] = xin
+    m = n * win.out[0] * win.out[1]
+    if m * k == 0:
+        return []
+    cols, ops = _columns(node, ctx, xin, win, cp)
+    weight, weight_ops = _weight_rows(node, ctx, cp)
+    acc = ctx.new_scratch(f"{node.name}#acc", INT32, (m, k))
+    gemm = Int8Gemm(cols, weight, acc, m, k, win.size * cp)
+    return [*ops, *weight_ops, gemm, _epilogue(node, ctx, acc, out_name)]

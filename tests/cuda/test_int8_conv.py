@@ -1,0 +1,200 @@
+"""``kiln.QConv`` on the CUDA backend: the implicit-GEMM lowering (engine_core/backends/cuda/int8_conv.py).
+
+Without a GPU: the lowered steps (zero fill, interior copy, im2col copy, Int8Gemm, epilogue) run through the
+numpy emulator -- exact launches, strides, offsets and arena placement -- and must equal the CPU backend bit
+for bit (int32 sums are exact, the epilogue keeps the CPU op's order). With a GPU (``-m gpu``): the small
+resnet50_qdq against the CPU backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import engine_core as kiln
+from engine_core.backends.cpu import GraphRunner
+from engine_core.backends.cuda import lowering
+from engine_core.backends.cuda.int8_conv import lower_qconv, padded_channels
+from engine_core.backends.cuda.int8_gemm import Int8Gemm
+from engine_core.backends.cuda.lowering import Launch
+from engine_core.backends.cuda.pointwise import Unsupported
+from engine_core.ir import Graph, Node
+from engine_core.ops import TensorInfo
+from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
+from tests.cuda.emulate import Emulator
+from tests.engine.test_fuse_qdq_conv import build_cpu_graph, qdq_conv_model
+
+_WIRED = fuse_qdq_conv in PIPELINE and "QConv" in lowering._LOWER and "QConv" in lowering.LAYOUT_AWARE
+needs_wiring = pytest.mark.skipif(not _WIRED, reason="QConv is not wired into the pipeline / lowering yet")
+
+
+@pytest.fixture(autouse=True)
+def int8_convolutions(monkeypatch):
+    """INT8 implicit-GEMM convolutions are opt-in (KILN_INT8_CONV=1) until measured on a GPU."""
+    monkeypatch.setenv("KILN_INT8_CONV", "1")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def _resnet50_qdq() -> onnx.ModelProto:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from make_models import MODELS
+
+    return MODELS["resnet50_qdq"][1]()
+
+
+def _lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):
+    net = kiln.Builder().create_network()
+    assert kiln.OnnxParser(net).parse(model)
+    graph = copy.deepcopy(net.graph)
+    for graph_pass in PIPELINE:
+        graph_pass(graph)
+    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
+    return graph, lowering.lower_graph(graph, infos)
+
+
+def _qconv_step(lowered):
+    steps = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    assert len(steps) == 1 and lowered.tactics()[steps[0].node.name] == "conv:cublaslt_int8_im2col"
+    return steps[0]
+
+
+def _gemm(step) -> Int8Gemm:
+    return next(op for op in step.ops if isinstance(op, Int8Gemm))
+
+
+#: (kernel, stride, pad, cin, residual, relu, requantize) -> (launches before the GEMM, GEMM reduction)
+CASES = {
+    "1x1": ((1, 1, 0, 8, False, True, True), 0, 8),  # NHWC input is the GEMM operand as it lies
+    "3x3_pad1": ((3, 1, 1, 8, False, True, True), 3, 72),  # fill, interior copy, im2col
+    "1x1_stride2": ((1, 2, 0, 8, False, False, True), 1, 8),  # im2col only (no padding)
+    "3x3_stride2": ((3, 2, 1, 8, True, True, False), 3, 72),
+    "stem_7x7_c3": ((7, 2, 3, 3, False, True, False), 5, 7 * 7 * 4),  # C padded to 4: + weight fill/spread
+    "residual_relu_requantize": ((3, 1, 1, 16, True, True, True), 3, 144),
+}
+
+
+@needs_wiring
+@pytest.mark.parametrize("case", list(CASES))
+def test_emulated_qconv_equals_the_cpu_backend(rng, case):
+    (kernel, stride, pad, cin, residual, relu, requantize), before_gemm, reduction = CASES[case]
+    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
+                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
+    graph, lowered = _lowered(model, feeds)
+    step = _qconv_step(lowered)
+    assert "host" not in lowered.tactics().values()
+    gemm = _gemm(step)
+    out = (11 + 2 * pad - kernel) // stride + 1
+    assert (gemm.m, gemm.n, gemm.k) == (2 * out * out, 16, reduction)
+    assert step.ops.index(gemm) == before_gemm and all(isinstance(op, Launch) for op in step.ops if op is not gemm)
+    got = Emulator(graph, lowered, feeds).run()["y"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run(feeds)["y"])
+
+
+def _chain(rng) -> tuple[onnx.ModelProto, dict]:
+    """Two QConvs: the first requantizes into an NHWC int8 tensor that the second (3x3, residual) reads."""
+    first, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, cout=16, exact=False, size=10)
+    second, more = qdq_conv_model(rng, kernel=3, pad=1, cin=16, cout=8, exact=False, size=10, residual=True)
+    graph = first.graph
+    graph.node[-1].output[0] = "y_dq"  # first's output feeds the second conv's input quantization
+    rename = {"x": "y_dq", "y": "y"}
+    for node in second.graph.node:
+        node.input[:] = [rename.get(i, f"b_{i}") if i else i for i in node.input]
+        node.output[:] = [rename.get(o, f"b_{o}") for o in node.output]
+        node.name = f"b_{node.name}"
+        graph.node.append(node)
+    for init in second.graph.initializer:
+        init.name = f"b_{init.name}"
+        graph.initializer.append(init)
+    graph.input.append(onnx.helper.make_tensor_value_info("b_r", onnx.TensorProto.FLOAT, [2, 8, 10, 10]))
+    return first, {**feeds, "b_r": more["r"]}
+
+
+@needs_wiring
+def test_emulated_qconv_chain_keeps_int8_channels_last_between_layers(rng):
+    model, feeds = _chain(rng)
+    graph, lowered = _lowered(model, feeds)
+    steps = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    assert len(steps) == 2  # the only reformat: the network input's quantization, for the first (1x1) conv
+    assert [s.node.inputs[0] for s in lowered.steps if s.tactic.startswith("reformat")] == ["x_q"]
+    between = steps[0].node.outputs[0]
+    assert lowered.infos[between].dtype == np.int8 and lowered.layouts[between] == "nhwc"
+    got = Emulator(graph, lowered, feeds).run()["y"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run(feeds)["y"])
+
+
+@needs_wiring
+def test_emulated_resnet50_qdq_equals_the_cpu_backend():
+    """All 53 convolutions lower to INT8 implicit GEMMs (no host layer); the emulated launches equal the
+    CPU backend bit for bit."""
+    import sys
+    from pathlib import Path
+
+    from tests.engine.test_fuse_qdq_conv import resnet50_qdq  # noqa: F401  (fixture body reused below)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from make_models import MODELS
+
+    x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    graph = build_cpu_graph(MODELS["resnet50_qdq"][1](), {"input": x})
+    infos = infer_shapes(graph, {"input": TensorInfo(np.dtype(np.float32), x.shape)}, values=True)
+    lowered = lowering.lower_graph(graph, infos)
+    tactics = lowered.tactics()
+    assert "host" not in tactics.values()
+    assert sum(t == "conv:cublaslt_int8_im2col" for t in tactics.values()) == 53
+    got = Emulator(graph, lowered, {"input": x}).run()["logits"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run({"input": x})["logits"])
+
+
+def test_output_channels_not_a_multiple_of_four_run_on_the_host():
+    node = Node("QConv", ["x", "s", "w", "ws", "", "", ""], ["y"], {"activation": ""}, "conv", "kiln", 1)
+    i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+    infos = {"x": TensorInfo(i8, (1, 8, 5, 5)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (6, 8, 1, 1)),
+             "ws": TensorInfo(f32, (6,)), "y": TensorInfo(f32, (1, 6, 5, 5))}
+    graph = Graph(nodes=[node], constants={"w": np.zeros((6, 8, 1, 1), np.int8)})
+    ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
+    with pytest.raises(Unsupported, match="multiple of 4"):
+        lower_qconv(node, ctx)
+    assert [padded_channels(c) for c in (1, 3, 4, 5, 64)] == [4, 4, 4, 8, 64]
+
+
+# -- on the GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
+    model = _resnet50_qdq()
+    engines = {}
+    for backend in ("cuda", "cpu"):
+        builder = kiln.Builder()
+        net = builder.create_network()
+        assert kiln.OnnxParser(net).parse(model)
+        config = builder.create_builder_config()
+        config.backend = backend
+        profile = builder.create_optimization_profile()
+        profile.set_shape("input", (1, 3, 64, 64), (4, 3, 64, 64), (8, 3, 64, 64))
+        config.add_optimization_profile(profile)
+        engines[backend] = kiln.Runtime().load(kiln.build_plan(net, config))
+    tactics = {layer["name"]: layer["tactic"] for layer in engines["cuda"].plan.layers if layer["type"] == "QConv"}
+    assert len(tactics) == 53 and set(tactics.values()) == {"conv:cublaslt_int8_im2col"}, tactics
+    gctx, cctx = engines["cuda"].create_execution_context(), engines["cpu"].create_execution_context()
+    rng = np.random.default_rng(7)
+    for batch in (1, 3, 8):
+        x = {"input": rng.standard_normal((batch, 3, 64, 64)).astype(np.float32)}
+        got, want = gctx.infer(x)["logits"], cctx.infer(x)["logits"]
+        # the QConvs are exact (int32 sums, the CPU op's epilogue order); MaxPool is exact; the global average
+        # pool sums in another order and can move a value across the head's input quantization boundary: one
+        # int8 step, so compare to the logits' scale, and the classes must agree
+        scale = float(np.abs(want).max())
+        error = np.abs(got - want)
+        assert float(error.max()) <= 0.02 * scale and float(error.mean()) <= 2e-3 * scale, float(error.max())
+        assert (got.argmax(1) == want.argmax(1)).all()
