@@ -384,3 +384,23 @@ def test_conv_epilogue_kernels_stand_in_when_cudnn_cannot_fuse(model, mode):
         make, tol = (resnet_small if model == "resnet" else mobilenet_small), 1e-3
     lowered = _emulate_vs_cpu(make(), feeds, {"cudnn": True}, rtol=tol, atol=tol * 10, unfused_convs=mode)
     assert any(op.fallback for s in lowered.steps for op in s.ops if type(op).__name__ == "Conv")
+
+
+def test_an_identity_of_a_channels_last_tensor_reads_it_as_linear():
+    """Identity is a view: aliasing a channels-last conv output would hand its NHWC bytes on as NCHW (a graph
+    output came out scrambled); views get linear inputs first."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32)
+    nodes = [onnx.helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             onnx.helper.make_node("Identity", ["c"], ["y"], name="identity"),
+             onnx.helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             onnx.helper.make_node("Identity", ["r"], ["i"], name="inner"),
+             onnx.helper.make_node("Neg", ["i"], ["z"], name="neg")]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("y", "z")],
+        [onnx.numpy_helper.from_array(w, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    lowered = _emulate_vs_cpu(model, {"x": x}, {"cudnn": True}, rtol=1e-4, atol=1e-4)
+    assert lowered.tactics()["conv"] == "conv:cudnn"

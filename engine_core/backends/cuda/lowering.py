@@ -47,7 +47,7 @@ GEMM_TACTICS = ("cublas", "kiln_gemm")
 #: ops that read and write any layout through strides (a channels-last input keeps its layout)
 LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNormalization", "MaxPool",
                                 "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Gelu", "QuantizeLinear",
-                                "DequantizeLinear"}
+                                "DequantizeLinear", "QConv"}
 ACTIVATIONS = {"": None, "Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "Gelu": "Gelu",
                "GeluTanh": "Gelu", "LeakyRelu": "LeakyRelu", "Clip": "Clip"}
 
@@ -1020,6 +1020,12 @@ def _lower_qmatmul(node: Node, ctx: _Context) -> list:
     return lower_qmatmul(node, ctx)
 
 
+def _lower_qconv(node: Node, ctx: _Context) -> list:
+    from engine_core.backends.cuda.int8_conv import lower_qconv  # int8_conv imports this module
+
+    return lower_qconv(node, ctx)
+
+
 _LOWER = {
     "Transpose": _lower_transpose, "Expand": _lower_expand, "Concat": _lower_concat, "Slice": _lower_slice,
     "Gather": _lower_gather, "Split": _lower_split, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
@@ -1029,9 +1035,9 @@ _LOWER = {
     "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
     "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
     "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
-    "QMatMul": _lower_qmatmul,
+    "QMatMul": _lower_qmatmul, "QConv": _lower_qconv,
 }
-_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul"})
+_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv"})
 
 
 def _tactic(node: Node, ops: list) -> str:
@@ -1042,6 +1048,8 @@ def _tactic(node: Node, ops: list) -> str:
         return f"gemm:{gemm.tactic}"
     if node.op_type == "QMatMul" and ops:
         return f"gemm:{ops[0].tactic}"  # cublaslt_int8 / cublaslt_fp8
+    if node.op_type == "QConv" and ops:
+        return "conv:cublaslt_int8_im2col"
     if node.op_type == "Attention":
         return "kernel:flash_attention"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
@@ -1065,7 +1073,7 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
         for name in node.outputs:
             if name:
                 ctx.info(name)
-        if node.op_type not in LAYOUT_AWARE:
+        if node.op_type not in LAYOUT_AWARE or node.op_type in VIEW_OPS:  # a view (Identity too) aliases bytes
             node = _with_linear_inputs(node, ctx)
         if node.op_type in VIEW_OPS and node.inputs and node.inputs[0]:
             ctx.info(node.inputs[0])
