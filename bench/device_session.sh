@@ -44,7 +44,7 @@ for stage in "$@"; do
         --peers max-autotune-no-cudagraphs --compile-batches 1,8,32,128 --out "$OUT" 2>&1 | quiet | tail -7 ;;
     int8)
       cp bench/results/int8_calib_*.cache "$OUT"/ 2>/dev/null  # committed calibration caches skip host calibration
-      timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit,int8_implicit_percentile,int8_explicit \
+      timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit_percentile,int8_explicit,int8_explicit_qconv \
         2>&1 | quiet | tail -34
       timeout 60 python3 -m bench.accuracy --out "$OUT" 2>&1 | quiet | tail -6 ;;
     conformance)

@@ -17,6 +17,8 @@ Kiln variants, one engine each (one optimization profile over the batches):
   int8_explicit  INT8 + FP16 on the ONNX made Q/DQ the way ``tools/make_models.py`` quantizes its
                  ``*_qdq`` models (its helpers: BN folded, per-channel int8 weights, per-tensor activations
                  with max |x| / 127 scales from onnxruntime over the same calibration batches)
+  int8_explicit_qconv  the same with KILN_INT8_CONV=1: convolutions as INT8 implicit GEMMs (kiln.QConv), which
+                 are opt-in until this benchmark shows them faster than the fp16 cuDNN convolutions
 
 Per (variant, batch): Kiln ms (GPU: CUDA-event median of ``execute_async_v3`` with graph replay, through
 bench.engine's helpers; CPU: wall-clock median of ``context.infer``), items/s, ``speedup_vs_kiln_fp16``
@@ -53,7 +55,8 @@ from bench.engine import SEQ
 ROOT = Path(__file__).resolve().parents[1]
 
 #: int8_implicit calibrates with the entropy calibrator; the _minmax / _percentile forms with those instead
-VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit")
+VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit",
+            "int8_explicit_qconv")
 #: issue #7's batch sizes; ``--small`` ones keep the CPU run to seconds
 BATCHES = {"resnet50": [1, 32, 128], "bert_base": [1, 8, 64]}
 SMALL_BATCHES = {"resnet50": [1, 4], "bert_base": [1, 4]}
@@ -399,12 +402,20 @@ def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[s
         extra["calibration"] = {"algorithm": algorithm, "batches": s.calib_batches, "batch_size": s.calib_batch,
                                 "cache": str(cache), "reused": cache.exists()}
         calibrator = make_calibrator(calib, algorithm, str(cache))
-    elif variant == "int8_explicit":
+    elif variant.startswith("int8_explicit"):
         started = time.perf_counter()
         path, counts = explicit_model(spec, calib, workdir)
         extra["qdq"] = counts | {"scales": "max|x|/127, onnxruntime over the calibration batches",
                                  "seconds": round(time.perf_counter() - started, 2)}
-    engine, build_s = build_engine(path, spec, variant, s.batches[spec.name], s.device, calibrator, timing_cache)
+    previous = os.environ.get("KILN_INT8_CONV")
+    os.environ["KILN_INT8_CONV"] = "1" if variant.endswith("_qconv") else "0"
+    try:
+        engine, build_s = build_engine(path, spec, variant, s.batches[spec.name], s.device, calibrator, timing_cache)
+    finally:
+        if previous is None:
+            del os.environ["KILN_INT8_CONV"]
+        else:
+            os.environ["KILN_INT8_CONV"] = previous
     return engine, build_s, extra
 
 
@@ -550,7 +561,7 @@ def _missing_for(settings: Settings) -> str | None:
         return "Kiln's CUDA backend, not available here (run with --device cpu --small)"
     torch_models = settings.device == "cuda" and not settings.small
     needed = ["torch", "torchvision", "transformers"] if torch_models else []
-    needed += ["onnxruntime"] if "int8_explicit" in settings.variants else []
+    needed += ["onnxruntime"] if any(v.startswith("int8_explicit") for v in settings.variants) else []
     absent = [m for m in needed if importlib.util.find_spec(m) is None]
     return f"the {', '.join(absent)} package(s)" if absent else None
 
