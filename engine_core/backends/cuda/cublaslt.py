@@ -47,9 +47,37 @@ def available() -> bool:
         return False
 
 
-def _check(status: int, what: str) -> None:
+def check(status: int, what: str) -> None:
+    """Raise CudaError naming ``what`` for a non-zero cublasStatus_t."""
     if status != 0:
         raise CudaError(f"{what} failed with cuBLAS status {status}")
+
+
+def make_layouts(lib: ctypes.CDLL, specs: list[tuple[int, int, int, int]]) -> list[ctypes.c_void_p]:
+    """One column-major cublasLtMatrixLayout per (cudaDataType, rows, cols, leading dimension)."""
+    layouts = []
+    for kind, rows, cols, ld in specs:
+        layout = ctypes.c_void_p()
+        check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+                                              ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+        layouts.append(layout)
+    return layouts
+
+
+def best_algorithm(lib: ctypes.CDLL, handle: ctypes.c_void_p, desc: ctypes.c_void_p,
+                   layouts: list[ctypes.c_void_p]) -> _Heuristic | None:
+    """cuBLASLt's first heuristic algorithm for A, B, C = D ``layouts`` within WORKSPACE_BYTES; None if none."""
+    c = ctypes
+    pref = c.c_void_p()
+    check(lib.cublasLtMatmulPreferenceCreate(c.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    limit = c.c_uint64(WORKSPACE_BYTES)
+    check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, c.byref(limit), 8), "PREF")
+    heuristic, found = _Heuristic(), c.c_int(0)
+    a_l, b_l, y_l = layouts
+    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a_l, b_l, y_l, y_l, pref, 1, c.byref(heuristic),
+                                                c.byref(found))
+    lib.cublasLtMatmulPreferenceDestroy(pref)
+    return heuristic if status == 0 and found.value else None
 
 
 class _Plan:
@@ -63,29 +91,16 @@ class _Plan:
             raise CudaError(f"cuBLASLt GEMM over {np.dtype(dtype)} with epilogue {epilogue}")
         compute = _COMPUTE_32F_FAST_TF32 if tf32 and kind == 0 else _COMPUTE_32F
         self.desc = c.c_void_p()
-        _check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, 0), "cublasLtMatmulDescCreate")
+        check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, 0), "cublasLtMatmulDescCreate")
         op_a, op_b = c.c_int(int(trans_b)), c.c_int(int(trans_a))  # Lt's A is our B, Lt's B our A
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
+        check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
+        check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
         self.epilogue = c.c_int(EPILOGUES[epilogue])
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_EPILOGUE, c.byref(self.epilogue), 4), "EPILOGUE")
-        self.layouts = []
-        for rows, cols, ld in ((k, n, k) if trans_b else (n, k, n), (m, k, m) if trans_a else (k, m, k), (n, m, n)):
-            layout = c.c_void_p()
-            _check(lib.cublasLtMatrixLayoutCreate(c.byref(layout), kind, c.c_uint64(rows), c.c_uint64(cols),
-                                                  c.c_int64(ld)), "cublasLtMatrixLayoutCreate")
-            self.layouts.append(layout)
-        pref = c.c_void_p()
-        _check(lib.cublasLtMatmulPreferenceCreate(c.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        limit = c.c_uint64(WORKSPACE_BYTES)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, c.byref(limit), 8), "PREF")
-        self.heuristic = _Heuristic()
-        found = c.c_int(0)
-        a_l, b_l, y_l = self.layouts
-        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, a_l, b_l, y_l, y_l, pref, 1,
-                                                    c.byref(self.heuristic), c.byref(found))
-        lib.cublasLtMatmulPreferenceDestroy(pref)
-        if status != 0 or found.value == 0:
+        check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_EPILOGUE, c.byref(self.epilogue), 4), "EPILOGUE")
+        self.layouts = make_layouts(lib, [(kind, *dims) for dims in (
+            (k, n, k) if trans_b else (n, k, n), (m, k, m) if trans_a else (k, m, k), (n, m, n))])
+        self.heuristic = best_algorithm(lib, handle, self.desc, self.layouts)
+        if self.heuristic is None:
             raise CudaError(f"cuBLASLt has no algorithm for {m}x{n}x{k} {np.dtype(dtype)} epilogue {epilogue}")
 
 
@@ -95,7 +110,7 @@ class CublasLt:
     def __init__(self) -> None:
         self.lib = library()
         self.handle = ctypes.c_void_p()
-        _check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = DeviceBuffer(WORKSPACE_BYTES)
         self._plans: dict[tuple, _Plan] = {}
 
@@ -109,11 +124,11 @@ class CublasLt:
         c = ctypes
         if bias:
             pointer = c.c_void_p(bias)
-            _check(self.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER, c.byref(pointer), 8),
+            check(self.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER, c.byref(pointer), 8),
                    "BIAS_POINTER")
         al, be = c.c_float(alpha), c.c_float(0.0)
         a_l, b_l, y_l = plan.layouts
-        _check(self.lib.cublasLtMatmul(self.handle, plan.desc, c.byref(al), c.c_void_p(b), a_l, c.c_void_p(a), b_l,
+        check(self.lib.cublasLtMatmul(self.handle, plan.desc, c.byref(al), c.c_void_p(b), a_l, c.c_void_p(a), b_l,
                                        c.byref(be), c.c_void_p(y), y_l, c.c_void_p(y), y_l, c.byref(plan.heuristic),
                                        c.c_void_p(self.workspace.ptr), c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)),
                "cublasLtMatmul")

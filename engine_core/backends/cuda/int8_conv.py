@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.backends.cuda.int8_gemm import _ACTIVATIONS, F32, INT8, INT32, Int8Gemm, _optional
+from engine_core.backends.cuda.int8_gemm import INT8, INT32, Int8Gemm, _optional, dequant_program
 from engine_core.backends.cuda.lowering import (
     Launch,
     Ref,
@@ -34,7 +34,6 @@ from engine_core.backends.cuda.lowering import (
 )
 from engine_core.backends.cuda.pointwise import (
     FLOATS,
-    PwNode,
     Unsupported,
     broadcast_strides,
     contiguous_strides,
@@ -42,9 +41,8 @@ from engine_core.backends.cuda.pointwise import (
 )
 from engine_core.ir import Node
 from engine_core.ops import TensorInfo
-from engine_core.ops.fused import _conv_node, qmatmul_float_dtype
+from engine_core.ops.fused import _conv_node
 from engine_core.ops.nn import Window, window_geometry
-from engine_core.types import np_to_onnx
 
 #: cuBLASLt IMMA: the reduction and the output columns must be multiples of this
 ALIGN = 4
@@ -120,26 +118,8 @@ def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
     out = ctx.info(out_name)
     bias, residual, y_scale = _optional(node, 4), _optional(node, 5), _optional(node, 6)
     inputs = [acc.tensor, node.inputs[1], node.inputs[3], *[n for n in (bias, residual, y_scale) if n]]
-    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
-             PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
-
-    def last() -> int:
-        return len(inputs) + len(nodes) - 1
-
-    for extra in (bias, residual):
-        if extra:
-            nodes.append(PwNode.make("Add", [last(), inputs.index(extra)], F32))
-    activation = node.attr("activation", "")
-    if activation:
-        if activation not in _ACTIVATIONS:
-            raise Unsupported(f"QConv activation {activation}")
-        op, attrs = _ACTIVATIONS[activation]
-        nodes.append(PwNode.make(op, [last()], F32, attrs))
-    if y_scale:
-        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
-        if result != F32:  # round like the float tensor the unfused graph stores
-            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
-        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], INT8))
+    nodes = dequant_program(node, ctx, len(inputs), [inputs.index(n) for n in (bias, residual) if n], bool(y_scale),
+                            INT8)
     rank = len(out.shape)
     strides = [nhwc_strides(out.shape), (0,) * rank, _channel_strides(ctx, node.inputs[3], rank)]
     if bias:

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
+from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES, CublasLt, best_algorithm, check, make_layouts
 from engine_core.backends.cuda.lowering import Host, Launch, Ref, _Context, launch_program
 from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
 from engine_core.cuda.driver import CudaError
@@ -43,9 +44,6 @@ from engine_core.ir import Node
 from engine_core.ops import TensorInfo
 from engine_core.ops.fused import FP8, qmatmul_float_dtype
 from engine_core.types import np_to_onnx
-
-if TYPE_CHECKING:
-    from engine_core.backends.cuda.cublaslt import CublasLt
 
 INT8, INT32, F32 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.float32)
 #: weight transform turning a [K, N] weight into the [N, K] rows cuBLASLt's "TN" form reads
@@ -55,7 +53,6 @@ _CUDA_R_32F, _CUDA_R_8I, _CUDA_R_32I, _CUDA_R_8F_E4M3 = 0, 3, 10, 28
 _COMPUTE_32F, _COMPUTE_32I = 68, 72
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
-_PREF_MAX_WORKSPACE_BYTES = 1
 #: activation name -> (pointwise op, attributes) of the epilogue
 _ACTIVATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "Relu": ("Relu", {}), "Sigmoid": ("Sigmoid", {}), "Tanh": ("Tanh", {}), "Gelu": ("Gelu", {}),
@@ -122,6 +119,33 @@ def _optional(node: Node, index: int) -> str:
     return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
 
 
+def dequant_program(node: Node, ctx: _Context, n_inputs: int, adds: list[int], requantize: bool,
+                    out_dtype: np.dtype) -> list[PwNode]:
+    """The epilogue program of a QMatMul / QConv over inputs [acc, x_scale, w_scale, ...]: float(acc) * x_scale *
+    w_scale, plus each input in ``adds`` (bias, residual), the node's activation, and with ``requantize`` a Cast
+    to the node's float type then QuantizeLinear (scale: the last input) to ``out_dtype`` -- the CPU op's order."""
+    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [n_inputs, 1], F32),
+             PwNode.make("Mul", [n_inputs + 1, 2], F32)]
+
+    def last() -> int:
+        return n_inputs + len(nodes) - 1
+
+    for index in adds:
+        nodes.append(PwNode.make("Add", [last(), index], F32))
+    activation = node.attr("activation", "")
+    if activation:
+        if activation not in _ACTIVATIONS:
+            raise Unsupported(f"{node.op_type} activation {activation}")
+        op, attrs = _ACTIVATIONS[activation]
+        nodes.append(PwNode.make(op, [last()], F32, attrs))
+    if requantize:
+        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
+        if result != F32:  # round like the float tensor the unfused graph stores
+            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
+        nodes.append(PwNode.make("QuantizeLinear", [last(), n_inputs - 1, -1], out_dtype))
+    return nodes
+
+
 def _dequant_epilogue(node: Node, ctx: _Context, acc: str, float_out: str = "") -> Launch:
     """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output; with y_scale
     then Cast to the float type and QuantizeLinear (the pointwise op's own code) -> int8. ``float_out``: stop
@@ -130,25 +154,7 @@ def _dequant_epilogue(node: Node, ctx: _Context, acc: str, float_out: str = "") 
     out = ctx.info(out_name)
     bias, y_scale = _optional(node, 4), "" if float_out else _optional(node, 5)
     inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else []), *([y_scale] if y_scale else [])]
-    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [len(inputs), 1], F32),
-             PwNode.make("Mul", [len(inputs) + 1, 2], F32)]
-
-    def last() -> int:
-        return len(inputs) + len(nodes) - 1
-
-    if bias:
-        nodes.append(PwNode.make("Add", [last(), 3], F32))
-    activation = node.attr("activation", "")
-    if activation:
-        if activation not in _ACTIVATIONS:
-            raise Unsupported(f"QMatMul activation {activation}")
-        op, attrs = _ACTIVATIONS[activation]
-        nodes.append(PwNode.make(op, [last()], F32, attrs))
-    if y_scale:
-        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
-        if result != F32:  # round like the float tensor the unfused graph stores
-            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
-        nodes.append(PwNode.make("QuantizeLinear", [last(), len(inputs) - 1, -1], out.dtype))
+    nodes = dequant_program(node, ctx, len(inputs), [3] if bias else [], bool(y_scale), out.dtype)
     kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
     strides = [broadcast_strides(ctx.info(n).shape, out.shape) for n in inputs]
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
@@ -202,46 +208,25 @@ def lower_qmatmul(node: Node, ctx: _Context) -> list:
 # -- execution ---------------------------------------------------------------------------------------
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise CudaError(f"{what} failed with cuBLAS status {status}")
-
-
 class _Plan:
     """cuBLASLt descriptors and the heuristic's algorithm for one (types, m, n, k) INT8 / FP8 GEMM."""
 
     def __init__(self, lt: CublasLt, m: int, n: int, k: int,
                  types: tuple[int, int, int, int] = Int8Gemm.types) -> None:
-        from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES, _Heuristic
-
         c, lib = ctypes, lt.lib
         operand, result, compute, scale = types
         self.desc = c.c_void_p()
-        _check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, scale), "cublasLtMatmulDescCreate")
+        check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, scale), "cublasLtMatmulDescCreate")
         # alpha 1, beta 0 in the scale type (int32 for IMMA, float32 for FP8)
         self.one, self.zero = (c.c_float(1.0), c.c_float(0.0)) if scale == _CUDA_R_32F else (c.c_int32(1), c.c_int32(0))
         op_a, op_b = c.c_int(_OP_T), c.c_int(_OP_N)  # Lt's A: the weight rows; Lt's B: x as it lies
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
-        self.layouts = []
-        for kind, rows, cols, ld in ((operand, k, n, k), (operand, k, m, k), (result, n, m, n)):
-            layout = c.c_void_p()
-            _check(lib.cublasLtMatrixLayoutCreate(c.byref(layout), kind, c.c_uint64(rows), c.c_uint64(cols),
-                                                  c.c_int64(ld)), "cublasLtMatrixLayoutCreate")
-            self.layouts.append(layout)
-        pref = c.c_void_p()
-        _check(lib.cublasLtMatmulPreferenceCreate(c.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        limit = c.c_uint64(WORKSPACE_BYTES)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, c.byref(limit), 8), "PREF")
-        self.heuristic = _Heuristic()
-        found = c.c_int(0)
-        a_l, b_l, y_l = self.layouts
-        status = lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, self.desc, a_l, b_l, y_l, y_l, pref, 1,
-                                                    c.byref(self.heuristic), c.byref(found))
-        lib.cublasLtMatmulPreferenceDestroy(pref)
-        if status != 0 or found.value == 0:
+        check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
+        check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
+        self.layouts = make_layouts(lib, [(operand, k, n, k), (operand, k, m, k), (result, n, m, n)])
+        self.heuristic = best_algorithm(lib, lt.handle, self.desc, self.layouts)
+        if self.heuristic is None:
             what = "FP8" if operand == _CUDA_R_8F_E4M3 else "INT8"
-            raise CudaError(f"cuBLASLt has no {what} algorithm for M={m} N={n} K={k} (status {status})")
+            raise CudaError(f"cuBLASLt has no {what} algorithm for M={m} N={n} K={k}")
 
 
 class Int8GemmRunner:
@@ -250,16 +235,12 @@ class Int8GemmRunner:
 
     def __init__(self, lt: CublasLt | None = None) -> None:
         if lt is None:
-            from engine_core.backends.cuda.cublaslt import CublasLt
-
             lt = CublasLt()
         self.lt = lt
         self._plans: dict[tuple, _Plan] = {}
 
     def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
         """Enqueue acc = x @ w^T on ``stream``; ``resolve`` maps a Ref to its device address."""
-        from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES
-
         key = (op.types, op.m, op.n, op.k)
         plan = self._plans.get(key)
         if plan is None:
@@ -267,7 +248,7 @@ class Int8GemmRunner:
         c, lt = ctypes, self.lt
         a_l, b_l, y_l = plan.layouts
         y = c.c_void_p(resolve(op.y))
-        _check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(plan.one), c.c_void_p(resolve(op.w)), a_l,
+        check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(plan.one), c.c_void_p(resolve(op.w)), a_l,
                                      c.c_void_p(resolve(op.x)), b_l, c.byref(plan.zero), y, y_l, y, y_l,
                                      c.byref(plan.heuristic), c.c_void_p(lt.workspace.ptr),
                                      c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)), f"cublasLtMatmul ({op.tactic})")
