@@ -216,3 +216,47 @@ def small_model_profiles(name: str, batches: tuple[int, int, int] = (1, 2, 4),
         return {"input_ids": tuple(zip(batches, seqs))}
     size = SMALL_IMAGE_SIZE.get(name, 64)
     return {"input": tuple((b, 3, size, size) for b in batches)}
+
+
+def optimized_graph(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag=None):
+    """The graph exactly as the builder optimizes it (precision pass included: a CPU build's plan graph), for
+    one profile at the feeds' shapes; ``flag`` (e.g. BuilderFlag.FP16) set on the config."""
+    import engine_core as kiln
+
+    builder = kiln.Builder()
+    net = builder.create_network()
+    assert kiln.OnnxParser(net).parse(model)
+    config = builder.create_builder_config()
+    config.backend = "cpu"
+    if flag is not None:
+        config.set_flag(flag)
+    profile = builder.create_optimization_profile()
+    for name, value in feeds.items():
+        profile.set_shape(name, value.shape, value.shape, value.shape)
+    config.add_optimization_profile(profile)
+    return kiln.Runtime().load(kiln.build_plan(net, config)).plan.graph
+
+
+def lowered_at(graph, feeds: dict[str, np.ndarray]):
+    """``graph`` lowered for the CUDA backend at the feeds' shapes (shape values folded)."""
+    from engine_core.backends.cuda.lowering import lower_graph
+    from engine_core.ops import TensorInfo
+    from engine_core.passes import infer_shapes
+
+    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
+    return lower_graph(graph, infos)
+
+
+def pipeline_lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):
+    """(graph after the whole optimization pipeline without the precision pass, its CUDA lowering)."""
+    import copy
+
+    import engine_core as kiln
+    from engine_core.passes import PIPELINE
+
+    net = kiln.Builder().create_network()
+    assert kiln.OnnxParser(net).parse(model)
+    graph = copy.deepcopy(net.graph)
+    for graph_pass in PIPELINE:
+        graph_pass(graph)
+    return graph, lowered_at(graph, feeds)

@@ -8,7 +8,6 @@ resnet50_qdq against the CPU backend.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from tests.cuda.emulate import Emulator
-from tests.engine.test_fuse_qdq_conv import build_cpu_graph, qdq_conv_model
+from tests.cuda.models import optimized_graph, pipeline_lowered
+from tests.engine.test_fuse_qdq_conv import qdq_conv_model
 
 _WIRED = fuse_qdq_conv in PIPELINE and "QConv" in lowering._LOWER and "QConv" in lowering.LAYOUT_AWARE
 needs_wiring = pytest.mark.skipif(not _WIRED, reason="QConv is not wired into the pipeline / lowering yet")
@@ -50,16 +50,6 @@ def _resnet50_qdq() -> onnx.ModelProto:
     from make_models import MODELS
 
     return MODELS["resnet50_qdq"][1]()
-
-
-def _lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):
-    net = kiln.Builder().create_network()
-    assert kiln.OnnxParser(net).parse(model)
-    graph = copy.deepcopy(net.graph)
-    for graph_pass in PIPELINE:
-        graph_pass(graph)
-    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
-    return graph, lowering.lower_graph(graph, infos)
 
 
 def _qconv_step(lowered):
@@ -89,7 +79,7 @@ def test_emulated_qconv_equals_the_cpu_backend(rng, case):
     (kernel, stride, pad, cin, residual, relu, requantize), before_gemm, reduction = CASES[case]
     model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
                                   relu=relu, requantize=requantize, exact=False, size=11, batch=2)
-    graph, lowered = _lowered(model, feeds)
+    graph, lowered = pipeline_lowered(model, feeds)
     step = _qconv_step(lowered)
     assert "host" not in lowered.tactics().values()
     gemm = _gemm(step)
@@ -122,7 +112,7 @@ def _chain(rng) -> tuple[onnx.ModelProto, dict]:
 @needs_wiring
 def test_emulated_qconv_chain_keeps_int8_channels_last_between_layers(rng):
     model, feeds = _chain(rng)
-    graph, lowered = _lowered(model, feeds)
+    graph, lowered = pipeline_lowered(model, feeds)
     steps = [s for s in lowered.steps if s.node.op_type == "QConv"]
     assert len(steps) == 2  # the only reformat: the network input's quantization, for the first (1x1) conv
     assert [s.node.inputs[0] for s in lowered.steps if s.tactic.startswith("reformat")] == ["x_q"]
@@ -145,7 +135,7 @@ def test_emulated_resnet50_qdq_equals_the_cpu_backend():
     from make_models import MODELS
 
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
-    graph = build_cpu_graph(MODELS["resnet50_qdq"][1](), {"input": x})
+    graph = optimized_graph(MODELS["resnet50_qdq"][1](), {"input": x})
     infos = infer_shapes(graph, {"input": TensorInfo(np.dtype(np.float32), x.shape)}, values=True)
     lowered = lowering.lower_graph(graph, infos)
     tactics = lowered.tactics()

@@ -7,7 +7,6 @@ With a GPU (``-m gpu``): a Q/DQ MLP and tools/make_models.py's small bert_qdq ag
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -24,9 +23,10 @@ from engine_core.backends.cuda.int8_gemm import Fp8Gemm, Int8Gemm, lower_qmatmul
 from engine_core.backends.cuda.pointwise import PointwiseKernel, PwNode, Unsupported
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
-from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.passes import PIPELINE
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul, requantizes
 from tests.cuda.emulate import Emulator
+from tests.cuda.models import lowered_at, optimized_graph, pipeline_lowered
 
 _WIRED = fuse_qdq_matmul in PIPELINE and "QMatMul" in lowering._LOWER and hasattr(Emulator, "_int8gemm")
 needs_wiring = pytest.mark.skipif(not _WIRED, reason="QMatMul is not wired into the pipeline / lowering yet")
@@ -78,40 +78,17 @@ def _bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
 # -- host emulation of the lowered steps --------------------------------------------------------------
 
 
-def _lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):
-    net = kiln.Builder().create_network()
-    assert kiln.OnnxParser(net).parse(model)
-    graph = copy.deepcopy(net.graph)
-    for graph_pass in PIPELINE:
-        graph_pass(graph)
-    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
-    return graph, lowering.lower_graph(graph, infos)
-
-
 def _lowered_build(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag: kiln.BuilderFlag | None):
-    """The graph exactly as the builder optimizes it (precision pass included: a CPU build's plan graph),
-    lowered for the CUDA backend at the feeds' shapes."""
-    builder = kiln.Builder()
-    net = builder.create_network()
-    assert kiln.OnnxParser(net).parse(model)
-    config = builder.create_builder_config()
-    config.backend = "cpu"
-    if flag is not None:
-        config.set_flag(flag)
-    profile = builder.create_optimization_profile()
-    for name, value in feeds.items():
-        profile.set_shape(name, value.shape, value.shape, value.shape)
-    config.add_optimization_profile(profile)
-    graph = kiln.Runtime().load(kiln.build_plan(net, config)).plan.graph
-    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
-    return graph, lowering.lower_graph(graph, infos)
+    """The builder's optimized graph (precision pass included), lowered for the CUDA backend."""
+    graph = optimized_graph(model, feeds, flag)
+    return graph, lowered_at(graph, feeds)
 
 
 @needs_wiring
 @pytest.mark.parametrize("batch", [1, 7])
 def test_emulated_int8_gemm_steps_equal_the_cpu_backend(batch):
     x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
-    graph, lowered = _lowered(qdq_mlp(), {"x": x})
+    graph, lowered = pipeline_lowered(qdq_mlp(), {"x": x})
     steps = {s.node.name: s for s in lowered.steps}
     assert {s.node.op_type for s in lowered.steps} >= {"QMatMul"} and "host" not in lowered.tactics().values()
     for name, (n, k) in (("fc1", (96, 64)), ("fc2", (32, 96))):
@@ -320,7 +297,7 @@ def test_emulated_fp8_gemm_steps_equal_the_cpu_backend(batch):
     """Both layers are FP8 GEMMs (float32 sums) with the generated epilogue; fc1 requantizes: its epilogue
     stores e4m3 (round to nearest even, saturating). Emulated steps equal the CPU backend bit for bit."""
     x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
-    graph, lowered = _lowered(fp8_mlp(), {"x": x})
+    graph, lowered = pipeline_lowered(fp8_mlp(), {"x": x})
     steps = {s.node.name: s for s in lowered.steps}
     for name, (n, k) in (("fc1", (96, 64)), ("fc2", (32, 96))):
         gemm = steps[name].ops[0]

@@ -25,6 +25,7 @@ from engine_core.ops import ShapeInferenceError, TensorInfo, get_op
 from engine_core.passes import PIPELINE, eliminate_dead_code, fold_constants
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv, keeps_int8_conv_weight, requantizes
 from engine_core.passes.pattern import Uses
+from tests.cuda.models import optimized_graph
 
 F = TensorProto.FLOAT
 _WIRED = fuse_qdq_conv in PIPELINE
@@ -201,26 +202,10 @@ def resnet50_qdq() -> onnx.ModelProto:
     return MODELS["resnet50_qdq"][1]()
 
 
-def build_cpu_graph(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag=None) -> Graph:
-    """The graph as the builder optimizes it for the CPU backend (a plan's graph)."""
-    builder = kiln.Builder()
-    net = builder.create_network()
-    assert kiln.OnnxParser(net).parse(model)
-    config = builder.create_builder_config()
-    config.backend = "cpu"
-    if flag is not None:
-        config.set_flag(flag)
-    profile = builder.create_optimization_profile()
-    for name, value in feeds.items():
-        profile.set_shape(name, value.shape, value.shape, value.shape)
-    config.add_optimization_profile(profile)
-    return kiln.Runtime().load(kiln.build_plan(net, config)).plan.graph
-
-
 @needs_wiring
 def test_resnet50_qdq_runs_every_convolution_as_qconv(resnet50_qdq):
     x = np.random.default_rng(1).standard_normal((2, 3, 64, 64)).astype(np.float32)
-    graph = build_cpu_graph(resnet50_qdq, {"input": x})
+    graph = optimized_graph(resnet50_qdq, {"input": x})
     ops = Counter(_ops(graph))
     assert ops["QConv"] == 53 and ops["Conv"] == 0 and ops["FusedConv"] == 0
     # every conv but the stem (read by MaxPool) and the last block's (read by GlobalAveragePool) writes int8
