@@ -218,23 +218,29 @@ def small_model_profiles(name: str, batches: tuple[int, int, int] = (1, 2, 4),
     return {"input": tuple((b, 3, size, size) for b in batches)}
 
 
-def optimized_graph(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag=None):
-    """The graph exactly as the builder optimizes it (precision pass included: a CPU build's plan graph), for
-    one profile at the feeds' shapes; ``flag`` (e.g. BuilderFlag.FP16) set on the config."""
+def build_engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple], flag=None):
+    """An engine of ``model`` for ``backend`` with one profile (input -> (min, opt, max)); ``flag`` (e.g.
+    BuilderFlag.FP16) set on the config."""
     import engine_core as kiln
 
     builder = kiln.Builder()
     net = builder.create_network()
     assert kiln.OnnxParser(net).parse(model)
     config = builder.create_builder_config()
-    config.backend = "cpu"
+    config.backend = backend
     if flag is not None:
         config.set_flag(flag)
     profile = builder.create_optimization_profile()
-    for name, value in feeds.items():
-        profile.set_shape(name, value.shape, value.shape, value.shape)
+    for name, (lo, opt, hi) in profiles.items():
+        profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
-    return kiln.Runtime().load(kiln.build_plan(net, config)).plan.graph
+    return kiln.Runtime().load(kiln.build_plan(net, config))
+
+
+def optimized_graph(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag=None):
+    """The graph exactly as the builder optimizes it (precision pass included: a CPU build's plan graph), for
+    one profile at the feeds' shapes."""
+    return build_engine(model, "cpu", {name: (value.shape,) * 3 for name, value in feeds.items()}, flag).plan.graph
 
 
 def lowered_at(graph, feeds: dict[str, np.ndarray]):

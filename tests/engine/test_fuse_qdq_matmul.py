@@ -23,6 +23,7 @@ from engine_core.ops import ShapeInferenceError, TensorInfo, get_op
 from engine_core.passes import FUSION_PASSES, eliminate_dead_code, fuse_gelu
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul, keeps_int8_weight
 from engine_core.passes.pattern import Uses
+from tests.cuda.models import build_engine
 
 F = TensorProto.FLOAT
 RTOL = 1e-5
@@ -365,21 +366,6 @@ def test_requantize_shape_inference():
 # -- reduced precision: Q/DQ typed like TensorRT, so FP16/BF16 builds still fuse ------------------------
 
 
-def _build(model: onnx.ModelProto, shapes: dict[str, tuple], flag: kiln.BuilderFlag | None) -> kiln.CudaEngine:
-    builder = kiln.Builder()
-    network = builder.create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    config = builder.create_builder_config()
-    config.backend = "cpu"
-    if flag is not None:
-        config.set_flag(flag)
-    profile = builder.create_optimization_profile()
-    for name, shape in shapes.items():
-        profile.set_shape(name, *shape)
-    config.add_optimization_profile(profile)
-    return kiln.Runtime().load(kiln.build_plan(network, config))
-
-
 @pytest.mark.parametrize("opset", [17, 21])
 @pytest.mark.parametrize("flag", [kiln.BuilderFlag.FP16, kiln.BuilderFlag.BF16])
 def test_reduced_precision_build_fuses_with_exact_scales(rng, opset, flag):
@@ -387,8 +373,8 @@ def test_reduced_precision_build_fuses_with_exact_scales(rng, opset, flag):
     before the MatMul): the 16-bit build has both GEMMs as QMatMul writing the 16-bit type, fc1 requantizing,
     the scales still float32, and no Cast but the output's reformat."""
     model, feeds = _requant_mlp(rng, opset=opset)
-    engine16 = _build(model, {"x": ((6, 64),) * 3}, flag)
-    engine32 = _build(model, {"x": ((6, 64),) * 3}, None)
+    engine16 = build_engine(model, "cpu", {"x": ((6, 64),) * 3}, flag)
+    engine32 = build_engine(model, "cpu", {"x": ((6, 64),) * 3}, None)
     graph = engine16.plan.graph
     assert [n.op_type for n in graph.nodes] == ["Cast", "QuantizeLinear", "QMatMul", "QMatMul", "Cast"], \
         [n.name for n in graph.nodes]  # reformat_in:x, q_x, fc1, fc2, reformat_out:y
@@ -451,7 +437,7 @@ def test_fp16_bert_qdq_keeps_every_linear_layer_int8_and_matches_fp32():
     model = _bert_qdq()
     names = ("input_ids", "attention_mask", "token_type_ids")
     shapes = {n: ((1, 8), (2, 16), (4, 32)) for n in names}
-    engines = {flag: _build(model, shapes, flag) for flag in (None, kiln.BuilderFlag.FP16)}
+    engines = {flag: build_engine(model, "cpu", shapes, flag) for flag in (None, kiln.BuilderFlag.FP16)}
     for engine in engines.values():
         nodes = engine.plan.graph.nodes
         types = Counter(n.op_type for n in nodes)
