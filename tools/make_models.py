@@ -308,8 +308,10 @@ def _fold_batchnorm(graph: onnx.GraphProto) -> None:
     producers = {o: n for n in graph.node for o in n.output}
     drop = set()
     for bn in graph.node:
+        if bn.op_type != "BatchNormalization":  # checked first: Constant nodes have no inputs
+            continue
         conv = producers.get(bn.input[0])
-        if bn.op_type != "BatchNormalization" or conv is None or conv.op_type != "Conv":
+        if conv is None or conv.op_type != "Conv":
             continue
         gamma, beta, mean, var = (numpy_helper.to_array(inits[i]).astype(np.float64) for i in bn.input[1:5])
         eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
