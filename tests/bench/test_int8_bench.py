@@ -98,3 +98,25 @@ def test_cuda_without_a_cuda_backend_says_so(capsys):
     with pytest.raises(SystemExit) as exit_info:
         int8.main(["--device", "cuda"])
     assert exit_info.value.code == 2 and "CUDA backend" in capsys.readouterr().err
+
+
+def test_quantize_explicitly_accepts_nodes_without_inputs():
+    """torch's BERT export has Constant nodes (no inputs): the BN fold looked at every node's first input and
+    raised IndexError on them, so the H100 run's `int8_explicit` BERT rows were errors."""
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    shift = numpy_helper.from_array(np.ones(8, np.float32), "shift_value")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["shift"], value=shift),
+         helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("Add", ["h", "shift"], ["y"])],
+        "constant_then_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.standard_normal((2, 8)).astype(np.float32)}]
+    model, counts = int8.quantize_explicitly(model, False, feeds)
+    assert counts["quantized_layers"] == 1
+    assert [n.op_type for n in model.graph.node].count("QuantizeLinear") == 1
