@@ -247,9 +247,10 @@ register_op("QMatMul", infer=_qmatmul_infer, cpu=_qmatmul_cpu, domain=DOMAIN,
 
 def _qconv_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, w_scale: TensorInfo,
                  bias: TensorInfo | None = None, residual: TensorInfo | None = None,
-                 y_scale: TensorInfo | None = None) -> TensorInfo:
+                 y_scale: TensorInfo | None = None, residual_scale: TensorInfo | None = None) -> TensorInfo:
     """[N, C, H, W] int8 (*) [K, C, R, S] int8 -> [N, K, OH, OW] in ``float_dtype`` (int8 with y_scale); a
-    residual broadcasts like Add's operand."""
+    residual broadcasts like Add's operand: a float tensor, or int8 with ``residual_scale`` (its
+    DequantizeLinear folded in)."""
     if x.dtype != np.int8 or w.dtype != np.int8:
         raise ShapeInferenceError(f"{node}: QConv needs int8 operands, got {x.dtype} and {w.dtype}")
     if not _is_float(x_scale.dtype) or w_scale.dtype != x_scale.dtype:
@@ -257,9 +258,14 @@ def _qconv_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, 
     dtype = qmatmul_float_dtype(node, x_scale.dtype)
     if not _is_float(dtype):
         raise ShapeInferenceError(f"{node}: float_dtype must be a float type, got {dtype}")
-    for what, info in (("bias", bias), ("residual", residual), ("y_scale", y_scale)):
+    float_residual = residual if residual_scale is None else None
+    for what, info in (("bias", bias), ("residual", float_residual), ("y_scale", y_scale),
+                       ("residual_scale", residual_scale)):
         if info is not None and not _is_float(info.dtype):
             raise ShapeInferenceError(f"{node}: {what} must be a float tensor, got {info.dtype}")
+    if residual_scale is not None and (residual is None or residual.dtype != np.int8):
+        raise ShapeInferenceError(f"{node}: residual_scale needs an int8 residual, got "
+                                  f"{None if residual is None else residual.dtype}")
     out_dtype = np.dtype(np.int8) if y_scale is not None else dtype
     if x.shape is None or w.shape is None:
         return TensorInfo(out_dtype, None)
@@ -273,7 +279,8 @@ def _qconv_infer(node: Node, x: TensorInfo, x_scale: TensorInfo, w: TensorInfo, 
         raise ShapeInferenceError(f"{node}: C*R*S = {reduction} could overflow the int32 accumulator "
                                   f"(at most {QMATMUL_MAX_K})")
     k = w.shape[0]
-    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, k)), "bias": (bias, (k,)), "y_scale": (y_scale, (1,))}
+    sizes = {"x_scale": (x_scale, (1,)), "w_scale": (w_scale, (1, k)), "bias": (bias, (k,)), "y_scale": (y_scale, (1,)),
+             "residual_scale": (residual_scale, (1,))}
     for what, (info, allowed) in sizes.items():
         if info is not None and info.shape is not None and int(np.prod(info.shape)) not in allowed:
             raise ShapeInferenceError(f"{node}: {what} of shape {info.shape} for {k} output channels")
@@ -299,9 +306,19 @@ def _channels(value: np.ndarray) -> np.ndarray:
     return value.reshape(()) if value.size == 1 else value.reshape(1, -1, 1, 1)
 
 
+def qconv_residual(node: Node, residual: np.ndarray, residual_scale: np.ndarray | None) -> np.ndarray:
+    """The residual as the float32 addend: a float residual as it is; an int8 one as its DequantizeLinear
+    stored it (int8 * scale in float32, rounded to ``float_dtype``), so the fused layer equals the unfused graph."""
+    if residual_scale is None:
+        return residual.astype(np.float32)
+    dtype = qmatmul_float_dtype(node, residual_scale.dtype)
+    value = residual.astype(np.float32) * residual_scale.astype(np.float32).reshape(())
+    return value.astype(dtype, copy=False).astype(np.float32, copy=False)
+
+
 def _qconv_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
                bias: np.ndarray | None = None, residual: np.ndarray | None = None,
-               y_scale: np.ndarray | None = None) -> np.ndarray:
+               y_scale: np.ndarray | None = None, residual_scale: np.ndarray | None = None) -> np.ndarray:
     """act(float(acc) * x_scale * w_scale[k] + bias[k] + residual) in float32, stored in ``float_dtype``:
     the order and rounding of the CUDA epilogue kernel (engine_core/backends/cuda/int8_conv.py), so the two
     backends agree bit for bit (up to the activation's math library). With ``y_scale`` the stored value is
@@ -313,7 +330,7 @@ def _qconv_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_
     if bias is not None:
         y = y + _channels(bias)
     if residual is not None:
-        y = y + residual.astype(np.float32)
+        y = y + qconv_residual(node, residual, residual_scale)
     y = activate(node, y).astype(qmatmul_float_dtype(node, x_scale.dtype), copy=False)
     if y_scale is None:
         return y
@@ -322,4 +339,5 @@ def _qconv_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_
 
 register_op("QConv", infer=_qconv_infer, cpu=_qconv_cpu, domain=DOMAIN,
             doc="act(conv(int8 x, int8 W) (int32 sums) * x_scale * w_scale[k] + bias + residual), optionally "
-                "requantized to int8: a Q/DQ Conv as an INT8 implicit GEMM")
+                "requantized to int8 (inputs: x, x_scale, W, w_scale, bias, residual, y_scale, residual_scale; "
+                "an int8 residual is dequantized by residual_scale): a Q/DQ Conv as an INT8 implicit GEMM")

@@ -5,10 +5,11 @@ Pattern (the TensorRT guide's "fuse Q/DQ with weighted node", as QAT exports and
 ``DequantizeLinear(x_q int8, x_scale) -> Conv(group 1) <- DequantizeLinear(W_q int8 [K, C, R, S] constant,
 w_scale per tensor or per output channel (axis 0))``, zero points 0, then optionally a bias (the Conv's input 2,
 or an ``Add`` of a per-channel constant), a residual ``Add`` of another float tensor (ResNet's shortcut, which
-arrives through its own DequantizeLinear and stays float), an activation (Relu, Sigmoid, Tanh, Gelu) and a
+arrives through its own DequantizeLinear), an activation (Relu, Sigmoid, Tanh, Gelu) and a
 ``QuantizeLinear`` to int8 (one scale, zero point 0) that is the activation's only reader. It becomes
-``QConv(x_q, x_scale, W_q, w_scale, bias or "", residual or "", y_scale?)`` with the Conv's attributes and
-``activation``.
+``QConv(x_q, x_scale, W_q, w_scale, bias or "", residual or "", y_scale?, residual_scale?)`` with the Conv's
+attributes and ``activation``; a residual produced by a per-tensor int8 DequantizeLinear is read as that int8
+tensor with ``residual_scale`` (the DequantizeLinear folds in).
 
 Why: the convolution then reads int8 operands and sums in int32 (INT8 tensor cores through an implicit GEMM,
 engine_core/backends/cuda/int8_conv.py), and dequantization, bias, residual, activation and the next layer's
@@ -109,6 +110,16 @@ def _residual(graph: Graph, add: Node | None, tail: str) -> str | None:
     return other if other and other != tail and other not in graph.constants else None
 
 
+def _int8_residual(graph: Graph, uses: Uses, residual: str, float_dtype: np.dtype) -> tuple[str, str]:
+    """(residual, residual_scale): the int8 tensor and scale of the per-tensor DequantizeLinear producing a
+    float residual (ResNet's shortcut arrives that way), else (residual, ""). Why: the convolution then reads the
+    shortcut as int8 (a quarter of fp32's bytes) and the DequantizeLinear has no reader left."""
+    dq = _int8_activation_dq(graph, uses, residual)
+    if dq is None or _dq_output_dtype(graph, dq) != float_dtype:
+        return residual, ""
+    return dq.inputs[0], dq.inputs[1]
+
+
 def _match(graph: Graph, uses: Uses, conv: Node, requantize: bool, removed: set[int]) -> tuple[Node, list[Node]] | None:
     """The QConv node replacing ``conv`` (and the nodes it covers, a requantizing QuantizeLinear last), or
     None. The chain stops at nodes an earlier match covered (``removed``: an Add two convolutions feed)."""
@@ -142,10 +153,12 @@ def _match(graph: Graph, uses: Uses, conv: Node, requantize: bool, removed: set[
             covered.append(step)
             step = reader(tail)
     residual = _residual(graph, step, tail) or ""
+    residual_scale = ""
     if residual:
         covered.append(step)
         tail = step.outputs[0]
         step = reader(tail)
+        residual, residual_scale = _int8_residual(graph, uses, residual, float_dtype)
     activation = _activation(step)
     if activation is not None:
         covered.append(step)
@@ -155,8 +168,12 @@ def _match(graph: Graph, uses: Uses, conv: Node, requantize: bool, removed: set[
     y_scale = _int8_requantize_scale(graph, q, tail)
     if y_scale is not None:
         covered.append(q)
-        inputs.append(y_scale)
         tail = q.outputs[0]
+    inputs.append(y_scale or "")
+    if residual_scale:
+        inputs.append(residual_scale)
+    while not inputs[-1]:
+        inputs.pop()
     attrs = {k: conv.attrs[k] for k in CONV_ATTRS if k in conv.attrs}
     attrs["activation"] = activation or ""
     if float_dtype != x_scale.dtype:

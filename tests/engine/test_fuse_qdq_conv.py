@@ -125,7 +125,9 @@ def test_residual_add_joins_and_numbers_are_exact(rng, stride, pad, kernel):
     before, after, count = _fused(model)
     assert count == 1 and "Add" not in _ops(after) and "Relu" not in _ops(after)
     node = next(n for n in after.nodes if n.op_type == "QConv")
-    assert node.inputs[5] == "r_dq"  # the shortcut stays float through its own DequantizeLinear
+    # the shortcut's DequantizeLinear folds in: the convolution reads it as int8 with its scale (input 7)
+    assert node.inputs[5] == "r_q" and node.inputs[7] == "r_s"
+    assert "dq_r" not in {n.name for n in after.nodes}
     np.testing.assert_array_equal(GraphRunner(after).run(feeds)["y"], GraphRunner(before).run(feeds)["y"])
 
 
@@ -210,7 +212,8 @@ def test_resnet50_qdq_runs_every_convolution_as_qconv(resnet50_qdq):
     assert ops["QConv"] == 53 and ops["Conv"] == 0 and ops["FusedConv"] == 0
     # every conv but the stem (read by MaxPool) and the last block's (read by GlobalAveragePool) writes int8
     assert sum(requantizes(n) for n in graph.nodes) == 51
-    assert ops["DequantizeLinear"] == 16  # the 16 shortcuts, float into their QConv's residual
+    # the 16 shortcuts reach their QConv as int8 with their scale: no DequantizeLinear is left
+    assert ops["DequantizeLinear"] == 0 and sum(len(n.inputs) > 7 for n in graph.nodes if n.op_type == "QConv") == 16
     got = GraphRunner(graph).run({"input": x})["logits"]
     want = GraphRunner(_graph(resnet50_qdq)).run({"input": x})["logits"]  # the unfused, unfolded graph
     # float32 sums in another order move a few values across int8 rounding boundaries, and 50 layers

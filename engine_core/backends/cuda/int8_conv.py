@@ -114,20 +114,21 @@ def _channel_strides(ctx: _Context, name: str, rank: int) -> tuple[int, ...]:
 
 def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
     """One generated kernel: act(float(acc) * x_scale * w_scale[k] + bias[k] + residual) -> the output;
-    with y_scale then Cast to the float type and QuantizeLinear -> int8 (the CPU op's order)."""
+    with y_scale then Cast to the float type and QuantizeLinear -> int8 (the CPU op's order). An int8 residual
+    is dequantized by its scale first."""
     out = ctx.info(out_name)
-    bias, residual, y_scale = _optional(node, 4), _optional(node, 5), _optional(node, 6)
-    inputs = [acc.tensor, node.inputs[1], node.inputs[3], *[n for n in (bias, residual, y_scale) if n]]
+    bias, residual, y_scale, r_scale = (_optional(node, i) for i in (4, 5, 6, 7))
+    inputs = [acc.tensor, node.inputs[1], node.inputs[3], *[n for n in (bias, residual, r_scale, y_scale) if n]]
+    dequantize = {inputs.index(residual): inputs.index(r_scale)} if r_scale else {}
     nodes = dequant_program(node, ctx, len(inputs), [inputs.index(n) for n in (bias, residual) if n], bool(y_scale),
-                            INT8)
+                            INT8, dequantize)
     rank = len(out.shape)
     strides = [nhwc_strides(out.shape), (0,) * rank, _channel_strides(ctx, node.inputs[3], rank)]
     if bias:
         strides.append(_channel_strides(ctx, bias, rank))
     if residual:
         strides.append(broadcast_strides(ctx.info(residual).shape, out.shape, ctx.strides(residual)))
-    if y_scale:
-        strides.append((0,) * rank)
+    strides += [(0,) * rank] * (bool(r_scale) + bool(y_scale))
     kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
 
@@ -141,8 +142,9 @@ def _check(node: Node, ctx: _Context) -> None:
         raise Unsupported("QConv with a computed weight")
     if w.shape[0] % ALIGN:
         raise Unsupported(f"INT8 implicit GEMM needs output channels a multiple of {ALIGN}, got {w.shape[0]}")
-    y_scale = _optional(node, 6)
-    for name in (node.inputs[1], node.inputs[3], _optional(node, 4), _optional(node, 5), y_scale):
+    y_scale, r_scale = _optional(node, 6), _optional(node, 7)
+    floats = (node.inputs[1], node.inputs[3], _optional(node, 4), "" if r_scale else _optional(node, 5), y_scale, r_scale)
+    for name in floats:
         if name and ctx.info(name).dtype not in FLOATS:
             raise Unsupported(f"QConv {name} is {ctx.info(name).dtype}, not a float type")
     if (out.dtype == INT8) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):

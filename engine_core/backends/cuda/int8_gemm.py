@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -120,29 +121,42 @@ def _optional(node: Node, index: int) -> str:
 
 
 def dequant_program(node: Node, ctx: _Context, n_inputs: int, adds: list[int], requantize: bool,
-                    out_dtype: np.dtype) -> list[PwNode]:
+                    out_dtype: np.dtype, dequantize: Mapping[int, int] | None = None) -> list[PwNode]:
     """The epilogue program of a QMatMul / QConv over inputs [acc, x_scale, w_scale, ...]: float(acc) * x_scale *
     w_scale, plus each input in ``adds`` (bias, residual), the node's activation, and with ``requantize`` a Cast
-    to the node's float type then QuantizeLinear (scale: the last input) to ``out_dtype`` -- the CPU op's order."""
-    nodes = [PwNode.make("Cast", [0], F32, {"to": 1}), PwNode.make("Mul", [n_inputs, 1], F32),
-             PwNode.make("Mul", [n_inputs + 1, 2], F32)]
+    to the node's float type then QuantizeLinear (scale: the last input) to ``out_dtype`` -- the CPU op's order.
+    ``dequantize`` maps an int8 addend to its scale input: it is added as its DequantizeLinear stored it
+    (float32 product rounded to the float type; engine_core/ops/fused.py ``qconv_residual``)."""
+    nodes: list[PwNode] = []
+    result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
 
-    def last() -> int:
+    def emit(op: str, inputs: list[int], dtype: np.dtype = F32, attrs: dict | None = None) -> int:
+        nodes.append(PwNode.make(op, inputs, dtype, attrs or {}))
         return n_inputs + len(nodes) - 1
 
-    for index in adds:
-        nodes.append(PwNode.make("Add", [last(), index], F32))
+    def as_float(index: int) -> int:
+        scale = (dequantize or {}).get(index)
+        if scale is None:
+            return index
+        value = emit("Mul", [emit("Cast", [index], F32, {"to": 1}), scale])
+        if result != F32:
+            value = emit("Cast", [emit("Cast", [value], result, {"to": np_to_onnx(result)})], F32, {"to": 1})
+        return value
+
+    addends = [as_float(index) for index in adds]
+    last = emit("Mul", [emit("Mul", [emit("Cast", [0], F32, {"to": 1}), 1]), 2])
+    for index in addends:
+        last = emit("Add", [last, index])
     activation = node.attr("activation", "")
     if activation:
         if activation not in _ACTIVATIONS:
             raise Unsupported(f"{node.op_type} activation {activation}")
         op, attrs = _ACTIVATIONS[activation]
-        nodes.append(PwNode.make(op, [last()], F32, attrs))
+        last = emit(op, [last], F32, attrs)
     if requantize:
-        result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
         if result != F32:  # round like the float tensor the unfused graph stores
-            nodes.append(PwNode.make("Cast", [last()], result, {"to": np_to_onnx(result)}))
-        nodes.append(PwNode.make("QuantizeLinear", [last(), n_inputs - 1, -1], out_dtype))
+            last = emit("Cast", [last], result, {"to": np_to_onnx(result)})
+        emit("QuantizeLinear", [last, n_inputs - 1, -1], out_dtype)
     return nodes
 
 
