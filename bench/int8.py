@@ -256,6 +256,8 @@ def layer_summary(engine) -> dict:
         "host_layers": tactics.get("host", 0),
         "int8": info.get("int8"),
         "passes": {k: v for k, v in info.get("passes", {}).items() if k in ("quantize_implicit", "fuse_qdq_matmul")},
+        # whether the int8-output cuBLASLt GEMMs ran the requantizing convolutions, and if not, why
+        "int8_requant": {k: info.get("cuda", {}).get(k) for k in ("int8_requant_unsupported", "int8_requant_fallback")},
         "tactics": dict(tactics.most_common()),
     }
 

@@ -98,6 +98,22 @@ class Emulator:
         w = self.view(op.w, np.dtype(np.int8), (op.n, op.k), (op.k, 1)).astype(np.float64)
         self.view(op.y, np.dtype(np.int32), (op.m, op.n), (op.n, 1))[...] = (x @ w.T).astype(np.int32)
 
+    def _int8gemmrequant(self, op) -> None:
+        """A model of cuBLASLt's int8-output IMMA: exact int32 sums, then in float32 alpha[n] * acc + beta * c +
+        bias[n], ReLU, round to nearest even, saturate to int8 (the library's own float order may differ by an
+        ulp: outputs by one quantization step)."""
+        x = self.view(op.x, np.dtype(np.int8), (op.m, op.k), (op.k, 1)).astype(np.float64)
+        w = self.view(op.w, np.dtype(np.int8), (op.n, op.k), (op.k, 1)).astype(np.float64)
+        f32 = np.float32
+        value = (x @ w.T).astype(np.int32).astype(f32) * self.view(op.alpha, np.dtype(f32), (op.n,), (1,))
+        if op.c is not None:
+            value = value + f32(op.beta) * self.view(op.c, np.dtype(np.int8), (op.m, op.n), (op.n, 1)).astype(f32)
+        if op.bias is not None:
+            value = value + self.view(op.bias, np.dtype(f32), (op.n,), (1,))
+        if op.relu:
+            value = np.maximum(value, f32(0))
+        self.view(op.y, np.dtype(np.int8), (op.m, op.n), (op.n, 1))[...] = np.clip(np.rint(value), -128, 127)
+
     def _fp8gemm(self, op) -> None:
         """e4m3 x e4m3 -> float32: exact float64 sums rounded once (the CPU op's accumulator; cuBLASLt's float32
         sums differ by at most K * 2**-24 * sum|x_k * w_k|)."""

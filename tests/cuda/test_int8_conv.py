@@ -9,6 +9,7 @@ resnet50_qdq against the CPU backend.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -175,16 +176,90 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
         config.add_optimization_profile(profile)
         engines[backend] = kiln.Runtime().load(kiln.build_plan(net, config))
     tactics = {layer["name"]: layer["tactic"] for layer in engines["cuda"].plan.layers if layer["type"] == "QConv"}
-    assert len(tactics) == 53 and set(tactics.values()) == {"conv:cublaslt_int8_im2col"}, tactics
+    # with the int8-output GEMMs (when this GPU's cuBLASLt has them) 51 are one call each (see the emulated test)
+    requant = engines["cuda"].plan.build_info["cuda"]["lowering"]["int8_requant"]
+    counts = Counter(tactics.values())
+    assert counts == ({"conv:cublaslt_int8_requant": 51, "conv:cublaslt_int8_im2col": 2} if requant
+                      else {"conv:cublaslt_int8_im2col": 53}), counts
     gctx, cctx = engines["cuda"].create_execution_context(), engines["cpu"].create_execution_context()
     rng = np.random.default_rng(7)
     for batch in (1, 3, 8):
         x = {"input": rng.standard_normal((batch, 3, 64, 64)).astype(np.float32)}
         got, want = gctx.infer(x)["logits"], cctx.infer(x)["logits"]
-        # the QConvs are exact (int32 sums, the CPU op's epilogue order); MaxPool is exact; the global average
-        # pool sums in another order and can move a value across the head's input quantization boundary: one
-        # int8 step, so compare to the logits' scale, and the classes must agree
+        # the im2col QConvs are exact (int32 sums, the CPU op's epilogue order); MaxPool is exact; the global
+        # average pool sums in another order and can move a value across the head's input quantization
+        # boundary: one int8 step, so compare to the logits' scale, and the classes must agree. The int8-output
+        # GEMMs round once per layer (up to a step per layer): the emulated test's bounds
         scale = float(np.abs(want).max())
         error = np.abs(got - want)
-        assert float(error.max()) <= 0.02 * scale and float(error.mean()) <= 2e-3 * scale, float(error.max())
+        bound = (0.08, 0.01) if requant else (0.02, 2e-3)
+        assert float(error.max()) <= bound[0] * scale and float(error.mean()) <= bound[1] * scale, float(error.max())
         assert (got.argmax(1) == want.argmax(1)).all()
+
+
+# -- the int8-output cuBLASLt GEMM (LoweringOptions.int8_requant: probed on the GPU at build time) ----------
+
+REQUANT = lowering.LoweringOptions(int8_requant=True)
+
+
+def _lowered_with(graph, feeds, options):
+    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
+    return lowering.lower_graph(graph, infos, None, options)
+
+
+@pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
+def test_requantizing_qconv_is_one_int8_output_gemm(rng, case):
+    """A requantizing QConv with constant scales becomes one Int8GemmRequant writing int8 NHWC (no int32 buffer,
+    no epilogue kernel); its outputs stay within one quantization step of the CPU op, nearly all equal."""
+    from engine_core.backends.cuda.int8_gemm import Int8GemmRequant
+
+    (kernel, stride, pad, cin, residual, relu, requantize), before_gemm, reduction = CASES[case]
+    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
+                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
+    graph = optimized_graph(model, feeds)
+    lowered = _lowered_with(graph, feeds, REQUANT)
+    (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    assert lowered.tactics()[step.node.name] == "conv:cublaslt_int8_requant"
+    gemm = step.ops[-1]
+    assert isinstance(gemm, Int8GemmRequant) and step.ops.index(gemm) == before_gemm
+    assert (gemm.k, gemm.relu, gemm.bias is not None, gemm.c is not None) == (reduction, relu, True, residual)
+    assert lowered.infos[gemm.y.tensor].dtype == np.int8 and lowered.layouts[gemm.y.tensor] == "nhwc"
+    got = Emulator(graph, lowered, feeds).run()["y"]
+    ref = GraphRunner(graph).run(feeds)["y"]
+    y_scale = float(graph.constants[step.node.inputs[6]])
+    steps = np.abs(got.astype(np.float64) - ref) / y_scale
+    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
+
+
+def test_requant_needs_a_relu_or_no_activation_and_a_requantizing_layer(rng):
+    """Sigmoid (no cuBLASLt int8 epilogue) and float outputs keep the int32 GEMM + epilogue kernel."""
+    for options in ({"relu": False, "requantize": False}, {"relu": True, "requantize": False}):
+        model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6, **options)
+        graph = optimized_graph(model, feeds)
+        lowered = _lowered_with(graph, feeds, REQUANT)
+        assert "conv:cublaslt_int8_im2col" in lowered.tactics().values()
+    model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6)
+    graph = optimized_graph(model, feeds)
+    (node,) = [n for n in graph.nodes if n.op_type == "QConv"]
+    node.attrs["activation"] = "Sigmoid"
+    assert "conv:cublaslt_int8_im2col" in _lowered_with(graph, feeds, REQUANT).tactics().values()
+
+
+@needs_wiring
+def test_emulated_resnet50_qdq_with_int8_output_gemms():
+    """resnet50_qdq with the int8-output GEMMs: the 51 requantizing convolutions are one cuBLASLt call each
+    (the stem, read by MaxPool, and the last, read by GlobalAveragePool, keep the epilogue kernel); one
+    rounding per layer instead of the CPU op's steps moves values by a quantization step here and there, which
+    50 layers propagate: the bounds of the float32-reordering test in test_fuse_qdq_conv.py hold."""
+    x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+    lowered = _lowered_with(graph, {"input": x}, REQUANT)
+    tactics = list(lowered.tactics().values())
+    assert "host" not in tactics
+    assert tactics.count("conv:cublaslt_int8_requant") == 51 and tactics.count("conv:cublaslt_int8_im2col") == 2
+    got = Emulator(graph, lowered, {"input": x}).run()["logits"]
+    want = GraphRunner(graph).run({"input": x})["logits"]
+    scale = float(np.abs(want).max())
+    error = np.abs(got - want)
+    assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
+    assert (got.argmax(1) == want.argmax(1)).all()

@@ -7,7 +7,7 @@ build step (tactics, CUBINs, arena size); ``CudaEngineState`` runs plans with ``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_core.backends.cuda.lowering import F32, GEMM_TACTICS, Conv, Gemm, Lowered, LoweringOptions, lower_graph
@@ -132,6 +132,16 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
     lowered = {point: low for point, infos in inferred.items()
                if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+    requant_fallback = None
+    if options.int8_requant:  # every int8-output GEMM must have a cuBLASLt algorithm here, or none is used
+        from engine_core.backends.cuda.int8_gemm import unplanned_requant_gemms
+
+        missing = unplanned_requant_gemms([op for low in lowered.values() for s in low.steps for op in s.ops])
+        if missing:
+            requant_fallback = missing[0]
+            options = replace(options, int8_requant=False)
+            lowered = {point: low for point, infos in inferred.items()
+                       if (low := _lower_or_none(graph, infos, choice, options)) is not None}
     host_fallback = None
     if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
         lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
@@ -163,7 +173,9 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
               "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
                                             for profile in sorted({p for p, _ in lowered})],
-              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn, "cublaslt": options.cublaslt},
+              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn, "cublaslt": options.cublaslt,
+                           "int8_requant": options.int8_requant},
+              "int8_requant_fallback": requant_fallback,
               "reformat_layers": sorted({s.node.name for low in lowered.values() for s in low.steps
                                          if s.tactic.startswith("reformat")}),
               "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},

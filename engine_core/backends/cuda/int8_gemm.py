@@ -31,13 +31,21 @@ step-local buffer and the step's last op is that QuantizeLinear on the host -- c
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
 from typing import Any, ClassVar
 
 import numpy as np
 
-from engine_core.backends.cuda.cublaslt import WORKSPACE_BYTES, CublasLt, best_algorithm, check, make_layouts
+from engine_core.backends.cuda.cublaslt import (
+    EPILOGUES,
+    WORKSPACE_BYTES,
+    CublasLt,
+    best_algorithm,
+    check,
+    make_layouts,
+)
 from engine_core.backends.cuda.lowering import Host, Launch, Ref, _Context, launch_program
 from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
 from engine_core.cuda.driver import CudaError
@@ -52,7 +60,9 @@ NK_TRANSFORM = "nk"
 #: cudaDataType / cublasComputeType_t values (library_types.h, cublas_api.h of the CUDA 13 wheels)
 _CUDA_R_32F, _CUDA_R_8I, _CUDA_R_32I, _CUDA_R_8F_E4M3 = 0, 3, 10, 28
 _COMPUTE_32F, _COMPUTE_32I = 68, 72
-_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 2, 3, 4, 7, 8
+#: cublasLtPointerMode_t: alpha a device vector (one value per row of Lt's D), beta zero / a host scalar
+_ALPHA_VECTOR_BETA_ZERO, _ALPHA_VECTOR_BETA_HOST = 3, 4
 _OP_N, _OP_T = 0, 1
 #: activation name -> (pointwise op, attributes) of the epilogue
 _ACTIVATIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -91,6 +101,37 @@ class Fp8Gemm(Int8Gemm):
     tactic: ClassVar[str] = "cublaslt_fp8"
     types: ClassVar[tuple[int, int, int, int]] = (_CUDA_R_8F_E4M3, _CUDA_R_32F, _COMPUTE_32F, _CUDA_R_32F)
     acc_dtype: ClassVar[np.dtype] = F32
+
+
+@dataclass
+class Int8GemmRequant(Int8Gemm):
+    """y[m, n] (int8) = saturate(round(act(alpha[n] * acc + beta * c[m, n] + bias[n]))) in one cuBLASLt IMMA
+    call: a requantizing layer whose scales and bias are constants, with the scales and the output scale folded
+    into ``alpha`` = x_scale * w_scale[n] / y_scale (a device vector: ``CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_*``),
+    ``bias`` = bias / y_scale (float32, the BIAS / RELU_BIAS epilogue) and an int8 residual ``c`` read with
+    ``beta`` = its scale / y_scale. Why: the int32 accumulators never leave the GEMM (the implicit GEMM's
+    epilogue kernel reads and writes 5 bytes per output element more), and no second kernel runs.
+
+    It rounds once in float32 where the CPU op rounds at each step (and, in FP16 builds, to fp16 before
+    quantizing): outputs may differ from the CPU backend by one quantization step, as TensorRT's do."""
+
+    alpha: Ref | None = None
+    bias: Ref | None = None
+    c: Ref | None = None
+    beta: float = 0.0
+    relu: bool = False
+    tactic: ClassVar[str] = "cublaslt_int8_requant"
+    types: ClassVar[tuple[int, int, int, int]] = (_CUDA_R_8I, _CUDA_R_8I, _COMPUTE_32I, _CUDA_R_32F)
+    acc_dtype: ClassVar[np.dtype] = INT8
+
+    def refs(self) -> list[Ref]:
+        return [self.x, self.w, self.y, *[r for r in (self.alpha, self.bias, self.c) if r is not None]]
+
+    @property
+    def epilogue(self) -> str:
+        """The cuBLASLt epilogue name (cublaslt.EPILOGUES)."""
+        return {(False, False): "default", (True, False): "relu", (False, True): "bias",
+                (True, True): "relu_bias"}[(self.relu, self.bias is not None)]
 
 
 def nk_weight(value: np.ndarray) -> np.ndarray:
@@ -223,29 +264,51 @@ def lower_qmatmul(node: Node, ctx: _Context) -> list:
 
 
 class _Plan:
-    """cuBLASLt descriptors and the heuristic's algorithm for one (types, m, n, k) INT8 / FP8 GEMM."""
+    """cuBLASLt descriptors and the heuristic's algorithm for one (types, m, n, k[, epilogue, residual]) INT8 /
+    FP8 GEMM."""
 
     def __init__(self, lt: CublasLt, m: int, n: int, k: int,
-                 types: tuple[int, int, int, int] = Int8Gemm.types) -> None:
+                 types: tuple[int, int, int, int] = Int8Gemm.types, epilogue: str = "", residual: bool = False,
+                 pointer_mode: int | None = None) -> None:
         c, lib = ctypes, lt.lib
         operand, result, compute, scale = types
         self.desc = c.c_void_p()
         check(lib.cublasLtMatmulDescCreate(c.byref(self.desc), compute, scale), "cublasLtMatmulDescCreate")
-        # alpha 1, beta 0 in the scale type (int32 for IMMA, float32 for FP8)
+        # alpha 1, beta 0 in the scale type (int32 for IMMA, float32 for FP8 and the requantizing GEMM)
         self.one, self.zero = (c.c_float(1.0), c.c_float(0.0)) if scale == _CUDA_R_32F else (c.c_int32(1), c.c_int32(0))
         op_a, op_b = c.c_int(_OP_T), c.c_int(_OP_N)  # Lt's A: the weight rows; Lt's B: x as it lies
         check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
         check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
+        if epilogue:  # the requantizing GEMM: alpha is a device vector over Lt's rows (our output columns)
+            if pointer_mode is None:
+                pointer_mode = _ALPHA_VECTOR_BETA_HOST if residual else _ALPHA_VECTOR_BETA_ZERO
+            mode = c.c_int(pointer_mode)
+            check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_POINTER_MODE, c.byref(mode), 4), "POINTER_MODE")
+            self.epilogue = c.c_int(EPILOGUES[epilogue])
+            check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_EPILOGUE, c.byref(self.epilogue), 4), "EPILOGUE")
         self.layouts = make_layouts(lib, [(operand, k, n, k), (operand, k, m, k), (result, n, m, n)])
         self.heuristic = best_algorithm(lib, lt.handle, self.desc, self.layouts)
         if self.heuristic is None:
             what = "FP8" if operand == _CUDA_R_8F_E4M3 else "INT8"
-            raise CudaError(f"cuBLASLt has no {what} algorithm for M={m} N={n} K={k}")
+            raise CudaError(f"cuBLASLt has no {what} algorithm for M={m} N={n} K={k}"
+                            + (f" writing int8 with epilogue {epilogue}" if epilogue else ""))
+
+
+def _plan_key(op: Int8Gemm) -> tuple:
+    if isinstance(op, Int8GemmRequant):
+        return op.types, op.m, op.n, op.k, op.epilogue, op.c is not None
+    return op.types, op.m, op.n, op.k
+
+
+def _new_plan(lt: CublasLt, op: Int8Gemm) -> _Plan:
+    if isinstance(op, Int8GemmRequant):
+        return _Plan(lt, op.m, op.n, op.k, op.types, op.epilogue, op.c is not None)
+    return _Plan(lt, op.m, op.n, op.k, op.types)
 
 
 class Int8GemmRunner:
-    """Runs ``Int8Gemm`` and ``Fp8Gemm`` steps on one cuBLASLt handle and workspace (an execution
-    context's)."""
+    """Runs ``Int8Gemm``, ``Int8GemmRequant`` and ``Fp8Gemm`` steps on one cuBLASLt handle and workspace (an
+    execution context's)."""
 
     def __init__(self, lt: CublasLt | None = None) -> None:
         if lt is None:
@@ -253,16 +316,89 @@ class Int8GemmRunner:
         self.lt = lt
         self._plans: dict[tuple, _Plan] = {}
 
-    def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
-        """Enqueue acc = x @ w^T on ``stream``; ``resolve`` maps a Ref to its device address."""
-        key = (op.types, op.m, op.n, op.k)
+    def plan(self, op: Int8Gemm) -> _Plan:
+        """The cached cuBLASLt plan of ``op``'s signature; raises CudaError when cuBLASLt has no algorithm."""
+        key = _plan_key(op)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(self.lt, op.m, op.n, op.k, op.types)
+            plan = self._plans[key] = _new_plan(self.lt, op)
+        return plan
+
+    def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
+        """Enqueue acc = x @ w^T (or the requantizing GEMM) on ``stream``; ``resolve`` maps a Ref to its device
+        address."""
+        plan = self.plan(op)
         c, lt = ctypes, self.lt
         a_l, b_l, y_l = plan.layouts
         y = c.c_void_p(resolve(op.y))
-        check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, c.byref(plan.one), c.c_void_p(resolve(op.w)), a_l,
-                                     c.c_void_p(resolve(op.x)), b_l, c.byref(plan.zero), y, y_l, y, y_l,
+        alpha, beta, source = c.byref(plan.one), c.byref(plan.zero), y
+        if isinstance(op, Int8GemmRequant):
+            alpha = c.c_void_p(resolve(op.alpha))
+            if op.bias is not None:
+                pointer = c.c_void_p(resolve(op.bias))
+                check(lt.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER, c.byref(pointer), 8),
+                      "BIAS_POINTER")
+            if op.c is not None:
+                beta_value = c.c_float(op.beta)
+                beta, source = c.byref(beta_value), c.c_void_p(resolve(op.c))
+        check(lt.lib.cublasLtMatmul(lt.handle, plan.desc, alpha, c.c_void_p(resolve(op.w)), a_l,
+                                     c.c_void_p(resolve(op.x)), b_l, beta, source, y_l, y, y_l,
                                      c.byref(plan.heuristic), c.c_void_p(lt.workspace.ptr),
                                      c.c_size_t(WORKSPACE_BYTES), c.c_void_p(stream)), f"cublasLtMatmul ({op.tactic})")
+
+
+@cache
+def requant_unsupported() -> str:
+    """Why this GPU cannot run ``Int8GemmRequant`` ("" when it can): its cuBLASLt must have int8-output IMMA
+    algorithms with a per-column alpha vector, the bias / ReLU epilogues and an int8 residual (probed once on a
+    small "TN" shape). The builder lowers requantizing INT8 layers to it only when it can, and records the
+    reason in the plan (``build_info.cuda.int8_requant_unsupported``)."""
+    try:
+        runner = Int8GemmRunner()
+        for epilogue in ("default", "relu_bias"):
+            for residual in (False, True):
+                _Plan(runner.lt, 256, 64, 64, Int8GemmRequant.types, epilogue, residual)
+        return ""
+    except (CudaError, OSError, ImportError) as e:  # no GPU, no cuBLASLt, or no such algorithm: the int32 path
+        return f"{type(e).__name__}: {e}"
+
+
+def probe_report(m: int = 256, n: int = 64, k: int = 64) -> dict[str, str]:
+    """Which int8-output IMMA configurations this GPU's cuBLASLt has algorithms for ("ok" or the error), per
+    epilogue x pointer mode (0 host alpha, 3 alpha vector / beta zero, 4 alpha vector / beta host): what to read
+    when ``requant_unsupported`` says no. ``python -m engine_core.backends.cuda.int8_gemm`` prints it."""
+    runner, report = Int8GemmRunner(), {}
+    for epilogue in ("default", "bias", "relu", "relu_bias"):
+        for mode in (0, _ALPHA_VECTOR_BETA_ZERO, _ALPHA_VECTOR_BETA_HOST):
+            try:
+                _Plan(runner.lt, m, n, k, Int8GemmRequant.types, epilogue, pointer_mode=mode)
+                report[f"{epilogue}/mode{mode}"] = "ok"
+            except CudaError as e:
+                report[f"{epilogue}/mode{mode}"] = str(e)
+    return report
+
+
+def unplanned_requant_gemms(ops: list[Int8Gemm]) -> list[str]:
+    """The requantizing GEMMs among ``ops`` cuBLASLt has no algorithm for on this GPU (checked at build time, so a
+    plan never holds a step that cannot run); empty when all can run."""
+    runner, missing = None, []
+    for op in ops:
+        if not isinstance(op, Int8GemmRequant):
+            continue
+        runner = runner or Int8GemmRunner()
+        try:
+            runner.plan(op)
+        except CudaError as e:
+            missing.append(str(e))
+    return missing
+
+
+if __name__ == "__main__":
+    import json
+
+    reason = requant_unsupported()
+    try:
+        configurations: dict[str, str] | str = probe_report()
+    except (CudaError, OSError, ImportError) as e:
+        configurations = f"{type(e).__name__}: {e}"
+    print(json.dumps({"requant_unsupported": reason, "configurations": configurations}, indent=1))

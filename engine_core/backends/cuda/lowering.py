@@ -60,6 +60,9 @@ class LoweringOptions:
     cudnn: bool = False
     #: cuBLASLt runs FusedMatMul with its bias / activation fused into the GEMM
     cublaslt: bool = False
+    #: cuBLASLt's int8-output IMMA GEMMs (alpha vector, bias / ReLU epilogue, int8 residual) run requantizing
+    #: INT8 convolutions as one call (int8_gemm.Int8GemmRequant); probed on the GPU at build time
+    int8_requant: bool = False
 
 
 @dataclass(frozen=True)
@@ -1049,7 +1052,8 @@ def _tactic(node: Node, ops: list) -> str:
     if node.op_type == "QMatMul" and ops:
         return f"gemm:{ops[0].tactic}"  # cublaslt_int8 / cublaslt_fp8
     if node.op_type == "QConv" and ops:
-        return "conv:cublaslt_int8_im2col"
+        gemm = next(o for o in ops if hasattr(o, "acc_dtype"))  # the Int8Gemm step
+        return f"conv:{gemm.tactic}" + ("" if gemm.tactic.endswith("requant") else "_im2col")
     if node.op_type == "Attention":
         return "kernel:flash_attention"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
@@ -1168,6 +1172,8 @@ def _refs_of(step: Step) -> list[str]:
     for op in step.ops:
         for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
             names += [v.tensor for v, _ in launch.args if isinstance(v, Ref)]
+        if hasattr(op, "refs"):  # int8_gemm's steps (that module imports this one): the requantizing GEMM's alpha
+            names += [r.tensor for r in op.refs()]
     return names
 
 

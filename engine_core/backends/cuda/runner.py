@@ -1008,7 +1008,8 @@ def lowering_options(plan: Plan) -> LoweringOptions:
     """The lowering choices the build recorded (TF32, cuDNN convolutions): runs must lower identically."""
     recorded = plan.build_info.get("cuda", {}).get("lowering", {})
     return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)),
-                           cublaslt=bool(recorded.get("cublaslt", False)))
+                           cublaslt=bool(recorded.get("cublaslt", False)),
+                           int8_requant=bool(recorded.get("int8_requant", False)))
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
