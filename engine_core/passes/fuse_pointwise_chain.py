@@ -1,8 +1,9 @@
 """Connected pointwise layers -> one ``kiln.PointwiseChain`` (its ``body`` holds the original nodes).
 
 Why: each pointwise layer reads and writes whole tensors; a chain of them (a mask computation, the casts
-at a precision boundary, residual add + activation) becomes one generated kernel that reads every input
-once and keeps intermediates in registers. A layer joins its reader's group when that reader is its only
+at a precision boundary, residual add + activation, an activation's per-tensor QuantizeLinear ->
+DequantizeLinear) becomes one generated kernel that reads every input once and keeps intermediates in
+registers. A layer joins its reader's group when that reader is its only
 reader, the tensor between them is not a graph output, and the group keeps at most MAX_INPUTS inputs.
 """
 
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
+
 from engine_core.ir import Graph, Node, Value
 from engine_core.passes.pattern import Uses, replace_nodes
+from engine_core.types import np_to_onnx
 
 
 @cache
@@ -25,8 +29,36 @@ def chain_ops() -> tuple[frozenset[str], int]:
     return frozenset(POINTWISE_OPS) | {"Gelu", "LeakyRelu"}, MAX_INPUTS
 
 
-def _chainable(node: Node) -> bool:
-    if node.domain not in ("", "ai.onnx") or node.op_type not in chain_ops()[0] or len(node.outputs) != 1:
+#: zero-point / output types of the QuantizeLinear / DequantizeLinear a chain may hold (the generated kernels'
+#: 8-bit integer quantization; other types and blocked scales lower on their own)
+_QDQ_TYPES = (np.dtype(np.int8), np.dtype(np.uint8))
+
+
+def _per_tensor_qdq(node: Node, graph: Graph, uses: Uses) -> bool:
+    """A QuantizeLinear (saturating) or DequantizeLinear with one constant scale (and zero point) over 8-bit
+    integers: a pointwise op. Why chain them: an explicitly quantized model run in float (Q/DQ convolutions
+    on fp16 cuDNN) holds a Q -> DQ pair per activation; as one kernel it reads and writes the float tensor once
+    and the int8 value stays in registers."""
+    if node.attr("block_size", 0) or node.attr("saturate", 1) != 1 or len(node.inputs) < 2:
+        return False
+    scale = graph.constants.get(node.inputs[1])
+    zero = graph.constants.get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+    if scale is None or np.size(scale) != 1 or (len(node.inputs) > 2 and node.inputs[2] and zero is None):
+        return False
+    if zero is not None:
+        return np.size(zero) == 1 and zero.dtype in _QDQ_TYPES
+    if node.op_type == "QuantizeLinear":
+        return node.attr("output_dtype", 0) in (0, np_to_onnx(np.dtype(np.int8)), np_to_onnx(np.dtype(np.uint8)))
+    producer = uses.producers.get(node.inputs[0])  # a DequantizeLinear without a zero point: its input's type
+    return producer is not None and producer.op_type == "QuantizeLinear" and _per_tensor_qdq(producer, graph, uses)
+
+
+def _chainable(node: Node, graph: Graph, uses: Uses) -> bool:
+    if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+        return False
+    if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+        return _per_tensor_qdq(node, graph, uses)
+    if node.op_type not in chain_ops()[0]:
         return False
     return not (node.op_type == "Clip" and node.opset < 11)
 
@@ -46,7 +78,7 @@ def fuse_pointwise_chain(graph: Graph) -> int:
     uses = Uses(graph)
     group_of: dict[int, list[Node]] = {}
     for node in graph.nodes:  # topological order: a node's producers were seen before it
-        if not _chainable(node):
+        if not _chainable(node, graph, uses):
             continue
         group = [node]
         for name in dict.fromkeys(n for n in node.inputs if n):

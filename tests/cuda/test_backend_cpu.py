@@ -36,6 +36,7 @@ from tests.cuda.models import (
     mobilenet_small,
     op_mix,
     resnet_small,
+    small_model,
 )
 
 # -- memory planner ---------------------------------------------------------------------------------
@@ -260,6 +261,23 @@ def test_small_resnet_and_mobilenet_lower_without_host_layers():
         lowered = _emulate_vs_cpu(model, {model.graph.input[0].name: x}, {"cudnn": True}, rtol=1e-3, atol=1e-4)
         host = [n for n, t in lowered.tactics().items() if t == "host"]
         assert host == [], host
+
+
+def test_resnet50_qdq_in_float_runs_each_fake_quantization_as_one_kernel(monkeypatch):
+    """resnet50_qdq without INT8 convolutions (the default): every activation's Q -> DQ pair is one generated
+    kernel between cuDNN convolutions (53 chains, none on the host), and the emulated launches equal the CPU
+    backend exactly."""
+    monkeypatch.setenv("KILN_INT8_CONV", "0")
+    x = np.random.default_rng(3).standard_normal((2, 3, 64, 64)).astype(np.float32)
+    lowered = _emulate_vs_cpu(small_model("resnet50_qdq"), {"input": x}, {"cudnn": True}, rtol=0, atol=0)
+    tactics = lowered.tactics()
+    assert "host" not in tactics.values()
+    chains = [s for s in lowered.steps if s.node.op_type == "PointwiseChain"]
+    assert len(chains) == 53 and all(
+        [n.op_type for n in s.node.attrs["body"].nodes] == ["QuantizeLinear", "DequantizeLinear"] for s in chains)
+    # only the classifier's input quantization stands alone (its QMatMul reads the int8 tensor)
+    assert [s.node.op_type for s in lowered.steps if s.node.op_type in ("QuantizeLinear", "DequantizeLinear")] \
+        == ["QuantizeLinear"]
 
 
 @pytest.mark.parametrize("case, options, tactic", [

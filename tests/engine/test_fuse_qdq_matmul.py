@@ -376,10 +376,13 @@ def test_reduced_precision_build_fuses_with_exact_scales(rng, opset, flag):
     engine16 = build_engine(model, "cpu", {"x": ((6, 64),) * 3}, flag)
     engine32 = build_engine(model, "cpu", {"x": ((6, 64),) * 3}, None)
     graph = engine16.plan.graph
-    assert [n.op_type for n in graph.nodes] == ["Cast", "QuantizeLinear", "QMatMul", "QMatMul", "Cast"], \
-        [n.name for n in graph.nodes]  # reformat_in:x, q_x, fc1, fc2, reformat_out:y
+    # the input's reformat Cast and its quantization are one pointwise chain: reformat_in:x + q_x, fc1, fc2,
+    # reformat_out:y
+    assert [n.op_type for n in graph.nodes] == ["PointwiseChain", "QMatMul", "QMatMul", "Cast"], \
+        [n.name for n in graph.nodes]
+    assert [n.op_type for n in graph.nodes[0].attrs["body"].nodes] == ["Cast", "QuantizeLinear"]
     half = np.dtype(np.float16) if flag == kiln.BuilderFlag.FP16 else np.dtype("bfloat16")
-    fc1, fc2 = graph.nodes[2], graph.nodes[3]
+    fc1, fc2 = graph.nodes[1], graph.nodes[2]
     assert len(fc1.inputs) == 6 and fc2.attrs["float_dtype"] == kiln.types.np_to_onnx(half)
     assert all(graph.constants[fc2.inputs[i]].dtype == np.float32 for i in (1, 3))
     got, want = engine16.create_execution_context().infer(feeds), engine32.create_execution_context().infer(feeds)

@@ -458,6 +458,30 @@ def test_pointwise_layers_become_one_chain(rng):
                          "y": rng.standard_normal((1, 4)).astype(np.float32)})
 
 
+def _fake_quant(per_axis: bool) -> onnx.ModelProto:
+    """Relu -> QuantizeLinear -> DequantizeLinear (an explicitly quantized activation) -> Exp."""
+    scale = np.full(4, 0.05, np.float32) if per_axis else np.float32(0.05)
+    zero = np.zeros(4, np.int8) if per_axis else np.int8(0)
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q"], name="q", axis=1),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dq", axis=1),
+             helper.make_node("Exp", ["dq"], ["y"], name="exp")]
+    return _model(nodes, {"x": [2, 4, 3]}, ["y"], {"s": scale, "z": zero}, opset=13)
+
+
+def test_per_tensor_quantize_dequantize_joins_a_chain(rng):
+    """A per-tensor Q -> DQ pair (a Q/DQ model run in float) is pointwise: one kernel keeps the int8 value in
+    registers. Per-axis pairs stay layers of their own (their scales broadcast along an axis)."""
+    feeds = {"x": rng.standard_normal((2, 4, 3)).astype(np.float32)}
+    graph = _graph(_fake_quant(per_axis=False))
+    assert fuse_pointwise_chain(graph) == 1 and _ops(graph) == ["PointwiseChain"]
+    assert _ops(graph.nodes[0].attrs["body"]) == ["Relu", "QuantizeLinear", "DequantizeLinear", "Exp"]
+    _matches_ort(_fake_quant(per_axis=False), feeds)
+    graph = _graph(_fake_quant(per_axis=True))
+    fuse_pointwise_chain(graph)
+    assert _ops(graph) == ["Relu", "QuantizeLinear", "DequantizeLinear", "Exp"]
+
+
 def test_transposes_merge_and_identities_vanish(rng):
     nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=[0, 2, 1, 3]),
              helper.make_node("Transpose", ["a"], ["b"], perm=[0, 1, 3, 2]),

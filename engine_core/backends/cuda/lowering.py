@@ -363,7 +363,8 @@ def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
     index = {v.name: i for i, v in enumerate(body.inputs)}
     nodes: list[PwNode] = []
     for sub in body.nodes:
-        if sub.op_type not in POINTWISE_OPS and sub.op_type not in ("Gelu", "LeakyRelu"):
+        qdq = sub.op_type in ("QuantizeLinear", "DequantizeLinear")  # per tensor (fuse_pointwise_chain checks)
+        if sub.op_type not in POINTWISE_OPS and sub.op_type not in ("Gelu", "LeakyRelu") and not qdq:
             raise Unsupported(f"{sub.op_type} inside a PointwiseChain")
         args = []
         for name in sub.inputs:
@@ -375,7 +376,9 @@ def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
                 raise Unsupported("constant inside a PointwiseChain body")
             else:
                 raise Unsupported(f"PointwiseChain body reads unknown '{name}'")
-        nodes.append(PwNode.make(sub.op_type, args, inner[sub.outputs[0]].dtype, sub.attrs, sub.opset))
+        if qdq:  # the generated code takes (x, scale, zero point or -1); the output type carries the rest
+            args += [-1] * (3 - len(args))
+        nodes.append(PwNode.make(sub.op_type, args, inner[sub.outputs[0]].dtype, {} if qdq else sub.attrs, sub.opset))
         index[sub.outputs[0]] = len(inputs) + len(nodes) - 1
     if index.get(body.outputs[0].name) != len(inputs) + len(nodes) - 1:
         raise Unsupported("PointwiseChain body output is not its last node")
