@@ -263,13 +263,15 @@ def test_small_resnet_and_mobilenet_lower_without_host_layers():
         assert host == [], host
 
 
-def test_resnet50_qdq_in_float_runs_each_fake_quantization_as_one_kernel(monkeypatch):
+def test_resnet50_qdq_in_float_runs_each_fake_quantization_as_one_kernel(tmp_path, monkeypatch):
     """resnet50_qdq without INT8 convolutions (the default): every activation's Q -> DQ pair is one generated
-    kernel between cuDNN convolutions (53 chains, none on the host), and the emulated launches equal the CPU
-    backend exactly."""
+    kernel between cuDNN convolutions (53 chains, none on the host), the emulated launches equal the CPU
+    backend exactly, and the generated kernels compile for sm_90."""
     monkeypatch.setenv("KILN_INT8_CONV", "0")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     x = np.random.default_rng(3).standard_normal((2, 3, 64, 64)).astype(np.float32)
     lowered = _emulate_vs_cpu(small_model("resnet50_qdq"), {"input": x}, {"cudnn": True}, rtol=0, atol=0)
+    assert compile_cubin(pointwise_source(lowered.kernels), "pw.cu", "sm_90")[:4] == b"\x7fELF"
     tactics = lowered.tactics()
     assert "host" not in tactics.values()
     chains = [s for s in lowered.steps if s.node.op_type == "PointwiseChain"]

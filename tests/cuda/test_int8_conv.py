@@ -263,3 +263,8 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     error = np.abs(got - want)
     assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
     assert (got.argmax(1) == want.argmax(1)).all()
+    # the word-sized im2col / padding copies and the remaining epilogues compile (NVRTC, no GPU needed)
+    from engine_core.backends.cuda.pointwise import pointwise_source
+    from engine_core.cuda.nvrtc import compile_cubin
+
+    assert compile_cubin(pointwise_source(lowered.kernels), "pw.cu", "sm_90")[:4] == b"\x7fELF"
