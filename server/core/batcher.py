@@ -402,9 +402,15 @@ class DynamicBatcher:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
         started = self._clock()
         give_back: object | None = context
+        execution = asyncio.get_running_loop().run_in_executor(self._pool, self._execute_batch, context, batch)
         try:
-            loop = asyncio.get_running_loop()
-            outcome = await loop.run_in_executor(self._pool, self._execute_batch, context, batch)
+            outcome = await self.workers.wait(execution)
+        except ServerError as e:  # abandoned past kiln_execution_timeout_ms: the context returns with the thread
+            give_back = None
+            execution.add_done_callback(lambda done: self._return_late(done, context))
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(e)
         except Exception as e:  # noqa: BLE001 - every member must hear about the failure
             for pending in batch:
                 if not pending.future.done():
@@ -418,6 +424,13 @@ class DynamicBatcher:
                 self._free.append(give_back)
             if self._wake is not None:
                 self._ensure_dispatcher()
+
+    def _return_late(self, done: asyncio.Future, context: object) -> None:
+        """An abandoned execution's thread returned: its context (or the replacement after a fault) serves again."""
+        back = context if done.cancelled() or done.exception() is not None else done.result().execution.context
+        if back is not None and not self._closed:
+            self._free.append(back)
+            self._ensure_dispatcher()
 
     def _answer(self, outcome: _Outcome, started: int) -> None:
         """Set each executed member's result (its part of the outputs) or the execution's error."""

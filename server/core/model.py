@@ -215,18 +215,43 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     Either replaces a faulted context with a fresh one from `engine`."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
+    timeout_s = execution_timeout_s(config)
     execute = _execute_bucketed if engine.backend == "cuda" and config.max_batch_size > 0 else _execute
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
         batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
                                  create_context=engine.create_execution_context, padding=padding)
-        batcher.workers.label = label
+        batcher.workers.label, batcher.workers.timeout_s = label, timeout_s
         return batcher
     scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                 create_context=engine.create_execution_context)
-    scheduler.workers.label = label
+    scheduler.workers.label, scheduler.workers.timeout_s = label, timeout_s
     return scheduler
+
+
+# Model config parameter: how long one execution may run, in milliseconds, e.g. parameters { key:
+# "kiln_execution_timeout_ms" value { string_value: "5000" } }. Past it the requests it was running get
+# UNAVAILABLE and its worker is out of service until the execution returns (a stuck plugin or driver call cannot
+# be interrupted safely); the other workers keep serving. Unset: no limit.
+EXECUTION_TIMEOUT_MS = "kiln_execution_timeout_ms"
+
+
+def execution_timeout_s(config: ModelConfig) -> float | None:
+    """The config's execution timeout in seconds (None: none); anything but a positive number of milliseconds is
+    INVALID_ARGUMENT naming the model."""
+    parameter = config.parameters.get(EXECUTION_TIMEOUT_MS)
+    text = parameter.string_value.strip() if parameter is not None else ""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise invalid(f"model '{config.name}': parameter {EXECUTION_TIMEOUT_MS} must be a positive number of "
+                      f"milliseconds, got '{parameter.string_value}'")
+    return value / 1000
 
 
 # Model config parameter: "true" lets the dynamic batcher pad requests of different shapes into one batch.

@@ -82,12 +82,17 @@ class Workers:
     """
 
     def __init__(self, contexts: list[object], create: Callable[[], object] | None = None,
-                 label: str = "model") -> None:
+                 label: str = "model", timeout_s: float | None = None) -> None:
         self.initial = list(contexts)
         self.alive = len(contexts)
         self.restarts = 0
         self.faults = 0
         self.label = label
+        #: how long one execution may run before its requests are failed and its worker counts as hung (None:
+        #: no limit; the model config's kiln_execution_timeout_ms)
+        self.timeout_s = timeout_s
+        self.hung = 0  # workers running an execution that outlived timeout_s (back in service when it returns)
+        self.hangs = 0  # such executions over the scheduler's life (metrics)
         self._create = create
         self._lock = threading.Lock()
 
@@ -124,11 +129,50 @@ class Workers:
         return fresh
 
     def none_left(self) -> ServerError | None:
-        """The error for requests when every worker is gone, else None."""
-        if self.alive > 0:
+        """The error for requests when every worker is gone or hung, else None."""
+        if self.alive - self.hung > 0:
             return None
+        if self.alive > 0:
+            return unavailable(f"{self.label}: every worker is still running an execution that exceeded "
+                               f"{self._timeout_ms()} ms (kiln_execution_timeout_ms); retry later or reload the model")
         return unavailable(f"{self.label}: every execution context failed and none could be recreated; "
                            f"reload the model")
+
+    def _timeout_ms(self) -> str:
+        return f"{(self.timeout_s or 0) * 1000:g}"
+
+    def abandon(self, execution: asyncio.Future) -> ServerError:
+        """``execution`` outlived ``timeout_s``: count its worker as hung until the thread returns (then its
+        context goes back to the pool as usual) and return the error for the requests it was running. Why not
+        kill it: a thread inside a CUDA call or a plugin cannot be stopped safely; the requests must not wait
+        forever, and the other workers keep serving."""
+        with self._lock:
+            self.hung += 1
+            self.hangs += 1
+        started = time.perf_counter()
+        log.error("%s: an execution exceeded %s ms; its worker is out of service until it returns",
+                  self.label, self._timeout_ms())
+
+        def returned(_: asyncio.Future) -> None:
+            with self._lock:
+                self.hung -= 1
+            log.warning("%s: the execution that exceeded %s ms returned %.1f s later; its worker serves again",
+                        self.label, self._timeout_ms(), time.perf_counter() - started)
+
+        execution.add_done_callback(returned)
+        return unavailable(f"{self.label}: the execution ran longer than {self._timeout_ms()} ms "
+                           f"(kiln_execution_timeout_ms) and was abandoned; its worker is out of service until it "
+                           f"returns, the others keep serving")
+
+    async def wait(self, execution: asyncio.Future) -> Any:
+        """The result of ``execution`` (a worker-thread future), within ``timeout_s`` when set; past it raises the
+        ``abandon`` error while the thread runs on."""
+        if self.timeout_s is None:
+            return await asyncio.shield(execution)
+        try:
+            return await asyncio.wait_for(asyncio.shield(execution), self.timeout_s)
+        except TimeoutError:
+            raise self.abandon(execution) from None
 
 
 class Scheduler(Protocol):
@@ -177,11 +221,7 @@ class DirectScheduler:
         """Hand `context` to the oldest waiter; None (a faulted worker that could not be replaced) hands nothing,
         and once no worker is left every waiter is told so."""
         if context is None:
-            gone = self.workers.none_left()
-            while gone is not None and self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(gone)
+            self._refuse_waiters_if_none_left()
             return
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -189,6 +229,14 @@ class DirectScheduler:
                 waiter.set_result(context)
                 return
         self._free.append(context)
+
+    def _refuse_waiters_if_none_left(self) -> None:
+        """Once no worker can serve (all failed, or all hung), every waiting job is told so instead of waiting."""
+        gone = self.workers.none_left()
+        while gone is not None and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(gone)
 
     async def submit(self, job: Job) -> JobResult:
         if self._closed:
@@ -208,7 +256,11 @@ class DirectScheduler:
             # (HTTP disconnect, gRPC cancel) must not hand a context that is still running to the next job.
             # After a fault the thread hands back the replacement context instead.
             execution.add_done_callback(lambda done: self._release(_context_after(done, context)))
-            result: Execution = await asyncio.shield(execution)
+            try:
+                result: Execution = await self.workers.wait(execution)
+            except ServerError:  # abandoned past the timeout: with every worker hung, the queue hears it now
+                self._refuse_waiters_if_none_left()
+                raise
             if result.error is not None:
                 raise result.error
             outputs = result.outputs

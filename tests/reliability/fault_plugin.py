@@ -1,7 +1,8 @@
 """A plugin op that fails on a magic value, to make a worker fault on demand in a real server.
 
 `kiln.test::FailOnMagic` returns X + 1, and raises RuntimeError when any element of X equals MAGIC (13): the
-worker that runs such a request faults exactly like a context whose kernel failed. `python -m
+worker that runs such a request faults exactly like a context whose kernel failed. An element equal to STALL (42)
+blocks the execution for STALL_S seconds instead: a worker stuck in a call. `python -m
 tests.reliability.fault_plugin <server flags>` is `python -m server` with the plugin registered (a server
 loads plugins by importing them, as TensorRT's trtexec does with --plugins; importing this module registers it).
 """
@@ -9,6 +10,7 @@ loads plugins by importing them, as TensorRT's trtexec does with --plugins; impo
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -18,6 +20,8 @@ from engine_core.ops import TensorInfo
 from engine_core.plugins import get_plugin_registry, register_plugin
 
 MAGIC = 13.0
+#: an input holding STALL makes the execution block for STALL_S seconds (kiln_execution_timeout_ms tests)
+STALL, STALL_S = 42.0, 3.0
 DOMAIN = "kiln.test"
 OP = "FailOnMagic"
 
@@ -29,6 +33,8 @@ def _infer(node, x: TensorInfo) -> TensorInfo:
 def _cpu(node, x: np.ndarray) -> np.ndarray:
     if np.any(x == MAGIC):
         raise RuntimeError(f"magic value {MAGIC:g} in the input")
+    if np.any(x == STALL):  # a stuck execution (a plugin or driver call that does not return for a while)
+        time.sleep(STALL_S)
     return x + 1
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -144,6 +146,76 @@ def test_when_no_context_can_be_recreated_requests_are_refused_not_hung():
     assert [r.kind for r in direct_results] == [ErrorKind.INTERNAL, ErrorKind.UNAVAILABLE]
 
 
+class StallingExecutor:
+    """X + 1; an input holding 42 blocks its worker thread until ``release`` is set (a stuck execution)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, context: Context, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if np.any(inputs["X"] == 42):
+            self.release.wait(TIMEOUT_S)
+        return {"Y": inputs["X"] + 1}
+
+
+def _stalling(kind: str, contexts: int, executor: StallingExecutor):
+    if kind == "direct":
+        scheduler = DirectScheduler([Context() for _ in range(contexts)], executor, "test", create_context=Context)
+    else:
+        settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, "m")
+        scheduler = DynamicBatcher([Context() for _ in range(contexts)], executor, "test", settings,
+                                   create_context=Context)
+    scheduler.workers.timeout_s = 0.2
+    return scheduler
+
+
+@pytest.mark.parametrize("kind", ["direct", "batched"])
+def test_an_execution_past_the_timeout_fails_its_request_and_the_other_worker_serves(kind: str):
+    async def scenario():
+        executor = StallingExecutor()
+        scheduler = _stalling(kind, 2, executor)
+        started = time.perf_counter()
+        with pytest.raises(ServerError) as stuck:
+            await _submit(scheduler, 42)
+        waited = time.perf_counter() - started
+        during = [await _submit(scheduler, v) for v in (1, 2, 3)]  # on the one worker left
+        hung = scheduler.workers.hung
+        executor.release.set()
+        await asyncio.sleep(0.1)
+        after = await asyncio.gather(*[_submit(scheduler, v) for v in (4, 5, 6, 7)])
+        scheduler.close()
+        return stuck.value, waited, during, hung, after, scheduler.workers
+
+    stuck, waited, during, hung, after, workers = asyncio.run(scenario())
+    assert stuck.kind == ErrorKind.UNAVAILABLE and "longer than 200 ms" in stuck.message
+    assert "kiln_execution_timeout_ms" in stuck.message and waited < 2
+    assert [r.outputs["Y"][0, 0] for r in during] == [2, 3, 4] and hung == 1
+    assert [r.outputs["Y"][0, 0] for r in after] == [5, 6, 7, 8]
+    assert (workers.hung, workers.hangs, workers.alive, workers.faults) == (0, 1, 2, 0)
+
+
+@pytest.mark.parametrize("kind", ["direct", "batched"])
+def test_with_every_worker_stuck_requests_are_refused_until_one_returns(kind: str):
+    async def scenario():
+        executor = StallingExecutor()
+        scheduler = _stalling(kind, 1, executor)
+        stuck, queued = await asyncio.gather(_submit(scheduler, 42), _submit(scheduler, 1), return_exceptions=True)
+        with pytest.raises(ServerError) as refused:
+            await _submit(scheduler, 2)
+        executor.release.set()
+        await asyncio.sleep(0.1)
+        later = await _submit(scheduler, 3)
+        scheduler.close()
+        return stuck, queued, refused.value, later
+
+    stuck, queued, refused, later = asyncio.run(scenario())
+    assert isinstance(stuck, ServerError) and "longer than 200 ms" in stuck.message
+    # the request queued behind the stuck one hears at once that no worker is left (it does not wait 10 s)
+    assert isinstance(queued, ServerError) and queued.kind == ErrorKind.UNAVAILABLE
+    assert refused.kind == ErrorKind.UNAVAILABLE and "every worker is still running" in refused.message
+    assert later.outputs["Y"][0, 0] == 4
+
+
 # -- a real server ----------------------------------------------------------------------------------------------
 def _config(name: str, extra: str, count: int) -> str:
     return (f'name: "{name}"\nmax_batch_size: 8\ninput [{{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }}]\n'
@@ -153,13 +225,16 @@ def _config(name: str, extra: str, count: int) -> str:
 
 FAULT_MODELS = {"faulty_batched": ("dynamic_batching { max_queue_delay_microseconds: 2000 }", 2),
                 "faulty_direct": ("", 1)}
+_TIMEOUT = 'parameters { key: "kiln_execution_timeout_ms" value { string_value: "500" } }'
+STALL_MODELS = {"stalling_direct": (_TIMEOUT, 2),
+                "stalling_batched": (_TIMEOUT + "\ndynamic_batching { max_queue_delay_microseconds: 100 }", 2)}
 
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory: pytest.TempPathFactory):
     """`python -m server` with the fault plugin registered, on a repository of the two fault models."""
     base = tmp_path_factory.mktemp("faults")
-    for name, (extra, count) in FAULT_MODELS.items():
+    for name, (extra, count) in {**FAULT_MODELS, **STALL_MODELS}.items():
         examples.write_model(base / "models", name, fault_plugin.model(), _config(name, extra, count))
     args = ["--plan-cache-dir", str(base / "plans"), "--drain-delay", "0"]
     with run_server(base / "models", base / "server.log", None, args, module="tests.reliability.fault_plugin") as server:
@@ -240,3 +315,45 @@ def test_grpc_client_sees_internal_and_the_log_has_the_traceback(fault_server: S
     np.testing.assert_array_equal(client.infer("faulty_direct", [tensor]).as_numpy("Y"), np.full((1, 4), 2))
     log = Path(fault_server.log_path).read_text(errors="replace")
     assert "worker fault, replacing its execution context" in log and "RuntimeError: magic value 13" in log
+
+
+@pytest.mark.parametrize("model", list(STALL_MODELS))
+def test_a_stuck_execution_answers_503_within_the_timeout_and_serving_goes_on(fault_server: ServerProcess,
+                                                                               model: str):
+    """kiln_execution_timeout_ms 500: the request whose execution blocks (3 s) gets 503 after ~0.5 s naming the
+    parameter; the other worker keeps answering meanwhile; once the stuck call returns, both workers serve and
+    /metrics counts the timeout."""
+    url = fault_server.http_url
+    started = time.perf_counter()
+    with pytest.raises(InferenceServerException) as stuck:
+        _infer(url, model, np.full((1, 4), fault_plugin.STALL, np.float32))
+    assert time.perf_counter() - started < fault_plugin.STALL_S
+    assert stuck.value.status() == "503" and "kiln_execution_timeout_ms" in stuck.value.message()
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_infer(url, model, x), x + 1)  # the other worker
+    assert _metric(fault_server, "kiln_workers", model) == 1
+    assert _metric(fault_server, "kiln_execution_timeouts_total", model) == 1
+    deadline = time.perf_counter() + fault_plugin.STALL_S + TIMEOUT_S
+    while _metric(fault_server, "kiln_workers", model) != 2:  # the stuck call returns: back in service
+        assert time.perf_counter() < deadline
+        time.sleep(0.2)
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda i: _infer(url, model, x + i), range(8)))
+    for i, y in enumerate(outcomes):
+        np.testing.assert_array_equal(y, x + i + 1)
+
+
+
+@pytest.mark.parametrize("text, seconds", [("", None), ("500", 0.5), (" 2500.5 ", 2.5005), ("0", "error"),
+                                           ("-3", "error"), ("soon", "error"), ("inf", "error"), ("nan", "error")])
+def test_execution_timeout_parameter_is_checked(text: str, seconds):
+    from server.core.model import execution_timeout_s
+    from server.core.model_config import parse_config_text
+
+    parameter = f'parameters {{ key: "kiln_execution_timeout_ms" value {{ string_value: "{text}" }} }}' if text else ""
+    config = parse_config_text(_config("m", parameter, 1), "m")
+    if seconds == "error":
+        with pytest.raises(ServerError, match="kiln_execution_timeout_ms must be a positive number of milliseconds"):
+            execution_timeout_s(config)
+    else:
+        assert execution_timeout_s(config) == seconds
