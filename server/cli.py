@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import uvicorn
@@ -40,6 +41,17 @@ def _memory_size(text: str) -> int:
         return build_process.parse_size(text) or 0
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_ms(text: str) -> float:
+    """An `--execution-timeout-ms` value: milliseconds >= 0 (0: no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got '{text}'")
+    return value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +96,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ready only when every model loaded at start is ready")
     parser.add_argument("--default-max-batch-size", type=int, default=4,
                         help="max_batch_size given to models whose config leaves it out and that batch")
+    parser.add_argument("--execution-timeout-ms", type=_positive_ms, metavar="MS",
+                        default=_positive_ms(os.environ.get("KILN_EXECUTION_TIMEOUT_MS", "0")),
+                        help="kiln_execution_timeout_ms for models whose config leaves it out: an execution running "
+                             "longer fails its requests (503) and its worker waits out of service; 0: no limit "
+                             "(default; env KILN_EXECUTION_TIMEOUT_MS)")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
@@ -105,6 +122,7 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         repository_poll_secs=args.repository_poll_secs,
         startup_models=list(args.load_model),
         default_max_batch_size=args.default_max_batch_size,
+        execution_timeout_ms=args.execution_timeout_ms or None,
         strict_readiness=args.strict_readiness,
         log_verbose=args.log_verbose,
         log_file=args.log_file,

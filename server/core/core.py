@@ -22,7 +22,7 @@ from server.repository import ModelRepository, ModelSource, RepositoryPoller, ch
 from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
-from .model import ModelVersion, load_model_version
+from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
@@ -49,6 +49,7 @@ class CoreOptions:
     repository_poll_secs: float = 15.0  # poll mode: seconds between repository scans
     startup_models: list[str] = field(default_factory=list)  # explicit mode: models to load at start ("*" = all)
     default_max_batch_size: int = 4
+    execution_timeout_ms: float | None = None  # --execution-timeout-ms: for configs without kiln_execution_timeout_ms
     strict_readiness: bool = True
     log_verbose: int = 0
     log_file: str = ""
@@ -371,6 +372,7 @@ class ServerCore:
             config = ModelConfig()
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
+        with_default_execution_timeout(config, self.options.execution_timeout_ms)
         wanted = select_versions(config.version_policy, list(source.versions))
         builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
                   for v in wanted]

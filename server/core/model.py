@@ -237,6 +237,13 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
 EXECUTION_TIMEOUT_MS = "kiln_execution_timeout_ms"
 
 
+def with_default_execution_timeout(config: ModelConfig, milliseconds: float | None) -> None:
+    """Give ``config`` the server's default (``--execution-timeout-ms``) unless it sets its own: the model config
+    API then shows the limit a model runs under."""
+    if milliseconds and EXECUTION_TIMEOUT_MS not in config.parameters:
+        config.parameters[EXECUTION_TIMEOUT_MS].string_value = f"{milliseconds:g}"
+
+
 def execution_timeout_s(config: ModelConfig) -> float | None:
     """The config's execution timeout in seconds (None: none); anything but a positive number of milliseconds is
     INVALID_ARGUMENT naming the model."""

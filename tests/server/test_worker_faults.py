@@ -357,3 +357,29 @@ def test_execution_timeout_parameter_is_checked(text: str, seconds):
             execution_timeout_s(config)
     else:
         assert execution_timeout_s(config) == seconds
+
+
+def test_the_server_default_applies_where_the_config_sets_no_timeout():
+    """`--execution-timeout-ms` (or KILN_EXECUTION_TIMEOUT_MS) fills in kiln_execution_timeout_ms for configs
+    without it; a model's own value wins; bad values are refused by the flag parser."""
+    import argparse
+
+    from server.cli import add_serve_arguments
+    from server.core.model import execution_timeout_s, with_default_execution_timeout
+    from server.core.model_config import parse_config_text
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--model-repository", "r", "--execution-timeout-ms", "1500"]).execution_timeout_ms == 1500
+    assert parser.parse_args(["--model-repository", "r"]).execution_timeout_ms == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-repository", "r", "--execution-timeout-ms", "-1"])
+    plain = parse_config_text(_config("m", "", 1), "m")
+    with_default_execution_timeout(plain, 1500)
+    assert execution_timeout_s(plain) == 1.5
+    own = parse_config_text(_config("m", _TIMEOUT, 1), "m")
+    with_default_execution_timeout(own, 1500)
+    assert execution_timeout_s(own) == 0.5
+    untouched = parse_config_text(_config("m", "", 1), "m")
+    with_default_execution_timeout(untouched, None)
+    assert execution_timeout_s(untouched) is None
