@@ -341,3 +341,28 @@ register_op("QConv", infer=_qconv_infer, cpu=_qconv_cpu, domain=DOMAIN,
             doc="act(conv(int8 x, int8 W) (int32 sums) * x_scale * w_scale[k] + bias + residual), optionally "
                 "requantized to int8 (inputs: x, x_scale, W, w_scale, bias, residual, y_scale, residual_scale; "
                 "an int8 residual is dequantized by residual_scale): a Q/DQ Conv as an INT8 implicit GEMM")
+
+
+# -- SkipLayerNorm: a residual Add and the LayerNormalization reading it (passes/fuse_skip_layer_norm.py) -----
+
+
+def _skip_layer_norm_infer(node: Node, x: TensorInfo, skip: TensorInfo, scale: TensorInfo,
+                           bias: TensorInfo | None = None) -> TensorInfo:
+    """LayerNormalization's output for x + skip (which broadcast like Add's operands, one type)."""
+    if x.dtype != skip.dtype:
+        raise ShapeInferenceError(f"{node}: x and skip differ in type ({x.dtype}, {skip.dtype})")
+    shape = None if x.shape is None or skip.shape is None else broadcast_shapes(x.shape, skip.shape)
+    return get_op("LayerNormalization").infer(node, TensorInfo(x.dtype, shape), scale, bias)[0]
+
+
+def _skip_layer_norm_cpu(node: Node, x: np.ndarray, skip: np.ndarray, scale: np.ndarray,
+                         bias: np.ndarray | None = None) -> np.ndarray:
+    """LayerNormalization(x + skip), the sum stored in x's type first: exactly the unfused Add -> LayerNorm
+    (the LayerNorm's axis is the last, so a broadcast sum normalizes like the unfused one)."""
+    total = np.add(x, skip, dtype=x.dtype)
+    return get_op("LayerNormalization").cpu(node, total, scale, bias)[0]
+
+
+register_op("SkipLayerNorm", infer=_skip_layer_norm_infer, cpu=_skip_layer_norm_cpu, domain=DOMAIN,
+            doc="LayerNormalization(x + skip) (attributes axis, epsilon, stash_type): a residual Add and the "
+                "LayerNorm reading it, in one kernel")

@@ -15,6 +15,7 @@ from engine_core.passes.fuse_pointwise_chain import fuse_pointwise_chain
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
 from engine_core.passes.fuse_rms_norm import fuse_rms_norm
+from engine_core.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
 from engine_core.passes.shape_inference import infer_shapes
 
 #: Folding passes, run before the precision pass (builder.build_plan).
@@ -24,14 +25,15 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
 #: eliminate_transposes merges them; fold_attention_heads then drops the head split/merge copies around each
 #: Attention (3-D form) before eliminate_transposes or the epilogue fusions touch those Reshapes and
-#: Transposes; pointwise chains take whatever pointwise layers are left.
+#: Transposes; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
+#: fold_attention_heads, whose symbolic shapes do not see through kiln nodes.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
-                 fuse_qdq_matmul, fuse_qdq_conv, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain,
-                 eliminate_dead_code)
+                 fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_matmul_epilogue, fuse_conv_epilogue,
+                 eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
 __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_conv_epilogue",
            "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_pointwise_chain",
-           "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm", "infer_shapes"]
+           "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes"]

@@ -231,10 +231,15 @@ class Emulator:
             e = np.exp(v - np.where(np.isneginf(top), 0, top))
             total = e.sum(-1, keepdims=True)
             self.view(y, dt, (rows, cols), (cols, 1))[...] = e / np.where(total > 0, total, 1)
-        elif kind in ("layer_norm", "rms_norm"):
-            x, gamma, beta, y, cols, eps = args
-            v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
-            if kind == "layer_norm":
+        elif kind in ("layer_norm", "rms_norm", "skip_layer_norm"):
+            if kind == "skip_layer_norm":  # the sum rounded to the storage type, as the kernel keeps it
+                x, skip, gamma, beta, y, cols, eps = args
+                v = (self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float32)
+                     + self.view(skip, dt, (rows, cols), (cols, 1)).astype(np.float32)).astype(dt).astype(np.float64)
+            else:
+                x, gamma, beta, y, cols, eps = args
+                v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
+            if kind != "rms_norm":
                 norm = (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + eps)
             else:
                 norm = v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)

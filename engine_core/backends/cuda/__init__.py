@@ -19,7 +19,7 @@ from engine_core.ops import TensorInfo
 from engine_core.timing_cache import TimingCache
 
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
-KERNEL_FILES = ("softmax", "layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
+KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
 

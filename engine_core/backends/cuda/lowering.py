@@ -575,27 +575,60 @@ def _warp_grid(rows: int) -> tuple[int, int, int]:
     return (max(1, (rows + THREADS // 32 - 1) // (THREADS // 32)), 1, 1)
 
 
+def _norm_geometry(node: Node, ctx: _Context, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, int, int]:
+    """(kernel suffix, rows, cols) of a LayerNormalization / RMSNormalization / SkipLayerNorm over ``shape``;
+    raises Unsupported for what the row kernels do not take."""
+    if any(node.outputs[1:]):
+        raise Unsupported(f"{node.op_type} with mean/inv-std outputs")
+    suffix = _row_suffix(dtype, node.op_type)
+    if node.attr("stash_type", 1) != 1:
+        raise Unsupported(f"{node.op_type} with a non-fp32 stash_type")
+    rows, cols = _rows_cols(shape, normalize_axis(node.attr("axis", -1), len(shape)))
+    first = 2 if node.op_type == "SkipLayerNorm" else 1
+    for name in node.inputs[first:first + 2]:
+        if name and (int(np.prod(ctx.info(name).shape)) != cols or ctx.info(name).dtype != dtype):
+            raise Unsupported(f"{node.op_type} scale/bias that broadcast or differ in dtype")
+    return suffix, rows, cols
+
+
+def _norm_tail(node: Node, first: int) -> list[tuple]:
+    """The (scale, bias or null, output, cols placeholder) launch arguments shared by the row-norm kernels."""
+    bias = node.inputs[first + 1] if len(node.inputs) > first + 1 else ""
+    return [(Ref(node.inputs[first]), ctypes.c_void_p), (Ref(bias), ctypes.c_void_p) if bias else (0, ctypes.c_void_p),
+            (Ref(node.outputs[0]), ctypes.c_void_p)]
+
+
 def _lower_norm(node: Node, ctx: _Context) -> list:
     """LayerNormalization / RMSNormalization over trailing axes with same-size scale (and bias)."""
     x = ctx.info(node.inputs[0])
-    if any(node.outputs[1:]):
-        raise Unsupported(f"{node.op_type} with mean/inv-std outputs")
-    suffix = _row_suffix(x.dtype, node.op_type)
-    if node.attr("stash_type", 1) != 1:
-        raise Unsupported(f"{node.op_type} with a non-fp32 stash_type")
-    axis = normalize_axis(node.attr("axis", -1), len(x.shape))
-    rows, cols = _rows_cols(x.shape, axis)
-    for name in node.inputs[1:3]:
-        if name and (int(np.prod(ctx.info(name).shape)) != cols or ctx.info(name).dtype != x.dtype):
-            raise Unsupported(f"{node.op_type} scale/bias that broadcast or differ in dtype")
-    bias = (Ref(node.inputs[2]), ctypes.c_void_p) if len(node.inputs) > 2 and node.inputs[2] else (0, ctypes.c_void_p)
+    suffix, rows, cols = _norm_geometry(node, ctx, x.shape, x.dtype)
     if rows * cols == 0:
         return []
     kind = "layer_norm" if node.op_type == "LayerNormalization" else "rms_norm"
     return [Launch("layer_norm", f"{kind}_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
-                   [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.inputs[1]), ctypes.c_void_p), bias,
-                    (Ref(node.outputs[0]), ctypes.c_void_p), (cols, ctypes.c_longlong),
+                   [(Ref(node.inputs[0]), ctypes.c_void_p), *_norm_tail(node, 1), (cols, ctypes.c_longlong),
                     (float(node.attr("epsilon", 1e-5)), ctypes.c_float)])]
+
+
+def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
+    """``kiln.SkipLayerNorm``: one skip_layer_norm.cu launch when x and skip both have the output's shape; when
+    one broadcasts, a generated Add into step-local scratch and the layer_norm.cu kernel (the unfused cost)."""
+    out = ctx.info(node.outputs[0])
+    suffix, rows, cols = _norm_geometry(node, ctx, out.shape, out.dtype)
+    if rows * cols == 0:
+        return []
+    eps = (float(node.attr("epsilon", 1e-5)), ctypes.c_float)
+    x, skip = node.inputs[:2]
+    if all(tuple(ctx.info(n).shape) == tuple(out.shape) for n in (x, skip)):
+        return [Launch("skip_layer_norm", f"skip_layer_norm_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
+                       [(Ref(x), ctypes.c_void_p), (Ref(skip), ctypes.c_void_p), *_norm_tail(node, 2),
+                        (cols, ctypes.c_longlong), eps])]
+    total = ctx.new_scratch(f"{node.name}#sum", out.dtype, tuple(out.shape))
+    kernel = ctx.kernel(program_kernel([PwNode.make("Add", [0, 1], out.dtype)], out.dtype, [out.dtype, out.dtype]))
+    strides = [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in (x, skip)]
+    add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
+    return [add, Launch("layer_norm", f"layer_norm_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
+                        [(total, ctypes.c_void_p), *_norm_tail(node, 2), (cols, ctypes.c_longlong), eps])]
 
 
 _REDUCE_KERNELS = {"ReduceMean": "reduce_rows", "ReduceSum": "reduce_rows", "ReduceMax": "reduce_max_rows",
@@ -1035,6 +1068,7 @@ def _lower_qconv(node: Node, ctx: _Context) -> list:
 _LOWER = {
     "Transpose": _lower_transpose, "Expand": _lower_expand, "Concat": _lower_concat, "Slice": _lower_slice,
     "Gather": _lower_gather, "Split": _lower_split, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
+    "SkipLayerNorm": _lower_skip_layer_norm,
     "RMSNormalization": _lower_norm, "ReduceMean": _lower_reduce, "ReduceSum": _lower_reduce,
     "ReduceMax": _lower_reduce, "ReduceMin": _lower_reduce, "MatMul": _lower_matmul, "Gemm": _lower_gemm,
     "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "Conv": _lower_conv,
@@ -1043,7 +1077,7 @@ _LOWER = {
     "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
     "QMatMul": _lower_qmatmul, "QConv": _lower_qconv,
 }
-_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv"})
+_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm"})
 
 
 def _tactic(node: Node, ops: list) -> str:
