@@ -22,7 +22,7 @@ from engine_core.backends.cpu import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.passes import FUSION_PASSES, PIPELINE, fold_attention_heads, fuse_attention
 from engine_core.passes.fold_attention_heads import symbolic_shapes
-from tests.engine.util import build, ort_run
+from tests.engine.util import build, ort_run, parsed_graph
 from tools.make_models import MODELS
 
 F = TensorProto.FLOAT
@@ -148,15 +148,10 @@ def _gpt2_block(rng: np.random.Generator) -> onnx.ModelProto:
     return _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", seq, HIDDEN])], ["y"], inits)
 
 
-def _graph(model: onnx.ModelProto) -> Graph:
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
-
 
 def _fused(model: onnx.ModelProto) -> Graph:
     """The graph as fold_attention_heads sees it in the pipeline: every pass before it has run."""
-    graph = _graph(model)
+    graph = parsed_graph(model)
     for graph_pass in PIPELINE[:PIPELINE.index(fold_attention_heads)]:
         graph_pass(graph)
     return graph
@@ -271,7 +266,7 @@ def test_attention_without_head_copies_is_left_alone(rng):
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]),
              helper.make_node("Softmax", ["s"], ["p"], axis=-1), helper.make_node("MatMul", ["p", "v"], ["y"])]
-    graph = _graph(_model(nodes, [q, k, v], ["y"], {}))
+    graph = parsed_graph(_model(nodes, [q, k, v], ["y"], {}))
     assert fuse_attention(graph) == 1 and fold_attention_heads(graph) == 0
 
 
@@ -298,7 +293,7 @@ def _token_feeds(rng: np.random.Generator, batch: int, seq: int) -> dict[str, np
 @pytest.mark.parametrize("name", ["bert_base", "gpt2"])
 def test_small_bert_and_gpt2_fold_every_layer_and_compute_the_same(rng, monkeypatch, name):
     model = MODELS[name][1]()
-    graph = _graph(model)
+    graph = parsed_graph(model)
     for graph_pass in PIPELINE:
         graph_pass(graph)
     attentions = [n for n in graph.nodes if n.op_type == "Attention"]

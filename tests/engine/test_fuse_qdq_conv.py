@@ -18,7 +18,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import ShapeInferenceError, TensorInfo, get_op
@@ -26,6 +25,7 @@ from engine_core.passes import PIPELINE, eliminate_dead_code, fold_constants
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv, keeps_int8_conv_weight, requantizes
 from engine_core.passes.pattern import Uses
 from tests.cuda.models import optimized_graph
+from tests.engine.util import parsed_graph
 
 F = TensorProto.FLOAT
 _WIRED = fuse_qdq_conv in PIPELINE
@@ -88,14 +88,9 @@ def qdq_conv_model(rng: np.random.Generator, *, cin: int = 8, cout: int = 16, ke
     return model, feeds
 
 
-def _graph(model: onnx.ModelProto) -> Graph:
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
-
 
 def _fused(model: onnx.ModelProto, requantize: bool = True) -> tuple[Graph, Graph, int]:
-    before, after = _graph(model), _graph(model)
+    before, after = parsed_graph(model), parsed_graph(model)
     count = fuse_qdq_conv(after, requantize=requantize)
     eliminate_dead_code(after)
     return before, after, count
@@ -160,11 +155,11 @@ def test_what_stays_unfused(rng, case):
 
 def test_folding_keeps_int8_conv_weights_only_where_the_pass_fuses(rng):
     fused_model, _ = qdq_conv_model(rng)
-    graph = _graph(fused_model)
+    graph = parsed_graph(fused_model)
     dq_w = next(n for n in graph.nodes if n.name == "dq_w")
     assert keeps_int8_conv_weight(graph, dq_w, Uses(graph))
     grouped_model, _ = qdq_conv_model(rng, group=2)
-    grouped = _graph(grouped_model)
+    grouped = parsed_graph(grouped_model)
     dq_w = next(n for n in grouped.nodes if n.name == "dq_w")
     assert not keeps_int8_conv_weight(grouped, dq_w, Uses(grouped))  # a float conv: folding dequantizes it once
 
@@ -172,7 +167,7 @@ def test_folding_keeps_int8_conv_weights_only_where_the_pass_fuses(rng):
 @needs_wiring
 def test_fold_constants_then_fusion_makes_a_qconv(rng):
     model, feeds = qdq_conv_model(rng)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     fold_constants(graph)
     assert "dq_w" in [n.name for n in graph.nodes]
     assert fuse_qdq_conv(graph) == 1
@@ -215,7 +210,7 @@ def test_resnet50_qdq_runs_every_convolution_as_qconv(resnet50_qdq):
     # the 16 shortcuts reach their QConv as int8 with their scale: no DequantizeLinear is left
     assert ops["DequantizeLinear"] == 0 and sum(len(n.inputs) > 7 for n in graph.nodes if n.op_type == "QConv") == 16
     got = GraphRunner(graph).run({"input": x})["logits"]
-    want = GraphRunner(_graph(resnet50_qdq)).run({"input": x})["logits"]  # the unfused, unfolded graph
+    want = GraphRunner(parsed_graph(resnet50_qdq)).run({"input": x})["logits"]  # the unfused, unfolded graph
     # float32 sums in another order move a few values across int8 rounding boundaries, and 50 layers
     # propagate that: measured max <= 3.0% / mean <= 0.33% of max|logits| (3 feeds); the classes agree
     scale = float(np.abs(want).max())
@@ -227,7 +222,7 @@ def test_resnet50_qdq_runs_every_convolution_as_qconv(resnet50_qdq):
 def test_int8_convolutions_are_off_by_default(rng, monkeypatch):
     """Without KILN_INT8_CONV=1 the Q/DQ convolutions stay float convs on folded weights (the measured path)."""
     monkeypatch.delenv("KILN_INT8_CONV")
-    graph = _graph(qdq_conv_model(rng)[0])
+    graph = parsed_graph(qdq_conv_model(rng)[0])
     fold_constants(graph)
     assert fuse_qdq_conv(graph) == 0 and "QConv" not in _ops(graph)
     assert not [n for n in graph.nodes if n.op_type == "DequantizeLinear" and n.inputs[0] in graph.constants]

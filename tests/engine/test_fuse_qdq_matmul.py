@@ -24,6 +24,7 @@ from engine_core.passes import FUSION_PASSES, eliminate_dead_code, fuse_gelu
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul, keeps_int8_weight
 from engine_core.passes.pattern import Uses
 from tests.cuda.models import build_engine
+from tests.engine.util import parsed_graph
 
 F = TensorProto.FLOAT
 RTOL = 1e-5
@@ -40,15 +41,10 @@ def _model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict
     return model
 
 
-def _graph(model: onnx.ModelProto) -> Graph:
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
-
 
 def _fused(model: onnx.ModelProto) -> tuple[Graph, Graph, int]:
     """(unfused graph, fused graph, fusion count): GELU first, as in the builder's pipeline."""
-    before, after = _graph(model), _graph(model)
+    before, after = parsed_graph(model), parsed_graph(model)
     fuse_gelu(before)
     fuse_gelu(after)
     count = fuse_qdq_matmul(after)
@@ -182,13 +178,13 @@ def test_graphs_outside_the_pattern_stay_as_they_are(rng, case):
 
 def test_keeps_int8_weight_only_for_quantized_gemm_weights(rng):
     model, _ = _qdq_linear(rng)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     uses = Uses(graph)
     dq = {n.name: n for n in graph.nodes}
     assert keeps_int8_weight(graph, dq["dq_w"], uses)
     assert not keeps_int8_weight(graph, dq["dq_x"], uses)  # an activation, not a constant weight
     model, _ = _qdq_linear(rng, zero=np.array(3, np.int8))
-    graph = _graph(model)
+    graph = parsed_graph(model)
     graph.constants["w_zero"] = np.full(40, 2, np.int8)
     assert not keeps_int8_weight(graph, next(n for n in graph.nodes if n.name == "dq_w"), Uses(graph))
 
@@ -278,7 +274,7 @@ def _requant_mlp(rng, *, q_zero: np.ndarray | None = np.array(0, np.int8), q_sca
 
 
 def _fused_variant(model: onnx.ModelProto, requantize: bool) -> tuple[Graph, int]:
-    graph = _graph(model)
+    graph = parsed_graph(model)
     count = fuse_qdq_matmul(graph, requantize=requantize)
     eliminate_dead_code(graph)
     return graph, count
@@ -300,7 +296,7 @@ def test_requantizing_epilogue_absorbs_the_quantize_and_is_bit_exact(rng):
     got = GraphRunner(fused).run(feeds)
     assert got["h_q"].dtype == np.int8
     want = GraphRunner(plain).run(feeds)
-    unfused = GraphRunner(_graph(model)).run(feeds)
+    unfused = GraphRunner(parsed_graph(model)).run(feeds)
     assert np.count_nonzero(got["h_q"] == 127) and np.count_nonzero(got["h_q"] == 0)  # saturates; Gelu < 0 -> 0
     for name in ("h_q", "y"):
         np.testing.assert_array_equal(got[name], want[name])  # == QMatMul -> QuantizeLinear
@@ -335,7 +331,7 @@ def test_quantize_outside_the_requantize_pattern_stays_a_layer(rng, case):
     fused, _ = _fused_variant(model, requantize=True)
     assert not any(len(n.inputs) > 5 for n in fused.nodes if n.op_type == "QMatMul")
     assert "QuantizeLinear" in _ops(fused)[1:]  # q_h is still its own layer
-    got, want = GraphRunner(fused).run(feeds), GraphRunner(_graph(model)).run(feeds)
+    got, want = GraphRunner(fused).run(feeds), GraphRunner(parsed_graph(model)).run(feeds)
     np.testing.assert_array_equal(got["h_q"], want["h_q"])
 
 
@@ -343,7 +339,7 @@ def test_requantize_with_output_dtype_int8_and_no_zero_point(rng):
     model, feeds = _requant_mlp(rng, q_zero=None, q_attrs={"output_dtype": TensorProto.INT8}, opset=21)
     fused, _ = _fused_variant(model, requantize=True)
     assert _ops(fused) == ["QuantizeLinear", "QMatMul", "QMatMul"]
-    got, want = GraphRunner(fused).run(feeds), GraphRunner(_graph(model)).run(feeds)
+    got, want = GraphRunner(fused).run(feeds), GraphRunner(parsed_graph(model)).run(feeds)
     for name in ("h_q", "y"):
         np.testing.assert_array_equal(got[name], want[name])
 
@@ -525,7 +521,7 @@ def test_fp8_requantizing_epilogue_writes_e4m3(rng):
     """Relu -> Q(fp8): the layer writes e4m3, exactly QMatMul (float) -> QuantizeLinear."""
     model, feeds = _fp8_linear(rng, requantize=True)
     _, after, count = _fused(model)
-    plain = _graph(model)
+    plain = parsed_graph(model)
     fuse_gelu(plain)
     fuse_qdq_matmul(plain, requantize=False)
     eliminate_dead_code(plain)
@@ -559,5 +555,5 @@ def test_fp8_graphs_outside_the_pattern_stay_as_they_are(rng, case):
 
 def test_keeps_fp8_weight_for_constant_folding(rng):
     model, _ = _fp8_linear(rng)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert keeps_int8_weight(graph, next(n for n in graph.nodes if n.name == "dq_w"), Uses(graph))

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
 from engine_core.passes import fuse_skip_layer_norm
-from tests.engine.util import build, ort_run
+from tests.engine.util import build, ort_run, parsed_graph
 
 F = TensorProto.FLOAT
 
@@ -38,11 +38,6 @@ def _model(skip_shape: list[int], readers: int = 1, axis: int = -1, stats: bool 
     return model
 
 
-def _graph(model: onnx.ModelProto):
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
-
 
 def _feeds(skip_shape: list[int]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
@@ -53,13 +48,13 @@ def _feeds(skip_shape: list[int]) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("skip_shape", [[2, 5, 16], [1, 5, 16]], ids=["same", "broadcast"])
 def test_residual_add_and_layer_norm_become_one_node_equal_to_onnxruntime(skip_shape):
     model, feeds = _model(skip_shape), _feeds(skip_shape)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_skip_layer_norm(graph) == 1
     assert [n.op_type for n in graph.nodes] == ["MatMul", "SkipLayerNorm"]
     node = graph.nodes[1]
     assert node.domain == "kiln" and node.inputs == ["h", "skip", "gamma", "beta"] and node.origin == ["residual", "ln"]
     want = ort_run(model, feeds)[0]
-    np.testing.assert_array_equal(GraphRunner(graph).run(feeds)["y"], GraphRunner(_graph(model)).run(feeds)["y"])
+    np.testing.assert_array_equal(GraphRunner(graph).run(feeds)["y"], GraphRunner(parsed_graph(model)).run(feeds)["y"])
     plan = build(model, {k: (v.shape,) * 3 for k, v in feeds.items()})
     got = kiln.Runtime().load(plan).create_execution_context().infer(feeds)["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -68,7 +63,7 @@ def test_residual_add_and_layer_norm_become_one_node_equal_to_onnxruntime(skip_s
 @pytest.mark.parametrize("case", [dict(readers=2), dict(axis=1), dict(stats=True)],
                          ids=["sum-read-twice", "not-last-axis", "mean-output"])
 def test_what_must_stay_unfused_stays(case):
-    graph = _graph(_model([2, 5, 16], **case))
+    graph = parsed_graph(_model([2, 5, 16], **case))
     assert fuse_skip_layer_norm(graph) == 0
     assert "SkipLayerNorm" not in [n.op_type for n in graph.nodes]
 

@@ -33,7 +33,7 @@ from engine_core.passes import (
     fuse_rms_norm,
 )
 from engine_core.types import LayerInformationFormat, ProfilingVerbosity
-from tests.engine.util import build, ort_run
+from tests.engine.util import build, ort_run, parsed_graph
 
 F = TensorProto.FLOAT
 
@@ -48,11 +48,6 @@ def _model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict
     model.ir_version = 10  # readable by older onnxruntime builds too (the GPU machine's)
     return model
 
-
-def _graph(model: onnx.ModelProto) -> Graph:
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
 
 
 def _ops(graph: Graph) -> list[str]:
@@ -95,7 +90,7 @@ def _conv_block(rng: np.random.Generator, activation: str) -> onnx.ModelProto:
                                                    ("LeakyRelu", 0.2, 0.0), ("Sigmoid", 0.0, 0.0)])
 def test_conv_bias_residual_activation_become_one_fused_conv(rng, activation, alpha, beta):
     model = _conv_block(rng, activation)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.domain) == ("FusedConv", "kiln")
@@ -122,7 +117,7 @@ def test_conv_fusion_stops_at_tensors_read_elsewhere(rng):
              helper.make_node("Relu", ["c2"], ["y2"], name="relu2"),
              helper.make_node("Sigmoid", ["c2"], ["y3"], name="sig")]
     model = _model(nodes, {"x": [1, 3, 5, 5]}, ["c", "y", "y2", "y3"], {"w": _w(rng, 2, 3, 1, 1), "b": _w(rng, 2)})
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 0
     assert _ops(graph) == ["Conv", "Relu", "Conv", "Relu", "Sigmoid"]
 
@@ -131,7 +126,7 @@ def test_conv_with_bias_and_relu_keeps_bias_input(rng):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", strides=[2, 2], group=2),
              helper.make_node("Relu", ["c"], ["y"], name="relu")]
     model = _model(nodes, {"x": [1, 4, 9, 9]}, ["y"], {"w": _w(rng, 6, 2, 3, 3), "b": _w(rng, 6)})
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 1
     node = graph.nodes[0]
     assert node.inputs == ["x", "w", "b", ""] and node.attrs["group"] == 2 and node.attrs["strides"] == [2, 2]
@@ -145,7 +140,7 @@ def test_constants_that_would_widen_the_output_are_not_biases(rng):
              helper.make_node("MatMul", ["m", "w2"], ["mm"]), helper.make_node("Add", ["mm", "b2"], ["y2"])]
     inits = {"w": _w(rng, 4, 3, 3), "b": _w(rng, 1, 4, 1, 1), "w2": _w(rng, 3, 2), "b2": _w(rng, 1, 1, 2)}
     model = _model(nodes, {"x": [1, 3, 7], "m": [5, 3]}, ["y", "y2"], inits)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 0 and fuse_matmul_epilogue(graph) == 0
     _matches_ort(model, {"x": _x(rng, 1, 3, 7), "m": _x(rng, 5, 3)})
 
@@ -168,7 +163,7 @@ def _linear(rng: np.random.Generator, activation: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("activation", ["Relu", "Sigmoid", "Tanh", "Gelu", ""])
 def test_linear_layer_becomes_fused_matmul(rng, activation):
     model = _linear(rng, activation)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_matmul_epilogue(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.domain, node.inputs) == ("FusedMatMul", "kiln", ["x", "w", "bias"])
@@ -190,7 +185,7 @@ def _gemm_and_transposed(rng: np.random.Generator) -> onnx.ModelProto:
 
 def test_gemm_and_transposed_operand_fold_into_flags(rng):
     model = _gemm_and_transposed(rng)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_matmul_epilogue(graph) == 2
     gemm, mm = graph.nodes
     assert gemm.attrs == {"transA": 0, "transB": 1, "alpha": 0.5, "activation": "Relu"}
@@ -255,7 +250,7 @@ def test_gelu_patterns_become_one_gelu(rng, form):
              "three": np.float32(3), "k": np.float32(0.044715), "s2pi": np.float32(math.sqrt(2 / math.pi))}
     inits = {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
     model = _model(nodes, {"x": [3, 16]}, ["y"], inits, opset=13)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_gelu(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.inputs, node.outputs, node.opset) == ("Gelu", ["x"], ["y"], 20)
@@ -268,7 +263,7 @@ def test_gelu_with_a_shared_intermediate_is_left_alone():
     nodes = _gelu_erf("half_x_first")
     model = _model(nodes, {"x": [2, 4]}, ["y", "e"], {"sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1),
                                                        "half": np.float32(0.5)}, opset=13)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_gelu(graph) == 0 and len(graph.nodes) == len(nodes)
 
 
@@ -299,7 +294,7 @@ def _layer_norm(rng: np.random.Generator, opset: int) -> onnx.ModelProto:
 @pytest.mark.parametrize("opset", [13, 18])
 def test_decomposed_layer_norm_becomes_layer_normalization(rng, opset):
     model = _layer_norm(rng, opset)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_layer_norm(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.inputs, node.outputs, node.opset) == ("LayerNormalization", ["x", "gamma", "beta"],
@@ -318,7 +313,7 @@ def test_decomposed_rms_norm_becomes_rms_normalization(rng):
              helper.make_node("Mul", ["gamma", "n"], ["y"])]
     model = _model(nodes, {"x": [2, 3, 8]}, ["y"], {"two": np.float32(2), "eps": np.float32(1e-6),
                                                      "gamma": _w(rng, 8) + 1}, opset=13)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_rms_norm(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.inputs, node.opset) == ("RMSNormalization", ["x", "gamma"], 23)
@@ -354,7 +349,7 @@ def _attention_model(rng: np.random.Generator, key_perm: str, masked: bool,
                                              ("split_then_swap", False)])
 def test_attention_block_becomes_onnx_attention(rng, key_perm, masked):
     model = _attention_model(rng, key_perm, masked)
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_attention(graph) == 1
     attention = next(n for n in graph.nodes if n.op_type == "Attention")
     assert attention.opset == 23 and attention.attrs["scale"] == pytest.approx(0.5)
@@ -370,7 +365,7 @@ def test_a_mask_broadcast_over_the_keys_is_expanded_not_padded(rng):
     """Add(scores, mask[..., 1]) adds one value to every key; Attention reads a short mask as "pad with -inf",
     so the fused node gets the mask expanded to the key count."""
     model = _attention_model(rng, "one_transpose", True, mask_shape=(2, 1, 1, 1))
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_attention(graph) == 1
     attention = next(n for n in graph.nodes if n.op_type == "Attention")
     expand = next(n for n in graph.nodes if attention.inputs[3] in n.outputs)
@@ -413,7 +408,7 @@ def _where_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def test_where_masked_attention_gets_a_boolean_mask(rng):
     model = _where_attention()
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_attention(graph) == 1
     (attention,) = graph.nodes
     assert attention.inputs == ["q", "k", "v", "causal"] and attention.attrs["scale"] == pytest.approx(0.5)
@@ -425,7 +420,7 @@ def test_softmax_over_another_axis_is_not_attention(rng):
     for node in model.graph.node:
         if node.op_type == "Softmax":
             node.attribute[0].i = 2
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_attention(graph) == 0
 
 
@@ -446,7 +441,7 @@ def _pointwise() -> onnx.ModelProto:
 
 def test_pointwise_layers_become_one_chain(rng):
     model = _pointwise()
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_pointwise_chain(graph) == 1
     assert _ops(graph) == ["PointwiseChain", "Exp", "Neg", "MatMul"]
     chain = graph.nodes[0]
@@ -473,11 +468,11 @@ def test_per_tensor_quantize_dequantize_joins_a_chain(rng):
     """A per-tensor Q -> DQ pair (a Q/DQ model run in float) is pointwise: one kernel keeps the int8 value in
     registers. Per-axis pairs stay layers of their own (their scales broadcast along an axis)."""
     feeds = {"x": rng.standard_normal((2, 4, 3)).astype(np.float32)}
-    graph = _graph(_fake_quant(per_axis=False))
+    graph = parsed_graph(_fake_quant(per_axis=False))
     assert fuse_pointwise_chain(graph) == 1 and _ops(graph) == ["PointwiseChain"]
     assert _ops(graph.nodes[0].attrs["body"]) == ["Relu", "QuantizeLinear", "DequantizeLinear", "Exp"]
     _matches_ort(_fake_quant(per_axis=False), feeds)
-    graph = _graph(_fake_quant(per_axis=True))
+    graph = parsed_graph(_fake_quant(per_axis=True))
     fuse_pointwise_chain(graph)
     assert _ops(graph) == ["Relu", "QuantizeLinear", "DequantizeLinear", "Exp"]
 
@@ -489,7 +484,7 @@ def test_transposes_merge_and_identities_vanish(rng):
              helper.make_node("Transpose", ["c"], ["d"], perm=[1, 0, 2, 3]),
              helper.make_node("Relu", ["d"], ["y2"])]
     model = _model(nodes, {"x": [2, 3, 4, 5]}, ["b", "y2"], {})
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert eliminate_transposes(graph) >= 2
     assert _ops(graph) == ["Transpose", "Relu"]
     assert graph.nodes[0].attrs["perm"] == [0, 2, 3, 1] and graph.nodes[0].inputs == ["x"]
@@ -501,7 +496,7 @@ def test_softmax_then_log_becomes_log_softmax(rng):
     nodes = [helper.make_node("Softmax", ["x"], ["s"], name="sm", axis=1),
              helper.make_node("Log", ["s"], ["y"], name="log")]
     model = _model(nodes, {"x": [3, 7]}, ["y"], {})
-    graph = _graph(model)
+    graph = parsed_graph(model)
     assert fuse_log_softmax(graph) == 1
     (node,) = graph.nodes
     assert (node.op_type, node.attrs["axis"], node.origin) == ("LogSoftmax", 1, ["sm", "log"])
@@ -520,7 +515,7 @@ def test_pipeline_is_folding_then_fusions_then_dead_code():
 
 
 def _fused_counts(model: onnx.ModelProto) -> Counter:
-    graph = _graph(model)
+    graph = parsed_graph(model)
     for fuse in PIPELINE:
         fuse(graph)
     return Counter(n.op_type for n in graph.nodes)

@@ -9,13 +9,7 @@ import engine_core as kiln
 from engine_core.ops import TensorInfo
 from engine_core.passes import eliminate_dead_code, fold_constants, fold_conv_batchnorm, infer_shapes
 from tests.engine import models
-from tests.engine.util import build, ort_run
-
-
-def _graph(model):
-    network = kiln.Builder().create_network()
-    assert kiln.OnnxParser(network).parse(model.SerializeToString())
-    return network.graph
+from tests.engine.util import build, ort_run, parsed_graph
 
 
 def _const_chain_model():
@@ -34,14 +28,14 @@ def _const_chain_model():
 
 
 def test_constant_folding_replaces_constant_subexpressions():
-    graph = _graph(_const_chain_model())
+    graph = parsed_graph(_const_chain_model())
     assert fold_constants(graph) == 2
     assert [n.op_type for n in graph.nodes] == ["Add", "Relu"]
     np.testing.assert_array_equal(graph.constants["k"], np.arange(4, dtype=np.float32) * 2)
 
 
 def test_dead_code_elimination_drops_unused_nodes_and_constants():
-    graph = _graph(_const_chain_model())
+    graph = parsed_graph(_const_chain_model())
     fold_constants(graph)
     assert eliminate_dead_code(graph) == 1
     assert [n.op_type for n in graph.nodes] == ["Add"]
@@ -59,14 +53,14 @@ def test_shape_of_static_input_folds():
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
-    g = _graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = parsed_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert fold_constants(g) == 1
     np.testing.assert_array_equal(g.constants["s"], [2, 3])
 
 
 def test_conv_batchnorm_folding_graph_and_numbers(rng):
     model = models.small_cnn()
-    graph = _graph(model)
+    graph = parsed_graph(model)
     before = [n.op_type for n in graph.nodes]
     assert fold_conv_batchnorm(graph) == 1
     after = [n.op_type for n in graph.nodes]
@@ -85,7 +79,7 @@ def test_shape_inference_propagates_shape_values():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 5])],
                               [numpy_helper.from_array(np.ones((3, 5), np.float32), "w")])
-    g = _graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = parsed_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     infos = infer_shapes(g, {"x": TensorInfo(np.float32, (7, 3))})
     assert infos["s"].value.tolist() == [7, 3]
     assert infos["y"].shape == (7, 3) and infos["z"].shape == (7, 5)
@@ -95,6 +89,6 @@ def test_shape_inference_error_names_the_layer():
     import pytest
 
     model = models.mlp()
-    g = _graph(model)
+    g = parsed_graph(model)
     with pytest.raises(kiln.ShapeError, match="Gemm"):
         infer_shapes(g, {"x": TensorInfo(np.float32, (2, 15))})

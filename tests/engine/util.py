@@ -8,6 +8,13 @@ import onnx
 import engine_core as kiln
 
 
+def parsed_graph(model: onnx.ModelProto):
+    """The network graph of ``model`` as the ONNX parser makes it (no passes run)."""
+    network = kiln.Builder().create_network()
+    assert kiln.OnnxParser(network).parse(model.SerializeToString())
+    return network.graph
+
+
 def build(model: onnx.ModelProto, shapes: dict[str, tuple], backend: str = "cpu") -> bytes:
     """Parse ``model`` and build it with one profile: ``shapes[name] = (min, opt, max)``."""
     builder = kiln.Builder()
