@@ -243,14 +243,15 @@ def optimized_graph(model: onnx.ModelProto, feeds: dict[str, np.ndarray], flag=N
     return build_engine(model, "cpu", {name: (value.shape,) * 3 for name, value in feeds.items()}, flag).plan.graph
 
 
-def lowered_at(graph, feeds: dict[str, np.ndarray]):
-    """``graph`` lowered for the CUDA backend at the feeds' shapes (shape values folded)."""
+def lowered_at(graph, feeds: dict[str, np.ndarray], options=None):
+    """``graph`` lowered for the CUDA backend at the feeds' shapes (shape values folded), with ``options`` (a
+    LoweringOptions; default: none set)."""
     from engine_core.backends.cuda.lowering import lower_graph
     from engine_core.ops import TensorInfo
     from engine_core.passes import infer_shapes
 
     infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
-    return lower_graph(graph, infos)
+    return lower_graph(graph, infos, None, options)
 
 
 def pipeline_lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray]):

@@ -25,10 +25,10 @@ from engine_core.backends.cuda.lowering import Launch
 from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
-from engine_core.passes import PIPELINE, infer_shapes
+from engine_core.passes import PIPELINE
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from tests.cuda.emulate import Emulator
-from tests.cuda.models import optimized_graph, pipeline_lowered
+from tests.cuda.models import lowered_at, optimized_graph, pipeline_lowered
 from tests.engine.test_fuse_qdq_conv import qdq_conv_model
 
 _WIRED = fuse_qdq_conv in PIPELINE and "QConv" in lowering._LOWER and "QConv" in lowering.LAYOUT_AWARE
@@ -137,8 +137,7 @@ def test_emulated_resnet50_qdq_equals_the_cpu_backend():
 
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
     graph = optimized_graph(MODELS["resnet50_qdq"][1](), {"input": x})
-    infos = infer_shapes(graph, {"input": TensorInfo(np.dtype(np.float32), x.shape)}, values=True)
-    lowered = lowering.lower_graph(graph, infos)
+    lowered = lowered_at(graph, {"input": x})
     tactics = lowered.tactics()
     assert "host" not in tactics.values()
     assert sum(t == "conv:cublaslt_int8_im2col" for t in tactics.values()) == 53
@@ -202,11 +201,6 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
 REQUANT = lowering.LoweringOptions(int8_requant=True)
 
 
-def _lowered_with(graph, feeds, options):
-    infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, feeds[v.name].shape) for v in graph.inputs}, values=True)
-    return lowering.lower_graph(graph, infos, None, options)
-
-
 @pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
 def test_requantizing_qconv_is_one_int8_output_gemm(rng, case):
     """A requantizing QConv with constant scales becomes one Int8GemmRequant writing int8 NHWC (no int32 buffer,
@@ -217,7 +211,7 @@ def test_requantizing_qconv_is_one_int8_output_gemm(rng, case):
     model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
                                   relu=relu, requantize=requantize, exact=False, size=11, batch=2)
     graph = optimized_graph(model, feeds)
-    lowered = _lowered_with(graph, feeds, REQUANT)
+    lowered = lowered_at(graph, feeds, REQUANT)
     (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
     assert lowered.tactics()[step.node.name] == "conv:cublaslt_int8_requant"
     gemm = step.ops[-1]
@@ -236,13 +230,13 @@ def test_requant_needs_a_relu_or_no_activation_and_a_requantizing_layer(rng):
     for options in ({"relu": False, "requantize": False}, {"relu": True, "requantize": False}):
         model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6, **options)
         graph = optimized_graph(model, feeds)
-        lowered = _lowered_with(graph, feeds, REQUANT)
+        lowered = lowered_at(graph, feeds, REQUANT)
         assert "conv:cublaslt_int8_im2col" in lowered.tactics().values()
     model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6)
     graph = optimized_graph(model, feeds)
     (node,) = [n for n in graph.nodes if n.op_type == "QConv"]
     node.attrs["activation"] = "Sigmoid"
-    assert "conv:cublaslt_int8_im2col" in _lowered_with(graph, feeds, REQUANT).tactics().values()
+    assert "conv:cublaslt_int8_im2col" in lowered_at(graph, feeds, REQUANT).tactics().values()
 
 
 @needs_wiring
@@ -253,7 +247,7 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     50 layers propagate: the bounds of the float32-reordering test in test_fuse_qdq_conv.py hold."""
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
     graph = optimized_graph(_resnet50_qdq(), {"input": x})
-    lowered = _lowered_with(graph, {"input": x}, REQUANT)
+    lowered = lowered_at(graph, {"input": x}, REQUANT)
     tactics = list(lowered.tactics().values())
     assert "host" not in tactics
     assert tactics.count("conv:cublaslt_int8_requant") == 51 and tactics.count("conv:cublaslt_int8_im2col") == 2
