@@ -32,6 +32,28 @@ _WIRED = fuse_qdq_matmul in PIPELINE and "QMatMul" in lowering._LOWER and hasatt
 needs_wiring = pytest.mark.skipif(not _WIRED, reason="QMatMul is not wired into the pipeline / lowering yet")
 
 
+def _mlp_model(name: str, inits: dict[str, np.ndarray], din: int, dout: int, dq_w1: tuple[list[str], dict],
+               dq_w2: tuple[list[str], dict]) -> onnx.ModelProto:
+    """x -> Q/DQ -> MatMul(DQ(w1)) + b1 -> Relu -> Q/DQ -> Gemm(transB, DQ(w2)) + b2 -> Gelu -> y over ``inits``;
+    ``dq_w1`` / ``dq_w2``: each weight DequantizeLinear's inputs and attributes (zero point, axis)."""
+    n = helper.make_node
+    nodes = [n("QuantizeLinear", ["x", "s_x", "zero"], ["xq"], name="q_x"),
+             n("DequantizeLinear", ["xq", "s_x", "zero"], ["xd"], name="dq_x"),
+             n("DequantizeLinear", dq_w1[0], ["w1d"], name="dq_w1", **dq_w1[1]),
+             n("MatMul", ["xd", "w1d"], ["h"], name="fc1"), n("Add", ["h", "b1"], ["hb"], name="bias1"),
+             n("Relu", ["hb"], ["r"], name="relu"),
+             n("QuantizeLinear", ["r", "s_h", "zero"], ["rq"], name="q_h"),
+             n("DequantizeLinear", ["rq", "s_h", "zero"], ["rd"], name="dq_h"),
+             n("DequantizeLinear", dq_w2[0], ["w2d"], name="dq_w2", **dq_w2[1]),
+             n("Gemm", ["rd", "w2d", "b2"], ["g"], transB=1, name="fc2"), n("Gelu", ["g"], ["y"], name="gelu")]
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", din])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dout])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
 def qdq_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> onnx.ModelProto:
     """x[B, din] -> Q/DQ -> MatMul(per-column int8 W) + bias + Relu -> Q/DQ -> Gemm(transB, per-tensor W)
     + bias -> Gelu -> y: both weight layouts and both scale kinds."""
@@ -42,22 +64,7 @@ def qdq_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> o
              "b1": (0.1 * rng.standard_normal(hidden)).astype(np.float32), "w2": w2,
              "w2_scale": np.array(0.004, np.float32), "b2": (0.1 * rng.standard_normal(dout)).astype(np.float32),
              "s_x": np.array(0.03, np.float32), "s_h": np.array(0.05, np.float32), "zero": np.array(0, np.int8)}
-    n = helper.make_node
-    nodes = [n("QuantizeLinear", ["x", "s_x", "zero"], ["xq"], name="q_x"),
-             n("DequantizeLinear", ["xq", "s_x", "zero"], ["xd"], name="dq_x"),
-             n("DequantizeLinear", ["w1", "w1_scale", "w1_zero"], ["w1d"], name="dq_w1", axis=1),
-             n("MatMul", ["xd", "w1d"], ["h"], name="fc1"), n("Add", ["h", "b1"], ["hb"], name="bias1"),
-             n("Relu", ["hb"], ["r"], name="relu"),
-             n("QuantizeLinear", ["r", "s_h", "zero"], ["rq"], name="q_h"),
-             n("DequantizeLinear", ["rq", "s_h", "zero"], ["rd"], name="dq_h"),
-             n("DequantizeLinear", ["w2", "w2_scale"], ["w2d"], name="dq_w2"),
-             n("Gemm", ["rd", "w2d", "b2"], ["g"], transB=1, name="fc2"), n("Gelu", ["g"], ["y"], name="gelu")]
-    graph = helper.make_graph(nodes, "qdq_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", din])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dout])],
-                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model
+    return _mlp_model("qdq_mlp", inits, din, dout, (["w1", "w1_scale", "w1_zero"], {"axis": 1}), (["w2", "w2_scale"], {}))
 
 
 def _bert_qdq() -> onnx.ModelProto:
@@ -246,22 +253,7 @@ def fp8_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> o
              "w2": w2, "w2_scale": rng.uniform(0.001, 0.004, dout).astype(np.float32),
              "b2": (0.1 * rng.standard_normal(dout)).astype(np.float32), "s_x": np.array(0.01, np.float32),
              "s_h": np.array(0.02, np.float32), "zero": np.zeros((), FP8)}
-    n = helper.make_node
-    nodes = [n("QuantizeLinear", ["x", "s_x", "zero"], ["xq"], name="q_x"),
-             n("DequantizeLinear", ["xq", "s_x", "zero"], ["xd"], name="dq_x"),
-             n("DequantizeLinear", ["w1", "w1_scale"], ["w1d"], name="dq_w1"),
-             n("MatMul", ["xd", "w1d"], ["h"], name="fc1"), n("Add", ["h", "b1"], ["hb"], name="bias1"),
-             n("Relu", ["hb"], ["r"], name="relu"),
-             n("QuantizeLinear", ["r", "s_h", "zero"], ["rq"], name="q_h"),
-             n("DequantizeLinear", ["rq", "s_h", "zero"], ["rd"], name="dq_h"),
-             n("DequantizeLinear", ["w2", "w2_scale"], ["w2d"], name="dq_w2", axis=0),
-             n("Gemm", ["rd", "w2d", "b2"], ["g"], transB=1, name="fc2"), n("Gelu", ["g"], ["y"], name="gelu")]
-    graph = helper.make_graph(nodes, "fp8_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", din])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dout])],
-                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model
+    return _mlp_model("fp8_mlp", inits, din, dout, (["w1", "w1_scale"], {}), (["w2", "w2_scale"], {"axis": 0}))
 
 
 @needs_wiring
