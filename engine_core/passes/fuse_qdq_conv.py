@@ -44,7 +44,7 @@ from engine_core.passes.fuse_qdq_matmul import (
     _quantized_dtype,
     _requantize_scale,
 )
-from engine_core.passes.pattern import Uses, is_op, other_input, replace_nodes
+from engine_core.passes.pattern import Uses, fuse_matches, is_op, other_input
 from engine_core.types import np_to_onnx
 
 #: Conv attributes QConv keeps (group is always 1)
@@ -193,19 +193,7 @@ def fuse_qdq_conv(graph: Graph, *, requantize: bool = True) -> int:
     if not enabled():
         return 0
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for conv in list(graph.nodes):
-        if id(conv) in removed or not is_op(conv, "Conv"):
-            continue
-        match = _match(graph, uses, conv, requantize, removed)
-        if match is None:
-            continue
-        node, covered = match
-        fused[id(covered[-1])] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("Conv",), lambda conv, removed: _match(graph, uses, conv, requantize, removed))
 
 
 def requantizes(node: Node) -> bool:

@@ -41,7 +41,7 @@ import numpy as np
 
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import INT8, QMATMUL_OPERANDS
-from engine_core.passes.pattern import Uses, is_op, known_rank, other_input, replace_nodes
+from engine_core.passes.pattern import Uses, fuse_matches, is_op, known_rank, other_input
 from engine_core.types import np_to_onnx, onnx_to_np
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
@@ -228,19 +228,7 @@ def fuse_qdq_matmul(graph: Graph, *, requantize: bool = True) -> int:
     """Fuse every eligible Q/DQ MatMul/Gemm chain in place; returns how many QMatMul layers were made.
     ``requantize=False`` leaves every QuantizeLinear a layer of its own (to compare against)."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for mm in list(graph.nodes):
-        if id(mm) in removed or not is_op(mm, "MatMul", "Gemm"):
-            continue
-        match = _match(graph, uses, mm, requantize)
-        if match is None:
-            continue
-        node, covered = match
-        fused[id(covered[-1])] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("MatMul", "Gemm"), lambda mm, _: _match(graph, uses, mm, requantize))
 
 
 def requantizes(node: Node) -> bool:

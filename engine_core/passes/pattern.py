@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
@@ -60,6 +62,25 @@ def is_op(node: Node | None, *op_types: str) -> bool:
 def replace_nodes(graph: Graph, fused: dict[int, Node], removed: set[int]) -> None:
     """Put each fused node where the node it is keyed by (id) was, drop ``removed`` nodes."""
     graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in removed or id(n) in fused]
+
+
+def fuse_matches(graph: Graph, op_types: tuple[str, ...],
+                 match: Callable[[Node, set[int]], tuple[Node, list[Node]] | None]) -> int:
+    """For each node of ``op_types`` no earlier match covered, ``match(node, covered ids)`` gives (the fused node,
+    the nodes it covers, the one it replaces last) or None; the fused nodes go in place. Returns how many."""
+    fused: dict[int, Node] = {}
+    removed: set[int] = set()
+    for node in list(graph.nodes):
+        if id(node) in removed or not is_op(node, *op_types):
+            continue
+        found = match(node, removed)
+        if found is None:
+            continue
+        replacement, covered = found
+        fused[id(covered[-1])] = replacement
+        removed.update(id(n) for n in covered)
+    replace_nodes(graph, fused, removed)
+    return len(fused)
 
 
 def last_axis_mean(graph: Graph, node: Node | None) -> bool:
