@@ -107,7 +107,7 @@ class Fp8Gemm(Int8Gemm):
 class Int8GemmRequant(Int8Gemm):
     """y[m, n] (int8) = saturate(round(act(alpha[n] * acc + beta * c[m, n] + bias[n]))) in one cuBLASLt IMMA
     call: a requantizing layer whose scales and bias are constants, with the scales and the output scale folded
-    into ``alpha`` = x_scale * w_scale[n] / y_scale (a device vector: ``CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_*``),
+    into ``alpha`` = x_scale * w_scale[n] / y_scale (a device vector: ``CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_HOST``),
     ``bias`` = bias / y_scale (float32, the BIAS / RELU_BIAS epilogue) and an int8 residual ``c`` read with
     ``beta`` = its scale / y_scale. Why: the int32 accumulators never leave the GEMM (the implicit GEMM's
     epilogue kernel reads and writes 5 bytes per output element more), and no second kernel runs.
@@ -280,8 +280,9 @@ class _Plan:
         check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSA, c.byref(op_a), 4), "TRANSA")
         check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_TRANSB, c.byref(op_b), 4), "TRANSB")
         if epilogue:  # the requantizing GEMM: alpha is a device vector over Lt's rows (our output columns)
-            if pointer_mode is None:
-                pointer_mode = _ALPHA_VECTOR_BETA_HOST if residual else _ALPHA_VECTOR_BETA_ZERO
+            if pointer_mode is None:  # BETA_ZERO would fit a GEMM without residual, but the H100's cuBLASLt
+                # (13.1) has no int8-output algorithm in that mode; BETA_HOST with beta 0 runs the same epilogue
+                pointer_mode = _ALPHA_VECTOR_BETA_HOST
             mode = c.c_int(pointer_mode)
             check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_POINTER_MODE, c.byref(mode), 4), "POINTER_MODE")
             self.epilogue = c.c_int(EPILOGUES[epilogue])
