@@ -10,6 +10,7 @@
 #   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32: BERT 8, ResNet 128 and 8 (compiles ~2 min each) ~9 min
 #   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~9 min
+#   cudnn_int8   bench.cudnn_int8: every ResNet-50 convolution as one requantizing INT8 cuDNN graph vs fp16          ~2 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
 # The machine has no network: everything Kiln needs beyond the image comes from wheels/.
 set -o pipefail
@@ -53,6 +54,8 @@ for stage in "$@"; do
       timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit_percentile,int8_explicit,int8_explicit_qconv \
         2>&1 | quiet | tail -34
       timeout 60 python3 -m bench.accuracy --out "$OUT" 2>&1 | quiet | tail -6 ;;
+    cudnn_int8)
+      timeout 200 python3 -m bench.cudnn_int8 --out "$OUT" 2>&1 | quiet | tail -32 ;;
     conformance)
       mkdir -p /tmp/conf
       seq 0 47 | xargs -P 14 -I{} sh -c 'timeout 240 python3 -m engine_core.conformance --backend cuda --trace \

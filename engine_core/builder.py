@@ -430,18 +430,23 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         from engine_core.backends.cuda import prepare_plan
         from engine_core.backends.cuda.cublaslt import available as cublaslt_available
         from engine_core.backends.cuda.cudnn_conv import available as cudnn_available
+        from engine_core.backends.cuda.cudnn_conv import int8_unsupported
         from engine_core.backends.cuda.int8_gemm import requant_unsupported
         from engine_core.backends.cuda.lowering import LoweringOptions
 
         requant_reason = requant_unsupported() if cublaslt_available() else "no cuBLASLt"
+        cudnn_int8_reason = int8_unsupported() if any(n.op_type == "QConv" for n in graph.nodes) \
+            else "no kiln.QConv layer"
         options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
-                                  cublaslt=cublaslt_available(), int8_requant=not requant_reason)
+                                  cublaslt=cublaslt_available(), int8_requant=not requant_reason,
+                                  cudnn_int8=not cudnn_int8_reason)
         cache = _timing_cache_for(config)
         cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:
             layer["tactic"] = cuda_build.tactics.get(layer["name"], "shape")  # "shape": computed on the host
         kernels, arch, memory, cuda_info = cuda_build.kernels, cuda_build.arch, cuda_build.device_memory_size, cuda_build.info
         cuda_info["int8_requant_unsupported"] = requant_reason
+        cuda_info["cudnn_int8_unsupported"] = cudnn_int8_reason
     kernels.update(plugin_kernels(graph, config.backend, arch))  # plugin hook: their CUDA source, via NVRTC
     plan = Plan(
         name=network.name,

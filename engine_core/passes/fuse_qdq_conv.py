@@ -18,11 +18,12 @@ quantization run in one epilogue that stores int8: ResNet's activations move bet
 Only symmetric int8 fuses (a zero point would need correction terms); grouped and non-2-D convolutions stay
 as they are.
 
-**Off unless ``KILN_INT8_CONV=1``**: on the H100 (2026-11-23, bench/int8.py) the implicit GEMM with its
-int32 accumulators and epilogue kernel ran ResNet-50 INT8 at batch 128 in 38.5 ms against 4.8 ms for cuDNN's fp16
-convolutions of the dequantized weights. The int8-output cuBLASLt GEMM (engine_core/backends/cuda/int8_conv.py,
-``Int8GemmRequant``) removes the int32 round trip and the epilogue kernel; this becomes the default once it is
-measured faster than fp16, or tactic timing chooses between the two. ``fold_constants`` must leave the weight's DequantizeLinear in place for this pass to see the int8
+**Off unless ``KILN_INT8_CONV=1``**: on the H100 (2026-11-23, bench/int8.py, ResNet-50 at batch 128) Kiln's
+fp16 build runs 4.64 ms; with this pass 52 of the 53 convolutions become one cuDNN INT8 graph each
+(engine_core/backends/cuda/cudnn_conv.py) and the network runs 5.97 ms (it was 38.5 ms with the int32 implicit
+GEMM). cuDNN's INT8 kernels are not faster than its fp16 ones on Hopper (bench/cudnn_int8.py), so float
+convolutions of the dequantized weights stay the default until an INT8 tactic beats them.
+``fold_constants`` must leave the weight's DequantizeLinear in place for this pass to see the int8
 weight: ``keeps_int8_conv_weight`` says which ones (it mirrors this pass's conditions, so a kept weight is
 always fused rather than dequantized at run time).
 """

@@ -133,6 +133,9 @@ class Emulator:
             for launch in op.fallback:
                 self._launch(launch)
             return
+        if op.int8:
+            self._int8_conv(op)
+            return
         dt = op.dtype
         x = self.view(op.x, dt, op.x_dims, op.x_strides).astype(np.float32)
         w = self.view(op.w, dt, op.w_dims, op.w_strides).astype(np.float32)
@@ -146,6 +149,28 @@ class Emulator:
         if op.activation == "Relu":
             y = np.maximum(y, 0)
         self.view(op.y, dt, op.y_dims, op.y_strides)[...] = y
+
+    def _int8_conv(self, op: Conv) -> None:
+        """A model of cuDNN's INT8 graph: exact int32 sums, then in float32 ``* scale[k] + b[k] + z * z_scale[k]``,
+        ReLU, and int8 outputs rounded to nearest even and saturated (cuDNN's float order may differ by an ulp:
+        outputs by one quantization step)."""
+        f32, channel = np.dtype(np.float32), (1, -1, 1, 1)
+        x = self.view(op.x, op.dtype, op.x_dims, op.x_strides).astype(np.float64)
+        w = self.view(op.w, op.dtype, op.w_dims, op.w_strides).astype(np.float64)
+        attrs = {"pads": [*op.pads_begin, *op.pads_end], "strides": list(op.strides), "dilations": list(op.dilations)}
+        acc = run_node(Node("Conv", ["x", "w"], ["y"], attrs, "conv", "", 11, []), [x, w])[0]
+        k = op.y_dims[1]
+        y = np.rint(acc).astype(np.int32).astype(f32) * self.view(op.scale, f32, (k,), (1,)).reshape(channel)
+        if op.b is not None:
+            y = y + self.view(op.b, f32, (k,), (1,)).reshape(channel)
+        if op.z is not None:
+            z = self.view(op.z, np.dtype(op.z_dtype), op.y_dims, op.z_strides).astype(f32)
+            y = y + z * self.view(op.z_scale, f32, (k,), (1,)).reshape(channel)
+        if op.activation == "Relu":
+            y = np.maximum(y, np.float32(0))
+        if np.dtype(op.y_dtype) == np.int8:
+            y = np.clip(np.rint(y), -128, 127)
+        self.view(op.y, np.dtype(op.y_dtype), op.y_dims, op.y_strides)[...] = y
 
     def _launch(self, op: Launch) -> None:
         name = op.function

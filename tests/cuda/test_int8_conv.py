@@ -175,10 +175,13 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
         config.add_optimization_profile(profile)
         engines[backend] = kiln.Runtime().load(kiln.build_plan(net, config))
     tactics = {layer["name"]: layer["tactic"] for layer in engines["cuda"].plan.layers if layer["type"] == "QConv"}
-    # with the int8-output GEMMs (when this GPU's cuBLASLt has them) 51 are one call each (see the emulated test)
-    requant = engines["cuda"].plan.build_info["cuda"]["lowering"]["int8_requant"]
+    # with cuDNN INT8 (when this GPU's cuDNN builds the graphs) all but the 3-channel stem are one cuDNN graph;
+    # else with the int8-output GEMMs (when its cuBLASLt has them) 51 are one call each (see the emulated tests)
+    lowered_with = engines["cuda"].plan.build_info["cuda"]["lowering"]
+    requant, cudnn_int8 = lowered_with["int8_requant"], lowered_with["cudnn_int8"]
     counts = Counter(tactics.values())
-    assert counts == ({"conv:cublaslt_int8_requant": 51, "conv:cublaslt_int8_im2col": 2} if requant
+    assert counts == ({"conv:cudnn_int8": 52, "conv:cublaslt_int8_im2col": 1} if cudnn_int8
+                      else {"conv:cublaslt_int8_requant": 51, "conv:cublaslt_int8_im2col": 2} if requant
                       else {"conv:cublaslt_int8_im2col": 53}), counts
     gctx, cctx = engines["cuda"].create_execution_context(), engines["cpu"].create_execution_context()
     rng = np.random.default_rng(7)
@@ -191,7 +194,7 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
         # GEMMs round once per layer (up to a step per layer): the emulated test's bounds
         scale = float(np.abs(want).max())
         error = np.abs(got - want)
-        bound = (0.08, 0.01) if requant else (0.02, 2e-3)
+        bound = (0.08, 0.01) if requant or cudnn_int8 else (0.02, 2e-3)
         assert float(error.max()) <= bound[0] * scale and float(error.mean()) <= bound[1] * scale, float(error.max())
         assert (got.argmax(1) == want.argmax(1)).all()
 
@@ -262,3 +265,112 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     from engine_core.cuda.nvrtc import compile_cubin
 
     assert compile_cubin(pointwise_source(lowered.kernels), "pw.cu", "sm_90")[:4] == b"\x7fELF"
+
+
+# -- the cuDNN INT8 graph (LoweringOptions.cudnn_int8: probed on the GPU at build time) ----------------------
+
+CUDNN_INT8 = lowering.LoweringOptions(cudnn_int8=True, int8_requant=True)
+
+
+@pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
+def test_qconv_is_one_cudnn_int8_graph(rng, case):
+    """With cuDNN INT8 a requantizing QConv over C % 4 == 0 channels is one Conv step: int8 NHWC in, the
+    epilogue folded into float32 [K] vectors, the int8 output written NHWC, within one quantization step of the
+    CPU op (one float32 rounding instead of its steps). (A float-output QConv writing a graph output keeps the
+    GEMM path, whose output layout is linear; resnet50_qdq below has float-output cuDNN layers.)"""
+    from engine_core.backends.cuda.lowering import Conv
+
+    (kernel, stride, pad, cin, residual, relu, requantize), _, _ = CASES[case]
+    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
+                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
+    graph = optimized_graph(model, feeds)
+    lowered = lowered_at(graph, feeds, CUDNN_INT8)
+    (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    assert lowered.tactics()[step.node.name] == "conv:cudnn_int8"
+    (conv,) = step.ops
+    assert isinstance(conv, Conv) and conv.int8 and conv.dtype == np.int8
+    assert (conv.z is not None, conv.activation) == (residual, "Relu" if relu else "")
+    assert conv.y_dtype == np.int8 and lowered.layouts[conv.y.tensor] == "nhwc"
+    assert conv.x_strides == lowering.nhwc_strides(conv.x_dims) and conv.w_strides[1] == 1  # NHWC, KRSC
+    assert {r.tensor for r in conv.refs()} <= set(lowered.locations)
+    got = Emulator(graph, lowered, feeds).run()["y"]
+    ref = GraphRunner(graph).run(feeds)["y"]
+    steps = np.abs(got.astype(np.float64) - ref) / float(graph.constants[step.node.inputs[6]])
+    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
+
+
+def test_cudnn_int8_leaves_the_stem_and_other_activations_to_the_gemm_path(rng):
+    """C = 3 (cuDNN's INT8 kernels need C % 4 == 0; the padded stem ran 16x slower than fp16) and a Sigmoid
+    keep the implicit GEMM; so does a build whose probe found no cuDNN INT8 (the option off)."""
+    model, feeds = qdq_conv_model(rng, kernel=7, stride=2, pad=3, cin=3, exact=False, size=16)
+    graph = optimized_graph(model, feeds)
+    assert "conv:cudnn_int8" not in lowered_at(graph, feeds, CUDNN_INT8).tactics().values()
+    model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6)
+    graph = optimized_graph(model, feeds)
+    assert "conv:cudnn_int8" in lowered_at(graph, feeds, CUDNN_INT8).tactics().values()
+    assert "conv:cudnn_int8" not in lowered_at(graph, feeds, REQUANT).tactics().values()
+    (node,) = [n for n in graph.nodes if n.op_type == "QConv"]
+    node.attrs["activation"] = "Sigmoid"
+    assert "conv:cudnn_int8" not in lowered_at(graph, feeds, CUDNN_INT8).tactics().values()
+
+
+@needs_wiring
+def test_emulated_resnet50_qdq_with_cudnn_int8():
+    """resnet50_qdq with cuDNN INT8: every convolution but the 3-channel stem is one cuDNN graph (the stem an
+    int8-output GEMM or the int32 GEMM + epilogue); within the bounds of the int8-output GEMM test above (one
+    rounding per layer), and the classes agree."""
+    x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+    lowered = lowered_at(graph, {"input": x}, CUDNN_INT8)
+    tactics = Counter(lowered.tactics().values())
+    assert "host" not in tactics and tactics["conv:cudnn_int8"] == 52, tactics
+    got = Emulator(graph, lowered, {"input": x}).run()["logits"]
+    want = GraphRunner(graph).run({"input": x})["logits"]
+    scale = float(np.abs(want).max())
+    error = np.abs(got - want)
+    assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
+def test_a_cudnn_int8_graph_that_cannot_build_turns_the_option_off(monkeypatch):
+    """prepare_plan checks every probed option's steps on this GPU; an INT8 graph cuDNN cannot build re-lowers
+    the network without cuDNN INT8 and records why (build_info lowering / cudnn_int8_fallback)."""
+    from engine_core.backends import cuda as cuda_backend
+    from engine_core.backends.cuda import cudnn_conv
+
+    from engine_core.ops import TensorInfo
+    from engine_core.passes import infer_shapes
+
+    x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+
+    infos = infer_shapes(graph, {"input": TensorInfo(np.dtype(np.float32), x.shape)}, values=True)
+    monkeypatch.setattr(cudnn_conv, "unbuildable_convs",
+                        lambda ops: ["CudaError: no engine"] if any(getattr(o, "int8", False) for o in ops) else [])
+    build = cuda_backend.prepare_plan(graph, {(0, 1): infos}, arch="sm_90", timer_for=lambda op: lambda t: 1.0,
+                                      options=CUDNN_INT8, conv_tuner=lambda op: (0, {}))
+    assert build.info["lowering"]["cudnn_int8"] is False
+    assert build.info["cudnn_int8_fallback"] == "CudaError: no engine"
+    assert "conv:cudnn_int8" not in build.tactics.values()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
+def test_cudnn_int8_qconv_on_the_gpu_matches_the_cpu_backend(rng, case):
+    """The cuDNN INT8 graph on the GPU: within one quantization step of the CPU op, nearly all equal (what
+    bench/cudnn_int8.py saw for every ResNet-50 shape at batch 128: at most 1 step, <0.01% differing)."""
+    from tests.cuda.models import build_engine
+
+    (kernel, stride, pad, cin, residual, relu, requantize), _, _ = CASES[case]
+    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
+                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
+    engines = {backend: build_engine(model, backend, {n: (v.shape,) * 3 for n, v in feeds.items()})
+               for backend in ("cuda", "cpu")}
+    if not engines["cuda"].plan.build_info["cuda"]["lowering"]["cudnn_int8"]:
+        pytest.skip(f"no cuDNN INT8 here: {engines['cuda'].plan.build_info['cuda']['cudnn_int8_unsupported']}")
+    assert "conv:cudnn_int8" in {layer["tactic"] for layer in engines["cuda"].plan.layers}
+    got, want = (engines[b].create_execution_context().infer(feeds)["y"] for b in ("cuda", "cpu"))
+    y_scale = float(engines["cpu"].plan.graph.constants[
+        next(n for n in engines["cpu"].plan.graph.nodes if n.op_type == "QConv").inputs[6]])
+    steps = np.abs(got.astype(np.float64) - want) / y_scale
+    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())

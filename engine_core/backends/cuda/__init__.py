@@ -132,16 +132,15 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
     lowered = {point: low for point, infos in inferred.items()
                if (low := _lower_or_none(graph, infos, choice, options)) is not None}
-    requant_fallback = None
-    if options.int8_requant:  # every int8-output GEMM must have a cuBLASLt algorithm here, or none is used
-        from engine_core.backends.cuda.int8_gemm import unplanned_requant_gemms
-
-        missing = unplanned_requant_gemms([op for low in lowered.values() for s in low.steps for op in s.ops])
-        if missing:
-            requant_fallback = missing[0]
-            options = replace(options, int8_requant=False)
-            lowered = {point: low for point, infos in inferred.items()
-                       if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+    int8_fallbacks: dict[str, str] = {}
+    for option, unrunnable in _probed_options():  # every such step must run here, or the option is off
+        if getattr(options, option):
+            missing = unrunnable([op for low in lowered.values() for s in low.steps for op in s.ops])
+            if missing:
+                int8_fallbacks[option] = missing[0]
+                options = replace(options, **{option: False})
+                lowered = {point: low for point, infos in inferred.items()
+                           if (low := _lower_or_none(graph, infos, choice, options)) is not None}
     host_fallback = None
     if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
         lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
@@ -174,12 +173,23 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
                                             for profile in sorted({p for p, _ in lowered})],
               "lowering": {"tf32": options.tf32, "cudnn": options.cudnn, "cublaslt": options.cublaslt,
-                           "int8_requant": options.int8_requant},
-              "int8_requant_fallback": requant_fallback,
+                           "int8_requant": options.int8_requant, "cudnn_int8": options.cudnn_int8},
+              "int8_requant_fallback": int8_fallbacks.get("int8_requant"),
+              "cudnn_int8_fallback": int8_fallbacks.get("cudnn_int8"),
               "reformat_layers": sorted({s.node.name for low in lowered.values() for s in low.steps
                                          if s.tactic.startswith("reformat")}),
               "timing_cache": {"hits": cache.hits, "misses": cache.misses} if cache is not None else None},
     )
+
+
+def _probed_options() -> list[tuple[str, Any]]:
+    """LoweringOptions the builder turns on from a small probe, each with ``(ops) -> [why a step cannot run]``:
+    when some step of the real lowering cannot run on this GPU, the option goes off and the graph is lowered
+    again (the plan records why)."""
+    from engine_core.backends.cuda.cudnn_conv import unbuildable_convs
+    from engine_core.backends.cuda.int8_gemm import unplanned_requant_gemms
+
+    return [("int8_requant", unplanned_requant_gemms), ("cudnn_int8", unbuildable_convs)]
 
 
 #: ops whose output sizes depend on tensor data (not only on shapes or shape values): a plan holding one runs

@@ -15,6 +15,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+import numpy as np
+
 from engine_core.backends.cuda.lowering import Conv, Ref
 from engine_core.cuda.driver import CudaError, DeviceBuffer
 
@@ -32,7 +34,8 @@ def available() -> bool:
 
 
 def _data_type(cudnn: Any, dtype_name: str) -> Any:
-    types = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
+    types = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
+             "int8": cudnn.data_type.INT8}
     if dtype_name not in types:
         raise CudaError(f"cuDNN convolution over {dtype_name}")
     return types[dtype_name]
@@ -73,6 +76,8 @@ class CudnnConvs:
 
     def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
         """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
+        if op.int8:
+            return self._int8_graph(op)
         cudnn = self.cudnn
         io = _data_type(cudnn, op.dtype.name)
         f32 = cudnn.data_type.FLOAT
@@ -101,6 +106,44 @@ class CudnnConvs:
             notes = cudnn.numerical_note
             graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
                                           notes.REDUCED_PRECISION_REDUCTION])
+        graph.check_support()
+        return graph, tensors
+
+    def _int8_graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
+        """An INT8 convolution with its requantizing epilogue as one graph: int8 x and w, INT32 sums, then in
+        float32 ``* scale[k] + b[k] (+ z * z_scale[k])``, ReLU, written as ``y_dtype`` (int8: rounded to
+        nearest even and saturated by cuDNN's conversion). Why one graph: the INT32 sums never reach memory,
+        and cuDNN's runtime-fusion engines run it as one kernel (bench/cudnn_int8.py checks the rounding)."""
+        cudnn = self.cudnn
+        i8, f32 = cudnn.data_type.INT8, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=i8, intermediate_data_type=f32, compute_data_type=f32, handle=self.handle)
+        channels = op.y_dims[1]
+        vector = {"dim": [1, channels, 1, 1], "stride": [channels, 1, channels, channels], "data_type": f32}
+        tensors = {"x": graph.tensor(name="X", dim=list(op.x_dims), stride=list(op.x_strides), data_type=i8),
+                   "w": graph.tensor(name="W", dim=list(op.w_dims), stride=list(op.w_strides), data_type=i8),
+                   "scale": graph.tensor(name="scale", **vector)}
+        y = graph.conv_fprop(image=tensors["x"], weight=tensors["w"], pre_padding=list(op.pads_begin),
+                             post_padding=list(op.pads_end), stride=list(op.strides), dilation=list(op.dilations),
+                             compute_data_type=cudnn.data_type.INT32, name="conv")
+        y.set_data_type(f32)
+        y = graph.mul(a=y, b=tensors["scale"], compute_data_type=f32, name="scale")
+        if op.b is not None:
+            tensors["b"] = graph.tensor(name="B", **vector)
+            y = graph.add(a=y, b=tensors["b"], compute_data_type=f32, name="bias")
+        if op.z is not None:
+            tensors["z"] = graph.tensor(name="Z", dim=list(op.y_dims), stride=list(op.z_strides),
+                                        data_type=_data_type(cudnn, np.dtype(op.z_dtype).name))
+            tensors["z_scale"] = graph.tensor(name="z_scale", **vector)
+            z = graph.mul(a=tensors["z"], b=tensors["z_scale"], compute_data_type=f32, name="z_scale")
+            y = graph.add(a=y, b=z, compute_data_type=f32, name="residual")
+        if op.activation == "Relu":
+            y = graph.relu(input=y, compute_data_type=f32, name="relu")
+        y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides))
+        y.set_data_type(_data_type(cudnn, np.dtype(op.y_dtype).name))
+        tensors["y"] = y
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.check_support()
         return graph, tensors
 
@@ -135,8 +178,8 @@ class CudnnConvs:
         key = op.key()
         if key in self._unfusable:
             return op.bare()
-        if key in self._fusable or (op.b is None and op.z is None and not op.activation):
-            return op
+        if op.int8 or key in self._fusable or (op.b is None and op.z is None and not op.activation):
+            return op  # an INT8 graph has no bare form: its requantization is the layer (the build checked it)
         try:  # decided once, in the first (eager) run: nothing cuDNN does here may land in a CUDA-graph capture
             self._graph(op)
             self._fusable.add(key)
@@ -166,7 +209,7 @@ class CudnnConvs:
             self._stream = stream
         pack = {built.tensors["x"]: resolve(target.x), built.tensors["w"]: resolve(target.w),
                 built.tensors["y"]: resolve(target.y)}
-        for name, ref in (("b", target.b), ("z", target.z)):
+        for name, ref in (("b", target.b), ("z", target.z), ("scale", target.scale), ("z_scale", target.z_scale)):
             if isinstance(ref, Ref):
                 pack[built.tensors[name]] = resolve(ref)
         workspace = self._workspace.ptr if self._workspace is not None and built.workspace else None
@@ -181,12 +224,17 @@ class CudnnConvs:
 
         from engine_core.cuda.driver import check
 
-        buffers = {name: _scratch(dims, strides, op.dtype.itemsize) for name, dims, strides in (
-            ("x", op.x_dims, op.x_strides), ("w", op.w_dims, op.w_strides), ("y", op.y_dims, op.y_strides),
-            ("b", (op.y_dims[1],), (1,)), ("z", op.y_dims, op.z_strides or op.y_strides))}
+        size = op.dtype.itemsize
+        vector = 4 if op.int8 else size  # an INT8 graph's scales and bias are float32
+        buffers = {name: _scratch(dims, strides, itemsize) for name, dims, strides, itemsize in (
+            ("x", op.x_dims, op.x_strides, size), ("w", op.w_dims, op.w_strides, size),
+            ("y", op.y_dims, op.y_strides, np.dtype(op.y_dtype or op.dtype).itemsize),
+            ("b", (op.y_dims[1],), (1,), vector), ("scale", (op.y_dims[1],), (1,), 4),
+            ("z_scale", (op.y_dims[1],), (1,), 4),
+            ("z", op.y_dims, op.z_strides or op.y_strides, np.dtype(op.z_dtype or op.dtype).itemsize))}
         refs = {Ref(name): buf.ptr for name, buf in buffers.items()}
-        timed = Conv(**{**op.__dict__, "x": Ref("x"), "w": Ref("w"), "y": Ref("y"),
-                        "b": Ref("b") if op.b is not None else None, "z": Ref("z") if op.z is not None else None})
+        timed = Conv(**{**op.__dict__, **{name: Ref(name) if getattr(op, name) is not None else None
+                                          for name in ("x", "w", "y", "b", "z", "scale", "z_scale")}})
         stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
         op = self.fusable(op)
         timed = timed if op.key() == timed.key() else timed.bare()
@@ -216,6 +264,37 @@ class CudnnConvs:
         if not times:
             return 0, {}
         return min(times, key=times.__getitem__), times
+
+
+@cache
+def int8_unsupported() -> str:
+    """Why cuDNN cannot run INT8 convolutions here ("" when it can): a small requantizing NHWC graph (bias, int8
+    residual, ReLU) must have a buildable plan. The builder lowers ``kiln.QConv`` to cuDNN only when it can and
+    records the reason in the plan (``build_info.cuda.cudnn_int8_unsupported``)."""
+    if not available():
+        return "no cuDNN frontend (pip install kiln[gpu])"
+    i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+    dims, w_dims = (2, 8, 6, 6), (8, 8, 3, 3)
+    strides = (6 * 6 * 8, 1, 6 * 8, 8)
+    op = Conv(Ref("x"), Ref("w"), Ref("y"), Ref("b"), Ref("z"), dims, w_dims, dims, strides, (72, 1, 24, 8), strides,
+              strides, (1, 1), (1, 1), (1, 1), (1, 1), i8, "Relu", scale=Ref("scale"), z_scale=Ref("z_scale"),
+              z_dtype=i8, y_dtype=i8)
+    return "; ".join(unbuildable_convs([op]))
+
+
+def unbuildable_convs(ops: list) -> list[str]:
+    """Why cuDNN cannot build each INT8 convolution among ``ops`` on this GPU (checked at build time, so a plan
+    never holds an INT8 graph that cannot run; float convolutions fall back at run time to their bare form)."""
+    convs, missing = None, []
+    for op in ops:
+        if not isinstance(op, Conv) or not op.int8:
+            continue
+        try:
+            convs = convs or CudnnConvs()
+            convs.build(op)
+        except Exception as e:  # no engine for this graph (CudaError), or cuDNN itself failed
+            missing.append(f"{type(e).__name__}: {e}"[:400])
+    return missing
 
 
 def _scratch(dims: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> DeviceBuffer:

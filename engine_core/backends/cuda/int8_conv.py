@@ -32,6 +32,7 @@ import numpy as np
 
 from engine_core.backends.cuda.int8_gemm import INT8, INT32, Int8Gemm, Int8GemmRequant, _optional, dequant_program
 from engine_core.backends.cuda.lowering import (
+    Conv,
     Launch,
     Ref,
     _Context,
@@ -201,13 +202,57 @@ def _requant_gemm(node: Node, ctx: _Context, cols: Ref, weight: Ref, m: int, k: 
             # a reformat copy moves 2 bytes per element; the int32 path's epilogue moves 9
             ctx.renamed[residual] = ctx.as_layout(residual, "nhwc")
         c = Ref(ctx.renamed.get(residual, residual))
-    out_scale = float(values[y_scale].reshape(()))
+    alpha, folded_bias, beta = _folded_scales(node, ctx, values, k)
+    return Int8GemmRequant(cols, weight, Ref(out_name), m, k, reduction, alpha=alpha, bias=folded_bias, c=c,
+                           beta=float(beta[0]) if residual else 0.0, relu=node.attr("activation", "") == "Relu")
+
+
+def _folded_scales(node: Node, ctx: _Context, values: dict[str, np.ndarray], k: int) -> tuple[Ref, Ref | None, np.ndarray]:
+    """The requantizing epilogue's constants folded for one float32 pass over the INT32 sums: (alpha = x_scale *
+    w_scale[k] / y_scale as a folded [K] vector, bias / y_scale folded or None, the residual's multiplier
+    r_scale / y_scale per channel: 1 / y_scale for a float residual). Without y_scale (a float output) it is 1."""
+    y_scale, bias, r_scale = (_optional(node, i) for i in (6, 4, 7))
+    out_scale = float(values[y_scale].reshape(())) if y_scale else 1.0
     alpha = float(values[node.inputs[1]].reshape(())) * np.broadcast_to(values[node.inputs[3]].reshape(-1), (k,))
     folded_alpha = ctx.fold(f"{node.name}#alpha", (alpha / out_scale).astype(np.float32))
     folded_bias = ctx.fold(f"{node.name}#bias", (values[bias].reshape(-1) / out_scale).astype(np.float32)) if bias else None
-    beta = float(values[r_scale].reshape(())) / out_scale if residual else 0.0
-    return Int8GemmRequant(cols, weight, Ref(out_name), m, k, reduction, alpha=folded_alpha, bias=folded_bias, c=c,
-                           beta=beta, relu=node.attr("activation", "") == "Relu")
+    beta = np.full((k,), (float(values[r_scale].reshape(())) if r_scale else 1.0) / out_scale, np.float32)
+    return folded_alpha, folded_bias, beta
+
+
+def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv | None:
+    """The whole layer as one cuDNN INT8 graph (``LoweringOptions.cudnn_int8``: int8 NHWC x, KRSC w, INT32 sums,
+    the requantizing epilogue in float32, the output written NHWC), or None when it does not apply: no cuDNN
+    INT8 here, C not a multiple of 4 (the stem: cuDNN's INT8 kernels need C % 4 == 0, and a padded 3-channel
+    7x7 stem ran 16x slower than fp16 on the H100, bench/results/cudnn_int8_*), an activation other than
+    ReLU, a scale or the bias computed at run time, a residual of another shape or type, or an output that
+    is a graph output or flat (their layouts stay linear)."""
+    x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(out_name)
+    y_scale, bias, residual, r_scale = (_optional(node, i) for i in (6, 4, 5, 7))
+    if not ctx.options.cudnn_int8 or x.shape[1] % ALIGN or ctx.layouts.get(out_name) != "nhwc" \
+            or node.attr("activation", "") not in ("", "Relu"):
+        return None
+    values = {name: _constant(ctx, name) for name in (node.inputs[1], node.inputs[3], y_scale, bias, r_scale) if name}
+    if any(v is None for v in values.values()):
+        return None
+    if residual and (tuple(ctx.info(residual).shape) != tuple(out.shape)
+                     or (ctx.info(residual).dtype == INT8) != bool(r_scale)):
+        return None
+    k, c, kh, kw = w.shape
+    scale, folded_bias, beta = _folded_scales(node, ctx, values, k)
+    xin = ctx.as_layout(node.inputs[0], "nhwc")
+    ctx.renamed[node.inputs[0]] = xin
+    weight, _ = _weight_rows(node, ctx, c)
+    z = z_scale = None
+    if residual:
+        z = Ref(ctx.as_layout(residual, "nhwc"))
+        ctx.renamed[residual] = z.tensor
+        z_scale = ctx.fold(f"{node.name}#z_scale", beta)
+    return Conv(Ref(xin), weight, Ref(out_name), folded_bias, z, tuple(x.shape), tuple(w.shape), tuple(out.shape),
+                nhwc_strides(x.shape), (kh * kw * c, 1, kw * c, c), ctx.strides(out_name),
+                nhwc_strides(out.shape) if residual else None, win.pads_begin, win.pads_end, win.strides,
+                win.dilations, INT8, node.attr("activation", ""), scale=scale, z_scale=z_scale,
+                z_dtype=ctx.info(residual).dtype if residual else None, y_dtype=out.dtype)
 
 
 def _check(node: Node, ctx: _Context) -> None:
@@ -241,6 +286,9 @@ def lower_qconv(node: Node, ctx: _Context) -> list:
     out_name = node.outputs[0]
     flat = out_name in ctx.graph_outputs or k == 1 or out.shape[2] * out.shape[3] == 1
     ctx.layouts[out_name] = "linear" if flat else "nhwc"
+    conv = _cudnn_conv(node, ctx, win, out_name)
+    if conv is not None:
+        return [conv] if int(np.prod(out.shape)) else []
     cp = padded_channels(c)
     xin = node.inputs[0]
     if cp == c and not any(win.pads_begin) and not any(win.pads_end):  # cols read x itself: NHWC needed

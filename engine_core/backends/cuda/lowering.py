@@ -63,6 +63,9 @@ class LoweringOptions:
     #: cuBLASLt's int8-output IMMA GEMMs (alpha vector, bias / ReLU epilogue, int8 residual) run requantizing
     #: INT8 convolutions as one call (int8_gemm.Int8GemmRequant); probed on the GPU at build time
     int8_requant: bool = False
+    #: cuDNN runs ``kiln.QConv`` as one INT8 graph (INT32 sums, the requantizing epilogue fused); probed on the GPU
+    #: at build time (cudnn_conv.int8_unsupported)
+    cudnn_int8: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,23 @@ class Conv:
     #: residual + activation alone as generated kernels, for running cuDNN with the bias epilogue only (a
     #: binding whose captured CUDA graph did not reproduce with the full epilogue in cuDNN)
     rest: list = field(default_factory=list)
+    #: INT8 convolutions (``kiln.QConv``, int8 ``dtype``): the float32 [K] multiplier of the INT32 sums
+    #: (x_scale * w_scale[k] / y_scale); ``b`` is then float32 too (bias / y_scale)
+    scale: Ref | None = None
+    #: INT8 convolutions: the float32 [K] multiplier of the residual ``z`` (its scale / y_scale)
+    z_scale: Ref | None = None
+    #: INT8 convolutions: the residual's and the output's element types (int8 when requantizing, else a float)
+    z_dtype: np.dtype | None = None
+    y_dtype: np.dtype | None = None
+
+    @property
+    def int8(self) -> bool:
+        """An INT8 convolution: int8 x and w, INT32 sums, the float requantizing epilogue in the same graph."""
+        return self.scale is not None
+
+    def refs(self) -> list[Ref]:
+        """Every tensor cuDNN addresses (the epilogue kernels' arguments not included)."""
+        return [r for r in (self.x, self.w, self.y, self.b, self.z, self.scale, self.z_scale) if r is not None]
 
     def bare(self) -> Conv:
         """The convolution alone (no bias, residual or activation)."""
@@ -161,7 +181,8 @@ class Conv:
     def key(self) -> tuple:
         return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
                 self.z_strides, self.b is not None, self.pads_begin, self.pads_end, self.strides, self.dilations,
-                str(self.dtype), self.activation, self.alpha, self.beta, self.tf32)
+                str(self.dtype), self.activation, self.alpha, self.beta, self.tf32, self.int8, str(self.z_dtype),
+                str(self.y_dtype))
 
 
 @dataclass
@@ -1081,8 +1102,9 @@ _KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", 
 
 
 def _tactic(node: Node, ops: list) -> str:
-    if any(isinstance(o, Conv) for o in ops):
-        return "conv:cudnn"
+    conv = next((o for o in ops if isinstance(o, Conv)), None)
+    if conv is not None:
+        return "conv:cudnn_int8" if conv.int8 else "conv:cudnn"
     gemm = next((o for o in ops if isinstance(o, Gemm)), None)
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
@@ -1209,8 +1231,8 @@ def _refs_of(step: Step) -> list[str]:
     for op in step.ops:
         for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
             names += [v.tensor for v, _ in launch.args if isinstance(v, Ref)]
-        if hasattr(op, "refs"):  # int8_gemm's steps (that module imports this one): the requantizing GEMM's alpha
-            names += [r.tensor for r in op.refs()]
+        if hasattr(op, "refs"):  # int8_gemm's steps (that module imports this one) and convolutions: their
+            names += [r.tensor for r in op.refs()]  # folded scale vectors
     return names
 
 

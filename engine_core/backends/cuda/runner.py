@@ -118,7 +118,7 @@ def step_reads(step: Step) -> list[str]:
         elif isinstance(op, Gemm):
             names += [r.tensor for r in (op.a, op.b, op.y, op.bias) if r is not None]
         elif isinstance(op, Conv):
-            names += [r.tensor for r in (op.x, op.w, op.b, op.z) if r is not None]
+            names += [r.tensor for r in op.refs()]
             names += [v.tensor for launch in op.fallback for v, _ in launch.args if isinstance(v, Ref)]
         elif isinstance(op, Copy):
             names.append(op.src.tensor)
@@ -1009,7 +1009,8 @@ def lowering_options(plan: Plan) -> LoweringOptions:
     recorded = plan.build_info.get("cuda", {}).get("lowering", {})
     return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)),
                            cublaslt=bool(recorded.get("cublaslt", False)),
-                           int8_requant=bool(recorded.get("int8_requant", False)))
+                           int8_requant=bool(recorded.get("int8_requant", False)),
+                           cudnn_int8=bool(recorded.get("cudnn_int8", False)))
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
