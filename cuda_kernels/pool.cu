@@ -57,9 +57,56 @@ __device__ void pool2d(const T* __restrict__ x, T* __restrict__ y, const KilnPoo
     }
 }
 
+// Channels-last with contiguous channels (xs[1] == ys[1] == 1, C a multiple of 16 bytes' worth): one thread per
+// 16-byte run of channels of one output position, 32-bit index math (the lowering checks both tensors hold
+// fewer than 2^31 elements). Why: the generic kernel's 64-bit divisions and 2-byte loads made ResNet-50's
+// 3x3/2 max pool at batch 128 cost 0.6 ms on the H100, ~7x its memory traffic.
+template <typename T, bool IS_MAX>
+__device__ void pool2d_nhwc(const T* __restrict__ x, T* __restrict__ y, const KilnPoolGeom& g) {
+    constexpr int VEC = 16 / sizeof(T);
+    struct alignas(16) Run { T v[VEC]; };
+    const int runs = g.c / VEC;
+    const int total = g.n * g.oh * g.ow * runs;
+    const int xs0 = (int)g.xs[0], xs2 = (int)g.xs[2], xs3 = (int)g.xs[3];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        int r = i;
+        const int c = (r % runs) * VEC; r /= runs;
+        const int ow = r % g.ow; r /= g.ow;
+        const int oh = r % g.oh;
+        const int n = r / g.oh;
+        float acc[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = IS_MAX ? -CUDART_INF_F : 0.0f;
+        int count = 0;
+        for (int a = 0; a < g.kh; ++a) {
+            const int ih = oh * g.sh - g.ph + a * g.dh;
+            for (int b = 0; b < g.kw; ++b) {
+                const int iw = ow * g.sw - g.pw + b * g.dw;
+                if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w) {
+                    const Run in = *reinterpret_cast<const Run*>(x + n * xs0 + ih * xs2 + iw * xs3 + c);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float v = kiln_f(in.v[j]);
+                        acc[j] = IS_MAX ? fmaxf(acc[j], v) : acc[j] + v;
+                    }
+                    ++count;
+                } else if (!IS_MAX && g.count_include_pad && ih < g.h + g.ph_end && iw < g.w + g.pw_end) {
+                    ++count;
+                }
+            }
+        }
+        Run out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = kiln_to<T>(IS_MAX ? acc[j] : (count > 0 ? acc[j] / (float)count : 0.0f));
+        *reinterpret_cast<Run*>(y + n * (int)g.ys[0] + oh * (int)g.ys[2] + ow * (int)g.ys[3] + c) = out;
+    }
+}
+
 #define KILN_POOL(T, SUFFIX)                                                                          \
     extern "C" __global__ void max_pool_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d<T, true>(x, y, g); } \
-    extern "C" __global__ void avg_pool_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d<T, false>(x, y, g); }
+    extern "C" __global__ void avg_pool_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d<T, false>(x, y, g); } \
+    extern "C" __global__ void max_pool_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d_nhwc<T, true>(x, y, g); } \
+    extern "C" __global__ void avg_pool_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d_nhwc<T, false>(x, y, g); }
 
 KILN_POOL(float, f32)
 KILN_POOL(__half, f16)

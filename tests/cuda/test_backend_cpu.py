@@ -234,6 +234,9 @@ def test_fp16_cnn_runs_convolutions_channels_last_with_visible_reformats():
     assert "host" not in tactics.values(), tactics
     assert tactics["conv1"] == tactics["conv2"] == "conv:cudnn"
     assert tactics["pool1"] == "kernel:MaxPool" and tactics["bn"].startswith("pointwise:")
+    (pool,) = next(s for s in lowered.steps if s.node.name == "pool1").ops
+    channels = lowered.infos["p1"].shape[1]  # the channels-last kernel needs 16 bytes (8 fp16) of channels
+    assert pool.function == ("max_pool_nhwc_f16" if channels % 8 == 0 else "max_pool_f16"), (pool.function, channels)
     # the image enters channels-last through a reformat; activations stay NHWC; outputs are linear
     assert [n for n, t in tactics.items() if t.startswith("reformat")] == ["reformat:x->nhwc"]
     assert lowered.layouts["r1"] == lowered.layouts["p1"] == "nhwc"  # conv1+relu1 fused: r1 is the conv output

@@ -724,6 +724,12 @@ def _lower_pool(node: Node, ctx: _Context) -> list:
     if total == 0:
         return []
     kind = "max_pool" if "Max" in node.op_type else "avg_pool"
+    # the channels-last kernel: one thread per 16 bytes of contiguous channels, on arena tensors (256-byte
+    # aligned; a caller's I/O address might not be 16-byte aligned)
+    run = 16 // x.dtype.itemsize
+    if ctx.layouts.get(node.inputs[0]) == "nhwc" and node.outputs[0] not in ctx.graph_outputs and geom.ys[1] == 1 \
+            and c % run == 0 and max(int(np.prod(x.shape)), total) < 2**31:
+        kind, total = f"{kind}_nhwc", total // run
     return [Launch("pool", f"{kind}_{suffix}", grid_for(total), (THREADS, 1, 1),
                    [(Ref(node.inputs[0]), ctypes.c_void_p), (Ref(node.outputs[0]), ctypes.c_void_p),
                     (geom, PoolGeom)])]
