@@ -118,6 +118,32 @@ def cuda_time(fn, stream, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def kernel_profile(fn, stream, runs: int = 5, top: int = 25) -> list[dict]:
+    """GPU time per kernel name over ``runs`` calls of ``fn()`` on ``stream``, from CUPTI (torch.profiler): every
+    kernel launched in the process, cuDNN's and cuBLASLt's and those inside replayed CUDA graphs included, with
+    no host gaps. Why: per-layer CUDA events include the host's enqueue time, which hides what the kernels
+    themselves cost. The ``top`` kernels by time: name, ms per run, launches per run."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.cuda.stream(stream):
+            for _ in range(runs):
+                fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1000.0
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"kernel": name[:160], "ms": round(ms / runs, 4), "launches": count // runs} for name, (ms, count) in ranked]
+
+
 def build_kiln(onnx_path: Path, names: list[str], precision: str, batches: list[int], sample: tuple):
     """(engine, build seconds, warm-cache rebuild seconds) for one profile covering ``batches``."""
     import engine_core as kiln

@@ -17,8 +17,9 @@ Kiln variants, one engine each (one optimization profile over the batches):
   int8_explicit  INT8 + FP16 on the ONNX made Q/DQ the way ``tools/make_models.py`` quantizes its
                  ``*_qdq`` models (its helpers: BN folded, per-channel int8 weights, per-tensor activations
                  with max |x| / 127 scales from onnxruntime over the same calibration batches)
-  int8_explicit_qconv  the same with KILN_INT8_CONV=1: convolutions as INT8 implicit GEMMs (kiln.QConv), which
-                 are opt-in until this benchmark shows them faster than the fp16 cuDNN convolutions
+                 (convolutions as the builder chooses: INT8 kiln.QConv on CUDA builds with cuDNN INT8)
+  int8_explicit_qconv / int8_explicit_floatconv  the same with KILN_INT8_CONV=1 / 0: convolutions forced into
+                 INT8 (kiln.QConv) / kept as float convolutions of the dequantized weights (fake quantization)
 
 Per (variant, batch): Kiln ms (GPU: CUDA-event median of ``execute_async_v3`` with graph replay, through
 bench.engine's helpers; CPU: wall-clock median of ``context.infer``), items/s, ``speedup_vs_kiln_fp16``
@@ -56,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: int8_implicit calibrates with the entropy calibrator; the _minmax / _percentile forms with those instead
 VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit",
-            "int8_explicit_qconv")
+            "int8_explicit_qconv", "int8_explicit_floatconv")
 #: issue #7's batch sizes; ``--small`` ones keep the CPU run to seconds
 BATCHES = {"resnet50": [1, 32, 128], "bert_base": [1, 8, 64]}
 SMALL_BATCHES = {"resnet50": [1, 4], "bert_base": [1, 4]}
@@ -390,6 +391,8 @@ class Settings:
     peer_batches: list[int]
     iters: int
     out: Path
+    #: at the largest batch, per-layer-type times and the top GPU kernels (``--profile``)
+    profile: bool = False
 
 
 def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[str, np.ndarray]], workdir: Path,
@@ -410,12 +413,16 @@ def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[s
         extra["qdq"] = counts | {"scales": "max|x|/127, onnxruntime over the calibration batches",
                                  "seconds": round(time.perf_counter() - started, 2)}
     previous = os.environ.get("KILN_INT8_CONV")
-    os.environ["KILN_INT8_CONV"] = "1" if variant.endswith("_qconv") else "0"
+    forced = "1" if variant.endswith("_qconv") else "0" if variant.endswith("_floatconv") else None
+    if forced is None:
+        os.environ.pop("KILN_INT8_CONV", None)  # the builder's choice
+    else:
+        os.environ["KILN_INT8_CONV"] = forced
     try:
         engine, build_s = build_engine(path, spec, variant, s.batches[spec.name], s.device, calibrator, timing_cache)
     finally:
         if previous is None:
-            del os.environ["KILN_INT8_CONV"]
+            os.environ.pop("KILN_INT8_CONV", None)
         else:
             os.environ["KILN_INT8_CONV"] = previous
     return engine, build_s, extra
@@ -459,8 +466,15 @@ def bench_model(spec: ModelSpec, s: Settings, workdir: Path,
                 emit(base | {"batch": batch, "error": f"{type(e).__name__}: {str(e)[:400]}"} | info)
                 continue
             fp16_ms |= {batch: ms} if variant == "fp16" else {}
+            profiled = {}
+            if s.profile and s.device == "cuda" and batch == eval_batch:
+                from bench.engine import kernel_profile, profile_by_op
+
+                profiled = {"ms_by_layer_type": profile_by_op(engine, timed.context),
+                            "kernels": kernel_profile(timed.launch, timed.stream)}
             emit(base | {"batch": batch, "kiln_ms": round(ms, 4), "items_per_s": round(batch / ms * 1000, 1),
-                         "speedup_vs_kiln_fp16": round(fp16_ms[batch] / ms, 3) if batch in fp16_ms else None} | info)
+                         "speedup_vs_kiln_fp16": round(fp16_ms[batch] / ms, 3) if batch in fp16_ms else None}
+                 | info | profiled)
         del binding, engine
     peer_batches = [b for b in batches if b in s.peer_batches]
     if s.device != "cuda" or not spec.torch_peer or not peer_batches:
@@ -586,6 +600,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str]]:
     parser.add_argument("--iters", type=int, help="timed runs per row (default 30 on cuda, 5 on cpu)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--small", action="store_true", help="tools/make_models.py small models (no torch)")
+    parser.add_argument("--profile", action="store_true",
+                        help="at the largest batch: per-layer-type times and the top GPU kernels (CUPTI)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -610,7 +626,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str]]:
         images=_default(args.images, 32 if args.small else 1024),
         sequences=_default(args.sequences, 8 if args.small else 256), calib_batches=args.calib_batches,
         calib_batch=_default(args.calib_batch_size, 2 if args.small else 8), peer_batches=peers,
-        iters=_default(args.iters, 30 if args.device == "cuda" else 5), out=Path(args.out))
+        iters=_default(args.iters, 30 if args.device == "cuda" else 5), out=Path(args.out), profile=args.profile)
     if min(settings.images, settings.sequences, settings.calib_batches, settings.calib_batch, settings.iters) < 1:
         parser.error("--images, --sequences, --calib-batches, --calib-batch-size and --iters must be >= 1")
     missing = _missing_for(settings)

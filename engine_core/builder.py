@@ -26,6 +26,7 @@ from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.network import NetworkDefinition
 from engine_core.ops import TensorInfo
 from engine_core.passes import FUSION_PASSES, PRE_PASSES, infer_shapes
+from engine_core.passes.fuse_qdq_conv import int8_convolutions
 from engine_core.passes.quantize_implicit import int8_policy, quantize_implicit
 from engine_core.passes.reduce_precision import precision_policy, reduce_precision
 from engine_core.plan import IOTensor, Plan, serialize_plan
@@ -357,7 +358,9 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
     stages = [*PRE_PASSES, partial(reduce_precision, policy=policy), *quantize, *fusions]
     progress.start("Optimizing graph", len(stages))
     pass_counts: dict[str, int] = {}
-    with build_extras(graph, network, config) as extra_info:  # refit, debug tensors, plugins, verbosity
+    # refit, debug tensors, plugins, verbosity; whether Q/DQ convolutions (explicit or calibrated) run in INT8
+    with build_extras(graph, network, config) as extra_info, \
+            int8_convolutions(_int8_convolutions(graph, config, calibrated=bool(ranges))):
         for index, graph_pass in enumerate(stages):  # folding, precision (reformat layers), fusions, DCE
             name = getattr(graph_pass, "__name__", None) or graph_pass.func.__name__
             pass_counts[name] = graph_pass(graph)
@@ -472,6 +475,17 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         },
     )
     return serialize_plan(plan)
+
+
+def _int8_convolutions(graph: Graph, config: BuilderConfig, calibrated: bool) -> bool:
+    """Whether this build runs Q/DQ convolutions in INT8 (fuse_qdq_conv): a CUDA build of a graph with
+    DequantizeLinear layers (or Q/DQ from calibration), when cuDNN builds INT8 graphs here (faster than float
+    convolutions of the dequantized weights: see fuse_qdq_conv)."""
+    if config.backend != "cuda" or not (calibrated or any(n.op_type == "DequantizeLinear" for n in graph.nodes)):
+        return False
+    from engine_core.backends.cuda.cudnn_conv import int8_unsupported
+
+    return not int8_unsupported()
 
 
 def _largest_tensor(graph: Graph, infos: dict[str, TensorInfo]) -> tuple[int, str, tuple[int, ...]]:

@@ -18,11 +18,11 @@ quantization run in one epilogue that stores int8: ResNet's activations move bet
 Only symmetric int8 fuses (a zero point would need correction terms); grouped and non-2-D convolutions stay
 as they are.
 
-**Off unless ``KILN_INT8_CONV=1``**: on the H100 (2026-11-23, bench/int8.py, ResNet-50 at batch 128) Kiln's
-fp16 build runs 4.64 ms; with this pass 52 of the 53 convolutions become one cuDNN INT8 graph each
-(engine_core/backends/cuda/cudnn_conv.py) and the network runs 5.97 ms (it was 38.5 ms with the int32 implicit
-GEMM). cuDNN's INT8 kernels are not faster than its fp16 ones on Hopper (bench/cudnn_int8.py), so float
-convolutions of the dequantized weights stay the default until an INT8 tactic beats them.
+**On for CUDA builds whose cuDNN builds INT8 graphs** (the builder probes it, ``int8_convolutions``), off for
+the CPU backend; ``KILN_INT8_CONV=1`` / ``0`` forces it either way. On the H100 (2026-11-23, bench/int8.py,
+ResNet-50 made Q/DQ at batch 128) float convolutions of the dequantized weights ran 9.47 ms, the QConv path
+(52 cuDNN INT8 graphs, engine_core/backends/cuda/cudnn_conv.py) 5.97 ms with the RGB stem still padded into
+INT8 (2.6 ms of it; now it stays float, ``INT8_CHANNEL_MULTIPLE``); Kiln's fp16 build of the float model 4.64 ms.
 ``fold_constants`` must leave the weight's DequantizeLinear in place for this pass to see the int8
 weight: ``keeps_int8_conv_weight`` says which ones (it mirrors this pass's conditions, so a kept weight is
 always fused rather than dequantized at run time).
@@ -31,6 +31,9 @@ always fused rather than dequantized at run time).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -52,14 +55,23 @@ from engine_core.types import np_to_onnx
 CONV_ATTRS = ("auto_pad", "dilations", "kernel_shape", "pads", "strides")
 
 
+#: input channels must be a multiple of this for a convolution to run in INT8. The GPU's INT8 kernels (cuDNN's,
+#: cuBLASLt's IMMA) need C % 4 == 0; padded to 4, ResNet-50's RGB stem cost 2.6 ms at batch 128 on the H100
+#: (bench/results/int8_20261123T154039.json: im2col, IMMA GEMM, epilogue) where its fp16 convolution takes 0.21
+#: ms, so such a layer stays a float convolution of the dequantized weight (TensorRT also keeps the RGB stem
+#: out of INT8)
+INT8_CHANNEL_MULTIPLE = 4
+
+
 def _weight_dq(graph: Graph, uses: Uses, name: str) -> Node | None:
-    """The DequantizeLinear producing ``name`` from a 4-D int8 constant, scaled per tensor or per output
-    channel (axis 0)."""
+    """The DequantizeLinear producing ``name`` from a 4-D int8 constant over a multiple of
+    ``INT8_CHANNEL_MULTIPLE`` input channels, scaled per tensor or per output channel (axis 0)."""
     dq = uses.producers.get(name)
     if not _plain_dq(graph, dq):
         return None
     weight = graph.constants.get(dq.inputs[0])
-    if not isinstance(weight, np.ndarray) or weight.dtype != INT8 or weight.ndim != 4:
+    if not isinstance(weight, np.ndarray) or weight.dtype != INT8 or weight.ndim != 4 \
+            or weight.shape[1] % INT8_CHANNEL_MULTIPLE:
         return None
     scale = _float_constant(graph, dq.inputs[1])
     if scale.size == 1:
@@ -183,9 +195,26 @@ def _match(graph: Graph, uses: Uses, conv: Node, requantize: bool, removed: set[
     return node, covered
 
 
+#: the build's choice (``int8_convolutions``): CUDA builds whose cuDNN runs INT8 graphs turn the pass on
+_BUILD_CHOICE: ContextVar[bool] = ContextVar("int8_convolutions", default=False)
+
+
 def enabled() -> bool:
-    """INT8 implicit-GEMM convolutions are opt-in: ``KILN_INT8_CONV=1`` (see the module docstring)."""
-    return os.environ.get("KILN_INT8_CONV", "0") == "1"
+    """Whether Q/DQ convolutions become QConv: ``KILN_INT8_CONV=1`` / ``0`` forces it, else the build's choice
+    (on for CUDA builds with cuDNN INT8, off otherwise: see the module docstring)."""
+    forced = os.environ.get("KILN_INT8_CONV", "")
+    return forced == "1" if forced in ("0", "1") else _BUILD_CHOICE.get()
+
+
+@contextmanager
+def int8_convolutions(on: bool) -> Iterator[None]:
+    """Within the block, ``enabled()`` is ``on`` unless KILN_INT8_CONV forces it (the builder sets it per build:
+    constant folding and this pass must agree on which weights stay int8)."""
+    token = _BUILD_CHOICE.set(on)
+    try:
+        yield
+    finally:
+        _BUILD_CHOICE.reset(token)
 
 
 def fuse_qdq_conv(graph: Graph, *, requantize: bool = True) -> int:

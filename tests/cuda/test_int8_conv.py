@@ -19,7 +19,7 @@ import pytest
 import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import lowering
-from engine_core.backends.cuda.int8_conv import lower_qconv, padded_channels
+from engine_core.backends.cuda.int8_conv import lower_qconv
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import Launch
 from engine_core.backends.cuda.pointwise import Unsupported
@@ -69,7 +69,7 @@ CASES = {
     "3x3_pad1": ((3, 1, 1, 8, False, True, True), 3, 72),  # fill, interior copy, im2col
     "1x1_stride2": ((1, 2, 0, 8, False, False, True), 1, 8),  # im2col only (no padding)
     "3x3_stride2": ((3, 2, 1, 8, True, True, False), 3, 72),
-    "stem_7x7_c3": ((7, 2, 3, 3, False, True, False), 5, 7 * 7 * 4),  # C padded to 4: + weight fill/spread
+    "7x7_stride2": ((7, 2, 3, 4, False, True, False), 3, 7 * 7 * 4),
     "residual_relu_requantize": ((3, 1, 1, 16, True, True, True), 3, 144),
 }
 
@@ -125,8 +125,8 @@ def test_emulated_qconv_chain_keeps_int8_channels_last_between_layers(rng):
 
 @needs_wiring
 def test_emulated_resnet50_qdq_equals_the_cpu_backend():
-    """All 53 convolutions lower to INT8 implicit GEMMs (no host layer); the emulated launches equal the
-    CPU backend bit for bit."""
+    """All 52 QConvs lower to INT8 implicit GEMMs, the RGB stem to a float cuDNN convolution (no host layer);
+    the emulated launches equal the CPU backend bit for bit."""
     import sys
     from pathlib import Path
 
@@ -137,24 +137,25 @@ def test_emulated_resnet50_qdq_equals_the_cpu_backend():
 
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
     graph = optimized_graph(MODELS["resnet50_qdq"][1](), {"input": x})
-    lowered = lowered_at(graph, {"input": x})
+    lowered = lowered_at(graph, {"input": x}, lowering.LoweringOptions(cudnn=True))
     tactics = lowered.tactics()
     assert "host" not in tactics.values()
-    assert sum(t == "conv:cublaslt_int8_im2col" for t in tactics.values()) == 53
+    assert sum(t == "conv:cublaslt_int8_im2col" for t in tactics.values()) == 52
     got = Emulator(graph, lowered, {"input": x}).run()["logits"]
     np.testing.assert_array_equal(got, GraphRunner(graph).run({"input": x})["logits"])
 
 
-def test_output_channels_not_a_multiple_of_four_run_on_the_host():
+@pytest.mark.parametrize("c,k", [(8, 6), (6, 8)])
+def test_channels_not_a_multiple_of_four_run_on_the_host(c, k):
+    """The IMMA and cuDNN INT8 kernels need C and K multiples of 4 (fuse_qdq_conv makes no other QConv)."""
     node = Node("QConv", ["x", "s", "w", "ws", "", "", ""], ["y"], {"activation": ""}, "conv", "kiln", 1)
     i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
-    infos = {"x": TensorInfo(i8, (1, 8, 5, 5)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (6, 8, 1, 1)),
-             "ws": TensorInfo(f32, (6,)), "y": TensorInfo(f32, (1, 6, 5, 5))}
-    graph = Graph(nodes=[node], constants={"w": np.zeros((6, 8, 1, 1), np.int8)})
+    infos = {"x": TensorInfo(i8, (1, c, 5, 5)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (k, c, 1, 1)),
+             "ws": TensorInfo(f32, (k,)), "y": TensorInfo(f32, (1, k, 5, 5))}
+    graph = Graph(nodes=[node], constants={"w": np.zeros((k, c, 1, 1), np.int8)})
     ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
-    with pytest.raises(Unsupported, match="multiple of 4"):
+    with pytest.raises(Unsupported, match="multiples of 4"):
         lower_qconv(node, ctx)
-    assert [padded_channels(c) for c in (1, 3, 4, 5, 64)] == [4, 4, 4, 8, 64]
 
 
 # -- on the GPU -------------------------------------------------------------------------------------
@@ -175,14 +176,14 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
         config.add_optimization_profile(profile)
         engines[backend] = kiln.Runtime().load(kiln.build_plan(net, config))
     tactics = {layer["name"]: layer["tactic"] for layer in engines["cuda"].plan.layers if layer["type"] == "QConv"}
-    # with cuDNN INT8 (when this GPU's cuDNN builds the graphs) all but the 3-channel stem are one cuDNN graph;
-    # else with the int8-output GEMMs (when its cuBLASLt has them) 51 are one call each (see the emulated tests)
+    # with cuDNN INT8 (when this GPU's cuDNN builds the graphs) all 52 QConvs are one cuDNN graph (the RGB stem
+    # is no QConv); else with the int8-output GEMMs (when its cuBLASLt has them) 51 are one call each
     lowered_with = engines["cuda"].plan.build_info["cuda"]["lowering"]
     requant, cudnn_int8 = lowered_with["int8_requant"], lowered_with["cudnn_int8"]
     counts = Counter(tactics.values())
-    assert counts == ({"conv:cudnn_int8": 52, "conv:cublaslt_int8_im2col": 1} if cudnn_int8
-                      else {"conv:cublaslt_int8_requant": 51, "conv:cublaslt_int8_im2col": 2} if requant
-                      else {"conv:cublaslt_int8_im2col": 53}), counts
+    assert counts == ({"conv:cudnn_int8": 52} if cudnn_int8
+                      else {"conv:cublaslt_int8_requant": 51, "conv:cublaslt_int8_im2col": 1} if requant
+                      else {"conv:cublaslt_int8_im2col": 52}), counts
     gctx, cctx = engines["cuda"].create_execution_context(), engines["cpu"].create_execution_context()
     rng = np.random.default_rng(7)
     for batch in (1, 3, 8):
@@ -201,7 +202,7 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
 
 # -- the int8-output cuBLASLt GEMM (LoweringOptions.int8_requant: probed on the GPU at build time) ----------
 
-REQUANT = lowering.LoweringOptions(int8_requant=True)
+REQUANT = lowering.LoweringOptions(int8_requant=True, cudnn=True)
 
 
 @pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
@@ -245,7 +246,7 @@ def test_requant_needs_a_relu_or_no_activation_and_a_requantizing_layer(rng):
 @needs_wiring
 def test_emulated_resnet50_qdq_with_int8_output_gemms():
     """resnet50_qdq with the int8-output GEMMs: the 51 requantizing convolutions are one cuBLASLt call each
-    (the stem, read by MaxPool, and the last, read by GlobalAveragePool, keep the epilogue kernel); one
+    (the last, read by GlobalAveragePool, keeps the epilogue kernel); one
     rounding per layer instead of the CPU op's steps moves values by a quantization step here and there, which
     50 layers propagate: the bounds of the float32-reordering test in test_fuse_qdq_conv.py hold."""
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
@@ -253,7 +254,7 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     lowered = lowered_at(graph, {"input": x}, REQUANT)
     tactics = list(lowered.tactics().values())
     assert "host" not in tactics
-    assert tactics.count("conv:cublaslt_int8_requant") == 51 and tactics.count("conv:cublaslt_int8_im2col") == 2
+    assert tactics.count("conv:cublaslt_int8_requant") == 51 and tactics.count("conv:cublaslt_int8_im2col") == 1
     got = Emulator(graph, lowered, {"input": x}).run()["logits"]
     want = GraphRunner(graph).run({"input": x})["logits"]
     scale = float(np.abs(want).max())
@@ -269,7 +270,7 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
 
 # -- the cuDNN INT8 graph (LoweringOptions.cudnn_int8: probed on the GPU at build time) ----------------------
 
-CUDNN_INT8 = lowering.LoweringOptions(cudnn_int8=True, int8_requant=True)
+CUDNN_INT8 = lowering.LoweringOptions(cudnn_int8=True, int8_requant=True, cudnn=True)
 
 
 @pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
@@ -299,12 +300,8 @@ def test_qconv_is_one_cudnn_int8_graph(rng, case):
     assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
 
 
-def test_cudnn_int8_leaves_the_stem_and_other_activations_to_the_gemm_path(rng):
-    """C = 3 (cuDNN's INT8 kernels need C % 4 == 0; the padded stem ran 16x slower than fp16) and a Sigmoid
-    keep the implicit GEMM; so does a build whose probe found no cuDNN INT8 (the option off)."""
-    model, feeds = qdq_conv_model(rng, kernel=7, stride=2, pad=3, cin=3, exact=False, size=16)
-    graph = optimized_graph(model, feeds)
-    assert "conv:cudnn_int8" not in lowered_at(graph, feeds, CUDNN_INT8).tactics().values()
+def test_cudnn_int8_leaves_other_activations_to_the_gemm_path(rng):
+    """A Sigmoid keeps the implicit GEMM; so does a build whose probe found no cuDNN INT8 (the option off)."""
     model, feeds = qdq_conv_model(rng, kernel=1, pad=0, cin=8, exact=False, size=6)
     graph = optimized_graph(model, feeds)
     assert "conv:cudnn_int8" in lowered_at(graph, feeds, CUDNN_INT8).tactics().values()
@@ -316,9 +313,8 @@ def test_cudnn_int8_leaves_the_stem_and_other_activations_to_the_gemm_path(rng):
 
 @needs_wiring
 def test_emulated_resnet50_qdq_with_cudnn_int8():
-    """resnet50_qdq with cuDNN INT8: every convolution but the 3-channel stem is one cuDNN graph (the stem an
-    int8-output GEMM or the int32 GEMM + epilogue); within the bounds of the int8-output GEMM test above (one
-    rounding per layer), and the classes agree."""
+    """resnet50_qdq with cuDNN INT8: every QConv is one cuDNN graph (the RGB stem a float one); within the bounds
+    of the int8-output GEMM test above (one rounding per layer), and the classes agree."""
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
     graph = optimized_graph(_resnet50_qdq(), {"input": x})
     lowered = lowered_at(graph, {"input": x}, CUDNN_INT8)

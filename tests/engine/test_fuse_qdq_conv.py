@@ -116,7 +116,7 @@ def test_conv_bias_relu_requantize_becomes_one_qconv(rng):
 
 @pytest.mark.parametrize("stride,pad,kernel", [(2, 1, 3), (1, 0, 1), (2, 0, 1), (2, 3, 7)])
 def test_residual_add_joins_and_numbers_are_exact(rng, stride, pad, kernel):
-    model, feeds = qdq_conv_model(rng, residual=True, stride=stride, pad=pad, kernel=kernel, cin=3 if kernel == 7 else 8)
+    model, feeds = qdq_conv_model(rng, residual=True, stride=stride, pad=pad, kernel=kernel, cin=4 if kernel == 7 else 8)
     before, after, count = _fused(model)
     assert count == 1 and "Add" not in _ops(after) and "Relu" not in _ops(after)
     node = next(n for n in after.nodes if n.op_type == "QConv")
@@ -135,6 +135,14 @@ def test_arbitrary_scales_agree_to_float32_rounding(rng, per_channel):
     want, got = GraphRunner(before).run(feeds)["y"], GraphRunner(after).run(feeds)["y"]
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_channels_not_a_multiple_of_four_stay_a_float_convolution(rng):
+    """An RGB stem (C = 3) is not fused and its weight is folded to float: the GPU's INT8 kernels need C % 4 == 0
+    (INT8_CHANNEL_MULTIPLE), and padded the stem ran 12x slower than its fp16 convolution."""
+    model, _ = qdq_conv_model(rng, kernel=7, stride=2, pad=3, cin=3)
+    _, after, count = _fused(model)
+    assert count == 0 and "QConv" not in _ops(after)
 
 
 def test_requantize_false_keeps_the_quantize_layer(rng):
@@ -204,8 +212,9 @@ def test_resnet50_qdq_runs_every_convolution_as_qconv(resnet50_qdq):
     x = np.random.default_rng(1).standard_normal((2, 3, 64, 64)).astype(np.float32)
     graph = optimized_graph(resnet50_qdq, {"input": x})
     ops = Counter(_ops(graph))
-    assert ops["QConv"] == 53 and ops["Conv"] == 0 and ops["FusedConv"] == 0
-    # every conv but the stem (read by MaxPool) and the last block's (read by GlobalAveragePool) writes int8
+    # the 3-channel stem stays a float convolution of its dequantized weight (INT8_CHANNEL_MULTIPLE)
+    assert ops["QConv"] == 52 and ops["Conv"] + ops["FusedConv"] == 1
+    # every QConv but the last block's (read by GlobalAveragePool) writes int8
     assert sum(requantizes(n) for n in graph.nodes) == 51
     # the 16 shortcuts reach their QConv as int8 with their scale: no DequantizeLinear is left
     assert ops["DequantizeLinear"] == 0 and sum(len(n.inputs) > 7 for n in graph.nodes if n.op_type == "QConv") == 16
@@ -226,3 +235,35 @@ def test_int8_convolutions_are_off_by_default(rng, monkeypatch):
     fold_constants(graph)
     assert fuse_qdq_conv(graph) == 0 and "QConv" not in _ops(graph)
     assert not [n for n in graph.nodes if n.op_type == "DequantizeLinear" and n.inputs[0] in graph.constants]
+
+
+def test_cuda_builds_with_cudnn_int8_turn_int8_convolutions_on(rng, monkeypatch):
+    """The builder's choice (KILN_INT8_CONV unset): INT8 convolutions for CUDA builds of Q/DQ (or calibrated)
+    graphs whose cuDNN builds INT8 graphs; never for the CPU backend; the variable forces either way."""
+    import engine_core as kiln
+    from engine_core.backends.cuda import cudnn_conv
+    from engine_core.builder import _int8_convolutions
+    from engine_core.passes.fuse_qdq_conv import enabled, int8_convolutions
+
+    monkeypatch.delenv("KILN_INT8_CONV")
+    graph = parsed_graph(qdq_conv_model(rng)[0])
+    config = kiln.Builder().create_builder_config()
+    monkeypatch.setattr(cudnn_conv, "int8_unsupported", lambda: "")
+    config.backend = "cpu"
+    assert not _int8_convolutions(graph, config, calibrated=False)
+    config.backend = "cuda"
+    assert _int8_convolutions(graph, config, calibrated=False)
+    float_graph = parsed_graph(qdq_conv_model(rng)[0])
+    float_graph.nodes = [n for n in float_graph.nodes if n.op_type != "DequantizeLinear"]
+    assert not _int8_convolutions(float_graph, config, calibrated=False)
+    assert _int8_convolutions(float_graph, config, calibrated=True)
+    monkeypatch.setattr(cudnn_conv, "int8_unsupported", lambda: "no cuDNN frontend")
+    assert not _int8_convolutions(graph, config, calibrated=False)
+    with int8_convolutions(True):
+        assert enabled()
+        monkeypatch.setenv("KILN_INT8_CONV", "0")
+        assert not enabled()
+    monkeypatch.setenv("KILN_INT8_CONV", "1")
+    assert enabled()
+    monkeypatch.delenv("KILN_INT8_CONV")
+    assert not enabled()

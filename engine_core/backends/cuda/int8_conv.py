@@ -2,14 +2,13 @@
 
 Lowering, with activations channels-last (NHWC) int8:
 
-1. the GEMM operand ``cols`` [N*OH*OW, R*S*Cp]: a 1x1 stride-1 unpadded convolution over C % 4 == 0 channels
-   reads the input itself (NHWC *is* [N*H*W, C]); otherwise a zero-filled scratch [N, Hp, Wp, Cp] gets the
-   input copied into its interior, from any layout (only when the convolution pads or Cp != C: so the stem
-   needs no reformat of the network input), and one strided copy reads it (or the NHWC input) as
-   the 6-D view [N, OH, OW, R, S, Cp] (strides Hp*Wp*Cp, sh*Wp*Cp, sw*Cp, dh*Wp*Cp, dw*Cp, 1) into ``cols``:
+1. the GEMM operand ``cols`` [N*OH*OW, R*S*C]: a 1x1 stride-1 unpadded convolution reads the input itself
+   (NHWC *is* [N*H*W, C]); otherwise (when the convolution pads) a zero-filled scratch [N, Hp, Wp, C] gets
+   the input copied into its interior, from any layout, and one strided copy reads it (or the NHWC input) as
+   the 6-D view [N, OH, OW, R, S, C] (strides Hp*Wp*C, sh*Wp*C, sw*C, dh*Wp*C, dw*C, 1) into ``cols``:
    im2col with the generated pointwise copy kernel, no new kernel;
-2. ``Int8Gemm``: acc[N*OH*OW, K] (int32) = cols @ W^T with W as [K, R*S*Cp] rows (the existing "krsc"
-   weight transform; for Cp != C two small copies pad it per run);
+2. ``Int8Gemm``: acc[N*OH*OW, K] (int32) = cols @ W^T with W as [K, R*S*C] rows (the existing "krsc"
+   weight transform);
 3. one generated pointwise program: ``act(float(acc) * x_scale * w_scale[k] + bias[k] + residual)``, with
    ``y_scale`` a Cast to the float type and QuantizeLinear to int8, written in the output's layout
    (NHWC unless a graph output): the CPU op's order and rounding (engine_core/ops/fused.py).
@@ -21,9 +20,12 @@ vector, bias / y_scale through the bias epilogue, an int8 residual through C wit
 The int32 accumulators then never reach memory: for ResNet-50 at batch 128 that is ~11 GB of traffic less than
 steps 2-3. It rounds once where the CPU op rounds at each step, so outputs may differ by one quantization step.
 
-Why Cp: cuBLASLt's IMMA kernels need the reduction (and the output columns K) to be multiples of 4, so C is
-padded with zero channels (zero products): ResNet's 3-channel stem reads C = 4. Shapes outside these rules
-(K % 4 != 0, a residual that widens the output) raise Unsupported: the layer then runs on the host, visibly.
+**The cuDNN INT8 graph** (``LoweringOptions.cudnn_int8``, on when the build's probe builds one) runs the whole
+layer, requantization included, as one cuDNN convolution (``_cudnn_conv``); it is tried first.
+
+cuBLASLt's IMMA kernels (and cuDNN's INT8 ones) need C and K to be multiples of 4; fuse_qdq_conv fuses no
+convolution with other input channels (an RGB stem stays a float convolution), and K % 4 != 0 or a residual
+that widens the output raise Unsupported: the layer then runs on the host, visibly.
 """
 
 from __future__ import annotations
@@ -54,11 +56,6 @@ from engine_core.ops.nn import Window, window_geometry
 
 #: cuBLASLt IMMA: the reduction and the output columns must be multiples of this
 ALIGN = 4
-
-
-def padded_channels(c: int) -> int:
-    """C rounded up to a multiple of ``ALIGN`` (zero channels contribute nothing to the sums)."""
-    return -(-c // ALIGN) * ALIGN
 
 
 def _geometry(node: Node, x: TensorInfo, w: TensorInfo) -> Window:
@@ -98,47 +95,40 @@ def _nhwc_order(strides: tuple[int, ...]) -> tuple[int, ...]:
     return n, h, w, c
 
 
-def _columns(node: Node, ctx: _Context, xin: str, win: Window, cp: int) -> tuple[Ref, list[Launch]]:
-    """The GEMM's left operand [N*OH*OW, R*S*Cp] (int8, row-major) and the launches that build it."""
+def _columns(node: Node, ctx: _Context, xin: str, win: Window) -> tuple[Ref, list[Launch]]:
+    """The GEMM's left operand [N*OH*OW, R*S*C] (int8, row-major) and the launches that build it."""
     n, c, h, w = ctx.info(xin).shape
     (kh, kw), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilations
     (pt, pl), (oh, ow) = win.pads_begin, win.out
     pads = any(win.pads_begin) or any(win.pads_end)
-    if not pads and cp == c and (kh, kw, sh, sw) == (1, 1, 1, 1):
+    if not pads and (kh, kw, sh, sw) == (1, 1, 1, 1):
         return Ref(xin), []  # NHWC [N, H, W, C] is already [N*H*W, C]
     ops: list[Launch] = []
-    if pads or cp != c:
+    if pads:
         hp = max(pt + h, (oh - 1) * sh + (kh - 1) * dh + 1)
         wp = max(pl + w, (ow - 1) * sw + (kw - 1) * dw + 1)
-        source = ctx.new_scratch(f"{node.name}#padded", INT8, (n, hp, wp, cp))
-        ops.append(_fill_zero(node, ctx, source, n * hp * wp * cp))
-        interior = Ref(source.tensor, (pt * wp + pl) * cp)
-        ops.append(_byte_copy(ctx, interior, Ref(xin), (n, h, w, c), (hp * wp * cp, wp * cp, cp, 1),
+        source = ctx.new_scratch(f"{node.name}#padded", INT8, (n, hp, wp, c))
+        ops.append(_fill_zero(node, ctx, source, n * hp * wp * c))
+        interior = Ref(source.tensor, (pt * wp + pl) * c)
+        ops.append(_byte_copy(ctx, interior, Ref(xin), (n, h, w, c), (hp * wp * c, wp * c, c, 1),
                               _nhwc_order(ctx.strides(xin))))
     else:
         source, hp, wp = Ref(xin), h, w
-    view = (n, oh, ow, kh, kw, cp)
-    cols = ctx.new_scratch(f"{node.name}#cols", INT8, (n * oh * ow, kh * kw * cp))
+    view = (n, oh, ow, kh, kw, c)
+    cols = ctx.new_scratch(f"{node.name}#cols", INT8, (n * oh * ow, kh * kw * c))
     ops.append(_byte_copy(ctx, cols, source, view, contiguous_strides(view),
-                          (hp * wp * cp, sh * wp * cp, sw * cp, dh * wp * cp, dw * cp, 1)))
+                          (hp * wp * c, sh * wp * c, sw * c, dh * wp * c, dw * c, 1)))
     return cols, ops
 
 
-def _weight_rows(node: Node, ctx: _Context, cp: int) -> tuple[Ref, list[Launch]]:
-    """The weight as [K, R*S*Cp] int8 rows: the engine's "krsc" copy when Cp == C; otherwise that copy
-    spread into a zeroed per-run scratch (R*S*K*Cp bytes: 12.5 KB for ResNet's stem)."""
+def _weight_rows(node: Node, ctx: _Context) -> Ref:
+    """The weight as [K, R*S*C] int8 rows (KRSC): the engine's "krsc" weight transform."""
     name = node.inputs[2]
     w = ctx.info(name)
-    k, c, kh, kw = w.shape
     derived = f"{name}#krsc"
     ctx.weight_transforms[derived] = (name, "krsc")
     ctx.infos[derived] = TensorInfo(w.dtype, tuple(w.shape))
-    if cp == c:
-        return Ref(derived), []
-    rows = ctx.new_scratch(f"{node.name}#weight", INT8, (k, kh * kw * cp))
-    spread = _byte_copy(ctx, rows, Ref(derived), (k, kh, kw, c), (kh * kw * cp, kw * cp, cp, 1),
-                        contiguous_strides((k, kh, kw, c)))
-    return rows, [_fill_zero(node, ctx, rows, k * kh * kw * cp), spread]
+    return Ref(derived)
 
 
 def _channel_strides(ctx: _Context, name: str, rank: int) -> tuple[int, ...]:
@@ -223,14 +213,11 @@ def _folded_scales(node: Node, ctx: _Context, values: dict[str, np.ndarray], k: 
 def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv | None:
     """The whole layer as one cuDNN INT8 graph (``LoweringOptions.cudnn_int8``: int8 NHWC x, KRSC w, INT32 sums,
     the requantizing epilogue in float32, the output written NHWC), or None when it does not apply: no cuDNN
-    INT8 here, C not a multiple of 4 (the stem: cuDNN's INT8 kernels need C % 4 == 0, and a padded 3-channel
-    7x7 stem ran 16x slower than fp16 on the H100, bench/results/cudnn_int8_*), an activation other than
-    ReLU, a scale or the bias computed at run time, a residual of another shape or type, or an output that
-    is a graph output or flat (their layouts stay linear)."""
+    INT8 here, an activation other than ReLU, a scale or the bias computed at run time, a residual of another
+    shape or type, or an output that is a graph output or flat (their layouts stay linear)."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(out_name)
     y_scale, bias, residual, r_scale = (_optional(node, i) for i in (6, 4, 5, 7))
-    if not ctx.options.cudnn_int8 or x.shape[1] % ALIGN or ctx.layouts.get(out_name) != "nhwc" \
-            or node.attr("activation", "") not in ("", "Relu"):
+    if not ctx.options.cudnn_int8 or ctx.layouts.get(out_name) != "nhwc" or node.attr("activation", "") not in ("", "Relu"):
         return None
     values = {name: _constant(ctx, name) for name in (node.inputs[1], node.inputs[3], y_scale, bias, r_scale) if name}
     if any(v is None for v in values.values()):
@@ -242,7 +229,7 @@ def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv |
     scale, folded_bias, beta = _folded_scales(node, ctx, values, k)
     xin = ctx.as_layout(node.inputs[0], "nhwc")
     ctx.renamed[node.inputs[0]] = xin
-    weight, _ = _weight_rows(node, ctx, c)
+    weight = _weight_rows(node, ctx)
     z = z_scale = None
     if residual:
         z = Ref(ctx.as_layout(residual, "nhwc"))
@@ -262,8 +249,9 @@ def _check(node: Node, ctx: _Context) -> None:
         raise Unsupported(f"QConv over {x.dtype} {x.shape} x {w.dtype} {w.shape}")
     if node.inputs[2] not in ctx.constants:
         raise Unsupported("QConv with a computed weight")
-    if w.shape[0] % ALIGN:
-        raise Unsupported(f"INT8 implicit GEMM needs output channels a multiple of {ALIGN}, got {w.shape[0]}")
+    if w.shape[0] % ALIGN or w.shape[1] % ALIGN:
+        raise Unsupported(f"INT8 convolutions need input and output channels multiples of {ALIGN}, got "
+                          f"{w.shape[1]} and {w.shape[0]}")
     y_scale, r_scale = _optional(node, 6), _optional(node, 7)
     floats = (node.inputs[1], node.inputs[3], _optional(node, 4), "" if r_scale else _optional(node, 5), y_scale, r_scale)
     for name in floats:
@@ -289,19 +277,18 @@ def lower_qconv(node: Node, ctx: _Context) -> list:
     conv = _cudnn_conv(node, ctx, win, out_name)
     if conv is not None:
         return [conv] if int(np.prod(out.shape)) else []
-    cp = padded_channels(c)
     xin = node.inputs[0]
-    if cp == c and not any(win.pads_begin) and not any(win.pads_end):  # cols read x itself: NHWC needed
+    if not any(win.pads_begin) and not any(win.pads_end):  # cols read x itself: NHWC needed
         xin = ctx.as_layout(xin, "nhwc")
         ctx.renamed[node.inputs[0]] = xin
     m = n * win.out[0] * win.out[1]
     if m * k == 0:
         return []
-    cols, ops = _columns(node, ctx, xin, win, cp)
-    weight, weight_ops = _weight_rows(node, ctx, cp)
-    requant = _requant_gemm(node, ctx, cols, weight, m, k, win.size * cp, out_name)
+    cols, ops = _columns(node, ctx, xin, win)
+    weight = _weight_rows(node, ctx)
+    requant = _requant_gemm(node, ctx, cols, weight, m, k, win.size * c, out_name)
     if requant is not None:
-        return [*ops, *weight_ops, requant]
+        return [*ops, requant]
     acc = ctx.new_scratch(f"{node.name}#acc", INT32, (m, k))
-    gemm = Int8Gemm(cols, weight, acc, m, k, win.size * cp)
-    return [*ops, *weight_ops, gemm, _epilogue(node, ctx, acc, out_name)]
+    gemm = Int8Gemm(cols, weight, acc, m, k, win.size * c)
+    return [*ops, gemm, _epilogue(node, ctx, acc, out_name)]
