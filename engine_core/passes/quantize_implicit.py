@@ -4,6 +4,7 @@ With ``BuilderFlag.INT8`` and a calibrator (no Q/DQ in the model), the reference
 weighted layers: Convolution, Deconvolution, fully connected / GEMM and MatMul. Kiln makes that
 quantization explicit in the graph, so every backend sees the same thing a QAT export gives it:
 
+- convolutions over input channels that are not a multiple of 4 (an RGB stem) stay float (see ``_can_quantize``);
 - each float activation input of such a layer gets ``QuantizeLinear -> DequantizeLinear`` with the
   per-tensor scale ``amax / 127`` from calibration (int8, symmetric, zero point 0; the reference's
   implicit range is [-127, 127]); one pair per tensor, shared by all its quantized readers;
@@ -28,6 +29,7 @@ import numpy as np
 from engine_core.errors import BuildError
 from engine_core.ir import Graph, Node
 from engine_core.logger import Logger, Severity
+from engine_core.passes.fuse_qdq_conv import INT8_CHANNEL_MULTIPLE
 from engine_core.types import BuilderFlag
 
 if TYPE_CHECKING:
@@ -115,7 +117,13 @@ def quantize_implicit(graph: Graph, ranges: Mapping[str, float]) -> int:
 
 def _can_quantize(node: Node, graph: Graph, ranges: Mapping[str, float], producers: dict[str, Node],
                   dtypes: dict[str, np.dtype]) -> bool:
-    """Every data input is a float constant, or a float tensor with a positive calibrated range."""
+    """Every data input is a float constant, or a float tensor with a positive calibrated range; a Conv's input
+    channels a multiple of INT8_CHANNEL_MULTIPLE (an RGB stem stays float, as fuse_qdq_conv leaves it: padded
+    into INT8 it ran 12x slower than its fp16 convolution, and unfused its dequantized weight would not be a
+    constant)."""
+    weight = graph.constants.get(node.inputs[1]) if node.op_type == "Conv" and len(node.inputs) > 1 else None
+    if weight is not None and weight.ndim > 1 and weight.shape[1] % INT8_CHANNEL_MULTIPLE:
+        return False
     for index in QUANTIZED_INPUTS[node.op_type]:
         if index >= len(node.inputs) or not node.inputs[index]:
             return False

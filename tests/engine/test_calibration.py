@@ -32,10 +32,10 @@ from tools.make_models import MODELS
 
 
 def conv_mlp(seed: int = 0) -> onnx.ModelProto:
-    """x[N,3,8,8] -> Conv(per-channel weights) -> Relu -> Flatten -> MatMul -> Gemm(transB) -> y[N,5]."""
+    """x[N,4,8,8] -> Conv(per-channel weights) -> Relu -> Flatten -> MatMul -> Gemm(transB) -> y[N,5]."""
     rng = np.random.default_rng(seed)
     inits = [
-        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * [[[[1]]], [[[4]]], [[[.1]]], [[[2]]]],
+        numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * [[[[1]]], [[[4]]], [[[.1]]], [[[2]]]],
                                 "w"),
         numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
         numpy_helper.from_array((rng.standard_normal((256, 16)) * 0.1).astype(np.float32), "m"),
@@ -49,7 +49,7 @@ def conv_mlp(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("MatMul", ["f", "m"], ["h"], name="matmul"),
         helper.make_node("Gemm", ["h", "g", "gb"], ["y"], name="gemm", transB=1),
     ]
-    graph = helper.make_graph(nodes, "conv_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+    graph = helper.make_graph(nodes, "conv_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -155,9 +155,9 @@ def test_cache_round_trip_and_corrupt_caches():
 
 def test_calibrate_runs_float_graph_then_cache_skips_running(rng):
     network = _network(conv_mlp())
-    batches = [rng.standard_normal((2, 3, 8, 8)).astype(np.float32) for _ in range(3)]
+    batches = [rng.standard_normal((2, 4, 8, 8)).astype(np.float32) for _ in range(3)]
     calibrator = CountingCalibrator(list(batches))
-    ranges = calibrate(network.graph, _config((2, 3, 8, 8), calibrator))
+    ranges = calibrate(network.graph, _config((2, 4, 8, 8), calibrator))
     assert calibrator.calls == 4  # three batches, then None
     assert set(ranges) >= {"x", "c", "r", "f", "h", "y"}
     assert ranges["x"] == pytest.approx(max(float(np.abs(b).max()) for b in batches), rel=1e-6)
@@ -167,14 +167,14 @@ def test_calibrate_runs_float_graph_then_cache_skips_running(rng):
     assert ranges["h"] == pytest.approx(seen["h"], rel=1e-6)
     assert calibrator.cache is not None
     cached = CountingCalibrator([], cache=calibrator.cache)
-    again = calibrate(network.graph, _config((2, 3, 8, 8), cached))
+    again = calibrate(network.graph, _config((2, 4, 8, 8), cached))
     assert cached.calls == 0 and again == pytest.approx(ranges, rel=1e-6)
 
 
 @pytest.mark.parametrize("batch, message", [
-    (lambda r: [r.standard_normal((2, 3, 8, 8)).astype(np.float32)] * 2, "2 arrays for 1 inputs"),
-    (lambda r: [r.standard_normal((3, 3, 8, 8)).astype(np.float32)], "holds 3 samples, get_batch_size"),
-    (lambda r: [np.ones((2, 3, 8, 8), np.int32)], "is int32, the network expects float32"),
+    (lambda r: [r.standard_normal((2, 4, 8, 8)).astype(np.float32)] * 2, "2 arrays for 1 inputs"),
+    (lambda r: [r.standard_normal((3, 4, 8, 8)).astype(np.float32)], "holds 3 samples, get_batch_size"),
+    (lambda r: [np.ones((2, 4, 8, 8), np.int32)], "is int32, the network expects float32"),
     (lambda r: [r.standard_normal((2, 3, 9, 8)).astype(np.float32)], "has shape"),
 ])
 def test_bad_batches_are_build_errors(rng, batch, message):
@@ -186,18 +186,18 @@ def test_bad_batches_are_build_errors(rng, batch, message):
             return batch(rng)
 
     with pytest.raises(BuildError, match=message):
-        calibrate(_network(conv_mlp()).graph, _config((2, 3, 8, 8), Bad()))
+        calibrate(_network(conv_mlp()).graph, _config((2, 4, 8, 8), Bad()))
 
 
 def test_no_batches_and_no_calibrator_are_build_errors():
     network = _network(conv_mlp())
     with pytest.raises(BuildError, match="no batches"):
-        calibrate(network.graph, _config((2, 3, 8, 8), CountingCalibrator([])))
-    config = _config((2, 3, 8, 8))
+        calibrate(network.graph, _config((2, 4, 8, 8), CountingCalibrator([])))
+    config = _config((2, 4, 8, 8))
     config.set_flag(kiln.BuilderFlag.INT8)
     with pytest.raises(BuildError, match="int8_calibrator"):
         int8_policy(config, network)
-    assert int8_policy(_config((2, 3, 8, 8)), network) is None
+    assert int8_policy(_config((2, 4, 8, 8)), network) is None
 
 
 def test_calibration_data_directory(tmp_path, rng):
@@ -227,8 +227,8 @@ def test_calibration_data_directory(tmp_path, rng):
 
 def test_quantize_implicit_inserts_qdq_with_per_channel_weights(rng):
     network = _network(conv_mlp())
-    batches = [rng.standard_normal((2, 3, 8, 8)).astype(np.float32) for _ in range(2)]
-    ranges = calibrate(network.graph, _config((2, 3, 8, 8), CountingCalibrator(list(batches))))
+    batches = [rng.standard_normal((2, 4, 8, 8)).astype(np.float32) for _ in range(2)]
+    ranges = calibrate(network.graph, _config((2, 4, 8, 8), CountingCalibrator(list(batches))))
     graph = network.graph
     reference = run_observed(graph, {"x": batches[0]}, lambda n, v: None)["y"]
     import copy
@@ -261,8 +261,8 @@ def test_quantize_implicit_inserts_qdq_with_per_channel_weights(rng):
 
 def test_quantization_report_names_quantized_layers(rng):
     network = _network(conv_mlp())
-    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
-    ranges = calibrate(network.graph, _config((2, 3, 8, 8), CountingCalibrator([x])))
+    x = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
+    ranges = calibrate(network.graph, _config((2, 4, 8, 8), CountingCalibrator([x])))
     rows = quantization_report(network.graph, {"x": x}, ranges)
     assert [r.layer for r in rows] == ["conv", "matmul", "gemm"]
     assert all(0 < r.relative_error < 0.05 and r.max_abs_error >= r.mean_abs_error for r in rows)
@@ -273,18 +273,18 @@ def test_quantization_report_names_quantized_layers(rng):
 
 def test_int8_build_with_calibrator_and_cache(rng, tmp_path):
     network = _network(conv_mlp())
-    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(2)]
+    batches = [{"x": rng.standard_normal((4, 4, 8, 8)).astype(np.float32)} for _ in range(2)]
     cache = tmp_path / "calib.cache"
-    fp32 = kiln.build_plan(network, _config((4, 3, 8, 8)))
-    plan = kiln.build_plan(network, _config((4, 3, 8, 8), make_calibrator(batches, "minmax", str(cache))))
+    fp32 = kiln.build_plan(network, _config((4, 4, 8, 8)))
+    plan = kiln.build_plan(network, _config((4, 4, 8, 8), make_calibrator(batches, "minmax", str(cache))))
     info = deserialize_plan(plan).build_info
     assert info["passes"]["quantize_implicit"] == 3 and info["int8"]["mode"] == "implicit"
     assert cache.read_bytes().startswith(b"KILN-")
-    x = rng.standard_normal((3, 3, 8, 8)).astype(np.float32)
+    x = rng.standard_normal((3, 4, 8, 8)).astype(np.float32)
     y8 = kiln.Runtime().load(plan).create_execution_context().infer({"x": x})["y"]
     y32 = kiln.Runtime().load(fp32).create_execution_context().infer({"x": x})["y"]
     assert 0 < np.abs(y8 - y32).max() < 0.1 * np.abs(y32).max()
-    again = kiln.build_plan(network, _config((4, 3, 8, 8), make_calibrator([], "minmax", str(cache))))  # cache only
+    again = kiln.build_plan(network, _config((4, 4, 8, 8), make_calibrator([], "minmax", str(cache))))  # cache only
     y8b = kiln.Runtime().load(again).create_execution_context().infer({"x": x})["y"]
     np.testing.assert_array_equal(y8b, y8)
 
@@ -295,7 +295,7 @@ def test_small_resnet50_int8_keeps_top1(rng):
     batches = [{"input": rng.standard_normal((4, 3, 64, 64)).astype(np.float32)} for _ in range(2)]
     fp32 = kiln.build_plan(network, _config((4, 3, 64, 64), name="input"))
     int8 = kiln.build_plan(network, _config((4, 3, 64, 64), make_calibrator(batches, "minmax"), name="input"))
-    assert deserialize_plan(int8).build_info["passes"]["quantize_implicit"] == 54  # 53 convs + the classifier
+    assert deserialize_plan(int8).build_info["passes"]["quantize_implicit"] == 53  # 52 convs (not the RGB stem) + the classifier
     x = rng.standard_normal((8, 3, 64, 64)).astype(np.float32)
     a = kiln.Runtime().load(int8).create_execution_context().infer({"input": x})["logits"]
     b = kiln.Runtime().load(fp32).create_execution_context().infer({"input": x})["logits"]
@@ -312,9 +312,9 @@ def test_cli_int8_build_with_calib_data_cache_and_report(tmp_path, capsys, rng):
     data = tmp_path / "calib"
     data.mkdir()
     for k in range(2):
-        np.save(data / f"batch{k}.npy", rng.standard_normal((4, 3, 8, 8)).astype(np.float32))
+        np.save(data / f"batch{k}.npy", rng.standard_normal((4, 4, 8, 8)).astype(np.float32))
     cache = tmp_path / "m.cache"
-    shapes = ["--min-shapes", "x:1x3x8x8", "--opt-shapes", "x:4x3x8x8", "--max-shapes", "x:8x3x8x8"]
+    shapes = ["--min-shapes", "x:1x4x8x8", "--opt-shapes", "x:4x4x8x8", "--max-shapes", "x:8x4x8x8"]
     args = ["build", str(model_path), "-o", str(tmp_path / "m.plan"), "--int8", "--calib-data", str(data),
             "--calib-cache", str(cache), "--calibrator", "percentile", "--quant-report", *shapes]
     assert main(args) == 0
@@ -335,3 +335,17 @@ def test_cli_int8_build_with_calib_data_cache_and_report(tmp_path, capsys, rng):
         assert message in capsys.readouterr().err
     assert main(["build", str(model_path), "--int8", *shapes]) == 1
     assert "int8_calibrator" in capsys.readouterr().err
+
+
+def test_quantize_implicit_leaves_an_rgb_stem_float(rng):
+    """A Conv over 3 input channels keeps float input and weight (fuse_qdq_conv.INT8_CHANNEL_MULTIPLE): the
+    MatMul and Gemm are still quantized."""
+    model = conv_mlp()
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"))
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 3
+    network = _network(model)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    ranges = calibrate(network.graph, _config((2, 3, 8, 8), CountingCalibrator([x])))
+    assert quantize_implicit(network.graph, ranges) == 2
+    conv = next(n for n in network.graph.nodes if n.op_type == "Conv")
+    assert conv.inputs[:2] == ["x", "w"]
