@@ -51,8 +51,8 @@ for stage in "$@"; do
       # which int8-output cuBLASLt configurations this GPU has (session 4: the build's probe said none, unexplained)
       timeout 30 python3 -m engine_core.backends.cuda.int8_gemm 2>&1 | tee "$OUT/int8_requant_probe.json" | tail -20
       cp bench/results/int8_calib_*.cache "$OUT"/ 2>/dev/null  # committed calibration caches skip host calibration
-      timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit_percentile,int8_explicit,int8_explicit_qconv \
-        2>&1 | quiet | tail -34
+      timeout 480 python3 -m bench.int8 --out "$OUT" --variants fp16,int8_implicit_percentile,int8_explicit,int8_explicit_floatconv \
+        --profile 2>&1 | quiet | tail -34
       timeout 60 python3 -m bench.accuracy --out "$OUT" 2>&1 | quiet | tail -6 ;;
     cudnn_int8)
       timeout 200 python3 -m bench.cudnn_int8 --out "$OUT" 2>&1 | quiet | tail -32 ;;
