@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -99,16 +98,9 @@ def _time(torch, enqueue, repeats: int = 10) -> float:
             with torch.cuda.stream(stream):
                 for _ in range(repeats):
                     enqueue(stream.cuda_stream)
-    times = []
-    for _ in range(20):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            run()
-            stop.record(stream)
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / repeats)
-    return statistics.median(times)
+    from bench.engine import cuda_time
+
+    return cuda_time(run, stream, warmup=1, iters=20) / repeats
 
 
 def _cudnn_enqueue(cudnn, handle, g, pack, index, workspace):

@@ -205,28 +205,40 @@ def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
 REQUANT = lowering.LoweringOptions(int8_requant=True, cudnn=True)
 
 
+def _lowered_case(rng, case: str, options):
+    """(graph, lowering with ``options``, the QConv step, feeds) of one CASES model, inexact scales, batch 2."""
+    (kernel, stride, pad, cin, residual, relu, requantize), _, _ = CASES[case]
+    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
+                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
+    graph = optimized_graph(model, feeds)
+    lowered = lowered_at(graph, feeds, options)
+    (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    return graph, lowered, step, feeds
+
+
+def _assert_within_one_step(graph, lowered, step, feeds) -> None:
+    """Emulated requantized outputs within one quantization step of the CPU op, nearly all equal (one float32
+    rounding per layer instead of the CPU op's steps)."""
+    got = Emulator(graph, lowered, feeds).run()["y"]
+    ref = GraphRunner(graph).run(feeds)["y"]
+    steps = np.abs(got.astype(np.float64) - ref) / float(graph.constants[step.node.inputs[6]])
+    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
+
+
 @pytest.mark.parametrize("case", ["1x1", "3x3_pad1", "1x1_stride2", "residual_relu_requantize"])
 def test_requantizing_qconv_is_one_int8_output_gemm(rng, case):
     """A requantizing QConv with constant scales becomes one Int8GemmRequant writing int8 NHWC (no int32 buffer,
     no epilogue kernel); its outputs stay within one quantization step of the CPU op, nearly all equal."""
     from engine_core.backends.cuda.int8_gemm import Int8GemmRequant
 
-    (kernel, stride, pad, cin, residual, relu, requantize), before_gemm, reduction = CASES[case]
-    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
-                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
-    graph = optimized_graph(model, feeds)
-    lowered = lowered_at(graph, feeds, REQUANT)
-    (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    (_, _, _, _, residual, relu, _), before_gemm, reduction = CASES[case]
+    graph, lowered, step, feeds = _lowered_case(rng, case, REQUANT)
     assert lowered.tactics()[step.node.name] == "conv:cublaslt_int8_requant"
     gemm = step.ops[-1]
     assert isinstance(gemm, Int8GemmRequant) and step.ops.index(gemm) == before_gemm
     assert (gemm.k, gemm.relu, gemm.bias is not None, gemm.c is not None) == (reduction, relu, True, residual)
     assert lowered.infos[gemm.y.tensor].dtype == np.int8 and lowered.layouts[gemm.y.tensor] == "nhwc"
-    got = Emulator(graph, lowered, feeds).run()["y"]
-    ref = GraphRunner(graph).run(feeds)["y"]
-    y_scale = float(graph.constants[step.node.inputs[6]])
-    steps = np.abs(got.astype(np.float64) - ref) / y_scale
-    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
+    _assert_within_one_step(graph, lowered, step, feeds)
 
 
 def test_requant_needs_a_relu_or_no_activation_and_a_requantizing_layer(rng):
@@ -243,6 +255,17 @@ def test_requant_needs_a_relu_or_no_activation_and_a_requantizing_layer(rng):
     assert "conv:cublaslt_int8_im2col" in lowered_at(graph, feeds, REQUANT).tactics().values()
 
 
+def _assert_logits_within_one_rounding_per_layer(graph, lowered, feeds) -> None:
+    """resnet50_qdq's emulated logits vs the CPU backend when each layer rounds once (the bounds of the
+    float32-reordering test in test_fuse_qdq_conv.py), and the classes agree."""
+    got = Emulator(graph, lowered, feeds).run()["logits"]
+    want = GraphRunner(graph).run(feeds)["logits"]
+    scale = float(np.abs(want).max())
+    error = np.abs(got - want)
+    assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
 @needs_wiring
 def test_emulated_resnet50_qdq_with_int8_output_gemms():
     """resnet50_qdq with the int8-output GEMMs: the 51 requantizing convolutions are one cuBLASLt call each
@@ -255,12 +278,7 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     tactics = list(lowered.tactics().values())
     assert "host" not in tactics
     assert tactics.count("conv:cublaslt_int8_requant") == 51 and tactics.count("conv:cublaslt_int8_im2col") == 1
-    got = Emulator(graph, lowered, {"input": x}).run()["logits"]
-    want = GraphRunner(graph).run({"input": x})["logits"]
-    scale = float(np.abs(want).max())
-    error = np.abs(got - want)
-    assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
-    assert (got.argmax(1) == want.argmax(1)).all()
+    _assert_logits_within_one_rounding_per_layer(graph, lowered, {"input": x})
     # the word-sized im2col / padding copies and the remaining epilogues compile (NVRTC, no GPU needed)
     from engine_core.backends.cuda.pointwise import pointwise_source
     from engine_core.cuda.nvrtc import compile_cubin
@@ -281,12 +299,8 @@ def test_qconv_is_one_cudnn_int8_graph(rng, case):
     GEMM path, whose output layout is linear; resnet50_qdq below has float-output cuDNN layers.)"""
     from engine_core.backends.cuda.lowering import Conv
 
-    (kernel, stride, pad, cin, residual, relu, requantize), _, _ = CASES[case]
-    model, feeds = qdq_conv_model(rng, kernel=kernel, stride=stride, pad=pad, cin=cin, residual=residual,
-                                  relu=relu, requantize=requantize, exact=False, size=11, batch=2)
-    graph = optimized_graph(model, feeds)
-    lowered = lowered_at(graph, feeds, CUDNN_INT8)
-    (step,) = [s for s in lowered.steps if s.node.op_type == "QConv"]
+    (_, _, _, _, residual, relu, _), _, _ = CASES[case]
+    graph, lowered, step, feeds = _lowered_case(rng, case, CUDNN_INT8)
     assert lowered.tactics()[step.node.name] == "conv:cudnn_int8"
     (conv,) = step.ops
     assert isinstance(conv, Conv) and conv.int8 and conv.dtype == np.int8
@@ -294,10 +308,7 @@ def test_qconv_is_one_cudnn_int8_graph(rng, case):
     assert conv.y_dtype == np.int8 and lowered.layouts[conv.y.tensor] == "nhwc"
     assert conv.x_strides == lowering.nhwc_strides(conv.x_dims) and conv.w_strides[1] == 1  # NHWC, KRSC
     assert {r.tensor for r in conv.refs()} <= set(lowered.locations)
-    got = Emulator(graph, lowered, feeds).run()["y"]
-    ref = GraphRunner(graph).run(feeds)["y"]
-    steps = np.abs(got.astype(np.float64) - ref) / float(graph.constants[step.node.inputs[6]])
-    assert steps.max() <= 1.0 + 1e-6 and (steps < 0.5).mean() >= 0.98, (steps.max(), (steps < 0.5).mean())
+    _assert_within_one_step(graph, lowered, step, feeds)
 
 
 def test_cudnn_int8_leaves_other_activations_to_the_gemm_path(rng):
@@ -320,12 +331,7 @@ def test_emulated_resnet50_qdq_with_cudnn_int8():
     lowered = lowered_at(graph, {"input": x}, CUDNN_INT8)
     tactics = Counter(lowered.tactics().values())
     assert "host" not in tactics and tactics["conv:cudnn_int8"] == 52, tactics
-    got = Emulator(graph, lowered, {"input": x}).run()["logits"]
-    want = GraphRunner(graph).run({"input": x})["logits"]
-    scale = float(np.abs(want).max())
-    error = np.abs(got - want)
-    assert float(error.max()) <= 0.08 * scale and float(error.mean()) <= 0.01 * scale
-    assert (got.argmax(1) == want.argmax(1)).all()
+    _assert_logits_within_one_rounding_per_layer(graph, lowered, {"input": x})
 
 
 def test_a_cudnn_int8_graph_that_cannot_build_turns_the_option_off(monkeypatch):
