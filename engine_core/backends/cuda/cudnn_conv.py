@@ -273,7 +273,7 @@ def int8_unsupported() -> str:
     records the reason in the plan (``build_info.cuda.cudnn_int8_unsupported``)."""
     if not available():
         return "no cuDNN frontend (pip install kiln[gpu])"
-    i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+    i8 = np.dtype(np.int8)
     dims, w_dims = (2, 8, 6, 6), (8, 8, 3, 3)
     strides = (6 * 6 * 8, 1, 6 * 8, 8)
     op = Conv(Ref("x"), Ref("w"), Ref("y"), Ref("b"), Ref("z"), dims, w_dims, dims, strides, (72, 1, 24, 8), strides,
