@@ -84,10 +84,7 @@ def op_mix() -> onnx.ModelProto:
 
 def bert_small() -> onnx.ModelProto:
     """tools/make_models.py's small bert_base (2 layers, hidden 64, dynamic batch and sequence)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from make_models import MODELS
-
-    return MODELS["bert_base"][1]()
+    return small_model("bert_base")
 
 
 def bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -218,18 +215,21 @@ def small_model_profiles(name: str, batches: tuple[int, int, int] = (1, 2, 4),
     return {"input": tuple((b, 3, size, size) for b in batches)}
 
 
-def build_engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple], flag=None):
+def build_engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple], flag=None, flags=(),
+                 debug=()):
     """An engine of ``model`` for ``backend`` with one profile (input -> (min, opt, max)); ``flag`` (e.g.
-    BuilderFlag.FP16) set on the config."""
+    BuilderFlag.FP16) and ``flags`` set on the config, the ``debug`` tensors marked."""
     import engine_core as kiln
 
     builder = kiln.Builder()
     net = builder.create_network()
     assert kiln.OnnxParser(net).parse(model)
+    for name in debug:
+        assert net.mark_debug(name)
     config = builder.create_builder_config()
     config.backend = backend
-    if flag is not None:
-        config.set_flag(flag)
+    for one in ([flag] if flag is not None else []) + list(flags):
+        config.set_flag(one)
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in profiles.items():
         profile.set_shape(name, lo, opt, hi)

@@ -8,9 +8,7 @@ resnet50_qdq against the CPU backend.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -28,7 +26,7 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from tests.cuda.emulate import Emulator
-from tests.cuda.models import lowered_at, optimized_graph, pipeline_lowered
+from tests.cuda.models import lowered_at, optimized_graph, pipeline_lowered, small_model
 from tests.engine.test_fuse_qdq_conv import qdq_conv_model
 
 _WIRED = fuse_qdq_conv in PIPELINE and "QConv" in lowering._LOWER and "QConv" in lowering.LAYOUT_AWARE
@@ -44,13 +42,6 @@ def int8_convolutions(monkeypatch):
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
-
-
-def _resnet50_qdq() -> onnx.ModelProto:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from make_models import MODELS
-
-    return MODELS["resnet50_qdq"][1]()
 
 
 def _qconv_step(lowered):
@@ -127,16 +118,8 @@ def test_emulated_qconv_chain_keeps_int8_channels_last_between_layers(rng):
 def test_emulated_resnet50_qdq_equals_the_cpu_backend():
     """All 52 QConvs lower to INT8 implicit GEMMs, the RGB stem to a float cuDNN convolution (no host layer);
     the emulated launches equal the CPU backend bit for bit."""
-    import sys
-    from pathlib import Path
-
-    from tests.engine.test_fuse_qdq_conv import resnet50_qdq  # noqa: F401  (fixture body reused below)
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from make_models import MODELS
-
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
-    graph = optimized_graph(MODELS["resnet50_qdq"][1](), {"input": x})
+    graph = optimized_graph(small_model("resnet50_qdq"), {"input": x})
     lowered = lowered_at(graph, {"input": x}, lowering.LoweringOptions(cudnn=True))
     tactics = lowered.tactics()
     assert "host" not in tactics.values()
@@ -163,7 +146,7 @@ def test_channels_not_a_multiple_of_four_run_on_the_host(c, k):
 
 @pytest.mark.gpu
 def test_resnet50_qdq_on_the_gpu_matches_the_cpu_backend():
-    model = _resnet50_qdq()
+    model = small_model("resnet50_qdq")
     engines = {}
     for backend in ("cuda", "cpu"):
         builder = kiln.Builder()
@@ -273,7 +256,7 @@ def test_emulated_resnet50_qdq_with_int8_output_gemms():
     rounding per layer instead of the CPU op's steps moves values by a quantization step here and there, which
     50 layers propagate: the bounds of the float32-reordering test in test_fuse_qdq_conv.py hold."""
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
-    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+    graph = optimized_graph(small_model("resnet50_qdq"), {"input": x})
     lowered = lowered_at(graph, {"input": x}, REQUANT)
     tactics = list(lowered.tactics().values())
     assert "host" not in tactics
@@ -327,7 +310,7 @@ def test_emulated_resnet50_qdq_with_cudnn_int8():
     """resnet50_qdq with cuDNN INT8: every QConv is one cuDNN graph (the RGB stem a float one); within the bounds
     of the int8-output GEMM test above (one rounding per layer), and the classes agree."""
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
-    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+    graph = optimized_graph(small_model("resnet50_qdq"), {"input": x})
     lowered = lowered_at(graph, {"input": x}, CUDNN_INT8)
     tactics = Counter(lowered.tactics().values())
     assert "host" not in tactics and tactics["conv:cudnn_int8"] == 52, tactics
@@ -339,12 +322,11 @@ def test_a_cudnn_int8_graph_that_cannot_build_turns_the_option_off(monkeypatch):
     the network without cuDNN INT8 and records why (build_info lowering / cudnn_int8_fallback)."""
     from engine_core.backends import cuda as cuda_backend
     from engine_core.backends.cuda import cudnn_conv
-
     from engine_core.ops import TensorInfo
     from engine_core.passes import infer_shapes
 
     x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
-    graph = optimized_graph(_resnet50_qdq(), {"input": x})
+    graph = optimized_graph(small_model("resnet50_qdq"), {"input": x})
 
     infos = infer_shapes(graph, {"input": TensorInfo(np.dtype(np.float32), x.shape)}, values=True)
     monkeypatch.setattr(cudnn_conv, "unbuildable_convs",

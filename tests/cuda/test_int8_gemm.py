@@ -7,9 +7,6 @@ With a GPU (``-m gpu``): a Q/DQ MLP and tools/make_models.py's small bert_qdq ag
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import onnx
@@ -26,7 +23,7 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul, requantizes
 from tests.cuda.emulate import Emulator
-from tests.cuda.models import build_engine, lowered_at, optimized_graph, pipeline_lowered
+from tests.cuda.models import bert_feeds, build_engine, lowered_at, optimized_graph, pipeline_lowered, small_model
 
 _WIRED = fuse_qdq_matmul in PIPELINE and "QMatMul" in lowering._LOWER and hasattr(Emulator, "_int8gemm")
 needs_wiring = pytest.mark.skipif(not _WIRED, reason="QMatMul is not wired into the pipeline / lowering yet")
@@ -65,21 +62,6 @@ def qdq_mlp(din: int = 64, hidden: int = 96, dout: int = 32, seed: int = 0) -> o
              "w2_scale": np.array(0.004, np.float32), "b2": (0.1 * rng.standard_normal(dout)).astype(np.float32),
              "s_x": np.array(0.03, np.float32), "s_h": np.array(0.05, np.float32), "zero": np.array(0, np.int8)}
     return _mlp_model("qdq_mlp", inits, din, dout, (["w1", "w1_scale", "w1_zero"], {"axis": 1}), (["w2", "w2_scale"], {}))
-
-
-def _bert_qdq() -> onnx.ModelProto:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from make_models import MODELS
-
-    return MODELS["bert_qdq"][1]()
-
-
-def _bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    mask = np.ones((batch, seq), np.int64)
-    mask[:, seq - seq // 4:] = 0
-    return {"input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64), "attention_mask": mask,
-            "token_type_ids": rng.integers(0, 2, (batch, seq)).astype(np.int64)}
 
 
 # -- host emulation of the lowered steps --------------------------------------------------------------
@@ -141,8 +123,8 @@ def test_emulated_reduced_precision_qdq_mlp_equals_the_cpu_backend(flag):
 def test_emulated_bert_qdq_runs_every_linear_layer_as_int8(flag):
     """fp32 and FP16 builds: every linear layer an INT8 GEMM (13 = Q, K, V, output, two FFN per layer; the
     pooler), FFN1 (GELU -> FFN2's input quantization) requantizing, no host layers."""
-    feeds = _bert_feeds(2, 16)
-    graph, lowered = _lowered_build(_bert_qdq(), feeds, flag)
+    feeds = bert_feeds(2, 16)
+    graph, lowered = _lowered_build(small_model("bert_qdq"), feeds, flag)
     qmatmuls = [s for s in lowered.steps if s.node.op_type == "QMatMul"]
     assert len(qmatmuls) == 2 * 6 + 1
     assert all(isinstance(s.ops[0], Int8Gemm) for s in qmatmuls) and "host" not in lowered.tactics().values()
@@ -183,13 +165,13 @@ def _int8_layers(engine) -> dict[str, str]:
 def test_bert_qdq_on_the_gpu_matches_the_cpu_backend():
     names = ("input_ids", "attention_mask", "token_type_ids")
     profiles = {n: ((1, 8), (2, 64), (4, 128)) for n in names}
-    model = _bert_qdq()
+    model = small_model("bert_qdq")
     gpu, cpu = build_engine(model, "cuda", profiles), build_engine(model, "cpu", profiles)
     tactics = _int8_layers(gpu)
     assert len(tactics) == 13 and "host" not in tactics.values(), tactics
     assert gpu.plan.build_info["cuda"]["host_layers"] == []
     gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
-    for feeds in (_bert_feeds(2, 64), _bert_feeds(1, 8, seed=1), _bert_feeds(4, 33, seed=2)):
+    for feeds in (bert_feeds(2, 64), bert_feeds(1, 8, seed=1), bert_feeds(4, 33, seed=2)):
         got, want = gctx.infer(feeds), cctx.infer(feeds)
         for name in want:
             # float differences elsewhere (LayerNorm, softmax) can move a value across a QuantizeLinear
@@ -224,13 +206,13 @@ def test_qdq_mlp_on_the_gpu_equals_the_cpu_backend(flag, seed, tolerance):
 def test_fp16_bert_qdq_on_the_gpu_matches_the_cpu_backend():
     names = ("input_ids", "attention_mask", "token_type_ids")
     profiles = {n: ((1, 8), (2, 64), (4, 128)) for n in names}
-    model, fp16 = _bert_qdq(), kiln.BuilderFlag.FP16
+    model, fp16 = small_model("bert_qdq"), kiln.BuilderFlag.FP16
     gpu, cpu = build_engine(model, "cuda", profiles, fp16), build_engine(model, "cpu", profiles, fp16)
     tactics = _int8_layers(gpu)
     assert len(tactics) == 13 and set(tactics.values()) == {"gemm:cublaslt_int8"}, tactics
     assert gpu.plan.build_info["cuda"]["host_layers"] == []
     gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
-    for feeds in (_bert_feeds(2, 64), _bert_feeds(4, 33, seed=2)):
+    for feeds in (bert_feeds(2, 64), bert_feeds(4, 33, seed=2)):
         got, want = gctx.infer(feeds), cctx.infer(feeds)
         for name in want:
             scale = float(np.abs(want[name]).max())

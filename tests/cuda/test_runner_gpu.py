@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import engine_core as kiln
 from engine_core.types import BuilderFlag, TensorLocation
-from tests.cuda.models import _model, mlp, vi
+from tests.cuda.models import _model, build_engine, mlp, vi
 
 pytestmark = pytest.mark.gpu
 
@@ -20,20 +20,7 @@ PROFILE = {"x": ((1, 64), (8, 64), (32, 64))}
 
 
 def _build(model, backend="cuda", flags=(), profiles=PROFILE, debug=()):
-    builder = kiln.Builder()
-    net = builder.create_network()
-    assert kiln.OnnxParser(net).parse(model.SerializeToString())
-    for name in debug:
-        assert net.mark_debug(name)
-    cfg = builder.create_builder_config()
-    cfg.backend = backend
-    for flag in flags:
-        cfg.set_flag(flag)
-    prof = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in profiles.items():
-        prof.set_shape(name, lo, opt, hi)
-    cfg.add_optimization_profile(prof)
-    return kiln.Runtime().load(kiln.build_plan(net, cfg))
+    return build_engine(model, backend, profiles, flags=flags, debug=debug)
 
 
 def _driver():

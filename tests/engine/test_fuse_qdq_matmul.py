@@ -24,7 +24,7 @@ from engine_core.passes import FUSION_PASSES, eliminate_dead_code, fuse_gelu
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul, keeps_int8_weight
 from engine_core.passes.pattern import Uses
 from tests.cuda.models import build_engine
-from tests.engine.util import parsed_graph
+from tests.engine.util import float_model, parsed_graph
 
 F = TensorProto.FLOAT
 RTOL = 1e-5
@@ -32,13 +32,8 @@ RTOL = 1e-5
 
 def _model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict[str, np.ndarray],
            opset: int = 21) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        nodes, "qdq", [helper.make_tensor_value_info(n, F, s) for n, s in inputs.items()],
-        [helper.make_tensor_value_info(n, F, None) for n in outputs],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    return model
+    """``float_model`` at opset 21 by default (int4 / output_dtype Q/DQ need it)."""
+    return float_model(nodes, inputs, outputs, inits, opset)
 
 
 

@@ -33,21 +33,9 @@ from engine_core.passes import (
     fuse_rms_norm,
 )
 from engine_core.types import LayerInformationFormat, ProfilingVerbosity
-from tests.engine.util import build, ort_run, parsed_graph
+from tests.engine.util import build, float_model, ort_run, parsed_graph
 
 F = TensorProto.FLOAT
-
-
-def _model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict[str, np.ndarray],
-           opset: int = 17) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, F, s) for n, s in inputs.items()],
-        [helper.make_tensor_value_info(n, F, None) for n in outputs],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10  # readable by older onnxruntime builds too (the GPU machine's)
-    return model
-
 
 
 def _ops(graph: Graph) -> list[str]:
@@ -83,7 +71,7 @@ def _conv_block(rng: np.random.Generator, activation: str) -> onnx.ModelProto:
     else:
         attrs = {"alpha": 0.2} if activation == "LeakyRelu" else {}
         nodes.append(helper.make_node(activation, ["s"], ["y"], name="act", **attrs))
-    return _model(nodes, {"x": [2, 3, 8, 8], "z": [2, 4, 8, 8]}, ["y"], inits)
+    return float_model(nodes, {"x": [2, 3, 8, 8], "z": [2, 4, 8, 8]}, ["y"], inits)
 
 
 @pytest.mark.parametrize("activation,alpha,beta", [("Relu", 0.0, 0.0), ("Clip", -0.5, 0.75),
@@ -116,7 +104,7 @@ def test_conv_fusion_stops_at_tensors_read_elsewhere(rng):
              helper.make_node("Conv", ["x", "w", "b"], ["c2"], name="conv2"),
              helper.make_node("Relu", ["c2"], ["y2"], name="relu2"),
              helper.make_node("Sigmoid", ["c2"], ["y3"], name="sig")]
-    model = _model(nodes, {"x": [1, 3, 5, 5]}, ["c", "y", "y2", "y3"], {"w": _w(rng, 2, 3, 1, 1), "b": _w(rng, 2)})
+    model = float_model(nodes, {"x": [1, 3, 5, 5]}, ["c", "y", "y2", "y3"], {"w": _w(rng, 2, 3, 1, 1), "b": _w(rng, 2)})
     graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 0
     assert _ops(graph) == ["Conv", "Relu", "Conv", "Relu", "Sigmoid"]
@@ -125,7 +113,7 @@ def test_conv_fusion_stops_at_tensors_read_elsewhere(rng):
 def test_conv_with_bias_and_relu_keeps_bias_input(rng):
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", strides=[2, 2], group=2),
              helper.make_node("Relu", ["c"], ["y"], name="relu")]
-    model = _model(nodes, {"x": [1, 4, 9, 9]}, ["y"], {"w": _w(rng, 6, 2, 3, 3), "b": _w(rng, 6)})
+    model = float_model(nodes, {"x": [1, 4, 9, 9]}, ["y"], {"w": _w(rng, 6, 2, 3, 3), "b": _w(rng, 6)})
     graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 1
     node = graph.nodes[0]
@@ -139,7 +127,7 @@ def test_constants_that_would_widen_the_output_are_not_biases(rng):
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), helper.make_node("Add", ["c", "b"], ["y"]),
              helper.make_node("MatMul", ["m", "w2"], ["mm"]), helper.make_node("Add", ["mm", "b2"], ["y2"])]
     inits = {"w": _w(rng, 4, 3, 3), "b": _w(rng, 1, 4, 1, 1), "w2": _w(rng, 3, 2), "b2": _w(rng, 1, 1, 2)}
-    model = _model(nodes, {"x": [1, 3, 7], "m": [5, 3]}, ["y", "y2"], inits)
+    model = float_model(nodes, {"x": [1, 3, 7], "m": [5, 3]}, ["y", "y2"], inits)
     graph = parsed_graph(model)
     assert fuse_conv_epilogue(graph) == 0 and fuse_matmul_epilogue(graph) == 0
     _matches_ort(model, {"x": _x(rng, 1, 3, 7), "m": _x(rng, 5, 3)})
@@ -156,7 +144,7 @@ def _linear(rng: np.random.Generator, activation: str) -> onnx.ModelProto:
     if activation:
         nodes.append(helper.make_node(activation, ["a"], ["y"], name="act"))
         output = "y"
-    return _model(nodes, {"x": [2, 3, 5]}, [output], {"w": _w(rng, 5, 7), "bias": _w(rng, 7)},
+    return float_model(nodes, {"x": [2, 3, 5]}, [output], {"w": _w(rng, 5, 7), "bias": _w(rng, 7)},
                   opset=20 if activation == "Gelu" else 17)
 
 
@@ -180,7 +168,7 @@ def _gemm_and_transposed(rng: np.random.Generator) -> onnx.ModelProto:
              helper.make_node("MatMul", ["t", "w2"], ["m"], name="mm"),
              helper.make_node("Add", ["m", "b2"], ["y2"], name="add")]
     inits = {"w": _w(rng, 6, 4), "c": _w(rng, 6), "w2": _w(rng, 3, 2), "b2": _w(rng, 1, 2)}
-    return _model(nodes, {"x": [5, 4], "x3": [2, 3, 4]}, ["y", "y2"], inits)
+    return float_model(nodes, {"x": [5, 4], "x3": [2, 3, 4]}, ["y", "y2"], inits)
 
 
 def test_gemm_and_transposed_operand_fold_into_flags(rng):
@@ -249,7 +237,7 @@ def test_gelu_patterns_become_one_gelu(rng, form):
     inits = {"sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1), "half": np.float32(0.5),
              "three": np.float32(3), "k": np.float32(0.044715), "s2pi": np.float32(math.sqrt(2 / math.pi))}
     inits = {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    model = _model(nodes, {"x": [3, 16]}, ["y"], inits, opset=13)
+    model = float_model(nodes, {"x": [3, 16]}, ["y"], inits, opset=13)
     graph = parsed_graph(model)
     assert fuse_gelu(graph) == 1
     (node,) = graph.nodes
@@ -261,7 +249,7 @@ def test_gelu_patterns_become_one_gelu(rng, form):
 
 def test_gelu_with_a_shared_intermediate_is_left_alone():
     nodes = _gelu_erf("half_x_first")
-    model = _model(nodes, {"x": [2, 4]}, ["y", "e"], {"sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1),
+    model = float_model(nodes, {"x": [2, 4]}, ["y", "e"], {"sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1),
                                                        "half": np.float32(0.5)}, opset=13)
     graph = parsed_graph(model)
     assert fuse_gelu(graph) == 0 and len(graph.nodes) == len(nodes)
@@ -288,7 +276,7 @@ def _layer_norm(rng: np.random.Generator, opset: int) -> onnx.ModelProto:
     inits = {"two": np.float32(2), "eps": np.float32(1e-5), "gamma": _w(rng, 8) + 1, "beta": _w(rng, 8),
              "axes": np.array([-1], np.int64)}
     inits = {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    return _model(nodes, {"x": [2, 5, 8]}, ["y"], inits, opset=opset)
+    return float_model(nodes, {"x": [2, 5, 8]}, ["y"], inits, opset=opset)
 
 
 @pytest.mark.parametrize("opset", [13, 18])
@@ -311,7 +299,7 @@ def test_decomposed_rms_norm_becomes_rms_normalization(rng):
              helper.make_node("Add", ["ms", "eps"], ["me"]), helper.make_node("Sqrt", ["me"], ["r"]),
              helper.make_node("Reciprocal", ["r"], ["inv"]), helper.make_node("Mul", ["x", "inv"], ["n"]),
              helper.make_node("Mul", ["gamma", "n"], ["y"])]
-    model = _model(nodes, {"x": [2, 3, 8]}, ["y"], {"two": np.float32(2), "eps": np.float32(1e-6),
+    model = float_model(nodes, {"x": [2, 3, 8]}, ["y"], {"two": np.float32(2), "eps": np.float32(1e-6),
                                                      "gamma": _w(rng, 8) + 1}, opset=13)
     graph = parsed_graph(model)
     assert fuse_rms_norm(graph) == 1
@@ -342,7 +330,7 @@ def _attention_model(rng: np.random.Generator, key_perm: str, masked: bool,
     nodes += [helper.make_node("Softmax", ["sm" if masked else "ss"], ["p"], name="softmax", axis=-1),
               helper.make_node("MatMul", ["p", "vh"], ["y"], name="context")]
     inputs = {t: [2, 6, 8] for t in "qkv"} | ({"mask": list(mask_shape)} if masked else {})
-    return _model(nodes, inputs, ["y"], {"shape": np.array([0, 0, 2, 4], np.int64), "sqrt_d": np.float32(2.0)})
+    return float_model(nodes, inputs, ["y"], {"shape": np.array([0, 0, 2, 4], np.int64), "sqrt_d": np.float32(2.0)})
 
 
 @pytest.mark.parametrize("key_perm,masked", [("split_then_swap", True), ("one_transpose", True),
@@ -436,7 +424,7 @@ def _pointwise() -> onnx.ModelProto:
              helper.make_node("Exp", ["x"], ["e"], name="exp"),
              helper.make_node("Neg", ["e"], ["n"], name="neg"),
              helper.make_node("MatMul", ["e", "n"], ["out2"], name="mm")]
-    return _model(nodes, {"x": [4, 4], "y": [1, 4]}, ["out", "out2"], {"two": np.float32(2)})
+    return float_model(nodes, {"x": [4, 4], "y": [1, 4]}, ["out", "out2"], {"two": np.float32(2)})
 
 
 def test_pointwise_layers_become_one_chain(rng):
@@ -461,7 +449,7 @@ def _fake_quant(per_axis: bool) -> onnx.ModelProto:
              helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q"], name="q", axis=1),
              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dq", axis=1),
              helper.make_node("Exp", ["dq"], ["y"], name="exp")]
-    return _model(nodes, {"x": [2, 4, 3]}, ["y"], {"s": scale, "z": zero}, opset=13)
+    return float_model(nodes, {"x": [2, 4, 3]}, ["y"], {"s": scale, "z": zero}, opset=13)
 
 
 def test_per_tensor_quantize_dequantize_joins_a_chain(rng):
@@ -483,7 +471,7 @@ def test_transposes_merge_and_identities_vanish(rng):
              helper.make_node("Transpose", ["x"], ["c"], perm=[1, 0, 2, 3]),
              helper.make_node("Transpose", ["c"], ["d"], perm=[1, 0, 2, 3]),
              helper.make_node("Relu", ["d"], ["y2"])]
-    model = _model(nodes, {"x": [2, 3, 4, 5]}, ["b", "y2"], {})
+    model = float_model(nodes, {"x": [2, 3, 4, 5]}, ["b", "y2"], {})
     graph = parsed_graph(model)
     assert eliminate_transposes(graph) >= 2
     assert _ops(graph) == ["Transpose", "Relu"]
@@ -495,7 +483,7 @@ def test_transposes_merge_and_identities_vanish(rng):
 def test_softmax_then_log_becomes_log_softmax(rng):
     nodes = [helper.make_node("Softmax", ["x"], ["s"], name="sm", axis=1),
              helper.make_node("Log", ["s"], ["y"], name="log")]
-    model = _model(nodes, {"x": [3, 7]}, ["y"], {})
+    model = float_model(nodes, {"x": [3, 7]}, ["y"], {})
     graph = parsed_graph(model)
     assert fuse_log_softmax(graph) == 1
     (node,) = graph.nodes

@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.helper
+import onnx.numpy_helper
 
 import engine_core as kiln
+
+
+def float_model(nodes: list, inputs: dict[str, list], outputs: list[str], inits: dict[str, np.ndarray],
+                opset: int = 17) -> onnx.ModelProto:
+    """A model of ``nodes`` with float32 inputs (name -> shape), float32 outputs of any shape and initializers,
+    IR version 10 (readable by older onnxruntime builds too: the GPU machine's)."""
+    f32 = onnx.TensorProto.FLOAT
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info(n, f32, s) for n, s in inputs.items()],
+        [onnx.helper.make_tensor_value_info(n, f32, None) for n in outputs],
+        [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
 
 
 def parsed_graph(model: onnx.ModelProto):
