@@ -315,7 +315,10 @@ class _Context:
 def launch_program(kernel: PointwiseKernel, y: Ref, xs: list[Ref], shape, out_strides, in_strides) -> Launch:
     n = int(np.prod(shape, dtype=np.int64))
     ix, rank = make_indexer(shape, out_strides, in_strides)
-    grid = grid_for((n + 3) // 4 if rank <= 1 else n)  # rank <= 1: 4 elements per thread (pointwise.cu)
+    threads = kernel.vector_threads(n, rank, ix)
+    if threads is None:  # the strided path: rank <= 1 moves 4 elements per thread (pointwise.cu), others one
+        threads = (n + 3) // 4 if rank <= 1 else n
+    grid = grid_for(threads)
     return Launch("pointwise", kernel.name, grid, (THREADS, 1, 1),
                   [(y, ctypes.c_void_p), *[(x, ctypes.c_void_p) for x in xs], (n, ctypes.c_longlong),
                    (rank, ctypes.c_int), (ix, type(ix))], kernel)

@@ -25,6 +25,12 @@ from engine_core.cuda.nvrtc import KERNEL_DIR
 
 MAX_RANK = 6
 MAX_INPUTS = 8
+#: vectors per thread in a generated kernel's vector path (loads of all of them before any store); None: 2 when
+#: the output is narrower than the widest input (int32 GEMM sums -> fp16, fp16 -> int8), else 1. Measured on the
+#: H100 at BERT-base sizes (bench/pointwise.py, bench/results/pointwise_20261123T164529.json): 2 was 4-11% faster
+#: than 1 on those narrowing kernels, 1 was 3-7% faster on same-width ones (GELU, bias add), 4 was slower on all
+#: (up to 1.8x: registers)
+VECTOR_UNROLL: int | None = None
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -167,11 +173,21 @@ class PointwiseKernel:
         widest = max(np.dtype(t).itemsize for t in (self.out, *self.ins))
         return min(8, 16 // widest)
 
+    def vector_unroll(self) -> int:
+        """Vectors per thread in the vector path (``VECTOR_UNROLL``)."""
+        if VECTOR_UNROLL is not None:
+            return VECTOR_UNROLL
+        return 2 if self.out.itemsize < max(np.dtype(t).itemsize for t in self.ins) else 1
+
     def _vector_path(self) -> str:
+        """Each thread moves ``vector_unroll()`` vectors, blockDim.x apart, every load issued before the first
+        store (more bytes in flight per thread), and the host launches just the threads the vectors need
+        (``vector_threads``: sized for one element per thread before, 3/4 of the threads of a 4-wide kernel
+        had nothing to do; session 5's CUPTI profile had BERT's INT8 epilogues at 4-5x their memory time)."""
         width = self.vector_width()
         if width < 2:
             return ""
-        n = len(self.ins)
+        n, unroll = len(self.ins), self.vector_unroll()
         out_t = C_TYPES[self.out][0]
         last = "rank - 1"
         conds = ["rank >= 1", f"ix.shape[{last}] % {width} == 0", f"ix.out[{last}] == 1",
@@ -179,34 +195,57 @@ class PointwiseKernel:
         for i, t in enumerate(self.ins):
             conds.append(f"(ix.in[{i}][{last}] == 0 || (ix.in[{i}][{last}] == 1 && kiln_aligned(x{i}, {width} * "
                          f"sizeof({C_TYPES[t][0]})) && kiln_outer_strides_ok(ix.in[{i}], rank, {width})))")
-        loads = []
+        loads = [f"KilnVec<{C_TYPES[t][0]}, {width}> a{i}[{unroll}];" for i, t in enumerate(self.ins)]
+        fill = []
         for i, t in enumerate(self.ins):
-            st = C_TYPES[t][0]
-            loads.append(f"KilnVec<{st}, {width}> a{i}; if (ix.in[{i}][{last}]) a{i} = *reinterpret_cast<const KilnVec<"
-                         f"{st}, {width}>*>(x{i} + o[{i}]); else {{ _Pragma(\"unroll\") for (int u = 0; u < {width}; "
-                         f"++u) a{i}.v[u] = x{i}[o[{i}]]; }}")
-        lane = [f"const {C_TYPES[t][2]} v{i} = kiln_load(a{i}.v[u]);" for i, t in enumerate(self.ins)]
+            vec = f"KilnVec<{C_TYPES[t][0]}, {width}>"
+            fill.append(f"if (ix.in[{i}][{last}]) a{i}[s] = *reinterpret_cast<const {vec}*>(x{i} + o[{i}]); else "
+                        f"{{ _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) a{i}[s].v[u] = x{i}[o[{i}]]; }}")
+        lane = [f"const {C_TYPES[t][2]} v{i} = kiln_load(a{i}[s].v[u]);" for i, t in enumerate(self.ins)]
         lane += self._program_lines()
         lane.append(f"out.v[u] = KILN_CONVERT({out_t}, v{n + len(self.nodes) - 1});")
-        body = "\n                ".join(lane)
-        load_lines = "\n            ".join(loads)
-        offsets = (f"if (rank == 1) {{ oy = i; _Pragma(\"unroll\") for (int k = 0; k < {max(n, 1)}; ++k) o[k] = "
-                   f"i * ix.in[k][0]; }} else kiln_offsets<{n}>(i, n, rank, ix, oy, o);")
+        offsets = (f"if (rank == 1) {{ oy[s] = i; _Pragma(\"unroll\") for (int k = 0; k < {max(n, 1)}; ++k) o[k] = "
+                   f"ix.in[k][0] ? i : 0; }} else kiln_offsets<{n}>(i, n, rank, ix, oy[s], o);")
+        ind = "\n" + " " * 16
         return (f"    if ({' && '.join(conds)}) {{\n"
-                f"        const long long kiln_step = (long long)gridDim.x * blockDim.x;\n"
-                f"        for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < n / {width}; t += kiln_step) {{\n"
-                f"            const long long i = t * {width};\n"
-                f"            long long oy, o[{max(n, 1)}];\n"
-                f"            {offsets}\n"
-                f"            {load_lines}\n"
-                f"            KilnVec<{out_t}, {width}> out;\n"
-                f"            _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) {{\n"
-                f"                {body}\n"
-                f"            }}\n"
-                f"            *reinterpret_cast<KilnVec<{out_t}, {width}>*>(y + oy) = out;\n"
+                f"        const long long kiln_vectors = n / {width};\n"
+                f"        const long long kiln_step = (long long)gridDim.x * blockDim.x * {unroll};\n"
+                f"        for (long long kiln_base = blockIdx.x * (long long)blockDim.x * {unroll} + threadIdx.x; "
+                f"kiln_base < kiln_vectors; kiln_base += kiln_step) {{\n"
+                f"            long long oy[{unroll}];\n"
+                f"            {' '.join(loads)}\n"
+                f"            _Pragma(\"unroll\") for (int s = 0; s < {unroll}; ++s) {{\n"
+                f"                const long long t = kiln_base + (long long)s * blockDim.x;\n"
+                f"                if (t < kiln_vectors) {{\n"
+                f"                const long long i = t * {width};\n"
+                f"                long long o[{max(n, 1)}];\n"
+                f"                {offsets}{ind}{ind.join(fill)}\n"
+                f"            }} }}\n"
+                f"            _Pragma(\"unroll\") for (int s = 0; s < {unroll}; ++s) {{\n"
+                f"                if (kiln_base + (long long)s * blockDim.x < kiln_vectors) {{\n"
+                f"                KilnVec<{out_t}, {width}> out;\n"
+                f"                _Pragma(\"unroll\") for (int u = 0; u < {width}; ++u) {{\n"
+                f"                    {(chr(10) + ' ' * 20).join(lane)}\n"
+                f"                }}\n"
+                f"                *reinterpret_cast<KilnVec<{out_t}, {width}>*>(y + oy[s]) = out;\n"
+                f"            }} }}\n"
                 f"        }}\n"
                 f"        return;\n"
                 f"    }}\n")
+
+    def vector_threads(self, n: int, rank: int, ix: Indexer) -> int | None:
+        """Threads the vector path needs for ``n`` elements when the merged dims allow it (pointer alignment,
+        checked by the kernel, aside); None when the strided path will run."""
+        width = self.vector_width()
+        if width < 2 or rank < 1 or ix.shape[rank - 1] % width or ix.out[rank - 1] != 1:
+            return None
+        ins = [ix.inp[i] for i in range(len(self.ins))]
+        if any(st[rank - 1] not in (0, 1) for st in ins):
+            return None
+        read = [ix.out] + [st for st in ins if st[rank - 1] == 1]  # broadcast (stride-0) inputs read one value
+        if any(st[d] % width for st in read for d in range(rank - 1)):
+            return None
+        return -(-n // (width * self.vector_unroll()))
 
 
 def _suffix(dtype: np.dtype) -> str:
