@@ -36,3 +36,111 @@ __device__ __forceinline__ float kiln_block_reduce(float v) {
 }
 
 __device__ __forceinline__ float kiln_block_sum(float v) { return kiln_block_reduce<false>(v); }
+
+__device__ __forceinline__ float kiln_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+// One warp per row of at most KILN_WARP_ROW elements, held in registers (KILN_WARP_ROW / 32 floats a lane):
+// a 16-byte vector per load when every pointer is 16-byte aligned and cols is a multiple of the vector, else
+// one element per lane per load. Slot (j, e) of a lane is column (j * 32 + lane) * V + e (vectors), or
+// (j * V + e) * 32 + lane (elements). Why: the block-per-row kernels re-read each row from memory for every
+// pass and launch 256 threads for a 768-wide row; here a row is read once (BERT's LayerNorms, session 5:
+// ~1.1 TB/s on the H100).
+#define KILN_WARP_ROW 1024
+template <typename T> struct alignas(16) KilnRowVec { T v[16 / sizeof(T)]; };
+
+template <typename T>
+struct KilnWarpRow {
+    static constexpr int V = 16 / sizeof(T);
+    static constexpr int SLOTS = KILN_WARP_ROW / 32 / V;  // vectors (or element groups) per lane
+    bool vec;
+    int cols, lane;
+    __device__ KilnWarpRow(int cols_, bool aligned) : vec(aligned && cols_ % V == 0), cols(cols_), lane(threadIdx.x & 31) {}
+    __device__ __forceinline__ int col(int j, int e) const { return vec ? (j * 32 + lane) * V + e : (j * V + e) * 32 + lane; }
+    // v[e] = row[col(j, e)] as float, 0 past the row's end
+    __device__ __forceinline__ void load(const T* row, int j, float (&v)[V]) const {
+        if (vec) {
+            KilnRowVec<T> a;
+            const bool in = col(j, 0) < cols;
+            if (in) a = *reinterpret_cast<const KilnRowVec<T>*>(row + col(j, 0));
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = in ? kiln_f(a.v[e]) : 0.0f;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = col(j, e) < cols ? kiln_f(row[col(j, e)]) : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(T* row, int j, const float (&v)[V]) const {
+        if (vec) {
+            if (col(j, 0) >= cols) return;
+            KilnRowVec<T> a;
+#pragma unroll
+            for (int e = 0; e < V; ++e) a.v[e] = kiln_to<T>(v[e]);
+            *reinterpret_cast<KilnRowVec<T>*>(row + col(j, 0)) = a;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (col(j, e) < cols) row[col(j, e)] = kiln_to<T>(v[e]);
+        }
+    }
+};
+
+__device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
+
+// LayerNormalization (RMS: RMSNormalization; SKIP: of x + skip, the sum rounded to T as the unfused Add stores
+// it) of row blockIdx.x * warps + warp, in registers; fp32 statistics, two passes over the registers (the
+// block kernels' order of operations).
+template <typename T, bool RMS, bool SKIP>
+__device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
+                               const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows) {
+    using Row = KilnWarpRow<T>;
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // the whole warp: every lane has the same row
+    const bool aligned = kiln_aligned16(x) && (!SKIP || kiln_aligned16(skip)) && kiln_aligned16(gamma)
+                         && (beta == nullptr || kiln_aligned16(beta)) && kiln_aligned16(y);
+    const Row row(cols, aligned);
+    float v[Row::SLOTS][Row::V];
+#pragma unroll
+    for (int j = 0; j < Row::SLOTS; ++j) row.load(x + r * cols, j, v[j]);
+    if (SKIP) {
+#pragma unroll
+        for (int j = 0; j < Row::SLOTS; ++j) {
+            float s[Row::V];
+            row.load(skip + r * cols, j, s);
+#pragma unroll
+            for (int e = 0; e < Row::V; ++e) v[j][e] = kiln_f(kiln_to<T>(v[j][e] + s[e]));
+        }
+    }
+    float mean = 0.0f;
+    if (!RMS) {
+        float t = 0.0f;
+#pragma unroll
+        for (int j = 0; j < Row::SLOTS; ++j)
+#pragma unroll
+            for (int e = 0; e < Row::V; ++e) t += v[j][e];
+        mean = kiln_warp_sum(t) / (float)cols;
+    }
+    float q = 0.0f;
+#pragma unroll
+    for (int j = 0; j < Row::SLOTS; ++j)
+#pragma unroll
+        for (int e = 0; e < Row::V; ++e) {
+            const float d = row.col(j, e) < cols ? v[j][e] - mean : 0.0f;
+            q += d * d;
+        }
+    const float inv = rsqrtf(kiln_warp_sum(q) / (float)cols + epsilon);
+#pragma unroll
+    for (int j = 0; j < Row::SLOTS; ++j) {
+        float g[Row::V], b[Row::V];
+        row.load(gamma, j, g);
+        if (beta != nullptr) row.load(beta, j, b);
+#pragma unroll
+        for (int e = 0; e < Row::V; ++e) {
+            v[j][e] = (v[j][e] - mean) * inv * g[e];
+            if (beta != nullptr) v[j][e] += b[e];
+        }
+        row.store(y + r * cols, j, v[j]);
+    }
+}

@@ -27,6 +27,7 @@ __device__ void norm_rows(const T* __restrict__ x, const T* __restrict__ gamma, 
     }
 }
 
+// *_warp_*: one warp per row of at most KILN_WARP_ROW elements, read once into registers (kiln_reduce.cuh)
 #define KILN_NORM(T, SUFFIX)                                                                        \
     extern "C" __global__ void layer_norm_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
                                                    long long cols, float epsilon) {                 \
@@ -35,6 +36,14 @@ __device__ void norm_rows(const T* __restrict__ x, const T* __restrict__ gamma, 
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y,   \
                                                  long long cols, float epsilon) {                   \
         norm_rows<T, true>(x, gamma, beta, y, cols, epsilon);                                      \
+    }                                                                                               \
+    extern "C" __global__ void layer_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
+                                                        int cols, float epsilon, long long rows) {       \
+        kiln_warp_norm<T, false, false>(x, nullptr, gamma, beta, y, cols, epsilon, rows);              \
+    }                                                                                               \
+    extern "C" __global__ void rms_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
+                                                      int cols, float epsilon, long long rows) {       \
+        kiln_warp_norm<T, true, false>(x, nullptr, gamma, beta, y, cols, epsilon, rows);               \
     }
 
 KILN_NORM(float, f32)

@@ -2,6 +2,7 @@
 // row. Why: a transformer's residual Add before its LayerNorm (post-LN BERT) otherwise reads two tensors and
 // writes one whole activation only for the LayerNorm to read it back; here the sum never leaves the block.
 // The sum is rounded to the storage type first, as the unfused Add stores it; statistics are fp32 (layer_norm.cu).
+// skip_layer_norm_warp_*: one warp per row of at most KILN_WARP_ROW elements, in registers (kiln_reduce.cuh).
 #include "kiln_reduce.cuh"
 
 template <typename T>
@@ -35,6 +36,11 @@ __device__ void skip_norm_rows(const T* __restrict__ x, const T* __restrict__ sk
     extern "C" __global__ void skip_layer_norm_##SUFFIX(const T* x, const T* skip, const T* gamma, const T* beta, \
                                                         T* y, long long cols, float epsilon) {                 \
         skip_norm_rows<T>(x, skip, gamma, beta, y, cols, epsilon);                                             \
+    }                                                                                                          \
+    extern "C" __global__ void skip_layer_norm_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,        \
+                                                             const T* beta, T* y, int cols, float epsilon,      \
+                                                             long long rows) {                                 \
+        kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows);                          \
     }
 
 KILN_SKIP_NORM(float, f32)

@@ -68,15 +68,19 @@ def test_what_must_stay_unfused_stays(case):
     assert "SkipLayerNorm" not in [n.op_type for n in graph.nodes]
 
 
-@pytest.mark.parametrize("skip_shape, launches", [([2, 5, 16], ["skip_layer_norm_f32"]),
-                                                  ([1, 5, 16], ["pw", "layer_norm_f32"])],
-                         ids=["one-kernel", "broadcast"])
-def test_cuda_lowering_emulated_equals_the_cpu_backend(tmp_path, monkeypatch, skip_shape, launches):
-    from engine_core.backends.cuda import KERNEL_FILES
+@pytest.mark.parametrize("skip_shape, warp_limit, launches",
+                         [([2, 5, 16], 1024, ["skip_layer_norm_warp_f32"]), ([1, 5, 16], 1024, ["pw", "layer_norm_warp_f32"]),
+                          ([2, 5, 16], 8, ["skip_layer_norm_f32"]), ([1, 5, 16], 8, ["pw", "layer_norm_f32"])],
+                         ids=["one-kernel", "broadcast", "one-kernel-wide-rows", "broadcast-wide-rows"])
+def test_cuda_lowering_emulated_equals_the_cpu_backend(tmp_path, monkeypatch, skip_shape, warp_limit, launches):
+    """Rows up to WARP_ROW_LIMIT run a warp per row (here 16 <= 1024), longer ones a block per row (the limit set
+    to 8)."""
+    from engine_core.backends.cuda import KERNEL_FILES, lowering
     from engine_core.cuda.nvrtc import compile_kernel_file
     from tests.cuda.emulate import Emulator
     from tests.cuda.models import lowered_at, optimized_graph
 
+    monkeypatch.setattr(lowering, "WARP_ROW_LIMIT", warp_limit)
     feeds = _feeds(skip_shape)
     graph = optimized_graph(_model(skip_shape), feeds)
     lowered = lowered_at(graph, feeds)
@@ -85,4 +89,5 @@ def test_cuda_lowering_emulated_equals_the_cpu_backend(tmp_path, monkeypatch, sk
     got = Emulator(graph, lowered, feeds).run()["y"]
     np.testing.assert_allclose(got, GraphRunner(graph).run(feeds)["y"], rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
-    assert "skip_layer_norm" in KERNEL_FILES and b"skip_layer_norm_f16" in compile_kernel_file("skip_layer_norm", "sm_90")
+    assert "skip_layer_norm" in KERNEL_FILES and all(
+        name in compile_kernel_file("skip_layer_norm", "sm_90") for name in (b"skip_layer_norm_f16", b"skip_layer_norm_warp_f16"))

@@ -271,12 +271,12 @@ def _layer_norm_nodes(axes_as_input: bool) -> list:
             helper.make_node("Add", ["g", "beta"], ["y"])]
 
 
-def _layer_norm(rng: np.random.Generator, opset: int) -> onnx.ModelProto:
+def _layer_norm(rng: np.random.Generator, opset: int, cols: int = 8) -> onnx.ModelProto:
     nodes = _layer_norm_nodes(axes_as_input=opset >= 18)
-    inits = {"two": np.float32(2), "eps": np.float32(1e-5), "gamma": _w(rng, 8) + 1, "beta": _w(rng, 8),
+    inits = {"two": np.float32(2), "eps": np.float32(1e-5), "gamma": _w(rng, cols) + 1, "beta": _w(rng, cols),
              "axes": np.array([-1], np.int64)}
     inits = {k: v for k, v in inits.items() if any(k in n.input for n in nodes)}
-    return float_model(nodes, {"x": [2, 5, 8]}, ["y"], inits, opset=opset)
+    return float_model(nodes, {"x": [2, 5, cols]}, ["y"], inits, opset=opset)
 
 
 @pytest.mark.parametrize("opset", [13, 18])
@@ -552,6 +552,10 @@ GPU_CASES = {
     "attention_where": (lambda r: _where_attention(), _where_feeds),
     "pointwise_chain": (lambda r: _pointwise(), lambda r: {"x": _x(r, 4, 4), "y": _x(r, 1, 4)}),
     "layer_norm": (lambda r: _layer_norm(r, 13), lambda r: {"x": _x(r, 2, 5, 8)}),
+    # a warp per row: 16-byte vectors (768: three a lane), one element a lane (13 is no multiple of 4); a block per
+    # row past 1024
+    **{f"layer_norm_cols{c}": (lambda r, c=c: _layer_norm(r, 13, c), lambda r, c=c: {"x": _x(r, 2, 5, c)})
+       for c in (13, 768, 1100)},
 }
 
 

@@ -629,9 +629,19 @@ def _lower_norm(node: Node, ctx: _Context) -> list:
     if rows * cols == 0:
         return []
     kind = "layer_norm" if node.op_type == "LayerNormalization" else "rms_norm"
-    return [Launch("layer_norm", f"{kind}_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
-                   [(Ref(node.inputs[0]), ctypes.c_void_p), *_norm_tail(node, 1), (cols, ctypes.c_longlong),
-                    (float(node.attr("epsilon", 1e-5)), ctypes.c_float)])]
+    return [_norm_launch("layer_norm", kind, suffix, rows, cols, [Ref(node.inputs[0])], node, 1)]
+
+
+def _norm_launch(module: str, kind: str, suffix: str, rows: int, cols: int, xs: list[Ref], node: Node,
+                 first: int) -> Launch:
+    """One row-norm launch: a warp per row held in registers for rows of at most WARP_ROW_LIMIT elements (every
+    row read once), else a block per row."""
+    eps = (float(node.attr("epsilon", 1e-5)), ctypes.c_float)
+    args = [*[(x, ctypes.c_void_p) for x in xs], *_norm_tail(node, first)]
+    if cols <= WARP_ROW_LIMIT:
+        return Launch(module, f"{kind}_warp_{suffix}", _warp_grid(rows), (THREADS, 1, 1),
+                      [*args, (cols, ctypes.c_int), eps, (rows, ctypes.c_longlong)])
+    return Launch(module, f"{kind}_{suffix}", (rows, 1, 1), (THREADS, 1, 1), [*args, (cols, ctypes.c_longlong), eps])
 
 
 def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
@@ -641,18 +651,14 @@ def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
     suffix, rows, cols = _norm_geometry(node, ctx, out.shape, out.dtype)
     if rows * cols == 0:
         return []
-    eps = (float(node.attr("epsilon", 1e-5)), ctypes.c_float)
     x, skip = node.inputs[:2]
     if all(tuple(ctx.info(n).shape) == tuple(out.shape) for n in (x, skip)):
-        return [Launch("skip_layer_norm", f"skip_layer_norm_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
-                       [(Ref(x), ctypes.c_void_p), (Ref(skip), ctypes.c_void_p), *_norm_tail(node, 2),
-                        (cols, ctypes.c_longlong), eps])]
+        return [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node, 2)]
     total = ctx.new_scratch(f"{node.name}#sum", out.dtype, tuple(out.shape))
     kernel = ctx.kernel(program_kernel([PwNode.make("Add", [0, 1], out.dtype)], out.dtype, [out.dtype, out.dtype]))
     strides = [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in (x, skip)]
     add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
-    return [add, Launch("layer_norm", f"layer_norm_{suffix}", (rows, 1, 1), (THREADS, 1, 1),
-                        [(total, ctypes.c_void_p), *_norm_tail(node, 2), (cols, ctypes.c_longlong), eps])]
+    return [add, _norm_launch("layer_norm", "layer_norm", suffix, rows, cols, [total], node, 2)]
 
 
 _REDUCE_KERNELS = {"ReduceMean": "reduce_rows", "ReduceSum": "reduce_rows", "ReduceMax": "reduce_max_rows",
