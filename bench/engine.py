@@ -42,14 +42,13 @@ def torch_model(name: str):
     if name == "resnet50":
         import torchvision
 
-        module = torchvision.models.resnet50(weights=None).cuda()
+        module = torchvision.models.resnet50(weights=None).eval().cuda()
 
         def inputs(batch: int, dtype=torch.float32):
             g = torch.Generator(device="cuda").manual_seed(batch)
             return (torch.randn(batch, 3, 224, 224, device="cuda", generator=g).to(dtype),)
 
-        condition_classifier(module, module.fc)
-        return module.eval(), ["input"], inputs
+        return module, ["input"], inputs
     if name == "bert_base":
         from transformers import BertConfig, BertModel
 
@@ -63,35 +62,6 @@ def torch_model(name: str):
 
         return module, ["input_ids", "attention_mask", "token_type_ids"], inputs
     raise ValueError(f"unknown model {name}")
-
-
-def condition_classifier(module, head, batches: int = 4, batch: int = 32, size: int = 224) -> None:
-    """Make a seeded-weight CNN behave like a trained one where it matters to accuracy figures: BatchNorm
-    statistics measured over seeded images (``batches`` of N(0, 1), seeds 10_000 + k: none of the evaluation
-    seeds), then the classifier ``head``'s bias centred on the mean feature. Why: at initialisation (running
-    mean 0, variance 1) activations drift through 50 layers until one direction dominates the logits, and the
-    model predicts one class for every input, so "top-1 agreement" of a quantized build would be 1.0 whatever
-    it computed (session 5: ``distinct_top1_classes`` 1). Conditioned, the prediction depends on the input."""
-    import torch
-
-    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None  # a cumulative average over the batches
-    features = []
-    hook = head.register_forward_pre_hook(lambda _, args: features.append(args[0].detach()))
-    with torch.no_grad():
-        module.train()
-        for k in range(batches):
-            g = torch.Generator(device="cuda").manual_seed(10_000 + k)
-            module(torch.randn(batch, 3, size, size, device="cuda", generator=g))
-        module.eval()
-        features.clear()
-        for k in range(batches):
-            g = torch.Generator(device="cuda").manual_seed(10_000 + k)
-            module(torch.randn(batch, 3, size, size, device="cuda", generator=g))
-        head.bias -= head.weight @ torch.cat(features).mean(0)
-    hook.remove()
 
 
 def single_output(module):
