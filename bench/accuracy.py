@@ -12,8 +12,9 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench.engine import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         agree = f"{r['top1_agreement_with_fp32']:.4f}" if r["top1_agreement_with_fp32"] is not None else "-"
         print(f"{r['model']:<10}{r['precision']:>6}{r['inputs']:>8}{agree:>13}{r['max_abs_error']:>12.4g}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"accuracy_{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "accuracy", {"device": torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 

@@ -20,9 +20,8 @@ itself does not). Writes ``cudnn_int8_<time>.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
+
+from bench.engine import write_results
 
 #: (C, K, kernel, stride, input H=W, residual, count in ResNet-50)
 RESNET50_CONVS = [
@@ -236,12 +235,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{fp16 or float('nan'):8.3f} {int8 or float('nan'):8.3f} {ratio} {lt or float('nan'):7.3f}  {check}")
     print(f"ResNet-50 convolutions, weighted by count: fp16 {totals['fp16']:.3f} ms, int8 cuDNN {totals['int8']:.3f} ms, "
           f"int8 with cuBLASLt where faster {totals['int8_best']:.3f} ms")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cudnn_int8_{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cudnn": cudnn.backend_version(),
-                                "batch": args.batch, "totals_ms": totals, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "cudnn_int8", {"device": torch.cuda.get_device_name(), "cudnn": cudnn.backend_version(),
+                                           "batch": args.batch, "totals_ms": totals, "rows": rows})
     return 0
 
 

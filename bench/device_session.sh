@@ -4,8 +4,11 @@
 #   bash bench/device_session.sh STAGE [STAGE ...]     (carry ["wheels"]; wheels/ from ../shared/tools/device-wheels.sh)
 #
 # Stages, in the order a session should spend its 30 device minutes (each stage is time-boxed):
-#   tests        every @pytest.mark.gpu test (CUDA backend, fused layers, flash attention, every tools/make_models.py
-#                model at fp32/TF32/FP16, INT8 GEMM, CUDA shared memory over HTTP/gRPC)            ~4 min
+#   tests        the @pytest.mark.gpu tests but the model ones (CUDA backend, fused layers, flash attention, INT8
+#                GEMM and convolution, runner, CUDA shared memory over HTTP/gRPC)                          ~4 min
+#   models       tests/cuda/test_models_gpu.py: every tools/make_models.py model at fp32/TF32/FP16 vs the CPU
+#                backend (split from tests in session 6: on a cold kernel cache the two did not fit 330 s)   ~4 min
+#   pointwise    bench.pointwise: generated kernels at BERT-base sizes vs a same-size copy and torch eager    ~1 min
 #   bert         bench.engine BERT-base tf32+fp16 at batch 1, 8, 64 vs torch eager + compile reduce-overhead  ~4 min
 #   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32: BERT 8, ResNet 128 and 8 (compiles ~2 min each) ~9 min
@@ -31,7 +34,13 @@ for stage in "$@"; do
   case $stage in
     tests)
       timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda tests/engine \
-        tests/server/test_cuda_shared_memory.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+        tests/server/test_cuda_shared_memory.py --ignore tests/cuda/test_models_gpu.py 2>&1 | quiet | tail -40 \
+        | tee "$OUT/gpu_tests.txt" ;;
+    models)
+      timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda/test_models_gpu.py \
+        2>&1 | quiet | tail -40 | tee "$OUT/gpu_model_tests.txt" ;;
+    pointwise)
+      timeout 150 python3 -m bench.pointwise --out "$OUT" 2>&1 | quiet | tail -8 ;;
     bert)
       timeout 280 python3 -m bench.engine --models bert_base --precisions tf32,fp16 --batches 1,8,64 \
         --peers eager,reduce-overhead --compile-batches 1,8,64 --profile --out "$OUT" 2>&1 | quiet | tail -12 ;;

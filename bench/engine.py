@@ -95,6 +95,16 @@ def export_onnx(module, names: list[str], example: tuple, path: Path) -> Path:
     return path
 
 
+def write_results(out: str | Path, prefix: str, payload: dict) -> Path:
+    """``payload`` as ``<out>/<prefix>_<time>.json`` (the name every bench script writes); prints and returns it."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{prefix}_{time.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
 # -- timing -----------------------------------------------------------------------------------------------
 
 

@@ -16,15 +16,14 @@ roofline a pointwise kernel can reach), and torch eager computing the same expre
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from bench.engine import kernel_profile, write_results
 
 HIDDEN, FFN = 768, 3072
 
@@ -109,8 +108,6 @@ def _engine(model: onnx.ModelProto, rows: int, cols: int):
 
 
 def _kernel_us(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
-    from bench.engine import kernel_profile
-
     kernels = kernel_profile(fn, stream, runs=calls, top=8)
     return sum(k["ms"] for k in kernels) * 1000, kernels
 
@@ -171,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = [row[f"kiln_u{u or 'auto'}"] for u in unrolls]
         kiln = " ".join(f"{t['us']:7.1f} {t['gb_s']:6.0f}" for t in timed)
         print(f"{case.name:<40} {row['bytes'] / 1e6:6.1f} {row['copy_us']:7.1f} {row['torch_eager_us']:7.1f} {kiln}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pointwise_{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "pointwise", {"device": torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 
