@@ -18,6 +18,7 @@ Kiln variants, one engine each (one optimization profile over the batches):
                  ``*_qdq`` models (its helpers: BN folded, per-channel int8 weights, per-tensor activations
                  with max |x| / 127 scales from onnxruntime over the same calibration batches)
                  (convolutions as the builder chooses: INT8 kiln.QConv on CUDA builds with cuDNN INT8)
+  int8_explicit_floatgemm  the same with KILN_INT8_GEMM=0: Q/DQ MatMuls stay fake-quantized float GEMMs
   int8_explicit_qconv / int8_explicit_floatconv  the same with KILN_INT8_CONV=1 / 0: convolutions forced into
                  INT8 (kiln.QConv) / kept as float convolutions of the dequantized weights (fake quantization)
 
@@ -57,7 +58,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: int8_implicit calibrates with the entropy calibrator; the _minmax / _percentile forms with those instead
 VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit",
-            "int8_explicit_qconv", "int8_explicit_floatconv")
+            "int8_explicit_qconv", "int8_explicit_floatconv", "int8_explicit_floatgemm")
+#: variant suffix -> the environment variable it sets during its build
+FORCED = {"_qconv": ("KILN_INT8_CONV", "1"), "_floatconv": ("KILN_INT8_CONV", "0"),
+          "_floatgemm": ("KILN_INT8_GEMM", "0")}
 #: issue #7's batch sizes; ``--small`` ones keep the CPU run to seconds
 BATCHES = {"resnet50": [1, 32, 128], "bert_base": [1, 8, 64]}
 SMALL_BATCHES = {"resnet50": [1, 4], "bert_base": [1, 4]}
@@ -412,19 +416,18 @@ def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[s
         path, counts = explicit_model(spec, calib, workdir)
         extra["qdq"] = counts | {"scales": "max|x|/127, onnxruntime over the calibration batches",
                                  "seconds": round(time.perf_counter() - started, 2)}
-    previous = os.environ.get("KILN_INT8_CONV")
-    forced = "1" if variant.endswith("_qconv") else "0" if variant.endswith("_floatconv") else None
-    if forced is None:
-        os.environ.pop("KILN_INT8_CONV", None)  # the builder's choice
-    else:
-        os.environ["KILN_INT8_CONV"] = forced
+    forced = {name: value for suffix, (name, value) in FORCED.items() if variant.endswith(suffix)}
+    previous = {name: os.environ.get(name) for name in ("KILN_INT8_CONV", "KILN_INT8_GEMM")}
+    for name in previous:  # unforced: the builder's choice
+        os.environ.pop(name, None)
+    os.environ.update(forced)
     try:
         engine, build_s = build_engine(path, spec, variant, s.batches[spec.name], s.device, calibrator, timing_cache)
     finally:
-        if previous is None:
-            os.environ.pop("KILN_INT8_CONV", None)
-        else:
-            os.environ["KILN_INT8_CONV"] = previous
+        for name, value in previous.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     return engine, build_s, extra
 
 

@@ -26,6 +26,11 @@ computes in float32 with the exact scales.
 ``fold_constants`` must leave the weight's DequantizeLinear in place (``keeps_int8_weight``): folded, the
 weight would be a float constant and its int8 form lost.
 
+``KILN_INT8_GEMM=0`` turns the pass off (and ``keeps_int8_weight`` with it): the Q/DQ pairs then run as
+fake-quantizing pointwise kernels and the MatMuls as float GEMMs of the dequantized (folded) weights -- the
+same values up to float rounding, for comparing the INT8 GEMM path against (``bench.int8`` variant
+``int8_explicit_floatgemm``).
+
 FP8 (E4M3): the same pattern over ``float8e4m3fn`` tensors (opset 19+) fuses into a QMatMul with fp8
 operands whose accumulator is float32 (Hopper's FP8 tensor cores through cuBLASLt). x and W must share the
 type (int8 x fp8 does not fuse); zero points must be absent or 0 (ONNX requires 0 for float8 anyway). The
@@ -36,6 +41,8 @@ is the requantizing epilogue as for int8. E5M2 and the "fnuz" types stay unfused
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -224,9 +231,16 @@ def _match(graph: Graph, uses: Uses, mm: Node, requantize: bool) -> tuple[Node, 
     return node, covered
 
 
+def enabled() -> bool:
+    """Whether Q/DQ MatMuls become QMatMul (unless ``KILN_INT8_GEMM=0``)."""
+    return os.environ.get("KILN_INT8_GEMM", "") != "0"
+
+
 def fuse_qdq_matmul(graph: Graph, *, requantize: bool = True) -> int:
-    """Fuse every eligible Q/DQ MatMul/Gemm chain in place; returns how many QMatMul layers were made.
-    ``requantize=False`` leaves every QuantizeLinear a layer of its own (to compare against)."""
+    """Fuse every eligible Q/DQ MatMul/Gemm chain in place (when ``enabled()``); returns how many QMatMul layers
+    were made. ``requantize=False`` leaves every QuantizeLinear a layer of its own (to compare against)."""
+    if not enabled():
+        return 0
     uses = Uses(graph)
     return fuse_matches(graph, ("MatMul", "Gemm"), lambda mm, _: _match(graph, uses, mm, requantize))
 
@@ -242,7 +256,7 @@ def keeps_int8_weight(graph: Graph, node: Node, uses: Uses) -> bool:
     constant with zero point 0 whose every reader is a MatMul/Gemm taking it as the weight (input 1) and a
     dequantized tensor as input 0 -- the layers this pass turns into INT8 / FP8 GEMMs, which read the weight
     in its quantized type."""
-    if not _plain_dq(graph, node) or node.inputs[0] not in graph.constants:
+    if not enabled() or not _plain_dq(graph, node) or node.inputs[0] not in graph.constants:
         return False
     weight = graph.constants[node.inputs[0]]
     readers = uses.consumers.get(node.outputs[0], [])

@@ -207,28 +207,43 @@ def test_qmatmul_shape_inference_names_the_problem():
         op.infer(node, TensorInfo(i8, (2, 8)), TensorInfo(f32, ()), TensorInfo(i8, (8, 4)), TensorInfo(f32, (3,)))
 
 
+def _cpu_build(model: onnx.ModelProto, feeds: dict, level: int = 3) -> tuple[dict, list[str]]:
+    """(outputs, layer types) of a CPU build at optimization ``level`` (0: no fusions)."""
+    shape = feeds["x"].shape
+    builder = kiln.Builder()
+    network = builder.create_network()
+    assert kiln.OnnxParser(network).parse(model.SerializeToString())
+    config = builder.create_builder_config()
+    config.backend = "cpu"
+    config.builder_optimization_level = level
+    profile = builder.create_optimization_profile()
+    profile.set_shape("x", shape, shape, shape)
+    config.add_optimization_profile(profile)
+    engine = kiln.Runtime().load(kiln.build_plan(network, config))
+    return engine.create_execution_context().infer(feeds), [layer["type"] for layer in engine.plan.layers]
+
+
 @pytest.mark.skipif(fuse_qdq_matmul not in FUSION_PASSES, reason="fuse_qdq_matmul is not in FUSION_PASSES yet")
 def test_cpu_build_runs_qmatmul_and_matches_the_unfused_build(rng):
     """Through the builder: fold_constants keeps the int8 weight, the fused layer is in the plan."""
     model, feeds = _qdq_linear(rng, gemm=True)
-    shape = feeds["x"].shape
-
-    def run(level: int) -> tuple[dict, list[str]]:
-        builder = kiln.Builder()
-        network = builder.create_network()
-        assert kiln.OnnxParser(network).parse(model.SerializeToString())
-        config = builder.create_builder_config()
-        config.backend = "cpu"
-        config.builder_optimization_level = level
-        profile = builder.create_optimization_profile()
-        profile.set_shape("x", shape, shape, shape)
-        config.add_optimization_profile(profile)
-        engine = kiln.Runtime().load(kiln.build_plan(network, config))
-        return engine.create_execution_context().infer(feeds), [layer["type"] for layer in engine.plan.layers]
-
-    (fused, types), (plain, _) = run(3), run(0)
+    (fused, types), (plain, _) = _cpu_build(model, feeds), _cpu_build(model, feeds, level=0)
     assert "QMatMul" in types and "Gemm" not in types
     _close(fused["y"], plain["y"])
+
+
+@pytest.mark.skipif(fuse_qdq_matmul not in FUSION_PASSES, reason="fuse_qdq_matmul is not in FUSION_PASSES yet")
+def test_kiln_int8_gemm_0_keeps_float_gemms_of_the_dequantized_weight(rng, monkeypatch):
+    """KILN_INT8_GEMM=0: the pass makes no QMatMul and fold_constants folds the weight's DequantizeLinear (the two
+    agree); the build equals the unfused one."""
+    model, feeds = _qdq_linear(rng, gemm=True)
+    graph = parsed_graph(model)
+    dq_w = next(n for n in graph.nodes if n.name == "dq_w")
+    monkeypatch.setenv("KILN_INT8_GEMM", "0")
+    assert not keeps_int8_weight(graph, dq_w, Uses(graph)) and fuse_qdq_matmul(graph) == 0
+    (got, types), (plain, _) = _cpu_build(model, feeds), _cpu_build(model, feeds, level=0)
+    assert "QMatMul" not in types and "DequantizeLinear" not in types
+    np.testing.assert_array_equal(got["y"], plain["y"])
 
 
 # -- requantizing epilogue: QMatMul -> QuantizeLinear(int8) becomes one int8-writing QMatMul ---------------
