@@ -335,6 +335,15 @@ def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
     return peak
 
 
+#: environment variables that change what a build produces (the server's plan cache keys on those set)
+BUILD_ENVIRONMENT = ("KILN_INT8_CONV", "KILN_INT8_GEMM", "KILN_MAX_CONSTANT_BYTES")
+
+
+def build_environment() -> dict[str, str]:
+    """The BUILD_ENVIRONMENT variables set now, by name."""
+    return {name: os.environ[name] for name in BUILD_ENVIRONMENT if name in os.environ}
+
+
 def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger | None = None) -> bytes:
     """Build ``network`` with ``config`` into plan bytes; raises BuildError with the reason."""
     logger = logger or DEFAULT_LOGGER

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_core as kiln
+from engine_core.builder import build_environment
 from engine_core.version import PLAN_FORMAT_VERSION
 
 log = logging.getLogger("kiln.server")
@@ -60,13 +61,17 @@ def files_digest(directory: Path) -> str:
 
 
 def build_description(config: kiln.BuilderConfig) -> dict[str, Any]:
-    """The parts of a builder config that change the plan: backend, flags, level, profiles (min/opt/max)."""
+    """The parts of a builder config that change the plan: backend, flags, level, profiles (min/opt/max), and the
+    build switches set in the environment (``KILN_INT8_GEMM=0`` and the like: a restart with another setting
+    must not load a plan built under the old one)."""
     profiles = [{name: [list(s) for s in triple] for name, triple in sorted(profile.shapes.items())}
                 for profile in config.profiles]
     shape_inputs = [{name: [list(s) for s in triple] for name, triple in sorted(profile.shape_values.items())}
                     for profile in config.profiles]
-    return {"backend": config.backend, "flags": int(config.flags), "level": config.builder_optimization_level,
-            "profiles": profiles, "shape_inputs": shape_inputs}
+    description = {"backend": config.backend, "flags": int(config.flags), "level": config.builder_optimization_level,
+                   "profiles": profiles, "shape_inputs": shape_inputs}
+    environment = build_environment()
+    return description | ({"environment": environment} if environment else {})  # unset: the keys of before
 
 
 def cache_key(model_digest: str, description: dict[str, Any], arch: str) -> str:

@@ -110,7 +110,8 @@ def test_plan_cache_builds_once_hits_after_and_rebuilds_a_corrupt_entry(tmp_path
     assert kiln.Runtime().load(path.read_bytes()).num_io_tensors == 2  # the entry was replaced by a good plan
 
 
-def test_cache_key_covers_model_profiles_flags_arch_and_version():
+def test_cache_key_covers_model_profiles_flags_arch_and_version(monkeypatch):
+    monkeypatch.delenv("KILN_INT8_GEMM", raising=False)
     _, config = _network_and_config(scale_model(1.0))
     _, other_profile = _network_and_config(scale_model(1.0), max_batch=4)
     base = cache_key("a", build_description(config), "cpu")
@@ -118,6 +119,9 @@ def test_cache_key_covers_model_profiles_flags_arch_and_version():
     assert base != cache_key("b", build_description(config), "cpu")
     assert base != cache_key("a", build_description(other_profile), "cpu")
     assert base != cache_key("a", build_description(config), "sm_90")
+    monkeypatch.setenv("KILN_INT8_GEMM", "0")  # a build switch in the environment
+    assert base != cache_key("a", build_description(config), "cpu")
+    monkeypatch.delenv("KILN_INT8_GEMM")
     config.set_flag(kiln.BuilderFlag.FP16)
     assert base != cache_key("a", build_description(config), "cpu")
 
