@@ -92,9 +92,13 @@ __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigne
 // LayerNormalization (RMS: RMSNormalization; SKIP: of x + skip, the sum rounded to T as the unfused Add stores
 // it) of row blockIdx.x * warps + warp, in registers; fp32 statistics, two passes over the registers (the
 // block kernels' order of operations).
+//
+// yq (not null): also QuantizeLinear(y as stored, *q_scale) to int8 (round half to even, saturate; zero point 0),
+// as the unfused QuantizeLinear computes it from y (kiln.SkipLayerNorm's output 1, passes/fuse_norm_quantize.py).
 template <typename T, bool RMS, bool SKIP>
 __device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
-                               const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows) {
+                               const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows,
+                               signed char* __restrict__ yq = nullptr, const float* __restrict__ q_scale = nullptr) {
     using Row = KilnWarpRow<T>;
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // the whole warp: every lane has the same row
@@ -142,5 +146,19 @@ __device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ sk
             if (beta != nullptr) v[j][e] += b[e];
         }
         row.store(y + r * cols, j, v[j]);
+        if (yq != nullptr) {
+            const float scale = *q_scale;
+            struct alignas(Row::V) { signed char b[Row::V]; } q;  // one V-byte store a vector
+#pragma unroll
+            for (int e = 0; e < Row::V; ++e)
+                q.b[e] = (signed char)fminf(fmaxf(rintf(kiln_f(kiln_to<T>(v[j][e])) / scale), -128.0f), 127.0f);
+            if (row.vec && kiln_aligned16(yq)) {
+                if (row.col(j, 0) < cols) *reinterpret_cast<decltype(q)*>(yq + r * cols + row.col(j, 0)) = q;
+            } else {
+#pragma unroll
+                for (int e = 0; e < Row::V; ++e)
+                    if (row.col(j, e) < cols) yq[r * cols + row.col(j, e)] = q.b[e];
+            }
+        }
     }
 }

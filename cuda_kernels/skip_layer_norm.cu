@@ -2,7 +2,8 @@
 // row. Why: a transformer's residual Add before its LayerNorm (post-LN BERT) otherwise reads two tensors and
 // writes one whole activation only for the LayerNorm to read it back; here the sum never leaves the block.
 // The sum is rounded to the storage type first, as the unfused Add stores it; statistics are fp32 (layer_norm.cu).
-// skip_layer_norm_warp_*: one warp per row of at most KILN_WARP_ROW elements, in registers (kiln_reduce.cuh).
+// skip_layer_norm_warp_*: one warp per row of at most KILN_WARP_ROW elements, in registers (kiln_reduce.cuh);
+// skip_layer_norm_q_warp_*: also the output quantized to int8 (kiln.SkipLayerNorm's output 1).
 #include "kiln_reduce.cuh"
 
 template <typename T>
@@ -41,6 +42,12 @@ __device__ void skip_norm_rows(const T* __restrict__ x, const T* __restrict__ sk
                                                              const T* beta, T* y, int cols, float epsilon,      \
                                                              long long rows) {                                 \
         kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows);                          \
+    }                                                                                                          \
+    extern "C" __global__ void skip_layer_norm_q_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,      \
+                                                               const T* beta, T* y, signed char* yq,           \
+                                                               const float* q_scale, int cols, float epsilon,  \
+                                                               long long rows) {                               \
+        kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows, yq, q_scale);             \
     }
 
 KILN_SKIP_NORM(float, f32)

@@ -347,22 +347,37 @@ register_op("QConv", infer=_qconv_infer, cpu=_qconv_cpu, domain=DOMAIN,
 
 
 def _skip_layer_norm_infer(node: Node, x: TensorInfo, skip: TensorInfo, scale: TensorInfo,
-                           bias: TensorInfo | None = None) -> TensorInfo:
-    """LayerNormalization's output for x + skip (which broadcast like Add's operands, one type)."""
+                           bias: TensorInfo | None = None, y_scale: TensorInfo | None = None,
+                           y_zero: TensorInfo | None = None) -> TensorInfo | list[TensorInfo]:
+    """LayerNormalization's output for x + skip (which broadcast like Add's operands, one type); with ``y_scale``
+    also that output quantized to int8 (output 1)."""
     if x.dtype != skip.dtype:
         raise ShapeInferenceError(f"{node}: x and skip differ in type ({x.dtype}, {skip.dtype})")
     shape = None if x.shape is None or skip.shape is None else broadcast_shapes(x.shape, skip.shape)
-    return get_op("LayerNormalization").infer(node, TensorInfo(x.dtype, shape), scale, bias)[0]
+    y = get_op("LayerNormalization").infer(node, TensorInfo(x.dtype, shape), scale, bias)[0]
+    if y_scale is None:
+        return y
+    if y_scale.shape is not None and int(np.prod(y_scale.shape)) != 1 or y_zero is not None and y_zero.dtype != INT8:
+        raise ShapeInferenceError(f"{node}: the quantized output takes one scale and an int8 zero point")
+    return [y, TensorInfo(INT8, y.shape)]
 
 
 def _skip_layer_norm_cpu(node: Node, x: np.ndarray, skip: np.ndarray, scale: np.ndarray,
-                         bias: np.ndarray | None = None) -> np.ndarray:
+                         bias: np.ndarray | None = None, y_scale: np.ndarray | None = None,
+                         y_zero: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """LayerNormalization(x + skip), the sum stored in x's type first: exactly the unfused Add -> LayerNorm
-    (the LayerNorm's axis is the last, so a broadcast sum normalizes like the unfused one)."""
+    (the LayerNorm's axis is the last, so a broadcast sum normalizes like the unfused one); with ``y_scale``
+    also QuantizeLinear(y, y_scale, y_zero) to int8, by QuantizeLinear's own code (passes/fuse_norm_quantize.py)."""
+    from engine_core.ops.quantization import quantize
+
     total = np.add(x, skip, dtype=x.dtype)
-    return get_op("LayerNormalization").cpu(node, total, scale, bias)[0]
+    y = get_op("LayerNormalization").cpu(node, total, scale, bias)[0]
+    if y_scale is None:
+        return y
+    return y, quantize(y, y_scale.reshape(()), None if y_zero is None else y_zero.reshape(()), INT8)
 
 
 register_op("SkipLayerNorm", infer=_skip_layer_norm_infer, cpu=_skip_layer_norm_cpu, domain=DOMAIN,
             doc="LayerNormalization(x + skip) (attributes axis, epsilon, stash_type): a residual Add and the "
-                "LayerNorm reading it, in one kernel")
+                "LayerNorm reading it, in one kernel; inputs 4, 5 (y_scale, y_zero) add output 1, the result "
+                "quantized to int8 (QuantizeLinear)")

@@ -256,7 +256,10 @@ class Emulator:
             e = np.exp(v - np.where(np.isneginf(top), 0, top))
             total = e.sum(-1, keepdims=True)
             self.view(y, dt, (rows, cols), (cols, 1))[...] = e / np.where(total > 0, total, 1)
-        elif kind in ("layer_norm", "rms_norm", "skip_layer_norm"):
+        elif kind in ("layer_norm", "rms_norm", "skip_layer_norm", "skip_layer_norm_q"):
+            quantized = None
+            if kind == "skip_layer_norm_q":  # (x, skip, gamma, beta, y, int8 y, its scale, cols, eps)
+                quantized, args, kind = args[5:7], [*args[:5], *args[7:]], "skip_layer_norm"
             if kind == "skip_layer_norm":  # the sum rounded to the storage type, as the kernel keeps it
                 x, skip, gamma, beta, y, cols, eps = args
                 v = (self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float32)
@@ -272,6 +275,11 @@ class Emulator:
             if isinstance(beta, Ref):
                 norm = norm + self.view(beta, dt, (cols,), (1,)).astype(np.float64)
             self.view(y, dt, (rows, cols), (cols, 1))[...] = norm
+            if quantized is not None:  # QuantizeLinear of y as stored
+                yq, q_scale = quantized
+                stored = self.view(y, dt, (rows, cols), (cols, 1)).astype(np.float32)
+                scale = self.view(q_scale, np.dtype(np.float32), (1,), (1,))[0]
+                self.view(yq, np.dtype(np.int8), (rows, cols), (cols, 1))[...] = np.clip(np.rint(stored / scale), -128, 127)
         elif kind in ("reduce_rows", "reduce_max_rows", "reduce_min_rows"):
             x, y, cols, scale = args
             v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)

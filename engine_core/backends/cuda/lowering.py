@@ -39,7 +39,7 @@ from engine_core.ops import TensorInfo
 from engine_core.ops.registry import normalize_axis
 
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
-F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+F32, F16, INT8 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)
 #: storage types of the row kernels (softmax, norms, reductions, pooling)
 ROW_SUFFIX = {F32: "f32", F16: "f16", BF16: "bf16"}
 THREADS = 256
@@ -602,7 +602,7 @@ def _warp_grid(rows: int) -> tuple[int, int, int]:
 def _norm_geometry(node: Node, ctx: _Context, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, int, int]:
     """(kernel suffix, rows, cols) of a LayerNormalization / RMSNormalization / SkipLayerNorm over ``shape``;
     raises Unsupported for what the row kernels do not take."""
-    if any(node.outputs[1:]):
+    if any(node.outputs[2 if node.op_type == "SkipLayerNorm" else 1:]):  # SkipLayerNorm's output 1: int8 of y
         raise Unsupported(f"{node.op_type} with mean/inv-std outputs")
     suffix = _row_suffix(dtype, node.op_type)
     if node.attr("stash_type", 1) != 1:
@@ -633,11 +633,15 @@ def _lower_norm(node: Node, ctx: _Context) -> list:
 
 
 def _norm_launch(module: str, kind: str, suffix: str, rows: int, cols: int, xs: list[Ref], node: Node,
-                 first: int) -> Launch:
+                 first: int, quantized: list[Ref] | None = None) -> Launch:
     """One row-norm launch: a warp per row held in registers for rows of at most WARP_ROW_LIMIT elements (every
-    row read once), else a block per row."""
+    row read once), else a block per row. ``quantized`` (int8 output, its scale): the warp kernel's ``_q`` form
+    also writes the output quantized (callers check cols <= WARP_ROW_LIMIT)."""
     eps = (float(node.attr("epsilon", 1e-5)), ctypes.c_float)
-    args = [*[(x, ctypes.c_void_p) for x in xs], *_norm_tail(node, first)]
+    args = [*[(x, ctypes.c_void_p) for x in xs], *_norm_tail(node, first),
+            *[(ref, ctypes.c_void_p) for ref in quantized or []]]
+    if quantized:
+        kind = f"{kind}_q"
     if cols <= WARP_ROW_LIMIT:
         return Launch(module, f"{kind}_warp_{suffix}", _warp_grid(rows), (THREADS, 1, 1),
                       [*args, (cols, ctypes.c_int), eps, (rows, ctypes.c_longlong)])
@@ -652,13 +656,38 @@ def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
     if rows * cols == 0:
         return []
     x, skip = node.inputs[:2]
+    quantized = _norm_quantized_output(node, ctx)
     if all(tuple(ctx.info(n).shape) == tuple(out.shape) for n in (x, skip)):
-        return [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node, 2)]
-    total = ctx.new_scratch(f"{node.name}#sum", out.dtype, tuple(out.shape))
-    kernel = ctx.kernel(program_kernel([PwNode.make("Add", [0, 1], out.dtype)], out.dtype, [out.dtype, out.dtype]))
-    strides = [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in (x, skip)]
-    add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
-    return [add, _norm_launch("layer_norm", "layer_norm", suffix, rows, cols, [total], node, 2)]
+        if quantized and cols <= WARP_ROW_LIMIT:
+            return [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node,
+                                 2, [Ref(node.outputs[1]), Ref(node.inputs[4])])]
+        steps = [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node, 2)]
+    else:
+        total = ctx.new_scratch(f"{node.name}#sum", out.dtype, tuple(out.shape))
+        kernel = ctx.kernel(program_kernel([PwNode.make("Add", [0, 1], out.dtype)], out.dtype, [out.dtype, out.dtype]))
+        strides = [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in (x, skip)]
+        add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
+        steps = [add, _norm_launch("layer_norm", "layer_norm", suffix, rows, cols, [total], node, 2)]
+    if quantized:  # wide or broadcast rows: the unfused QuantizeLinear after the norm
+        scale = node.inputs[4]
+        kernel = ctx.kernel(program_kernel([PwNode.make("QuantizeLinear", [0, 1, -1], INT8)], INT8,
+                                           [out.dtype, ctx.info(scale).dtype]))
+        y = contiguous_strides(out.shape)
+        steps.append(launch_program(kernel, Ref(node.outputs[1]), [Ref(node.outputs[0]), Ref(scale)], out.shape, y,
+                                    [y, (0,) * len(out.shape)]))
+    return steps
+
+
+def _norm_quantized_output(node: Node, ctx: _Context) -> bool:
+    """Whether a SkipLayerNorm also writes its output quantized (output 1: a float32 scale, zero point 0);
+    raises Unsupported for a zero point that is not a constant 0."""
+    if len(node.outputs) < 2 or not node.outputs[1]:
+        return False
+    zero = node.inputs[5] if len(node.inputs) > 5 else ""
+    value = ctx.info(zero).value if zero else np.zeros((), np.int8)
+    if value is None or np.any(value) or ctx.info(node.inputs[4]).dtype != np.float32:
+        raise Unsupported("SkipLayerNorm quantizing with a zero point other than a constant 0 or a non-fp32 scale")
+    return True
 
 
 _REDUCE_KERNELS = {"ReduceMean": "reduce_rows", "ReduceSum": "reduce_rows", "ReduceMax": "reduce_max_rows",
@@ -1146,7 +1175,8 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
         domain_ok = node.domain in ("", "ai.onnx") or (node.domain == "kiln" and node.op_type in _KILN_OPS)
         if not domain_ok:
             raise Unsupported(f"domain {node.domain}")
-        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization", "MaxPool", "Attention", "Split"):
+        if len(node.outputs) != 1 and node.op_type not in ("LayerNormalization", "MaxPool", "Attention", "Split",
+                                                           "SkipLayerNorm"):
             raise Unsupported("multi-output layer")
         for name in node.outputs:
             if name:
