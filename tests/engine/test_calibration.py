@@ -303,6 +303,33 @@ def test_small_resnet50_int8_keeps_top1(rng):
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
 
 
+def test_implicit_int8_resnet50_quantizes_identity_shortcuts(rng, monkeypatch):
+    """The 12 identity shortcuts of ResNet-50 (16 blocks, 4 with a projection) get Q/DQ like the convolutions'
+    inputs, so with INT8 convolutions (KILN_INT8_CONV=1) every block output is written quantized by its QConv:
+    2 standalone QuantizeLinear layers are left (after the stem's max pool and before the classifier), not 14."""
+    from engine_core.passes import PRE_PASSES
+
+    network = _network(MODELS["resnet50"][1]())
+    batches = [{"input": rng.standard_normal((4, 3, 64, 64)).astype(np.float32)} for _ in range(2)]
+    graph = _network(MODELS["resnet50"][1]()).graph
+    for fold in PRE_PASSES:  # BatchNorm folded into the convolutions, as the builder does first
+        fold(graph)
+    quantize_implicit(graph, calibrate(graph, _config((4, 3, 64, 64), make_calibrator(batches, "minmax"), name="input")))
+    producers = graph.producers()
+    adds = [n for n in graph.nodes if n.op_type == "Add" and not any(i in graph.constants for i in n.inputs)]
+    kinds = sorted(tuple(sorted(producers[i].op_type for i in add.inputs)) for add in adds)
+    assert kinds == [("Conv", "Conv")] * 4 + [("Conv", "DequantizeLinear")] * 12
+    monkeypatch.setenv("KILN_INT8_CONV", "1")
+    fp32 = kiln.build_plan(network, _config((4, 3, 64, 64), name="input"))
+    int8 = kiln.build_plan(network, _config((4, 3, 64, 64), make_calibrator(batches, "minmax"), name="input"))
+    types = [layer["type"] for layer in deserialize_plan(int8).layers]
+    assert types.count("QConv") == 52 and types.count("QuantizeLinear") == 2
+    x = rng.standard_normal((4, 3, 64, 64)).astype(np.float32)
+    a = kiln.Runtime().load(int8).create_execution_context().infer({"input": x})["logits"]
+    b = kiln.Runtime().load(fp32).create_execution_context().infer({"input": x})["logits"]
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
+
+
 # -- the CLI ------------------------------------------------------------------------------------------
 
 
