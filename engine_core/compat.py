@@ -149,7 +149,7 @@ def requirements(plan_meta: Mapping[str, Any]) -> Requirements:
     if not isinstance(record, Mapping):
         raise ValueError(f"plan's {COMPAT_KEY} record is malformed")
     level_name = record.get("hardware_compatibility_level", "NONE")
-    if level_name not in HardwareCompatibilityLevel.__members__:
+    if not isinstance(level_name, str) or level_name not in HardwareCompatibilityLevel.__members__:
         raise ValueError(f"plan has unknown hardware compatibility level {level_name!r}")
     version_compatible = record.get("version_compatible", False)
     if not isinstance(version_compatible, bool):

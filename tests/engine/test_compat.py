@@ -106,6 +106,8 @@ def test_malformed_records_are_refused_not_crashed():
     bad = meta()
     bad["build_info"]["compatibility"]["hardware_compatibility_level"] = "EVERYTHING"
     assert "unknown hardware compatibility level" in check_plan_compatibility(bad, "sm_90", "0.1.0")
+    bad["build_info"]["compatibility"]["hardware_compatibility_level"] = ["AMPERE_PLUS"]  # not hashable
+    assert "unknown hardware compatibility level" in check_plan_compatibility(bad, "sm_90", "0.1.0")
     bad["build_info"] = {"compatibility": [1, 2]}
     assert "malformed" in check_plan_compatibility(bad, "sm_90", "0.1.0")
 
