@@ -357,7 +357,7 @@ def _skip_layer_norm_infer(node: Node, x: TensorInfo, skip: TensorInfo, scale: T
     y = get_op("LayerNormalization").infer(node, TensorInfo(x.dtype, shape), scale, bias)[0]
     if y_scale is None:
         return y
-    if y_scale.shape is not None and int(np.prod(y_scale.shape)) != 1 or y_zero is not None and y_zero.dtype != INT8:
+    if (y_scale.shape is not None and int(np.prod(y_scale.shape)) != 1) or (y_zero is not None and y_zero.dtype != INT8):
         raise ShapeInferenceError(f"{node}: the quantized output takes one scale and an int8 zero point")
     return [y, TensorInfo(INT8, y.shape)]
 
