@@ -130,8 +130,12 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     opt = _lower_or_none(graph, inferred[(0, 1)], {}, options)
     if opt is not None:
         choice, timings = select_gemm_tactics(opt, timer_for, cache, arch)
-    lowered = {point: low for point, infos in inferred.items()
-               if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+
+    def lower_all(options: LoweringOptions) -> dict[tuple[int, int], Lowered]:
+        return {point: low for point, infos in inferred.items()
+                if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+
+    lowered = lower_all(options)
     int8_fallbacks: dict[str, str] = {}
     for option, unrunnable in _probed_options():  # every such step must run here, or the option is off
         if getattr(options, option):
@@ -139,8 +143,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
             if missing:
                 int8_fallbacks[option] = missing[0]
                 options = replace(options, **{option: False})
-                lowered = {point: low for point, infos in inferred.items()
-                           if (low := _lower_or_none(graph, infos, choice, options)) is not None}
+                lowered = lower_all(options)
     host_fallback = None
     if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
         lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
