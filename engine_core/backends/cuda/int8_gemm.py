@@ -92,6 +92,10 @@ class Int8Gemm:
         """Every tensor the GEMM addresses (for the runner's read sets and weight streaming)."""
         return [self.x, self.w, self.y]
 
+    def plan_args(self) -> tuple:
+        """``_Plan``'s arguments after the handle: what its cuBLASLt descriptors depend on (the plan cache key)."""
+        return self.m, self.n, self.k, self.types
+
 
 @dataclass
 class Fp8Gemm(Int8Gemm):
@@ -126,6 +130,9 @@ class Int8GemmRequant(Int8Gemm):
 
     def refs(self) -> list[Ref]:
         return [self.x, self.w, self.y, *[r for r in (self.alpha, self.bias, self.c) if r is not None]]
+
+    def plan_args(self) -> tuple:
+        return *super().plan_args(), self.epilogue, self.c is not None
 
     @property
     def epilogue(self) -> str:
@@ -295,18 +302,6 @@ class _Plan:
                             + (f" writing int8 with epilogue {epilogue}" if epilogue else ""))
 
 
-def _plan_key(op: Int8Gemm) -> tuple:
-    if isinstance(op, Int8GemmRequant):
-        return op.types, op.m, op.n, op.k, op.epilogue, op.c is not None
-    return op.types, op.m, op.n, op.k
-
-
-def _new_plan(lt: CublasLt, op: Int8Gemm) -> _Plan:
-    if isinstance(op, Int8GemmRequant):
-        return _Plan(lt, op.m, op.n, op.k, op.types, op.epilogue, op.c is not None)
-    return _Plan(lt, op.m, op.n, op.k, op.types)
-
-
 class Int8GemmRunner:
     """Runs ``Int8Gemm``, ``Int8GemmRequant`` and ``Fp8Gemm`` steps on one cuBLASLt handle and workspace (an
     execution context's)."""
@@ -319,10 +314,10 @@ class Int8GemmRunner:
 
     def plan(self, op: Int8Gemm) -> _Plan:
         """The cached cuBLASLt plan of ``op``'s signature; raises CudaError when cuBLASLt has no algorithm."""
-        key = _plan_key(op)
+        key = op.plan_args()
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _new_plan(self.lt, op)
+            plan = self._plans[key] = _Plan(self.lt, *key)
         return plan
 
     def run(self, op: Int8Gemm, resolve: Any, stream: int) -> None:
