@@ -164,6 +164,14 @@ def _constant(ctx: _Context, name: str) -> np.ndarray | None:
     return None if value is None else np.asarray(value, np.float64)
 
 
+def _constant_epilogue(node: Node, ctx: _Context) -> dict[str, np.ndarray] | None:
+    """The values of the layer's scales and bias when all are known at build time (the single-call lowerings
+    fold them), else None."""
+    names = (node.inputs[1], node.inputs[3], *(_optional(node, i) for i in (6, 4, 7)))
+    values = {name: _constant(ctx, name) for name in names if name}
+    return None if any(v is None for v in values.values()) else values
+
+
 def _same_memory_order(shape: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     """Whether two stride tuples address a tensor of ``shape`` identically (size-1 dims do not count)."""
     return all(x == y for d, x, y in zip(shape, a, b) if d != 1)
@@ -175,14 +183,14 @@ def _requant_gemm(node: Node, ctx: _Context, cols: Ref, weight: Ref, m: int, k: 
     when it does not apply: the GPU's cuBLASLt lacks the algorithms (``ctx.options.int8_requant``), the layer
     does not requantize, its activation is not ReLU, a scale or the bias is computed at run time, or the
     residual is not an int8 tensor laid out like the output."""
-    y_scale, bias, residual, r_scale = (_optional(node, i) for i in (6, 4, 5, 7))
+    y_scale, residual, r_scale = (_optional(node, i) for i in (6, 5, 7))
     if not ctx.options.int8_requant or not y_scale or node.attr("activation", "") not in ("", "Relu"):
         return None
     out = ctx.info(out_name)
     if not _same_memory_order(out.shape, ctx.strides(out_name), nhwc_strides(out.shape)):
         return None
-    values = {name: _constant(ctx, name) for name in (node.inputs[1], node.inputs[3], y_scale, bias, r_scale) if name}
-    if any(v is None for v in values.values()):
+    values = _constant_epilogue(node, ctx)
+    if values is None:
         return None
     c = None
     if residual:
@@ -216,11 +224,11 @@ def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv |
     INT8 here, an activation other than ReLU, a scale or the bias computed at run time, a residual of another
     shape or type, or an output that is a graph output or flat (their layouts stay linear)."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(out_name)
-    y_scale, bias, residual, r_scale = (_optional(node, i) for i in (6, 4, 5, 7))
+    residual, r_scale = _optional(node, 5), _optional(node, 7)
     if not ctx.options.cudnn_int8 or ctx.layouts.get(out_name) != "nhwc" or node.attr("activation", "") not in ("", "Relu"):
         return None
-    values = {name: _constant(ctx, name) for name in (node.inputs[1], node.inputs[3], y_scale, bias, r_scale) if name}
-    if any(v is None for v in values.values()):
+    values = _constant_epilogue(node, ctx)
+    if values is None:
         return None
     if residual and (tuple(ctx.info(residual).shape) != tuple(out.shape)
                      or (ctx.info(residual).dtype == INT8) != bool(r_scale)):
