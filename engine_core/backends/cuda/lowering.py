@@ -657,18 +657,18 @@ def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
         return []
     x, skip = node.inputs[:2]
     quantized = _norm_quantized_output(node, ctx)
-    if all(tuple(ctx.info(n).shape) == tuple(out.shape) for n in (x, skip)):
-        if quantized and cols <= WARP_ROW_LIMIT:
-            return [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node,
-                                 2, [Ref(node.outputs[1]), Ref(node.inputs[4])])]
-        steps = [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node, 2)]
+    same_shape = all(tuple(ctx.info(n).shape) == tuple(out.shape) for n in (x, skip))
+    in_kernel = quantized and same_shape and cols <= WARP_ROW_LIMIT  # the warp kernel writes the int8 output too
+    if same_shape:
+        steps = [_norm_launch("skip_layer_norm", "skip_layer_norm", suffix, rows, cols, [Ref(x), Ref(skip)], node, 2,
+                              [Ref(node.outputs[1]), Ref(node.inputs[4])] if in_kernel else None)]
     else:
         total = ctx.new_scratch(f"{node.name}#sum", out.dtype, tuple(out.shape))
         kernel = ctx.kernel(program_kernel([PwNode.make("Add", [0, 1], out.dtype)], out.dtype, [out.dtype, out.dtype]))
         strides = [broadcast_strides(ctx.info(n).shape, out.shape, ctx.strides(n)) for n in (x, skip)]
         add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
         steps = [add, _norm_launch("layer_norm", "layer_norm", suffix, rows, cols, [total], node, 2)]
-    if quantized:  # wide or broadcast rows: the unfused QuantizeLinear after the norm
+    if quantized and not in_kernel:  # wide or broadcast rows: the unfused QuantizeLinear after the norm
         scale = node.inputs[4]
         kernel = ctx.kernel(program_kernel([PwNode.make("QuantizeLinear", [0, 1, -1], INT8)], INT8,
                                            [out.dtype, ctx.info(scale).dtype]))
