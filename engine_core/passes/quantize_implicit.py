@@ -141,11 +141,16 @@ def _shortcut(node: Node, graph: Graph, ranges: Mapping[str, float], producers: 
     if sum(from_conv) != 1:
         return None
     index = from_conv.index(False)
-    name = node.inputs[index]
+    return index if _calibrated_activation(node.inputs[index], ranges, producers, dtypes) else None
+
+
+def _calibrated_activation(name: str, ranges: Mapping[str, float], producers: dict[str, Node],
+                           dtypes: dict[str, np.dtype]) -> bool:
+    """A float tensor with a positive calibrated range that no Q/DQ produces (not quantized already)."""
     producer = producers.get(name)
-    if producer is not None and producer.op_type in _QDQ_OPS or dtypes.get(name) is None:
-        return None
-    return index if (_range_of(name, ranges, producers) or 0) > 0 else None
+    if producer is not None and producer.op_type in _QDQ_OPS:
+        return False
+    return dtypes.get(name) is not None and (_range_of(name, ranges, producers) or 0) > 0
 
 
 def _can_quantize(node: Node, graph: Graph, ranges: Mapping[str, float], producers: dict[str, Node],
@@ -165,10 +170,7 @@ def _can_quantize(node: Node, graph: Graph, ranges: Mapping[str, float], produce
             if graph.constants[name].dtype.kind != "f" or not graph.constants[name].size:
                 return False
             continue
-        producer = producers.get(name)
-        if producer is not None and producer.op_type in _QDQ_OPS:
-            return False  # already quantized
-        if dtypes.get(name) is None or not (_range_of(name, ranges, producers) or 0) > 0:
+        if not _calibrated_activation(name, ranges, producers, dtypes):
             return False
     return True
 
