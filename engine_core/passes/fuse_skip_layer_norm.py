@@ -13,25 +13,23 @@ lowering then adds into a scratch buffer before the LayerNorm kernel (the unfuse
 from __future__ import annotations
 
 from engine_core.ir import Graph, Node
-from engine_core.passes.pattern import Uses, is_op, replace_nodes
+from engine_core.passes.pattern import Uses, fuse_matches, is_op
 
 
 def fuse_skip_layer_norm(graph: Graph) -> int:
     """Fuse every eligible Add -> LayerNormalization pair in place; returns how many were made."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for add in graph.nodes:
-        if not is_op(add, "Add") or len(add.inputs) != 2 or any(name in graph.constants for name in add.inputs):
-            continue
+
+    def match(add: Node, _: set[int]) -> tuple[Node, list[Node]] | None:
+        if len(add.inputs) != 2 or any(name in graph.constants for name in add.inputs):
+            return None
         norm = uses.sole_reader(add.outputs[0])
         if not is_op(norm, "LayerNormalization") or norm.inputs[0] != add.outputs[0] or any(norm.outputs[1:]) \
                 or int(norm.attr("axis", -1)) != -1:
-            continue
+            return None
         attrs = {k: norm.attrs[k] for k in ("axis", "epsilon", "stash_type") if k in norm.attrs}
         node = Node("SkipLayerNorm", [*add.inputs, *norm.inputs[1:]], [norm.outputs[0]], attrs, norm.name, "kiln", 1,
                     [*add.origin, *norm.origin])
-        fused[id(norm)] = node
-        removed.update((id(add), id(norm)))
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+        return node, [add, norm]
+
+    return fuse_matches(graph, ("Add",), match)
