@@ -417,7 +417,7 @@ def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[s
         extra["qdq"] = counts | {"scales": "max|x|/127, onnxruntime over the calibration batches",
                                  "seconds": round(time.perf_counter() - started, 2)}
     forced = {name: value for suffix, (name, value) in FORCED.items() if variant.endswith(suffix)}
-    previous = {name: os.environ.get(name) for name in ("KILN_INT8_CONV", "KILN_INT8_GEMM")}
+    previous = {name: os.environ.get(name) for name, _ in FORCED.values()}
     for name in previous:  # unforced: the builder's choice
         os.environ.pop(name, None)
     os.environ.update(forced)
