@@ -9,6 +9,8 @@
 #   models       tests/cuda/test_models_gpu.py: every tools/make_models.py model at fp32/TF32/FP16 vs the CPU
 #                backend (split from tests in session 6: on a cold kernel cache the two did not fit 330 s)   ~4 min
 #   pointwise    bench.pointwise: generated kernels at BERT-base sizes vs a same-size copy and torch eager    ~1 min
+#   qgemm        the sm_90 INT8 GEMM's GPU tests, then bench.qgemm: BERT-base linear layers in INT8 (Kiln's
+#                kernel, cuBLASLt + epilogue kernel) vs fp16 (Kiln, torch) and torch._int_mm                ~3 min
 #   bert         bench.engine BERT-base tf32+fp16 at batch 1, 8, 64 vs torch eager + compile reduce-overhead  ~4 min
 #   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32: BERT 8, ResNet 128 and 8 (compiles ~2 min each) ~9 min
@@ -41,6 +43,10 @@ for stage in "$@"; do
         2>&1 | quiet | tail -40 | tee "$OUT/gpu_model_tests.txt" ;;
     pointwise)
       timeout 150 python3 -m bench.pointwise --out "$OUT" 2>&1 | quiet | tail -8 ;;
+    qgemm)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda/test_qgemm.py \
+        tests/cuda/test_int8_gemm.py 2>&1 | quiet | tail -25 | tee "$OUT/gpu_qgemm_tests.txt"
+      timeout 200 python3 -m bench.qgemm --rows 8192,1024 --out "$OUT" 2>&1 | quiet | tail -10 ;;
     bert)
       timeout 280 python3 -m bench.engine --models bert_base --precisions tf32,fp16 --batches 1,8,64 \
         --peers eager,reduce-overhead --compile-batches 1,8,64 --profile --out "$OUT" 2>&1 | quiet | tail -12 ;;

@@ -19,6 +19,8 @@ Kiln variants, one engine each (one optimization profile over the batches):
                  with max |x| / 127 scales from onnxruntime over the same calibration batches)
                  (convolutions as the builder chooses: INT8 kiln.QConv on CUDA builds with cuDNN INT8)
   int8_explicit_floatgemm  the same with KILN_INT8_GEMM=0: Q/DQ MatMuls stay fake-quantized float GEMMs
+  int8_explicit_cublaslt   the same with KILN_QGEMM=0: INT8 MatMuls as cuBLASLt IMMA + a dequantizing kernel,
+                           not Kiln's sm_90 GEMM with the epilogue in registers
   int8_explicit_qconv / int8_explicit_floatconv  the same with KILN_INT8_CONV=1 / 0: convolutions forced into
                  INT8 (kiln.QConv) / kept as float convolutions of the dequantized weights (fake quantization)
 
@@ -58,10 +60,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: int8_implicit calibrates with the entropy calibrator; the _minmax / _percentile forms with those instead
 VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit",
-            "int8_explicit_qconv", "int8_explicit_floatconv", "int8_explicit_floatgemm")
+            "int8_explicit_qconv", "int8_explicit_floatconv", "int8_explicit_floatgemm", "int8_explicit_cublaslt")
 #: variant suffix -> the environment variable it sets during its build
 FORCED = {"_qconv": ("KILN_INT8_CONV", "1"), "_floatconv": ("KILN_INT8_CONV", "0"),
-          "_floatgemm": ("KILN_INT8_GEMM", "0")}
+          "_floatgemm": ("KILN_INT8_GEMM", "0"), "_cublaslt": ("KILN_QGEMM", "0")}
 #: issue #7's batch sizes; ``--small`` ones keep the CPU run to seconds
 BATCHES = {"resnet50": [1, 32, 128], "bert_base": [1, 8, 64]}
 SMALL_BATCHES = {"resnet50": [1, 4], "bert_base": [1, 4]}

@@ -336,7 +336,7 @@ def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
 
 
 #: environment variables that change what a build produces (the server's plan cache keys on those set)
-BUILD_ENVIRONMENT = ("KILN_INT8_CONV", "KILN_INT8_GEMM", "KILN_MAX_CONSTANT_BYTES")
+BUILD_ENVIRONMENT = ("KILN_INT8_CONV", "KILN_INT8_GEMM", "KILN_MAX_CONSTANT_BYTES", "KILN_QGEMM")
 
 
 def build_environment() -> dict[str, str]:
@@ -445,13 +445,14 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
         from engine_core.backends.cuda.cudnn_conv import int8_unsupported
         from engine_core.backends.cuda.int8_gemm import requant_unsupported
         from engine_core.backends.cuda.lowering import LoweringOptions
+        from engine_core.backends.cuda.qgemm import available as qgemm_available
 
         requant_reason = requant_unsupported() if cublaslt_available() else "no cuBLASLt"
         cudnn_int8_reason = int8_unsupported() if any(n.op_type == "QConv" for n in graph.nodes) \
             else "no kiln.QConv layer"
         options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
                                   cublaslt=cublaslt_available(), int8_requant=not requant_reason,
-                                  cudnn_int8=not cudnn_int8_reason)
+                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available())
         cache = _timing_cache_for(config)
         cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:

@@ -9,10 +9,12 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from engine_core.backends.cpu import run_node
+from engine_core.backends.cuda import qgemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, Lowered, Ref, transform_weight
 from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
 from engine_core.ir import Graph, Node
+from engine_core.ops.fused import activate
 
 _SUFFIX = {suffix: dtype for dtype, (_, suffix, _) in C_TYPES.items()}
 
@@ -190,8 +192,27 @@ class Emulator:
             self._pool(name, args)
         elif name.startswith("flash_attention_"):
             self._flash_attention(name, args, op.grid)
+        elif name.startswith("qgemm_sm90_"):
+            self._qgemm(name, args)
         else:
             self._row_kernel(name, args, op.grid[0])
+
+    def _qgemm(self, name: str, args: list) -> None:
+        """cuda_kernels/qgemm_sm90.cu: exact int32 sums, then its float32 epilogue step by step."""
+        y, x, w, w_scale, bias, m, n, k, x_scale, y_scale, act, round_to = args
+        acc = self.view(x, np.dtype(np.int8), (m, k), (k, 1)).astype(np.int64) \
+            @ self.view(w, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T
+        f32 = np.float32
+        v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
+        if bias:
+            v = v + self.view(bias, np.dtype(f32), (n,), (1,))
+        activation = {code: name for name, code in qgemm.ACTIVATIONS.items()}[act]
+        v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
+        out = _SUFFIX[name.rsplit("_", 1)[1]]
+        if out == np.int8:
+            rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]
+            v = np.clip(np.rint(v.astype(rounded).astype(f32) / f32(y_scale)), -128, 127)
+        self.view(y, out, (m, n), (n, 1))[...] = v.astype(out)
 
     def _pool(self, name: str, args: list) -> None:
         x, y, g = args

@@ -7,10 +7,19 @@ build step (tactics, CUBINs, arena size); ``CudaEngineState`` runs plans with ``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine_core.backends.cuda.lowering import F32, GEMM_TACTICS, Conv, Gemm, Lowered, LoweringOptions, lower_graph
+from engine_core.backends.cuda.lowering import (
+    F32,
+    GEMM_TACTICS,
+    Conv,
+    Gemm,
+    Launch,
+    Lowered,
+    LoweringOptions,
+    lower_graph,
+)
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
 from engine_core.backends.cuda.pointwise import POINTWISE_OPTIONS, pointwise_source
 from engine_core.backends.cuda.tactics import Timer, choose_tactic
@@ -20,6 +29,8 @@ from engine_core.timing_cache import TimingCache
 
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
 KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
+#: kernel files a plan embeds only when one of its launches uses them (each takes NVRTC a minute: large wgmma kernels)
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90",)
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
 
@@ -158,6 +169,8 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         at_opt = [low for (p, which), low in lowered.items() if which == 1]
         conv_plans, conv_timings = select_conv_plans(at_opt, conv_tuner, cache, arch)
     kernels = list(dict.fromkeys(k for low in lowered.values() for k in low.kernels))
+    used = {op.module for low in lowered.values() for s in low.steps for op in s.ops if isinstance(op, Launch)}
+    cubins.update({stem: compile_kernel_file(stem, arch) for stem in ON_DEMAND_KERNEL_FILES if stem in used})
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch, POINTWISE_OPTIONS)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
     tactics = next(iter(lowered.values())).tactics() if (0, 1) not in lowered else lowered[(0, 1)].tactics()
@@ -175,8 +188,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
               "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
                                             for profile in sorted({p for p, _ in lowered})],
-              "lowering": {"tf32": options.tf32, "cudnn": options.cudnn, "cublaslt": options.cublaslt,
-                           "int8_requant": options.int8_requant, "cudnn_int8": options.cudnn_int8},
+              "lowering": asdict(options),
               "int8_requant_fallback": int8_fallbacks.get("int8_requant"),
               "cudnn_int8_fallback": int8_fallbacks.get("cudnn_int8"),
               "reformat_layers": sorted({s.node.name for low in lowered.values() for s in low.steps

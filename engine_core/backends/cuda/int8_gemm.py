@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from engine_core.backends.cuda import qgemm
 from engine_core.backends.cuda.cublaslt import (
     EPILOGUES,
     WORKSPACE_BYTES,
@@ -234,8 +235,8 @@ def _host_requantize(node: Node, ctx: _Context, acc: str) -> list:
 
 
 def lower_qmatmul(node: Node, ctx: _Context) -> list:
-    """``kiln.QMatMul`` -> [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing
-    epilogue]; raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels
+    """``kiln.QMatMul`` -> Kiln's sm_90 INT8 GEMM with the epilogue in registers (``qgemm.lower``) where it
+    applies, else [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing epilogue]; raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels
     do not take."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
     if x.dtype != w.dtype or x.dtype not in (INT8, FP8) or len(w.shape) != 2:
@@ -257,6 +258,9 @@ def lower_qmatmul(node: Node, ctx: _Context) -> list:
     if m * n == 0:
         return []
     weight = _weight_rows(node, ctx, trans_b)
+    whole = qgemm.lower(node, ctx, weight, m, n, k)
+    if whole is not None:
+        return [whole]
     acc = ctx.new_scratch(f"{node.name}#acc", gemm_type.acc_dtype, tuple(out.shape))
     gemm = gemm_type(Ref(node.inputs[0]), Ref(weight), acc, m, n, k)
     try:

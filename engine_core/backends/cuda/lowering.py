@@ -66,6 +66,9 @@ class LoweringOptions:
     #: cuDNN runs ``kiln.QConv`` as one INT8 graph (INT32 sums, the requantizing epilogue fused); probed on the GPU
     #: at build time (cudnn_conv.int8_unsupported)
     cudnn_int8: bool = False
+    #: INT8 ``kiln.QMatMul`` runs Kiln's Hopper wgmma GEMM with the epilogue in registers (qgemm.py): sm_90 GPUs,
+    #: unless KILN_QGEMM=0
+    qgemm_sm90: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class Launch:
     block: tuple[int, int, int]
     args: list[tuple[Any, Any]]
     program: PointwiseKernel | None = None
+    #: dynamic shared memory per block (bytes); above 48 KiB the runner raises the function's limit first
+    shared_bytes: int = 0
 
 
 @dataclass
@@ -1153,7 +1158,8 @@ def _tactic(node: Node, ops: list) -> str:
     if gemm is not None:
         return f"gemm:{gemm.tactic}"
     if node.op_type == "QMatMul" and ops:
-        return f"gemm:{ops[0].tactic}"  # cublaslt_int8 / cublaslt_fp8
+        # cublaslt_int8 / cublaslt_fp8, or Kiln's sm_90 INT8 GEMM (one launch)
+        return f"gemm:{ops[0].module}" if isinstance(ops[0], Launch) else f"gemm:{ops[0].tactic}"
     if node.op_type == "QConv" and ops:
         gemm = next(o for o in ops if hasattr(o, "acc_dtype"))  # the Int8Gemm step
         return f"conv:{gemm.tactic}" + ("" if gemm.tactic.endswith("requant") else "_im2col")

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -403,6 +403,11 @@ class _PreparedLaunch:
                 obj = ctype(value)
             self.objects.append(obj)
         self.params = (ctypes.c_void_p * len(self.objects))(*[ctypes.addressof(o) for o in self.objects])
+        if launch.shared_bytes > 48 * 1024:  # the default dynamic shared memory limit
+            from cuda.bindings import driver
+
+            attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(function, attribute, launch.shared_bytes), f"shared memory of {launch.function}")
 
     def run(self, resolve, stream: int) -> None:
         from cuda.bindings import driver
@@ -410,8 +415,8 @@ class _PreparedLaunch:
         for obj, ref in self.refs:
             obj.value = resolve(ref)
         grid, block = self.launch.grid, self.launch.block
-        check(driver.cuLaunchKernel(self.function, *grid, *block, 0, stream, ctypes.addressof(self.params), 0),
-              f"launch {self.launch.function}")
+        check(driver.cuLaunchKernel(self.function, *grid, *block, self.launch.shared_bytes, stream,
+                                    ctypes.addressof(self.params), 0), f"launch {self.launch.function}")
 
 
 class _Binding:
@@ -1007,10 +1012,7 @@ class CudaContextState:
 def lowering_options(plan: Plan) -> LoweringOptions:
     """The lowering choices the build recorded (TF32, cuDNN convolutions): runs must lower identically."""
     recorded = plan.build_info.get("cuda", {}).get("lowering", {})
-    return LoweringOptions(tf32=bool(recorded.get("tf32", False)), cudnn=bool(recorded.get("cudnn", False)),
-                           cublaslt=bool(recorded.get("cublaslt", False)),
-                           int8_requant=bool(recorded.get("int8_requant", False)),
-                           cudnn_int8=bool(recorded.get("cudnn_int8", False)))
+    return LoweringOptions(**{f.name: bool(recorded.get(f.name, False)) for f in fields(LoweringOptions)})
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:

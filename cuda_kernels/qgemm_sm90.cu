@@ -1,0 +1,258 @@
+// INT8 GEMM with its epilogue in registers, for Hopper (sm_90a wgmma): y[m, n] = epilogue(sum_k x[m, k] * w[n, k]).
+// Why: cuBLASLt's IMMA GEMMs write int32 sums (no int8-in / fp16-out form), so every INT8 linear layer's output
+// crossed memory as 4 bytes, was read back by a dequantizing kernel and written again (BERT-base batch 64: >= 1.8 ms
+// of traffic against 4.6 ms for the whole fp16 model). Here the int32 sums never leave registers: the epilogue
+// applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU, erf GELU, Tanh, Sigmoid) and either stores the
+// float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (ops/fused.py QMatMul),
+// with __fmul_rn / __fadd_rn so no FMA contraction changes a result.
+//
+// Shape of the kernel: a 128 x BN output tile per block of two warpgroups (each 64 rows, one wgmma m64nBNk32 per
+// 32 bytes of K), K consumed 128 bytes at a time through a QG_STAGES-deep cp.async ring in shared memory.
+// Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and stored in the
+// 128-byte swizzled layout wgmma reads: row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 128-byte row,
+// 8 rows (1024 bytes, 1024-aligned) per swizzle atom. Each thread's cp.async writes are made visible to the
+// tensor cores' async proxy (fence.proxy.async) before the barrier that releases a stage to wgmma.
+// Requirements (the lowering checks them): K % 16 == 0 (16-byte chunks are whole or absent), N even, 16-byte
+// aligned x / w. Rows past M and columns past N read zeros (cp.async zero fill) and are not stored.
+// Compiled for sm_90a only (engine_core/cuda/nvrtc.py ARCH_FEATURES); other targets get empty kernels.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define QG_BM 128
+#define QG_BK 128
+#define QG_STAGES 4
+#define QG_THREADS 256
+
+// activation codes (engine_core/backends/cuda/qgemm.py ACTIVATIONS)
+#define QG_ACT_NONE 0
+#define QG_ACT_RELU 1
+#define QG_ACT_GELU 2
+#define QG_ACT_TANH 3
+#define QG_ACT_SIGMOID 4
+// float type the value is rounded to before requantizing (the QMatMul's float_dtype)
+#define QG_ROUND_F32 0
+#define QG_ROUND_F16 1
+#define QG_ROUND_BF16 2
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QG_WGMMA 1
+#endif
+
+#ifdef QG_WGMMA
+
+__device__ __forceinline__ void kiln_cp_async16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void kiln_fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void kiln_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void kiln_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void kiln_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile: start address >> 4 (bits 0-13), leading
+// byte offset (unused by swizzled K-major layouts: 1), stride byte offset 1024 >> 4 between 8-row groups (bits
+// 32-45), layout type 1 = 128B swizzle (bits 62-63).
+__device__ __forceinline__ unsigned long long kiln_smem_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(a), "l"(b));
+}
+
+__device__ __forceinline__ void kiln_wgmma_m64n256k32_s8(int (&d)[128], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]),
+          "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]),
+          "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]),
+          "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]),
+          "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]),
+          "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]),
+          "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]),
+          "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]),
+          "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
+        : "l"(a), "l"(b));
+}
+
+// One 128-byte K slice of `rows` rows starting at global row `row0` into a swizzled stage tile (rows past `limit`
+// and bytes past K read as zeros).
+template <int ROWS>
+__device__ __forceinline__ void kiln_qg_load(unsigned tile, const signed char* __restrict__ src, int row0, int limit,
+                                             int k0, int K) {
+#pragma unroll
+    for (int i = 0; i < ROWS * 8 / QG_THREADS; ++i) {
+        const int chunk = threadIdx.x + i * QG_THREADS, r = chunk >> 3, c = chunk & 7;
+        const int row = row0 + r, k = k0 + c * 16;
+        const bool ok = row < limit && k < K;
+        const signed char* from = ok ? src + (size_t)row * K + k : src;
+        kiln_cp_async16(tile + r * 128 + ((c ^ (r & 7)) << 4), from, ok ? 16 : 0);
+    }
+}
+
+__device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, const float* bias, int col,
+                                               int act) {
+    float v = __fmul_rn(__fmul_rn((float)acc, x_scale), w_scale);
+    if (bias) v = __fadd_rn(v, bias[col]);
+    if (act == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
+    else if (act == QG_ACT_GELU) v = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, erff(__fmul_rn(v, 0.7071067811865476f))));
+    else if (act == QG_ACT_TANH) v = tanhf(v);
+    else if (act == QG_ACT_SIGMOID) v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+    return v;
+}
+
+template <typename T> struct KilnQgStore;
+template <> struct KilnQgStore<float> {
+    __device__ __forceinline__ static void pair(float* y, float a, float b, float, int) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
+};
+template <> struct KilnQgStore<__half> {
+    __device__ __forceinline__ static void pair(__half* y, float a, float b, float, int) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
+};
+template <> struct KilnQgStore<__nv_bfloat16> {
+    __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, int) {
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
+    }
+};
+// requantize: round to the layer's float type (the tensor the unfused graph stores), then QuantizeLinear
+__device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, int round_to) {
+    if (round_to == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
+    else if (round_to == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
+    return (signed char)fminf(fmaxf(rintf(__fdiv_rn(v, y_scale)), -128.0f), 127.0f);
+}
+template <> struct KilnQgStore<signed char> {
+    __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, int round_to) {
+        char2 q;
+        q.x = kiln_qg_quantize(a, y_scale, round_to);
+        q.y = kiln_qg_quantize(b, y_scale, round_to);
+        *reinterpret_cast<char2*>(y) = q;
+    }
+};
+
+template <int BN, typename T>
+__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char* __restrict__ x,
+                                           const signed char* __restrict__ w, const float* __restrict__ w_scale,
+                                           const float* __restrict__ bias, int M, int N, int K, float x_scale,
+                                           float y_scale, int act, int round_to) {
+    extern __shared__ unsigned char kiln_qg_smem[];
+    constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
+    const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
+    const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
+    const int m0 = blockIdx.y * QG_BM, n0 = blockIdx.x * BN;
+    const int ktiles = (K + QG_BK - 1) / QG_BK;
+    const int wg = threadIdx.x / 128;
+
+#pragma unroll
+    for (int s = 0; s < QG_STAGES - 1; ++s) {
+        if (s < ktiles) {
+            kiln_qg_load<QG_BM>(base + s * STAGE_BYTES, x, m0, M, s * QG_BK, K);
+            kiln_qg_load<BN>(base + s * STAGE_BYTES + A_BYTES, w, n0, N, s * QG_BK, K);
+        }
+        kiln_cp_async_commit();
+    }
+    int acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        kiln_cp_async_wait<QG_STAGES - 2>();  // this thread's copies of tile kt have landed
+        kiln_fence_async_shared();             // ... and are visible to wgmma's async proxy
+        __syncthreads();                       // everyone's are; and every wgmma of tile kt - 1 has finished
+        const int next = kt + QG_STAGES - 1;   // refill the stage tile kt - 1 used
+        if (next < ktiles) {
+            const unsigned stage = base + (next % QG_STAGES) * STAGE_BYTES;
+            kiln_qg_load<QG_BM>(stage, x, m0, M, next * QG_BK, K);
+            kiln_qg_load<BN>(stage + A_BYTES, w, n0, N, next * QG_BK, K);
+        }
+        kiln_cp_async_commit();
+        const unsigned stage = base + (kt % QG_STAGES) * STAGE_BYTES;
+        const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
+        kiln_wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < QG_BK / 32; ++s) {  // 32 bytes of K a step: the descriptor start moves 32 >> 4
+            if constexpr (BN == 256) kiln_wgmma_m64n256k32_s8(acc, da + 2 * s, db + 2 * s);
+            else kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s);
+        }
+        kiln_wgmma_commit();
+        kiln_wgmma_wait0();
+    }
+    kiln_cp_async_wait<0>();
+
+    // accumulator fragment: register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int row = m0 + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int col = n0 + j * 8 + (lane % 4) * 2;
+        if (col >= N) continue;
+        const float ws0 = w_scale[col], ws1 = w_scale[col + 1];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 8 * h;
+            if (r >= M) continue;
+            const float a = kiln_qg_value(acc[4 * j + 2 * h], x_scale, ws0, bias, col, act);
+            const float b = kiln_qg_value(acc[4 * j + 2 * h + 1], x_scale, ws1, bias, col + 1, act);
+            KilnQgStore<T>::pair(y + (size_t)r * N + col, a, b, y_scale, round_to);
+        }
+    }
+}
+#endif  // QG_WGMMA
+
+// qgemm_sm90_<BN>_<output>: grid (ceil(N / BN), ceil(M / 128)), 256 threads, QG_STAGES * (128 + BN) * 128 + 1024
+// bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py shared_bytes).
+#define KILN_QGEMM(BN, NAME, T)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 1) qgemm_sm90_##BN##_##NAME(                         \
+        T* __restrict__ y, const signed char* __restrict__ x, const signed char* __restrict__ w,                 \
+        const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
+        float y_scale, int act, int round_to) {                                                                   \
+        KILN_QGEMM_BODY(BN, T)                                                                                    \
+    }
+#ifdef QG_WGMMA
+#define KILN_QGEMM_BODY(BN, T) kiln_qgemm<BN, T>(y, x, w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
+#else
+#define KILN_QGEMM_BODY(BN, T) __trap();
+#endif
+
+KILN_QGEMM(128, f32, float)
+KILN_QGEMM(128, f16, __half)
+KILN_QGEMM(128, bf16, __nv_bfloat16)
+KILN_QGEMM(128, i8, signed char)
+KILN_QGEMM(256, f32, float)
+KILN_QGEMM(256, f16, __half)
+KILN_QGEMM(256, bf16, __nv_bfloat16)
+KILN_QGEMM(256, i8, signed char)

@@ -1,0 +1,106 @@
+"""``kiln.QMatMul`` on Hopper as one kernel: Kiln's wgmma INT8 GEMM with the epilogue in registers.
+
+``cuda_kernels/qgemm_sm90.cu`` computes the int32 sums of x[M, K] (int8, row-major) and w[N, K] (int8 rows: the
+"nk" weight transform) on the tensor cores and, before anything leaves the registers, applies the QMatMul's
+epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, ReLU, erf GELU, Tanh or Sigmoid -- and stores
+the float type or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float type) to int8.
+
+Why: the cuBLASLt path (``int8_gemm.Int8Gemm`` + a dequantizing pointwise kernel) writes the int32 sums to memory
+and reads them back: 4 + 4 bytes per output element more than the result itself, which cost BERT-base INT8 more
+than its GEMMs did (docs/cuda-backend.md, "Session 6"). The kernel needs the scales and bias at build time
+(folded to float32 vectors: exact conversions), K a multiple of 16 and N even; other layers keep the cuBLASLt path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from engine_core.backends.cuda.lowering import Launch, Ref, _Context
+from engine_core.backends.cuda.pointwise import BF16, contiguous_strides
+from engine_core.ir import Node
+from engine_core.ops.fused import qmatmul_float_dtype
+
+MODULE = "qgemm_sm90"
+#: rows per block, K bytes per pipeline stage, stages, threads (cuda_kernels/qgemm_sm90.cu QG_*)
+TILE_M, TILE_K, STAGES, THREADS = 128, 128, 4, 256
+INT8, F16, F32 = np.dtype(np.int8), np.dtype(np.float16), np.dtype(np.float32)
+#: QMatMul activation -> the kernel's code (QG_ACT_*)
+ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
+#: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)
+ROUNDING = {F32: 0, F16: 1, BF16: 2}
+#: output dtype -> kernel name suffix
+OUTPUTS = {F32: "f32", F16: "f16", BF16: "bf16", INT8: "i8"}
+#: streaming multiprocessors assumed when sizing tiles: the H100 SXM's (sm_90 parts have 78-132)
+SMS = 132
+#: time of a 256-wide tile relative to two 128-wide ones (it loads 25% fewer operand bytes per product)
+WIDE_TILE_COST = 0.85
+#: force the tile width (128 or 256) instead of ``tile_n``'s choice: for benchmarks
+TILE_N: int | None = None
+
+
+def available() -> bool:
+    """Whether builds here use the kernel: an sm_90 GPU (wgmma is sm_90a code), unless ``KILN_QGEMM=0`` (then
+    the cuBLASLt path)."""
+    if os.environ.get("KILN_QGEMM", "1") == "0":
+        return False
+    from engine_core.cuda.driver import compute_capability
+
+    return compute_capability() == (9, 0)
+
+
+def shared_bytes(tile_n: int) -> int:
+    """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
+    return STAGES * (TILE_M + tile_n) * TILE_K + 1024
+
+
+def tile_n(m: int, n: int) -> int:
+    """128 or 256 output columns per block: the width whose whole waves of blocks cost least."""
+    if TILE_N is not None:
+        return TILE_N
+
+    def waves(width: int) -> int:
+        return -(-(-(-m // TILE_M) * -(-n // width)) // SMS)
+
+    return 256 if waves(256) * 2 * WIDE_TILE_COST < waves(128) else 128
+
+
+def _constant(ctx: _Context, name: str) -> np.ndarray | None:
+    value = ctx.constants.get(name)
+    return ctx.value(name) if value is None else np.asarray(value)
+
+
+def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
+    """The whole QMatMul as one ``qgemm_sm90`` launch, or None when it does not fit the kernel: the build has
+    it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (tanh GELU, ...),
+    scales or bias computed at run time, or operands not laid out contiguously."""
+    x_name, out_name = node.inputs[0], node.outputs[0]
+    x, out = ctx.info(x_name), ctx.info(out_name)
+    activation = node.attr("activation", "")
+    result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
+    if (not ctx.options.qgemm_sm90 or x.dtype != INT8 or k % 16 or n % 2 or activation not in ACTIVATIONS
+            or result not in ROUNDING or out.dtype not in OUTPUTS):
+        return None
+    if ctx.strides(x_name) != contiguous_strides(x.shape) or ctx.strides(out_name) != contiguous_strides(out.shape):
+        return None
+    names = {"x_scale": node.inputs[1], "w_scale": node.inputs[3]}
+    names.update({key: node.inputs[i] for key, i in (("bias", 4), ("y_scale", 5))
+                  if len(node.inputs) > i and node.inputs[i]})
+    values = {key: _constant(ctx, name) for key, name in names.items()}
+    if any(v is None for v in values.values()):
+        return None
+    f32 = {key: np.asarray(v).astype(np.float32) for key, v in values.items()}  # exact: float16 / bfloat16 fit
+    w_scale = ctx.fold(f"{node.name}#w_scale", np.broadcast_to(f32["w_scale"].reshape(-1), (n,)).copy())
+    bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy()) if "bias" in f32 else None
+    y_scale = float(f32["y_scale"].reshape(())) if "y_scale" in f32 else 1.0
+    width = tile_n(m, n)
+    args = [(Ref(out_name), ctypes.c_void_p), (Ref(x_name), ctypes.c_void_p), (Ref(weight), ctypes.c_void_p),
+            (w_scale, ctypes.c_void_p), (bias if bias is not None else 0, ctypes.c_void_p),
+            (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
+            (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),
+            (ACTIVATIONS[activation], ctypes.c_int), (ROUNDING[result], ctypes.c_int)]
+    grid = (-(-n // width), -(-m // TILE_M), 1)
+    return Launch(MODULE, f"qgemm_sm90_{width}_{OUTPUTS[out.dtype]}", grid, (THREADS, 1, 1), args,
+                  shared_bytes=shared_bytes(width))

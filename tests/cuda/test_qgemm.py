@@ -1,0 +1,110 @@
+"""Kiln's sm_90 INT8 GEMM with the epilogue in registers (engine_core/backends/cuda/qgemm.py,
+cuda_kernels/qgemm_sm90.cu).
+
+Without a GPU: QMatMul layers lowered with the kernel on (``LoweringOptions.qgemm_sm90``) are one launch each, and
+the numpy emulation of that launch (exact int32 sums, the kernel's float32 epilogue) equals the CPU backend.
+With a GPU (``-m gpu``, an sm_90 one): Q/DQ MLPs whose M, N and K are not tile multiples, both tile widths, against
+the CPU backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine_core as kiln
+from engine_core.backends.cpu import GraphRunner
+from engine_core.backends.cuda import lowering, qgemm
+from engine_core.backends.cuda.int8_gemm import Int8Gemm, lower_qmatmul
+from engine_core.backends.cuda.lowering import Launch, LoweringOptions
+from engine_core.ir import Graph, Node
+from engine_core.ops import TensorInfo
+from tests.cuda.emulate import Emulator
+from tests.cuda.models import bert_feeds, build_engine, lowered_at, optimized_graph, small_model
+from tests.cuda.test_int8_gemm import qdq_mlp
+
+QGEMM = LoweringOptions(qgemm_sm90=True)
+
+
+@pytest.mark.parametrize("flag, batch", [(None, 1), (None, 130), (kiln.BuilderFlag.FP16, 7)])
+def test_emulated_qgemm_mlp_equals_the_cpu_backend(flag, batch):
+    """fc1 (per-column weight scales, bias, ReLU, requantized to int8 after rounding to the build's float type)
+    and fc2 (per-tensor scale, bias, GELU, float output) are one kernel launch each, bit-equal to the CPU op."""
+    x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
+    graph = optimized_graph(qdq_mlp(), {"x": x}, flag)
+    lowered = lowered_at(graph, {"x": x}, QGEMM)
+    steps = {s.node.name: s for s in lowered.steps}
+    out = "f32" if flag is None else "f16"
+    for name, suffix in (("fc1", "i8"), ("fc2", out)):
+        (launch,) = steps[name].ops
+        assert isinstance(launch, Launch) and launch.function == f"qgemm_sm90_128_{suffix}", launch.function
+        assert launch.shared_bytes == qgemm.shared_bytes(128) and launch.grid == (1, -(-batch // 128), 1)
+        assert lowered.tactics()[name] == "gemm:qgemm_sm90"
+    got = Emulator(graph, lowered, {"x": x}).run()["y"]
+    np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
+
+
+def test_emulated_bert_qdq_runs_every_linear_layer_as_one_qgemm_launch():
+    feeds = bert_feeds(2, 16)
+    graph = optimized_graph(small_model("bert_qdq"), feeds, kiln.BuilderFlag.FP16)
+    lowered = lowered_at(graph, feeds, QGEMM)
+    qmatmuls = [s for s in lowered.steps if s.node.op_type == "QMatMul"]
+    assert len(qmatmuls) == 13 and all(len(s.ops) == 1 and isinstance(s.ops[0], Launch) for s in qmatmuls)
+    got, want = Emulator(graph, lowered, feeds).run(), GraphRunner(graph).run(feeds)
+    for name, value in want.items():  # as test_int8_gemm's fp16 bert_qdq: LayerNorm/attention rounding elsewhere
+        scale = float(np.abs(value).max())
+        assert float(np.abs(got[name] - value).max()) <= 1e-2 * scale, name
+
+
+def _qmatmul_context(k: int, n: int, constants: dict[str, np.ndarray], options: LoweringOptions = QGEMM):
+    node = Node("QMatMul", ["x", "s", "w", "ws", ""], ["y"], {"transB": 1, "activation": ""}, "fc", "kiln", 1)
+    i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+    infos = {"x": TensorInfo(i8, (4, k)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (n, k)),
+             "ws": TensorInfo(f32, (n,)), "y": TensorInfo(f32, (4, n))}
+    return node, lowering._Context(infos, frozenset({"y"}), {}, options, Graph(nodes=[node]).constants | constants)
+
+
+@pytest.mark.parametrize("k, n, constant, options, why", [
+    (40, 64, True, QGEMM, "K not a multiple of 16"),
+    (64, 64, False, QGEMM, "scales computed at run time"),
+    (64, 64, True, LoweringOptions(), "the build has the kernel off"),
+])
+def test_layers_outside_the_kernel_keep_the_cublaslt_path(k, n, constant, options, why):
+    scales = {"s": np.array(0.02, np.float32), "ws": np.full(n, 0.01, np.float32)} if constant else {}
+    node, ctx = _qmatmul_context(k, n, scales, options)
+    ops = lower_qmatmul(node, ctx)
+    assert isinstance(ops[0], Int8Gemm) and len(ops) == 2, why
+
+
+def test_tile_width_fills_whole_waves():
+    """BERT-base at batch 64 (M = 8192): N = 768 in 128-wide tiles (384 blocks: 3 full waves of 132, where 256-wide
+    tiles would leave the second of 2 waves half empty), N = 3072 in 256-wide ones; one small batch: 128."""
+    assert qgemm.tile_n(8192, 768) == 128
+    assert qgemm.tile_n(8192, 3072) == 256
+    assert qgemm.tile_n(128, 768) == 128
+
+
+# -- on the GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [128, 256])
+@pytest.mark.parametrize("flag, tolerance", [(None, 1e-6), (kiln.BuilderFlag.FP16, 2e-3)])
+def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(tile, flag, tolerance, monkeypatch):
+    """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40; M up to 300),
+    both tile widths. The int32 sums are exact and the epilogue keeps the CPU op's order: fp32 differs only by
+    erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
+    if not qgemm.available():
+        pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
+    monkeypatch.setattr(qgemm, "TILE_N", tile)
+    model = qdq_mlp(din=160, hidden=304, dout=40, seed=7)
+    profiles = {"x": ((1, 160), (64, 160), (300, 160))}
+    gpu, cpu = build_engine(model, "cuda", profiles, flag), build_engine(model, "cpu", profiles, flag)
+    tactics = {layer["name"]: layer["tactic"] for layer in gpu.plan.layers if layer["type"] == "QMatMul"}
+    assert tactics == {"fc1": "gemm:qgemm_sm90", "fc2": "gemm:qgemm_sm90"}, tactics
+    gctx, cctx = gpu.create_execution_context(), cpu.create_execution_context()
+    rng = np.random.default_rng(11)
+    for batch in (1, 7, 129, 300):
+        x = {"x": rng.standard_normal((batch, 160)).astype(np.float32)}
+        got, want = gctx.infer(x)["y"], cctx.infer(x)["y"]
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * float(np.abs(want).max()))
