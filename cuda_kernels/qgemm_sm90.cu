@@ -4,10 +4,14 @@
 // of traffic against 4.6 ms for the whole fp16 model). Here the int32 sums never leave registers: the epilogue
 // applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU, erf GELU, Tanh, Sigmoid) and either stores the
 // float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (ops/fused.py QMatMul),
-// with __fmul_rn / __fadd_rn so no FMA contraction changes a result.
+// with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff / tanhf / expf themselves may differ from
+// the CPU's in the last bits, as the generated pointwise kernels' do).
 //
 // Shape of the kernel: a 128 x BN output tile per block of two warpgroups (each 64 rows, one wgmma m64nBNk32 per
-// 32 bytes of K), K consumed 128 bytes at a time through a QG_STAGES-deep cp.async ring in shared memory.
+// 32 bytes of K), K consumed 128 bytes at a time through a STAGES-deep cp.async ring in shared memory. BN = 128
+// keeps 3 stages (97 KiB) and 128 registers so two blocks share an SM: one block's prologue and epilogue (erf,
+// division, stores) overlap the other's tensor-core work -- with one block per SM the epilogue of the GELU layer
+// took longer than its GEMM (session 7, bench.qgemm). BN = 256 (4 stages, 193 KiB) runs one block per SM.
 // Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and stored in the
 // 128-byte swizzled layout wgmma reads: row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 128-byte row,
 // 8 rows (1024 bytes, 1024-aligned) per swizzle atom. Each thread's cp.async writes are made visible to the
@@ -20,7 +24,6 @@
 
 #define QG_BM 128
 #define QG_BK 128
-#define QG_STAGES 4
 #define QG_THREADS 256
 
 // activation codes (engine_core/backends/cuda/qgemm.py ACTIVATIONS)
@@ -127,6 +130,15 @@ __device__ __forceinline__ void kiln_qg_load(unsigned tile, const signed char* _
     }
 }
 
+template <int V> struct KilnInt { static constexpr int value = V; };
+// f(KilnInt<I>{}) ... f(KilnInt<END - 1>{}): a loop whose index is a compile-time constant in every body
+template <int I, int END, typename F> __device__ __forceinline__ void kiln_static_for(F&& f) {
+    if constexpr (I < END) {
+        f(KilnInt<I>{});
+        kiln_static_for<I + 1, END>(f);
+    }
+}
+
 __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, const float* bias, int col,
                                                int act) {
     float v = __fmul_rn(__fmul_rn((float)acc, x_scale), w_scale);
@@ -165,7 +177,7 @@ template <> struct KilnQgStore<signed char> {
     }
 };
 
-template <int BN, typename T>
+template <int BN, int STAGES, typename T>
 __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char* __restrict__ x,
                                            const signed char* __restrict__ w, const float* __restrict__ w_scale,
                                            const float* __restrict__ bias, int M, int N, int K, float x_scale,
@@ -179,7 +191,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
     const int wg = threadIdx.x / 128;
 
 #pragma unroll
-    for (int s = 0; s < QG_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < ktiles) {
             kiln_qg_load<QG_BM>(base + s * STAGE_BYTES, x, m0, M, s * QG_BK, K);
             kiln_qg_load<BN>(base + s * STAGE_BYTES + A_BYTES, w, n0, N, s * QG_BK, K);
@@ -190,17 +202,17 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0;
     for (int kt = 0; kt < ktiles; ++kt) {
-        kiln_cp_async_wait<QG_STAGES - 2>();  // this thread's copies of tile kt have landed
+        kiln_cp_async_wait<STAGES - 2>();     // this thread's copies of tile kt have landed
         kiln_fence_async_shared();             // ... and are visible to wgmma's async proxy
         __syncthreads();                       // everyone's are; and every wgmma of tile kt - 1 has finished
-        const int next = kt + QG_STAGES - 1;   // refill the stage tile kt - 1 used
+        const int next = kt + STAGES - 1;      // refill the stage tile kt - 1 used
         if (next < ktiles) {
-            const unsigned stage = base + (next % QG_STAGES) * STAGE_BYTES;
+            const unsigned stage = base + (next % STAGES) * STAGE_BYTES;
             kiln_qg_load<QG_BM>(stage, x, m0, M, next * QG_BK, K);
             kiln_qg_load<BN>(stage + A_BYTES, w, n0, N, next * QG_BK, K);
         }
         kiln_cp_async_commit();
-        const unsigned stage = base + (kt % QG_STAGES) * STAGE_BYTES;
+        const unsigned stage = base + (kt % STAGES) * STAGE_BYTES;
         const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
         kiln_wgmma_fence();
 #pragma unroll
@@ -213,13 +225,15 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
     }
     kiln_cp_async_wait<0>();
 
-    // accumulator fragment: register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e
+    // accumulator fragment: register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e.
+    // The loop over j is unrolled at compile time (kiln_static_for): a runtime index into acc would move the whole
+    // array to local memory, which ptxas did for the 256-wide int8 kernel when the loop was left to #pragma unroll.
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int row = m0 + wg * 64 + warp * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    kiln_static_for<0, BN / 8>([&](auto j_) {
+        constexpr int j = decltype(j_)::value;
         const int col = n0 + j * 8 + (lane % 4) * 2;
-        if (col >= N) continue;
+        if (col >= N) return;
         const float ws0 = w_scale[col], ws1 = w_scale[col + 1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -229,30 +243,30 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
             const float b = kiln_qg_value(acc[4 * j + 2 * h + 1], x_scale, ws1, bias, col + 1, act);
             KilnQgStore<T>::pair(y + (size_t)r * N + col, a, b, y_scale, round_to);
         }
-    }
+    });
 }
 #endif  // QG_WGMMA
 
-// qgemm_sm90_<BN>_<output>: grid (ceil(N / BN), ceil(M / 128)), 256 threads, QG_STAGES * (128 + BN) * 128 + 1024
-// bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py shared_bytes).
-#define KILN_QGEMM(BN, NAME, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 1) qgemm_sm90_##BN##_##NAME(                         \
+// qgemm_sm90_<BN>_<output>: grid (ceil(N / BN), ceil(M / 128)), 256 threads, STAGES * (128 + BN) * 128 + 1024
+// bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py STAGES, shared_bytes).
+#define KILN_QGEMM(BN, STAGES, BLOCKS, NAME, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, BLOCKS) qgemm_sm90_##BN##_##NAME(                    \
         T* __restrict__ y, const signed char* __restrict__ x, const signed char* __restrict__ w,                 \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
         float y_scale, int act, int round_to) {                                                                   \
-        KILN_QGEMM_BODY(BN, T)                                                                                    \
+        KILN_QGEMM_BODY(BN, STAGES, T)                                                                            \
     }
 #ifdef QG_WGMMA
-#define KILN_QGEMM_BODY(BN, T) kiln_qgemm<BN, T>(y, x, w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
+#define KILN_QGEMM_BODY(BN, STAGES, T) kiln_qgemm<BN, STAGES, T>(y, x, w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
 #else
-#define KILN_QGEMM_BODY(BN, T) __trap();
+#define KILN_QGEMM_BODY(BN, STAGES, T) __trap();
 #endif
 
-KILN_QGEMM(128, f32, float)
-KILN_QGEMM(128, f16, __half)
-KILN_QGEMM(128, bf16, __nv_bfloat16)
-KILN_QGEMM(128, i8, signed char)
-KILN_QGEMM(256, f32, float)
-KILN_QGEMM(256, f16, __half)
-KILN_QGEMM(256, bf16, __nv_bfloat16)
-KILN_QGEMM(256, i8, signed char)
+KILN_QGEMM(128, 3, 2, f32, float)
+KILN_QGEMM(128, 3, 2, f16, __half)
+KILN_QGEMM(128, 3, 2, bf16, __nv_bfloat16)
+KILN_QGEMM(128, 3, 2, i8, signed char)
+KILN_QGEMM(256, 4, 1, f32, float)
+KILN_QGEMM(256, 4, 1, f16, __half)
+KILN_QGEMM(256, 4, 1, bf16, __nv_bfloat16)
+KILN_QGEMM(256, 4, 1, i8, signed char)

@@ -22,9 +22,6 @@ KERNEL_DIR = Path(cuda_kernels.__file__).resolve().parent
 #: Why: Hopper's wgmma exists only for "sm_90a" code, which runs on sm_90 GPUs alone; other targets compile the
 #: file as it is (its kernels then trap, and the lowering never launches them there)
 ARCH_FEATURES: dict[str, dict[str, str]] = {"qgemm_sm90": {"sm_90": "sm_90a"}}
-#: NVRTC options a kernel file needs: the INT8 GEMM epilogue rounds exactly as the generated pointwise kernels do
-#: (no FMA contraction inside erff either: pointwise.POINTWISE_OPTIONS)
-FILE_OPTIONS: dict[str, tuple[str, ...]] = {"qgemm_sm90": ("--fmad=false",)}
 
 
 class CompileError(KilnError):
@@ -113,5 +110,4 @@ def compile_kernel_file(stem: str, arch: str = "sm_90", options: Sequence[str] =
     ``ARCH_FEATURES`` names for it)."""
     path = kernel_sources()[stem]
     target = ARCH_FEATURES.get(stem, {}).get(arch, arch)
-    return compile_cubin(path.read_text(), path.name, target,
-                         [f"--include-path={KERNEL_DIR}", *FILE_OPTIONS.get(stem, ()), *options])
+    return compile_cubin(path.read_text(), path.name, target, [f"--include-path={KERNEL_DIR}", *options])

@@ -24,8 +24,10 @@ from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
 
 MODULE = "qgemm_sm90"
-#: rows per block, K bytes per pipeline stage, stages, threads (cuda_kernels/qgemm_sm90.cu QG_*)
-TILE_M, TILE_K, STAGES, THREADS = 128, 128, 4, 256
+#: rows per block, K bytes per pipeline stage, threads (cuda_kernels/qgemm_sm90.cu QG_*)
+TILE_M, TILE_K, THREADS = 128, 128, 256
+#: tile width -> pipeline stages (qgemm_sm90.cu KILN_QGEMM): 128-wide blocks fit two per SM, 256-wide ones one
+STAGES = {128: 3, 256: 4}
 INT8, F16, F32 = np.dtype(np.int8), np.dtype(np.float16), np.dtype(np.float32)
 #: QMatMul activation -> the kernel's code (QG_ACT_*)
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
@@ -53,7 +55,7 @@ def available() -> bool:
 
 def shared_bytes(tile_n: int) -> int:
     """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
-    return STAGES * (TILE_M + tile_n) * TILE_K + 1024
+    return STAGES[tile_n] * (TILE_M + tile_n) * TILE_K + 1024
 
 
 def tile_n(m: int, n: int) -> int:
