@@ -46,7 +46,7 @@ for stage in "$@"; do
     qgemm)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda/test_qgemm.py \
         tests/cuda/test_int8_gemm.py 2>&1 | quiet | tail -25 | tee "$OUT/gpu_qgemm_tests.txt"
-      timeout 200 python3 -m bench.qgemm --rows 8192,1024 --out "$OUT" 2>&1 | quiet | tail -10 ;;
+      timeout 200 python3 -m bench.qgemm --out "$OUT" 2>&1 | quiet | tail -10 ;;
     bert)
       timeout 280 python3 -m bench.engine --models bert_base --precisions tf32,fp16 --batches 1,8,64 \
         --peers eager,reduce-overhead --compile-batches 1,8,64 --profile --out "$OUT" 2>&1 | quiet | tail -12 ;;

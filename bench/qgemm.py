@@ -1,13 +1,13 @@
 """BERT-base's linear layers in INT8: Kiln's sm_90 GEMM with the epilogue in registers vs the cuBLASLt path and fp16.
 
-    python -m bench.qgemm [--rows 8192] [--tiles auto,128,256] [--out bench/results]
+    python -m bench.qgemm [--rows 8192,1024] [--out bench/results]
 
 Each case is a one-layer ONNX model (onnx.helper) of an explicitly quantized linear layer at BERT-base sizes
 (``--rows`` = batch x sequence, 8192 = 64 x 128): int8 input x [rows, K] -> DequantizeLinear -> MatMul with a
 per-column int8 weight's DequantizeLinear -> + bias, then either fp16 out (Q/K/V, attention output, FFN2) or GELU
 -> QuantizeLinear -> int8 out (FFN1, whose output only FFN2 reads). FP16 builds; the builder fuses each into one
 ``kiln.QMatMul``. Kiln columns (GPU kernel time from CUPTI, microseconds per call, every kernel of the layer):
-  qgemm   the default on sm_90: one ``qgemm_sm90`` launch (``--tiles``: Kiln's tile-width choice, or forced)
+  qgemm   the default on sm_90: one ``qgemm_sm90`` launch
   lt      ``KILN_QGEMM=0``: cuBLASLt IMMA (int32 sums to memory) + the generated dequantizing kernel
   fp16    the same layer as an fp16 model (fp16 weights, cuBLASLt with its bias epilogue; GELU a kernel)
 Peers in the same run: torch fp16 ``F.linear`` (+ GELU) and torch ``_int_mm`` (int8 x int8 -> int32 only). TOPS
@@ -102,14 +102,10 @@ def _timed(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
     return sum(k["ms"] for k in kernels) * 1000, kernels
 
 
-def _run_kiln(torch, model, rows: int, case: Case, x, y, stream, env: dict[str, str] | None = None, tile=None) -> dict:
-    from engine_core.backends.cuda import qgemm
-
+def _run_kiln(torch, model, rows: int, case: Case, x, y, stream, env: dict[str, str] | None = None) -> dict:
     saved_env = {k: os.environ.get(k) for k in (env or {})}
-    saved_tile = qgemm.TILE_N
     os.environ.update(env or {})
-    qgemm.TILE_N = tile  # until the runs are done: the runner lowers each new input shape again when it first runs
-    try:
+    try:  # until the runs are done: the runner lowers each new input shape again when it first runs
         engine = _engine(model, rows, case.k)
         ctx = engine.create_execution_context()
         ctx.set_tensor_address("x", x.data_ptr())
@@ -117,14 +113,13 @@ def _run_kiln(torch, model, rows: int, case: Case, x, y, stream, env: dict[str, 
         us, kernels = _timed(lambda: ctx.execute_async_v3(stream.cuda_stream), stream)
         torch.cuda.synchronize()
     finally:
-        qgemm.TILE_N = saved_tile
         for k, v in saved_env.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     tactic = next((layer["tactic"] for layer in engine.plan.layers if layer["type"] in ("QMatMul", "FusedMatMul", "MatMul")), "")
     return {"us": round(us, 2), "tops": round(2 * rows * case.n * case.k / us / 1e6, 1), "tactic": tactic, "kernels": kernels}
 
 
-def run_case(torch, case: Case, rows: int, tiles: list[int | None]) -> dict:
+def run_case(torch, case: Case, rows: int) -> dict:
     import torch.nn.functional as F
 
     stream = torch.cuda.current_stream()
@@ -133,14 +128,11 @@ def run_case(torch, case: Case, rows: int, tiles: list[int | None]) -> dict:
     out_dtype = torch.int8 if case.gelu_int8 else torch.float16
     row: dict = {"case": case.name, "m": rows, "n": case.n, "k": case.k}
     model = int8_model(case, rows)
-    outputs = {}
-    for tile in tiles:
-        y = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
-        row[f"qgemm_{tile or 'auto'}"] = _run_kiln(torch, model, rows, case, xq, y, stream, tile=tile)
-        outputs[tile] = y
+    y = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
+    row["qgemm"] = _run_kiln(torch, model, rows, case, xq, y, stream)
     y_lt = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
     row["lt"] = _run_kiln(torch, model, rows, case, xq, y_lt, stream, env={"KILN_QGEMM": "0"})
-    row["max_diff_vs_lt"] = {str(t or "auto"): (y.float() - y_lt.float()).abs().max().item() for t, y in outputs.items()}
+    row["max_diff_vs_lt"] = (y.float() - y_lt.float()).abs().max().item()
     xh = torch.randn((rows, case.k), device="cuda", generator=gen).half()
     yh = torch.empty((rows, case.n), dtype=torch.float16, device="cuda")
     row["fp16"] = _run_kiln(torch, fp16_model(case, rows), rows, case, xh, yh, stream)
@@ -155,29 +147,23 @@ def run_case(torch, case: Case, rows: int, tiles: list[int | None]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="8192", help="comma-separated GEMM rows: batch x sequence (BERT 64 x 128)")
-    parser.add_argument("--tiles", default="auto,128,256", help="qgemm tile widths: auto (Kiln's choice), 128, 256")
+    parser.add_argument("--rows", default="8192,1024", help="comma-separated GEMM rows: batch x sequence (BERT 64 x 128)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
 
-    tiles = [None if t == "auto" else int(t) for t in args.tiles.split(",")]
-    labels = [f"qgemm_{t or 'auto'}" for t in tiles]
-    names = [label.replace("_", " ") for label in labels]
     print(f"{torch.cuda.get_device_name()}: GPU kernel us per call (CUPTI)")
-    print(f"{'case':<36} {'rows':>5} " + " ".join(f"{n:>11}" for n in names)
-          + f" {'lt':>7} {'fp16':>7} {'torch16':>7} {'int_mm':>7} {'TOPS':>6} {'x fp16':>6} {'max diff':>8}")
+    print(f"{'case':<36} {'rows':>5} {'qgemm':>7} {'lt':>7} {'fp16':>7} {'torch16':>7} {'int_mm':>7} {'TOPS':>6} "
+          f"{'x fp16':>6} {'x lt':>6} {'max diff':>8}")
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         for case in CASES:
-            row = run_case(torch, case, rows, tiles)
+            row = run_case(torch, case, rows)
             results.append(row)
-            best = min(row[label]["us"] for label in labels)
-            auto = row[labels[0]]
-            print(f"{case.name:<36} {rows:>5} " + " ".join(f"{row[label]['us']:>11.1f}" for label in labels)
-                  + f" {row['lt']['us']:>7.1f} {row['fp16']['us']:>7.1f} {row['torch_fp16_us']:>7.1f}"
-                  f" {row['torch_int_mm_us']:>7.1f} {auto['tops']:>6.0f} {row['fp16']['us'] / best:>6.2f}"
-                  f" {max(row['max_diff_vs_lt'].values()):>8.3g}")
+            q = row["qgemm"]
+            print(f"{case.name:<36} {rows:>5} {q['us']:>7.1f} {row['lt']['us']:>7.1f} {row['fp16']['us']:>7.1f}"
+                  f" {row['torch_fp16_us']:>7.1f} {row['torch_int_mm_us']:>7.1f} {q['tops']:>6.0f}"
+                  f" {row['fp16']['us'] / q['us']:>6.2f} {row['lt']['us'] / q['us']:>6.2f} {row['max_diff_vs_lt']:>8.3g}")
     write_results(args.out, "qgemm", {"device": torch.cuda.get_device_name(), "rows": results})
     return 0
 

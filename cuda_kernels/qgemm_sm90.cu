@@ -9,9 +9,10 @@
 //
 // Shape of the kernel: a 128 x BN output tile per block of two warpgroups (each 64 rows, one wgmma m64nBNk32 per
 // 32 bytes of K), K consumed 128 bytes at a time through a STAGES-deep cp.async ring in shared memory. BN = 128
-// keeps 3 stages (97 KiB) and 128 registers so two blocks share an SM: one block's prologue and epilogue (erf,
-// division, stores) overlap the other's tensor-core work -- with one block per SM the epilogue of the GELU layer
-// took longer than its GEMM (session 7, bench.qgemm). BN = 256 (4 stages, 193 KiB) runs one block per SM.
+// keeps 3 stages (97 KiB) and at most 128 registers so two blocks share an SM: one block's loads and epilogue (erf,
+// division, stores) overlap the other's tensor-core work. Session 7 measured (bench.qgemm, H100, BERT-base shapes)
+// one block per SM -- 128 wide in 4 stages, or 256 wide (m64n256k32) in 4 -- at 1.6-1.9x the time, the GELU
+// layer's epilogue then taking longer than its GEMM; the 256-wide kernels were dropped.
 // Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and stored in the
 // 128-byte swizzled layout wgmma reads: row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 128-byte row,
 // 8 rows (1024 bytes, 1024-aligned) per swizzle atom. Each thread's cp.async writes are made visible to the
@@ -63,9 +64,10 @@ __device__ __forceinline__ unsigned long long kiln_smem_desc(unsigned addr) {
            (1ull << 62);
 }
 
-__device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned long long a, unsigned long long b,
+                                                          int accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
@@ -80,40 +82,9 @@ __device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned 
           "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
           "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
           "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void kiln_wgmma_m64n256k32_s8(int (&d)[128], unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p;\n}\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
-          "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
-          "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
-          "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-          "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]),
-          "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]), "+r"(d[71]),
-          "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]), "+r"(d[78]), "+r"(d[79]),
-          "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]), "+r"(d[85]), "+r"(d[86]), "+r"(d[87]),
-          "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]), "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]),
-          "+r"(d[96]), "+r"(d[97]), "+r"(d[98]), "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]),
-          "+r"(d[104]), "+r"(d[105]), "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]),
-          "+r"(d[112]), "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]),
-          "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
-        : "l"(a), "l"(b));
-}
 
 // One 128-byte K slice of `rows` rows starting at global row `row0` into a swizzled stage tile (rows past `limit`
 // and bytes past K read as zeros).
@@ -152,84 +123,53 @@ __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_s
 
 template <typename T> struct KilnQgStore;
 template <> struct KilnQgStore<float> {
-    __device__ __forceinline__ static void pair(float* y, float a, float b, float, int) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
+    __device__ __forceinline__ static void pair(float* y, float a, float b, float, float, int) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
 };
 template <> struct KilnQgStore<__half> {
-    __device__ __forceinline__ static void pair(__half* y, float a, float b, float, int) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
+    __device__ __forceinline__ static void pair(__half* y, float a, float b, float, float, int) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
 };
 template <> struct KilnQgStore<__nv_bfloat16> {
-    __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, int) {
+    __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, float, int) {
         *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
     }
 };
+// v / y_scale rounded to nearest: the quotient by the reciprocal, then one correction step with the exact residual
+// (fma) -- the correctly rounded quotient whenever nothing over- or underflows, which for values bounded by the
+// int8 range times a scale holds. Why not __fdiv_rn: its out-of-range slow path, inlined at each of a thread's 64
+// stores, adds to ptxas's time on the persistent kernel (minutes).
+__device__ __forceinline__ float kiln_qg_div(float v, float y_scale, float y_recip) {
+    const float q = __fmul_rn(v, y_recip);
+    return __fmaf_rn(__fmaf_rn(-q, y_scale, v), y_recip, q);
+}
 // requantize: round to the layer's float type (the tensor the unfused graph stores), then QuantizeLinear
-__device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, int round_to) {
-    if (round_to == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
-    else if (round_to == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
-    return (signed char)fminf(fmaxf(rintf(__fdiv_rn(v, y_scale)), -128.0f), 127.0f);
+__device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip, int round_to) {
+    // both roundings and a select, not branches: per-element branches on round_to made ptxas run for minutes
+    const float half = __half2float(__float2half_rn(v)), bf16 = __bfloat162float(__float2bfloat16_rn(v));
+    v = round_to == QG_ROUND_F16 ? half : round_to == QG_ROUND_BF16 ? bf16 : v;
+    return (signed char)fminf(fmaxf(rintf(kiln_qg_div(v, y_scale, y_recip)), -128.0f), 127.0f);
 }
 template <> struct KilnQgStore<signed char> {
-    __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, int round_to) {
+    __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, float y_recip,
+                                                int round_to) {
         char2 q;
-        q.x = kiln_qg_quantize(a, y_scale, round_to);
-        q.y = kiln_qg_quantize(b, y_scale, round_to);
+        q.x = kiln_qg_quantize(a, y_scale, y_recip, round_to);
+        q.y = kiln_qg_quantize(b, y_scale, y_recip, round_to);
         *reinterpret_cast<char2*>(y) = q;
     }
 };
 
-template <int BN, int STAGES, typename T>
-__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char* __restrict__ x,
-                                           const signed char* __restrict__ w, const float* __restrict__ w_scale,
-                                           const float* __restrict__ bias, int M, int N, int K, float x_scale,
-                                           float y_scale, int act, int round_to) {
-    extern __shared__ unsigned char kiln_qg_smem[];
-    constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
-    const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
-    const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
-    const int m0 = blockIdx.y * QG_BM, n0 = blockIdx.x * BN;
-    const int ktiles = (K + QG_BK - 1) / QG_BK;
-    const int wg = threadIdx.x / 128;
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < ktiles) {
-            kiln_qg_load<QG_BM>(base + s * STAGE_BYTES, x, m0, M, s * QG_BK, K);
-            kiln_qg_load<BN>(base + s * STAGE_BYTES + A_BYTES, w, n0, N, s * QG_BK, K);
-        }
-        kiln_cp_async_commit();
-    }
-    int acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0;
-    for (int kt = 0; kt < ktiles; ++kt) {
-        kiln_cp_async_wait<STAGES - 2>();     // this thread's copies of tile kt have landed
-        kiln_fence_async_shared();             // ... and are visible to wgmma's async proxy
-        __syncthreads();                       // everyone's are; and every wgmma of tile kt - 1 has finished
-        const int next = kt + STAGES - 1;      // refill the stage tile kt - 1 used
-        if (next < ktiles) {
-            const unsigned stage = base + (next % STAGES) * STAGE_BYTES;
-            kiln_qg_load<QG_BM>(stage, x, m0, M, next * QG_BK, K);
-            kiln_qg_load<BN>(stage + A_BYTES, w, n0, N, next * QG_BK, K);
-        }
-        kiln_cp_async_commit();
-        const unsigned stage = base + (kt % STAGES) * STAGE_BYTES;
-        const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
-        kiln_wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < QG_BK / 32; ++s) {  // 32 bytes of K a step: the descriptor start moves 32 >> 4
-            if constexpr (BN == 256) kiln_wgmma_m64n256k32_s8(acc, da + 2 * s, db + 2 * s);
-            else kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s);
-        }
-        kiln_wgmma_commit();
-        kiln_wgmma_wait0();
-    }
-    kiln_cp_async_wait<0>();
-
-    // accumulator fragment: register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e.
-    // The loop over j is unrolled at compile time (kiln_static_for): a runtime index into acc would move the whole
-    // array to local memory, which ptxas did for the 256-wide int8 kernel when the loop was left to #pragma unroll.
+// The epilogue of one finished tile: accumulator register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column
+// 8j + 2 (lane % 4) + e of the warpgroup's 64 rows. The loop over j is unrolled at compile time (kiln_static_for): a
+// runtime index into acc would move the whole array to local memory, which ptxas did for the 256-wide int8 kernel
+// when the loop was left to #pragma unroll.
+template <int BN, typename T>
+__device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y,
+                                                 const float* __restrict__ w_scale, const float* __restrict__ bias,
+                                                 int m0, int n0, int M, int N, float x_scale, float y_scale, int act,
+                                                 int round_to) {
+    const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_qg_div needs
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const int row = m0 + wg * 64 + warp * 16 + lane / 4;
+    const int row = m0 + (threadIdx.x / 128) * 64 + warp * 16 + lane / 4;
     kiln_static_for<0, BN / 8>([&](auto j_) {
         constexpr int j = decltype(j_)::value;
         const int col = n0 + j * 8 + (lane % 4) * 2;
@@ -241,13 +181,72 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
             if (r >= M) continue;
             const float a = kiln_qg_value(acc[4 * j + 2 * h], x_scale, ws0, bias, col, act);
             const float b = kiln_qg_value(acc[4 * j + 2 * h + 1], x_scale, ws1, bias, col + 1, act);
-            KilnQgStore<T>::pair(y + (size_t)r * N + col, a, b, y_scale, round_to);
+            KilnQgStore<T>::pair(y + (size_t)r * N + col, a, b, y_scale, y_recip, round_to);
         }
     });
 }
+
+// Persistent: block b computes output tiles b, b + gridDim.x, ... (tile t: rows (t / tiles_n) * 128, columns
+// (t % tiles_n) * BN, so the blocks running at once share their x rows and all of w in L2). Its (tile, K slice)
+// steps form one sequence through the stage ring, so the first slices of the next tile load while the current
+// one finishes and runs its epilogue: a block per tile paid the load latency of its first slices and its
+// epilogue unoverlapped, most of the time of a K = 768 layer (session 7: 29 us for BERT's 768 x 768 at M = 8192,
+// 328 TOPS, against 742 TOPS at K = 3072).
+template <int BN, int STAGES, typename T>
+__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char* __restrict__ x,
+                                           const signed char* __restrict__ w, const float* __restrict__ w_scale,
+                                           const float* __restrict__ bias, int M, int N, int K, float x_scale,
+                                           float y_scale, int act, int round_to) {
+    extern __shared__ unsigned char kiln_qg_smem[];
+    constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
+    const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
+    const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
+    const int tiles_n = (N + BN - 1) / BN, tiles = tiles_n * ((M + QG_BM - 1) / QG_BM);
+    const int ktiles = (K + QG_BK - 1) / QG_BK;
+    const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int steps = mine * ktiles;
+    const int wg = threadIdx.x / 128;
+
+    // step i: K slice i % ktiles of this block's tile i / ktiles, into stage i % STAGES
+    auto load = [&](int i) {
+        const int t = blockIdx.x + (i / ktiles) * gridDim.x, k0 = (i % ktiles) * QG_BK;
+        const unsigned stage = base + (i % STAGES) * STAGE_BYTES;
+        kiln_qg_load<QG_BM>(stage, x, (t / tiles_n) * QG_BM, M, k0, K);
+        kiln_qg_load<BN>(stage + A_BYTES, w, (t % tiles_n) * BN, N, k0, K);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s);
+        kiln_cp_async_commit();
+    }
+    int acc[BN / 2];
+    for (int tile = 0, i = 0; tile < mine; ++tile) {
+        for (int kt = 0; kt < ktiles; ++kt, ++i) {
+            kiln_cp_async_wait<STAGES - 2>();  // this thread's copies of step i have landed
+            kiln_fence_async_shared();          // ... and are visible to wgmma's async proxy
+            __syncthreads();                    // everyone's are; and every wgmma of step i - 1 has finished
+            if (i + STAGES - 1 < steps) load(i + STAGES - 1);  // into the stage step i - 1 used
+            kiln_cp_async_commit();
+            const unsigned stage = base + (i % STAGES) * STAGE_BYTES;
+            const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
+            kiln_wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < QG_BK / 32; ++s) {  // 32 bytes of K a step: the descriptor start moves 32 >> 4
+                const int accumulate = kt > 0 || s > 0;  // a tile's first product overwrites the last tile's sums
+                kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s, accumulate);
+            }
+            kiln_wgmma_commit();
+            kiln_wgmma_wait0();
+        }
+        const int t = blockIdx.x + tile * gridDim.x;
+        kiln_qg_epilogue<BN, T>(acc, y, w_scale, bias, (t / tiles_n) * QG_BM, (t % tiles_n) * BN, M, N, x_scale,
+                                y_scale, act, round_to);
+    }
+    kiln_cp_async_wait<0>();
+}
 #endif  // QG_WGMMA
 
-// qgemm_sm90_<BN>_<output>: grid (ceil(N / BN), ceil(M / 128)), 256 threads, STAGES * (128 + BN) * 128 + 1024
+// qgemm_sm90_<BN>_<output>: a 1-D grid of at most one block per output tile, 256 threads, STAGES * (128 + BN) * 128 + 1024
 // bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py STAGES, shared_bytes).
 #define KILN_QGEMM(BN, STAGES, BLOCKS, NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, BLOCKS) qgemm_sm90_##BN##_##NAME(                    \
@@ -266,7 +265,3 @@ KILN_QGEMM(128, 3, 2, f32, float)
 KILN_QGEMM(128, 3, 2, f16, __half)
 KILN_QGEMM(128, 3, 2, bf16, __nv_bfloat16)
 KILN_QGEMM(128, 3, 2, i8, signed char)
-KILN_QGEMM(256, 4, 1, f32, float)
-KILN_QGEMM(256, 4, 1, f16, __half)
-KILN_QGEMM(256, 4, 1, bf16, __nv_bfloat16)
-KILN_QGEMM(256, 4, 1, i8, signed char)

@@ -38,7 +38,7 @@ def test_emulated_qgemm_mlp_equals_the_cpu_backend(flag, batch):
     for name, suffix in (("fc1", "i8"), ("fc2", out)):
         (launch,) = steps[name].ops
         assert isinstance(launch, Launch) and launch.function == f"qgemm_sm90_128_{suffix}", launch.function
-        assert launch.shared_bytes == qgemm.shared_bytes(128) and launch.grid == (1, -(-batch // 128), 1)
+        assert launch.shared_bytes == qgemm.shared_bytes() and launch.grid == (-(-batch // 128), 1, 1)
         assert lowered.tactics()[name] == "gemm:qgemm_sm90"
     got = Emulator(graph, lowered, {"x": x}).run()["y"]
     np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
@@ -76,27 +76,25 @@ def test_layers_outside_the_kernel_keep_the_cublaslt_path(k, n, constant, option
     assert isinstance(ops[0], Int8Gemm) and len(ops) == 2, why
 
 
-def test_tile_width_fills_whole_waves():
-    """BERT-base at batch 64 (M = 8192): N = 768 in 128-wide tiles (384 blocks: 3 full waves of 132, where 256-wide
-    tiles would leave the second of 2 waves half empty), N = 3072 in 256-wide ones; one small batch: 128."""
-    assert qgemm.tile_n(8192, 768) == 128
-    assert qgemm.tile_n(8192, 3072) == 256
-    assert qgemm.tile_n(128, 768) == 128
+def test_persistent_grid_is_one_block_per_tile_up_to_two_per_sm():
+    assert qgemm.grid_blocks(300, 304) == 3 * 3
+    assert qgemm.grid_blocks(8192, 768) == 2 * qgemm.SMS  # 384 tiles: blocks take several
 
 
 # -- on the GPU -------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [128, 256])
 @pytest.mark.parametrize("flag, tolerance", [(None, 1e-6), (kiln.BuilderFlag.FP16, 2e-3)])
-def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(tile, flag, tolerance, monkeypatch):
-    """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40; M up to 300),
-    both tile widths. The int32 sums are exact and the epilogue keeps the CPU op's order: fp32 differs only by
-    erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
+@pytest.mark.parametrize("sms", [qgemm.SMS, 2])
+def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, monkeypatch):
+    """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40; M up to 300), with
+    a block per tile and with 4 blocks taking turns over up to 9 tiles (``SMS`` = 2: the persistent loop carries
+    its load pipeline from one tile into the next). The int32 sums are exact and the epilogue keeps the CPU op's
+    order: fp32 differs only by erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
     if not qgemm.available():
         pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
-    monkeypatch.setattr(qgemm, "TILE_N", tile)
+    monkeypatch.setattr(qgemm, "SMS", sms)
     model = qdq_mlp(din=160, hidden=304, dout=40, seed=7)
     profiles = {"x": ((1, 160), (64, 160), (300, 160))}
     gpu, cpu = build_engine(model, "cuda", profiles, flag), build_engine(model, "cpu", profiles, flag)

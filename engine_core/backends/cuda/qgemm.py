@@ -24,10 +24,9 @@ from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
 
 MODULE = "qgemm_sm90"
-#: rows per block, K bytes per pipeline stage, threads (cuda_kernels/qgemm_sm90.cu QG_*)
-TILE_M, TILE_K, THREADS = 128, 128, 256
-#: tile width -> pipeline stages (qgemm_sm90.cu KILN_QGEMM): 128-wide blocks fit two per SM, 256-wide ones one
-STAGES = {128: 3, 256: 4}
+#: output rows and columns per block, K bytes per pipeline stage, stages, threads, blocks per SM
+#: (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
+TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 256, 2
 INT8, F16, F32 = np.dtype(np.int8), np.dtype(np.float16), np.dtype(np.float32)
 #: QMatMul activation -> the kernel's code (QG_ACT_*)
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
@@ -35,12 +34,9 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
 ROUNDING = {F32: 0, F16: 1, BF16: 2}
 #: output dtype -> kernel name suffix
 OUTPUTS = {F32: "f32", F16: "f16", BF16: "bf16", INT8: "i8"}
-#: streaming multiprocessors assumed when sizing tiles: the H100 SXM's (sm_90 parts have 78-132)
+#: streaming multiprocessors assumed when sizing the persistent grid: the H100 SXM's (sm_90 parts have 78-132; on
+#: fewer, the blocks past what runs at once start as others finish)
 SMS = 132
-#: time of a 256-wide tile relative to two 128-wide ones (it loads 25% fewer operand bytes per product)
-WIDE_TILE_COST = 0.85
-#: force the tile width (128 or 256) instead of ``tile_n``'s choice: for benchmarks
-TILE_N: int | None = None
 
 
 def available() -> bool:
@@ -53,20 +49,15 @@ def available() -> bool:
     return compute_capability() == (9, 0)
 
 
-def shared_bytes(tile_n: int) -> int:
+def shared_bytes() -> int:
     """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
-    return STAGES[tile_n] * (TILE_M + tile_n) * TILE_K + 1024
+    return STAGES * (TILE_M + TILE_N) * TILE_K + 1024
 
 
-def tile_n(m: int, n: int) -> int:
-    """128 or 256 output columns per block: the width whose whole waves of blocks cost least."""
-    if TILE_N is not None:
-        return TILE_N
-
-    def waves(width: int) -> int:
-        return -(-(-(-m // TILE_M) * -(-n // width)) // SMS)
-
-    return 256 if waves(256) * 2 * WIDE_TILE_COST < waves(128) else 128
+def grid_blocks(m: int, n: int) -> int:
+    """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
+    tiles = -(-m // TILE_M) * -(-n // TILE_N)
+    return max(1, min(tiles, SMS * BLOCKS_PER_SM))
 
 
 def _constant(ctx: _Context, name: str) -> np.ndarray | None:
@@ -97,12 +88,10 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     w_scale = ctx.fold(f"{node.name}#w_scale", np.broadcast_to(f32["w_scale"].reshape(-1), (n,)).copy())
     bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy()) if "bias" in f32 else None
     y_scale = float(f32["y_scale"].reshape(())) if "y_scale" in f32 else 1.0
-    width = tile_n(m, n)
     args = [(Ref(out_name), ctypes.c_void_p), (Ref(x_name), ctypes.c_void_p), (Ref(weight), ctypes.c_void_p),
             (w_scale, ctypes.c_void_p), (bias if bias is not None else 0, ctypes.c_void_p),
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),
             (ACTIVATIONS[activation], ctypes.c_int), (ROUNDING[result], ctypes.c_int)]
-    grid = (-(-n // width), -(-m // TILE_M), 1)
-    return Launch(MODULE, f"qgemm_sm90_{width}_{OUTPUTS[out.dtype]}", grid, (THREADS, 1, 1), args,
-                  shared_bytes=shared_bytes(width))
+    return Launch(MODULE, f"qgemm_sm90_{TILE_N}_{OUTPUTS[out.dtype]}", (grid_blocks(m, n), 1, 1), (THREADS, 1, 1), args,
+                  shared_bytes=shared_bytes())
