@@ -86,18 +86,21 @@ __device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned 
 }
 
 
-// One 128-byte K slice of `rows` rows starting at global row `row0` into a swizzled stage tile (rows past `limit`
-// and bytes past K read as zeros).
+// One 128-byte K slice of ROWS rows starting at global row `row0` into a swizzled stage tile (rows past `limit`
+// and bytes past K read as zeros). Thread t copies chunk t % 8 of rows t / 8 + 32 i: its swizzled column and the
+// row stride are the same for every i, so a slice costs one address computation and ROWS / 32 adds.
 template <int ROWS>
 __device__ __forceinline__ void kiln_qg_load(unsigned tile, const signed char* __restrict__ src, int row0, int limit,
                                              int k0, int K) {
+    static_assert(ROWS * 8 % QG_THREADS == 0, "whole passes of 32 rows");
+    const int r = threadIdx.x >> 3, c = threadIdx.x & 7, k = k0 + c * 16;
+    const unsigned dst = tile + r * 128 + ((c ^ (r & 7)) << 4);  // (r + 32 i) % 8 == r % 8
+    const signed char* from = src + (size_t)(row0 + r) * K + k;
+    const size_t pass = (size_t)32 * K;
 #pragma unroll
     for (int i = 0; i < ROWS * 8 / QG_THREADS; ++i) {
-        const int chunk = threadIdx.x + i * QG_THREADS, r = chunk >> 3, c = chunk & 7;
-        const int row = row0 + r, k = k0 + c * 16;
-        const bool ok = row < limit && k < K;
-        const signed char* from = ok ? src + (size_t)row * K + k : src;
-        kiln_cp_async16(tile + r * 128 + ((c ^ (r & 7)) << 4), from, ok ? 16 : 0);
+        const bool ok = k < K && row0 + r + 32 * i < limit;
+        kiln_cp_async16(dst + i * 32 * 128, ok ? from + i * pass : src, ok ? 16 : 0);
     }
 }
 
@@ -207,27 +210,37 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
     const int steps = mine * ktiles;
     const int wg = threadIdx.x / 128;
 
-    // step i: K slice i % ktiles of this block's tile i / ktiles, into stage i % STAGES
-    auto load = [&](int i) {
-        const int t = blockIdx.x + (i / ktiles) * gridDim.x, k0 = (i % ktiles) * QG_BK;
-        const unsigned stage = base + (i % STAGES) * STAGE_BYTES;
-        kiln_qg_load<QG_BM>(stage, x, (t / tiles_n) * QG_BM, M, k0, K);
-        kiln_qg_load<BN>(stage + A_BYTES, w, (t % tiles_n) * BN, N, k0, K);
+    // The load cursor runs STAGES - 1 steps ahead of the compute: (tile, K slice, stage) advanced by counting, so
+    // a step costs no integer division (per-step divisions made the persistent loop slower than one block per tile)
+    int loaded = 0, load_t = blockIdx.x, load_kt = 0, load_stage = 0;
+    int load_m0 = (load_t / tiles_n) * QG_BM, load_n0 = (load_t % tiles_n) * BN;
+    auto load_next = [&]() {
+        if (loaded < steps) {
+            const unsigned stage = base + load_stage * STAGE_BYTES;
+            kiln_qg_load<QG_BM>(stage, x, load_m0, M, load_kt * QG_BK, K);
+            kiln_qg_load<BN>(stage + A_BYTES, w, load_n0, N, load_kt * QG_BK, K);
+            ++loaded;
+            load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
+            if (++load_kt == ktiles) {
+                load_kt = 0;
+                load_t += gridDim.x;
+                load_m0 = (load_t / tiles_n) * QG_BM;
+                load_n0 = (load_t % tiles_n) * BN;
+            }
+        }
+        kiln_cp_async_commit();  // an empty group past the end keeps wait_group's count uniform
     };
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load(s);
-        kiln_cp_async_commit();
-    }
+    for (int s = 0; s < STAGES - 1; ++s) load_next();
     int acc[BN / 2];
-    for (int tile = 0, i = 0; tile < mine; ++tile) {
-        for (int kt = 0; kt < ktiles; ++kt, ++i) {
-            kiln_cp_async_wait<STAGES - 2>();  // this thread's copies of step i have landed
+    int stage_index = 0;
+    for (int tile = 0; tile < mine; ++tile) {
+        for (int kt = 0; kt < ktiles; ++kt) {
+            kiln_cp_async_wait<STAGES - 2>();  // this thread's copies of this step have landed
             kiln_fence_async_shared();          // ... and are visible to wgmma's async proxy
-            __syncthreads();                    // everyone's are; and every wgmma of step i - 1 has finished
-            if (i + STAGES - 1 < steps) load(i + STAGES - 1);  // into the stage step i - 1 used
-            kiln_cp_async_commit();
-            const unsigned stage = base + (i % STAGES) * STAGE_BYTES;
+            __syncthreads();                    // everyone's are; and every wgmma of the step before has finished
+            const unsigned stage = base + stage_index * STAGE_BYTES;
+            stage_index = stage_index + 1 == STAGES ? 0 : stage_index + 1;
             const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
             kiln_wgmma_fence();
 #pragma unroll
@@ -236,6 +249,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
                 kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s, accumulate);
             }
             kiln_wgmma_commit();
+            load_next();  // issued while the tensor cores work: into the stage the step before used
             kiln_wgmma_wait0();
         }
         const int t = blockIdx.x + tile * gridDim.x;
