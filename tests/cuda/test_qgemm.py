@@ -26,6 +26,12 @@ from tests.cuda.test_int8_gemm import qdq_mlp
 QGEMM = LoweringOptions(qgemm_sm90=True)
 
 
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    """Small test shapes take the kernel too (``MIN_TILES`` keeps layers with fewer tiles than SMs on cuBLASLt)."""
+    monkeypatch.setattr(qgemm, "MIN_TILES", 0)
+
+
 @pytest.mark.parametrize("flag, batch", [(None, 1), (None, 130), (kiln.BuilderFlag.FP16, 7)])
 def test_emulated_qgemm_mlp_equals_the_cpu_backend(flag, batch):
     """fc1 (per-column weight scales, bias, ReLU, requantized to int8 after rounding to the build's float type)
@@ -74,6 +80,13 @@ def test_layers_outside_the_kernel_keep_the_cublaslt_path(k, n, constant, option
     node, ctx = _qmatmul_context(k, n, scales, options)
     ops = lower_qmatmul(node, ctx)
     assert isinstance(ops[0], Int8Gemm) and len(ops) == 2, why
+
+
+def test_layers_with_fewer_tiles_than_sms_keep_the_cublaslt_path(monkeypatch):
+    monkeypatch.setattr(qgemm, "MIN_TILES", qgemm.SMS)
+    x = np.random.default_rng(0).standard_normal((130, 64)).astype(np.float32)
+    lowered = lowered_at(optimized_graph(qdq_mlp(), {"x": x}), {"x": x}, QGEMM)
+    assert {lowered.tactics()[name] for name in ("fc1", "fc2")} == {"gemm:cublaslt_int8"}
 
 
 def test_persistent_grid_is_one_block_per_tile_up_to_two_per_sm():

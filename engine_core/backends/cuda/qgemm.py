@@ -37,6 +37,12 @@ OUTPUTS = {F32: "f32", F16: "f16", BF16: "bf16", INT8: "i8"}
 #: streaming multiprocessors assumed when sizing the persistent grid: the H100 SXM's (sm_90 parts have 78-132; on
 #: fewer, the blocks past what runs at once start as others finish)
 SMS = 132
+#: output tiles below which a layer keeps the cuBLASLt path: with fewer tiles than SMs the kernel's 128 x 128 blocks
+#: leave most of the GPU idle, where cuBLASLt picks small-tile / split-K kernels. Measured on the H100 (bench.qgemm,
+#: session 7, bench/results/qgemm_20261123T191125.json): at M = 1024 the 48-tile layers (N = 768) ran 9.4 vs 11.4 us
+#: and 13.5 vs 20.0 us in cuBLASLt + its epilogue kernel, the 192-tile GELU layer 20.6 us here vs 33.1; at M = 8192
+#: (384 and more tiles) this kernel was 1.03-1.82x faster at every layer
+MIN_TILES = SMS
 
 
 def available() -> bool:
@@ -54,10 +60,14 @@ def shared_bytes() -> int:
     return STAGES * (TILE_M + TILE_N) * TILE_K + 1024
 
 
+def tiles(m: int, n: int) -> int:
+    """Output tiles of an [m, n] result."""
+    return -(-m // TILE_M) * -(-n // TILE_N)
+
+
 def grid_blocks(m: int, n: int) -> int:
     """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
-    tiles = -(-m // TILE_M) * -(-n // TILE_N)
-    return max(1, min(tiles, SMS * BLOCKS_PER_SM))
+    return max(1, min(tiles(m, n), SMS * BLOCKS_PER_SM))
 
 
 def _constant(ctx: _Context, name: str) -> np.ndarray | None:
@@ -68,13 +78,14 @@ def _constant(ctx: _Context, name: str) -> np.ndarray | None:
 def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
     """The whole QMatMul as one ``qgemm_sm90`` launch, or None when it does not fit the kernel: the build has
     it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (tanh GELU, ...),
-    scales or bias computed at run time, or operands not laid out contiguously."""
+    scales or bias computed at run time, operands not laid out contiguously, or fewer than ``MIN_TILES`` output
+    tiles (this input shape: the runner lowers each binding's shapes)."""
     x_name, out_name = node.inputs[0], node.outputs[0]
     x, out = ctx.info(x_name), ctx.info(out_name)
     activation = node.attr("activation", "")
     result = qmatmul_float_dtype(node, ctx.info(node.inputs[1]).dtype)
     if (not ctx.options.qgemm_sm90 or x.dtype != INT8 or k % 16 or n % 2 or activation not in ACTIVATIONS
-            or result not in ROUNDING or out.dtype not in OUTPUTS):
+            or result not in ROUNDING or out.dtype not in OUTPUTS or tiles(m, n) < MIN_TILES):
         return None
     if ctx.strides(x_name) != contiguous_strides(x.shape) or ctx.strides(out_name) != contiguous_strides(out.shape):
         return None
