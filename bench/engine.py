@@ -154,6 +154,30 @@ def kernel_profile(fn, stream, runs: int = 5, top: int = 25) -> list[dict]:
     return [{"kernel": name[:160], "ms": round(ms / runs, 4), "launches": count // runs} for name, (ms, count) in ranked]
 
 
+def kernel_us(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
+    """(GPU microseconds per call of ``fn`` summed over its kernels, the kernels) from ``kernel_profile``."""
+    kernels = kernel_profile(fn, stream, runs=calls, top=8)
+    return sum(k["ms"] for k in kernels) * 1000, kernels
+
+
+def layer_engine(model, shape: tuple[int, ...], fp16: bool = False):
+    """A Kiln engine of a one-layer model (onnx.helper) whose one input "x" has a fixed ``shape``: what the
+    per-layer benchmarks (bench.pointwise, bench.qgemm) time."""
+    import engine_core as kiln
+
+    builder = kiln.Builder()
+    net = builder.create_network()
+    if not kiln.OnnxParser(net).parse(model):
+        raise RuntimeError("Kiln could not parse the case")
+    config = builder.create_builder_config()
+    if fp16:
+        config.set_flag(kiln.BuilderFlag.FP16)
+    profile = builder.create_optimization_profile()
+    profile.set_shape("x", shape, shape, shape)
+    config.add_optimization_profile(profile)
+    return kiln.Runtime().load(kiln.build_plan(net, config))
+
+
 def build_kiln(onnx_path: Path, names: list[str], precision: str, batches: list[int], sample: tuple):
     """(engine, build seconds, warm-cache rebuild seconds) for one profile covering ``batches``."""
     import engine_core as kiln

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.engine import kernel_profile, write_results
+from bench.engine import kernel_us, layer_engine, write_results
 
 HIDDEN, FFN = 768, 3072
 
@@ -93,25 +93,6 @@ def _model(case: Case, rows: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
 
 
-def _engine(model: onnx.ModelProto, rows: int, cols: int):
-    import engine_core as kiln
-
-    builder = kiln.Builder()
-    net = builder.create_network()
-    if not kiln.OnnxParser(net).parse(model):
-        raise RuntimeError("Kiln could not parse the case")
-    config = builder.create_builder_config()
-    profile = builder.create_optimization_profile()
-    profile.set_shape("x", (rows, cols), (rows, cols), (rows, cols))
-    config.add_optimization_profile(profile)
-    return kiln.Runtime().load(kiln.build_plan(net, config))
-
-
-def _kernel_us(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
-    kernels = kernel_profile(fn, stream, runs=calls, top=8)
-    return sum(k["ms"] for k in kernels) * 1000, kernels
-
-
 def run_case(torch, case: Case, rows: int, unrolls: list[int | None]) -> dict:
     from engine_core.backends.cuda import pointwise
 
@@ -128,19 +109,19 @@ def run_case(torch, case: Case, rows: int, unrolls: list[int | None]) -> dict:
     row = {"case": case.name, "rows": rows, "cols": case.cols, "bytes": moved}
     src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    row["copy_us"], _ = _kernel_us(lambda: dst.copy_(src), stream)
-    row["torch_eager_us"], _ = _kernel_us(lambda: case.torch_fn(x, consts), stream)
+    row["copy_us"], _ = kernel_us(lambda: dst.copy_(src), stream)
+    row["torch_eager_us"], _ = kernel_us(lambda: case.torch_fn(x, consts), stream)
     model = _model(case, rows)
     default = pointwise.VECTOR_UNROLL
     try:
         for unroll in unrolls:
             pointwise.VECTOR_UNROLL = unroll
-            engine = _engine(model, rows, case.cols)
+            engine = layer_engine(model, (rows, case.cols))
             ctx = engine.create_execution_context()
             y = torch.empty_like(want)
             ctx.set_tensor_address("x", x.data_ptr())
             ctx.set_tensor_address("y", y.data_ptr())
-            us, kernels = _kernel_us(lambda c=ctx: c.execute_async_v3(stream.cuda_stream), stream)
+            us, kernels = kernel_us(lambda c=ctx: c.execute_async_v3(stream.cuda_stream), stream)
             torch.cuda.synchronize()
             steps = (y.float() - want.float()).abs().max().item()
             row[f"kiln_u{unroll or 'auto'}"] = {"us": round(us, 2), "gb_s": round(moved / us / 1e3, 1), "kernels": kernels,

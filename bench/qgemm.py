@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.engine import kernel_profile, write_results
+from bench.engine import kernel_us, layer_engine, write_results
 
 HIDDEN, FFN = 768, 3072
 
@@ -82,35 +82,15 @@ def _model(nodes, x_type: int, y_type: int, rows: int, case: Case, inits: dict) 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def _engine(model: onnx.ModelProto, rows: int, k: int):
-    import engine_core as kiln
-
-    builder = kiln.Builder()
-    net = builder.create_network()
-    if not kiln.OnnxParser(net).parse(model):
-        raise RuntimeError("Kiln could not parse the case")
-    config = builder.create_builder_config()
-    config.set_flag(kiln.BuilderFlag.FP16)
-    profile = builder.create_optimization_profile()
-    profile.set_shape("x", (rows, k), (rows, k), (rows, k))
-    config.add_optimization_profile(profile)
-    return kiln.Runtime().load(kiln.build_plan(net, config))
-
-
-def _timed(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
-    kernels = kernel_profile(fn, stream, runs=calls, top=8)
-    return sum(k["ms"] for k in kernels) * 1000, kernels
-
-
 def _run_kiln(torch, model, rows: int, case: Case, x, y, stream, env: dict[str, str] | None = None) -> dict:
     saved_env = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:  # until the runs are done: the runner lowers each new input shape again when it first runs
-        engine = _engine(model, rows, case.k)
+        engine = layer_engine(model, (rows, case.k), fp16=True)
         ctx = engine.create_execution_context()
         ctx.set_tensor_address("x", x.data_ptr())
         ctx.set_tensor_address("y", y.data_ptr())
-        us, kernels = _timed(lambda: ctx.execute_async_v3(stream.cuda_stream), stream)
+        us, kernels = kernel_us(lambda: ctx.execute_async_v3(stream.cuda_stream), stream)
         torch.cuda.synchronize()
     finally:
         for k, v in saved_env.items():
@@ -139,9 +119,9 @@ def run_case(torch, case: Case, rows: int) -> dict:
     w = torch.randn((case.n, case.k), device="cuda", generator=gen).half()
     b = torch.randn(case.n, device="cuda", generator=gen).half()
     linear = (lambda: F.gelu(F.linear(xh, w, b))) if case.gelu_int8 else (lambda: F.linear(xh, w, b))
-    row["torch_fp16_us"], _ = _timed(linear, stream)
+    row["torch_fp16_us"], _ = kernel_us(linear, stream)
     wq = torch.randint(-127, 128, (case.k, case.n), dtype=torch.int8, device="cuda", generator=gen)
-    row["torch_int_mm_us"], _ = _timed(lambda: torch._int_mm(xq, wq), stream)
+    row["torch_int_mm_us"], _ = kernel_us(lambda: torch._int_mm(xq, wq), stream)
     return row
 
 
