@@ -2,8 +2,8 @@
 // Why: cuBLASLt's IMMA GEMMs write int32 sums (no int8-in / fp16-out form), so every INT8 linear layer's output
 // crossed memory as 4 bytes, was read back by a dequantizing kernel and written again (BERT-base batch 64: >= 1.8 ms
 // of traffic against 4.6 ms for the whole fp16 model). Here the int32 sums never leave registers: the epilogue
-// applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU, erf GELU, Tanh, Sigmoid) and either stores the
-// float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (ops/fused.py QMatMul),
+// applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU, erf GELU, Tanh, Sigmoid) and either
+// stores the float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (QMatMul),
 // with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff / tanhf / expf themselves may differ from
 // the CPU's in the last bits, as the generated pointwise kernels' do).
 //
@@ -11,8 +11,8 @@
 // 32 bytes of K), K consumed 128 bytes at a time through a STAGES-deep cp.async ring in shared memory. BN = 128
 // keeps 3 stages (97 KiB) and at most 128 registers so two blocks share an SM: one block's loads and epilogue (erf,
 // division, stores) overlap the other's tensor-core work. Session 7 measured (bench.qgemm, H100, BERT-base shapes)
-// one block per SM -- 128 wide in 4 stages, or 256 wide (m64n256k32) in 4 -- at 1.6-1.9x the time, the GELU
-// layer's epilogue then taking longer than its GEMM; the 256-wide kernels were dropped.
+// one block per SM slower: 128 wide in 4 stages 1.1-1.8x the time (the GELU layer's epilogue then took longer
+// than its GEMM), 256 wide (m64n256k32) in 4 stages 1.6-1.9x; the 256-wide kernels were dropped.
 // Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and stored in the
 // 128-byte swizzled layout wgmma reads: row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 128-byte row,
 // 8 rows (1024 bytes, 1024-aligned) per swizzle atom. Each thread's cp.async writes are made visible to the

@@ -159,8 +159,7 @@ def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
 
 
 def _constant(ctx: _Context, name: str) -> np.ndarray | None:
-    value = ctx.constants.get(name)
-    value = ctx.value(name) if value is None else value
+    value = ctx.constant(name)
     return None if value is None else np.asarray(value, np.float64)
 
 

@@ -236,8 +236,8 @@ def _host_requantize(node: Node, ctx: _Context, acc: str) -> list:
 
 def lower_qmatmul(node: Node, ctx: _Context) -> list:
     """``kiln.QMatMul`` -> Kiln's sm_90 INT8 GEMM with the epilogue in registers (``qgemm.lower``) where it
-    applies, else [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing epilogue]; raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels
-    do not take."""
+    applies, else [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing epilogue];
+    raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels do not take."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
     if x.dtype != w.dtype or x.dtype not in (INT8, FP8) or len(w.shape) != 2:
         raise Unsupported(f"QMatMul over {x.dtype} x {w.dtype} {w.shape}")

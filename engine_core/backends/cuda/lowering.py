@@ -278,6 +278,11 @@ class _Context:
         info = self.infos.get(name)
         return None if info is None else info.value
 
+    def constant(self, name: str) -> np.ndarray | None:
+        """``name``'s value when the build knows it (a weight, or a value folded at these shapes), else None."""
+        value = self.constants.get(name)
+        return self.value(name) if value is None else np.asarray(value)
+
     def strides(self, name: str) -> tuple[int, ...]:
         """Element strides of ``name``'s physical layout (logical dims)."""
         shape = self.info(name).shape

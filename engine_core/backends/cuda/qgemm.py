@@ -2,8 +2,9 @@
 
 ``cuda_kernels/qgemm_sm90.cu`` computes the int32 sums of x[M, K] (int8, row-major) and w[N, K] (int8 rows: the
 "nk" weight transform) on the tensor cores and, before anything leaves the registers, applies the QMatMul's
-epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, ReLU, erf GELU, Tanh or Sigmoid -- and stores
-the float type or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float type) to int8.
+epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU, erf GELU, Tanh or
+Sigmoid -- and stores the float type, or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float
+type) to int8.
 
 Why: the cuBLASLt path (``int8_gemm.Int8Gemm`` + a dequantizing pointwise kernel) writes the int32 sums to memory
 and reads them back: 4 + 4 bytes per output element more than the result itself, which cost BERT-base INT8 more
@@ -70,11 +71,6 @@ def grid_blocks(m: int, n: int) -> int:
     return max(1, min(tiles(m, n), SMS * BLOCKS_PER_SM))
 
 
-def _constant(ctx: _Context, name: str) -> np.ndarray | None:
-    value = ctx.constants.get(name)
-    return ctx.value(name) if value is None else np.asarray(value)
-
-
 def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
     """The whole QMatMul as one ``qgemm_sm90`` launch, or None when it does not fit the kernel: the build has
     it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (tanh GELU, ...),
@@ -92,7 +88,7 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     names = {"x_scale": node.inputs[1], "w_scale": node.inputs[3]}
     names.update({key: node.inputs[i] for key, i in (("bias", 4), ("y_scale", 5))
                   if len(node.inputs) > i and node.inputs[i]})
-    values = {key: _constant(ctx, name) for key, name in names.items()}
+    values = {key: ctx.constant(name) for key, name in names.items()}
     if any(v is None for v in values.values()):
         return None
     f32 = {key: np.asarray(v).astype(np.float32) for key, v in values.items()}  # exact: float16 / bfloat16 fit

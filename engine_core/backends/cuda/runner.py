@@ -322,6 +322,13 @@ class CudaEngineState:
     def function(self, module: str, name: str) -> Any:
         key = (module, name)
         if key not in self._functions:
+            if module not in self.modules:  # an on-demand kernel file the build's shapes did not use: compile it now
+                from engine_core.backends.cuda import ON_DEMAND_KERNEL_FILES
+                from engine_core.cuda.nvrtc import compile_kernel_file
+
+                if module not in ON_DEMAND_KERNEL_FILES:
+                    raise KeyError(f"kernel module '{module}' is not in this plan")
+                self.modules[module] = Module(compile_kernel_file(module, self.plan.arch))
             self._functions[key] = self.modules[module].function(name)
         return self._functions[key]
 
