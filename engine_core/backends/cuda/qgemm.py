@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from engine_core.backends.cuda.lowering import Launch, Ref, _Context
+from engine_core.backends.cuda.lowering import F16, F32, INT8, Launch, Ref, _Context
 from engine_core.backends.cuda.pointwise import BF16, contiguous_strides
 from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
@@ -28,7 +28,6 @@ MODULE = "qgemm_sm90"
 #: output rows and columns per block, K bytes per pipeline stage, stages, threads, blocks per SM
 #: (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
 TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 256, 2
-INT8, F16, F32 = np.dtype(np.int8), np.dtype(np.float16), np.dtype(np.float32)
 #: QMatMul activation -> the kernel's code (QG_ACT_*)
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
 #: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -1019,7 +1019,7 @@ class CudaContextState:
 def lowering_options(plan: Plan) -> LoweringOptions:
     """The lowering choices the build recorded (TF32, cuDNN convolutions): runs must lower identically."""
     recorded = plan.build_info.get("cuda", {}).get("lowering", {})
-    return LoweringOptions(**{f.name: bool(recorded.get(f.name, False)) for f in fields(LoweringOptions)})
+    return LoweringOptions(**{f.name: bool(recorded.get(f.name, False)) for f in dataclasses.fields(LoweringOptions)})
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
