@@ -20,7 +20,7 @@ import numpy as np
 
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import DOMAIN
-from engine_core.passes.pattern import Uses, is_op, replace_nodes
+from engine_core.passes.pattern import Uses, fuse_matches, is_op
 from engine_core.types import onnx_to_np
 
 INT8 = np.dtype(np.int8)
@@ -41,19 +41,18 @@ def _int8_per_tensor(graph: Graph, q: Node) -> bool:
 def fuse_norm_quantize(graph: Graph) -> int:
     """Fold each eligible QuantizeLinear into the SkipLayerNorm it reads; returns how many were folded."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for norm in graph.nodes:
-        if (norm.op_type, norm.domain) != ("SkipLayerNorm", DOMAIN) or any(norm.outputs[1:]) or len(norm.inputs) > 4:
-            continue
+
+    def match(norm: Node, _: set[int]) -> tuple[Node, list[Node]] | None:
+        if any(norm.outputs[1:]) or len(norm.inputs) > 4:
+            return None
         q = next((r for r in uses.consumers.get(norm.outputs[0], [])
                   if is_op(r, "QuantizeLinear") and r.inputs[0] == norm.outputs[0] and _int8_per_tensor(graph, r)), None)
         if q is None:
-            continue
+            return None
         zero = q.inputs[2] if len(q.inputs) > 2 else ""
         inputs = [*norm.inputs, *[""] * (4 - len(norm.inputs)), q.inputs[1], zero]
-        fused[id(norm)] = Node(norm.op_type, inputs, [norm.outputs[0], q.outputs[0]], dict(norm.attrs), norm.name,
-                               norm.domain, norm.opset, [*norm.origin, *q.origin])
-        removed.add(id(q))
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+        node = Node(norm.op_type, inputs, [norm.outputs[0], q.outputs[0]], dict(norm.attrs), norm.name, norm.domain,
+                    norm.opset, [*norm.origin, *q.origin])
+        return node, [q, norm]  # in the SkipLayerNorm's place
+
+    return fuse_matches(graph, ("SkipLayerNorm",), match, DOMAIN)

@@ -65,13 +65,15 @@ def replace_nodes(graph: Graph, fused: dict[int, Node], removed: set[int]) -> No
 
 
 def fuse_matches(graph: Graph, op_types: tuple[str, ...],
-                 match: Callable[[Node, set[int]], tuple[Node, list[Node]] | None]) -> int:
-    """For each node of ``op_types`` no earlier match covered, ``match(node, covered ids)`` gives (the fused node,
-    the nodes it covers, the one it replaces last) or None; the fused nodes go in place. Returns how many."""
+                 match: Callable[[Node, set[int]], tuple[Node, list[Node]] | None], domain: str = "") -> int:
+    """For each node of ``op_types`` (in ``domain``: the standard one by default) no earlier match covered,
+    ``match(node, covered ids)`` gives (the fused node, the nodes it covers, the one it replaces last) or None; the
+    fused nodes go in place. Returns how many."""
     fused: dict[int, Node] = {}
     removed: set[int] = set()
     for node in list(graph.nodes):
-        if id(node) in removed or not is_op(node, *op_types):
+        of_type = node.op_type in op_types and node.domain == domain if domain else is_op(node, *op_types)
+        if id(node) in removed or not of_type:
             continue
         found = match(node, removed)
         if found is None:
