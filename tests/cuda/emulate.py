@@ -114,7 +114,7 @@ class Emulator:
             value = value + self.view(op.bias, np.dtype(f32), (op.n,), (1,))
         if op.relu:
             value = np.maximum(value, f32(0))
-        self.view(op.y, np.dtype(np.int8), (op.m, op.n), (op.n, 1))[...] = np.clip(np.rint(value), -128, 127)
+        self.view(op.y, np.dtype(np.int8), (op.m, op.n), (op.n, 1))[...] = _saturate_int8(value)
 
     def _fp8gemm(self, op) -> None:
         """e4m3 x e4m3 -> float32: exact float64 sums rounded once (the CPU op's accumulator; cuBLASLt's float32
@@ -171,7 +171,7 @@ class Emulator:
         if op.activation == "Relu":
             y = np.maximum(y, np.float32(0))
         if np.dtype(op.y_dtype) == np.int8:
-            y = np.clip(np.rint(y), -128, 127)
+            y = _saturate_int8(y)
         self.view(op.y, np.dtype(op.y_dtype), op.y_dims, op.y_strides)[...] = y
 
     def _launch(self, op: Launch) -> None:
@@ -211,7 +211,7 @@ class Emulator:
         out = _SUFFIX[name.rsplit("_", 1)[1]]
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]
-            v = np.clip(np.rint(v.astype(rounded).astype(f32) / f32(y_scale)), -128, 127)
+            v = _saturate_int8(v.astype(rounded).astype(f32) / f32(y_scale))
         self.view(y, out, (m, n), (n, 1))[...] = v.astype(out)
 
     def _pool(self, name: str, args: list) -> None:
@@ -300,7 +300,7 @@ class Emulator:
                 yq, q_scale = quantized
                 stored = self.view(y, dt, (rows, cols), (cols, 1)).astype(np.float32)
                 scale = self.view(q_scale, np.dtype(np.float32), (1,), (1,))[0]
-                self.view(yq, np.dtype(np.int8), (rows, cols), (cols, 1))[...] = np.clip(np.rint(stored / scale), -128, 127)
+                self.view(yq, np.dtype(np.int8), (rows, cols), (cols, 1))[...] = _saturate_int8(stored / scale)
         elif kind in ("reduce_rows", "reduce_max_rows", "reduce_min_rows"):
             x, y, cols, scale = args
             v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
@@ -339,6 +339,11 @@ def _qdq(pw, ins: list) -> np.ndarray:
         return np.clip(x.astype(np.float32) / scale + np.asarray(zero, np.float32), -448, 448).astype(pw.dtype)
     info = np.iinfo(pw.dtype)
     return np.clip(np.rint(x.astype(np.float32) / scale) + np.asarray(zero, np.float32), info.min, info.max).astype(pw.dtype)
+
+
+def _saturate_int8(v: np.ndarray) -> np.ndarray:
+    """Round half to even and saturate to int8's range, as the kernels' requantizing stores do (still float)."""
+    return np.clip(np.rint(v), -128, 127)
 
 
 def _bytes(value: np.ndarray) -> np.ndarray:
