@@ -7,25 +7,26 @@
 // with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff / tanhf / expf themselves may differ from
 // the CPU's in the last bits, as the generated pointwise kernels' do).
 //
-// Shape of the kernel: a 128 x BN output tile per block of two warpgroups (each 64 rows, one wgmma m64nBNk32 per
-// 32 bytes of K), K consumed 128 bytes at a time through a STAGES-deep cp.async ring in shared memory. BN = 128
-// keeps 3 stages (97 KiB) and at most 128 registers so two blocks share an SM: one block's loads and epilogue (erf,
-// division, stores) overlap the other's tensor-core work. Session 7 measured (bench.qgemm, H100, BERT-base shapes)
-// one block per SM slower: 128 wide in 4 stages 1.1-1.8x the time (the GELU layer's epilogue then took longer
-// than its GEMM), 256 wide (m64n256k32) in 4 stages 1.6-1.9x; the 256-wide kernels were dropped.
-// Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and stored in the
-// 128-byte swizzled layout wgmma reads: row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 128-byte row,
-// 8 rows (1024 bytes, 1024-aligned) per swizzle atom. Each thread's cp.async writes are made visible to the
-// tensor cores' async proxy (fence.proxy.async) before the barrier that releases a stage to wgmma.
-// Requirements (the lowering checks them): K % 16 == 0 (16-byte chunks are whole or absent), N even, 16-byte
-// aligned x / w. Rows past M and columns past N read zeros (cp.async zero fill) and are not stored.
+// Shape of the kernel: a 128 x BN output tile per block of two consumer warpgroups (each 64 rows, one wgmma
+// m64nBNk32 per 32 bytes of K) and a producer warp, K consumed 128 bytes at a time through a STAGES-deep ring of
+// shared-memory stages that TMA fills (kiln_qgemm below). BN = 128 keeps 3 stages (97 KiB) and the registers
+// small enough that two blocks share an SM: one block's epilogue (erf, division, stores) overlaps the other's
+// tensor-core work. Session 7 measured (bench.qgemm, H100, BERT-base shapes) one block per SM slower: 128 wide in
+// 4 stages 1.1-1.8x the time (the GELU layer's epilogue then took longer than its GEMM), 256 wide (m64n256k32) in
+// 4 stages 1.6-1.9x.
+// Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and land in the 128-byte
+// swizzled layout wgmma reads: row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row, 8 rows (1024
+// bytes, 1024-aligned) per swizzle atom -- the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B.
+// Requirements (the lowering checks them): K % 16 == 0 (TMA's row pitch), N even, 16-byte aligned x / w. Rows past
+// M and columns past K or N read zeros (TMA's out-of-bounds fill) and are not stored.
 // Compiled for sm_90a only (engine_core/cuda/nvrtc.py ARCH_FEATURES); other targets get empty kernels.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #define QG_BM 128
 #define QG_BK 128
-#define QG_THREADS 256
+#define QG_CONSUMERS 256                // two warpgroups of wgmma and epilogue
+#define QG_THREADS (QG_CONSUMERS + 32)  // and one producer warp
 
 // activation codes (engine_core/backends/cuda/qgemm.py ACTIVATIONS)
 #define QG_ACT_NONE 0
@@ -42,19 +43,42 @@
 #define QG_WGMMA 1
 #endif
 
+// A CUtensorMap (TMA descriptor) passed by value: 128 opaque bytes, 64-byte aligned (the driver encodes it:
+// engine_core/cuda/driver.py encode_tensor_map)
+struct __align__(64) KilnTensorMap { unsigned long long opaque[16]; };
+
 #ifdef QG_WGMMA
 
-__device__ __forceinline__ void kiln_cp_async16(unsigned dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+__device__ __forceinline__ void kiln_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
-__device__ __forceinline__ void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+// one arrival that also tells the barrier to expect `bytes` of TMA writes before its phase completes
+__device__ __forceinline__ void kiln_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void kiln_mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// until the barrier's phase of this parity has completed
+__device__ __forceinline__ void kiln_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nKILN_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra KILN_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// TMA: the box at (column x, row y) of the tensor `map` describes into shared memory at `dst` (swizzled as the
+// map says); its bytes count toward `bar`'s expected transactions
+__device__ __forceinline__ void kiln_tma_load_2d(unsigned dst, const KilnTensorMap* map, int x, int y, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void kiln_fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void kiln_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void kiln_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void kiln_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kiln_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile: start address >> 4 (bits 0-13), leading
 // byte offset (unused by swizzled K-major layouts: 1), stride byte offset 1024 >> 4 between 8-row groups (bits
@@ -85,24 +109,6 @@ __device__ __forceinline__ void kiln_wgmma_m64n128k32_s8(int (&d)[64], unsigned 
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-
-// One 128-byte K slice of ROWS rows starting at global row `row0` into a swizzled stage tile (rows past `limit`
-// and bytes past K read as zeros). Thread t copies chunk t % 8 of rows t / 8 + 32 i: its swizzled column and the
-// row stride are the same for every i, so a slice costs one address computation and ROWS / 32 adds.
-template <int ROWS>
-__device__ __forceinline__ void kiln_qg_load(unsigned tile, const signed char* __restrict__ src, int row0, int limit,
-                                             int k0, int K) {
-    static_assert(ROWS * 8 % QG_THREADS == 0, "whole passes of 32 rows");
-    const int r = threadIdx.x >> 3, c = threadIdx.x & 7, k = k0 + c * 16;
-    const unsigned dst = tile + r * 128 + ((c ^ (r & 7)) << 4);  // (r + 32 i) % 8 == r % 8
-    const signed char* from = src + (size_t)(row0 + r) * K + k;
-    const size_t pass = (size_t)32 * K;
-#pragma unroll
-    for (int i = 0; i < ROWS * 8 / QG_THREADS; ++i) {
-        const bool ok = k < K && row0 + r + 32 * i < limit;
-        kiln_cp_async16(dst + i * 32 * 128, ok ? from + i * pass : src, ok ? 16 : 0);
-    }
-}
 
 template <int V> struct KilnInt { static constexpr int value = V; };
 // f(KilnInt<I>{}) ... f(KilnInt<END - 1>{}): a loop whose index is a compile-time constant in every body
@@ -189,59 +195,65 @@ __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __
     });
 }
 
-// Persistent: block b computes output tiles b, b + gridDim.x, ... (tile t: rows (t / tiles_n) * 128, columns
-// (t % tiles_n) * BN, so the blocks running at once share their x rows and all of w in L2). Its (tile, K slice)
-// steps form one sequence through the stage ring, so the first slices of the next tile load while the current
-// one finishes and runs its epilogue: a block per tile paid the load latency of its first slices and its
-// epilogue unoverlapped, most of the time of a K = 768 layer (session 7: 29 us for BERT's 768 x 768 at M = 8192,
-// 328 TOPS, against 742 TOPS at K = 3072).
+// Persistent and warp-specialized: block b computes output tiles b, b + gridDim.x, ... (tile t: rows
+// (t / tiles_n) * 128, columns (t % tiles_n) * BN, so the blocks running at once share their x rows and all of w in
+// L2). Its (tile, K slice) steps form one sequence through a STAGES-deep ring of shared-memory stages:
+//   - the producer warp's first thread waits for a stage to be empty, then loads the step's x and w boxes into it
+//     by TMA (one instruction each; the copy engine writes the 128-byte swizzle) and the stage's "full" barrier
+//     completes when their bytes have landed;
+//   - each consumer warpgroup waits for the stage to be full, issues its four wgmmas, waits for the step before's
+//     wgmmas (wgmma.wait_group 1: one step stays queued on the tensor cores) and marks that step's stage empty.
+// No __syncthreads in the loop: the producer runs up to STAGES steps ahead, into the next tile while the consumers
+// run the epilogue. Session 7's kernel (every thread issuing cp.async, a barrier and wgmma.wait_group 0 per K slice)
+// reached 316-662 TOPS on BERT-base's layers.
 template <int BN, int STAGES, typename T>
-__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char* __restrict__ x,
-                                           const signed char* __restrict__ w, const float* __restrict__ w_scale,
-                                           const float* __restrict__ bias, int M, int N, int K, float x_scale,
-                                           float y_scale, int act, int round_to) {
+__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMap* x, const KilnTensorMap* w,
+                                           const float* __restrict__ w_scale, const float* __restrict__ bias, int M,
+                                           int N, int K, float x_scale, float y_scale, int act, int round_to) {
     extern __shared__ unsigned char kiln_qg_smem[];
+    __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
     const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
     const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
+    const unsigned full = (unsigned)__cvta_generic_to_shared(kiln_qg_bars), empty = full + 8 * STAGES;
     const int tiles_n = (N + BN - 1) / BN, tiles = tiles_n * ((M + QG_BM - 1) / QG_BM);
     const int ktiles = (K + QG_BK - 1) / QG_BK;
     const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    const int steps = mine * ktiles;
-    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            kiln_mbar_init(full + 8 * s, 1);                             // the producer's expect_tx arrival
+            kiln_mbar_init(empty + 8 * s, QG_CONSUMERS / 32);            // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    }
+    __syncthreads();
 
-    // The load cursor runs STAGES - 1 steps ahead of the compute: (tile, K slice, stage) advanced by counting, so
-    // a step costs no integer division (per-step divisions made the persistent loop slower than one block per tile)
-    int loaded = 0, load_t = blockIdx.x, load_kt = 0, load_stage = 0;
-    int load_m0 = (load_t / tiles_n) * QG_BM, load_n0 = (load_t % tiles_n) * BN;
-    auto load_next = [&]() {
-        if (loaded < steps) {
-            const unsigned stage = base + load_stage * STAGE_BYTES;
-            kiln_qg_load<QG_BM>(stage, x, load_m0, M, load_kt * QG_BK, K);
-            kiln_qg_load<BN>(stage + A_BYTES, w, load_n0, N, load_kt * QG_BK, K);
-            ++loaded;
-            load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
-            if (++load_kt == ktiles) {
-                load_kt = 0;
-                load_t += gridDim.x;
-                load_m0 = (load_t / tiles_n) * QG_BM;
-                load_n0 = (load_t % tiles_n) * BN;
+    if (threadIdx.x >= QG_CONSUMERS) {  // the producer warp: its first thread issues every load
+        if (threadIdx.x == QG_CONSUMERS) {
+            int stage = 0, round = 0;
+            for (int tile = 0; tile < mine; ++tile) {
+                const int t = blockIdx.x + tile * gridDim.x, m0 = (t / tiles_n) * QG_BM, n0 = (t % tiles_n) * BN;
+                for (int kt = 0; kt < ktiles; ++kt) {
+                    if (round > 0) kiln_mbar_wait(empty + 8 * stage, (round - 1) & 1);
+                    const unsigned dst = base + stage * STAGE_BYTES, bar = full + 8 * stage;
+                    kiln_mbar_expect_tx(bar, STAGE_BYTES);  // whole boxes: TMA counts zero-filled bytes too
+                    kiln_tma_load_2d(dst, x, kt * QG_BK, m0, bar);
+                    kiln_tma_load_2d(dst + A_BYTES, w, kt * QG_BK, n0, bar);
+                    if (++stage == STAGES) stage = 0, ++round;
+                }
             }
         }
-        kiln_cp_async_commit();  // an empty group past the end keeps wait_group's count uniform
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) load_next();
+        return;
+    }
+
+    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
     int acc[BN / 2];
-    int stage_index = 0;
+    int stage = 0, round = 0, previous = -1;  // previous: the stage the step before read, until it is released
     for (int tile = 0; tile < mine; ++tile) {
         for (int kt = 0; kt < ktiles; ++kt) {
-            kiln_cp_async_wait<STAGES - 2>();  // this thread's copies of this step have landed
-            kiln_fence_async_shared();          // ... and are visible to wgmma's async proxy
-            __syncthreads();                    // everyone's are; and every wgmma of the step before has finished
-            const unsigned stage = base + stage_index * STAGE_BYTES;
-            stage_index = stage_index + 1 == STAGES ? 0 : stage_index + 1;
-            const unsigned long long da = kiln_smem_desc(stage + wg * 64 * QG_BK), db = kiln_smem_desc(stage + A_BYTES);
+            kiln_mbar_wait(full + 8 * stage, round & 1);
+            const unsigned tile_base = base + stage * STAGE_BYTES;
+            const unsigned long long da = kiln_smem_desc(tile_base + wg * 64 * QG_BK), db = kiln_smem_desc(tile_base + A_BYTES);
             kiln_wgmma_fence();
 #pragma unroll
             for (int s = 0; s < QG_BK / 32; ++s) {  // 32 bytes of K a step: the descriptor start moves 32 >> 4
@@ -249,28 +261,33 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const signed char*
                 kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s, accumulate);
             }
             kiln_wgmma_commit();
-            load_next();  // issued while the tensor cores work: into the stage the step before used
-            kiln_wgmma_wait0();
+            kiln_wgmma_wait<1>();  // the step before's wgmmas are done reading their stage
+            if (previous >= 0 && lane == 0) kiln_mbar_arrive(empty + 8 * previous);
+            previous = stage;
+            if (++stage == STAGES) stage = 0, ++round;
         }
+        kiln_wgmma_wait<0>();
+        if (lane == 0) kiln_mbar_arrive(empty + 8 * previous);
+        previous = -1;
         const int t = blockIdx.x + tile * gridDim.x;
         kiln_qg_epilogue<BN, T>(acc, y, w_scale, bias, (t / tiles_n) * QG_BM, (t % tiles_n) * BN, M, N, x_scale,
                                 y_scale, act, round_to);
     }
-    kiln_cp_async_wait<0>();
 }
 #endif  // QG_WGMMA
 
-// qgemm_sm90_<BN>_<output>: a 1-D grid of at most one block per output tile, 256 threads, STAGES * (128 + BN) * 128 + 1024
-// bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py STAGES, shared_bytes).
+// qgemm_sm90_<BN>_<output>: a 1-D grid of at most one block per output tile, QG_THREADS threads, STAGES * (128 + BN)
+// * 128 + 1024 bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py STAGES, shared_bytes). x and w are
+// TMA descriptors of x [M, K] and w [N, K] (int8, row-major) in 128 x 128-byte boxes with the 128-byte swizzle.
 #define KILN_QGEMM(BN, STAGES, BLOCKS, NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, BLOCKS) qgemm_sm90_##BN##_##NAME(                    \
-        T* __restrict__ y, const signed char* __restrict__ x, const signed char* __restrict__ w,                 \
+        T* __restrict__ y, const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,       \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
         float y_scale, int act, int round_to) {                                                                   \
         KILN_QGEMM_BODY(BN, STAGES, T)                                                                            \
     }
 #ifdef QG_WGMMA
-#define KILN_QGEMM_BODY(BN, STAGES, T) kiln_qgemm<BN, STAGES, T>(y, x, w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
+#define KILN_QGEMM_BODY(BN, STAGES, T) kiln_qgemm<BN, STAGES, T>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
 #else
 #define KILN_QGEMM_BODY(BN, STAGES, T) __trap();
 #endif

@@ -139,6 +139,22 @@ def launch(function: Any, grid: tuple[int, int, int], block: tuple[int, int, int
     check(driver.cuLaunchKernel(function, *grid, *block, shared_bytes, stream, (values, types), 0), "cuLaunchKernel")
 
 
+def encode_tensor_map(address: int, rows: int, cols: int, box: tuple[int, int]) -> bytes:
+    """The 128-byte CUtensorMap (TMA descriptor) of a row-major int8 matrix [rows, cols] at ``address``, read in
+    boxes of ``box`` = (rows, bytes) with the 128-byte swizzle (the layout wgmma reads; box bytes <= 128) and
+    zeros past the edges. Needs 16-byte-aligned ``address`` and ``cols`` (the row pitch)."""
+    from cuda.bindings import driver
+
+    u32, u64 = driver.cuuint32_t, driver.cuuint64_t
+    tensor_map = check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, address, [u64(cols), u64(rows)], [u64(cols)],
+        [u32(box[1]), u32(box[0])], [u32(1), u32(1)], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return np.array(tensor_map.opaque, np.uint64).tobytes()
+
+
 def synchronize() -> None:
     from cuda.bindings import driver
 

@@ -199,9 +199,10 @@ class Emulator:
 
     def _qgemm(self, name: str, args: list) -> None:
         """cuda_kernels/qgemm_sm90.cu: exact int32 sums, then its float32 epilogue step by step."""
-        y, x, w, w_scale, bias, m, n, k, x_scale, y_scale, act, round_to = args
-        acc = self.view(x, np.dtype(np.int8), (m, k), (k, 1)).astype(np.int64) \
-            @ self.view(w, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T
+        y, x_map, w_map, w_scale, bias, m, n, k, x_scale, y_scale, act, round_to = args
+        assert (x_map.rows, x_map.cols, w_map.rows, w_map.cols) == (m, k, n, k), "TMA descriptors of x [M, K], w [N, K]"
+        acc = self.view(x_map.ref, np.dtype(np.int8), (m, k), (k, 1)).astype(np.int64) \
+            @ self.view(w_map.ref, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T
         f32 = np.float32
         v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
         if bias:

@@ -10,7 +10,9 @@ the CPU backend.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
@@ -119,3 +121,48 @@ def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sm
         x = {"x": rng.standard_normal((batch, 160)).astype(np.float32)}
         got, want = gctx.infer(x)["y"], cctx.infer(x)["y"]
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * float(np.abs(want).max()))
+
+
+def _int8_input_layer(k: int, n: int) -> onnx.ModelProto:
+    """An int8 input read by the GEMM itself (DequantizeLinear -> MatMul with a per-column int8 weight -> + bias):
+    the kernel's x descriptor then holds the caller's address."""
+    rng = np.random.default_rng(k + n)
+    inits = {"x_scale": np.array(0.02, np.float32), "zero": np.array(0, np.int8),
+             "w": rng.integers(-127, 128, (k, n)).astype(np.int8), "w_scale": rng.random(n, np.float32) * 1e-2,
+             "wz": np.zeros(n, np.int8), "bias": rng.standard_normal(n).astype(np.float32)}
+    nodes = [helper.make_node("DequantizeLinear", ["x", "x_scale", "zero"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "w_scale", "wz"], ["wd"], axis=1),
+             helper.make_node("MatMul", ["xd", "wd"], ["h"]), helper.make_node("Add", ["h", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x", TensorProto.INT8, ["m", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+                              [numpy_helper.from_array(v, name) for name, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.gpu
+def test_qgemm_follows_the_callers_input_address_from_run_to_run():
+    """x's TMA descriptor is encoded from the caller's buffer: alternating two input buffers (eager, captured and
+    replayed runs) reads each one, as the CPU backend computes it."""
+    if not qgemm.available():
+        pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
+    from cuda.bindings import driver
+
+    from engine_core.cuda.driver import DeviceBuffer, check
+
+    m, k, n = 300, 96, 136
+    model = _int8_input_layer(k, n)
+    profiles = {"x": ((1, k), (m, k), (m, k))}
+    gpu, cpu = build_engine(model, "cuda", profiles), build_engine(model, "cpu", profiles)
+    assert [layer["tactic"] for layer in gpu.plan.layers if layer["type"] == "QMatMul"] == ["gemm:qgemm_sm90"]
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(-128, 128, (m, k)).astype(np.int8) for _ in range(2)]
+    wants = [cpu.create_execution_context().infer({"x": x})["y"] for x in xs]
+    buffers, dy = [DeviceBuffer.from_array(x) for x in xs], DeviceBuffer(m * n * 4)
+    ctx, stream = gpu.create_execution_context(), int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+    ctx.set_input_shape("x", (m, k))
+    ctx.set_tensor_address("y", dy.ptr)
+    for i in (0, 1, 0, 1, 0, 1):
+        ctx.set_tensor_address("x", buffers[i].ptr)
+        assert ctx.execute_async_v3(stream)
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        np.testing.assert_allclose(dy.to_array(np.float32, (m, n)), wants[i], rtol=1e-6, atol=1e-5)

@@ -79,9 +79,22 @@ class Ref:
     offset: int = 0
 
 
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA descriptor argument (CUtensorMap, 128 bytes by value) of a row-major int8 matrix [rows, cols] at a
+    tensor's address, read in boxes of ``box`` (rows, bytes) with the 128-byte swizzle. Why an argument kind: the
+    descriptor holds the address, so the runner encodes it when it first resolves the tensor and again whenever
+    the address changes (a new arena, other I/O addresses)."""
+
+    ref: Ref
+    rows: int
+    cols: int
+    box: tuple[int, int]
+
+
 @dataclass
 class Launch:
-    """One kernel launch; ``args`` are (value or Ref, ctypes type) pairs. ``program`` is the pointwise
+    """One kernel launch; ``args`` are (value, Ref or TensorMap, ctypes type) pairs. ``program`` is the pointwise
     program a generated kernel evaluates (the emulator runs it on the host)."""
 
     module: str
@@ -92,6 +105,10 @@ class Launch:
     program: PointwiseKernel | None = None
     #: dynamic shared memory per block (bytes); above 48 KiB the runner raises the function's limit first
     shared_bytes: int = 0
+
+    def refs(self) -> list[Ref]:
+        """The tensors the launch addresses: its Ref arguments and its tensor maps' tensors."""
+        return [v.ref if isinstance(v, TensorMap) else v for v, _ in self.args if isinstance(v, (Ref, TensorMap))]
 
 
 @dataclass
@@ -1286,7 +1303,7 @@ def _refs_of(step: Step) -> list[str]:
     names = []
     for op in step.ops:
         for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
-            names += [v.tensor for v, _ in launch.args if isinstance(v, Ref)]
+            names += [r.tensor for r in launch.refs()]
         if hasattr(op, "refs"):  # int8_gemm's steps (that module imports this one) and convolutions: their
             names += [r.tensor for r in op.refs()]  # folded scale vectors
     return names

@@ -19,15 +19,15 @@ import os
 
 import numpy as np
 
-from engine_core.backends.cuda.lowering import F16, F32, INT8, Launch, Ref, _Context
+from engine_core.backends.cuda.lowering import F16, F32, INT8, Launch, Ref, TensorMap, _Context
 from engine_core.backends.cuda.pointwise import BF16, contiguous_strides
 from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
 
 MODULE = "qgemm_sm90"
-#: output rows and columns per block, K bytes per pipeline stage, stages, threads, blocks per SM
-#: (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
-TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 256, 2
+#: output rows and columns per block, K bytes per pipeline stage, stages, threads (two consumer warpgroups and a
+#: producer warp), blocks per SM (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
+TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 288, 2
 #: QMatMul activation -> the kernel's code (QG_ACT_*)
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
 #: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)
@@ -94,7 +94,8 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     w_scale = ctx.fold(f"{node.name}#w_scale", np.broadcast_to(f32["w_scale"].reshape(-1), (n,)).copy())
     bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy()) if "bias" in f32 else None
     y_scale = float(f32["y_scale"].reshape(())) if "y_scale" in f32 else 1.0
-    args = [(Ref(out_name), ctypes.c_void_p), (Ref(x_name), ctypes.c_void_p), (Ref(weight), ctypes.c_void_p),
+    x_map, w_map = TensorMap(Ref(x_name), m, k, (TILE_M, TILE_K)), TensorMap(Ref(weight), n, k, (TILE_N, TILE_K))
+    args = [(Ref(out_name), ctypes.c_void_p), (x_map, None), (w_map, None),
             (w_scale, ctypes.c_void_p), (bias if bias is not None else 0, ctypes.c_void_p),
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),

@@ -36,11 +36,12 @@ from engine_core.backends.cuda.lowering import (
     LoweringOptions,
     Ref,
     Step,
+    TensorMap,
     lower_graph,
     transform_weight,
 )
 from engine_core.backends.cuda.pointwise import Unsupported
-from engine_core.cuda.driver import DeviceBuffer, Module, check, primary_context
+from engine_core.cuda.driver import DeviceBuffer, Module, check, encode_tensor_map, primary_context
 from engine_core.errors import ExecutionError
 from engine_core.ir import Value
 from engine_core.ir.graph import has_subgraph, subgraph_reads
@@ -114,12 +115,12 @@ def step_reads(step: Step) -> list[str]:
     names = [n for n in step.node.inputs if n] if any(isinstance(op, Host) for op in step.ops) else []
     for op in step.ops:
         if isinstance(op, Launch):
-            names += [v.tensor for v, _ in op.args if isinstance(v, Ref)]
+            names += [r.tensor for r in op.refs()]
         elif isinstance(op, Gemm):
             names += [r.tensor for r in (op.a, op.b, op.y, op.bias) if r is not None]
         elif isinstance(op, Conv):
             names += [r.tensor for r in op.refs()]
-            names += [v.tensor for launch in op.fallback for v, _ in launch.args if isinstance(v, Ref)]
+            names += [r.tensor for launch in op.fallback for r in launch.refs()]
         elif isinstance(op, Copy):
             names.append(op.src.tensor)
         elif isinstance(op, Int8Gemm):
@@ -400,10 +401,15 @@ class _PreparedLaunch:
         self.function = function
         self.objects: list[Any] = []
         self.refs: list[tuple[ctypes.c_void_p, Ref]] = []
+        #: (descriptor bytes, its map, the address it was encoded for)
+        self.maps: list[list[Any]] = []
         for value, ctype in launch.args:
             if isinstance(value, Ref):
                 obj = ctypes.c_void_p(0)
                 self.refs.append((obj, value))
+            elif isinstance(value, TensorMap):
+                obj = (ctypes.c_uint64 * 16)()
+                self.maps.append([obj, value, None])
             elif isinstance(value, ctypes.Structure):
                 obj = value
             else:
@@ -421,6 +427,12 @@ class _PreparedLaunch:
 
         for obj, ref in self.refs:
             obj.value = resolve(ref)
+        for entry in self.maps:
+            obj, tensor_map, encoded_for = entry
+            address = resolve(tensor_map.ref)
+            if address != encoded_for:  # first run, or the tensor moved
+                ctypes.memmove(obj, encode_tensor_map(address, tensor_map.rows, tensor_map.cols, tensor_map.box), 128)
+                entry[2] = address
         grid, block = self.launch.grid, self.launch.block
         check(driver.cuLaunchKernel(self.function, *grid, *block, self.launch.shared_bytes, stream,
                                     ctypes.addressof(self.params), 0), f"launch {self.launch.function}")
