@@ -12,7 +12,8 @@ per-column int8 weight's DequantizeLinear -> + bias, then either fp16 out (Q/K/V
   fp16    the same layer as an fp16 model (fp16 weights, cuBLASLt with its bias epilogue; GELU a kernel)
 Peers in the same run: torch fp16 ``F.linear`` (+ GELU) and torch ``_int_mm`` (int8 x int8 -> int32 only). TOPS
 count 2 M N K per call. ``max diff`` compares qgemm's output with lt's (int8 cases: quantization steps).
-Writes ``qgemm_<time>.json``.
+Writes ``qgemm_<time>.json``. ``--profile-runs`` runs Kiln's qgemm and fp16 engines a few times each without
+timing or peers, for a kernel profiler: ``ncu --kernel-name regex:qgemm python -m bench.qgemm --profile-runs``.
 """
 
 from __future__ import annotations
@@ -125,19 +126,45 @@ def run_case(torch, case: Case, rows: int) -> dict:
     return row
 
 
+def profile_runs(torch, case: Case, rows: int, runs: int = 3) -> None:
+    """Kiln's qgemm and fp16 engines of ``case``, ``runs`` launches each and nothing else (no CUPTI)."""
+    stream = torch.cuda.current_stream()
+    cases = ((int8_model(case, rows), torch.randint(-127, 128, (rows, case.k), dtype=torch.int8, device="cuda"),
+              torch.int8 if case.gelu_int8 else torch.float16),
+             (fp16_model(case, rows), torch.randn((rows, case.k), device="cuda").half(), torch.float16))
+    for model, x, out_dtype in cases:
+        ctx = layer_engine(model, (rows, case.k), fp16=True).create_execution_context()
+        y = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
+        ctx.set_tensor_address("x", x.data_ptr())
+        ctx.set_tensor_address("y", y.data_ptr())
+        for _ in range(runs):
+            ctx.execute_async_v3(stream.cuda_stream)
+        torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="8192,1024", help="comma-separated GEMM rows: batch x sequence (BERT 64 x 128)")
+    parser.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))),
+                        help="comma-separated indexes into " + "; ".join(f"{i}: {c.name}" for i, c in enumerate(CASES)))
+    parser.add_argument("--profile-runs", action="store_true", help="only run the Kiln engines, for a profiler")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
+
+    cases = [CASES[int(i)] for i in args.cases.split(",")]
+    if args.profile_runs:
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for case in cases:
+                profile_runs(torch, case, rows)
+        return 0
 
     print(f"{torch.cuda.get_device_name()}: GPU kernel us per call (CUPTI)")
     print(f"{'case':<36} {'rows':>5} {'qgemm':>7} {'lt':>7} {'fp16':>7} {'torch16':>7} {'int_mm':>7} {'TOPS':>6} "
           f"{'x fp16':>6} {'x lt':>6} {'max diff':>8}")
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        for case in CASES:
+        for case in cases:
             row = run_case(torch, case, rows)
             results.append(row)
             q = row["qgemm"]

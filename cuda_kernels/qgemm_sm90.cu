@@ -2,10 +2,10 @@
 // Why: cuBLASLt's IMMA GEMMs write int32 sums (no int8-in / fp16-out form), so every INT8 linear layer's output
 // crossed memory as 4 bytes, was read back by a dequantizing kernel and written again (BERT-base batch 64: >= 1.8 ms
 // of traffic against 4.6 ms for the whole fp16 model). Here the int32 sums never leave registers: the epilogue
-// applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU, erf GELU, Tanh, Sigmoid) and either
+// applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU or erf GELU) and either
 // stores the float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (QMatMul),
-// with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff / tanhf / expf themselves may differ from
-// the CPU's in the last bits, as the generated pointwise kernels' do).
+// with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff itself may differ from the CPU's in the
+// last bits, as the generated pointwise kernels' does).
 //
 // Shape of the kernel: a 128 x BN output tile per block of two consumer warpgroups (each 64 rows, one wgmma
 // m64nBNk32 per 32 bytes of K) and a producer warp, K consumed 128 bytes at a time through a STAGES-deep ring of
@@ -32,8 +32,6 @@
 #define QG_ACT_NONE 0
 #define QG_ACT_RELU 1
 #define QG_ACT_GELU 2
-#define QG_ACT_TANH 3
-#define QG_ACT_SIGMOID 4
 // float type the value is rounded to before requantizing (the QMatMul's float_dtype)
 #define QG_ROUND_F32 0
 #define QG_ROUND_F16 1
@@ -119,14 +117,13 @@ template <int I, int END, typename F> __device__ __forceinline__ void kiln_stati
     }
 }
 
-__device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, const float* bias, int col,
-                                               int act) {
+// dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*)
+template <int ACT>
+__device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, bool has_bias, float bias) {
     float v = __fmul_rn(__fmul_rn((float)acc, x_scale), w_scale);
-    if (bias) v = __fadd_rn(v, bias[col]);
-    if (act == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
-    else if (act == QG_ACT_GELU) v = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, erff(__fmul_rn(v, 0.7071067811865476f))));
-    else if (act == QG_ACT_TANH) v = tanhf(v);
-    else if (act == QG_ACT_SIGMOID) v = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+    if (has_bias) v = __fadd_rn(v, bias);
+    if constexpr (ACT == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
+    if constexpr (ACT == QG_ACT_GELU) v = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, erff(__fmul_rn(v, 0.7071067811865476f))));
     return v;
 }
 
@@ -170,27 +167,26 @@ template <> struct KilnQgStore<signed char> {
 // The epilogue of one finished tile: accumulator register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column
 // 8j + 2 (lane % 4) + e of the warpgroup's 64 rows. The loop over j is unrolled at compile time (kiln_static_for): a
 // runtime index into acc would move the whole array to local memory, which ptxas did for the 256-wide int8 kernel
-// when the loop was left to #pragma unroll.
-template <int BN, typename T>
-__device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y,
-                                                 const float* __restrict__ w_scale, const float* __restrict__ bias,
-                                                 int m0, int n0, int M, int N, float x_scale, float y_scale, int act,
-                                                 int round_to) {
+// when the loop was left to #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN].
+template <int BN, typename T, int ACT>
+__device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y, const float* cols,
+                                                 bool has_bias, int m0, int n0, int M, int N, float x_scale,
+                                                 float y_scale, int round_to) {
     const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_qg_div needs
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int row = m0 + (threadIdx.x / 128) * 64 + warp * 16 + lane / 4;
+    T* const y_row = y + (size_t)row * N + n0 + (lane % 4) * 2;  // this thread's first element; + 8 N: h = 1
     kiln_static_for<0, BN / 8>([&](auto j_) {
         constexpr int j = decltype(j_)::value;
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        if (col >= N) return;
-        const float ws0 = w_scale[col], ws1 = w_scale[col + 1];
+        const int c = j * 8 + (lane % 4) * 2;
+        if (n0 + c >= N) return;
+        const float2 ws = *reinterpret_cast<const float2*>(cols + c), b = *reinterpret_cast<const float2*>(cols + BN + c);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = row + 8 * h;
-            if (r >= M) continue;
-            const float a = kiln_qg_value(acc[4 * j + 2 * h], x_scale, ws0, bias, col, act);
-            const float b = kiln_qg_value(acc[4 * j + 2 * h + 1], x_scale, ws1, bias, col + 1, act);
-            KilnQgStore<T>::pair(y + (size_t)r * N + col, a, b, y_scale, y_recip, round_to);
+            if (row + 8 * h >= M) continue;
+            const float v0 = kiln_qg_value<ACT>(acc[4 * j + 2 * h], x_scale, ws.x, has_bias, b.x);
+            const float v1 = kiln_qg_value<ACT>(acc[4 * j + 2 * h + 1], x_scale, ws.y, has_bias, b.y);
+            KilnQgStore<T>::pair(y_row + (size_t)h * 8 * N + j * 8, v0, v1, y_scale, y_recip, round_to);
         }
     });
 }
@@ -212,6 +208,8 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
                                            int N, int K, float x_scale, float y_scale, int act, int round_to) {
     extern __shared__ unsigned char kiln_qg_smem[];
     __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
+    static_assert(2 * BN == QG_CONSUMERS, "a consumer thread per column's scale and bias");
+    __shared__ __align__(16) float kiln_qg_cols[2][2 * BN];  // per tile parity: w_scale[BN], bias[BN]
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
     const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
     const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
@@ -250,6 +248,12 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
     int acc[BN / 2];
     int stage = 0, round = 0, previous = -1;  // previous: the stage the step before read, until it is released
     for (int tile = 0; tile < mine; ++tile) {
+        const int t = blockIdx.x + tile * gridDim.x, m0 = (t / tiles_n) * QG_BM, n0 = (t % tiles_n) * BN;
+        // the tile's per-column w_scale (threads < BN) and bias (the others), read from global memory now and stored
+        // to shared memory after the K loop: the epilogue's loads then do not wait on global memory
+        const int c = n0 + threadIdx.x % BN;
+        const float* from = threadIdx.x < BN ? w_scale : bias;
+        const float col_value = from != nullptr && c < N ? from[c] : 0.0f;
         for (int kt = 0; kt < ktiles; ++kt) {
             kiln_mbar_wait(full + 8 * stage, round & 1);
             const unsigned tile_base = base + stage * STAGE_BYTES;
@@ -269,9 +273,19 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         kiln_wgmma_wait<0>();
         if (lane == 0) kiln_mbar_arrive(empty + 8 * previous);
         previous = -1;
-        const int t = blockIdx.x + tile * gridDim.x;
-        kiln_qg_epilogue<BN, T>(acc, y, w_scale, bias, (t / tiles_n) * QG_BM, (t % tiles_n) * BN, M, N, x_scale,
-                                y_scale, act, round_to);
+        // two buffers: a warpgroup a tile ahead writes the other one while the slower one still reads this one, and
+        // cannot come back to this one before the slower warpgroup has passed the next barrier
+        float* cols = kiln_qg_cols[tile & 1];
+        cols[threadIdx.x] = col_value;
+        asm volatile("bar.sync 1, %0;\n" ::"n"(QG_CONSUMERS) : "memory");  // the consumers only
+        // one copy of the epilogue per activation, chosen once per tile: the element code stays short and
+        // contiguous (every activation inlined at each of 64 elements made a 15,000-instruction fp16 kernel)
+        if (act == QG_ACT_GELU)
+            kiln_qg_epilogue<BN, T, QG_ACT_GELU>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
+        else if (act == QG_ACT_RELU)
+            kiln_qg_epilogue<BN, T, QG_ACT_RELU>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
+        else
+            kiln_qg_epilogue<BN, T, QG_ACT_NONE>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
     }
 }
 #endif  // QG_WGMMA

@@ -52,12 +52,16 @@ def test_emulated_qgemm_mlp_equals_the_cpu_backend(flag, batch):
     np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
 
 
-def test_emulated_bert_qdq_runs_every_linear_layer_as_one_qgemm_launch():
+def test_emulated_bert_qdq_runs_every_encoder_linear_layer_as_one_qgemm_launch():
+    """The 12 encoder layers (GELU or none) are one launch each; the pooler's Tanh keeps the cuBLASLt path."""
     feeds = bert_feeds(2, 16)
     graph = optimized_graph(small_model("bert_qdq"), feeds, kiln.BuilderFlag.FP16)
     lowered = lowered_at(graph, feeds, QGEMM)
     qmatmuls = [s for s in lowered.steps if s.node.op_type == "QMatMul"]
-    assert len(qmatmuls) == 13 and all(len(s.ops) == 1 and isinstance(s.ops[0], Launch) for s in qmatmuls)
+    tactics = lowered.tactics()
+    assert [tactics[s.node.name] for s in qmatmuls] == ["gemm:qgemm_sm90"] * 12 + ["gemm:cublaslt_int8"]
+    assert all(len(s.ops) == 1 and isinstance(s.ops[0], Launch) for s in qmatmuls[:12])
+    assert qmatmuls[-1].node.attr("activation") == "Tanh"
     got, want = Emulator(graph, lowered, feeds).run(), GraphRunner(graph).run(feeds)
     for name, value in want.items():  # as test_int8_gemm's fp16 bert_qdq: LayerNorm/attention rounding elsewhere
         scale = float(np.abs(value).max())

@@ -2,9 +2,8 @@
 
 ``cuda_kernels/qgemm_sm90.cu`` computes the int32 sums of x[M, K] (int8, row-major) and w[N, K] (int8 rows: the
 "nk" weight transform) on the tensor cores and, before anything leaves the registers, applies the QMatMul's
-epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU, erf GELU, Tanh or
-Sigmoid -- and stores the float type, or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float
-type) to int8.
+epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU or erf GELU -- and
+stores the float type, or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float type) to int8.
 
 Why: the cuBLASLt path (``int8_gemm.Int8Gemm`` + a dequantizing pointwise kernel) writes the int32 sums to memory
 and reads them back: 4 + 4 bytes per output element more than the result itself, which cost BERT-base INT8 more
@@ -28,8 +27,9 @@ MODULE = "qgemm_sm90"
 #: output rows and columns per block, K bytes per pipeline stage, stages, threads (two consumer warpgroups and a
 #: producer warp), blocks per SM (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
 TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 288, 2
-#: QMatMul activation -> the kernel's code (QG_ACT_*)
-ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "Tanh": 3, "Sigmoid": 4}
+#: QMatMul activation -> the kernel's code (QG_ACT_*). Each has its own copy of the epilogue in the kernels, so the
+#: rarer ones (Tanh, Sigmoid) keep the cuBLASLt path rather than growing every kernel and its compile time
+ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2}
 #: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)
 ROUNDING = {F32: 0, F16: 1, BF16: 2}
 #: output dtype -> kernel name suffix
@@ -72,7 +72,7 @@ def grid_blocks(m: int, n: int) -> int:
 
 def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
     """The whole QMatMul as one ``qgemm_sm90`` launch, or None when it does not fit the kernel: the build has
-    it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (tanh GELU, ...),
+    it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (Tanh, Sigmoid, tanh GELU, ...),
     scales or bias computed at run time, operands not laid out contiguously, or fewer than ``MIN_TILES`` output
     tiles (this input shape: the runner lowers each binding's shapes)."""
     x_name, out_name = node.inputs[0], node.outputs[0]
