@@ -117,49 +117,47 @@ template <int I, int END, typename F> __device__ __forceinline__ void kiln_stati
     }
 }
 
-// dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*)
-template <int ACT>
-__device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, bool has_bias, float bias) {
-    float v = __fmul_rn(__fmul_rn((float)acc, x_scale), w_scale);
-    if (has_bias) v = __fadd_rn(v, bias);
+// dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*; a layer
+// without bias has zeros folded)
+template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, float bias) {
+    float v = __fadd_rn(__fmul_rn(__fmul_rn((float)acc, x_scale), w_scale), bias);
     if constexpr (ACT == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
     if constexpr (ACT == QG_ACT_GELU) v = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, erff(__fmul_rn(v, 0.7071067811865476f))));
     return v;
 }
 
-template <typename T> struct KilnQgStore;
-template <> struct KilnQgStore<float> {
-    __device__ __forceinline__ static void pair(float* y, float a, float b, float, float, int) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
-};
-template <> struct KilnQgStore<__half> {
-    __device__ __forceinline__ static void pair(__half* y, float a, float b, float, float, int) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
-};
-template <> struct KilnQgStore<__nv_bfloat16> {
-    __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, float, int) {
-        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
-    }
-};
 // v / y_scale rounded to nearest: the quotient by the reciprocal, then one correction step with the exact residual
 // (fma) -- the correctly rounded quotient whenever nothing over- or underflows, which for values bounded by the
-// int8 range times a scale holds. Why not __fdiv_rn: its out-of-range slow path, inlined at each of a thread's 64
-// stores, adds to ptxas's time on the persistent kernel (minutes).
+// int8 range times a scale holds. Why not __fdiv_rn: its out-of-range slow path at each of a thread's 64 stores.
 __device__ __forceinline__ float kiln_qg_div(float v, float y_scale, float y_recip) {
     const float q = __fmul_rn(v, y_recip);
     return __fmaf_rn(__fmaf_rn(-q, y_scale, v), y_recip, q);
 }
-// requantize: round to the layer's float type (the tensor the unfused graph stores), then QuantizeLinear
-__device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip, int round_to) {
-    // both roundings and a select, not branches: per-element branches on round_to made ptxas run for minutes
-    const float half = __half2float(__float2half_rn(v)), bf16 = __bfloat162float(__float2bfloat16_rn(v));
-    v = round_to == QG_ROUND_F16 ? half : round_to == QG_ROUND_BF16 ? bf16 : v;
+// requantize: round to the layer's float type (ROUND: the tensor the unfused graph stores), then QuantizeLinear
+template <int ROUND> __device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip) {
+    if constexpr (ROUND == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
+    if constexpr (ROUND == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
     return (signed char)fminf(fmaxf(rintf(kiln_qg_div(v, y_scale, y_recip)), -128.0f), 127.0f);
 }
-template <> struct KilnQgStore<signed char> {
-    __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, float y_recip,
-                                                int round_to) {
+
+// two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND matters only there)
+template <typename T, int ROUND> struct KilnQgStore;
+template <int ROUND> struct KilnQgStore<float, ROUND> {
+    __device__ __forceinline__ static void pair(float* y, float a, float b, float, float) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
+};
+template <int ROUND> struct KilnQgStore<__half, ROUND> {
+    __device__ __forceinline__ static void pair(__half* y, float a, float b, float, float) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
+};
+template <int ROUND> struct KilnQgStore<__nv_bfloat16, ROUND> {
+    __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, float) {
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
+    }
+};
+template <int ROUND> struct KilnQgStore<signed char, ROUND> {
+    __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, float y_recip) {
         char2 q;
-        q.x = kiln_qg_quantize(a, y_scale, y_recip, round_to);
-        q.y = kiln_qg_quantize(b, y_scale, y_recip, round_to);
+        q.x = kiln_qg_quantize<ROUND>(a, y_scale, y_recip);
+        q.y = kiln_qg_quantize<ROUND>(b, y_scale, y_recip);
         *reinterpret_cast<char2*>(y) = q;
     }
 };
@@ -168,10 +166,12 @@ template <> struct KilnQgStore<signed char> {
 // 8j + 2 (lane % 4) + e of the warpgroup's 64 rows. The loop over j is unrolled at compile time (kiln_static_for): a
 // runtime index into acc would move the whole array to local memory, which ptxas did for the 256-wide int8 kernel
 // when the loop was left to #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN].
-template <int BN, typename T, int ACT>
+// ACT, ROUND and FULL (no row or column of the tile past M or N: no bounds checks) are compile-time, so an element
+// costs ~6 instructions (fp16, no activation): with them as run-time branches the epilogue took two thirds of the
+// consumers' time on BERT's 768 x 768 layer (ncu source counters, session 8).
+template <int BN, typename T, int ACT, int ROUND, bool FULL>
 __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y, const float* cols,
-                                                 bool has_bias, int m0, int n0, int M, int N, float x_scale,
-                                                 float y_scale, int round_to) {
+                                                 int m0, int n0, int M, int N, float x_scale, float y_scale) {
     const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_qg_div needs
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int row = m0 + (threadIdx.x / 128) * 64 + warp * 16 + lane / 4;
@@ -179,16 +179,45 @@ __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __
     kiln_static_for<0, BN / 8>([&](auto j_) {
         constexpr int j = decltype(j_)::value;
         const int c = j * 8 + (lane % 4) * 2;
-        if (n0 + c >= N) return;
+        if (!FULL && n0 + c >= N) return;
         const float2 ws = *reinterpret_cast<const float2*>(cols + c), b = *reinterpret_cast<const float2*>(cols + BN + c);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (row + 8 * h >= M) continue;
-            const float v0 = kiln_qg_value<ACT>(acc[4 * j + 2 * h], x_scale, ws.x, has_bias, b.x);
-            const float v1 = kiln_qg_value<ACT>(acc[4 * j + 2 * h + 1], x_scale, ws.y, has_bias, b.y);
-            KilnQgStore<T>::pair(y_row + (size_t)h * 8 * N + j * 8, v0, v1, y_scale, y_recip, round_to);
+            if (!FULL && row + 8 * h >= M) continue;
+            const float v0 = kiln_qg_value<ACT>(acc[4 * j + 2 * h], x_scale, ws.x, b.x);
+            const float v1 = kiln_qg_value<ACT>(acc[4 * j + 2 * h + 1], x_scale, ws.y, b.y);
+            KilnQgStore<T, ROUND>::pair(y_row + (size_t)h * 8 * N + j * 8, v0, v1, y_scale, y_recip);
         }
     });
+}
+
+template <typename T> struct KilnQgInt8 { static constexpr bool value = false; };
+template <> struct KilnQgInt8<signed char> { static constexpr bool value = true; };
+
+// The epilogue copy for this tile: the activation, the rounding before requantizing (int8 outputs only: the float
+// outputs have one copy) and whether the tile is whole, each chosen once per tile
+template <int BN, typename T>
+__device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, const int (&acc)[BN / 2], T* __restrict__ y,
+                                                     const float* cols, int m0, int n0, int M, int N, float x_scale,
+                                                     float y_scale) {
+    const bool full = m0 + QG_BM <= M && n0 + BN <= N;
+    auto run = [&](auto act_, auto round_) {
+        constexpr int A = decltype(act_)::value, R = decltype(round_)::value;
+        if (full) kiln_qg_epilogue<BN, T, A, R, true>(acc, y, cols, m0, n0, M, N, x_scale, y_scale);
+        else kiln_qg_epilogue<BN, T, A, R, false>(acc, y, cols, m0, n0, M, N, x_scale, y_scale);
+    };
+    auto rounded = [&](auto act_) {
+        if constexpr (KilnQgInt8<T>::value) {
+            if (round_to == QG_ROUND_F16) run(act_, KilnInt<QG_ROUND_F16>{});
+            else if (round_to == QG_ROUND_BF16) run(act_, KilnInt<QG_ROUND_BF16>{});
+            else run(act_, KilnInt<QG_ROUND_F32>{});
+        } else {
+            run(act_, KilnInt<QG_ROUND_F32>{});
+        }
+    };
+    if (act == QG_ACT_GELU) rounded(KilnInt<QG_ACT_GELU>{});
+    else if (act == QG_ACT_RELU) rounded(KilnInt<QG_ACT_RELU>{});
+    else rounded(KilnInt<QG_ACT_NONE>{});
 }
 
 // Persistent and warp-specialized: block b computes output tiles b, b + gridDim.x, ... (tile t: rows
@@ -252,8 +281,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         // the tile's per-column w_scale (threads < BN) and bias (the others), read from global memory now and stored
         // to shared memory after the K loop: the epilogue's loads then do not wait on global memory
         const int c = n0 + threadIdx.x % BN;
-        const float* from = threadIdx.x < BN ? w_scale : bias;
-        const float col_value = from != nullptr && c < N ? from[c] : 0.0f;
+        const float col_value = c < N ? (threadIdx.x < BN ? w_scale : bias)[c] : 0.0f;
         for (int kt = 0; kt < ktiles; ++kt) {
             kiln_mbar_wait(full + 8 * stage, round & 1);
             const unsigned tile_base = base + stage * STAGE_BYTES;
@@ -278,14 +306,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         float* cols = kiln_qg_cols[tile & 1];
         cols[threadIdx.x] = col_value;
         asm volatile("bar.sync 1, %0;\n" ::"n"(QG_CONSUMERS) : "memory");  // the consumers only
-        // one copy of the epilogue per activation, chosen once per tile: the element code stays short and
-        // contiguous (every activation inlined at each of 64 elements made a 15,000-instruction fp16 kernel)
-        if (act == QG_ACT_GELU)
-            kiln_qg_epilogue<BN, T, QG_ACT_GELU>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
-        else if (act == QG_ACT_RELU)
-            kiln_qg_epilogue<BN, T, QG_ACT_RELU>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
-        else
-            kiln_qg_epilogue<BN, T, QG_ACT_NONE>(acc, y, cols, bias != nullptr, m0, n0, M, N, x_scale, y_scale, round_to);
+        kiln_qg_epilogue_for<BN, T>(act, round_to, acc, y, cols, m0, n0, M, N, x_scale, y_scale);
     }
 }
 #endif  // QG_WGMMA

@@ -205,8 +205,7 @@ class Emulator:
             @ self.view(w_map.ref, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T
         f32 = np.float32
         v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
-        if bias:
-            v = v + self.view(bias, np.dtype(f32), (n,), (1,))
+        v = v + self.view(bias, np.dtype(f32), (n,), (1,))  # zeros folded for a layer without bias
         activation = {code: name for name, code in qgemm.ACTIVATIONS.items()}[act]
         v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
         out = _SUFFIX[name.rsplit("_", 1)[1]]

@@ -92,11 +92,12 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
         return None
     f32 = {key: np.asarray(v).astype(np.float32) for key, v in values.items()}  # exact: float16 / bfloat16 fit
     w_scale = ctx.fold(f"{node.name}#w_scale", np.broadcast_to(f32["w_scale"].reshape(-1), (n,)).copy())
-    bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy()) if "bias" in f32 else None
+    # zeros when the layer has none: the kernel always adds (v + 0 is v but for -0, which no positive scale makes)
+    bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy() if "bias" in f32 else np.zeros(n, np.float32))
     y_scale = float(f32["y_scale"].reshape(())) if "y_scale" in f32 else 1.0
     x_map, w_map = TensorMap(Ref(x_name), m, k, (TILE_M, TILE_K)), TensorMap(Ref(weight), n, k, (TILE_N, TILE_K))
     args = [(Ref(out_name), ctypes.c_void_p), (x_map, None), (w_map, None),
-            (w_scale, ctypes.c_void_p), (bias if bias is not None else 0, ctypes.c_void_p),
+            (w_scale, ctypes.c_void_p), (bias, ctypes.c_void_p),
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),
             (ACTIVATIONS[activation], ctypes.c_int), (ROUNDING[result], ctypes.c_int)]
