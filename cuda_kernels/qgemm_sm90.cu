@@ -7,13 +7,10 @@
 // with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff itself may differ from the CPU's in the
 // last bits, as the generated pointwise kernels' does).
 //
-// Shape of the kernel: a 128 x BN output tile per block of two consumer warpgroups (each 64 rows, one wgmma
-// m64nBNk32 per 32 bytes of K) and a producer warp, K consumed 128 bytes at a time through a STAGES-deep ring of
-// shared-memory stages that TMA fills (kiln_qgemm below). BN = 128 keeps 3 stages (97 KiB) and the registers
-// small enough that two blocks share an SM: one block's epilogue (erf, division, stores) overlaps the other's
-// tensor-core work. Session 7 measured (bench.qgemm, H100, BERT-base shapes) one block per SM slower: 128 wide in
-// 4 stages 1.1-1.8x the time (the GELU layer's epilogue then took longer than its GEMM), 256 wide (m64n256k32) in
-// 4 stages 1.6-1.9x.
+// Shape of the kernel: 128 x 128 output tiles, K consumed 128 bytes at a time through a ring of shared-memory
+// stages that TMA fills, a producer thread and consumer warpgroups (one wgmma m64n128k32 per 64 rows and 32 bytes
+// of K) that synchronize through mbarriers; a ping-pong form and a two-blocks-per-SM form for GELU (kiln_qgemm).
+// Session 7 measured 256-wide tiles (m64n256k32) 1.6-1.9x slower.
 // Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and land in the 128-byte
 // swizzled layout wgmma reads: row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row, 8 rows (1024
 // bytes, 1024-aligned) per swizzle atom -- the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B.
@@ -25,8 +22,7 @@
 
 #define QG_BM 128
 #define QG_BK 128
-#define QG_CONSUMERS 256                // two warpgroups of wgmma and epilogue
-#define QG_THREADS (QG_CONSUMERS + 32)  // and one producer warp
+#define QG_BN 128
 
 // activation codes (engine_core/backends/cuda/qgemm.py ACTIVATIONS)
 #define QG_ACT_NONE 0
@@ -162,21 +158,22 @@ template <int ROUND> struct KilnQgStore<signed char, ROUND> {
     }
 };
 
-// The epilogue of one finished tile: accumulator register 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column
-// 8j + 2 (lane % 4) + e of the warpgroup's 64 rows. The loop over j is unrolled at compile time (kiln_static_for): a
-// runtime index into acc would move the whole array to local memory, which ptxas did for the 256-wide int8 kernel
-// when the loop was left to #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN].
-// ACT, ROUND and FULL (no row or column of the tile past M or N: no bounds checks) are compile-time, so an element
-// costs ~6 instructions (fp16, no activation): with them as run-time branches the epilogue took two thirds of the
+// The epilogue of 64 finished rows (one m64 accumulator of a warpgroup, rows row0 ..): accumulator register
+// 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e, for warp and lane of thread `tid`
+// of the warpgroup. The loop over j is unrolled at compile time (kiln_static_for): a runtime index into acc would
+// move the whole array to local memory, which ptxas did for the 256-wide int8 kernel when the loop was left to
+// #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN].
+// ACT, ROUND and FULL (no row or column past M or N: no bounds checks) are compile-time, so an element costs ~6
+// instructions (fp16, no activation): with them as run-time branches the epilogue took two thirds of the
 // consumers' time on BERT's 768 x 768 layer (ncu source counters, session 8).
 template <int BN, typename T, int ACT, int ROUND, bool FULL>
 __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y, const float* cols,
-                                                 int m0, int n0, int M, int N, float x_scale, float y_scale) {
+                                                 int tid, int row0, int n0, int M, int N, float x_scale,
+                                                 float y_scale) {
     const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_qg_div needs
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const int row = m0 + (threadIdx.x / 128) * 64 + warp * 16 + lane / 4;
+    const int lane = tid % 32, row = row0 + (tid / 32) * 16 + lane / 4;
     T* const y_row = y + (size_t)row * N + n0 + (lane % 4) * 2;  // this thread's first element; + 8 N: h = 1
-    kiln_static_for<0, BN / 8>([&](auto j_) {
+    kiln_static_for<0, BN / 8>([&](auto j_) __attribute__((always_inline)) {  // inlined: acc stays in registers
         constexpr int j = decltype(j_)::value;
         const int c = j * 8 + (lane % 4) * 2;
         if (!FULL && n0 + c >= N) return;
@@ -194,19 +191,20 @@ __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __
 template <typename T> struct KilnQgInt8 { static constexpr bool value = false; };
 template <> struct KilnQgInt8<signed char> { static constexpr bool value = true; };
 
-// The epilogue copy for this tile: the activation, the rounding before requantizing (int8 outputs only: the float
-// outputs have one copy) and whether the tile is whole, each chosen once per tile
-template <int BN, typename T>
+// The epilogue copy for these 64 rows: the activation (GELU in the GELU kernels, none or ReLU in the others), the
+// rounding before requantizing (int8 outputs only: the float outputs have one copy) and whether the rows are whole,
+// each chosen once per tile
+template <int BN, typename T, bool GELU>
 __device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, const int (&acc)[BN / 2], T* __restrict__ y,
-                                                     const float* cols, int m0, int n0, int M, int N, float x_scale,
-                                                     float y_scale) {
-    const bool full = m0 + QG_BM <= M && n0 + BN <= N;
-    auto run = [&](auto act_, auto round_) {
+                                                     const float* cols, int tid, int row0, int n0, int M, int N,
+                                                     float x_scale, float y_scale) {
+    const bool full = row0 + 64 <= M && n0 + BN <= N;
+    auto run = [&](auto act_, auto round_) __attribute__((always_inline)) {
         constexpr int A = decltype(act_)::value, R = decltype(round_)::value;
-        if (full) kiln_qg_epilogue<BN, T, A, R, true>(acc, y, cols, m0, n0, M, N, x_scale, y_scale);
-        else kiln_qg_epilogue<BN, T, A, R, false>(acc, y, cols, m0, n0, M, N, x_scale, y_scale);
+        if (full) kiln_qg_epilogue<BN, T, A, R, true>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
+        else kiln_qg_epilogue<BN, T, A, R, false>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
     };
-    auto rounded = [&](auto act_) {
+    auto rounded = [&](auto act_) __attribute__((always_inline)) {
         if constexpr (KilnQgInt8<T>::value) {
             if (round_to == QG_ROUND_F16) run(act_, KilnInt<QG_ROUND_F16>{});
             else if (round_to == QG_ROUND_BF16) run(act_, KilnInt<QG_ROUND_BF16>{});
@@ -215,48 +213,69 @@ __device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, cons
             run(act_, KilnInt<QG_ROUND_F32>{});
         }
     };
-    if (act == QG_ACT_GELU) rounded(KilnInt<QG_ACT_GELU>{});
+    if constexpr (GELU) rounded(KilnInt<QG_ACT_GELU>{});  // the GELU kernels have no other copy, the others none
     else if (act == QG_ACT_RELU) rounded(KilnInt<QG_ACT_RELU>{});
     else rounded(KilnInt<QG_ACT_NONE>{});
 }
 
 // Persistent and warp-specialized: block b computes output tiles b, b + gridDim.x, ... (tile t: rows
 // (t / tiles_n) * 128, columns (t % tiles_n) * BN, so the blocks running at once share their x rows and all of w in
-// L2). Its (tile, K slice) steps form one sequence through a STAGES-deep ring of shared-memory stages:
-//   - the producer warp's first thread waits for a stage to be empty, then loads the step's x and w boxes into it
-//     by TMA (one instruction each; the copy engine writes the 128-byte swizzle) and the stage's "full" barrier
-//     completes when their bytes have landed;
-//   - each consumer warpgroup waits for the stage to be full, issues its four wgmmas, waits for the step before's
-//     wgmmas (wgmma.wait_group 1: one step stays queued on the tensor cores) and marks that step's stage empty.
-// No __syncthreads in the loop: the producer runs up to STAGES steps ahead, into the next tile while the consumers
-// run the epilogue. Session 7's kernel (every thread issuing cp.async, a barrier and wgmma.wait_group 0 per K slice)
-// reached 316-662 TOPS on BERT-base's layers.
-template <int BN, int STAGES, typename T>
+// L2). A producer thread walks every (tile, K slice) step in order through a ring of shared-memory stages: it waits
+// for a stage to be empty, then loads the step's x and w boxes into it by TMA (the copy engine writes the 128-byte
+// swizzle); the stage's "full" barrier completes when the bytes land. Consumer warpgroups wait for a stage to be
+// full, issue their wgmmas, wait for the slice before's (wgmma.wait_group 1: one slice stays queued on the tensor
+// cores) and mark that slice's stage empty, then run the epilogue. Two forms, both measured on BERT-base's layers
+// (bench.qgemm, H100, 8192 rows; session 8):
+//   - PINGPONG (CUTLASS's KernelTmaWarpSpecializedPingpong, written for this GEMM): one block per SM, a producer
+//     warpgroup and two consumer warpgroups that each own whole 128 x BN tiles and take turns: a consumer starts
+//     its K loop when the other has issued all of its previous tile's (the tensor cores run one tile at a time, and
+//     no consumer waits on a stage's barrier two phases ahead), so one's epilogue overlaps the other's K loop. The
+//     producer gives its registers back (setmaxnreg 40) so a consumer holds 128 int32 sums per thread with room for
+//     the epilogue (232). 6 stages. 768 x 768: 17.6 us, FFN2 (K = 3072): 34.0 us (1,137 TOPS).
+//   - The pair form for GELU: two blocks per SM, each a producer warp and two consumer warpgroups sharing a 128 x BN
+//     tile (64 rows each, 96 registers), 3 stages: the erf-and-requantize epilogue is the longer part, and eight
+//     consumer warps per SM in the epilogue at once run it faster than ping-pong's four (FFN1 + GELU -> int8: 78.1
+//     us against ping-pong's 112.1; the 768 x 768 layer 22.4 against 17.6).
+template <bool PINGPONG> struct KilnQgShape {
+    static constexpr int STAGES = PINGPONG ? 6 : 3;
+    static constexpr int HALVES = PINGPONG ? 2 : 1;           // m64 row blocks per consumer: whole or half tiles
+    static constexpr int CONSUMER0 = PINGPONG ? 128 : 0;      // the first consumer thread
+    static constexpr int PRODUCER = PINGPONG ? 0 : 256;       // the thread issuing the loads
+    static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;    // warps reading a stage: its empty barrier's count
+};
+
+template <bool PINGPONG, typename T>
 __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMap* x, const KilnTensorMap* w,
                                            const float* __restrict__ w_scale, const float* __restrict__ bias, int M,
                                            int N, int K, float x_scale, float y_scale, int act, int round_to) {
-    extern __shared__ unsigned char kiln_qg_smem[];
-    __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
-    static_assert(2 * BN == QG_CONSUMERS, "a consumer thread per column's scale and bias");
-    __shared__ __align__(16) float kiln_qg_cols[2][2 * BN];  // per tile parity: w_scale[BN], bias[BN]
+    using Shape = KilnQgShape<PINGPONG>;
+    constexpr int BN = QG_BN, STAGES = Shape::STAGES, HALVES = Shape::HALVES;
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
+    extern __shared__ unsigned char kiln_qg_smem[];
+    // full[STAGES], empty[STAGES], then turn[2] (ping-pong: consumer c may start its next tile's K loop)
+    __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES + 2];
+    __shared__ __align__(16) float kiln_qg_cols[2][2][2 * BN];  // consumer, tile parity: w_scale[BN], bias[BN]
     const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
     const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
-    const unsigned full = (unsigned)__cvta_generic_to_shared(kiln_qg_bars), empty = full + 8 * STAGES;
+    const unsigned full = (unsigned)__cvta_generic_to_shared(kiln_qg_bars), empty = full + 8 * STAGES,
+                   turn = empty + 8 * STAGES;
     const int tiles_n = (N + BN - 1) / BN, tiles = tiles_n * ((M + QG_BM - 1) / QG_BM);
     const int ktiles = (K + QG_BK - 1) / QG_BK;
     const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            kiln_mbar_init(full + 8 * s, 1);                             // the producer's expect_tx arrival
-            kiln_mbar_init(empty + 8 * s, QG_CONSUMERS / 32);            // one arrival per consumer warp
+            kiln_mbar_init(full + 8 * s, 1);  // the producer's expect_tx arrival
+            kiln_mbar_init(empty + 8 * s, Shape::STAGE_READERS);
         }
+        kiln_mbar_init(turn, 4);  // one arrival per warp of the other consumer
+        kiln_mbar_init(turn + 8, 4);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     }
     __syncthreads();
 
-    if (threadIdx.x >= QG_CONSUMERS) {  // the producer warp: its first thread issues every load
-        if (threadIdx.x == QG_CONSUMERS) {
+    if (PINGPONG ? threadIdx.x < Shape::CONSUMER0 : threadIdx.x >= Shape::PRODUCER) {  // the producer's warp(group)
+        if constexpr (PINGPONG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == Shape::PRODUCER) {
             int stage = 0, round = 0;
             for (int tile = 0; tile < mine; ++tile) {
                 const int t = blockIdx.x + tile * gridDim.x, m0 = (t / tiles_n) * QG_BM, n0 = (t % tiles_n) * BN;
@@ -272,62 +291,78 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         }
         return;
     }
-
-    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
-    int acc[BN / 2];
-    int stage = 0, round = 0, previous = -1;  // previous: the stage the step before read, until it is released
-    for (int tile = 0; tile < mine; ++tile) {
+    if constexpr (PINGPONG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int me = (threadIdx.x - Shape::CONSUMER0) / 128, tid = threadIdx.x % 128, lane = threadIdx.x % 32;
+    const int a_row0 = PINGPONG ? 0 : 64 * me;  // the consumer's first row in the tile
+    int acc[HALVES][BN / 2];
+    // ping-pong: consumer 0 takes the block's even tiles, consumer 1 the odd ones; else both take every tile
+    for (int tile = PINGPONG ? me : 0, turns = 0; tile < mine; tile += PINGPONG ? 2 : 1, ++turns) {
         const int t = blockIdx.x + tile * gridDim.x, m0 = (t / tiles_n) * QG_BM, n0 = (t % tiles_n) * BN;
-        // the tile's per-column w_scale (threads < BN) and bias (the others), read from global memory now and stored
-        // to shared memory after the K loop: the epilogue's loads then do not wait on global memory
-        const int c = n0 + threadIdx.x % BN;
-        const float col_value = c < N ? (threadIdx.x < BN ? w_scale : bias)[c] : 0.0f;
+        // the tile's per-column w_scale and bias, read from global memory now and stored to shared memory after the
+        // K loop: the epilogue's loads then do not wait on global memory
+        const float ws = n0 + tid < N ? w_scale[n0 + tid] : 0.0f, b = n0 + tid < N ? bias[n0 + tid] : 0.0f;
+        // ping-pong: consumer 1's first tile waits for consumer 0's first K loop, later ones for the other's last
+        if (PINGPONG && tile > 0) kiln_mbar_wait(turn + 8 * me, (me == 0 ? turns - 1 : turns) & 1);
+        const int first = tile * ktiles;  // this tile's first step in the producer's sequence
+        int stage = first % STAGES, round = first / STAGES, previous = -1;
         for (int kt = 0; kt < ktiles; ++kt) {
             kiln_mbar_wait(full + 8 * stage, round & 1);
-            const unsigned tile_base = base + stage * STAGE_BYTES;
-            const unsigned long long da = kiln_smem_desc(tile_base + wg * 64 * QG_BK), db = kiln_smem_desc(tile_base + A_BYTES);
+            const unsigned a = base + stage * STAGE_BYTES + a_row0 * QG_BK;
+            const unsigned long long db = kiln_smem_desc(base + stage * STAGE_BYTES + A_BYTES);
             kiln_wgmma_fence();
 #pragma unroll
             for (int s = 0; s < QG_BK / 32; ++s) {  // 32 bytes of K a step: the descriptor start moves 32 >> 4
                 const int accumulate = kt > 0 || s > 0;  // a tile's first product overwrites the last tile's sums
-                kiln_wgmma_m64n128k32_s8(acc, da + 2 * s, db + 2 * s, accumulate);
+#pragma unroll
+                for (int h = 0; h < HALVES; ++h)
+                    kiln_wgmma_m64n128k32_s8(acc[h], kiln_smem_desc(a + h * 64 * QG_BK) + 2 * s, db + 2 * s, accumulate);
             }
             kiln_wgmma_commit();
-            kiln_wgmma_wait<1>();  // the step before's wgmmas are done reading their stage
+            kiln_wgmma_wait<1>();  // the slice before's wgmmas are done reading their stage
             if (previous >= 0 && lane == 0) kiln_mbar_arrive(empty + 8 * previous);
             previous = stage;
             if (++stage == STAGES) stage = 0, ++round;
         }
+        if (PINGPONG && lane == 0) kiln_mbar_arrive(turn + 8 * (1 - me));  // every K slice is issued: its turn
         kiln_wgmma_wait<0>();
         if (lane == 0) kiln_mbar_arrive(empty + 8 * previous);
-        previous = -1;
-        // two buffers: a warpgroup a tile ahead writes the other one while the slower one still reads this one, and
-        // cannot come back to this one before the slower warpgroup has passed the next barrier
-        float* cols = kiln_qg_cols[tile & 1];
-        cols[threadIdx.x] = col_value;
-        asm volatile("bar.sync 1, %0;\n" ::"n"(QG_CONSUMERS) : "memory");  // the consumers only
-        kiln_qg_epilogue_for<BN, T>(act, round_to, acc, y, cols, m0, n0, M, N, x_scale, y_scale);
+        // two buffers: a warp a tile ahead writes the other one while a slower warp still reads this one, and cannot
+        // come back to this one before every warp of the consumer has passed the next barrier
+        float* cols = kiln_qg_cols[me][turns & 1];
+        cols[tid] = ws;
+        cols[BN + tid] = b;
+        if (me == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");  // this consumer's warps only
+        else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h)
+            kiln_qg_epilogue_for<BN, T, !PINGPONG>(act, round_to, acc[h], y, cols, tid, m0 + a_row0 + 64 * h, n0, M,
+                                                   N, x_scale, y_scale);
     }
 }
 #endif  // QG_WGMMA
 
-// qgemm_sm90_<BN>_<output>: a 1-D grid of at most one block per output tile, QG_THREADS threads, STAGES * (128 + BN)
-// * 128 + 1024 bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py STAGES, shared_bytes). x and w are
-// TMA descriptors of x [M, K] and w [N, K] (int8, row-major) in 128 x 128-byte boxes with the 128-byte swizzle.
-#define KILN_QGEMM(BN, STAGES, BLOCKS, NAME, T)                                                                  \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, BLOCKS) qgemm_sm90_##BN##_##NAME(                    \
+// qgemm_sm90[_gelu]_128_<output>: a 1-D grid of at most one block per output tile, 384 threads (ping-pong: the
+// kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 1024 bytes of dynamic shared memory
+// (engine_core/backends/cuda/qgemm.py KERNELS). x and w are TMA descriptors of x [M, K] and w [N, K] (int8, row-major)
+// in 128 x 128-byte boxes with the 128-byte swizzle.
+#define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                           \
         T* __restrict__ y, const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,       \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
         float y_scale, int act, int round_to) {                                                                   \
-        KILN_QGEMM_BODY(BN, STAGES, T)                                                                            \
+        KILN_QGEMM_BODY(PINGPONG, T)                                                                              \
     }
 #ifdef QG_WGMMA
-#define KILN_QGEMM_BODY(BN, STAGES, T) kiln_qgemm<BN, STAGES, T>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
+#define KILN_QGEMM_BODY(PINGPONG, T) kiln_qgemm<PINGPONG, T>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
 #else
-#define KILN_QGEMM_BODY(BN, STAGES, T) __trap();
+#define KILN_QGEMM_BODY(PINGPONG, T) __trap();
 #endif
 
-KILN_QGEMM(128, 3, 2, f32, float)
-KILN_QGEMM(128, 3, 2, f16, __half)
-KILN_QGEMM(128, 3, 2, bf16, __nv_bfloat16)
-KILN_QGEMM(128, 3, 2, i8, signed char)
+KILN_QGEMM(true, 384, 1, qgemm_sm90_128_f32, float)
+KILN_QGEMM(true, 384, 1, qgemm_sm90_128_f16, __half)
+KILN_QGEMM(true, 384, 1, qgemm_sm90_128_bf16, __nv_bfloat16)
+KILN_QGEMM(true, 384, 1, qgemm_sm90_128_i8, signed char)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_f32, float)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_f16, __half)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_bf16, __nv_bfloat16)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_i8, signed char)

@@ -36,17 +36,19 @@ def any_size(monkeypatch):
 
 @pytest.mark.parametrize("flag, batch", [(None, 1), (None, 130), (kiln.BuilderFlag.FP16, 7)])
 def test_emulated_qgemm_mlp_equals_the_cpu_backend(flag, batch):
-    """fc1 (per-column weight scales, bias, ReLU, requantized to int8 after rounding to the build's float type)
-    and fc2 (per-tensor scale, bias, GELU, float output) are one kernel launch each, bit-equal to the CPU op."""
+    """fc1 (per-column weight scales, bias, ReLU, requantized to int8 after rounding to the build's float type: the
+    ping-pong form) and fc2 (per-tensor scale, bias, GELU, float output: the GELU form) are one kernel launch each,
+    bit-equal to the CPU op."""
     x = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
     graph = optimized_graph(qdq_mlp(), {"x": x}, flag)
     lowered = lowered_at(graph, {"x": x}, QGEMM)
     steps = {s.node.name: s for s in lowered.steps}
     out = "f32" if flag is None else "f16"
-    for name, suffix in (("fc1", "i8"), ("fc2", out)):
+    for name, form, suffix in (("fc1", qgemm.PINGPONG, "i8"), ("fc2", qgemm.GELU, out)):
         (launch,) = steps[name].ops
-        assert isinstance(launch, Launch) and launch.function == f"qgemm_sm90_128_{suffix}", launch.function
-        assert launch.shared_bytes == qgemm.shared_bytes() and launch.grid == (-(-batch // 128), 1, 1)
+        assert isinstance(launch, Launch) and launch.function == f"{form.prefix}_128_{suffix}", launch.function
+        assert launch.shared_bytes == form.shared_bytes() and launch.block == (form.threads, 1, 1)
+        assert launch.grid == (-(-batch // 128), 1, 1)
         assert lowered.tactics()[name] == "gemm:qgemm_sm90"
     got = Emulator(graph, lowered, {"x": x}).run()["y"]
     np.testing.assert_array_equal(got, GraphRunner(graph).run({"x": x})["y"])
@@ -95,9 +97,11 @@ def test_layers_with_fewer_tiles_than_sms_keep_the_cublaslt_path(monkeypatch):
     assert {lowered.tactics()[name] for name in ("fc1", "fc2")} == {"gemm:cublaslt_int8"}
 
 
-def test_persistent_grid_is_one_block_per_tile_up_to_two_per_sm():
-    assert qgemm.grid_blocks(300, 304) == 3 * 3
-    assert qgemm.grid_blocks(8192, 768) == 2 * qgemm.SMS  # 384 tiles: blocks take several
+def test_persistent_grid_is_one_block_per_tile_up_to_what_the_sms_hold():
+    for form in (qgemm.PINGPONG, qgemm.GELU):
+        assert form.grid_blocks(300, 304) == 3 * 3
+    assert qgemm.PINGPONG.grid_blocks(8192, 768) == qgemm.SMS  # 384 tiles: blocks take several
+    assert qgemm.GELU.grid_blocks(8192, 3072) == 2 * qgemm.SMS
 
 
 # -- on the GPU -------------------------------------------------------------------------------------
@@ -108,9 +112,9 @@ def test_persistent_grid_is_one_block_per_tile_up_to_two_per_sm():
 @pytest.mark.parametrize("sms", [qgemm.SMS, 2])
 def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, monkeypatch):
     """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40; M up to 300), with
-    a block per tile and with 4 blocks taking turns over up to 9 tiles (``SMS`` = 2: the persistent loop carries
-    its load pipeline from one tile into the next). The int32 sums are exact and the epilogue keeps the CPU op's
-    order: fp32 differs only by erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
+    a block per tile and with few blocks taking several tiles each (``SMS`` = 2: fc1 ping-pong, 2 blocks whose two
+    consumer warpgroups take turns; fc2 GELU, 4 blocks; the producer's stage ring runs from one tile into the next). The int32 sums are exact and the epilogue keeps
+    the CPU op's order: fp32 differs only by erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
     if not qgemm.available():
         pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
     monkeypatch.setattr(qgemm, "SMS", sms)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,9 +25,33 @@ from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
 
 MODULE = "qgemm_sm90"
-#: output rows and columns per block, K bytes per pipeline stage, stages, threads (two consumer warpgroups and a
-#: producer warp), blocks per SM (cuda_kernels/qgemm_sm90.cu: two 97 KiB blocks share an SM)
-TILE_M, TILE_N, TILE_K, STAGES, THREADS, BLOCKS_PER_SM = 128, 128, 128, 3, 288, 2
+#: output rows and columns per tile, K bytes per pipeline stage (cuda_kernels/qgemm_sm90.cu)
+TILE_M, TILE_N, TILE_K = 128, 128, 128
+
+
+@dataclass(frozen=True)
+class Form:
+    """One form of the kernel (cuda_kernels/qgemm_sm90.cu, kiln_qgemm): its name prefix, pipeline stages, threads
+    per block and blocks per SM."""
+
+    prefix: str
+    stages: int
+    threads: int
+    blocks_per_sm: int
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
+        return self.stages * (TILE_M + TILE_N) * TILE_K + 1024
+
+    def grid_blocks(self, m: int, n: int) -> int:
+        """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
+        return max(1, min(tiles(m, n), SMS * self.blocks_per_sm))
+
+
+#: ping-pong (a producer warpgroup and two consumer warpgroups taking turns over whole tiles, one 194 KiB block per
+#: SM) for layers without GELU; two 102 KiB blocks per SM, two consumer warpgroups sharing each tile, for GELU, whose
+#: epilogue runs faster on eight warps at once (session 8, bench.qgemm: docs/cuda-backend.md)
+PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 1), Form("qgemm_sm90_gelu", 3, 288, 2)
 #: QMatMul activation -> the kernel's code (QG_ACT_*). Each has its own copy of the epilogue in the kernels, so the
 #: rarer ones (Tanh, Sigmoid) keep the cuBLASLt path rather than growing every kernel and its compile time
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2}
@@ -55,19 +80,9 @@ def available() -> bool:
     return compute_capability() == (9, 0)
 
 
-def shared_bytes() -> int:
-    """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
-    return STAGES * (TILE_M + TILE_N) * TILE_K + 1024
-
-
 def tiles(m: int, n: int) -> int:
     """Output tiles of an [m, n] result."""
     return -(-m // TILE_M) * -(-n // TILE_N)
-
-
-def grid_blocks(m: int, n: int) -> int:
-    """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
-    return max(1, min(tiles(m, n), SMS * BLOCKS_PER_SM))
 
 
 def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
@@ -101,5 +116,6 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),
             (ACTIVATIONS[activation], ctypes.c_int), (ROUNDING[result], ctypes.c_int)]
-    return Launch(MODULE, f"qgemm_sm90_{TILE_N}_{OUTPUTS[out.dtype]}", (grid_blocks(m, n), 1, 1), (THREADS, 1, 1), args,
-                  shared_bytes=shared_bytes())
+    form = GELU if activation == "Gelu" else PINGPONG
+    return Launch(MODULE, f"{form.prefix}_{TILE_N}_{OUTPUTS[out.dtype]}", (form.grid_blocks(m, n), 1, 1),
+                  (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
