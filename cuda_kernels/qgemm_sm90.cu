@@ -17,8 +17,7 @@
 // Requirements (the lowering checks them): K % 16 == 0 (TMA's row pitch), N even, 16-byte aligned x / w. Rows past
 // M and columns past K or N read zeros (TMA's out-of-bounds fill) and are not stored.
 // Compiled for sm_90a only (engine_core/cuda/nvrtc.py ARCH_FEATURES); other targets get empty kernels.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "kiln_reduce.cuh"  // kiln_div_rn (and cuda_fp16.h, cuda_bf16.h)
 
 #define QG_BM 128
 #define QG_BK 128
@@ -122,18 +121,11 @@ template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float
     return v;
 }
 
-// v / y_scale rounded to nearest: the quotient by the reciprocal, then one correction step with the exact residual
-// (fma) -- the correctly rounded quotient whenever nothing over- or underflows, which for values bounded by the
-// int8 range times a scale holds. Why not __fdiv_rn: its out-of-range slow path at each of a thread's 64 stores.
-__device__ __forceinline__ float kiln_qg_div(float v, float y_scale, float y_recip) {
-    const float q = __fmul_rn(v, y_recip);
-    return __fmaf_rn(__fmaf_rn(-q, y_scale, v), y_recip, q);
-}
 // requantize: round to the layer's float type (ROUND: the tensor the unfused graph stores), then QuantizeLinear
 template <int ROUND> __device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip) {
     if constexpr (ROUND == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
     if constexpr (ROUND == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
-    return (signed char)fminf(fmaxf(rintf(kiln_qg_div(v, y_scale, y_recip)), -128.0f), 127.0f);
+    return (signed char)fminf(fmaxf(rintf(kiln_div_rn(v, y_scale, y_recip)), -128.0f), 127.0f);
 }
 
 // two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND matters only there)
@@ -170,7 +162,7 @@ template <int BN, typename T, int ACT, int ROUND, bool FULL>
 __device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y, const float* cols,
                                                  int tid, int row0, int n0, int M, int N, float x_scale,
                                                  float y_scale) {
-    const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_qg_div needs
+    const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_div_rn needs
     const int lane = tid % 32, row = row0 + (tid / 32) * 16 + lane / 4;
     T* const y_row = y + (size_t)row * N + n0 + (lane % 4) * 2;  // this thread's first element; + 8 N: h = 1
     kiln_static_for<0, BN / 8>([&](auto j_) __attribute__((always_inline)) {  // inlined: acc stays in registers

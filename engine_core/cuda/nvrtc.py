@@ -79,13 +79,14 @@ def cache_dir() -> Path:
 
 
 def compile_cubin(source: str, name: str = "kernel.cu", arch: str = "sm_90",
-                  options: Sequence[str] = (), use_cache: bool = True) -> bytes:
-    """Compile ``source`` to a CUBIN for ``arch`` (e.g. "sm_90"); raises CompileError with NVRTC's log."""
+                  options: Sequence[str] = (), use_cache: bool = True, headers: Sequence[str] = ()) -> bytes:
+    """Compile ``source`` to a CUBIN for ``arch`` (e.g. "sm_90"); raises CompileError with NVRTC's log.
+    ``headers``: the text of the files it includes, part of the cache key (an edited header compiles anew)."""
     from cuda.bindings import nvrtc
 
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
     opts += [f"--include-path={p}" for p in include_paths()]
-    key = hashlib.sha256("\0".join([source, arch, *opts, nvrtc_version()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source, arch, *opts, nvrtc_version(), *headers]).encode()).hexdigest()
     path = cache_dir() / f"{key}.cubin"
     if use_cache and path.is_file():
         return path.read_bytes()
@@ -110,4 +111,6 @@ def compile_kernel_file(stem: str, arch: str = "sm_90", options: Sequence[str] =
     ``ARCH_FEATURES`` names for it)."""
     path = kernel_sources()[stem]
     target = ARCH_FEATURES.get(stem, {}).get(arch, arch)
-    return compile_cubin(path.read_text(), path.name, target, [f"--include-path={KERNEL_DIR}", *options])
+    headers = [h.read_text() for h in sorted(KERNEL_DIR.glob("*.cuh"))]  # Kiln's shared headers (kiln_reduce.cuh)
+    return compile_cubin(path.read_text(), path.name, target, [f"--include-path={KERNEL_DIR}", *options],
+                         headers=headers)

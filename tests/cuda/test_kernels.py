@@ -56,3 +56,20 @@ def test_softmax_kernel_matches_numpy(dtype, suffix, tol, rows, cols):
     driver.synchronize()
     y = dy.to_array(x.dtype, x.shape).astype(np.float32)
     np.testing.assert_allclose(y, _softmax(x.astype(np.float32)), rtol=tol, atol=tol)
+
+
+def test_an_edited_header_recompiles_the_kernel_files_that_include_it(tmp_path, monkeypatch):
+    """The NVRTC cache key covers Kiln's shared headers: a cached CUBIN of the old header is not reused."""
+    from engine_core.cuda import nvrtc
+
+    kernels, cache = tmp_path / "kernels", tmp_path / "cache"
+    kernels.mkdir()
+    monkeypatch.setattr(nvrtc, "KERNEL_DIR", kernels)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(cache))
+    (kernels / "k.cu").write_text('#include "h.cuh"\nextern "C" __global__ void k(float* y) { *y = VALUE; }\n')
+    (kernels / "h.cuh").write_text("#define VALUE 1.0f\n")
+    first = nvrtc.compile_kernel_file("k")
+    assert nvrtc.compile_kernel_file("k") == first  # unchanged: the cached CUBIN
+    (kernels / "h.cuh").write_text("#define VALUE 2.0f\n")
+    assert nvrtc.compile_kernel_file("k") != first
+    assert len(list((cache / "kernels").glob("*.cubin"))) == 2
