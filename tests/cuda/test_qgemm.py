@@ -30,7 +30,7 @@ QGEMM = LoweringOptions(qgemm_sm90=True)
 
 @pytest.fixture(autouse=True)
 def any_size(monkeypatch):
-    """Small test shapes take the kernel too (``MIN_TILES`` keeps layers with fewer tiles than SMs on cuBLASLt)."""
+    """Small test shapes take the kernel too (``MIN_TILES`` keeps layers of fewer than 48 tiles on cuBLASLt)."""
     monkeypatch.setattr(qgemm, "MIN_TILES", 0)
 
 

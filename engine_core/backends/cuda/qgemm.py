@@ -62,12 +62,11 @@ OUTPUTS = {F32: "f32", F16: "f16", BF16: "bf16", INT8: "i8"}
 #: streaming multiprocessors assumed when sizing the persistent grid: the H100 SXM's (sm_90 parts have 78-132; on
 #: fewer, the blocks past what runs at once start as others finish)
 SMS = 132
-#: output tiles below which a layer keeps the cuBLASLt path: with fewer tiles than SMs the kernel's 128 x 128 blocks
-#: leave most of the GPU idle, where cuBLASLt picks small-tile / split-K kernels. Measured on the H100 (bench.qgemm,
-#: session 7, bench/results/qgemm_20261123T191125.json): at M = 1024 the 48-tile layers (N = 768) ran 9.4 vs 11.4 us
-#: and 13.5 vs 20.0 us in cuBLASLt + its epilogue kernel, the 192-tile GELU layer 20.6 us here vs 33.1; at M = 8192
-#: (384 and more tiles) this kernel was 1.03-1.82x faster at every layer
-MIN_TILES = SMS
+#: output tiles below which a layer keeps the cuBLASLt path (its small-tile / split-K kernels spread a small layer
+#: over more SMs). Measured on the H100 (bench.qgemm with MIN_TILES = 0, session 8): at M = 1024 the 48-tile layers
+#: (N = 768) ran 6.5 vs 9.5 us (K = 768) and 11.5 vs 13.3 us (K = 3072) here against cuBLASLt + its epilogue kernel,
+#: at M = 2048 7.7 vs 13.9 and 13.0 vs 20.2; smaller layers are unmeasured
+MIN_TILES = 48
 
 
 def available() -> bool:
