@@ -94,8 +94,9 @@ class TensorMap:
 
 @dataclass
 class Launch:
-    """One kernel launch; ``args`` are (value, Ref or TensorMap, ctypes type) pairs. ``program`` is the pointwise
-    program a generated kernel evaluates (the emulator runs it on the host)."""
+    """One kernel launch; ``args`` are (value, ctypes type) pairs, the value a Ref (a device pointer), a TensorMap
+    (a 128-byte descriptor by value; its type is None) or a constant. ``program`` is the pointwise program a
+    generated kernel evaluates (the emulator runs it on the host)."""
 
     module: str
     function: str
