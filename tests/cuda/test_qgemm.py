@@ -104,6 +104,19 @@ def test_persistent_grid_is_one_block_per_tile_up_to_what_the_sms_hold():
     assert qgemm.GELU.grid_blocks(8192, 3072) == 2 * qgemm.SMS
 
 
+def test_a_misaligned_tma_operand_is_an_error_that_names_it():
+    """TMA needs 16-byte-aligned tensors: a caller's odd input address fails the launch with a message naming the
+    tensor (before any driver call: this runs without a GPU)."""
+    from engine_core.backends.cuda.lowering import Ref, TensorMap
+    from engine_core.backends.cuda.runner import _PreparedLaunch
+    from engine_core.errors import ExecutionError
+
+    launch = Launch(qgemm.MODULE, "qgemm_sm90_128_f16", (1, 1, 1), (384, 1, 1),
+                    [(TensorMap(Ref("x"), 128, 64, (128, 128)), None)])
+    with pytest.raises(ExecutionError, match="'x' through TMA, which needs a 16-byte-aligned address; got 0x1008"):
+        _PreparedLaunch(launch, None).run(lambda ref: 0x1008, 0)
+
+
 # -- on the GPU -------------------------------------------------------------------------------------
 
 

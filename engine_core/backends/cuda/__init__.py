@@ -29,7 +29,8 @@ from engine_core.timing_cache import TimingCache
 
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
 KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
-#: kernel files a plan embeds only when one of its launches uses them (each takes NVRTC a minute: large wgmma kernels)
+#: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
+#: 30-50 s)
 ON_DEMAND_KERNEL_FILES = ("qgemm_sm90",)
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})

@@ -430,6 +430,9 @@ class _PreparedLaunch:
         for entry in self.maps:
             obj, tensor_map, encoded_for = entry
             address = resolve(tensor_map.ref)
+            if address % 16:  # cuTensorMapEncodeTiled would only say "invalid value"
+                raise ExecutionError(f"{self.launch.function} reads '{tensor_map.ref.tensor}' through TMA, which needs "
+                                     f"a 16-byte-aligned address; got {address:#x}")
             if address != encoded_for:  # first run, or the tensor moved
                 ctypes.memmove(obj, encode_tensor_map(address, tensor_map.rows, tensor_map.cols, tensor_map.box), 128)
                 entry[2] = address
