@@ -246,6 +246,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
     // full[STAGES], empty[STAGES], then turn[2] (ping-pong: consumer c may start its next tile's K loop)
     __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES + 2];
     __shared__ __align__(16) float kiln_qg_cols[2][2][2 * BN];  // consumer, tile parity: w_scale[BN], bias[BN]
+    static_assert(BN == 128, "a consumer thread per column's scale and bias");
     const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
     const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
     const unsigned full = (unsigned)__cvta_generic_to_shared(kiln_qg_bars), empty = full + 8 * STAGES,
