@@ -96,6 +96,12 @@ __device__ __forceinline__ float kiln_div_rn(float v, float d, float recip) {
     return __fmaf_rn(__fmaf_rn(-q, d, v), recip, q);
 }
 
+// QuantizeLinear of v to int8 with zero point 0: v / scale rounded half to even, saturated (recip = 1 / scale,
+// IEEE). Equals the generated QuantizeLinear kernel's `/`, so fused and unfused quantizers agree bit for bit.
+__device__ __forceinline__ signed char kiln_quantize_s8(float v, float scale, float recip) {
+    return (signed char)fminf(fmaxf(rintf(kiln_div_rn(v, scale, recip)), -128.0f), 127.0f);
+}
+
 __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
 // LayerNormalization (RMS: RMSNormalization; SKIP: of x + skip, the sum rounded to T as the unfused Add stores
@@ -160,7 +166,7 @@ __device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ sk
             struct alignas(Row::V) { signed char b[Row::V]; } q;  // one V-byte store a vector
 #pragma unroll
             for (int e = 0; e < Row::V; ++e)
-                q.b[e] = (signed char)fminf(fmaxf(rintf(kiln_div_rn(kiln_f(kiln_to<T>(v[j][e])), scale, recip)), -128.0f), 127.0f);
+                q.b[e] = kiln_quantize_s8(kiln_f(kiln_to<T>(v[j][e])), scale, recip);
             if (row.vec && kiln_aligned16(yq)) {
                 if (row.col(j, 0) < cols) *reinterpret_cast<decltype(q)*>(yq + r * cols + row.col(j, 0)) = q;
             } else {

@@ -124,7 +124,7 @@ template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float
 template <int ROUND> __device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip) {
     if constexpr (ROUND == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
     if constexpr (ROUND == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
-    return (signed char)fminf(fmaxf(rintf(kiln_div_rn(v, y_scale, y_recip)), -128.0f), 127.0f);
+    return kiln_quantize_s8(v, y_scale, y_recip);
 }
 
 // two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND matters only there)
