@@ -160,9 +160,10 @@ def kernel_us(fn, stream, calls: int = 20) -> tuple[float, list[dict]]:
     return sum(k["ms"] for k in kernels) * 1000, kernels
 
 
-def layer_engine(model, shape: tuple[int, ...], fp16: bool = False):
-    """A Kiln engine of a one-layer model (onnx.helper) whose one input "x" has a fixed ``shape``: what the
-    per-layer benchmarks (bench.pointwise, bench.qgemm) time."""
+def layer_engine(model, shape: tuple[int, ...] | dict[str, tuple[int, ...]], fp16: bool = False):
+    """A Kiln engine of a one-layer model (onnx.helper) whose one input "x" has a fixed ``shape`` (or whose inputs
+    have the fixed shapes of a name -> shape dict): what the per-layer benchmarks (bench.pointwise, bench.qgemm,
+    bench.attention) time."""
     import engine_core as kiln
 
     builder = kiln.Builder()
@@ -173,7 +174,8 @@ def layer_engine(model, shape: tuple[int, ...], fp16: bool = False):
     if fp16:
         config.set_flag(kiln.BuilderFlag.FP16)
     profile = builder.create_optimization_profile()
-    profile.set_shape("x", shape, shape, shape)
+    for name, fixed in (shape if isinstance(shape, dict) else {"x": shape}).items():
+        profile.set_shape(name, fixed, fixed, fixed)
     config.add_optimization_profile(profile)
     return kiln.Runtime().load(kiln.build_plan(net, config))
 

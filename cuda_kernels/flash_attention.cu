@@ -5,10 +5,21 @@
 // strides over (batch, head, seq) with a contiguous head dim, so both the 3-D and the 4-D ONNX forms run
 // without copies, and the scores never leave registers.
 //
-// One block = 64 query rows of one (batch, head); 4 warps of 16 rows each. Keys and values stream through
-// shared memory in tiles of BN rows; every warp keeps its rows' running max / sum (online softmax) and
-// its output accumulator in registers. Tensor cores through mma.sync: m16n8k16 for fp16/bf16, m16n8k8
-// TF32 for fp32 storage (only when the build allows TF32). Accumulation and softmax are fp32.
+// One block = 64 query rows of one (batch, head); 4 warps of 16 rows each. Q is staged in shared memory once;
+// keys and values stream through a two-stage shared-memory ring in tiles of BN rows (cp.async: the next tile
+// loads while this one is used); every warp keeps its rows' running max / sum (online softmax, base 2) and
+// its output accumulator in registers. Tensor cores through mma.sync: m16n8k16 for fp16/bf16 with ldmatrix
+// fragment loads (.trans for V), m16n8k8 TF32 for fp32 storage (only when the build allows TF32).
+// Accumulation and softmax are fp32. A mask that does not vary with the query row (BERT's padding mask
+// [batch, 1, 1, keys]; none at all) is staged per tile in shared memory as a base-2 bias together with the
+// key bounds; other masks are read per element. The output goes through shared memory to 16-byte stores.
+//
+// flash_attention_q_*: Y is also quantized to int8 (kiln.AttentionQuantize: the attention output's
+// QuantizeLinear folded in, passes/fuse_attention_quantize.py) and only the int8 tensor is written: the
+// value rounded to T, as the unfused Attention stores it, then kiln_quantize_s8.
+//
+// Session 9 rewrite (was: Q fragments by scalar global loads, synchronous K/V tiles, V fragments from four
+// 2-byte shared loads each, the mask read per element): docs/cuda-backend.md "Session 9".
 #include "kiln_reduce.cuh"
 
 struct KilnFlashGeom {
@@ -26,6 +37,22 @@ struct KilnFlashGeom {
 
 constexpr int FLASH_BM = 64;      // query rows per block
 constexpr int FLASH_THREADS = 128;
+constexpr float FLASH_LOG2E = 1.4426950408889634f;
+
+// Shared-memory geometry of one (T, D): keys per tile, padded row (conflict-free ldmatrix / fragment loads).
+// engine_core/backends/cuda/lowering.py flash_shared_bytes mirrors the byte count.
+template <typename T, int D> struct KilnFlashTiles {
+    static constexpr bool TF32 = sizeof(T) == 4;
+    static constexpr int KSTEP = TF32 ? 8 : 16;            // mma k extent
+    static constexpr int BN = (TF32 && D > 64) ? 32 : 64;  // keys per tile
+    static constexpr int LD = D + (TF32 ? 4 : 8);
+    // Q [BM][LD], K [2][BN][LD], V [2][BN][LD], then the staged mask biases: [2][BN] floats for a mask that
+    // is the same for every query row (or none), [2][BM][BN] for one that is not
+    static constexpr int ELEMS = (FLASH_BM + 4 * BN) * LD;
+};
+
+template <typename T, bool QUANT> struct KilnFlashOut { using type = T; };
+template <typename T> struct KilnFlashOut<T, true> { using type = signed char; };
 
 __device__ __forceinline__ unsigned flash_pack(__half lo, __half hi) {
     return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
@@ -36,6 +63,11 @@ __device__ __forceinline__ unsigned flash_pack(__nv_bfloat16 lo, __nv_bfloat16 h
 __device__ __forceinline__ unsigned flash_tf32(float v) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+__device__ __forceinline__ float flash_exp2(float x) {  // 2^x; -inf -> 0
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
 
@@ -60,19 +92,36 @@ __device__ __forceinline__ void flash_mma(float* d, const unsigned* a, const uns
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Copy `rows` x D elements (row stride `stride`, contiguous columns) into a padded shared tile; rows past
-// `valid` become zeros. 16-byte words when the source allows it.
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void flash_ldmatrix(unsigned* r, const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void flash_ldmatrix_trans(unsigned* r, const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// 16 bytes global -> shared without registers; `bytes` 0 writes zeros (rows past the tensor's end).
+__device__ __forceinline__ void flash_cp16(void* dst, const void* src, int bytes) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void flash_cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void flash_cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+// `rows` x D elements (row stride `stride`, contiguous columns) into a padded shared tile; rows past `valid`
+// become zeros. cp.async 16-byte words when `vec` (16-byte aligned rows), else element copies.
 template <typename T, int D, int LD>
 __device__ __forceinline__ void flash_tile(T* __restrict__ tile, const T* __restrict__ src, long long stride,
-                                           int rows, int valid) {
+                                           int rows, int valid, bool vec) {
     constexpr int VEC = 16 / sizeof(T);
-    const bool aligned = ((reinterpret_cast<unsigned long long>(src) | (unsigned long long)(stride * sizeof(T))) & 15) == 0;
-    if (aligned) {
+    if (vec) {
         for (int i = threadIdx.x; i < rows * (D / VEC); i += FLASH_THREADS) {
             const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
-            uint4 word = make_uint4(0, 0, 0, 0);
-            if (r < valid) word = *reinterpret_cast<const uint4*>(src + r * stride + c);
-            *reinterpret_cast<uint4*>(tile + r * LD + c) = word;
+            flash_cp16(tile + r * LD + c, r < valid ? src + r * stride + c : src, r < valid ? 16 : 0);
         }
     } else {
         for (int i = threadIdx.x; i < rows * D; i += FLASH_THREADS) {
@@ -82,103 +131,150 @@ __device__ __forceinline__ void flash_tile(T* __restrict__ tile, const T* __rest
     }
 }
 
-template <typename T, int D>
+__device__ __forceinline__ bool flash_rows_aligned(const void* base, long long stride_bytes) {
+    return (((unsigned long long)base | (unsigned long long)stride_bytes) & 15) == 0;
+}
+
+// The mask of keys n0 .. n0 + BN - 1 as a base-2 additive bias: log2(e) * mask, -inf for masked-out (boolean
+// false) keys and keys past the end. `rows` 1: one row for the whole block (the mask does not vary with the
+// query, or there is none); else rows block_row .. block_row + BM - 1 ([BM][BN]; rows past the queries 0).
+template <typename T>
+__device__ __forceinline__ void flash_mask_tile(float* __restrict__ dst, const void* __restrict__ mask,
+                                                const KilnFlashGeom& g, long long mrow, int block_row, int n0,
+                                                int bn, int rows) {
+    for (int i = threadIdx.x; i < rows * bn; i += FLASH_THREADS) {
+        const int r = i / bn, key = n0 + i % bn, row = block_row + r;
+        float bias = -CUDART_INF_F;
+        if (key < g.skv) {
+            const long long at = mrow + (long long)key * g.mk + (rows > 1 ? (long long)row * g.mq : 0LL);
+            if (g.mask_kind == 0 || (rows > 1 && row >= g.sq)) bias = 0.0f;
+            else if (g.mask_kind == 1) bias = kiln_f(static_cast<const T*>(mask)[at]) * FLASH_LOG2E;
+            else if (static_cast<const bool*>(mask)[at]) bias = 0.0f;
+        }
+        dst[i] = bias;
+    }
+}
+
+template <typename T, int D, bool QUANT>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                T* __restrict__ y, const void* __restrict__ mask, KilnFlashGeom g) {
-    constexpr bool TF32 = sizeof(T) == 4;
-    constexpr int KSTEP = TF32 ? 8 : 16;                 // mma k extent
-    constexpr int BN = (TF32 && D > 64) ? 32 : 64;       // keys per tile (keeps shared memory under 48 KiB)
-    constexpr int LD = D + (TF32 ? 4 : 8);               // padded row: conflict-free fragment loads
-    __shared__ __align__(16) T ks[BN * LD];
-    __shared__ __align__(16) T vs[BN * LD];
+                                void* __restrict__ y, const void* __restrict__ mask, KilnFlashGeom g,
+                                const float* __restrict__ y_scale) {
+    using Tiles = KilnFlashTiles<T, D>;
+    constexpr bool TF32 = Tiles::TF32;
+    constexpr int KSTEP = Tiles::KSTEP, BN = Tiles::BN, LD = Tiles::LD;
+    extern __shared__ __align__(128) unsigned char flash_smem[];
+    T* qs = reinterpret_cast<T*>(flash_smem);  // later the output tile
+    T* ks = qs + FLASH_BM * LD;
+    T* vs = ks + 2 * BN * LD;
+    float* biases = reinterpret_cast<float*>(vs + 2 * BN * LD);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, tig = lane & 3;           // mma fragment coordinates
     const int b = blockIdx.z, h = blockIdx.y;
     const int kvh = h / g.kv_group;
-    const int row0 = blockIdx.x * FLASH_BM + warp * 16;  // this warp's first query row
-    const T* qp = q + b * g.qb + h * g.qh;
+    const int block_row = blockIdx.x * FLASH_BM;
+    const int row0 = block_row + warp * 16;              // this warp's first query row
+    const T* qp = q + b * g.qb + h * g.qh + (long long)block_row * g.qs;
     const T* kp = k + b * g.kb + kvh * g.kh;
     const T* vp = v + b * g.vb + kvh * g.vh;
+    const bool q_vec = flash_rows_aligned(qp, g.qs * (long long)sizeof(T));
+    const bool kv_vec = flash_rows_aligned(kp, g.ks * (long long)sizeof(T)) && flash_rows_aligned(vp, g.vs * (long long)sizeof(T));
 
-    // Q fragments, loaded once: rows row0+gid and row0+gid+8
-    unsigned qa[D / KSTEP][4];
-    const int ra = row0 + gid, rb = row0 + gid + 8;
-    auto qv = [&](int r, int c) -> T { return r < g.sq ? qp[r * g.qs + c] : kiln_to<T>(0.0f); };
-#pragma unroll
-    for (int kk = 0; kk < D / KSTEP; ++kk) {
-        if constexpr (TF32) {
-            const int c = kk * 8 + tig;
-            qa[kk][0] = flash_tf32(kiln_f(qv(ra, c)));
-            qa[kk][1] = flash_tf32(kiln_f(qv(rb, c)));
-            qa[kk][2] = flash_tf32(kiln_f(qv(ra, c + 4)));
-            qa[kk][3] = flash_tf32(kiln_f(qv(rb, c + 4)));
-        } else {
-            const int c = kk * 16 + 2 * tig;
-            qa[kk][0] = flash_pack(qv(ra, c), qv(ra, c + 1));
-            qa[kk][1] = flash_pack(qv(rb, c), qv(rb, c + 1));
-            qa[kk][2] = flash_pack(qv(ra, c + 8), qv(ra, c + 9));
-            qa[kk][3] = flash_pack(qv(rb, c + 8), qv(rb, c + 9));
-        }
+    int kv_end = g.skv;
+    if (g.causal) {  // keys past the block's last row's frontier are masked for every row of the block
+        const long long last = (long long)block_row + FLASH_BM - 1 + g.causal_offset + 1;
+        kv_end = (int)max(0LL, min((long long)g.skv, last));
     }
+    const int tiles = (kv_end + BN - 1) / BN;
+    const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (see flash_mask_tile)
+    const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
 
+    auto load_tile = [&](int t) {
+        const int n0 = t * BN, valid = min(BN, g.skv - n0), stage = t & 1;
+        flash_tile<T, D, LD>(ks + stage * BN * LD, kp + n0 * g.ks, g.ks, BN, valid, kv_vec);
+        flash_tile<T, D, LD>(vs + stage * BN * LD, vp + n0 * g.vs, g.vs, BN, valid, kv_vec);
+        flash_mask_tile<T>(biases + stage * mask_rows * BN, mask, g, mrow, block_row, n0, BN, mask_rows);
+    };
+    flash_tile<T, D, LD>(qs, qp, g.qs, FLASH_BM, g.sq - block_row, q_vec);
+    if (tiles > 0) load_tile(0);
+    flash_cp_commit();
+
+    unsigned qa[D / KSTEP][4];
     float acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_a = -CUDART_INF_F, m_b = -CUDART_INF_F, l_a = 0.0f, l_b = 0.0f;
+    const int ra = row0 + gid, rb = row0 + gid + 8;
+    const float scale2 = g.scale * FLASH_LOG2E;
+    const int bias_a = mask_rows > 1 ? (warp * 16 + gid) * BN : 0, bias_b = mask_rows > 1 ? bias_a + 8 * BN : 0;
 
-    int kv_end = g.skv;
-    if (g.causal) {  // keys past the block's last row's frontier are masked for every row of the block
-        const long long last = (long long)blockIdx.x * FLASH_BM + FLASH_BM - 1 + g.causal_offset + 1;
-        kv_end = (int)max(0LL, min((long long)g.skv, last));
-    }
-    const T* madd = static_cast<const T*>(mask);
-    const bool* mbool = static_cast<const bool*>(mask);
-    const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
-
-    for (int n0 = 0; n0 < kv_end; n0 += BN) {
-        const int valid = min(BN, g.skv - n0);
-        __syncthreads();  // the previous tile is no longer read
-        flash_tile<T, D, LD>(ks, kp + n0 * g.ks, g.ks, BN, valid);
-        flash_tile<T, D, LD>(vs, vp + n0 * g.vs, g.vs, BN, valid);
+    for (int t = 0; t < tiles; ++t) {
+        if (t + 1 < tiles) {  // the stage tile t - 1 used is free (the barrier at the end of the last iteration)
+            load_tile(t + 1);
+            flash_cp_commit();
+            flash_cp_wait<1>();
+        } else {
+            flash_cp_wait<0>();
+        }
         __syncthreads();
+        const T* kt_s = ks + (t & 1) * BN * LD;
+        const T* vt_s = vs + (t & 1) * BN * LD;
+        const float* bias = biases + (t & 1) * mask_rows * BN;
+        const int n0 = t * BN;
+
+        if (t == 0) {  // this warp's Q fragments: rows row0 .. row0 + 15
+            const T* qw = qs + warp * 16 * LD;
+#pragma unroll
+            for (int kk = 0; kk < D / KSTEP; ++kk) {
+                if constexpr (TF32) {
+                    const int c = kk * 8 + tig;
+                    qa[kk][0] = flash_tf32(kiln_f(qw[gid * LD + c]));
+                    qa[kk][1] = flash_tf32(kiln_f(qw[(gid + 8) * LD + c]));
+                    qa[kk][2] = flash_tf32(kiln_f(qw[gid * LD + c + 4]));
+                    qa[kk][3] = flash_tf32(kiln_f(qw[(gid + 8) * LD + c + 4]));
+                } else {
+                    flash_ldmatrix(qa[kk], qw + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
+                }
+            }
+        }
 
         // S = Q K^T for this warp's 16 rows x BN keys
         float s[BN / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            const T* krow = ks + (nt * 8 + gid) * LD;
+        for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        if constexpr (TF32) {
 #pragma unroll
-            for (int kk = 0; kk < D / KSTEP; ++kk) {
-                unsigned bf[2];
-                if constexpr (TF32) {
-                    bf[0] = flash_tf32(kiln_f(krow[kk * 8 + tig]));
-                    bf[1] = flash_tf32(kiln_f(krow[kk * 8 + tig + 4]));
-                } else {
-                    bf[0] = *reinterpret_cast<const unsigned*>(krow + kk * 16 + 2 * tig);
-                    bf[1] = *reinterpret_cast<const unsigned*>(krow + kk * 16 + 2 * tig + 8);
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                const T* krow = kt_s + (nt * 8 + gid) * LD;
+#pragma unroll
+                for (int kk = 0; kk < D / KSTEP; ++kk) {
+                    const unsigned bf[2] = {flash_tf32(krow[kk * 8 + tig]), flash_tf32(krow[kk * 8 + tig + 4])};
+                    flash_mma(s[nt], qa[kk], bf, T());
                 }
-                flash_mma(s[nt], qa[kk], bf, T());
+            }
+        } else {
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {  // n tiles 2 np and 2 np + 1
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    unsigned bf[4];  // b0, b1 of tile 2 np; b0, b1 of tile 2 np + 1
+                    flash_ldmatrix(bf, kt_s + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+                    flash_mma(s[2 * np], qa[kk], bf, T());
+                    flash_mma(s[2 * np + 1], qa[kk], bf + 2, T());
+                }
             }
         }
 
-        // scale, mask, bounds; running max per row
+        // scale, mask, bounds (base 2); running max per row
         float tile_a = -CUDART_INF_F, tile_b = -CUDART_INF_F;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = e < 2 ? ra : rb;
-                const int key = n0 + nt * 8 + 2 * tig + (e & 1);
-                float x = s[nt][e] * g.scale;
-                if (key >= g.skv || (g.causal && key > row + g.causal_offset)) {
-                    x = -CUDART_INF_F;
-                } else if (g.mask_kind != 0 && row < g.sq) {
-                    const long long at = mrow + (long long)row * g.mq + (long long)key * g.mk;
-                    if (g.mask_kind == 1) x += kiln_f(madd[at]);
-                    else if (!mbool[at]) x = -CUDART_INF_F;
-                }
+                const int col = nt * 8 + 2 * tig + (e & 1), key = n0 + col;
+                float x = fmaf(s[nt][e], scale2, bias[(e < 2 ? bias_a : bias_b) + col]);
+                if (g.causal && key > row + g.causal_offset) x = -CUDART_INF_F;
                 s[nt][e] = x;
                 if (e < 2) tile_a = fmaxf(tile_a, x); else tile_b = fmaxf(tile_b, x);
             }
@@ -190,7 +286,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         const float new_a = fmaxf(m_a, tile_a), new_b = fmaxf(m_b, tile_b);
         const float base_a = new_a == -CUDART_INF_F ? 0.0f : new_a;  // fully masked so far: weights 0, not NaN
         const float base_b = new_b == -CUDART_INF_F ? 0.0f : new_b;
-        const float alpha_a = __expf(m_a - base_a), alpha_b = __expf(m_b - base_b);
+        const float alpha_a = flash_exp2(m_a - base_a), alpha_b = flash_exp2(m_b - base_b);
         m_a = new_a;
         m_b = new_b;
         l_a *= alpha_a;
@@ -202,8 +298,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         }
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
-            s[nt][0] = __expf(s[nt][0] - base_a); s[nt][1] = __expf(s[nt][1] - base_a);
-            s[nt][2] = __expf(s[nt][2] - base_b); s[nt][3] = __expf(s[nt][3] - base_b);
+            s[nt][0] = flash_exp2(s[nt][0] - base_a); s[nt][1] = flash_exp2(s[nt][1] - base_a);
+            s[nt][2] = flash_exp2(s[nt][2] - base_b); s[nt][3] = flash_exp2(s[nt][3] - base_b);
             l_a += s[nt][0] + s[nt][1];
             l_b += s[nt][2] + s[nt][3];
         }
@@ -216,7 +312,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
             for (int nt = 0; nt < BN / 8; ++nt) {
                 const unsigned pa[4] = {flash_tf32(s[nt][0]), flash_tf32(s[nt][2]), flash_tf32(s[nt][1]),
                                         flash_tf32(s[nt][3])};
-                const T* v0 = vs + (nt * 8 + 2 * tig) * LD;
+                const T* v0 = vt_s + (nt * 8 + 2 * tig) * LD;
 #pragma unroll
                 for (int dt = 0; dt < D / 8; ++dt) {
                     const unsigned bf[2] = {flash_tf32(v0[dt * 8 + gid]), flash_tf32(v0[LD + dt * 8 + gid])};
@@ -231,15 +327,16 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
                     flash_pack(kiln_to<T>(s[2 * kt][2]), kiln_to<T>(s[2 * kt][3])),
                     flash_pack(kiln_to<T>(s[2 * kt + 1][0]), kiln_to<T>(s[2 * kt + 1][1])),
                     flash_pack(kiln_to<T>(s[2 * kt + 1][2]), kiln_to<T>(s[2 * kt + 1][3]))};
-                const T* v0 = vs + (kt * 16 + 2 * tig) * LD;
 #pragma unroll
-                for (int dt = 0; dt < D / 8; ++dt) {
-                    const int c = dt * 8 + gid;
-                    const unsigned bf[2] = {flash_pack(v0[c], v0[LD + c]), flash_pack(v0[8 * LD + c], v0[9 * LD + c])};
-                    flash_mma(acc[dt], pa, bf, T());
+                for (int dp = 0; dp < D / 16; ++dp) {  // d tiles 2 dp and 2 dp + 1
+                    unsigned bf[4];
+                    flash_ldmatrix_trans(bf, vt_s + (kt * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dp * 16 + (lane >> 4) * 8);
+                    flash_mma(acc[2 * dp], pa, bf, T());
+                    flash_mma(acc[2 * dp + 1], pa, bf + 2, T());
                 }
             }
         }
+        __syncthreads();  // every warp is done with this stage before the next iteration refills it
     }
 
     for (int off = 1; off < 4; off <<= 1) {
@@ -247,26 +344,62 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         l_b += __shfl_xor_sync(0xffffffff, l_b, off);
     }
     const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-    T* yp = y + b * g.ob + h * g.oh;
+
+    // the warp's 16 output rows as T into its own rows of the Q tile, then whole rows out in 16-byte pieces
+    flash_cp_wait<0>();  // no tile at all (every key masked by causality): Q's copies must land first
+    __syncthreads();
+    T* ow = qs + warp * 16 * LD;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
         const int c = dt * 8 + 2 * tig;
-        if (ra < g.sq) {
-            yp[ra * g.os + c] = kiln_to<T>(acc[dt][0] * inv_a);
-            yp[ra * g.os + c + 1] = kiln_to<T>(acc[dt][1] * inv_a);
+        if constexpr (TF32) {
+            *reinterpret_cast<float2*>(ow + gid * LD + c) = make_float2(acc[dt][0] * inv_a, acc[dt][1] * inv_a);
+            *reinterpret_cast<float2*>(ow + (gid + 8) * LD + c) = make_float2(acc[dt][2] * inv_b, acc[dt][3] * inv_b);
+        } else {
+            *reinterpret_cast<unsigned*>(ow + gid * LD + c) = flash_pack(kiln_to<T>(acc[dt][0] * inv_a), kiln_to<T>(acc[dt][1] * inv_a));
+            *reinterpret_cast<unsigned*>(ow + (gid + 8) * LD + c) = flash_pack(kiln_to<T>(acc[dt][2] * inv_b), kiln_to<T>(acc[dt][3] * inv_b));
         }
-        if (rb < g.sq) {
-            yp[rb * g.os + c] = kiln_to<T>(acc[dt][2] * inv_b);
-            yp[rb * g.os + c + 1] = kiln_to<T>(acc[dt][3] * inv_b);
+    }
+    __syncwarp();
+    using Out = typename KilnFlashOut<T, QUANT>::type;
+    Out* yp = static_cast<Out*>(y) + b * g.ob + h * g.oh;
+    const float qscale = QUANT ? *y_scale : 1.0f, qrecip = 1.0f / qscale;  // IEEE: kiln_div_rn's reciprocal
+    struct alignas(16) Chunk { T v[8]; };
+    struct alignas(8) Bytes { signed char v[8]; };
+    for (int i = lane; i < 16 * (D / 8); i += 32) {
+        const int r = i / (D / 8), c = (i % (D / 8)) * 8, row = row0 + r;
+        if (row >= g.sq) continue;
+        const Chunk chunk = *reinterpret_cast<const Chunk*>(ow + r * LD + c);
+        Out* dst = yp + row * g.os + c;
+        if constexpr (QUANT) {
+            Bytes out;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out.v[e] = kiln_quantize_s8(kiln_f(chunk.v[e]), qscale, qrecip);
+            if (((unsigned long long)dst & 7) == 0) {
+                *reinterpret_cast<Bytes*>(dst) = out;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dst[e] = out.v[e];
+            }
+        } else if (kiln_aligned16(dst)) {
+            *reinterpret_cast<Chunk*>(dst) = chunk;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dst[e] = chunk.v[e];
         }
     }
 }
 
-#define KILN_FLASH(T, SUFFIX, D)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                     \
-        flash_attention_##D##_##SUFFIX(const T* q, const T* k, const T* v, T* y, const void* mask,   \
-                                       KilnFlashGeom g) {                                           \
-        flash_attention<T, D>(q, k, v, y, mask, g);                                                  \
+#define KILN_FLASH(T, SUFFIX, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                           \
+        flash_attention_##D##_##SUFFIX(const T* q, const T* k, const T* v, T* y, const void* mask,           \
+                                       KilnFlashGeom g) {                                                   \
+        flash_attention<T, D, false>(q, k, v, y, mask, g, nullptr);                                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                           \
+        flash_attention_q_##D##_##SUFFIX(const T* q, const T* k, const T* v, signed char* y,                 \
+                                         const void* mask, KilnFlashGeom g, const float* y_scale) {         \
+        flash_attention<T, D, true>(q, k, v, y, mask, g, y_scale);                                           \
     }
 
 KILN_FLASH(__half, f16, 32)

@@ -17,6 +17,8 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
   saturate, zero point 0).
 * ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
   node's inputs one to one, one output), evaluated element by element.
+* ``SkipLayerNorm(x, skip, gamma, beta?, y_scale?, y_zero?)``, ``AttentionQuantize(q, k, v, mask?, y_scale,
+  y_zero?)``: a residual Add + LayerNorm (optionally also quantized), an Attention whose output is quantized.
 """
 
 from __future__ import annotations
@@ -381,3 +383,29 @@ register_op("SkipLayerNorm", infer=_skip_layer_norm_infer, cpu=_skip_layer_norm_
             doc="LayerNormalization(x + skip) (attributes axis, epsilon, stash_type): a residual Add and the "
                 "LayerNorm reading it, in one kernel; inputs 4, 5 (y_scale, y_zero) add output 1, the result "
                 "quantized to int8 (QuantizeLinear)")
+
+
+# -- AttentionQuantize: an Attention and the QuantizeLinear of its output (passes/fuse_attention_quantize.py) ---
+
+
+def _attention_quantize_infer(node: Node, q: TensorInfo, k: TensorInfo, v: TensorInfo, attn_mask: TensorInfo | None,
+                              y_scale: TensorInfo, y_zero: TensorInfo | None = None) -> TensorInfo:
+    """Attention's output Y (no past keys) as int8."""
+    if (y_scale.shape is not None and int(np.prod(y_scale.shape)) != 1) or (y_zero is not None and y_zero.dtype != INT8):
+        raise ShapeInferenceError(f"{node}: the quantized output takes one scale and an int8 zero point")
+    return TensorInfo(INT8, get_op("Attention").infer(node, q, k, v, attn_mask)[0].shape)
+
+
+def _attention_quantize_cpu(node: Node, q: np.ndarray, k: np.ndarray, v: np.ndarray, attn_mask: np.ndarray | None,
+                            y_scale: np.ndarray, y_zero: np.ndarray | None = None) -> np.ndarray:
+    """QuantizeLinear(Attention(q, k, v, mask)) by the two ops' own code: Y in q's type, then int8."""
+    from engine_core.ops.quantization import quantize
+
+    y = get_op("Attention").cpu(node, q, k, v, attn_mask)[0]
+    return quantize(y, y_scale.reshape(()), None if y_zero is None else y_zero.reshape(()), INT8)
+
+
+register_op("AttentionQuantize", infer=_attention_quantize_infer, cpu=_attention_quantize_cpu, domain=DOMAIN,
+            doc="QuantizeLinear(Attention(q, k, v, attn_mask), y_scale, y_zero) to int8 (Attention's attributes, "
+                "no past keys; one scale, zero point 0): the attention kernel writes the int8 tensor the next "
+                "QMatMul reads instead of a float one a QuantizeLinear reads back")

@@ -6,6 +6,7 @@ from engine_core.passes.eliminate_transposes import eliminate_transposes
 from engine_core.passes.fold_attention_heads import fold_attention_heads
 from engine_core.passes.fold_conv_batchnorm import fold_conv_batchnorm
 from engine_core.passes.fuse_attention import fuse_attention
+from engine_core.passes.fuse_attention_quantize import fuse_attention_quantize
 from engine_core.passes.fuse_conv_epilogue import fuse_conv_epilogue
 from engine_core.passes.fuse_gelu import fuse_gelu
 from engine_core.passes.fuse_layer_norm import fuse_layer_norm
@@ -27,15 +28,15 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: eliminate_transposes merges them; fold_attention_heads then drops the head split/merge copies around each
 #: Attention (3-D form) before eliminate_transposes or the epilogue fusions touch those Reshapes and
 #: Transposes; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
-#: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize after the Q/DQ
-#: fusions, which leave the QuantizeLinears it folds.
+#: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize and
+#: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
-                 fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize, fuse_matmul_epilogue,
-                 fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+                 fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize, fuse_attention_quantize,
+                 fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
 __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
-           "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_conv_epilogue",
-           "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_norm_quantize",
+           "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
+           "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_norm_quantize",
            "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes"]

@@ -16,26 +16,9 @@ absorbs the DequantizeLinears after them).
 
 from __future__ import annotations
 
-import numpy as np
-
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import DOMAIN
-from engine_core.passes.pattern import Uses, fuse_matches, is_op
-from engine_core.types import onnx_to_np
-
-INT8 = np.dtype(np.int8)
-
-
-def _int8_per_tensor(graph: Graph, q: Node) -> bool:
-    """One constant scale, an int8 result, zero point 0 or none, no ``precision`` override."""
-    scale = graph.constants.get(q.inputs[1]) if len(q.inputs) > 1 else None
-    if not isinstance(scale, np.ndarray) or scale.size != 1 or scale.dtype != np.float32 or q.attr("precision", 0):
-        return False
-    zero = graph.constants.get(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] else None
-    if zero is not None:
-        return isinstance(zero, np.ndarray) and zero.dtype == INT8 and zero.size == 1 and not zero.any()
-    declared = q.attr("output_dtype", 0)
-    return bool(declared) and onnx_to_np(declared) == INT8
+from engine_core.passes.pattern import Uses, fuse_matches, int8_per_tensor, is_op
 
 
 def fuse_norm_quantize(graph: Graph) -> int:
@@ -46,7 +29,7 @@ def fuse_norm_quantize(graph: Graph) -> int:
         if any(norm.outputs[1:]) or len(norm.inputs) > 4:
             return None
         q = next((r for r in uses.consumers.get(norm.outputs[0], [])
-                  if is_op(r, "QuantizeLinear") and r.inputs[0] == norm.outputs[0] and _int8_per_tensor(graph, r)), None)
+                  if is_op(r, "QuantizeLinear") and r.inputs[0] == norm.outputs[0] and int8_per_tensor(graph, r)), None)
         if q is None:
             return None
         zero = q.inputs[2] if len(q.inputs) > 2 else ""

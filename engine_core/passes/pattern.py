@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
+from engine_core.types import onnx_to_np
 
 
 class Uses:
@@ -147,3 +148,16 @@ def known_rank(graph: Graph, uses: Uses, name: str, depth: int = 4) -> int | Non
         if len(tensors) == 1:
             return known_rank(graph, uses, tensors[0], depth - 1)
     return None
+
+
+def int8_per_tensor(graph: Graph, q: Node) -> bool:
+    """A QuantizeLinear a kernel can do in its epilogue: one constant fp32 scale, an int8 result, zero point 0
+    or none, no ``precision`` override."""
+    scale = graph.constants.get(q.inputs[1]) if len(q.inputs) > 1 else None
+    if not isinstance(scale, np.ndarray) or scale.size != 1 or scale.dtype != np.float32 or q.attr("precision", 0):
+        return False
+    zero = graph.constants.get(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] else None
+    if zero is not None:
+        return isinstance(zero, np.ndarray) and zero.dtype == np.int8 and zero.size == 1 and not zero.any()
+    declared = q.attr("output_dtype", 0)
+    return bool(declared) and np.dtype(onnx_to_np(declared)) == np.int8

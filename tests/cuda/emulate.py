@@ -227,8 +227,9 @@ class Emulator:
         self.view(y, dt, (g.n, g.c, g.oh, g.ow), list(g.ys))[...] = out[:, :, : g.oh, : g.ow]
 
     def _flash_attention(self, name: str, args: list, grid) -> None:
-        """softmax(scale Q K^T + mask) V per (batch, head) through the launch's strides; TF32 operands as fp32."""
-        q, k, v, y, mask, g = args
+        """softmax(scale Q K^T + mask) V per (batch, head) through the launch's strides; TF32 operands as fp32.
+        flash_attention_q_*: Y rounded to the storage type, then quantized to int8 by the scale argument."""
+        q, k, v, y, mask, g, *y_scale = args
         _, dim, suffix = name.rsplit("_", 2)
         dt, d = (np.dtype(np.float32) if suffix == "tf32" else _SUFFIX[suffix]), int(dim)
         batch, heads, sq, skv = grid[2], g.heads, g.sq, g.skv
@@ -248,7 +249,11 @@ class Emulator:
         e = np.exp(s - np.where(np.isneginf(top), 0, top))
         total = e.sum(-1, keepdims=True)
         p = e / np.where(total > 0, total, 1)
-        self.view(y, dt, (batch, heads, sq, d), (g.ob, g.oh, g.os, 1))[...] = np.einsum("bhqk,bhkd->bhqd", p, vv)
+        out = np.einsum("bhqk,bhkd->bhqd", p, vv)
+        if y_scale:
+            scale = self.view(y_scale[0], np.dtype(np.float32), (1,), (1,))[0]
+            out, dt = _saturate_int8(out.astype(dt).astype(np.float32) / scale), np.dtype(np.int8)
+        self.view(y, dt, (batch, heads, sq, d), (g.ob, g.oh, g.os, 1))[...] = out
 
     def _row_kernel(self, name: str, args: list, rows: int) -> None:
         kind, suffix = name.rsplit("_", 1)

@@ -121,8 +121,8 @@ def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32
                     dtype: int = TensorProto.FLOAT16, kv_heads: int | None = None, three_d: bool = False,
                     mask: str = "add", kv_seq: int | None = None) -> onnx.ModelProto:
     """ONNX Attention (opset 23): 4-D Q/K/V [B, H, S, D] or the 3-D form [B, S, H*D] with head counts
-    (``kv_heads`` < ``heads``: grouped-query); ``mask`` "add" (same type, [B, 1, Sq, Skv]), "bool" ([Sq, Skv])
-    or "" (none)."""
+    (``kv_heads`` < ``heads``: grouped-query); ``mask`` "add" (same type, [B, 1, Sq, Skv]), "row" (same type,
+    [B, 1, 1, Skv]: BERT's padding mask), "bool" ([Sq, Skv]) or "" (none)."""
     kv_heads, kv_seq = kv_heads or heads, kv_seq or seq
     if three_d:
         q_shape, kv_shape = [batch, seq, heads * dim], [batch, kv_seq, kv_heads * dim]
@@ -132,7 +132,7 @@ def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32
     inputs = [vi("q", dtype, q_shape), vi("k", dtype, kv_shape), vi("v", dtype, kv_shape)]
     if mask:
         inputs.append(vi("mask", TensorProto.BOOL, [seq, kv_seq]) if mask == "bool"
-                      else vi("mask", dtype, [batch, 1, seq, kv_seq]))
+                      else vi("mask", dtype, [batch, 1, 1 if mask == "row" else seq, kv_seq]))
     node = helper.make_node("Attention", [i.name for i in inputs], ["y"], is_causal=causal, name="attention", **attrs)
     graph = helper.make_graph([node], "attn", inputs, [vi("y", dtype, q_shape)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])

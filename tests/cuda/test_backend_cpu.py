@@ -292,6 +292,7 @@ def test_resnet50_qdq_in_float_runs_each_fake_quantization_as_one_kernel(tmp_pat
     (dict(dtype=onnx.TensorProto.FLOAT, three_d=True, heads=4, kv_heads=2, seq=70), {"tf32": True},
      "kernel:flash_attention"),
     (dict(three_d=True, dim=128, causal=1, mask=""), {}, "kernel:flash_attention"),
+    (dict(three_d=True, dim=64, mask="row"), {}, "kernel:flash_attention"),
     (dict(dtype=onnx.TensorProto.FLOAT, causal=1), {}, "gemm:cublas"),          # fp32 without TF32: no flash
     (dict(dtype=onnx.TensorProto.FLOAT, three_d=True), {}, "gemm:cublas"),      # ... the 3-D form through copies
     (dict(dim=48), {}, "gemm:cublas"),                                          # no kernel for this head size

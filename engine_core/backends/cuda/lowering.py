@@ -697,24 +697,33 @@ def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
         add = launch_program(kernel, total, [Ref(x), Ref(skip)], out.shape, contiguous_strides(out.shape), strides)
         steps = [add, _norm_launch("layer_norm", "layer_norm", suffix, rows, cols, [total], node, 2)]
     if quantized and not in_kernel:  # wide or broadcast rows: the unfused QuantizeLinear after the norm
-        scale = node.inputs[4]
-        kernel = ctx.kernel(program_kernel([PwNode.make("QuantizeLinear", [0, 1, -1], INT8)], INT8,
-                                           [out.dtype, ctx.info(scale).dtype]))
-        y = contiguous_strides(out.shape)
-        steps.append(launch_program(kernel, Ref(node.outputs[1]), [Ref(node.outputs[0]), Ref(scale)], out.shape, y,
-                                    [y, (0,) * len(out.shape)]))
+        steps.append(_quantize_launch(ctx, node.outputs[0], node.inputs[4], node.outputs[1]))
     return steps
 
 
+def _quantize_launch(ctx: _Context, x: str, scale: str, y: str) -> Launch:
+    """The generated QuantizeLinear of contiguous ``x`` to int8 ``y`` by one scale (zero point 0): what a fused
+    layer that quantizes its output runs when its kernel cannot do it in registers."""
+    shape = ctx.info(x).shape
+    kernel = ctx.kernel(program_kernel([PwNode.make("QuantizeLinear", [0, 1, -1], INT8)], INT8,
+                                       [ctx.info(x).dtype, ctx.info(scale).dtype]))
+    strides = contiguous_strides(shape)
+    return launch_program(kernel, Ref(y), [Ref(x), Ref(scale)], shape, strides, [strides, (0,) * len(shape)])
+
+
+def _check_int8_output(ctx: _Context, scale: str, zero: str, what: str) -> None:
+    """A fused layer's int8 output takes a float32 scale and a zero point that is a constant 0 (or none)."""
+    value = ctx.info(zero).value if zero else np.zeros((), np.int8)
+    if value is None or np.any(value) or ctx.info(scale).dtype != np.float32:
+        raise Unsupported(f"{what} quantizing with a zero point other than a constant 0 or a non-fp32 scale")
+
+
 def _norm_quantized_output(node: Node, ctx: _Context) -> bool:
-    """Whether a SkipLayerNorm also writes its output quantized (output 1: a float32 scale, zero point 0);
-    raises Unsupported for a zero point that is not a constant 0."""
+    """Whether a SkipLayerNorm also writes its output quantized (output 1); raises Unsupported for a zero point
+    that is not a constant 0."""
     if len(node.outputs) < 2 or not node.outputs[1]:
         return False
-    zero = node.inputs[5] if len(node.inputs) > 5 else ""
-    value = ctx.info(zero).value if zero else np.zeros((), np.int8)
-    if value is None or np.any(value) or ctx.info(node.inputs[4]).dtype != np.float32:
-        raise Unsupported("SkipLayerNorm quantizing with a zero point other than a constant 0 or a non-fp32 scale")
+    _check_int8_output(ctx, node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else "", "SkipLayerNorm")
     return True
 
 
@@ -960,6 +969,16 @@ FLASH_HEAD_DIMS = (32, 64, 128)
 FLASH_ROWS, FLASH_THREADS = 64, 128
 
 
+def flash_shared_bytes(d: int, suffix: str, full_mask: bool) -> int:
+    """Dynamic shared memory of one flash_attention block (``KilnFlashTiles``): Q, a two-stage K/V ring with
+    padded rows, and the staged mask biases (one row per stage, or one per query row for a ``full_mask``, one
+    that varies with the query)."""
+    tf32 = suffix == "tf32"
+    keys = 32 if tf32 and d > 64 else 64
+    row = d + (4 if tf32 else 8)
+    return (FLASH_ROWS + 4 * keys) * row * (4 if tf32 else 2) + 2 * (FLASH_ROWS if full_mask else 1) * keys * 4
+
+
 def _heads_view(ctx: _Context, name: str, heads: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, element strides) of an Attention operand as [batch, heads, seq, head_dim]: the 4-D form as it
     is, the 3-D form [batch, seq, heads * head_dim] split by its head count (no copy)."""
@@ -980,13 +999,18 @@ def _flash_suffix(dtype: np.dtype, ctx: _Context) -> str | None:
 
 
 def _lower_attention(node: Node, ctx: _Context) -> list:
-    """ONNX Attention without past keys: Y = softmax(scale Q K^T + mask) V, 3-D or 4-D operands.
+    """ONNX Attention without past keys: Y = softmax(scale Q K^T + mask) V, 3-D or 4-D operands; or
+    ``kiln.AttentionQuantize``, the same with Y quantized to int8 (inputs 4, 5: its scale and zero point).
 
     One fused flash_attention launch (Q/K/V/Y through strides: the 3-D form needs no head transposes,
-    scores stay on chip) when the type and head size allow; otherwise two batched GEMMs around the
-    attention softmax kernel with the scores in a step-local scratch buffer.
+    scores stay on chip; flash_attention_q_* writes the int8 Y) when the type and head size allow;
+    otherwise two batched GEMMs around the attention softmax kernel with the scores in a step-local scratch
+    buffer (and for AttentionQuantize, Y in another, then the generated QuantizeLinear).
     """
-    if len(node.inputs) > 4 and any(node.inputs[4:]) or any(node.outputs[1:]):
+    quantized = node.op_type == "AttentionQuantize"
+    if quantized:
+        _check_int8_output(ctx, node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else "", "AttentionQuantize")
+    elif len(node.inputs) > 4 and any(node.inputs[4:]) or any(node.outputs[1:]):
         raise Unsupported("Attention with past key/value or extra outputs")
     dtype = _gemm_dtype([ctx.info(n).dtype for n in node.inputs[:3]], "Attention")
     if node.attr("softcap", 0.0) or node.attr("qk_matmul_output_mode", 0) or node.attr("softmax_precision", None):
@@ -1020,8 +1044,16 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
                       causal, 0, mask_kind, scale)
         args = [*[(Ref(n), ctypes.c_void_p) for n in (*node.inputs[:3], node.outputs[0])],
                 (Ref(mask) if mask else 0, ctypes.c_void_p), (g, FlashGeom)]
-        return [Launch("flash_attention", f"flash_attention_{d}_{suffix}", (-(-sq // FLASH_ROWS), heads, batch),
-                       (FLASH_THREADS, 1, 1), args)]
+        if quantized:
+            args.append((Ref(node.inputs[4]), ctypes.c_void_p))
+        name = f"flash_attention_{'q_' if quantized else ''}{d}_{suffix}"
+        full_mask = bool(mask_kind) and g.mq != 0
+        return [Launch("flash_attention", name, (-(-sq // FLASH_ROWS), heads, batch), (FLASH_THREADS, 1, 1), args,
+                       shared_bytes=flash_shared_bytes(d, suffix, full_mask))]
+    if quantized:  # the float attention into step-local scratch, then QuantizeLinear
+        y = ctx.new_scratch(f"{node.name}#y", dtype, tuple(ctx.info(node.outputs[0]).shape))
+        attention = Node("Attention", node.inputs[:4], [y.tensor], dict(node.attrs), node.name, "", node.opset, [])
+        return [*_lower_attention(attention, ctx), _quantize_launch(ctx, y.tensor, node.inputs[4], node.outputs[0])]
     if k_heads != heads:
         raise Unsupported("grouped-query Attention outside the flash kernel")
     return _unfused_attention(node, ctx, dtype, (batch, heads, sq, skv, d, dv), (q_st, k_st, v_st, y_st), scale,
@@ -1164,13 +1196,15 @@ _LOWER = {
     "SkipLayerNorm": _lower_skip_layer_norm,
     "RMSNormalization": _lower_norm, "ReduceMean": _lower_reduce, "ReduceSum": _lower_reduce,
     "ReduceMax": _lower_reduce, "ReduceMin": _lower_reduce, "MatMul": _lower_matmul, "Gemm": _lower_gemm,
-    "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "Conv": _lower_conv,
+    "FusedMatMul": _lower_fused_matmul, "Attention": _lower_attention, "AttentionQuantize": _lower_attention,
+    "Conv": _lower_conv,
     "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
     "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
     "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
     "QMatMul": _lower_qmatmul, "QConv": _lower_qconv,
 }
-_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm"})
+_KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm",
+                       "AttentionQuantize"})
 
 
 def _tactic(node: Node, ops: list) -> str:
@@ -1186,8 +1220,9 @@ def _tactic(node: Node, ops: list) -> str:
     if node.op_type == "QConv" and ops:
         gemm = next(o for o in ops if hasattr(o, "acc_dtype"))  # the Int8Gemm step
         return f"conv:{gemm.tactic}" + ("" if gemm.tactic.endswith("requant") else "_im2col")
-    if node.op_type == "Attention":
-        return "kernel:flash_attention"
+    if node.op_type in ("Attention", "AttentionQuantize"):
+        launch = next((o for o in ops if isinstance(o, Launch) and o.module == "flash_attention"), None)
+        return f"kernel:{launch.function.rsplit('_', 2)[0]}" if launch else "kernel:attention_softmax"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
                                                          "DequantizeLinear"):
         launch = next((o for o in ops if isinstance(o, Launch)), None)
