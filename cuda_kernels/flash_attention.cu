@@ -136,22 +136,28 @@ __device__ __forceinline__ bool flash_rows_aligned(const void* base, long long s
 }
 
 // The mask of keys n0 .. n0 + BN - 1 as a base-2 additive bias: log2(e) * mask, -inf for masked-out (boolean
-// false) keys and keys past the end. `rows` 1: one row for the whole block (the mask does not vary with the
-// query, or there is none); else rows block_row .. block_row + BM - 1 ([BM][BN]; rows past the queries 0).
-template <typename T>
+// false) keys and keys past the end. ROWS 1: one row for the whole block (the mask does not vary with the
+// query, or there is none); FLASH_BM: rows block_row .. block_row + BM - 1 ([BM][BN]; rows past the queries 0).
+// A thread keeps one key and walks rows: consecutive threads read consecutive keys, no index division.
+template <typename T, int BN, int ROWS>
 __device__ __forceinline__ void flash_mask_tile(float* __restrict__ dst, const void* __restrict__ mask,
-                                                const KilnFlashGeom& g, long long mrow, int block_row, int n0,
-                                                int bn, int rows) {
-    for (int i = threadIdx.x; i < rows * bn; i += FLASH_THREADS) {
-        const int r = i / bn, key = n0 + i % bn, row = block_row + r;
-        float bias = -CUDART_INF_F;
-        if (key < g.skv) {
-            const long long at = mrow + (long long)key * g.mk + (rows > 1 ? (long long)row * g.mq : 0LL);
-            if (g.mask_kind == 0 || (rows > 1 && row >= g.sq)) bias = 0.0f;
-            else if (g.mask_kind == 1) bias = kiln_f(static_cast<const T*>(mask)[at]) * FLASH_LOG2E;
-            else if (static_cast<const bool*>(mask)[at]) bias = 0.0f;
-        }
-        dst[i] = bias;
+                                                const KilnFlashGeom& g, long long mrow, int block_row, int n0) {
+    static_assert(FLASH_THREADS % BN == 0, "a thread keeps one key");
+    constexpr int STEP = FLASH_THREADS / BN;
+    const int col = threadIdx.x % BN, key = n0 + col;
+    const T* madd = static_cast<const T*>(mask) + mrow + (long long)key * g.mk;
+    const bool* mbool = static_cast<const bool*>(mask) + mrow + (long long)key * g.mk;
+    const long long row_step = ROWS > 1 ? g.mq : 0;
+#pragma unroll 8
+    for (int r = threadIdx.x / BN; r < ROWS; r += STEP) {
+        const int row = block_row + r;
+        const long long at = (long long)(ROWS > 1 ? row : 0) * row_step;
+        float bias = 0.0f;
+        if (key >= g.skv) bias = -CUDART_INF_F;
+        else if (g.mask_kind == 0 || (ROWS > 1 && row >= g.sq)) bias = 0.0f;
+        else if (g.mask_kind == 1) bias = kiln_f(madd[at]) * FLASH_LOG2E;
+        else if (!mbool[at]) bias = -CUDART_INF_F;
+        dst[r * BN + col] = bias;
     }
 }
 
@@ -193,7 +199,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         const int n0 = t * BN, valid = min(BN, g.skv - n0), stage = t & 1;
         flash_tile<T, D, LD>(ks + stage * BN * LD, kp + n0 * g.ks, g.ks, BN, valid, kv_vec);
         flash_tile<T, D, LD>(vs + stage * BN * LD, vp + n0 * g.vs, g.vs, BN, valid, kv_vec);
-        flash_mask_tile<T>(biases + stage * mask_rows * BN, mask, g, mrow, block_row, n0, BN, mask_rows);
+        if (mask_rows > 1) flash_mask_tile<T, BN, FLASH_BM>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
+        else flash_mask_tile<T, BN, 1>(biases + stage * BN, mask, g, mrow, block_row, n0);
     };
     flash_tile<T, D, LD>(qs, qp, g.qs, FLASH_BM, g.sq - block_row, q_vec);
     if (tiles > 0) load_tile(0);
@@ -269,11 +276,14 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         float tile_a = -CUDART_INF_F, tile_b = -CUDART_INF_F;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
+            const float2 pair_a = *reinterpret_cast<const float2*>(bias + bias_a + nt * 8 + 2 * tig);
+            const float2 pair_b = *reinterpret_cast<const float2*>(bias + bias_b + nt * 8 + 2 * tig);
+            const float biased[4] = {pair_a.x, pair_a.y, pair_b.x, pair_b.y};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = e < 2 ? ra : rb;
-                const int col = nt * 8 + 2 * tig + (e & 1), key = n0 + col;
-                float x = fmaf(s[nt][e], scale2, bias[(e < 2 ? bias_a : bias_b) + col]);
+                const int key = n0 + nt * 8 + 2 * tig + (e & 1);
+                float x = fmaf(s[nt][e], scale2, biased[e]);
                 if (g.causal && key > row + g.causal_offset) x = -CUDART_INF_F;
                 s[nt][e] = x;
                 if (e < 2) tile_a = fmaxf(tile_a, x); else tile_b = fmaxf(tile_b, x);
@@ -390,24 +400,26 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     }
 }
 
-#define KILN_FLASH(T, SUFFIX, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                           \
+// MIN_BLOCKS: blocks per SM the register budget must allow (4 for D <= 64: 128 registers, a few spilled bytes;
+// short sequences are latency-bound, so more resident blocks beat a few more registers)
+#define KILN_FLASH(T, SUFFIX, D, MIN_BLOCKS)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, MIN_BLOCKS)                                 \
         flash_attention_##D##_##SUFFIX(const T* q, const T* k, const T* v, T* y, const void* mask,           \
                                        KilnFlashGeom g) {                                                   \
         flash_attention<T, D, false>(q, k, v, y, mask, g, nullptr);                                          \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                           \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, MIN_BLOCKS)                                 \
         flash_attention_q_##D##_##SUFFIX(const T* q, const T* k, const T* v, signed char* y,                 \
                                          const void* mask, KilnFlashGeom g, const float* y_scale) {         \
         flash_attention<T, D, true>(q, k, v, y, mask, g, y_scale);                                           \
     }
 
-KILN_FLASH(__half, f16, 32)
-KILN_FLASH(__half, f16, 64)
-KILN_FLASH(__half, f16, 128)
-KILN_FLASH(__nv_bfloat16, bf16, 32)
-KILN_FLASH(__nv_bfloat16, bf16, 64)
-KILN_FLASH(__nv_bfloat16, bf16, 128)
-KILN_FLASH(float, tf32, 32)
-KILN_FLASH(float, tf32, 64)
-KILN_FLASH(float, tf32, 128)
+KILN_FLASH(__half, f16, 32, 4)
+KILN_FLASH(__half, f16, 64, 4)
+KILN_FLASH(__half, f16, 128, 3)
+KILN_FLASH(__nv_bfloat16, bf16, 32, 4)
+KILN_FLASH(__nv_bfloat16, bf16, 64, 4)
+KILN_FLASH(__nv_bfloat16, bf16, 128, 3)
+KILN_FLASH(float, tf32, 32, 3)
+KILN_FLASH(float, tf32, 64, 3)
+KILN_FLASH(float, tf32, 128, 2)

@@ -18,6 +18,7 @@ from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
 from engine_core.passes.fuse_rms_norm import fuse_rms_norm
 from engine_core.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
+from engine_core.passes.narrow_attention_mask import narrow_attention_mask
 from engine_core.passes.shape_inference import infer_shapes
 
 #: Folding passes, run before the precision pass (builder.build_plan).
@@ -27,16 +28,18 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
 #: eliminate_transposes merges them; fold_attention_heads then drops the head split/merge copies around each
 #: Attention (3-D form) before eliminate_transposes or the epilogue fusions touch those Reshapes and
-#: Transposes; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
+#: Transposes; narrow_attention_mask must see the mask's elementwise ops before fuse_pointwise_chain merges
+#: them; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
 #: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize and
 #: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
-                 fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize, fuse_attention_quantize,
-                 fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+                 narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
+                 fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
 __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
-           "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue", "fuse_norm_quantize",
-           "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes"]
+           "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
+           "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm",
+           "fuse_skip_layer_norm", "infer_shapes", "narrow_attention_mask"]

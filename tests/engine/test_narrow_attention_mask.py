@@ -1,0 +1,99 @@
+"""narrow_attention_mask: the Hugging Face padding mask, expanded to [batch, 1, queries, keys] then inverted, is
+computed on the [batch, 1, 1, keys] tensor instead (same outputs); Expands that change the key dim, and masks whose
+intermediates something else reads, stay; after the whole pipeline the flash kernel gets one bias row per key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from engine_core.backends.cpu import GraphRunner
+from engine_core.passes import narrow_attention_mask
+from tests.engine.util import parsed_graph
+
+HEADS, DIM = 2, 32
+
+
+def _model(key_dim_of_mask: str = "S", extra_output: str = ""):
+    """Attention(q, k, v, mask) with mask = Where(Cast(1 - e, bool), -65504, 1 - e), e = Cast(Expand(
+    attention_mask[:, None, None, :], [B, 1, S, S]), float): _prepare_4d_attention_mask as torch.onnx exports it.
+    ``key_dim_of_mask`` "1": the padding mask reduced to [B, 1] first (the Expand then widens the key dim)."""
+    n = helper.make_node
+    nodes = [n("Shape", ["attention_mask"], ["shape"]),
+             n("Gather", ["shape", "zero"], ["b"], axis=0), n("Gather", ["shape", "one"], ["s"], axis=0),
+             n("Unsqueeze", ["b", "axis0"], ["b1"]), n("Unsqueeze", ["s", "axis0"], ["s1"]),
+             n("Concat", ["b1", "ones", "s1", "s1"], ["target"], axis=0)]
+    if key_dim_of_mask == "1":
+        nodes.append(n("ReduceMin", ["attention_mask", "axis1"], ["padding"], keepdims=1))
+        source = "padding"
+    else:
+        source = "attention_mask"
+    nodes += [n("Unsqueeze", [source, "axes12"], ["m4"]), n("Expand", ["m4", "target"], ["e"]),
+              n("Cast", ["e"], ["f"], to=TensorProto.FLOAT), n("Sub", ["one_f", "f"], ["inverted"]),
+              n("Cast", ["inverted"], ["masked"], to=TensorProto.BOOL),
+              n("Where", ["masked", "lowest", "inverted"], ["mask"]),
+              n("Attention", ["q", "k", "v", "mask"], ["y"], name="attention")]
+    inits = {"zero": np.array(0, np.int64), "one": np.array(1, np.int64), "axis0": np.array([0], np.int64),
+             "axis1": np.array([1], np.int64), "ones": np.array([1], np.int64), "axes12": np.array([1, 2], np.int64),
+             "one_f": np.array(1.0, np.float32), "lowest": np.array(-65504.0, np.float32)}
+    qkv = ["B", HEADS, "S", DIM]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, qkv) for name in "qkv"]
+    inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"]))
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", extra_output) if name]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    return model
+
+
+def _feeds(batch: int = 2, seq: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(4)
+    feeds = {name: rng.standard_normal((batch, HEADS, seq, DIM)).astype(np.float32) for name in "qkv"}
+    feeds["attention_mask"] = np.ones((batch, seq), np.int64)
+    feeds["attention_mask"][1, seq - 3:] = 0  # the second sequence ends in padding
+    return feeds
+
+
+def test_the_expanded_padding_mask_is_computed_unexpanded():
+    model, feeds = _model(), _feeds()
+    graph = parsed_graph(model)
+    want = GraphRunner(parsed_graph(model)).run(feeds)
+    assert narrow_attention_mask(graph) == 1
+    cast = next(node for node in graph.nodes if node.op_type == "Cast" and node.outputs == ["f"])
+    assert cast.inputs == ["m4"]  # the Expand's input: [B, 1, 1, S]
+    got = GraphRunner(graph).run(feeds)
+    np.testing.assert_array_equal(got["y"], want["y"])
+    assert narrow_attention_mask(graph) == 0  # nothing left to narrow
+
+
+@pytest.mark.parametrize("case", [dict(key_dim_of_mask="1"), dict(extra_output="inverted")],
+                         ids=["expand-widens-the-key-dim", "intermediate-read-elsewhere"])
+def test_what_must_stay_expanded_stays(case):
+    graph = parsed_graph(_model(**case))
+    assert narrow_attention_mask(graph) == 0
+    cast = next(node for node in graph.nodes if node.op_type == "Cast" and node.outputs == ["f"])
+    assert cast.inputs == ["e"]
+
+
+def test_after_the_pipeline_the_flash_kernel_stages_one_bias_row_per_key_tile():
+    from engine_core.backends.cuda.lowering import flash_shared_bytes
+    from tests.cuda.emulate import Emulator
+    from tests.cuda.models import lowered_at, optimized_graph
+
+    feeds = _feeds(2, 40)
+    graph = optimized_graph(_model(), feeds)
+    assert "Expand" not in [node.op_type for node in graph.nodes]
+    lowered = lowered_at(graph, feeds, _tf32())
+    (step,) = [s for s in lowered.steps if s.node.op_type == "Attention"]
+    (launch,) = step.ops
+    assert launch.function == "flash_attention_32_tf32"
+    np.testing.assert_allclose(Emulator(graph, lowered, feeds).run()["y"], GraphRunner(graph).run(feeds)["y"],
+                               rtol=1e-4, atol=1e-4)
+    assert launch.args[5][0].mq == 0 and launch.shared_bytes == flash_shared_bytes(32, "tf32", False)
+
+
+def _tf32():
+    from engine_core.backends.cuda.lowering import LoweringOptions
+
+    return LoweringOptions(tf32=True)
