@@ -46,8 +46,9 @@ template <typename T, int D> struct KilnFlashTiles {
     static constexpr int KSTEP = TF32 ? 8 : 16;            // mma k extent
     static constexpr int BN = (TF32 && D > 64) ? 32 : 64;  // keys per tile
     static constexpr int LD = D + (TF32 ? 4 : 8);
-    // Q [BM][LD], K [2][BN][LD], V [2][BN][LD], then the staged mask biases: [2][BN] floats for a mask that
-    // is the same for every query row (or none), [2][BM][BN] for one that is not
+    // Q [BM][LD], K [2][BN][LD], V [2][BN][LD], then the staged mask: [2][BN] float biases for a mask that
+    // is the same for every query row (or none); for one that is not, [2][BM] rows of BN * 4 + 16 bytes: the raw
+    // mask tile (BN elements and 16 bytes of padding a row) or [2][BM][BN] float biases (flash_mask_tile)
     static constexpr int ELEMS = (FLASH_BM + 4 * BN) * LD;
 };
 
@@ -161,6 +162,21 @@ __device__ __forceinline__ void flash_mask_tile(float* __restrict__ dst, const v
     }
 }
 
+// The raw mask of rows block_row .. + BM - 1, keys n0 .. n0 + BN - 1 (M: T for an additive mask, bool) by
+// cp.async with the K/V tile: rows of BN elements padded by 16 bytes (conflict-free pair reads), zeros past the
+// queries and keys. Needs contiguous keys and 16-byte aligned rows. Why: a mask that varies per query row is
+// as many loads as a K tile; as synchronous loads every tile waited on them (BERT's exported mask: 146 us).
+template <typename M, int BN>
+__device__ __forceinline__ void flash_mask_raw(unsigned char* __restrict__ dst, const M* __restrict__ src,
+                                               long long mq, int rows_valid, int keys_valid) {
+    constexpr int VEC = 16 / sizeof(M), CHUNKS = BN / VEC, ROW = BN * sizeof(M) + 16;
+    for (int i = threadIdx.x; i < FLASH_BM * CHUNKS; i += FLASH_THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const int keys = min(max(keys_valid - c * VEC, 0), VEC), bytes = r < rows_valid ? keys * (int)sizeof(M) : 0;
+        flash_cp16(dst + r * ROW + c * 16, bytes ? static_cast<const void*>(src + r * mq + c * VEC) : src, bytes);
+    }
+}
+
 template <typename T, int D, bool QUANT>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                 void* __restrict__ y, const void* __restrict__ mask, KilnFlashGeom g,
@@ -194,13 +210,26 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int tiles = (kv_end + BN - 1) / BN;
     const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (see flash_mask_tile)
     const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
+    // a per-row mask with contiguous, 16-byte aligned rows streams raw through cp.async (flash_mask_raw)
+    const int mask_size = g.mask_kind == 1 ? (int)sizeof(T) : 1, raw_row = BN * mask_size + 16;
+    const unsigned char* mask_rows_base = static_cast<const unsigned char*>(mask) + (mrow + (long long)block_row * g.mq) * mask_size;
+    const bool raw = mask_rows > 1 && g.mk == 1 && flash_rows_aligned(mask_rows_base, g.mq * mask_size);
+    unsigned char* raw_s = reinterpret_cast<unsigned char*>(biases);
 
     auto load_tile = [&](int t) {
         const int n0 = t * BN, valid = min(BN, g.skv - n0), stage = t & 1;
         flash_tile<T, D, LD>(ks + stage * BN * LD, kp + n0 * g.ks, g.ks, BN, valid, kv_vec);
         flash_tile<T, D, LD>(vs + stage * BN * LD, vp + n0 * g.vs, g.vs, BN, valid, kv_vec);
-        if (mask_rows > 1) flash_mask_tile<T, BN, FLASH_BM>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
-        else flash_mask_tile<T, BN, 1>(biases + stage * BN, mask, g, mrow, block_row, n0);
+        if (raw && g.mask_kind == 1)
+            flash_mask_raw<T, BN>(raw_s + stage * FLASH_BM * raw_row, reinterpret_cast<const T*>(mask_rows_base) + n0,
+                                  g.mq, g.sq - block_row, g.skv - n0);
+        else if (raw)
+            flash_mask_raw<bool, BN>(raw_s + stage * FLASH_BM * raw_row, reinterpret_cast<const bool*>(mask_rows_base) + n0,
+                                     g.mq, g.sq - block_row, g.skv - n0);
+        else if (mask_rows > 1)
+            flash_mask_tile<T, BN, FLASH_BM>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
+        else
+            flash_mask_tile<T, BN, 1>(biases + stage * BN, mask, g, mrow, block_row, n0);
     };
     flash_tile<T, D, LD>(qs, qp, g.qs, FLASH_BM, g.sq - block_row, q_vec);
     if (tiles > 0) load_tile(0);
@@ -227,6 +256,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         const T* kt_s = ks + (t & 1) * BN * LD;
         const T* vt_s = vs + (t & 1) * BN * LD;
         const float* bias = biases + (t & 1) * mask_rows * BN;
+        const unsigned char* raw_a = raw_s + (t & 1) * FLASH_BM * raw_row + (warp * 16 + gid) * raw_row;
+        const unsigned char* raw_b = raw_a + 8 * raw_row;
         const int n0 = t * BN;
 
         if (t == 0) {  // this warp's Q fragments: rows row0 .. row0 + 15
@@ -276,13 +307,29 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         float tile_a = -CUDART_INF_F, tile_b = -CUDART_INF_F;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
-            const float2 pair_a = *reinterpret_cast<const float2*>(bias + bias_a + nt * 8 + 2 * tig);
-            const float2 pair_b = *reinterpret_cast<const float2*>(bias + bias_b + nt * 8 + 2 * tig);
-            const float biased[4] = {pair_a.x, pair_a.y, pair_b.x, pair_b.y};
+            const int col = nt * 8 + 2 * tig;
+            float biased[4];
+            if (raw) {  // the raw mask pair of keys col, col + 1 in rows a and b
+                if (g.mask_kind == 1) {
+                    const T* pa = reinterpret_cast<const T*>(raw_a) + col;
+                    const T* pb = reinterpret_cast<const T*>(raw_b) + col;
+                    biased[0] = kiln_f(pa[0]) * FLASH_LOG2E; biased[1] = kiln_f(pa[1]) * FLASH_LOG2E;
+                    biased[2] = kiln_f(pb[0]) * FLASH_LOG2E; biased[3] = kiln_f(pb[1]) * FLASH_LOG2E;
+                } else {
+                    biased[0] = raw_a[col] ? 0.0f : -CUDART_INF_F; biased[1] = raw_a[col + 1] ? 0.0f : -CUDART_INF_F;
+                    biased[2] = raw_b[col] ? 0.0f : -CUDART_INF_F; biased[3] = raw_b[col + 1] ? 0.0f : -CUDART_INF_F;
+                }
+                if (n0 + col >= g.skv) biased[0] = biased[2] = -CUDART_INF_F;
+                if (n0 + col + 1 >= g.skv) biased[1] = biased[3] = -CUDART_INF_F;
+            } else {
+                const float2 pair_a = *reinterpret_cast<const float2*>(bias + bias_a + col);
+                const float2 pair_b = *reinterpret_cast<const float2*>(bias + bias_b + col);
+                biased[0] = pair_a.x; biased[1] = pair_a.y; biased[2] = pair_b.x; biased[3] = pair_b.y;
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = e < 2 ? ra : rb;
-                const int key = n0 + nt * 8 + 2 * tig + (e & 1);
+                const int key = n0 + col + (e & 1);
                 float x = fmaf(s[nt][e], scale2, biased[e]);
                 if (g.causal && key > row + g.causal_offset) x = -CUDART_INF_F;
                 s[nt][e] = x;

@@ -215,6 +215,8 @@ def test_fp16_cnn_and_attention_match_the_cpu_backend():
     dict(three_d=True, heads=12, seq=128, dim=64),                                  # BERT-base's shape, fp16
     dict(three_d=True, heads=12, seq=128, dim=64, mask="row"),                      # ... with its padding mask
     dict(seq=77, kv_seq=200, dim=128, mask="row"),                                  # ragged key tiles, rows past Sq
+    dict(seq=96, kv_seq=160, dim=64, mask="bool"),                    # boolean rows streamed raw, a ragged key tile
+    dict(seq=70, kv_seq=136, dim=32),                                 # additive [B, 1, Sq, Skv] rows streamed raw
     dict(causal=1, seq=100, dim=32),
     dict(dtype=onnx.TensorProto.BFLOAT16, dim=128, seq=200, kv_seq=150, mask="bool"),
     dict(dtype=onnx.TensorProto.FLOAT, three_d=True, heads=8, kv_heads=2, seq=70),   # TF32, grouped-query

@@ -92,7 +92,7 @@ def test_cuda_lowering_emulated_equals_the_cpu_backend(dim, mask_rows, launches)
     if dim == 32:
         assert step.tactic == "kernel:flash_attention_q" and step.scratch == []
         assert step.ops[0].shared_bytes == flash_shared_bytes(32, "f16", mask_rows > 1) \
-            == (64 + 4 * 64) * 40 * 2 + 2 * (64 if mask_rows > 1 else 1) * 64 * 4
+            == (64 + 4 * 64) * 40 * 2 + 2 * (64 * (64 * 4 + 16) if mask_rows > 1 else 64 * 4)
     got, want = Emulator(graph, lowered, feeds).run(), GraphRunner(graph).run(feeds)
     steps = np.abs(got["yq"].astype(np.int32) - want["yq"])  # float64 softmax in the emulator: ties may round apart
     assert steps.max() <= 1 and np.mean(steps > 0) < 0.02

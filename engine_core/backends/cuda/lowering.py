@@ -971,12 +971,13 @@ FLASH_ROWS, FLASH_THREADS = 64, 128
 
 def flash_shared_bytes(d: int, suffix: str, full_mask: bool) -> int:
     """Dynamic shared memory of one flash_attention block (``KilnFlashTiles``): Q, a two-stage K/V ring with
-    padded rows, and the staged mask biases (one row per stage, or one per query row for a ``full_mask``, one
-    that varies with the query)."""
+    padded rows, and the staged mask (a float bias row per stage, or for a ``full_mask``, one that varies with the
+    query, a row per query row of the raw mask or its biases, 16 bytes of padding each)."""
     tf32 = suffix == "tf32"
     keys = 32 if tf32 and d > 64 else 64
     row = d + (4 if tf32 else 8)
-    return (FLASH_ROWS + 4 * keys) * row * (4 if tf32 else 2) + 2 * (FLASH_ROWS if full_mask else 1) * keys * 4
+    mask = FLASH_ROWS * (keys * 4 + 16) if full_mask else keys * 4
+    return (FLASH_ROWS + 4 * keys) * row * (4 if tf32 else 2) + 2 * mask
 
 
 def _heads_view(ctx: _Context, name: str, heads: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
