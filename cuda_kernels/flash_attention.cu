@@ -177,7 +177,19 @@ __device__ __forceinline__ void flash_mask_raw(unsigned char* __restrict__ dst, 
     }
 }
 
-template <typename T, int D, bool QUANT>
+// Whether this block's mask streams raw (flash_mask_raw): it varies per query row, its keys are contiguous and
+// its rows 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ bool flash_streams_raw_mask(const void* mask, const KilnFlashGeom& g) {
+    if (g.mask_kind == 0 || g.mq == 0 || g.mk != 1) return false;
+    const long long size = g.mask_kind == 1 ? (long long)sizeof(T) : 1LL;
+    const long long first = (long long)blockIdx.z * g.mb + (long long)blockIdx.y * g.mh + (long long)blockIdx.x * FLASH_BM * g.mq;
+    return flash_rows_aligned(static_cast<const unsigned char*>(mask) + first * size, g.mq * size);
+}
+
+// RAW: the mask streams raw (flash_streams_raw_mask); a separate instantiation, so the common path (one bias
+// row per key tile, or no mask) keeps a loop without the raw mask's conversions and its registers.
+template <typename T, int D, bool QUANT, bool RAW>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                 void* __restrict__ y, const void* __restrict__ mask, KilnFlashGeom g,
                                 const float* __restrict__ y_scale) {
@@ -210,26 +222,29 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int tiles = (kv_end + BN - 1) / BN;
     const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (see flash_mask_tile)
     const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
-    // a per-row mask with contiguous, 16-byte aligned rows streams raw through cp.async (flash_mask_raw)
+    // RAW: the per-row mask streams through cp.async (flash_mask_raw)
     const int mask_size = g.mask_kind == 1 ? (int)sizeof(T) : 1, raw_row = BN * mask_size + 16;
     const unsigned char* mask_rows_base = static_cast<const unsigned char*>(mask) + (mrow + (long long)block_row * g.mq) * mask_size;
-    const bool raw = mask_rows > 1 && g.mk == 1 && flash_rows_aligned(mask_rows_base, g.mq * mask_size);
+    constexpr bool raw = RAW;
     unsigned char* raw_s = reinterpret_cast<unsigned char*>(biases);
 
     auto load_tile = [&](int t) {
         const int n0 = t * BN, valid = min(BN, g.skv - n0), stage = t & 1;
         flash_tile<T, D, LD>(ks + stage * BN * LD, kp + n0 * g.ks, g.ks, BN, valid, kv_vec);
         flash_tile<T, D, LD>(vs + stage * BN * LD, vp + n0 * g.vs, g.vs, BN, valid, kv_vec);
-        if (raw && g.mask_kind == 1)
-            flash_mask_raw<T, BN>(raw_s + stage * FLASH_BM * raw_row, reinterpret_cast<const T*>(mask_rows_base) + n0,
-                                  g.mq, g.sq - block_row, g.skv - n0);
-        else if (raw)
-            flash_mask_raw<bool, BN>(raw_s + stage * FLASH_BM * raw_row, reinterpret_cast<const bool*>(mask_rows_base) + n0,
-                                     g.mq, g.sq - block_row, g.skv - n0);
-        else if (mask_rows > 1)
+        if constexpr (RAW) {
+            if (g.mask_kind == 1)
+                flash_mask_raw<T, BN>(raw_s + stage * FLASH_BM * raw_row, reinterpret_cast<const T*>(mask_rows_base) + n0,
+                                      g.mq, g.sq - block_row, g.skv - n0);
+            else
+                flash_mask_raw<bool, BN>(raw_s + stage * FLASH_BM * raw_row,
+                                         reinterpret_cast<const bool*>(mask_rows_base) + n0, g.mq, g.sq - block_row,
+                                         g.skv - n0);
+        } else if (mask_rows > 1) {
             flash_mask_tile<T, BN, FLASH_BM>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
-        else
+        } else {
             flash_mask_tile<T, BN, 1>(biases + stage * BN, mask, g, mrow, block_row, n0);
+        }
     };
     flash_tile<T, D, LD>(qs, qp, g.qs, FLASH_BM, g.sq - block_row, q_vec);
     if (tiles > 0) load_tile(0);
@@ -309,7 +324,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         for (int nt = 0; nt < BN / 8; ++nt) {
             const int col = nt * 8 + 2 * tig;
             float biased[4];
-            if (raw) {  // the raw mask pair of keys col, col + 1 in rows a and b
+            if constexpr (RAW) {  // the raw mask pair of keys col, col + 1 in rows a and b
                 if (g.mask_kind == 1) {
                     const T* pa = reinterpret_cast<const T*>(raw_a) + col;
                     const T* pb = reinterpret_cast<const T*>(raw_b) + col;
@@ -453,12 +468,14 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, MIN_BLOCKS)                                 \
         flash_attention_##D##_##SUFFIX(const T* q, const T* k, const T* v, T* y, const void* mask,           \
                                        KilnFlashGeom g) {                                                   \
-        flash_attention<T, D, false>(q, k, v, y, mask, g, nullptr);                                          \
+        if (flash_streams_raw_mask<T>(mask, g)) flash_attention<T, D, false, true>(q, k, v, y, mask, g, nullptr);  \
+        else flash_attention<T, D, false, false>(q, k, v, y, mask, g, nullptr);                             \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, MIN_BLOCKS)                                 \
         flash_attention_q_##D##_##SUFFIX(const T* q, const T* k, const T* v, signed char* y,                 \
                                          const void* mask, KilnFlashGeom g, const float* y_scale) {         \
-        flash_attention<T, D, true>(q, k, v, y, mask, g, y_scale);                                           \
+        if (flash_streams_raw_mask<T>(mask, g)) flash_attention<T, D, true, true>(q, k, v, y, mask, g, y_scale);   \
+        else flash_attention<T, D, true, false>(q, k, v, y, mask, g, y_scale);                              \
     }
 
 KILN_FLASH(__half, f16, 32, 4)
