@@ -440,8 +440,9 @@ def _bert_qdq() -> onnx.ModelProto:
 def test_fp16_bert_qdq_keeps_every_linear_layer_int8_and_matches_fp32():
     """tools/make_models.py's small bert_qdq (2 layers): 13 QMatMul in both builds (Q, K, V, attention
     output, FFN1, FFN2 per layer; the pooler), FFN1 requantizing into FFN2's input, the 4 encoder SkipLayerNorms
-    quantizing the next linear layer's input (fuse_norm_quantize: 3 QuantizeLinear left, of the attention outputs
-    and the pooler's input); no DequantizeLinear and no reformat Cast inside the FP16 network."""
+    quantizing the next linear layer's input (fuse_norm_quantize), the 2 attentions writing the attention-output
+    projection's int8 input (fuse_attention_quantize: 1 QuantizeLinear left, the pooler's input); no
+    DequantizeLinear and no reformat Cast inside the FP16 network."""
     from engine_core.passes.fuse_qdq_matmul import requantizes
 
     model = _bert_qdq()
@@ -451,7 +452,8 @@ def test_fp16_bert_qdq_keeps_every_linear_layer_int8_and_matches_fp32():
     for engine in engines.values():
         nodes = engine.plan.graph.nodes
         types = Counter(n.op_type for n in nodes)
-        assert types["QMatMul"] == 13 and types["QuantizeLinear"] == 3 and not types["DequantizeLinear"]
+        assert types["QMatMul"] == 13 and types["QuantizeLinear"] == 1 and not types["DequantizeLinear"]
+        assert types["AttentionQuantize"] == 2
         assert sum(n.op_type == "SkipLayerNorm" and len(n.outputs) == 2 for n in nodes) == 4
         assert sorted(n.name for n in nodes if requantizes(n)) == ["MatMul_110", "MatMul_203"]  # the two FFN1
         assert not any(n.op_type == "Cast" or n.name.startswith("reformat:") for n in nodes)  # internal reformats
