@@ -34,7 +34,8 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
                  narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
-                 fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+                 fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes,
+                 fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
