@@ -12,7 +12,8 @@
 // fragment loads (.trans for V), m16n8k8 TF32 for fp32 storage (only when the build allows TF32).
 // Accumulation and softmax are fp32. A mask that does not vary with the query row (BERT's padding mask
 // [batch, 1, 1, keys]; none at all) is staged per tile in shared memory as a base-2 bias together with the
-// key bounds; other masks are read per element. The output goes through shared memory to 16-byte stores.
+// key bounds; one that does streams raw through cp.async with K/V (contiguous, 16-byte aligned rows) or, when
+// it cannot, is staged as a [BM][BN] bias tile. The output goes through shared memory to 16-byte stores.
 //
 // flash_attention_q_*: Y is also quantized to int8 (kiln.AttentionQuantize: the attention output's
 // QuantizeLinear folded in, passes/fuse_attention_quantize.py) and only the int8 tensor is written: the
@@ -40,7 +41,7 @@ constexpr int FLASH_THREADS = 128;
 constexpr float FLASH_LOG2E = 1.4426950408889634f;
 
 // Shared-memory geometry of one (T, D): keys per tile, padded row (conflict-free ldmatrix / fragment loads).
-// engine_core/backends/cuda/lowering.py flash_shared_bytes mirrors the byte count.
+// The layout (engine_core/backends/cuda/lowering.py flash_shared_bytes sizes it):
 template <typename T, int D> struct KilnFlashTiles {
     static constexpr bool TF32 = sizeof(T) == 4;
     static constexpr int KSTEP = TF32 ? 8 : 16;            // mma k extent
@@ -49,7 +50,6 @@ template <typename T, int D> struct KilnFlashTiles {
     // Q [BM][LD], K [2][BN][LD], V [2][BN][LD], then the staged mask: [2][BN] float biases for a mask that
     // is the same for every query row (or none); for one that is not, [2][BM] rows of BN * 4 + 16 bytes: the raw
     // mask tile (BN elements and 16 bytes of padding a row) or [2][BM][BN] float biases (flash_mask_tile)
-    static constexpr int ELEMS = (FLASH_BM + 4 * BN) * LD;
 };
 
 template <typename T, bool QUANT> struct KilnFlashOut { using type = T; };
@@ -177,13 +177,18 @@ __device__ __forceinline__ void flash_mask_raw(unsigned char* __restrict__ dst, 
     }
 }
 
+// Bytes of one mask element: T for an additive mask, bool
+template <typename T> __device__ __forceinline__ int flash_mask_size(const KilnFlashGeom& g) {
+    return g.mask_kind == 1 ? (int)sizeof(T) : 1;
+}
+
 // Whether this block's mask streams raw (flash_mask_raw): it varies per query row, its keys are contiguous and
 // its rows 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ bool flash_streams_raw_mask(const void* mask, const KilnFlashGeom& g) {
     if (g.mask_kind == 0 || g.mq == 0 || g.mk != 1) return false;
-    const long long size = g.mask_kind == 1 ? (long long)sizeof(T) : 1LL;
     const long long first = (long long)blockIdx.z * g.mb + (long long)blockIdx.y * g.mh + (long long)blockIdx.x * FLASH_BM * g.mq;
+    const int size = flash_mask_size<T>(g);
     return flash_rows_aligned(static_cast<const unsigned char*>(mask) + first * size, g.mq * size);
 }
 
@@ -222,10 +227,10 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int tiles = (kv_end + BN - 1) / BN;
     const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (see flash_mask_tile)
     const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
-    // RAW: the per-row mask streams through cp.async (flash_mask_raw)
-    const int mask_size = g.mask_kind == 1 ? (int)sizeof(T) : 1, raw_row = BN * mask_size + 16;
+    // RAW: the per-row mask streams through cp.async (flash_mask_raw) into rows of raw_row bytes, from the row
+    // flash_streams_raw_mask checked (recomputed from mrow here: reading blockIdx again cost the loop registers)
+    const int mask_size = flash_mask_size<T>(g), raw_row = BN * mask_size + 16;
     const unsigned char* mask_rows_base = static_cast<const unsigned char*>(mask) + (mrow + (long long)block_row * g.mq) * mask_size;
-    constexpr bool raw = RAW;
     unsigned char* raw_s = reinterpret_cast<unsigned char*>(biases);
 
     auto load_tile = [&](int t) {

@@ -259,8 +259,10 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
             kiln_mbar_init(full + 8 * s, 1);  // the producer's expect_tx arrival
             kiln_mbar_init(empty + 8 * s, Shape::STAGE_READERS);
         }
-        kiln_mbar_init(turn, 4);  // one arrival per warp of the other consumer
-        kiln_mbar_init(turn + 8, 4);
+        if constexpr (PINGPONG) {  // one arrival per warp of the other consumer
+            kiln_mbar_init(turn, 4);
+            kiln_mbar_init(turn + 8, 4);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     }
     __syncthreads();
