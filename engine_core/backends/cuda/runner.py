@@ -393,6 +393,16 @@ class CudaEngineState:
             ctx._bindings.clear()
 
 
+@dataclass
+class _EncodedMap:
+    """A TensorMap launch argument: the 128-byte descriptor passed by value, and the address it was last encoded
+    for (re-encoded when the tensor moves)."""
+
+    descriptor: Any
+    tensor_map: TensorMap
+    encoded_for: int | None = None
+
+
 class _PreparedLaunch:
     """A launch whose parameter block is built once; only pointer slots change between runs."""
 
@@ -401,15 +411,14 @@ class _PreparedLaunch:
         self.function = function
         self.objects: list[Any] = []
         self.refs: list[tuple[ctypes.c_void_p, Ref]] = []
-        #: (descriptor bytes, its map, the address it was encoded for)
-        self.maps: list[list[Any]] = []
+        self.maps: list[_EncodedMap] = []
         for value, ctype in launch.args:
             if isinstance(value, Ref):
                 obj = ctypes.c_void_p(0)
                 self.refs.append((obj, value))
             elif isinstance(value, TensorMap):
                 obj = (ctypes.c_uint64 * 16)()
-                self.maps.append([obj, value, None])
+                self.maps.append(_EncodedMap(obj, value))
             elif isinstance(value, ctypes.Structure):
                 obj = value
             else:
@@ -428,14 +437,15 @@ class _PreparedLaunch:
         for obj, ref in self.refs:
             obj.value = resolve(ref)
         for entry in self.maps:
-            obj, tensor_map, encoded_for = entry
+            tensor_map = entry.tensor_map
             address = resolve(tensor_map.ref)
             if address % 16:  # cuTensorMapEncodeTiled would only say "invalid value"
                 raise ExecutionError(f"{self.launch.function} reads '{tensor_map.ref.tensor}' through TMA, which needs "
                                      f"a 16-byte-aligned address; got {address:#x}")
-            if address != encoded_for:  # first run, or the tensor moved
-                ctypes.memmove(obj, encode_tensor_map(address, tensor_map.rows, tensor_map.cols, tensor_map.box), 128)
-                entry[2] = address
+            if address != entry.encoded_for:  # first run, or the tensor moved
+                ctypes.memmove(entry.descriptor, encode_tensor_map(address, tensor_map.rows, tensor_map.cols,
+                                                                   tensor_map.box), 128)
+                entry.encoded_for = address
         grid, block = self.launch.grid, self.launch.block
         check(driver.cuLaunchKernel(self.function, *grid, *block, self.launch.shared_bytes, stream,
                                     ctypes.addressof(self.params), 0), f"launch {self.launch.function}")
