@@ -98,8 +98,12 @@ __device__ __forceinline__ float kiln_div_rn(float v, float d, float recip) {
 
 // QuantizeLinear of v to int8 with zero point 0: v / scale rounded half to even, saturated (recip = 1 / scale,
 // IEEE). Equals the generated QuantizeLinear kernel's `/`, so fused and unfused quantizers agree bit for bit.
+// Saturating first and then adding 1.5 * 2^23 rounds half to even in the FP32 add and leaves the integer's two's
+// complement in the sum's low byte: FMA-pipe instructions only, where rintf + the int8 conversion (FRND, F2I) run
+// at a quarter of that rate (the GELU -> int8 GEMM epilogue's bottleneck). NaN saturates to -128 either way.
 __device__ __forceinline__ signed char kiln_quantize_s8(float v, float scale, float recip) {
-    return (signed char)fminf(fmaxf(rintf(kiln_div_rn(v, scale, recip)), -128.0f), 127.0f);
+    const float q = fminf(fmaxf(kiln_div_rn(v, scale, recip), -128.0f), 127.0f);
+    return (signed char)__float_as_int(__fadd_rn(q, 12582912.0f));
 }
 
 __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }

@@ -4,8 +4,8 @@
 // of traffic against 4.6 ms for the whole fp16 model). Here the int32 sums never leave registers: the epilogue
 // applies `float(acc) * x_scale * w_scale[n] + bias[n]`, the activation (ReLU or erf GELU) and either
 // stores the float type or requantizes `rint(v / y_scale)` to int8 -- the CPU op's order and rounding (QMatMul),
-// with __fmul_rn / __fadd_rn so no FMA contraction changes a result (erff itself may differ from the CPU's in the
-// last bits, as the generated pointwise kernels' does).
+// with __fmul_rn / __fadd_rn so no FMA contraction changes a result. GELU is a fitted polynomial (kiln_gelu) whose
+// error is that of the CPU op's fp32 erf form, not its bits.
 //
 // Shape of the kernel: 128 x 128 output tiles, K consumed 128 bytes at a time through a ring of shared-memory
 // stages that TMA fills, a producer thread and consumer warpgroups (one wgmma m64n128k32 per 64 rows and 32 bytes
@@ -111,20 +111,36 @@ template <int I, int END, typename F> __device__ __forceinline__ void kiln_stati
     }
 }
 
+// erf GELU, v Phi(v), with log2 Phi(-t) (t = |v| <= 5.5) as one degree-9 polynomial and one ex2.approx:
+// ~14 instructions where erff's ~30 (a coefficient select per term) made the FFN1 epilogue issue-bound. Its absolute
+// error against exact GELU is <= 4e-7 on [-9, 9], as the fp32 `v/2 (1 + erf(v / sqrt 2))` of the CPU op (python -m
+// tools.fit_gelu fits the coefficients and prints both; engine_core/backends/cuda/qgemm.py GELU_LOG2_PHI).
+__device__ __forceinline__ float kiln_gelu(float v) {
+    constexpr float LIMIT = 5.5f;  // Phi(-5.5) = 1.9e-8: past it, 1 - h rounds to 1 and v h to ~0
+    const float t = fminf(fabsf(v), LIMIT);
+    float p = 8.220337832653968e-08f;  // GELU_LOG2_PHI, c9 .. c1 (Horner), then -1: Phi(0) = 1/2 exactly
+    p = __fmaf_rn(p, t, -2.1366759028751403e-06f);
+    p = __fmaf_rn(p, t, 2.131196015398018e-05f);
+    p = __fmaf_rn(p, t, -7.357532740570605e-05f);
+    p = __fmaf_rn(p, t, -0.0004709532659035176f);
+    p = __fmaf_rn(p, t, 0.007591825909912586f);
+    p = __fmaf_rn(p, t, -0.052937086671590805f);
+    p = __fmaf_rn(p, t, -0.4590352475643158f);
+    p = __fmaf_rn(p, t, -1.1511279344558716f);
+    p = __fmaf_rn(p, t, -1.0f);
+    float h;  // Phi(-t)
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(h) : "f"(p));
+    const float phi = v >= 0.0f ? __fsub_rn(1.0f, h) : (t < LIMIT ? h : 0.0f);
+    return __fmul_rn(v, phi);
+}
+
 // dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*; a layer
 // without bias has zeros folded)
 template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, float bias) {
     float v = __fadd_rn(__fmul_rn(__fmul_rn((float)acc, x_scale), w_scale), bias);
     if constexpr (ACT == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
-    if constexpr (ACT == QG_ACT_GELU) v = __fmul_rn(__fmul_rn(0.5f, v), __fadd_rn(1.0f, erff(__fmul_rn(v, 0.7071067811865476f))));
+    if constexpr (ACT == QG_ACT_GELU) v = kiln_gelu(v);
     return v;
-}
-
-// requantize: round to the layer's float type (ROUND: the tensor the unfused graph stores), then QuantizeLinear
-template <int ROUND> __device__ __forceinline__ signed char kiln_qg_quantize(float v, float y_scale, float y_recip) {
-    if constexpr (ROUND == QG_ROUND_F16) v = __half2float(__float2half_rn(v));
-    if constexpr (ROUND == QG_ROUND_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
-    return kiln_quantize_s8(v, y_scale, y_recip);
 }
 
 // two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND matters only there)
@@ -140,42 +156,105 @@ template <int ROUND> struct KilnQgStore<__nv_bfloat16, ROUND> {
         *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
     }
 };
+// requantize: round to the layer's float type (ROUND: the tensor the unfused graph stores; a pair converts in one
+// instruction), then QuantizeLinear
 template <int ROUND> struct KilnQgStore<signed char, ROUND> {
     __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, float y_recip) {
+        if constexpr (ROUND == QG_ROUND_F16) {
+            const float2 r = __half22float2(__floats2half2_rn(a, b));
+            a = r.x, b = r.y;
+        }
+        if constexpr (ROUND == QG_ROUND_BF16) {
+            const float2 r = __bfloat1622float2(__floats2bfloat162_rn(a, b));
+            a = r.x, b = r.y;
+        }
         char2 q;
-        q.x = kiln_qg_quantize<ROUND>(a, y_scale, y_recip);
-        q.y = kiln_qg_quantize<ROUND>(b, y_scale, y_recip);
+        q.x = kiln_quantize_s8(a, y_scale, y_recip);
+        q.y = kiln_quantize_s8(b, y_scale, y_recip);
         *reinterpret_cast<char2*>(y) = q;
     }
 };
 
 // The epilogue of 64 finished rows (one m64 accumulator of a warpgroup, rows row0 ..): accumulator register
 // 4j + 2h + e holds row 16 * warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e, for warp and lane of thread `tid`
-// of the warpgroup. The loop over j is unrolled at compile time (kiln_static_for): a runtime index into acc would
+// of the warpgroup. Loops over j are unrolled at compile time (kiln_static_for): a runtime index into acc would
 // move the whole array to local memory, which ptxas did for the 256-wide int8 kernel when the loop was left to
-// #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN].
-// ACT, ROUND and FULL (no row or column past M or N: no bounds checks) are compile-time, so an element costs ~6
-// instructions (fp16, no activation): with them as run-time branches the epilogue took two thirds of the
-// consumers' time on BERT's 768 x 768 layer (ncu source counters, session 8).
-template <int BN, typename T, int ACT, int ROUND, bool FULL>
-__device__ __forceinline__ void kiln_qg_epilogue(const int (&acc)[BN / 2], T* __restrict__ y, const float* cols,
-                                                 int tid, int row0, int n0, int M, int N, float x_scale,
-                                                 float y_scale) {
+// #pragma unroll. `cols` (shared memory) holds the tile's w_scale[BN], then bias[BN]. ACT and ROUND are
+// compile-time, so an element costs ~6 instructions (fp16, no activation): as run-time branches the epilogue took
+// two thirds of the consumers' time on BERT's 768 x 768 layer (ncu source counters, session 8).
+//
+// kiln_qg_pair: the two adjacent outputs of (j, h), each thread's element pair, to `dst`
+template <int BN, typename T, int ACT, int ROUND, int J>
+__device__ __forceinline__ void kiln_qg_pair(const int (&acc)[BN / 2], int h, T* dst, const float* cols, int lane,
+                                             float x_scale, float y_scale, float y_recip) {
+    const int c = J * 8 + (lane % 4) * 2;
+    const float2 ws = *reinterpret_cast<const float2*>(cols + c), b = *reinterpret_cast<const float2*>(cols + BN + c);
+    const float v0 = kiln_qg_value<ACT>(acc[4 * J + 2 * h], x_scale, ws.x, b.x);
+    const float v1 = kiln_qg_value<ACT>(acc[4 * J + 2 * h + 1], x_scale, ws.y, b.y);
+    KilnQgStore<T, ROUND>::pair(dst, v0, v1, y_scale, y_recip);
+}
+
+// Byte `byte` of row `row` in a warp's staging slice: 16 rows of CHUNK bytes whose 16-byte chunks are swizzled by
+// row, so that a pair store (8 rows at one column) and a 16-byte read (whole rows) each hit distinct banks. CHUNK
+// is 128 in the ping-pong kernels, 64 in the GELU ones (two blocks per SM leave less shared memory): rows sharing
+// a 128-byte bank line are then told apart by row / 2.
+template <int CHUNK> __device__ __forceinline__ int kiln_qg_staged(int row, int byte) {
+    constexpr int SHIFT = CHUNK == 128 ? 0 : 1;
+    return row * CHUNK + ((((byte >> 4) ^ (row >> SHIFT)) & (CHUNK / 16 - 1)) << 4) + (byte & 15);
+}
+
+// Staged epilogue: each warp writes its 16 rows' pairs CHUNK bytes of columns at a time into its own slice of shared
+// memory (`stage`), then stores whole 16-byte vectors of full rows: each warp store fills 32-byte sectors, where
+// the pair stores (2-4 bytes a thread, 8 rows of 8-16 bytes a warp store) wrote half or quarter sectors and their
+// queue stalled the epilogue (ncu: long-scoreboard waits on the stores' source registers, 768 x 768 layer).
+// Needs 16-byte-aligned rows (y and N * sizeof(T)); rows past M and columns past N are computed and not stored.
+template <int BN, int CHUNK, typename T, int ACT, int ROUND>
+__device__ __forceinline__ void kiln_qg_epilogue_staged(const int (&acc)[BN / 2], T* __restrict__ y,
+                                                        const float* cols, unsigned char* stage, int tid, int row0,
+                                                        int n0, int M, int N, float x_scale, float y_scale) {
+    constexpr int SIZE = (int)sizeof(T), JS = CHUNK / (8 * SIZE), VECTORS = CHUNK / 16;  // per pass: j's, row vectors
     const float y_recip = 1.0f / y_scale;  // IEEE division: the correctly rounded reciprocal kiln_div_rn needs
+    const int lane = tid % 32, rows0 = row0 + (tid / 32) * 16;
+    unsigned char* const y_tile = reinterpret_cast<unsigned char*>(y + n0);
+    kiln_static_for<0, BN / 8 / JS>([&](auto pass_) __attribute__((always_inline)) {  // inlined: acc in registers
+        constexpr int pass = decltype(pass_)::value;
+        kiln_static_for<0, JS>([&](auto jj_) __attribute__((always_inline)) {
+            constexpr int jj = decltype(jj_)::value;
+            const int byte = (jj * 8 + (lane % 4) * 2) * SIZE;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                kiln_qg_pair<BN, T, ACT, ROUND, pass * JS + jj>(
+                    acc, h, reinterpret_cast<T*>(stage + kiln_qg_staged<CHUNK>(lane / 4 + 8 * h, byte)), cols, lane,
+                    x_scale, y_scale, y_recip);
+        });
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 16 * VECTORS / 32; ++i) {
+            const int v = i * 32 + lane, r = v / VECTORS, byte = pass * CHUNK + (v % VECTORS) * 16;
+            const uint4 data = *reinterpret_cast<const uint4*>(stage + kiln_qg_staged<CHUNK>(r, byte - pass * CHUNK));
+            if (rows0 + r < M && n0 + byte / SIZE < N)
+                *reinterpret_cast<uint4*>(y_tile + (size_t)(rows0 + r) * N * SIZE + byte) = data;
+        }
+        __syncwarp();  // the slice is read before the next pass writes it
+    });
+}
+
+// Direct epilogue, for rows that are not 16-byte aligned: each thread stores its pairs, skipping those past M or N
+template <int BN, typename T, int ACT, int ROUND>
+__device__ __forceinline__ void kiln_qg_epilogue_direct(const int (&acc)[BN / 2], T* __restrict__ y,
+                                                        const float* cols, int tid, int row0, int n0, int M, int N,
+                                                        float x_scale, float y_scale) {
+    const float y_recip = 1.0f / y_scale;
     const int lane = tid % 32, row = row0 + (tid / 32) * 16 + lane / 4;
     T* const y_row = y + (size_t)row * N + n0 + (lane % 4) * 2;  // this thread's first element; + 8 N: h = 1
-    kiln_static_for<0, BN / 8>([&](auto j_) __attribute__((always_inline)) {  // inlined: acc stays in registers
+    kiln_static_for<0, BN / 8>([&](auto j_) __attribute__((always_inline)) {
         constexpr int j = decltype(j_)::value;
-        const int c = j * 8 + (lane % 4) * 2;
-        if (!FULL && n0 + c >= N) return;
-        const float2 ws = *reinterpret_cast<const float2*>(cols + c), b = *reinterpret_cast<const float2*>(cols + BN + c);
+        if (n0 + j * 8 + (lane % 4) * 2 >= N) return;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (!FULL && row + 8 * h >= M) continue;
-            const float v0 = kiln_qg_value<ACT>(acc[4 * j + 2 * h], x_scale, ws.x, b.x);
-            const float v1 = kiln_qg_value<ACT>(acc[4 * j + 2 * h + 1], x_scale, ws.y, b.y);
-            KilnQgStore<T, ROUND>::pair(y_row + (size_t)h * 8 * N + j * 8, v0, v1, y_scale, y_recip);
-        }
+        for (int h = 0; h < 2; ++h)
+            if (row + 8 * h < M)
+                kiln_qg_pair<BN, T, ACT, ROUND, j>(acc, h, y_row + (size_t)h * 8 * N + j * 8, cols, lane, x_scale,
+                                                   y_scale, y_recip);
     });
 }
 
@@ -183,17 +262,17 @@ template <typename T> struct KilnQgInt8 { static constexpr bool value = false; }
 template <> struct KilnQgInt8<signed char> { static constexpr bool value = true; };
 
 // The epilogue copy for these 64 rows: the activation (GELU in the GELU kernels, none or ReLU in the others), the
-// rounding before requantizing (int8 outputs only: the float outputs have one copy) and whether the rows are whole,
+// rounding before requantizing (int8 outputs only: the float outputs have one copy) and staged or direct stores,
 // each chosen once per tile
-template <int BN, typename T, bool GELU>
-__device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, const int (&acc)[BN / 2], T* __restrict__ y,
-                                                     const float* cols, int tid, int row0, int n0, int M, int N,
-                                                     float x_scale, float y_scale) {
-    const bool full = row0 + 64 <= M && n0 + BN <= N;
+template <int BN, int CHUNK, typename T, bool GELU>
+__device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, bool staged, const int (&acc)[BN / 2],
+                                                     T* __restrict__ y, const float* cols, unsigned char* stage,
+                                                     int tid, int row0, int n0, int M, int N, float x_scale,
+                                                     float y_scale) {
     auto run = [&](auto act_, auto round_) __attribute__((always_inline)) {
         constexpr int A = decltype(act_)::value, R = decltype(round_)::value;
-        if (full) kiln_qg_epilogue<BN, T, A, R, true>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
-        else kiln_qg_epilogue<BN, T, A, R, false>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
+        if (staged) kiln_qg_epilogue_staged<BN, CHUNK, T, A, R>(acc, y, cols, stage, tid, row0, n0, M, N, x_scale, y_scale);
+        else kiln_qg_epilogue_direct<BN, T, A, R>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
     };
     auto rounded = [&](auto act_) __attribute__((always_inline)) {
         if constexpr (KilnQgInt8<T>::value) {
@@ -216,23 +295,24 @@ __device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, cons
 // swizzle); the stage's "full" barrier completes when the bytes land. Consumer warpgroups wait for a stage to be
 // full, issue their wgmmas, wait for the slice before's (wgmma.wait_group 1: one slice stays queued on the tensor
 // cores) and mark that slice's stage empty, then run the epilogue. Two forms, both measured on BERT-base's layers
-// (bench.qgemm, H100, 8192 rows; session 8):
+// (bench.qgemm, H100, 8192 rows; session 8, then session 10's staged epilogue and cheaper GELU / quantize):
 //   - PINGPONG (CUTLASS's KernelTmaWarpSpecializedPingpong, written for this GEMM): one block per SM, a producer
 //     warpgroup and two consumer warpgroups that each own whole 128 x BN tiles and take turns: a consumer starts
 //     its K loop when the other has issued all of its previous tile's (the tensor cores run one tile at a time, and
 //     no consumer waits on a stage's barrier two phases ahead), so one's epilogue overlaps the other's K loop. The
 //     producer gives its registers back (setmaxnreg 40) so a consumer holds 128 int32 sums per thread with room for
-//     the epilogue (232). 6 stages. 768 x 768: 17.6 us, FFN2 (K = 3072): 34.0 us (1,137 TOPS).
+//     the epilogue (232). 6 stages. 768 x 768: 17.6 -> 12.2 us, FFN2 (K = 3072): 34.0 -> 27.4 us (1,411 TOPS).
 //   - The pair form for GELU: two blocks per SM, each a producer warp and two consumer warpgroups sharing a 128 x BN
 //     tile (64 rows each, 96 registers), 3 stages: the erf-and-requantize epilogue is the longer part, and eight
 //     consumer warps per SM in the epilogue at once run it faster than ping-pong's four (FFN1 + GELU -> int8: 78.1
-//     us against ping-pong's 112.1; the 768 x 768 layer 22.4 against 17.6).
+//     us against ping-pong's 112.1; the 768 x 768 layer 22.4 against 17.6). Session 10: 61.5 us against 90.5.
 template <bool PINGPONG> struct KilnQgShape {
     static constexpr int STAGES = PINGPONG ? 6 : 3;
     static constexpr int HALVES = PINGPONG ? 2 : 1;           // m64 row blocks per consumer: whole or half tiles
     static constexpr int CONSUMER0 = PINGPONG ? 128 : 0;      // the first consumer thread
     static constexpr int PRODUCER = PINGPONG ? 0 : 256;       // the thread issuing the loads
     static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;    // warps reading a stage: its empty barrier's count
+    static constexpr int CHUNK = PINGPONG ? 128 : 64;         // bytes a row of each consumer warp's staging slice
 };
 
 template <bool PINGPONG, typename T>
@@ -288,6 +368,10 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
     if constexpr (PINGPONG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int me = (threadIdx.x - Shape::CONSUMER0) / 128, tid = threadIdx.x % 128, lane = threadIdx.x % 32;
     const int a_row0 = PINGPONG ? 0 : 64 * me;  // the consumer's first row in the tile
+    // this warp's staging slice (16 rows of CHUNK bytes past the stage ring), used when rows are 16-byte aligned
+    unsigned char* const staging = kiln_qg_smem + (base - raw) + STAGES * STAGE_BYTES +
+                                 (threadIdx.x - Shape::CONSUMER0) / 32 * 16 * Shape::CHUNK;
+    const bool staged = (size_t)N * sizeof(T) % 16 == 0 && kiln_aligned16(y);
     int acc[HALVES][BN / 2];
     // ping-pong: consumer 0 takes the block's even tiles, consumer 1 the odd ones; else both take every tile
     for (int tile = PINGPONG ? me : 0, turns = 0; tile < mine; tile += PINGPONG ? 2 : 1, ++turns) {
@@ -329,16 +413,16 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         else asm volatile("bar.sync 2, 128;\n" ::: "memory");
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
-            kiln_qg_epilogue_for<BN, T, !PINGPONG>(act, round_to, acc[h], y, cols, tid, m0 + a_row0 + 64 * h, n0, M,
-                                                   N, x_scale, y_scale);
+            kiln_qg_epilogue_for<BN, Shape::CHUNK, T, !PINGPONG>(act, round_to, staged, acc[h], y, cols, staging, tid,
+                                                                 m0 + a_row0 + 64 * h, n0, M, N, x_scale, y_scale);
     }
 }
 #endif  // QG_WGMMA
 
 // qgemm_sm90[_gelu]_128_<output>: a 1-D grid of at most one block per output tile, 384 threads (ping-pong: the
-// kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 1024 bytes of dynamic shared memory
-// (engine_core/backends/cuda/qgemm.py KERNELS). x and w are TMA descriptors of x [M, K] and w [N, K] (int8, row-major)
-// in 128 x 128-byte boxes with the 128-byte swizzle.
+// kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 8 * 16 * CHUNK + 1024 bytes of dynamic shared
+// memory (engine_core/backends/cuda/qgemm.py Form). x and w are TMA descriptors of x [M, K] and w [N, K] (int8,
+// row-major) in 128 x 128-byte boxes with the 128-byte swizzle.
 #define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T)                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                           \
         T* __restrict__ y, const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,       \

@@ -32,29 +32,37 @@ TILE_M, TILE_N, TILE_K = 128, 128, 128
 @dataclass(frozen=True)
 class Form:
     """One form of the kernel (cuda_kernels/qgemm_sm90.cu, kiln_qgemm): its name prefix, pipeline stages, threads
-    per block and blocks per SM."""
+    per block, blocks per SM and the bytes a row of each consumer warp's epilogue staging slice (KilnQgShape::CHUNK)."""
 
     prefix: str
     stages: int
     threads: int
     blocks_per_sm: int
+    chunk: int
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory of one block: the stage ring plus slack to align it to 1024 bytes."""
-        return self.stages * (TILE_M + TILE_N) * TILE_K + 1024
+        """Dynamic shared memory of one block: the stage ring, eight consumer warps' staging slices (16 rows each)
+        and slack to align the ring to 1024 bytes."""
+        return self.stages * (TILE_M + TILE_N) * TILE_K + 8 * 16 * self.chunk + 1024
 
     def grid_blocks(self, m: int, n: int) -> int:
         """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
         return max(1, min(tiles(m, n), SMS * self.blocks_per_sm))
 
 
-#: ping-pong (a producer warpgroup and two consumer warpgroups taking turns over whole tiles, one 194 KiB block per
-#: SM) for layers without GELU; two 102 KiB blocks per SM, two consumer warpgroups sharing each tile, for GELU, whose
+#: ping-pong (a producer warpgroup and two consumer warpgroups taking turns over whole tiles, one 209 KiB block per
+#: SM) for layers without GELU; two 105 KiB blocks per SM, two consumer warpgroups sharing each tile, for GELU, whose
 #: epilogue runs faster on eight warps at once (session 8, bench.qgemm: docs/cuda-backend.md)
-PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 1), Form("qgemm_sm90_gelu", 3, 288, 2)
+PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 1, 128), Form("qgemm_sm90_gelu", 3, 288, 2, 64)
 #: QMatMul activation -> the kernel's code (QG_ACT_*). Each has its own copy of the epilogue in the kernels, so the
 #: rarer ones (Tanh, Sigmoid) keep the cuBLASLt path rather than growing every kernel and its compile time
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2}
+#: the kernel's GELU (kiln_gelu): log2 Phi(-t) = -1 + t (c1 + t (c2 + ... c9)) for t = min(|x|, GELU_LIMIT), c1 .. c9
+#: as ``python -m tools.fit_gelu`` fits them (absolute error of GELU <= 4e-7, as the CPU op's fp32 erf form)
+GELU_LOG2_PHI = (-1.1511279344558716, -0.4590352475643158, -0.052937086671590805, 0.007591825909912586,
+                 -0.0004709532659035176, -7.357532740570605e-05, 2.131196015398018e-05, -2.1366759028751403e-06,
+                 8.220337832653968e-08)
+GELU_LIMIT = 5.5
 #: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)
 ROUNDING = {F32: 0, F16: 1, BF16: 2}
 #: output dtype -> kernel name suffix
