@@ -144,15 +144,18 @@ def test_a_misaligned_tma_operand_is_an_error_that_names_it():
 @pytest.mark.gpu
 @pytest.mark.parametrize("flag, tolerance", [(None, 1e-6), (kiln.BuilderFlag.FP16, 2e-3)])
 @pytest.mark.parametrize("sms", [qgemm.SMS, 2])
-def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, monkeypatch):
-    """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40; M up to 300), with
-    a block per tile and with few blocks taking several tiles each (``SMS`` = 2: fc1 ping-pong, 2 blocks whose two
-    consumer warpgroups take turns; fc2 GELU, 4 blocks; the producer's stage ring runs from one tile into the next). The int32 sums are exact and the epilogue keeps
-    the CPU op's order: fp32 differs only by erf's last bits (fc2's GELU), FP16 by one fp16 ulp."""
+@pytest.mark.parametrize("dout", [40, 36])
+def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, dout, monkeypatch):
+    """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40 or 36; M up to
+    300), with a block per tile and with few blocks taking several tiles each (``SMS`` = 2: fc1 ping-pong, 2 blocks
+    whose two consumer warpgroups take turns; fc2 GELU, 4 blocks; the producer's stage ring runs from one tile into
+    the next). Rows of 16-byte multiples take the staged epilogue; fc2's fp16 rows of 36 (72 bytes) the direct one.
+    The int32 sums are exact and the epilogue keeps the CPU op's order: fp32 differs only by GELU's last bits (the
+    kernel's polynomial), FP16 by one fp16 ulp."""
     if not qgemm.available():
         pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
     monkeypatch.setattr(qgemm, "SMS", sms)
-    model = qdq_mlp(din=160, hidden=304, dout=40, seed=7)
+    model = qdq_mlp(din=160, hidden=304, dout=dout, seed=7)
     profiles = {"x": ((1, 160), (64, 160), (300, 160))}
     gpu, cpu = build_engine(model, "cuda", profiles, flag), build_engine(model, "cpu", profiles, flag)
     tactics = {layer["name"]: layer["tactic"] for layer in gpu.plan.layers if layer["type"] == "QMatMul"}
@@ -165,18 +168,24 @@ def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sm
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * float(np.abs(want).max()))
 
 
-def _int8_input_layer(k: int, n: int) -> onnx.ModelProto:
+def _int8_input_layer(k: int, n: int, requantize: bool = False) -> onnx.ModelProto:
     """An int8 input read by the GEMM itself (DequantizeLinear -> MatMul with a per-column int8 weight -> + bias):
-    the kernel's x descriptor then holds the caller's address."""
+    the kernel's x descriptor then holds the caller's address. ``requantize``: a QuantizeLinear after it (int8
+    output)."""
     rng = np.random.default_rng(k + n)
     inits = {"x_scale": np.array(0.02, np.float32), "zero": np.array(0, np.int8),
              "w": rng.integers(-127, 128, (k, n)).astype(np.int8), "w_scale": rng.random(n, np.float32) * 1e-2,
-             "wz": np.zeros(n, np.int8), "bias": rng.standard_normal(n).astype(np.float32)}
+             "wz": np.zeros(n, np.int8), "bias": rng.standard_normal(n).astype(np.float32),
+             "y_scale": np.array(0.3, np.float32)}
     nodes = [helper.make_node("DequantizeLinear", ["x", "x_scale", "zero"], ["xd"]),
              helper.make_node("DequantizeLinear", ["w", "w_scale", "wz"], ["wd"], axis=1),
-             helper.make_node("MatMul", ["xd", "wd"], ["h"]), helper.make_node("Add", ["h", "bias"], ["y"])]
+             helper.make_node("MatMul", ["xd", "wd"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["yf" if requantize else "y"])]
+    if requantize:
+        nodes.append(helper.make_node("QuantizeLinear", ["yf", "y_scale", "zero"], ["y"]))
+    out_type = TensorProto.INT8 if requantize else TensorProto.FLOAT
     graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x", TensorProto.INT8, ["m", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+                              [helper.make_tensor_value_info("y", out_type, ["m", n])],
                               [numpy_helper.from_array(v, name) for name, v in inits.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
@@ -208,3 +217,21 @@ def test_qgemm_follows_the_callers_input_address_from_run_to_run():
         assert ctx.execute_async_v3(stream)
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
         np.testing.assert_allclose(dy.to_array(np.float32, (m, n)), wants[i], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [40, 48])
+def test_requantized_rows_of_any_width_equal_the_cpu_backend(n):
+    """An int8 output of 40 columns (rows of 40 bytes: the direct epilogue) and of 48 (16-byte multiples: the staged
+    one, a ragged last tile) equals the CPU backend exactly: the epilogue has the CPU op's order and rounding."""
+    if not qgemm.available():
+        pytest.skip("not an sm_90 GPU (or KILN_QGEMM=0)")
+    m, k = 300, 96
+    model = _int8_input_layer(k, n, requantize=True)
+    profiles = {"x": ((1, k), (m, k), (m, k))}
+    gpu, cpu = build_engine(model, "cuda", profiles), build_engine(model, "cpu", profiles)
+    assert [layer["tactic"] for layer in gpu.plan.layers if layer["type"] == "QMatMul"] == ["gemm:qgemm_sm90"]
+    x = {"x": np.random.default_rng(n).integers(-128, 128, (m, k)).astype(np.int8)}
+    got, want = gpu.create_execution_context().infer(x)["y"], cpu.create_execution_context().infer(x)["y"]
+    assert got.dtype == np.int8
+    np.testing.assert_array_equal(got, want)
