@@ -112,7 +112,7 @@ template <int I, int END, typename F> __device__ __forceinline__ void kiln_stati
 }
 
 // erf GELU, v Phi(v), with log2 Phi(-t) (t = |v| <= 5.5) as one degree-9 polynomial and one ex2.approx:
-// ~14 instructions where erff's ~30 (a coefficient select per term) made the FFN1 epilogue issue-bound. Its absolute
+// ~17 instructions where erff's ~30 (a coefficient select per term) made the FFN1 epilogue issue-bound. Its absolute
 // error against exact GELU is <= 4e-7 on [-9, 9], as the fp32 `v/2 (1 + erf(v / sqrt 2))` of the CPU op (python -m
 // tools.fit_gelu fits the coefficients and prints both; engine_core/backends/cuda/qgemm.py GELU_LOG2_PHI).
 __device__ __forceinline__ float kiln_gelu(float v) {

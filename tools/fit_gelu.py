@@ -4,7 +4,7 @@
 
 GELU(x) = x Phi(x) with Phi(-t) = erfc(t / sqrt 2) / 2. The kernel evaluates ``log2 Phi(-t)`` for t = min(|x|, limit)
 as one polynomial -1 + t (c1 + t (c2 + ...)) (fp32 FMAs), raises 2 to it (one ``ex2.approx``) and takes 1 - h for
-x >= 0, h for -limit < x < 0, 0 below: ~14 instructions where erff spends ~30 (two coefficient sets chosen by a
+x >= 0, h for -limit < x < 0, 0 below: ~17 instructions where erff spends ~30 (two coefficient sets chosen by a
 select per term), which made the FFN1 epilogue issue-bound. The constant term is pinned to -1, so Phi(0) = 1/2.
 The fit is least squares on Chebyshev nodes, reweighted towards the largest errors (a near-minimax fit). The
 printed table compares the fp32 evaluation (FMAs emulated in float64, 2^p exact) with the fp32 ``x/2 (1 +

@@ -2,7 +2,8 @@
 
 ``cuda_kernels/qgemm_sm90.cu`` computes the int32 sums of x[M, K] (int8, row-major) and w[N, K] (int8 rows: the
 "nk" weight transform) on the tensor cores and, before anything leaves the registers, applies the QMatMul's
-epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU or erf GELU -- and
+epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU or GELU (a fitted
+polynomial as accurate as the CPU op's fp32 erf form: ``GELU_LOG2_PHI``) -- and
 stores the float type, or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float type) to int8.
 
 Why: the cuBLASLt path (``int8_gemm.Int8Gemm`` + a dequantizing pointwise kernel) writes the int32 sums to memory
