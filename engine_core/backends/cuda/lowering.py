@@ -711,11 +711,13 @@ def _quantize_launch(ctx: _Context, x: str, scale: str, y: str) -> Launch:
     return launch_program(kernel, Ref(y), [Ref(x), Ref(scale)], shape, strides, [strides, (0,) * len(shape)])
 
 
-def _check_int8_output(ctx: _Context, scale: str, zero: str, what: str) -> None:
-    """A fused layer's int8 output takes a float32 scale and a zero point that is a constant 0 (or none)."""
+def _check_int8_output(ctx: _Context, node: Node) -> None:
+    """A fused layer's int8 output (SkipLayerNorm, AttentionQuantize: inputs 4 and 5) takes a float32 scale and a
+    zero point that is a constant 0 (or none)."""
+    scale, zero = node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else ""
     value = ctx.info(zero).value if zero else np.zeros((), np.int8)
     if value is None or np.any(value) or ctx.info(scale).dtype != np.float32:
-        raise Unsupported(f"{what} quantizing with a zero point other than a constant 0 or a non-fp32 scale")
+        raise Unsupported(f"{node.op_type} quantizing with a zero point other than a constant 0 or a non-fp32 scale")
 
 
 def _norm_quantized_output(node: Node, ctx: _Context) -> bool:
@@ -723,7 +725,7 @@ def _norm_quantized_output(node: Node, ctx: _Context) -> bool:
     that is not a constant 0."""
     if len(node.outputs) < 2 or not node.outputs[1]:
         return False
-    _check_int8_output(ctx, node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else "", "SkipLayerNorm")
+    _check_int8_output(ctx, node)
     return True
 
 
@@ -1010,7 +1012,7 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
     """
     quantized = node.op_type == "AttentionQuantize"
     if quantized:
-        _check_int8_output(ctx, node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else "", "AttentionQuantize")
+        _check_int8_output(ctx, node)
     elif len(node.inputs) > 4 and any(node.inputs[4:]) or any(node.outputs[1:]):
         raise Unsupported("Attention with past key/value or extra outputs")
     dtype = _gemm_dtype([ctx.info(n).dtype for n in node.inputs[:3]], "Attention")
