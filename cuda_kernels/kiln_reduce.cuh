@@ -72,6 +72,22 @@ struct KilnWarpRow {
             for (int e = 0; e < V; ++e) v[e] = col(j, e) < cols ? kiln_f(row[col(j, e)]) : 0.0f;
         }
     }
+    // v[e] = DequantizeLinear(row[col(j, e)], scale) as stored in T (int8 * scale in fp32, rounded to T; exactly
+    // the unfused DequantizeLinear), 0 past the row's end. Vectors of V bytes: the same slots as T's 16-byte vectors.
+    __device__ __forceinline__ void load(const signed char* row, int j, float (&v)[V], float scale) const {
+        struct alignas(V) Bytes { signed char b[V]; };
+        if (vec) {
+            Bytes a;
+            const bool in = col(j, 0) < cols;
+            if (in) a = *reinterpret_cast<const Bytes*>(row + col(j, 0));
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = in ? kiln_f(kiln_to<T>(__fmul_rn((float)a.b[e], scale))) : 0.0f;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                v[e] = col(j, e) < cols ? kiln_f(kiln_to<T>(__fmul_rn((float)row[col(j, e)], scale))) : 0.0f;
+        }
+    }
     __device__ __forceinline__ void store(T* row, int j, const float (&v)[V]) const {
         if (vec) {
             if (col(j, 0) >= cols) return;
@@ -113,25 +129,35 @@ __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigne
 // block kernels' order of operations).
 //
 // yq (not null): also QuantizeLinear(y as stored, *q_scale) to int8 (round half to even, saturate; zero point 0),
-// as the unfused QuantizeLinear computes it from y (kiln.SkipLayerNorm's output 1, passes/fuse_norm_quantize.py).
-template <typename T, bool RMS, bool SKIP>
-__device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ gamma,
+// as the unfused QuantizeLinear computes it from y (kiln.SkipLayerNorm's output 1, passes/fuse_norm_quantize.py);
+// y may then be null (nothing reads the float output). TI = signed char: x and skip are int8, dequantized to T by
+// *x_scale and *skip_scale as DequantizeLinear stores them (passes/fuse_norm_dequantize.py).
+template <typename U> struct KilnSame { using type = U; };  // a parameter type left out of template deduction
+template <typename T, bool RMS, bool SKIP, typename TI = T>
+__device__ void kiln_warp_norm(const TI* __restrict__ x, const typename KilnSame<TI>::type* __restrict__ skip,
+                               const T* __restrict__ gamma,
                                const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows,
-                               signed char* __restrict__ yq = nullptr, const float* __restrict__ q_scale = nullptr) {
+                               signed char* __restrict__ yq = nullptr, const float* __restrict__ q_scale = nullptr,
+                               const float* __restrict__ x_scale = nullptr, const float* __restrict__ skip_scale = nullptr) {
     using Row = KilnWarpRow<T>;
+    constexpr bool DQ = sizeof(TI) == 1;  // int8 x and skip, dequantized by *x_scale / *skip_scale
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;  // the whole warp: every lane has the same row
     const bool aligned = kiln_aligned16(x) && (!SKIP || kiln_aligned16(skip)) && kiln_aligned16(gamma)
-                         && (beta == nullptr || kiln_aligned16(beta)) && kiln_aligned16(y);
+                         && (beta == nullptr || kiln_aligned16(beta)) && (y == nullptr || kiln_aligned16(y));
     const Row row(cols, aligned);
     float v[Row::SLOTS][Row::V];
 #pragma unroll
-    for (int j = 0; j < Row::SLOTS; ++j) row.load(x + r * cols, j, v[j]);
+    for (int j = 0; j < Row::SLOTS; ++j) {
+        if constexpr (DQ) row.load(x + r * cols, j, v[j], *x_scale);
+        else row.load(x + r * cols, j, v[j]);
+    }
     if (SKIP) {
 #pragma unroll
         for (int j = 0; j < Row::SLOTS; ++j) {
             float s[Row::V];
-            row.load(skip + r * cols, j, s);
+            if constexpr (DQ) row.load(skip + r * cols, j, s, *skip_scale);
+            else row.load(skip + r * cols, j, s);
 #pragma unroll
             for (int e = 0; e < Row::V; ++e) v[j][e] = kiln_f(kiln_to<T>(v[j][e] + s[e]));
         }
@@ -165,7 +191,7 @@ __device__ void kiln_warp_norm(const T* __restrict__ x, const T* __restrict__ sk
             v[j][e] = (v[j][e] - mean) * inv * g[e];
             if (beta != nullptr) v[j][e] += b[e];
         }
-        row.store(y + r * cols, j, v[j]);
+        if (y != nullptr) row.store(y + r * cols, j, v[j]);
         if (yq != nullptr) {
             struct alignas(Row::V) { signed char b[Row::V]; } q;  // one V-byte store a vector
 #pragma unroll

@@ -3,7 +3,8 @@
 // writes one whole activation only for the LayerNorm to read it back; here the sum never leaves the block.
 // The sum is rounded to the storage type first, as the unfused Add stores it; statistics are fp32 (layer_norm.cu).
 // skip_layer_norm_warp_*: one warp per row of at most KILN_WARP_ROW elements, in registers (kiln_reduce.cuh);
-// skip_layer_norm_q_warp_*: also the output quantized to int8 (kiln.SkipLayerNorm's output 1).
+// skip_layer_norm_q_warp_*: also the output quantized to int8 (kiln.SkipLayerNorm's output 1);
+// skip_layer_norm_dq_warp_*: x and skip are int8 (inputs 6, 7 their scales), y and yq each optional (null).
 #include "kiln_reduce.cuh"
 
 template <typename T>
@@ -48,6 +49,13 @@ __device__ void skip_norm_rows(const T* __restrict__ x, const T* __restrict__ sk
                                                                const float* q_scale, int cols, float epsilon,  \
                                                                long long rows) {                               \
         kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows, yq, q_scale);             \
+    }                                                                                                          \
+    extern "C" __global__ void skip_layer_norm_dq_warp_##SUFFIX(                                               \
+        const signed char* x, const signed char* skip, const float* x_scale, const float* skip_scale,         \
+        const T* gamma, const T* beta, T* y, signed char* yq, const float* q_scale, int cols, float epsilon,   \
+        long long rows) {                                                                                      \
+        kiln_warp_norm<T, false, true, signed char>(x, skip, gamma, beta, y, cols, epsilon, rows, yq, q_scale,  \
+                                                    x_scale, skip_scale);                                      \
     }
 
 KILN_SKIP_NORM(float, f32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -385,13 +386,26 @@ def _dequantized_weight(graph: onnx.GraphProto, init: onnx.TensorProto, axis: in
     return f"{name}_dq"
 
 
+def residual_adds(graph: onnx.GraphProto) -> list[int]:
+    """Indices of a post-LN transformer's residual Adds: read by one LayerNormalization only, one operand itself a
+    LayerNormalization's output (the skip). The embeddings' sum has no such operand, so it stays float."""
+    norms = {n.output[0] for n in graph.node if n.op_type == "LayerNormalization"}
+    readers = Counter(i for n in graph.node for i in n.input)
+    norm_inputs = {n.input[0] for n in graph.node if n.op_type == "LayerNormalization"}
+    return [k for k, n in enumerate(graph.node)
+            if n.op_type == "Add" and readers[n.output[0]] == 1 and n.output[0] in norm_inputs
+            and any(i in norms for i in n.input)]
+
+
 def bert_qdq(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, vocab: int = 30522,
-             max_positions: int = 512, calib_batches: int = 4, calib_batch: int = 4, calib_sequence: int = 32) -> onnx.ModelProto:
+             max_positions: int = 512, calib_batches: int = 4, calib_batch: int = 4, calib_sequence: int = 32,
+             residual: bool = False) -> onnx.ModelProto:
     """BERT (the builder above) explicitly quantized the way a QAT export looks: every linear layer's weight
     as an int8 initializer read through a per-output-column DequantizeLinear (axis 1 of [K, N]) and its input
     through QuantizeLinear -> DequantizeLinear (int8, per tensor, zero point 0; one pair per tensor, shared by
-    the Q/K/V projections). Attention's activation x activation MatMuls stay float. Activation scales are
-    max |x| / 127 over seeded random token batches, run through onnxruntime on the float model."""
+    the Q/K/V projections). Attention's activation x activation MatMuls stay float. ``residual``: both operands
+    of every residual Add too (``residual_adds``), so the residual stream between layers is int8 as well. Activation
+    scales are max |x| / 127 over seeded random token batches, run through onnxruntime on the float model."""
     model = bert(layers, hidden, heads, ffn, vocab, max_positions)
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
@@ -402,8 +416,11 @@ def bert_qdq(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 30
               "token_type_ids": rng.integers(0, 2, (calib_batch, calib_sequence)).astype(np.int64)}
              for _ in range(calib_batches)]
     linear_ids = {id(n) for n in linear}
-    insert_qdq(model, {k: [(0, None), (1, 1)] for k, n in enumerate(graph.node) if id(n) in linear_ids}, feeds)
-    graph.name = "bert_qdq"
+    targets = {k: [(0, None), (1, 1)] for k, n in enumerate(graph.node) if id(n) in linear_ids}
+    if residual:
+        targets |= {k: [(0, None), (1, None)] for k in residual_adds(graph)}
+    insert_qdq(model, targets, feeds)
+    graph.name = "bert_qdq_residual" if residual else "bert_qdq"
     onnx.checker.check_model(model)
     return model
 
@@ -433,6 +450,9 @@ MODELS: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[[], onnx.ModelPr
     "gpt2": (gpt2, lambda: gpt2(layers=2, hidden=64, heads=4, vocab=1000, max_positions=128)),
     "yolo_nms": (yolo_nms, lambda: yolo_nms(image_size=128, width=8, classes=8, score=0.5)),
     "bert_qdq": (bert_qdq, lambda: bert_qdq(layers=2, hidden=64, heads=4, ffn=128, vocab=1000, max_positions=128)),
+    "bert_qdq_residual": (lambda: bert_qdq(residual=True),
+                          lambda: bert_qdq(layers=2, hidden=64, heads=4, ffn=128, vocab=1000, max_positions=128,
+                                           residual=True)),
 }
 
 

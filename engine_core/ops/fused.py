@@ -17,8 +17,9 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
   saturate, zero point 0).
 * ``PointwiseChain(x0..xn)``: attribute ``body`` (a Graph of pointwise ONNX nodes whose inputs match the
   node's inputs one to one, one output), evaluated element by element.
-* ``SkipLayerNorm(x, skip, gamma, beta?, y_scale?, y_zero?)``, ``AttentionQuantize(q, k, v, mask?, y_scale,
-  y_zero?)``: a residual Add + LayerNorm (optionally also quantized), an Attention whose output is quantized.
+* ``SkipLayerNorm(x, skip, gamma, beta?, y_scale?, y_zero?, x_scale?, skip_scale?)``, ``AttentionQuantize(q, k, v, mask?, y_scale,
+  y_zero?)``: a residual Add + LayerNorm (optionally also quantized, optionally of int8 operands), an Attention
+  whose output is quantized.
 """
 
 from __future__ import annotations
@@ -313,9 +314,8 @@ def qconv_residual(node: Node, residual: np.ndarray, residual_scale: np.ndarray 
     stored it (int8 * scale in float32, rounded to ``float_dtype``), so the fused layer equals the unfused graph."""
     if residual_scale is None:
         return residual.astype(np.float32)
-    dtype = qmatmul_float_dtype(node, residual_scale.dtype)
-    value = residual.astype(np.float32) * residual_scale.astype(np.float32).reshape(())
-    return value.astype(dtype, copy=False).astype(np.float32, copy=False)
+    value = dequantized_operand(residual, residual_scale, qmatmul_float_dtype(node, residual_scale.dtype))
+    return value.astype(np.float32, copy=False)
 
 
 def _qconv_cpu(node: Node, x: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
@@ -350,13 +350,22 @@ register_op("QConv", infer=_qconv_infer, cpu=_qconv_cpu, domain=DOMAIN,
 
 def _skip_layer_norm_infer(node: Node, x: TensorInfo, skip: TensorInfo, scale: TensorInfo,
                            bias: TensorInfo | None = None, y_scale: TensorInfo | None = None,
-                           y_zero: TensorInfo | None = None) -> TensorInfo | list[TensorInfo]:
-    """LayerNormalization's output for x + skip (which broadcast like Add's operands, one type); with ``y_scale``
-    also that output quantized to int8 (output 1)."""
-    if x.dtype != skip.dtype:
-        raise ShapeInferenceError(f"{node}: x and skip differ in type ({x.dtype}, {skip.dtype})")
+                           y_zero: TensorInfo | None = None, x_scale: TensorInfo | None = None,
+                           skip_scale: TensorInfo | None = None) -> TensorInfo | list[TensorInfo]:
+    """LayerNormalization's output for x + skip (which broadcast like Add's operands, one type; int8 operands with
+    their scales are dequantized to the LayerNorm's type, gamma's); with ``y_scale`` also that output quantized to
+    int8 (output 1)."""
+    for name, value, value_scale in (("x", x, x_scale), ("skip", skip, skip_scale)):
+        if (value.dtype == INT8) != (value_scale is not None):
+            raise ShapeInferenceError(f"{node}: an int8 {name} takes a scale (input {6 if name == 'x' else 7}), "
+                                      f"a float one none")
+        if value_scale is not None and value_scale.shape is not None and int(np.prod(value_scale.shape)) != 1:
+            raise ShapeInferenceError(f"{node}: {name} is dequantized by one scale")
+    x_type, skip_type = (scale.dtype if v.dtype == INT8 else v.dtype for v in (x, skip))
+    if x_type != skip_type:
+        raise ShapeInferenceError(f"{node}: x and skip differ in type ({x_type}, {skip_type})")
     shape = None if x.shape is None or skip.shape is None else broadcast_shapes(x.shape, skip.shape)
-    y = get_op("LayerNormalization").infer(node, TensorInfo(x.dtype, shape), scale, bias)[0]
+    y = get_op("LayerNormalization").infer(node, TensorInfo(x_type, shape), scale, bias)[0]
     if y_scale is None:
         return y
     if (y_scale.shape is not None and int(np.prod(y_scale.shape)) != 1) or (y_zero is not None and y_zero.dtype != INT8):
@@ -364,14 +373,25 @@ def _skip_layer_norm_infer(node: Node, x: TensorInfo, skip: TensorInfo, scale: T
     return [y, TensorInfo(INT8, y.shape)]
 
 
+def dequantized_operand(value: np.ndarray, scale: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """A fused layer's operand as the DequantizeLinear it absorbed stored it: int8 * scale in float32, rounded to
+    ``dtype`` (the DequantizeLinear's output type); a float operand (no scale) as it is."""
+    if scale is None:
+        return value
+    return (value.astype(np.float32) * scale.astype(np.float32).reshape(())).astype(dtype)
+
+
 def _skip_layer_norm_cpu(node: Node, x: np.ndarray, skip: np.ndarray, scale: np.ndarray,
                          bias: np.ndarray | None = None, y_scale: np.ndarray | None = None,
-                         y_zero: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+                         y_zero: np.ndarray | None = None, x_scale: np.ndarray | None = None,
+                         skip_scale: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """LayerNormalization(x + skip), the sum stored in x's type first: exactly the unfused Add -> LayerNorm
-    (the LayerNorm's axis is the last, so a broadcast sum normalizes like the unfused one); with ``y_scale``
-    also QuantizeLinear(y, y_scale, y_zero) to int8, by QuantizeLinear's own code (passes/fuse_norm_quantize.py)."""
+    (the LayerNorm's axis is the last, so a broadcast sum normalizes like the unfused one); int8 x / skip are first
+    dequantized by DequantizeLinear's arithmetic (passes/fuse_norm_dequantize.py); with ``y_scale`` also
+    QuantizeLinear(y, y_scale, y_zero) to int8, by QuantizeLinear's own code (passes/fuse_norm_quantize.py)."""
     from engine_core.ops.quantization import quantize
 
+    x, skip = dequantized_operand(x, x_scale, scale.dtype), dequantized_operand(skip, skip_scale, scale.dtype)
     total = np.add(x, skip, dtype=x.dtype)
     y = get_op("LayerNormalization").cpu(node, total, scale, bias)[0]
     if y_scale is None:
@@ -382,7 +402,8 @@ def _skip_layer_norm_cpu(node: Node, x: np.ndarray, skip: np.ndarray, scale: np.
 register_op("SkipLayerNorm", infer=_skip_layer_norm_infer, cpu=_skip_layer_norm_cpu, domain=DOMAIN,
             doc="LayerNormalization(x + skip) (attributes axis, epsilon, stash_type): a residual Add and the "
                 "LayerNorm reading it, in one kernel; inputs 4, 5 (y_scale, y_zero) add output 1, the result "
-                "quantized to int8 (QuantizeLinear)")
+                "quantized to int8 (QuantizeLinear); inputs 6, 7 (x_scale, skip_scale) dequantize int8 x and skip "
+                "(DequantizeLinear to gamma's type); output 0 may be absent (\"\") when only the int8 one is read")
 
 
 # -- AttentionQuantize: an Attention and the QuantizeLinear of its output (passes/fuse_attention_quantize.py) ---

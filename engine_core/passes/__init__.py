@@ -12,6 +12,7 @@ from engine_core.passes.fuse_gelu import fuse_gelu
 from engine_core.passes.fuse_layer_norm import fuse_layer_norm
 from engine_core.passes.fuse_log_softmax import fuse_log_softmax
 from engine_core.passes.fuse_matmul_epilogue import fuse_matmul_epilogue
+from engine_core.passes.fuse_norm_dequantize import fuse_norm_dequantize
 from engine_core.passes.fuse_norm_quantize import fuse_norm_quantize
 from engine_core.passes.fuse_pointwise_chain import fuse_pointwise_chain
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
@@ -31,16 +32,17 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: Transposes; narrow_attention_mask must see the mask's elementwise ops before fuse_pointwise_chain merges
 #: them; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
 #: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize and
-#: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold.
+#: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold (and
+#: fuse_norm_dequantize the DequantizeLinears).
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
                  narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
-                 fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes,
-                 fuse_pointwise_chain, eliminate_dead_code)
+                 fuse_norm_dequantize, fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue,
+                 eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
 __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
            "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
-           "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul", "fuse_rms_norm",
-           "fuse_skip_layer_norm", "infer_shapes", "narrow_attention_mask"]
+           "fuse_norm_dequantize", "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul",
+           "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes", "narrow_attention_mask"]

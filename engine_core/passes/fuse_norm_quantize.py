@@ -5,7 +5,8 @@ the next linear layer's input quantization): ``SkipLayerNorm(x, skip, gamma[, be
 ``QuantizeLinear(y, scale, zero)`` with one constant scale and an int8 zero point of 0 (or none, with
 ``output_dtype`` int8). The QuantizeLinear goes; the SkipLayerNorm takes ``scale, zero`` as inputs 4, 5 and writes
 the quantized tensor as output 1, computed by QuantizeLinear's own code from the stored ``y``
-(engine_core/ops/fused.py), so the fused layer equals the two unfused ones exactly.
+(engine_core/ops/fused.py), so the fused layer equals the two unfused ones exactly. When nothing else reads ``y``
+(the residual stream quantized too: the next layer's skip is the int8 tensor), output 0 becomes "" and is not written.
 
 Why: the QuantizeLinear reads the whole activation back (2 bytes an element in fp16) to write 1 byte an
 element, while the norm kernel has each value in a register (cuda_kernels/skip_layer_norm.cu). BERT-base INT8
@@ -34,7 +35,9 @@ def fuse_norm_quantize(graph: Graph) -> int:
             return None
         zero = q.inputs[2] if len(q.inputs) > 2 else ""
         inputs = [*norm.inputs, *[""] * (4 - len(norm.inputs)), q.inputs[1], zero]
-        node = Node(norm.op_type, inputs, [norm.outputs[0], q.outputs[0]], dict(norm.attrs), norm.name, norm.domain,
+        # the float output goes when the QuantizeLinear was its only reader (the kernel then writes int8 alone)
+        y = "" if uses.sole_reader(norm.outputs[0]) is q else norm.outputs[0]
+        node = Node(norm.op_type, inputs, [y, q.outputs[0]], dict(norm.attrs), norm.name, norm.domain,
                     norm.opset, [*norm.origin, *q.origin])
         return node, [q, norm]  # in the SkipLayerNorm's place
 

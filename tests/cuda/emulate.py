@@ -286,14 +286,24 @@ class Emulator:
             e = np.exp(v - np.where(np.isneginf(top), 0, top))
             total = e.sum(-1, keepdims=True)
             self.view(y, dt, (rows, cols), (cols, 1))[...] = e / np.where(total > 0, total, 1)
-        elif kind in ("layer_norm", "rms_norm", "skip_layer_norm", "skip_layer_norm_q"):
-            quantized = None
+        elif kind in ("layer_norm", "rms_norm", "skip_layer_norm", "skip_layer_norm_q", "skip_layer_norm_dq"):
+            quantized, operand_scales = None, (None, None)
+            if kind == "skip_layer_norm_dq":  # (int8 x, int8 skip, their scales, gamma, beta, y, int8 y, its scale, ...)
+                operand_scales, args = args[2:4], [*args[:2], *args[4:]]
+                kind = "skip_layer_norm_q"
             if kind == "skip_layer_norm_q":  # (x, skip, gamma, beta, y, int8 y, its scale, cols, eps)
                 quantized, args, kind = args[5:7], [*args[:5], *args[7:]], "skip_layer_norm"
             if kind == "skip_layer_norm":  # the sum rounded to the storage type, as the kernel keeps it
                 x, skip, gamma, beta, y, cols, eps = args
-                v = (self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float32)
-                     + self.view(skip, dt, (rows, cols), (cols, 1)).astype(np.float32)).astype(dt).astype(np.float64)
+
+                def operand(ref: Ref, scale: Ref | None) -> np.ndarray:  # an int8 one as DequantizeLinear stores it
+                    if scale is None:
+                        return self.view(ref, dt, (rows, cols), (cols, 1)).astype(np.float32)
+                    value = self.view(ref, np.dtype(np.int8), (rows, cols), (cols, 1)).astype(np.float32)
+                    scale_value = self.view(scale, np.dtype(np.float32), (1,), (1,))[0]
+                    return (value * scale_value).astype(dt).astype(np.float32)
+
+                v = (operand(x, operand_scales[0]) + operand(skip, operand_scales[1])).astype(dt).astype(np.float64)
             else:
                 x, gamma, beta, y, cols, eps = args
                 v = self.view(x, dt, (rows, cols), (cols, 1)).astype(np.float64)
@@ -304,10 +314,11 @@ class Emulator:
             norm = norm * self.view(gamma, dt, (cols,), (1,)).astype(np.float64)
             if isinstance(beta, Ref):
                 norm = norm + self.view(beta, dt, (cols,), (1,)).astype(np.float64)
-            self.view(y, dt, (rows, cols), (cols, 1))[...] = norm
-            if quantized is not None:  # QuantizeLinear of y as stored
+            if isinstance(y, Ref):  # a SkipLayerNorm's float output may be absent (null)
+                self.view(y, dt, (rows, cols), (cols, 1))[...] = norm
+            if quantized is not None and isinstance(quantized[0], Ref):  # QuantizeLinear of y as stored
                 yq, q_scale = quantized
-                stored = self.view(y, dt, (rows, cols), (cols, 1)).astype(np.float32)
+                stored = norm.astype(dt).astype(np.float32)
                 scale = self.view(q_scale, np.dtype(np.float32), (1,), (1,))[0]
                 self.view(yq, np.dtype(np.int8), (rows, cols), (cols, 1))[...] = _saturate_int8(stored / scale)
         elif kind in ("reduce_rows", "reduce_max_rows", "reduce_min_rows"):

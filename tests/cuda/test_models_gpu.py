@@ -84,7 +84,7 @@ def _reference(name: str, batch: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def _tolerance(name: str, precision: str) -> float:
-    return QDQ_TOLERANCE if name.endswith("_qdq") else TOLERANCE[precision]
+    return QDQ_TOLERANCE if "_qdq" in name else TOLERANCE[precision]
 
 
 def _check_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tolerance: float) -> None:
