@@ -18,6 +18,9 @@ Kiln variants, one engine each (one optimization profile over the batches):
                  ``*_qdq`` models (its helpers: BN folded, per-channel int8 weights, per-tensor activations
                  with max |x| / 127 scales from onnxruntime over the same calibration batches)
                  (convolutions as the builder chooses: INT8 kiln.QConv on CUDA builds with cuDNN INT8)
+  int8_explicit_residual  transformers: also both operands of every residual Add (make_models.residual_adds), so
+                 the residual stream between layers is int8 too (the output projections and FFN2 write int8, the
+                 SkipLayerNorms read and write int8 only)
   int8_explicit_floatgemm  the same with KILN_INT8_GEMM=0: Q/DQ MatMuls stay fake-quantized float GEMMs
   int8_explicit_cublaslt   the same with KILN_QGEMM=0: INT8 MatMuls as cuBLASLt IMMA + a dequantizing kernel,
                            not Kiln's sm_90 GEMM with the epilogue in registers
@@ -60,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: int8_implicit calibrates with the entropy calibrator; the _minmax / _percentile forms with those instead
 VARIANTS = ("fp32", "fp16", "int8_implicit", "int8_implicit_minmax", "int8_implicit_percentile", "int8_explicit",
-            "int8_explicit_qconv", "int8_explicit_floatconv", "int8_explicit_floatgemm", "int8_explicit_cublaslt")
+            "int8_explicit_residual", "int8_explicit_qconv", "int8_explicit_floatconv", "int8_explicit_floatgemm", "int8_explicit_cublaslt")
 #: variant suffix -> the environment variable it sets during its build
 FORCED = {"_qconv": ("KILN_INT8_CONV", "1"), "_floatconv": ("KILN_INT8_CONV", "0"),
           "_floatgemm": ("KILN_INT8_GEMM", "0"), "_cublaslt": ("KILN_QGEMM", "0")}
@@ -138,12 +141,13 @@ def make_models_spec(name: str, workdir: Path, small: bool = True) -> ModelSpec:
 # -- explicit quantization (tools/make_models.py's Q/DQ helpers on any float model) --------------------------
 
 
-def qdq_targets(graph, classifier: bool) -> tuple[dict[int, list[tuple[int, int | None]]], int]:
+def qdq_targets(graph, classifier: bool, residual: bool = False) -> tuple[dict[int, list[tuple[int, int | None]]], int]:
     """Which inputs of which nodes to quantize, as make_models' ``resnet50_qdq`` / ``bert_qdq`` choose them:
     {node index: [(input index, weight axis, or None for an activation)]}, and how many candidates were skipped.
 
     CNNs (``classifier``): every Conv/Gemm input and weight plus the residual input of every Add; transformers:
-    every MatMul with a constant 2-D weight (attention's activation x activation MatMuls stay float). A weight
+    every MatMul with a constant 2-D weight (attention's activation x activation MatMuls stay float), and with
+    ``residual`` both operands of every residual Add (``make_models.residual_adds``). A weight
     that is not an initializer, or that several nodes read, leaves its layer float (its int8 replacement would
     change the other readers)."""
     weights = {t.name: t for t in graph.initializer}
@@ -166,10 +170,15 @@ def qdq_targets(graph, classifier: bool) -> tuple[dict[int, list[tuple[int, int 
             skipped += 1
         else:
             targets[k] = wanted
+    if residual and not classifier:
+        from tools.make_models import residual_adds
+
+        targets |= {k: [(0, None), (1, None)] for k in residual_adds(graph)}
     return targets, skipped
 
 
-def quantize_explicitly(model, classifier: bool, feeds: list[dict[str, np.ndarray]]) -> tuple[object, dict[str, int]]:
+def quantize_explicitly(model, classifier: bool, feeds: list[dict[str, np.ndarray]],
+                        residual: bool = False) -> tuple[object, dict[str, int]]:
     """``model`` (an onnx.ModelProto, changed in place) made Q/DQ the way make_models' ``resnet50_qdq`` /
     ``bert_qdq`` are (BN folded, ``qdq_targets``, make_models.insert_qdq with onnxruntime scales over
     ``feeds``); returns it and what was quantized."""
@@ -178,7 +187,7 @@ def quantize_explicitly(model, classifier: bool, feeds: list[dict[str, np.ndarra
     from tools.make_models import _fold_batchnorm, insert_qdq
 
     _fold_batchnorm(model.graph)
-    targets, skipped = qdq_targets(model.graph, classifier)
+    targets, skipped = qdq_targets(model.graph, classifier, residual)
     activations = {model.graph.node[k].input[i] for k, wanted in targets.items() for i, axis in wanted if axis is None}
     insert_qdq(model, targets, feeds)
     onnx.checker.check_model(model)
@@ -186,12 +195,13 @@ def quantize_explicitly(model, classifier: bool, feeds: list[dict[str, np.ndarra
                    "skipped_shared_or_nonconstant_weight": skipped}
 
 
-def explicit_model(spec: ModelSpec, calib: list[dict[str, np.ndarray]], workdir: Path) -> tuple[Path, dict]:
+def explicit_model(spec: ModelSpec, calib: list[dict[str, np.ndarray]], workdir: Path,
+                   residual: bool = False) -> tuple[Path, dict]:
     """The Q/DQ copy of ``spec``'s ONNX file (written to ``workdir``) and its quantization counts."""
     import onnx
 
-    model, counts = quantize_explicitly(onnx.load(str(spec.path)), spec.classifier, calib)
-    path = workdir / f"{spec.name}_qdq.onnx"
+    model, counts = quantize_explicitly(onnx.load(str(spec.path)), spec.classifier, calib, residual)
+    path = workdir / f"{spec.name}_qdq{'_residual' if residual else ''}.onnx"
     onnx.save(model, str(path))
     return path, counts
 
@@ -415,7 +425,7 @@ def build_variant(spec: ModelSpec, variant: str, s: Settings, calib: list[dict[s
         calibrator = make_calibrator(calib, algorithm, str(cache))
     elif variant.startswith("int8_explicit"):
         started = time.perf_counter()
-        path, counts = explicit_model(spec, calib, workdir)
+        path, counts = explicit_model(spec, calib, workdir, residual=variant == "int8_explicit_residual")
         extra["qdq"] = counts | {"scales": "max|x|/127, onnxruntime over the calibration batches",
                                  "seconds": round(time.perf_counter() - started, 2)}
     forced = {name: value for suffix, (name, value) in FORCED.items() if variant.endswith(suffix)}

@@ -5,7 +5,8 @@
 Each case is a one-layer ONNX model (onnx.helper) of an explicitly quantized linear layer at BERT-base sizes
 (``--rows`` = batch x sequence, 8192 = 64 x 128): int8 input x [rows, K] -> DequantizeLinear -> MatMul with a
 per-column int8 weight's DequantizeLinear -> + bias, then either fp16 out (Q/K/V, attention output, FFN2) or GELU
--> QuantizeLinear -> int8 out (FFN1, whose output only FFN2 reads). FP16 builds; the builder fuses each into one
+-> QuantizeLinear -> int8 out (FFN1, whose output only FFN2 reads), or QuantizeLinear -> int8 out without GELU (the
+attention output and FFN2 of ``bench.int8``'s int8_explicit_residual, whose residual stream is int8). FP16 builds; the builder fuses each into one
 ``kiln.QMatMul``. Kiln columns (GPU kernel time from CUPTI, microseconds per call, every kernel of the layer):
   qgemm   the default on sm_90: one ``qgemm_sm90`` launch
   lt      ``KILN_QGEMM=0``: cuBLASLt IMMA (int32 sums to memory) + the generated dequantizing kernel
@@ -36,13 +37,17 @@ class Case:
     name: str
     k: int
     n: int
-    #: GELU then requantize to int8 (FFN1); else an fp16 output
-    gelu_int8: bool
+    #: GELU (FFN1)
+    gelu: bool
+    #: requantize to int8; else an fp16 output
+    int8_out: bool
 
 
-CASES = [Case("QKV / attention out [768 -> 768]", HIDDEN, HIDDEN, False),
-         Case("FFN1 + GELU -> int8 [768 -> 3072]", HIDDEN, FFN, True),
-         Case("FFN2 [3072 -> 768]", FFN, HIDDEN, False)]
+CASES = [Case("QKV / attention out [768 -> 768]", HIDDEN, HIDDEN, False, False),
+         Case("FFN1 + GELU -> int8 [768 -> 3072]", HIDDEN, FFN, True, True),
+         Case("FFN2 [3072 -> 768]", FFN, HIDDEN, False, False),
+         Case("attention out -> int8 [768 -> 768]", HIDDEN, HIDDEN, False, True),
+         Case("FFN2 -> int8 [3072 -> 768]", FFN, HIDDEN, False, True)]
 
 
 def _weights(case: Case) -> dict[str, np.ndarray]:
@@ -58,8 +63,10 @@ def int8_model(case: Case, rows: int) -> onnx.ModelProto:
              n("DequantizeLinear", ["w", "w_scale", "wz"], ["wd"], axis=1),
              n("MatMul", ["xd", "wd"], ["h"]), n("Add", ["h", "bias"], ["hb"])]
     inits = _weights(case) | {"wz": np.zeros(case.n, np.int8)}
-    if case.gelu_int8:
-        nodes += [n("Gelu", ["hb"], ["g"]), n("QuantizeLinear", ["g", "y_scale", "zero"], ["y"])]
+    if case.int8_out:
+        if case.gelu:
+            nodes.append(n("Gelu", ["hb"], ["g"]))
+        nodes.append(n("QuantizeLinear", ["g" if case.gelu else "hb", "y_scale", "zero"], ["y"]))
         return _model(nodes, TensorProto.INT8, TensorProto.INT8, rows, case, inits)
     nodes[-1].output[0] = "y"  # fp16 scales and bias: the layer computes fp16 and writes it (no Cast layer)
     inits |= {k: inits[k].astype(np.float16) for k in ("x_scale", "w_scale", "bias")}
@@ -70,8 +77,8 @@ def fp16_model(case: Case, rows: int) -> onnx.ModelProto:
     n = helper.make_node
     w = _weights(case)
     inits = {"w": (w["w"].astype(np.float32) * w["w_scale"]).astype(np.float16), "bias": w["bias"].astype(np.float16)}
-    nodes = [n("MatMul", ["x", "w"], ["h"]), n("Add", ["h", "bias"], ["y" if not case.gelu_int8 else "hb"])]
-    if case.gelu_int8:
+    nodes = [n("MatMul", ["x", "w"], ["h"]), n("Add", ["h", "bias"], ["y" if not case.gelu else "hb"])]
+    if case.gelu:
         nodes.append(n("Gelu", ["hb"], ["y"]))
     return _model(nodes, TensorProto.FLOAT16, TensorProto.FLOAT16, rows, case, inits)
 
@@ -106,7 +113,7 @@ def run_case(torch, case: Case, rows: int) -> dict:
     stream = torch.cuda.current_stream()
     gen = torch.Generator(device="cuda").manual_seed(0)
     xq = torch.randint(-127, 128, (rows, case.k), dtype=torch.int8, device="cuda", generator=gen)
-    out_dtype = torch.int8 if case.gelu_int8 else torch.float16
+    out_dtype = torch.int8 if case.int8_out else torch.float16
     row: dict = {"case": case.name, "m": rows, "n": case.n, "k": case.k}
     model = int8_model(case, rows)
     y = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
@@ -119,7 +126,7 @@ def run_case(torch, case: Case, rows: int) -> dict:
     row["fp16"] = _run_kiln(torch, fp16_model(case, rows), rows, case, xh, yh, stream)
     w = torch.randn((case.n, case.k), device="cuda", generator=gen).half()
     b = torch.randn(case.n, device="cuda", generator=gen).half()
-    linear = (lambda: F.gelu(F.linear(xh, w, b))) if case.gelu_int8 else (lambda: F.linear(xh, w, b))
+    linear = (lambda: F.gelu(F.linear(xh, w, b))) if case.gelu else (lambda: F.linear(xh, w, b))
     row["torch_fp16_us"], _ = kernel_us(linear, stream)
     wq = torch.randint(-127, 128, (case.k, case.n), dtype=torch.int8, device="cuda", generator=gen)
     row["torch_int_mm_us"], _ = kernel_us(lambda: torch._int_mm(xq, wq), stream)
@@ -130,7 +137,7 @@ def profile_runs(torch, case: Case, rows: int, runs: int = 3) -> None:
     """Kiln's qgemm and fp16 engines of ``case``, ``runs`` launches each and nothing else (no CUPTI)."""
     stream = torch.cuda.current_stream()
     cases = ((int8_model(case, rows), torch.randint(-127, 128, (rows, case.k), dtype=torch.int8, device="cuda"),
-              torch.int8 if case.gelu_int8 else torch.float16),
+              torch.int8 if case.int8_out else torch.float16),
              (fp16_model(case, rows), torch.randn((rows, case.k), device="cuda").half(), torch.float16))
     for model, x, out_dtype in cases:
         ctx = layer_engine(model, (rows, case.k), fp16=True).create_execution_context()

@@ -58,6 +58,16 @@ def test_cpu_small_bert_writes_every_variant_and_batch(tmp_path):
     assert reused["speedup_vs_kiln_fp16"] is None  # no fp16 row in that run
 
 
+def test_cpu_small_bert_with_an_int8_residual_stream(tmp_path):
+    """int8_explicit_residual: the 4 encoder residual Adds quantized as well as the 13 linear layers; the plan keeps
+    no DequantizeLinear and no QuantizeLinear but the pooler's, and stays close to fp32."""
+    result = _run(tmp_path, "--variants", "int8_explicit_residual")
+    row = next(r for r in result["rows"] if r["variant"] == "int8_explicit_residual" and r["batch"] == 2)
+    assert "error" not in row and row["qdq"]["quantized_layers"] == 13 + 4
+    assert row["plan"]["int8_gemm_layers"] == 13 and row["plan"]["qdq_layers"] == 1 and row["plan"]["host_layers"] == 0
+    assert 0 < row["accuracy"]["rel_l2_err"] < 0.05 and row["accuracy"]["cosine_min"] > 0.99
+
+
 def test_quantize_explicitly_quantizes_resnet_like_make_models():
     """The small make_models ResNet-50 made Q/DQ by bench.int8: BN folded, 53 convs + the classifier + 16
     residual Adds quantized, and onnxruntime's output of the Q/DQ model stays close to the float model's."""
