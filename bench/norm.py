@@ -12,7 +12,8 @@ built with FP16). Columns (GPU kernel time from CUPTI, microseconds per call, ev
   torch / torch+q torch eager ``F.layer_norm(x + skip)`` (two kernels), then ``(y / scale).round().clamp().to(int8)``
   copy            torch's device-to-device copy of the bytes Kiln's kernel moves (x, skip read; y written): the
                   memory system's reference for the same traffic
-TB/s counts the bytes Kiln's kernel reads and writes. Writes ``norm_<time>.json``.
+TB/s counts the bytes Kiln's kernel reads and writes. Writes ``norm_<time>.json``. ``--profile-runs`` runs the three
+Kiln engines a few times each without timing or peers, for a kernel profiler (``ncu -k regex:skip_layer_norm``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def model(rows: int, quantize: bool, int8_inputs: bool = False) -> onnx.ModelPro
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def _kiln(torch, rows: int, quantize: bool, feeds: dict, stream, int8_inputs: bool = False) -> dict:
+def _kiln(torch, rows: int, quantize: bool, feeds: dict, stream, int8_inputs: bool = False, runs: int = 0) -> dict:
+    """Kiln's layer timed by CUPTI; ``runs`` > 0: only launched that many times (for a profiler)."""
     shape = (rows, COLS)
     engine = layer_engine(model(rows, quantize, int8_inputs), {"x": shape, "skip": shape}, fp16=int8_inputs)
     ctx = engine.create_execution_context()
@@ -63,6 +65,11 @@ def _kiln(torch, rows: int, quantize: bool, feeds: dict, stream, int8_inputs: bo
         feeds = {name: (value / IN_SCALE).round().clamp(-127, 127).to(torch.int8) for name, value in feeds.items()}
     for name, value in {**feeds, **outs}.items():
         ctx.set_tensor_address(name, value.data_ptr())
+    if runs:
+        for _ in range(runs):
+            ctx.execute_async_v3(stream.cuda_stream)
+        torch.cuda.synchronize()
+        return {}
     us, kernels = kernel_us(lambda: ctx.execute_async_v3(stream.cuda_stream), stream)
     # x, skip read; y (and yq) written
     moved = rows * COLS * (3 if int8_inputs else 2 * 2 + 2 + (1 if quantize else 0))
@@ -97,9 +104,18 @@ def run_case(torch, rows: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="8192,1024", help="comma-separated rows: batch x sequence (BERT 64 x 128)")
+    parser.add_argument("--profile-runs", action="store_true", help="only run the Kiln engines, for a profiler")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
+
+    if args.profile_runs:
+        stream = torch.cuda.current_stream()
+        for rows in (int(r) for r in args.rows.split(",")):
+            feeds = {name: torch.randn((rows, COLS), device="cuda").half() for name in ("x", "skip")}
+            for quantize, int8_inputs in ((False, False), (True, False), (True, True)):
+                _kiln(torch, rows, quantize, feeds, stream, int8_inputs, runs=3)
+        return 0
 
     print(f"{torch.cuda.get_device_name()}: GPU kernel us per call (CUPTI), SkipLayerNorm over {COLS} fp16 columns")
     print(f"{'rows':>6} {'kiln':>7} {'kiln+q':>7} {'kiln i8':>7} {'torch':>7} {'torch+q':>7} {'copy':>7} {'TB/s':>6} "
