@@ -258,34 +258,18 @@ __device__ __forceinline__ void kiln_qg_epilogue_direct(const int (&acc)[BN / 2]
     });
 }
 
-template <typename T> struct KilnQgInt8 { static constexpr bool value = false; };
-template <> struct KilnQgInt8<signed char> { static constexpr bool value = true; };
-
-// The epilogue copy for these 64 rows: the activation (GELU in the GELU kernels, none or ReLU in the others), the
-// rounding before requantizing (int8 outputs only: the float outputs have one copy) and staged or direct stores,
-// each chosen once per tile
-template <int BN, int CHUNK, typename T, bool GELU>
-__device__ __forceinline__ void kiln_qg_epilogue_for(int act, int round_to, bool staged, const int (&acc)[BN / 2],
-                                                     T* __restrict__ y, const float* cols, unsigned char* stage,
-                                                     int tid, int row0, int n0, int M, int N, float x_scale,
-                                                     float y_scale) {
-    auto run = [&](auto act_, auto round_) __attribute__((always_inline)) {
-        constexpr int A = decltype(act_)::value, R = decltype(round_)::value;
-        if (staged) kiln_qg_epilogue_staged<BN, CHUNK, T, A, R>(acc, y, cols, stage, tid, row0, n0, M, N, x_scale, y_scale);
-        else kiln_qg_epilogue_direct<BN, T, A, R>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
-    };
-    auto rounded = [&](auto act_) __attribute__((always_inline)) {
-        if constexpr (KilnQgInt8<T>::value) {
-            if (round_to == QG_ROUND_F16) run(act_, KilnInt<QG_ROUND_F16>{});
-            else if (round_to == QG_ROUND_BF16) run(act_, KilnInt<QG_ROUND_BF16>{});
-            else run(act_, KilnInt<QG_ROUND_F32>{});
-        } else {
-            run(act_, KilnInt<QG_ROUND_F32>{});
-        }
-    };
-    if constexpr (GELU) rounded(KilnInt<QG_ACT_GELU>{});  // the GELU kernels have no other copy, the others none
-    else if (act == QG_ACT_RELU) rounded(KilnInt<QG_ACT_RELU>{});
-    else rounded(KilnInt<QG_ACT_NONE>{});
+// The epilogue for these 64 rows, staged or direct stores chosen once per tile. ACT and ROUND are the kernel's own
+// (template parameters: one kernel per activation and requantizing rounding). Why not run-time switches over copies of
+// it in one kernel: every copy is an unrolled epilogue of ~2,000 instructions, and the int8-output ping-pong kernel
+// held 24 of them (~330 KB of code); inside a model, where other kernels run between its launches, half its warps'
+// stall samples were instruction fetches (ncu "no instruction": 29 us against 17.5 for the fp16-output kernel of the
+// same 768 x 768 layer, session 11).
+template <int BN, int CHUNK, typename T, int ACT, int ROUND>
+__device__ __forceinline__ void kiln_qg_epilogue_for(bool staged, const int (&acc)[BN / 2], T* __restrict__ y,
+                                                     const float* cols, unsigned char* stage, int tid, int row0,
+                                                     int n0, int M, int N, float x_scale, float y_scale) {
+    if (staged) kiln_qg_epilogue_staged<BN, CHUNK, T, ACT, ROUND>(acc, y, cols, stage, tid, row0, n0, M, N, x_scale, y_scale);
+    else kiln_qg_epilogue_direct<BN, T, ACT, ROUND>(acc, y, cols, tid, row0, n0, M, N, x_scale, y_scale);
 }
 
 // Persistent and warp-specialized: block b computes output tiles b, b + gridDim.x, ... (tile t: rows
@@ -315,10 +299,10 @@ template <bool PINGPONG> struct KilnQgShape {
     static constexpr int CHUNK = PINGPONG ? 128 : 64;         // bytes a row of each consumer warp's staging slice
 };
 
-template <bool PINGPONG, typename T>
+template <bool PINGPONG, typename T, int ACT, int ROUND>
 __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMap* x, const KilnTensorMap* w,
                                            const float* __restrict__ w_scale, const float* __restrict__ bias, int M,
-                                           int N, int K, float x_scale, float y_scale, int act, int round_to) {
+                                           int N, int K, float x_scale, float y_scale) {
     using Shape = KilnQgShape<PINGPONG>;
     constexpr int BN = QG_BN, STAGES = Shape::STAGES, HALVES = Shape::HALVES;
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
@@ -413,34 +397,45 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         else asm volatile("bar.sync 2, 128;\n" ::: "memory");
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
-            kiln_qg_epilogue_for<BN, Shape::CHUNK, T, !PINGPONG>(act, round_to, staged, acc[h], y, cols, staging, tid,
+            kiln_qg_epilogue_for<BN, Shape::CHUNK, T, ACT, ROUND>(staged, acc[h], y, cols, staging, tid,
                                                                  m0 + a_row0 + 64 * h, n0, M, N, x_scale, y_scale);
     }
 }
 #endif  // QG_WGMMA
 
-// qgemm_sm90[_gelu]_128_<output>: a 1-D grid of at most one block per output tile, 384 threads (ping-pong: the
-// kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 8 * 16 * CHUNK + 1024 bytes of dynamic shared
-// memory (engine_core/backends/cuda/qgemm.py Form). x and w are TMA descriptors of x [M, K] and w [N, K] (int8,
-// row-major) in 128 x 128-byte boxes with the 128-byte swizzle.
-#define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T)                                                              \
+// qgemm_sm90[_gelu]_128_<act><round>_<output>: a 1-D grid of at most one block per output tile, 384 threads (ping-pong:
+// the kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 8 * 16 * CHUNK + 1024 bytes of dynamic shared
+// memory (engine_core/backends/cuda/qgemm.py Form). <act> is the QG_ACT_* code, <round> the QG_ROUND_* code (int8
+// outputs only; 0 for float ones). x and w are TMA descriptors of x [M, K] and w [N, K] (int8, row-major) in 128 x
+// 128-byte boxes with the 128-byte swizzle.
+#define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T, ACT, ROUND)                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                           \
         T* __restrict__ y, const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,       \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
-        float y_scale, int act, int round_to) {                                                                   \
-        KILN_QGEMM_BODY(PINGPONG, T)                                                                              \
+        float y_scale) {                                                                                          \
+        KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND)                                                                  \
     }
 #ifdef QG_WGMMA
-#define KILN_QGEMM_BODY(PINGPONG, T) kiln_qgemm<PINGPONG, T>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale, act, round_to);
+#define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) \
+    kiln_qgemm<PINGPONG, T, ACT, ROUND>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale);
 #else
-#define KILN_QGEMM_BODY(PINGPONG, T) __trap();
+#define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) __trap();
 #endif
 
-KILN_QGEMM(true, 384, 1, qgemm_sm90_128_f32, float)
-KILN_QGEMM(true, 384, 1, qgemm_sm90_128_f16, __half)
-KILN_QGEMM(true, 384, 1, qgemm_sm90_128_bf16, __nv_bfloat16)
-KILN_QGEMM(true, 384, 1, qgemm_sm90_128_i8, signed char)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_f32, float)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_f16, __half)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_bf16, __nv_bfloat16)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_i8, signed char)
+// ping-pong: no activation or ReLU; float outputs, or int8 after rounding to the layer's float type
+#define KILN_QGEMM_PINGPONG(ACT)                                                                                 \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_f32, float, ACT, QG_ROUND_F32)                             \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_f16, __half, ACT, QG_ROUND_F32)                            \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_bf16, __nv_bfloat16, ACT, QG_ROUND_F32)                    \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_i8, signed char, ACT, QG_ROUND_F32)                        \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##1_i8, signed char, ACT, QG_ROUND_F16)                        \
+    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##2_i8, signed char, ACT, QG_ROUND_BF16)
+KILN_QGEMM_PINGPONG(0)
+KILN_QGEMM_PINGPONG(1)
+// two blocks per SM: GELU
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_f32, float, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_f16, __half, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_bf16, __nv_bfloat16, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_i8, signed char, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_21_i8, signed char, QG_ACT_GELU, QG_ROUND_F16)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_22_i8, signed char, QG_ACT_GELU, QG_ROUND_BF16)

@@ -200,7 +200,9 @@ class Emulator:
 
     def _qgemm(self, name: str, args: list) -> None:
         """cuda_kernels/qgemm_sm90.cu: exact int32 sums, then its float32 epilogue step by step."""
-        y, x_map, w_map, w_scale, bias, m, n, k, x_scale, y_scale, act, round_to = args
+        y, x_map, w_map, w_scale, bias, m, n, k, x_scale, y_scale = args
+        code = name.rsplit("_", 2)[1]  # <act><round>: the epilogue compiled into the kernel
+        act, round_to = int(code[0]), int(code[1])
         assert (x_map.rows, x_map.cols, w_map.rows, w_map.cols) == (m, k, n, k), "TMA descriptors of x [M, K], w [N, K]"
         acc = self.view(x_map.ref, np.dtype(np.int8), (m, k), (k, 1)).astype(np.int64) \
             @ self.view(w_map.ref, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T

@@ -122,8 +122,14 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     args = [(Ref(out_name), ctypes.c_void_p), (x_map, None), (w_map, None),
             (w_scale, ctypes.c_void_p), (bias, ctypes.c_void_p),
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
-            (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float),
-            (ACTIVATIONS[activation], ctypes.c_int), (ROUNDING[result], ctypes.c_int)]
+            (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float)]
     form = GELU if activation == "Gelu" else PINGPONG
-    return Launch(MODULE, f"{form.prefix}_{TILE_N}_{OUTPUTS[out.dtype]}", (form.grid_blocks(m, n), 1, 1),
+    return Launch(MODULE, kernel_name(form, activation, result, out.dtype), (form.grid_blocks(m, n), 1, 1),
                   (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
+
+
+def kernel_name(form: Form, activation: str, result: np.dtype, out: np.dtype) -> str:
+    """``<prefix>_128_<act><round>_<output>``: one kernel per activation and (int8 outputs) the float type rounded to
+    before requantizing, compiled in (cuda_kernels/qgemm_sm90.cu says why)."""
+    rounding = ROUNDING[result] if out == INT8 else 0
+    return f"{form.prefix}_{TILE_N}_{ACTIVATIONS[activation]}{rounding}_{OUTPUTS[out]}"
