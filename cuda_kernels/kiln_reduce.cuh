@@ -42,67 +42,6 @@ __device__ __forceinline__ float kiln_warp_sum(float v) {
     return v;
 }
 
-// One warp per row of at most KILN_WARP_ROW elements, held in registers (KILN_WARP_ROW / 32 floats a lane):
-// a 16-byte vector per load when every pointer is 16-byte aligned and cols is a multiple of the vector, else
-// one element per lane per load. Slot (j, e) of a lane is column (j * 32 + lane) * V + e (vectors), or
-// (j * V + e) * 32 + lane (elements). Why: the block-per-row kernels re-read each row from memory for every
-// pass and launch 256 threads for a 768-wide row; here a row is read once (BERT's LayerNorms, session 5:
-// ~1.1 TB/s on the H100).
-#define KILN_WARP_ROW 1024
-template <typename T> struct alignas(16) KilnRowVec { T v[16 / sizeof(T)]; };
-
-template <typename T>
-struct KilnWarpRow {
-    static constexpr int V = 16 / sizeof(T);
-    static constexpr int SLOTS = KILN_WARP_ROW / 32 / V;  // vectors (or element groups) per lane
-    bool vec;
-    int cols, lane;
-    __device__ KilnWarpRow(int cols_, bool aligned) : vec(aligned && cols_ % V == 0), cols(cols_), lane(threadIdx.x & 31) {}
-    __device__ __forceinline__ int col(int j, int e) const { return vec ? (j * 32 + lane) * V + e : (j * V + e) * 32 + lane; }
-    // v[e] = row[col(j, e)] as float, 0 past the row's end
-    __device__ __forceinline__ void load(const T* row, int j, float (&v)[V]) const {
-        if (vec) {
-            KilnRowVec<T> a;
-            const bool in = col(j, 0) < cols;
-            if (in) a = *reinterpret_cast<const KilnRowVec<T>*>(row + col(j, 0));
-#pragma unroll
-            for (int e = 0; e < V; ++e) v[e] = in ? kiln_f(a.v[e]) : 0.0f;
-        } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e) v[e] = col(j, e) < cols ? kiln_f(row[col(j, e)]) : 0.0f;
-        }
-    }
-    // v[e] = DequantizeLinear(row[col(j, e)], scale) as stored in T (int8 * scale in fp32, rounded to T; exactly
-    // the unfused DequantizeLinear), 0 past the row's end. Vectors of V bytes: the same slots as T's 16-byte vectors.
-    __device__ __forceinline__ void load(const signed char* row, int j, float (&v)[V], float scale) const {
-        struct alignas(V) Bytes { signed char b[V]; };
-        if (vec) {
-            Bytes a;
-            const bool in = col(j, 0) < cols;
-            if (in) a = *reinterpret_cast<const Bytes*>(row + col(j, 0));
-#pragma unroll
-            for (int e = 0; e < V; ++e) v[e] = in ? kiln_f(kiln_to<T>(__fmul_rn((float)a.b[e], scale))) : 0.0f;
-        } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-                v[e] = col(j, e) < cols ? kiln_f(kiln_to<T>(__fmul_rn((float)row[col(j, e)], scale))) : 0.0f;
-        }
-    }
-    __device__ __forceinline__ void store(T* row, int j, const float (&v)[V]) const {
-        if (vec) {
-            if (col(j, 0) >= cols) return;
-            KilnRowVec<T> a;
-#pragma unroll
-            for (int e = 0; e < V; ++e) a.v[e] = kiln_to<T>(v[e]);
-            *reinterpret_cast<KilnRowVec<T>*>(row + col(j, 0)) = a;
-        } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-                if (col(j, e) < cols) row[col(j, e)] = kiln_to<T>(v[e]);
-        }
-    }
-};
-
 // v / d rounded to nearest from d's correctly rounded reciprocal: the quotient, then one correction step with the
 // exact residual (fma) -- the correctly rounded quotient whenever nothing over- or underflows (Markstein), which
 // quantization's bounded values and scales guarantee. Why not `/`: IEEE division costs ~10-20 instructions an
@@ -124,46 +63,118 @@ __device__ __forceinline__ signed char kiln_quantize_s8(float v, float scale, fl
 
 __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
-// LayerNormalization (RMS: RMSNormalization; SKIP: of x + skip, the sum rounded to T as the unfused Add stores
-// it) of row blockIdx.x * warps + warp, in registers; fp32 statistics, two passes over the registers (the
-// block kernels' order of operations).
-//
-// yq (not null): also QuantizeLinear(y as stored, *q_scale) to int8 (round half to even, saturate; zero point 0),
-// as the unfused QuantizeLinear computes it from y (kiln.SkipLayerNorm's output 1, passes/fuse_norm_quantize.py);
-// y may then be null (nothing reads the float output). TI = signed char: x and skip are int8, dequantized to T by
-// *x_scale and *skip_scale as DequantizeLinear stores them (passes/fuse_norm_dequantize.py).
+// One warp per row of at most KILN_WARP_ROW elements, held in registers (KILN_WARP_ROW / 32 floats a lane):
+// a 16-byte vector per load when every pointer is 16-byte aligned and cols is a multiple of the vector, else
+// one element per lane per load. Slot (j, e) of a lane is column (j * 32 + lane) * V + e (vectors), or
+// (j * V + e) * 32 + lane (elements). Why: the block-per-row kernels re-read each row from memory for every
+// pass and launch 256 threads for a 768-wide row; here a row is read once (BERT's LayerNorms, session 5:
+// ~1.1 TB/s on the H100).
+#define KILN_WARP_ROW 1024
+template <typename T> struct alignas(16) KilnRowVec { T v[16 / sizeof(T)]; };
+
+template <typename T, bool VEC>
+struct KilnWarpRow {
+    static constexpr int V = 16 / sizeof(T);
+    static constexpr int SLOTS = KILN_WARP_ROW / 32 / V;  // vectors (or element groups) per lane
+    int cols, lane;
+    __device__ KilnWarpRow(int cols_) : cols(cols_), lane(threadIdx.x & 31) {}
+    __device__ __forceinline__ int col(int j, int e) const { return VEC ? (j * 32 + lane) * V + e : (j * V + e) * 32 + lane; }
+    // whether slot (j, e) is inside the row; VEC: a whole vector is in or out (cols % V == 0), one compare a slot
+    __device__ __forceinline__ bool in(int j, int e) const { return col(j, VEC ? 0 : e) < cols; }
+    // v[e] = row[col(j, e)] as float, 0 past the row's end
+    __device__ __forceinline__ void load(const T* row, int j, float (&v)[V]) const {
+        if constexpr (VEC) {
+            KilnRowVec<T> a;
+            const bool inside = in(j, 0);
+            if (inside) a = *reinterpret_cast<const KilnRowVec<T>*>(row + col(j, 0));
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = inside ? kiln_f(a.v[e]) : 0.0f;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = in(j, e) ? kiln_f(row[col(j, e)]) : 0.0f;
+        }
+    }
+    // v[e] = DequantizeLinear(row[col(j, e)], scale) as stored in T (int8 * scale in fp32, rounded to T; exactly
+    // the unfused DequantizeLinear), 0 past the row's end. Vectors of V bytes: the same slots as T's 16-byte vectors.
+    __device__ __forceinline__ void load(const signed char* row, int j, float (&v)[V], float scale) const {
+        struct alignas(V) Bytes { signed char b[V]; };
+        if constexpr (VEC) {
+            Bytes a;
+            const bool inside = in(j, 0);
+            if (inside) a = *reinterpret_cast<const Bytes*>(row + col(j, 0));
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = inside ? kiln_f(kiln_to<T>(__fmul_rn((float)a.b[e], scale))) : 0.0f;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = in(j, e) ? kiln_f(kiln_to<T>(__fmul_rn((float)row[col(j, e)], scale))) : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(T* row, int j, const float (&v)[V]) const {
+        if constexpr (VEC) {
+            if (!in(j, 0)) return;
+            KilnRowVec<T> a;
+#pragma unroll
+            for (int e = 0; e < V; ++e) a.v[e] = kiln_to<T>(v[e]);
+            *reinterpret_cast<KilnRowVec<T>*>(row + col(j, 0)) = a;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (in(j, e)) row[col(j, e)] = kiln_to<T>(v[e]);
+        }
+    }
+    // QuantizeLinear of v as stored in T (int8, zero point 0): one V-byte store a vector (VEC), else bytes
+    __device__ __forceinline__ void store_s8(signed char* row, int j, const float (&v)[V], float scale, float recip) const {
+        struct alignas(V) { signed char b[V]; } q;
+#pragma unroll
+        for (int e = 0; e < V; ++e) q.b[e] = kiln_quantize_s8(kiln_f(kiln_to<T>(v[e])), scale, recip);
+        if constexpr (VEC) {
+            if (in(j, 0)) *reinterpret_cast<decltype(q)*>(row + col(j, 0)) = q;
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                if (in(j, e)) row[col(j, e)] = q.b[e];
+        }
+    }
+};
+
+// Launch bounds of the warp-per-row kernels: 256 threads (lowering.py THREADS), 4 blocks an SM, so 64 registers. The
+// vector path needs 60-64; the element-wise fallback (unaligned or odd-width rows) would take ~128 and, as the
+// kernel's register count, halve every launch's occupancy: it spills instead.
+#define KILN_WARP_NORM_BOUNDS __launch_bounds__(256, 4)
+
 template <typename U> struct KilnSame { using type = U; };  // a parameter type left out of template deduction
-template <typename T, bool RMS, bool SKIP, typename TI = T>
-__device__ void kiln_warp_norm(const TI* __restrict__ x, const typename KilnSame<TI>::type* __restrict__ skip,
-                               const T* __restrict__ gamma,
-                               const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows,
-                               signed char* __restrict__ yq = nullptr, const float* __restrict__ q_scale = nullptr,
-                               const float* __restrict__ x_scale = nullptr, const float* __restrict__ skip_scale = nullptr) {
-    using Row = KilnWarpRow<T>;
+
+// The row kernels' body for one row (pointers at the row's start): VEC, the 16-byte-vector layout, is a template
+// parameter so each layout is straight-line code (as a run-time flag, both layouts' index math and checks ran for
+// every element: ~60 instructions an element in the int8-input SkipLayerNorm, which was issue-bound, session 11).
+template <typename T, bool RMS, bool SKIP, typename TI, bool VEC>
+__device__ __forceinline__ void kiln_warp_norm_row(const TI* __restrict__ x, const TI* __restrict__ skip,
+                                                   const T* __restrict__ gamma, const T* __restrict__ beta,
+                                                   T* __restrict__ y, signed char* __restrict__ yq, int cols,
+                                                   float epsilon, const float* __restrict__ q_scale,
+                                                   const float* __restrict__ x_scale,
+                                                   const float* __restrict__ skip_scale) {
+    using Row = KilnWarpRow<T, VEC>;
     constexpr bool DQ = sizeof(TI) == 1;  // int8 x and skip, dequantized by *x_scale / *skip_scale
-    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;  // the whole warp: every lane has the same row
-    const bool aligned = kiln_aligned16(x) && (!SKIP || kiln_aligned16(skip)) && kiln_aligned16(gamma)
-                         && (beta == nullptr || kiln_aligned16(beta)) && (y == nullptr || kiln_aligned16(y));
-    const Row row(cols, aligned);
+    const Row row(cols);
     float v[Row::SLOTS][Row::V];
 #pragma unroll
     for (int j = 0; j < Row::SLOTS; ++j) {
-        if constexpr (DQ) row.load(x + r * cols, j, v[j], *x_scale);
-        else row.load(x + r * cols, j, v[j]);
+        if constexpr (DQ) row.load(x, j, v[j], *x_scale);
+        else row.load(x, j, v[j]);
     }
-    if (SKIP) {
+    if constexpr (SKIP) {
 #pragma unroll
         for (int j = 0; j < Row::SLOTS; ++j) {
             float s[Row::V];
-            if constexpr (DQ) row.load(skip + r * cols, j, s, *skip_scale);
-            else row.load(skip + r * cols, j, s);
+            if constexpr (DQ) row.load(skip, j, s, *skip_scale);
+            else row.load(skip, j, s);
 #pragma unroll
             for (int e = 0; e < Row::V; ++e) v[j][e] = kiln_f(kiln_to<T>(v[j][e] + s[e]));
         }
     }
     float mean = 0.0f;
-    if (!RMS) {
+    if constexpr (!RMS) {
         float t = 0.0f;
 #pragma unroll
         for (int j = 0; j < Row::SLOTS; ++j)
@@ -176,13 +187,14 @@ __device__ void kiln_warp_norm(const TI* __restrict__ x, const typename KilnSame
     for (int j = 0; j < Row::SLOTS; ++j)
 #pragma unroll
         for (int e = 0; e < Row::V; ++e) {
-            const float d = row.col(j, e) < cols ? v[j][e] - mean : 0.0f;
+            const float d = row.in(j, e) ? v[j][e] - mean : 0.0f;
             q += d * d;
         }
     const float inv = rsqrtf(kiln_warp_sum(q) / (float)cols + epsilon);
     const float scale = yq != nullptr ? *q_scale : 1.0f, recip = 1.0f / scale;  // IEEE: kiln_div_rn's reciprocal
 #pragma unroll
     for (int j = 0; j < Row::SLOTS; ++j) {
+        if (VEC && !row.in(j, 0)) continue;  // the whole vector is past the row's end
         float g[Row::V], b[Row::V];
         row.load(gamma, j, g);
         if (beta != nullptr) row.load(beta, j, b);
@@ -191,19 +203,38 @@ __device__ void kiln_warp_norm(const TI* __restrict__ x, const typename KilnSame
             v[j][e] = (v[j][e] - mean) * inv * g[e];
             if (beta != nullptr) v[j][e] += b[e];
         }
-        if (y != nullptr) row.store(y + r * cols, j, v[j]);
-        if (yq != nullptr) {
-            struct alignas(Row::V) { signed char b[Row::V]; } q;  // one V-byte store a vector
-#pragma unroll
-            for (int e = 0; e < Row::V; ++e)
-                q.b[e] = kiln_quantize_s8(kiln_f(kiln_to<T>(v[j][e])), scale, recip);
-            if (row.vec && kiln_aligned16(yq)) {
-                if (row.col(j, 0) < cols) *reinterpret_cast<decltype(q)*>(yq + r * cols + row.col(j, 0)) = q;
-            } else {
-#pragma unroll
-                for (int e = 0; e < Row::V; ++e)
-                    if (row.col(j, e) < cols) yq[r * cols + row.col(j, e)] = q.b[e];
-            }
-        }
+        if (y != nullptr) row.store(y, j, v[j]);
+        if (yq != nullptr) row.store_s8(yq, j, v[j], scale, recip);
     }
+}
+
+// LayerNormalization (RMS: RMSNormalization; SKIP: of x + skip, the sum rounded to T as the unfused Add stores
+// it) of row blockIdx.x * warps + warp, in registers; fp32 statistics, two passes over the registers (the
+// block kernels' order of operations).
+//
+// yq (not null): also QuantizeLinear(y as stored, *q_scale) to int8 (round half to even, saturate; zero point 0),
+// as the unfused QuantizeLinear computes it from y (kiln.SkipLayerNorm's output 1, passes/fuse_norm_quantize.py);
+// y may then be null (nothing reads the float output). TI = signed char: x and skip are int8, dequantized to T by
+// *x_scale and *skip_scale as DequantizeLinear stores them (passes/fuse_norm_dequantize.py).
+template <typename T, bool RMS, bool SKIP, typename TI = T>
+__device__ void kiln_warp_norm(const TI* __restrict__ x, const typename KilnSame<TI>::type* __restrict__ skip,
+                               const T* __restrict__ gamma,
+                               const T* __restrict__ beta, T* __restrict__ y, int cols, float epsilon, long long rows,
+                               signed char* __restrict__ yq = nullptr, const float* __restrict__ q_scale = nullptr,
+                               const float* __restrict__ x_scale = nullptr, const float* __restrict__ skip_scale = nullptr) {
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;  // the whole warp: every lane has the same row
+    const bool vec = kiln_aligned16(x) && (!SKIP || kiln_aligned16(skip)) && kiln_aligned16(gamma)
+                     && (beta == nullptr || kiln_aligned16(beta)) && (y == nullptr || kiln_aligned16(y))
+                     && (yq == nullptr || kiln_aligned16(yq)) && cols % KilnWarpRow<T, true>::V == 0;
+    const long long at = r * cols;
+    const TI* skip_row = SKIP ? skip + at : nullptr;
+    T* y_row = y != nullptr ? y + at : nullptr;
+    signed char* yq_row = yq != nullptr ? yq + at : nullptr;
+    if (vec)
+        kiln_warp_norm_row<T, RMS, SKIP, TI, true>(x + at, skip_row, gamma, beta, y_row, yq_row, cols, epsilon, q_scale,
+                                                   x_scale, skip_scale);
+    else
+        kiln_warp_norm_row<T, RMS, SKIP, TI, false>(x + at, skip_row, gamma, beta, y_row, yq_row, cols, epsilon, q_scale,
+                                                    x_scale, skip_scale);
 }

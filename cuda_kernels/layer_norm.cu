@@ -37,11 +37,11 @@ __device__ void norm_rows(const T* __restrict__ x, const T* __restrict__ gamma, 
                                                  long long cols, float epsilon) {                   \
         norm_rows<T, true>(x, gamma, beta, y, cols, epsilon);                                      \
     }                                                                                               \
-    extern "C" __global__ void layer_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
+    extern "C" __global__ void KILN_WARP_NORM_BOUNDS layer_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
                                                         int cols, float epsilon, long long rows) {       \
         kiln_warp_norm<T, false, false>(x, nullptr, gamma, beta, y, cols, epsilon, rows);              \
     }                                                                                               \
-    extern "C" __global__ void rms_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
+    extern "C" __global__ void KILN_WARP_NORM_BOUNDS rms_norm_warp_##SUFFIX(const T* x, const T* gamma, const T* beta, T* y, \
                                                       int cols, float epsilon, long long rows) {       \
         kiln_warp_norm<T, true, false>(x, nullptr, gamma, beta, y, cols, epsilon, rows);               \
     }

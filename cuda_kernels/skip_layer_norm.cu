@@ -39,18 +39,18 @@ __device__ void skip_norm_rows(const T* __restrict__ x, const T* __restrict__ sk
                                                         T* y, long long cols, float epsilon) {                 \
         skip_norm_rows<T>(x, skip, gamma, beta, y, cols, epsilon);                                             \
     }                                                                                                          \
-    extern "C" __global__ void skip_layer_norm_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,        \
+    extern "C" __global__ void KILN_WARP_NORM_BOUNDS skip_layer_norm_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,        \
                                                              const T* beta, T* y, int cols, float epsilon,      \
                                                              long long rows) {                                 \
         kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows);                          \
     }                                                                                                          \
-    extern "C" __global__ void skip_layer_norm_q_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,      \
+    extern "C" __global__ void KILN_WARP_NORM_BOUNDS skip_layer_norm_q_warp_##SUFFIX(const T* x, const T* skip, const T* gamma,      \
                                                                const T* beta, T* y, signed char* yq,           \
                                                                const float* q_scale, int cols, float epsilon,  \
                                                                long long rows) {                               \
         kiln_warp_norm<T, false, true>(x, skip, gamma, beta, y, cols, epsilon, rows, yq, q_scale);             \
     }                                                                                                          \
-    extern "C" __global__ void skip_layer_norm_dq_warp_##SUFFIX(                                               \
+    extern "C" __global__ void KILN_WARP_NORM_BOUNDS skip_layer_norm_dq_warp_##SUFFIX(                                               \
         const signed char* x, const signed char* skip, const float* x_scale, const float* skip_scale,         \
         const T* gamma, const T* beta, T* y, signed char* yq, const float* q_scale, int cols, float epsilon,   \
         long long rows) {                                                                                      \
