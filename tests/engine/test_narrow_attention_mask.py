@@ -15,10 +15,12 @@ from tests.engine.util import parsed_graph
 HEADS, DIM = 2, 32
 
 
-def _model(key_dim_of_mask: str = "S", extra_output: str = ""):
+def _model(key_dim_of_mask: str = "S", extra_output: str = "", layers: int = 1):
     """Attention(q, k, v, mask) with mask = Where(Cast(1 - e, bool), -65504, 1 - e), e = Cast(Expand(
     attention_mask[:, None, None, :], [B, 1, S, S]), float): _prepare_4d_attention_mask as torch.onnx exports it.
-    ``key_dim_of_mask`` "1": the padding mask reduced to [B, 1] first (the Expand then widens the key dim)."""
+    ``key_dim_of_mask`` "1": the padding mask reduced to [B, 1] first (the Expand then widens the key dim).
+    ``layers`` > 1: that many Attentions read the one mask, each through the key-count Expand fuse_attention puts in
+    front of a mask whose key dim the shapes do not prove (BERT exported with transformers' masking_utils)."""
     n = helper.make_node
     nodes = [n("Shape", ["attention_mask"], ["shape"]),
              n("Gather", ["shape", "zero"], ["b"], axis=0), n("Gather", ["shape", "one"], ["s"], axis=0),
@@ -32,8 +34,15 @@ def _model(key_dim_of_mask: str = "S", extra_output: str = ""):
     nodes += [n("Unsqueeze", [source, "axes12"], ["m4"]), n("Expand", ["m4", "target"], ["e"]),
               n("Cast", ["e"], ["f"], to=TensorProto.FLOAT), n("Sub", ["one_f", "f"], ["inverted"]),
               n("Cast", ["inverted"], ["masked"], to=TensorProto.BOOL),
-              n("Where", ["masked", "lowest", "inverted"], ["mask"]),
-              n("Attention", ["q", "k", "v", "mask"], ["y"], name="attention")]
+              n("Where", ["masked", "lowest", "inverted"], ["mask"])]
+    if layers == 1:
+        nodes.append(n("Attention", ["q", "k", "v", "mask"], ["y"], name="attention"))
+    for layer in range(layers if layers > 1 else 0):  # layer l's query is the previous layer's output
+        query = "q" if layer == 0 else f"y{layer - 1}"
+        nodes += [n("Shape", ["k"], [f"keys{layer}"], start=-2, end=-1),
+                  n("Expand", ["mask", f"keys{layer}"], [f"mask{layer}"]),
+                  n("Attention", [query, "k", "v", f"mask{layer}"], ["y" if layer == layers - 1 else f"y{layer}"],
+                    name=f"attention{layer}")]
     inits = {"zero": np.array(0, np.int64), "one": np.array(1, np.int64), "axis0": np.array([0], np.int64),
              "axis1": np.array([1], np.int64), "ones": np.array([1], np.int64), "axes12": np.array([1, 2], np.int64),
              "one_f": np.array(1.0, np.float32), "lowest": np.array(-65504.0, np.float32)}
@@ -67,6 +76,20 @@ def test_the_expanded_padding_mask_is_computed_unexpanded():
     assert narrow_attention_mask(graph) == 0  # nothing left to narrow
 
 
+def test_one_mask_read_by_every_layer_through_key_count_expands_is_computed_unexpanded():
+    """The mask every layer reads (through its own key-count Expand) is narrowed once for all of them; the key-count
+    Expands stay, now copying [B, 1, 1, S]."""
+    model, feeds = _model(layers=3), _feeds()
+    graph = parsed_graph(model)
+    want = GraphRunner(parsed_graph(model)).run(feeds)
+    assert narrow_attention_mask(graph) == 3
+    cast = next(node for node in graph.nodes if node.op_type == "Cast" and node.outputs == ["f"])
+    assert cast.inputs == ["m4"]
+    assert [node.inputs[0] for node in graph.nodes if node.op_type == "Expand"] == ["m4", "mask", "mask", "mask"]
+    got = GraphRunner(graph).run(feeds)
+    np.testing.assert_array_equal(got["y"], want["y"])
+
+
 @pytest.mark.parametrize("case", [dict(key_dim_of_mask="1"), dict(extra_output="inverted")],
                          ids=["expand-widens-the-key-dim", "intermediate-read-elsewhere"])
 def test_what_must_stay_expanded_stays(case):
@@ -76,21 +99,24 @@ def test_what_must_stay_expanded_stays(case):
     assert cast.inputs == ["e"]
 
 
-def test_after_the_pipeline_the_flash_kernel_stages_one_bias_row_per_key_tile():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_after_the_pipeline_the_flash_kernel_stages_one_bias_row_per_key_tile(layers):
     from engine_core.backends.cuda.lowering import flash_shared_bytes
     from tests.cuda.emulate import Emulator
     from tests.cuda.models import lowered_at, optimized_graph
 
     feeds = _feeds(2, 40)
-    graph = optimized_graph(_model(), feeds)
-    assert "Expand" not in [node.op_type for node in graph.nodes]
+    graph = optimized_graph(_model(layers=layers), feeds)
+    assert "Expand" not in [node.op_type for node in graph.nodes if node.inputs[0] != "mask"]
     lowered = lowered_at(graph, feeds, _tf32())
-    (step,) = [s for s in lowered.steps if s.node.op_type == "Attention"]
-    (launch,) = step.ops
-    assert launch.function == "flash_attention_32_tf32"
+    steps = [s for s in lowered.steps if s.node.op_type == "Attention"]
+    assert len(steps) == layers
     np.testing.assert_allclose(Emulator(graph, lowered, feeds).run()["y"], GraphRunner(graph).run(feeds)["y"],
                                rtol=1e-4, atol=1e-4)
-    assert launch.args[5][0].mq == 0 and launch.shared_bytes == flash_shared_bytes(32, "tf32", False)
+    for step in steps:
+        (launch,) = step.ops
+        assert launch.function == "flash_attention_32_tf32"
+        assert launch.args[5][0].mq == 0 and launch.shared_bytes == flash_shared_bytes(32, "tf32", False)
 
 
 def _tf32():
