@@ -8,7 +8,8 @@ Where): Attention's ``attn_mask`` is the output of elementwise ops whose inputs 
 instead, and the mask keeps the smaller shape, which Attention broadcasts to the scores itself: the same values.
 The key-count Expand fuse_attention puts in front of a mask whose key dim the shapes do not prove (one per layer
 when the mask is computed from ``attention_mask`` and the keys from ``input_ids``) is part of the computation, not
-an end of it: it then copies [batch, 1, 1, keys] instead of [batch, 1, queries, keys].
+an end of it: it then copies [batch, 1, 1, keys] instead of [batch, 1, queries, keys]. Behind such an Expand the key
+dim needs no proof (symbolic shapes cannot follow masking_utils' index arithmetic): it sets the last dim itself.
 
 Why: the expanded mask costs kernels of its own over batch x queries x keys elements, and the fused attention
 kernel must then stream a mask value per query row and key instead of staging one bias row per key tile
@@ -29,47 +30,61 @@ ELEMENTWISE = frozenset(("Identity", "Cast", "Not", "Neg", "Abs", "Add", "Sub", 
 
 
 def _key_count_expand(uses: Uses, node: Node) -> bool:
-    """fuse_attention's Expand of a mask to the key count (shape ``Shape(key, start=-2, end=-1)``): one target dim,
-    so it only widens a last dim of 1 and reads a narrower mask as well."""
-    shape = uses.producers.get(node.inputs[1]) if len(node.inputs) > 1 else None
-    return is_op(shape, "Shape") and shape.attr("start", 0) == -2 and shape.attr("end", None) == -1
+    """An Expand to a one-dim shape (``Shape(x, start, end)`` of one dim, or a one-element constant):
+    fuse_attention's Expand of a mask to the key count (fold_attention_heads moves its dims to the 3-D form). It only
+    widens a last dim of 1, so it reads a narrower mask as well and still ends in the same last dim."""
+    shape_name = node.inputs[1] if len(node.inputs) > 1 else ""
+    constant = uses.graph.constants.get(shape_name)
+    if constant is not None:
+        return constant.size == 1
+    shape = uses.producers.get(shape_name)
+    if not is_op(shape, "Shape"):
+        return False
+    start, end = int(shape.attr("start", 0)), shape.attr("end", None)
+    return end is not None and (start < 0) == (int(end) < 0) and int(end) - start == 1
 
 
-def _mask_cone(graph: Graph, uses: Uses, masks: list[str]) -> tuple[list[Node], list[Node]]:
-    """(the elementwise nodes computing the ``masks``, the Expand nodes they read), or ([], []) when anything else
-    feeds them (a full-size input, a non-elementwise op) or a cone tensor has a reader outside the cone. Key-count
-    Expands (``_key_count_expand``) are part of the cone: they keep working on the narrowed mask."""
+def _mask_cone(graph: Graph, uses: Uses, masks: list[str]) -> tuple[list[Node], list[Node], set[int]]:
+    """(the elementwise nodes computing the ``masks``, the Expand nodes they read, the ids of those Expands every
+    path from which to an Attention passes a key-count Expand), or ([], [], set()) when anything else feeds them (a
+    full-size input, a non-elementwise op) or a cone tensor has a reader outside the cone. Key-count Expands
+    (``_key_count_expand``) are part of the cone: they keep working on the narrowed mask."""
     cone: list[Node] = []
     expands: list[Node] = []
-    pending, seen = list(masks), set()
+    unguarded: set[int] = set()
+    pending, seen = [(mask, False) for mask in masks], set()
     while pending:
-        tensor = pending.pop()
-        if tensor in seen or tensor in graph.constants:
+        tensor, guarded = pending.pop()
+        if (tensor, guarded) in seen or tensor in graph.constants:
             continue
-        seen.add(tensor)
+        seen.add((tensor, guarded))
         node = uses.producers.get(tensor)
         if is_op(node, "Expand") and _key_count_expand(uses, node) and tensor not in uses.outputs:
-            cone.append(node)
-            pending.append(node.inputs[0])
+            if all(node is not c for c in cone):
+                cone.append(node)
+            pending.append((node.inputs[0], True))
             continue
         if is_op(node, "Expand"):
             if all(node is not e for e in expands):
                 expands.append(node)
+            if not guarded:
+                unguarded.add(id(node))
             continue
         if not is_op(node, *ELEMENTWISE) or len(node.outputs) != 1 or tensor in uses.outputs:
-            return [], []
-        cone.append(node)
-        pending += [name for name in node.inputs if name]
+            return [], [], set()
+        if all(node is not c for c in cone):
+            cone.append(node)
+        pending += [(name, guarded) for name in node.inputs if name]
     inside = {id(node) for node in cone}
     for node in cone:  # a mask is read by Attention nodes (as their mask) or inside the cone; the rest inside only
         readers = uses.consumers.get(node.outputs[0], [])
         if node.outputs[0] in masks:
             if any(id(r) not in inside and (not is_op(r, "Attention") or r.inputs.index(node.outputs[0]) != 3)
                    for r in readers):
-                return [], []
+                return [], [], set()
         elif any(id(r) not in inside for r in readers):
-            return [], []
-    return cone, expands
+            return [], [], set()
+    return cone, expands, {id(e) for e in expands} - unguarded
 
 
 def _keeps_key_dim(sym: Symbols, expand: Node) -> bool:
@@ -86,11 +101,15 @@ def narrow_attention_mask(graph: Graph) -> int:
              if is_op(node, "Attention") and len(node.inputs) > 3 and node.inputs[3]}
     if not masks:
         return 0
-    sym = symbolic_shapes(graph)
+    symbols: list[Symbols] = []  # computed once, when an Expand outside a key-count Expand needs the proof
+
+    def keeps_key_dim(expand: Node) -> bool:
+        symbols[:] = symbols or [symbolic_shapes(graph)]
+        return _keeps_key_dim(symbols[0], expand)
 
     def narrow(roots: list[str]) -> bool:
-        cone, expands = _mask_cone(graph, uses, roots)
-        if not expands or not all(_keeps_key_dim(sym, expand) for expand in expands):
+        cone, expands, guarded = _mask_cone(graph, uses, roots)
+        if not expands or not all(id(expand) in guarded or keeps_key_dim(expand) for expand in expands):
             return False
         sources = {expand.outputs[0]: expand.inputs[0] for expand in expands}
         for node in cone:

@@ -76,16 +76,19 @@ def test_the_expanded_padding_mask_is_computed_unexpanded():
     assert narrow_attention_mask(graph) == 0  # nothing left to narrow
 
 
-def test_one_mask_read_by_every_layer_through_key_count_expands_is_computed_unexpanded():
+@pytest.mark.parametrize("key_dim_of_mask", ["S", "1"], ids=["keys", "one-key-widened"])
+def test_one_mask_read_by_every_layer_through_key_count_expands_is_computed_unexpanded(key_dim_of_mask):
     """The mask every layer reads (through its own key-count Expand) is narrowed once for all of them; the key-count
-    Expands stay, now copying [B, 1, 1, S]."""
-    model, feeds = _model(layers=3), _feeds()
+    Expands stay, now copying [B, 1, 1, S]. Behind them an Expand may even widen the key dim (from a [B, 1] padding
+    summary): the key-count Expand then widens the narrowed mask to the same values."""
+    model, feeds = _model(key_dim_of_mask, layers=3), _feeds()
     graph = parsed_graph(model)
     want = GraphRunner(parsed_graph(model)).run(feeds)
     assert narrow_attention_mask(graph) == 3
     cast = next(node for node in graph.nodes if node.op_type == "Cast" and node.outputs == ["f"])
     assert cast.inputs == ["m4"]
     assert [node.inputs[0] for node in graph.nodes if node.op_type == "Expand"] == ["m4", "mask", "mask", "mask"]
+    assert narrow_attention_mask(graph) == 0  # nothing left to narrow
     got = GraphRunner(graph).run(feeds)
     np.testing.assert_array_equal(got["y"], want["y"])
 
