@@ -32,7 +32,10 @@ def test_image_classifiers(small_models, rng, name):
     plan = build(model, {"input": ((1, 3, 64, 64), (2, 3, 64, 64), (4, 3, 64, 64))})
     x = rng.standard_normal((3, 3, 64, 64)).astype(np.float32)
     out = kiln.Runtime().load(plan).create_execution_context().infer({"input": x})
-    np.testing.assert_allclose(out["logits"], ort_run(model, {"input": x})[0], rtol=1e-3, atol=1e-3)
+    ref = ort_run(model, {"input": x})[0]
+    # Random weights grow the logits to ~1e4: fp32 summation-order error scales with that, so the
+    # absolute tolerance does too (onnxruntime's own optimization levels differ by ~1e-6 of the peak).
+    np.testing.assert_allclose(out["logits"], ref, rtol=1e-3, atol=1e-5 * np.abs(ref).max())
 
 
 def test_bert_three_shapes_two_profiles(small_models, rng):
