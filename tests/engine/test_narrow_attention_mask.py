@@ -4,7 +4,10 @@ intermediates something else reads, stay; after the whole pipeline the flash ker
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -126,3 +129,64 @@ def _tf32():
     from engine_core.backends.cuda.lowering import LoweringOptions
 
     return LoweringOptions(tf32=True)
+
+
+# -- a real export: transformers' masking_utils mask (tests/data/bert_tiny_exported.onnx, tools/export_tiny_bert.py) --
+
+EXPORTED_BERT = Path(__file__).parents[1] / "data" / "bert_tiny_exported.onnx"
+#: the Constant masking_utils compares its query index Range with (``q_idx >= 0``: always true)
+QUERY_BOUND = "/inner/Constant_19_output_0"
+
+
+def _exported_bert(query_bound: int = 0) -> onnx.ModelProto:
+    model = onnx.load(str(EXPORTED_BERT))
+    constant = next(node for node in model.graph.node if node.output[0] == QUERY_BOUND)
+    constant.attribute[0].t.CopyFrom(numpy_helper.from_array(np.array(query_bound, np.int64)))
+    return model
+
+
+def _bert_feeds(batch: int = 3, seq: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    mask = np.ones((batch, seq), np.int64)
+    mask[1, seq - 5:] = 0  # padded tails on two sequences
+    mask[2, seq - 1:] = 0
+    return {"input_ids": rng.integers(0, 64, (batch, seq)), "attention_mask": mask,
+            "token_type_ids": np.zeros((batch, seq), np.int64)}
+
+
+def test_the_exported_masking_utils_mask_becomes_one_bias_row_a_layer():
+    """The export ands the padding mask with ``q_idx >= 0`` ([1, 1, queries, 1]) before its Expand: that term is
+    true everywhere, so the mask is computed on [batch, 1, 1, keys], each layer's key-count Expand is a view (no
+    launch) and the flash kernel stages one bias row; the outputs match onnxruntime's with padding."""
+    from tests.cuda.emulate import Emulator
+    from tests.cuda.models import lowered_at, optimized_graph
+    from tests.engine.util import ort_run
+
+    model, feeds = _exported_bert(), _bert_feeds()
+    graph = optimized_graph(model, feeds)
+    lowered = lowered_at(graph, feeds, _tf32())
+    attention = [s for s in lowered.steps if s.node.op_type == "Attention"]
+    assert len(attention) == 2
+    for step in attention:
+        (launch,) = step.ops
+        assert launch.function == "flash_attention_32_tf32" and launch.args[5][0].mq == 0
+    assert all(s.tactic == "view" for s in lowered.steps if s.node.op_type == "Expand")
+    want = ort_run(model, feeds)[0]
+    np.testing.assert_allclose(GraphRunner(graph).run(feeds)["output"], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(Emulator(graph, lowered, feeds).run()["output"], want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_query_term_that_masks_keeps_the_full_mask():
+    """``q_idx >= 1`` masks the first query row: not true everywhere, so the mask stays [batch, 1, queries, keys]
+    (and the outputs still match onnxruntime's, fully masked row and all)."""
+    from tests.cuda.models import lowered_at, optimized_graph
+    from tests.engine.util import ort_run
+
+    model, feeds = _exported_bert(query_bound=1), _bert_feeds()
+    graph = optimized_graph(model, feeds)
+    for step in lowered_at(graph, feeds, _tf32()).steps:
+        if step.node.op_type == "Attention":
+            (launch,) = step.ops
+            assert launch.function == "flash_attention_32_tf32" and launch.args[5][0].mq != 0
+    np.testing.assert_allclose(GraphRunner(graph).run(feeds)["output"], ort_run(model, feeds)[0], rtol=1e-4,
+                               atol=1e-4)

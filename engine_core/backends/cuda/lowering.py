@@ -496,6 +496,16 @@ def _lower_view(node: Node, ctx: _Context) -> list:
     return [Copy(Ref(node.outputs[0]), Ref(node.inputs[0]), int(np.prod(out.shape)) * out.dtype.itemsize)]
 
 
+def _is_view(node: Node, ctx: _Context) -> bool:
+    """A layer whose output is its input's bytes: the view ops, and an Expand with nothing to broadcast at these
+    shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer)."""
+    if not node.inputs or not node.inputs[0]:
+        return False
+    if node.op_type == "Expand":
+        return ctx.info(node.inputs[0]).shape == ctx.info(node.outputs[0]).shape
+    return node.op_type in VIEW_OPS
+
+
 def _lower_transpose(node: Node, ctx: _Context) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     perm = node.attr("perm", None) or list(reversed(range(len(x.shape))))
@@ -1273,8 +1283,7 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
                 ctx.info(name)
         if node.op_type not in LAYOUT_AWARE or node.op_type in VIEW_OPS:  # a view (Identity too) aliases bytes
             node = _with_linear_inputs(node, ctx)
-        if node.op_type in VIEW_OPS and node.inputs and node.inputs[0]:
-            ctx.info(node.inputs[0])
+        if _is_view(node, ctx):
             return "view", _lower_view(node, ctx), node
         if node.op_type in POINTWISE_OPS or node.op_type == "Gelu":
             return _tactic(node, ops := _lower_pointwise(node, ctx)), ops, node
