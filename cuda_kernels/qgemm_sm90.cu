@@ -27,6 +27,7 @@
 #define QG_ACT_NONE 0
 #define QG_ACT_RELU 1
 #define QG_ACT_GELU 2
+#define QG_ACT_GELU_Q 3  // GELU requantized to int8 at a scale its cheaper form's error is < 1% of (kiln_gelu_q)
 // float type the value is rounded to before requantizing (the QMatMul's float_dtype)
 #define QG_ROUND_F32 0
 #define QG_ROUND_F16 1
@@ -134,12 +135,28 @@ __device__ __forceinline__ float kiln_gelu(float v) {
     return __fmul_rn(v, phi);
 }
 
+// GELU for int8 outputs: v / (1 + 2^(v q(t))), t = min(v^2, 36), q a quadratic (python -m tools.fit_gelu --form
+// sigmoid; engine_core/backends/cuda/qgemm.py GELU_SIGMOID): 7 instructions with ex2.approx and rcp.approx, ~10
+// fewer than kiln_gelu on the FFN1 epilogue, which is issue-bound. Absolute error <= 2.6e-5 against exact GELU: the
+// lowering takes it only where that is under 1% of the int8 step (y_scale >= GELU_SIGMOID_MIN_SCALE), so a result
+// can differ from kiln_gelu's by one step only where the exact value lies that close to a rounding boundary.
+// Past t = 36 (|v| > 6) the exponent keeps growing linearly in v: 1 / (1 + 2^z) still goes to 0 (v < 0) or 1 (v > 0).
+__device__ __forceinline__ float kiln_gelu_q(float v) {
+    const float t = fminf(__fmul_rn(v, v), 36.0f);
+    const float q = __fmaf_rn(__fmaf_rn(t, 0.0010142630198970437f, -0.10677571594715118f), t, -2.301121234893799f);
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(v, q)));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__fadd_rn(1.0f, e)));
+    return __fmul_rn(v, r);
+}
+
 // dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*; a layer
 // without bias has zeros folded)
 template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, float bias) {
     float v = __fadd_rn(__fmul_rn(__fmul_rn((float)acc, x_scale), w_scale), bias);
     if constexpr (ACT == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
     if constexpr (ACT == QG_ACT_GELU) v = kiln_gelu(v);
+    if constexpr (ACT == QG_ACT_GELU_Q) v = kiln_gelu_q(v);
     return v;
 }
 
@@ -439,3 +456,6 @@ KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_bf16, __nv_bfloat16, QG_ACT_GEL
 KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_i8, signed char, QG_ACT_GELU, QG_ROUND_F32)
 KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_21_i8, signed char, QG_ACT_GELU, QG_ROUND_F16)
 KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_22_i8, signed char, QG_ACT_GELU, QG_ROUND_BF16)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_30_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F32)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_31_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F16)
+KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_32_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_BF16)

@@ -15,7 +15,7 @@ from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, L
 from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import activate
-from tools.fit_gelu import gelu_fp32
+from tools.fit_gelu import gelu_fp32, gelu_sigmoid_fp32
 
 _SUFFIX = {suffix: dtype for dtype, (_, suffix, _) in C_TYPES.items()}
 
@@ -209,11 +209,13 @@ class Emulator:
         f32 = np.float32
         v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
         v = v + self.view(bias, np.dtype(f32), (n,), (1,))  # zeros folded for a layer without bias
-        activation = {code: name for name, code in qgemm.ACTIVATIONS.items()}[act]
-        if activation == "Gelu":  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
+        activation = {code: name for name, code in qgemm.ACTIVATIONS.items()} | {qgemm.GELU_Q: "GeluQ"}
+        if activation[act] == "GeluQ":  # the int8-output kernels' GELU (kiln_gelu_q)
+            v = gelu_sigmoid_fp32(v, np.array(qgemm.GELU_SIGMOID, f32), qgemm.GELU_SIGMOID_T_MAX)
+        elif activation[act] == "Gelu":  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
             v = gelu_fp32(v, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
         else:
-            v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
+            v = activate(Node("QMatMul", [], [], {"activation": activation[act]}, "qgemm", "kiln", 1, []), v).astype(f32)
         out = _SUFFIX[name.rsplit("_", 1)[1]]
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]

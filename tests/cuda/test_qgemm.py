@@ -76,6 +76,45 @@ def test_the_kernels_gelu_polynomial_is_the_fitted_one_and_as_accurate_as_the_cp
     assert float(np.abs(got - exact).max()) <= 4e-7
 
 
+def test_the_int8_output_gelu_is_the_fitted_sigmoid_form_within_its_error_bound():
+    """kiln_gelu_q's constants (parsed from the kernel) are ``qgemm.GELU_SIGMOID`` / ``GELU_SIGMOID_T_MAX``; its fp32
+    evaluation is within 2.6e-5 of exact GELU on [-9, 9] and goes to 0 and x far out (no overflow to NaN)."""
+    import math
+    import re
+
+    from engine_core.cuda import nvrtc
+    from tools.fit_gelu import gelu_sigmoid_fp32
+
+    source = nvrtc.kernel_sources()[qgemm.MODULE].read_text()
+    body = source[source.index("float kiln_gelu_q("):source.index("float e, r;")]
+    found = [float(v) for v in re.findall(r"(-?[0-9.]+(?:e-?[0-9]+)?)f[;),]", body)]  # T_MAX, k2, k1, k0
+    assert found == [qgemm.GELU_SIGMOID_T_MAX, *qgemm.GELU_SIGMOID[::-1]], found
+    coeffs = np.array(qgemm.GELU_SIGMOID, np.float32)
+    x = np.linspace(-9.0, 9.0, 200_001).astype(np.float32)
+    exact = x.astype(np.float64) * 0.5 * np.vectorize(math.erfc)(-x.astype(np.float64) / math.sqrt(2.0))
+    got = gelu_sigmoid_fp32(x, coeffs, qgemm.GELU_SIGMOID_T_MAX).astype(np.float64)
+    assert float(np.abs(got - exact).max()) <= 2.6e-5
+    far = gelu_sigmoid_fp32(np.array([-1e4, -60.0, 60.0, 1e4], np.float32), coeffs, qgemm.GELU_SIGMOID_T_MAX)
+    np.testing.assert_array_equal(far, [0.0, 0.0, 60.0, 1e4])
+
+
+@pytest.mark.parametrize("scale, act", [(2.0 ** -4, qgemm.GELU_Q), (2.0 ** -9, qgemm.ACTIVATIONS["Gelu"])])
+def test_gelu_requantized_at_a_coarse_scale_takes_the_cheaper_gelu(scale, act):
+    """fc1's GELU -> int8: from ``GELU_SIGMOID_MIN_SCALE`` on the kernel with kiln_gelu_q, below it the exact form;
+    either way the emulated int8 result is the CPU op's but for at most one element one step apart."""
+    from tests.engine.test_fuse_qdq_matmul import _requant_mlp
+
+    model, feeds = _requant_mlp(np.random.default_rng(5), q_scale=np.float32(scale))
+    graph = optimized_graph(model, feeds)
+    lowered = lowered_at(graph, feeds, QGEMM)
+    (launch,) = next(s for s in lowered.steps if s.node.name == "fc1").ops
+    assert launch.function == f"{qgemm.GELU.prefix}_128_{act}0_i8", launch.function
+    got, want = Emulator(graph, lowered, feeds).run(), GraphRunner(graph).run(feeds)
+    diff = np.abs(got["h_q"].astype(np.int32) - want["h_q"].astype(np.int32))
+    assert diff.max() <= 1 and np.count_nonzero(diff) <= 1, np.count_nonzero(diff)
+    assert len(np.unique(want["h_q"])) > 40  # many steps exercised, not a saturated or all-zero layer
+
+
 def test_emulated_bert_qdq_runs_every_encoder_linear_layer_as_one_qgemm_launch():
     """The 12 encoder layers (GELU or none) are one launch each; the pooler's Tanh keeps the cuBLASLt path."""
     feeds = bert_feeds(2, 16)

@@ -3,7 +3,8 @@
 ``cuda_kernels/qgemm_sm90.cu`` computes the int32 sums of x[M, K] (int8, row-major) and w[N, K] (int8 rows: the
 "nk" weight transform) on the tensor cores and, before anything leaves the registers, applies the QMatMul's
 epilogue in the CPU op's order -- ``float(acc) * x_scale * w_scale[n] + bias[n]``, then ReLU or GELU (a fitted
-polynomial as accurate as the CPU op's fp32 erf form: ``GELU_LOG2_PHI``) -- and
+polynomial as accurate as the CPU op's fp32 erf form: ``GELU_LOG2_PHI``; where the result is requantized to int8, a
+cheaper form whose error is under 1% of the step: ``GELU_SIGMOID``) -- and
 stores the float type, or requantizes ``rint(v / y_scale)`` (after rounding to the layer's float type) to int8.
 
 Why: the cuBLASLt path (``int8_gemm.Int8Gemm`` + a dequantizing pointwise kernel) writes the int32 sums to memory
@@ -64,6 +65,15 @@ GELU_LOG2_PHI = (-1.1511279344558716, -0.4590352475643158, -0.052937086671590805
                  -0.0004709532659035176, -7.357532740570605e-05, 2.131196015398018e-05, -2.1366759028751403e-06,
                  8.220337832653968e-08)
 GELU_LIMIT = 5.5
+#: GELU where the result is requantized to int8 (kiln_gelu_q, QG_ACT_GELU_Q = 3): x / (1 + 2^(x q(t))), t = min(x^2,
+#: GELU_SIGMOID_T_MAX), q = k0 + k1 t + k2 t^2 (``python -m tools.fit_gelu --form sigmoid``): 2.6e-5 absolute error
+#: in 7 instructions against kiln_gelu's 4e-7 in ~17, on an epilogue that is issue-bound (BERT's FFN1)
+GELU_SIGMOID = (-2.301121234893799, -0.10677571594715118, 0.0010142630198970437)
+GELU_SIGMOID_T_MAX = 36.0
+GELU_Q = 3
+#: the int8 output scale from which the cheaper GELU's error is under 1% of a step (2.6e-5 / (1 / 256) = 0.7%): a
+#: requantized value can then differ by one step only where the exact one lies within 2.6e-5 of a rounding boundary
+GELU_SIGMOID_MIN_SCALE = 1.0 / 256
 #: the layer's float type -> the rounding applied before requantizing (QG_ROUND_*)
 ROUNDING = {F32: 0, F16: 1, BF16: 2}
 #: output dtype -> kernel name suffix
@@ -124,12 +134,15 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float)]
     form = GELU if activation == "Gelu" else PINGPONG
-    return Launch(MODULE, kernel_name(form, activation, result, out.dtype), (form.grid_blocks(m, n), 1, 1),
+    act = ACTIVATIONS[activation]
+    if activation == "Gelu" and out.dtype == INT8 and y_scale >= GELU_SIGMOID_MIN_SCALE:
+        act = GELU_Q
+    return Launch(MODULE, kernel_name(form, act, result, out.dtype), (form.grid_blocks(m, n), 1, 1),
                   (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
 
 
-def kernel_name(form: Form, activation: str, result: np.dtype, out: np.dtype) -> str:
-    """``<prefix>_128_<act><round>_<output>``: one kernel per activation and (int8 outputs) the float type rounded to
-    before requantizing, compiled in (cuda_kernels/qgemm_sm90.cu says why)."""
+def kernel_name(form: Form, act: int, result: np.dtype, out: np.dtype) -> str:
+    """``<prefix>_128_<act><round>_<output>``: one kernel per activation code (``ACTIVATIONS``, or ``GELU_Q``) and
+    (int8 outputs) the float type rounded to before requantizing, compiled in (cuda_kernels/qgemm_sm90.cu says why)."""
     rounding = ROUNDING[result] if out == INT8 else 0
-    return f"{form.prefix}_{TILE_N}_{ACTIVATIONS[activation]}{rounding}_{OUTPUTS[out]}"
+    return f"{form.prefix}_{TILE_N}_{act}{rounding}_{OUTPUTS[out]}"
