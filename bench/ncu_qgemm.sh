@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# ncu of Kiln's sm_90 INT8 GEMM kernels at BERT-base batch 64 (8192 rows), one launch per bench.qgemm case, on the
+# GPU machine: speed of light, memory (shared-memory and L2 throughput), warp stall and pipe utilization sections.
+#   bash bench/ncu_qgemm.sh OUT_DIR [CASES]     (CASES: bench.qgemm --cases indexes, default 0,1,2)
+set -o pipefail
+out=${1:?output directory}
+ncu=${NCU:-/usr/local/cuda/bin/ncu}
+for case in $(echo "${2:-0,1,2}" | tr , ' '); do
+  timeout 240 "$ncu" --kernel-name regex:qgemm_sm90 --launch-count 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+    --section LaunchStats --section Occupancy \
+    python3 -m bench.qgemm --rows 8192 --cases "$case" --profile-runs > "$out/ncu_qgemm_case$case.txt" 2>&1
+  grep -E "qgemm_sm90|Duration|Compute \(SM\) Throughput|Memory Throughput|Shared|L2 Cache Throughput|Issue Slots Busy|Stall|Executed Ipc" \
+    "$out/ncu_qgemm_case$case.txt" | head -30
+done
