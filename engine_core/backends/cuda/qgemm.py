@@ -53,9 +53,9 @@ class Form:
 
 
 #: ping-pong (a producer warpgroup and two consumer warpgroups taking turns over whole tiles, one 209 KiB block per
-#: SM) for layers without GELU or with the cheap int8-output one; two 105 KiB blocks per SM, two consumer warpgroups
-#: sharing each tile, for the exact GELU, whose epilogue runs faster on eight warps at once (session 8, bench.qgemm:
-#: docs/cuda-backend.md)
+#: SM) for layers without GELU; two 105 KiB blocks per SM, two consumer warpgroups sharing each tile, for GELU, whose
+#: epilogue runs faster on eight warps at once (session 8, bench.qgemm: docs/cuda-backend.md; with the cheap int8-output
+#: GELU too, inside BERT-base: session 12)
 PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 1, 128), Form("qgemm_sm90_gelu", 3, 288, 2, 64)
 #: QMatMul activation -> the kernel's code (QG_ACT_*). Each has its own copy of the epilogue in the kernels, so the
 #: rarer ones (Tanh, Sigmoid) keep the cuBLASLt path rather than growing every kernel and its compile time
@@ -137,7 +137,7 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     act = ACTIVATIONS[activation]
     if activation == "Gelu" and out.dtype == INT8 and y_scale >= GELU_SIGMOID_MIN_SCALE:
         act = GELU_Q
-    form = GELU if act == ACTIVATIONS["Gelu"] else PINGPONG  # the exact GELU's epilogue wants eight warps
+    form = GELU if activation == "Gelu" else PINGPONG
     return Launch(MODULE, kernel_name(form, act, result, out.dtype), (form.grid_blocks(m, n), 1, 1),
                   (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
 
