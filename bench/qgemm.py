@@ -47,7 +47,8 @@ CASES = [Case("QKV / attention out [768 -> 768]", HIDDEN, HIDDEN, False, False),
          Case("FFN1 + GELU -> int8 [768 -> 3072]", HIDDEN, FFN, True, True),
          Case("FFN2 [3072 -> 768]", FFN, HIDDEN, False, False),
          Case("attention out -> int8 [768 -> 768]", HIDDEN, HIDDEN, False, True),
-         Case("FFN2 -> int8 [3072 -> 768]", FFN, HIDDEN, False, True)]
+         Case("FFN2 -> int8 [3072 -> 768]", FFN, HIDDEN, False, True),
+         Case("Q/K/V as one [768 -> 3 x 768]", HIDDEN, 3 * HIDDEN, False, False)]
 
 
 def _weights(case: Case) -> dict[str, np.ndarray]:

@@ -316,8 +316,23 @@ template <bool PINGPONG> struct KilnQgShape {
     static constexpr int CHUNK = PINGPONG ? 128 : 64;         // bytes a row of each consumer warp's staging slice
 };
 
+// Where the tile's columns go: y [M, N], or with `split` > 0 (a multiple of BN) the part n0 / split of y0, y1, y2,
+// each [M, split]: one GEMM of concatenated weights writing separate tensors (Q, K and V: a Split after it that the
+// lowering folds into the kernel). The epilogue gets the part's base (n0 as the part's own column) and row length.
+template <typename T> struct KilnQgOut {
+    T* y;
+    int n0, ld;
+};
+template <typename T>
+__device__ __forceinline__ KilnQgOut<T> kiln_qg_out(T* y0, T* y1, T* y2, int split, int n0, int N) {
+    if (split == 0) return {y0, n0, N};
+    const int part = n0 / split;
+    return {part == 0 ? y0 : part == 1 ? y1 : y2, n0 - part * split, split};
+}
+
 template <bool PINGPONG, typename T, int ACT, int ROUND>
-__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMap* x, const KilnTensorMap* w,
+__device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y1, T* __restrict__ y2, int split,
+                                           const KilnTensorMap* x, const KilnTensorMap* w,
                                            const float* __restrict__ w_scale, const float* __restrict__ bias, int M,
                                            int N, int K, float x_scale, float y_scale) {
     using Shape = KilnQgShape<PINGPONG>;
@@ -372,7 +387,9 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
     // this warp's staging slice (16 rows of CHUNK bytes past the stage ring), used when rows are 16-byte aligned
     unsigned char* const staging = kiln_qg_smem + (base - raw) + STAGES * STAGE_BYTES +
                                  (threadIdx.x - Shape::CONSUMER0) / 32 * 16 * Shape::CHUNK;
-    const bool staged = (size_t)N * sizeof(T) % 16 == 0 && kiln_aligned16(y);
+    const int ld = split ? split : N;  // the row length of every output part
+    const bool staged = (size_t)ld * sizeof(T) % 16 == 0 && kiln_aligned16(y0) && (split == 0 || kiln_aligned16(y1) &&
+                                                                                   kiln_aligned16(y2));
     int acc[HALVES][BN / 2];
     // ping-pong: consumer 0 takes the block's even tiles, consumer 1 the odd ones; else both take every tile
     for (int tile = PINGPONG ? me : 0, turns = 0; tile < mine; tile += PINGPONG ? 2 : 1, ++turns) {
@@ -412,10 +429,12 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
         cols[BN + tid] = b;
         if (me == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");  // this consumer's warps only
         else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+        const KilnQgOut<T> out = kiln_qg_out(y0, y1, y2, split, n0, N);
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
-            kiln_qg_epilogue_for<BN, Shape::CHUNK, T, ACT, ROUND>(staged, acc[h], y, cols, staging, tid,
-                                                                 m0 + a_row0 + 64 * h, n0, M, N, x_scale, y_scale);
+            kiln_qg_epilogue_for<BN, Shape::CHUNK, T, ACT, ROUND>(staged, acc[h], out.y, cols, staging, tid,
+                                                                 m0 + a_row0 + 64 * h, out.n0, M, out.ld, x_scale,
+                                                                 y_scale);
     }
 }
 #endif  // QG_WGMMA
@@ -424,17 +443,18 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y, const KilnTensorMa
 // the kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 8 * 16 * CHUNK + 1024 bytes of dynamic shared
 // memory (engine_core/backends/cuda/qgemm.py Form). <act> is the QG_ACT_* code, <round> the QG_ROUND_* code (int8
 // outputs only; 0 for float ones). x and w are TMA descriptors of x [M, K] and w [N, K] (int8, row-major) in 128 x
-// 128-byte boxes with the 128-byte swizzle.
+// 128-byte boxes with the 128-byte swizzle. y0 [M, N], or with split > 0 the parts y0, y1, y2 (kiln_qg_out).
 #define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T, ACT, ROUND)                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                           \
-        T* __restrict__ y, const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,       \
+        T* __restrict__ y0, T* __restrict__ y1, T* __restrict__ y2, int split,                                    \
+        const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,                          \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
         float y_scale) {                                                                                          \
         KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND)                                                                  \
     }
 #ifdef QG_WGMMA
 #define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) \
-    kiln_qgemm<PINGPONG, T, ACT, ROUND>(y, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale);
+    kiln_qgemm<PINGPONG, T, ACT, ROUND>(y0, y1, y2, split, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale);
 #else
 #define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) __trap();
 #endif

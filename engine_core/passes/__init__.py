@@ -19,6 +19,7 @@ from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
 from engine_core.passes.fuse_rms_norm import fuse_rms_norm
 from engine_core.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
+from engine_core.passes.merge_parallel_qmatmuls import merge_parallel_qmatmuls
 from engine_core.passes.narrow_attention_mask import narrow_attention_mask
 from engine_core.passes.shape_inference import infer_shapes
 
@@ -33,11 +34,12 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: them; pointwise chains take whatever pointwise layers are left. fuse_skip_layer_norm comes after
 #: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize and
 #: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold (and
-#: fuse_norm_dequantize the DequantizeLinears).
+#: fuse_norm_dequantize the DequantizeLinears); merge_parallel_qmatmuls once the QMatMuls and their int8 inputs
+#: are final.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
                  narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
-                 fuse_norm_dequantize, fuse_attention_quantize, fuse_matmul_epilogue, fuse_conv_epilogue,
-                 eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+                 fuse_norm_dequantize, fuse_attention_quantize, merge_parallel_qmatmuls, fuse_matmul_epilogue,
+                 fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
@@ -45,4 +47,4 @@ __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "el
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
            "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
            "fuse_norm_dequantize", "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul",
-           "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes", "narrow_attention_mask"]
+           "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes", "merge_parallel_qmatmuls", "narrow_attention_mask"]

@@ -200,7 +200,7 @@ class Emulator:
 
     def _qgemm(self, name: str, args: list) -> None:
         """cuda_kernels/qgemm_sm90.cu: exact int32 sums, then its float32 epilogue step by step."""
-        y, x_map, w_map, w_scale, bias, m, n, k, x_scale, y_scale = args
+        y0, y1, y2, split, x_map, w_map, w_scale, bias, m, n, k, x_scale, y_scale = args
         code = name.rsplit("_", 2)[1]  # <act><round>: the epilogue compiled into the kernel
         act, round_to = int(code[0]), int(code[1])
         assert (x_map.rows, x_map.cols, w_map.rows, w_map.cols) == (m, k, n, k), "TMA descriptors of x [M, K], w [N, K]"
@@ -220,7 +220,11 @@ class Emulator:
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]
             v = _saturate_int8(v.astype(rounded).astype(f32) / f32(y_scale))
-        self.view(y, out, (m, n), (n, 1))[...] = v.astype(out)
+        if split == 0:
+            self.view(y0, out, (m, n), (n, 1))[...] = v.astype(out)
+            return
+        for part, y in enumerate((y0, y1, y2)[:n // split]):  # kiln_qg_out: the Split of the columns
+            self.view(y, out, (m, split), (split, 1))[...] = v[:, part * split:(part + 1) * split].astype(out)
 
     def _pool(self, name: str, args: list) -> None:
         x, y, g = args

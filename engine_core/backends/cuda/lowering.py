@@ -285,6 +285,10 @@ class _Context:
     #: inputs a lowering read under another name (a reformatted copy): the step node lists that name,
     #: so liveness keeps the copy alive until the step has run
     renamed: dict[str, str] = field(default_factory=dict)
+    #: a QMatMul output -> the last-axis Split that is its only reader (``split_readers``): Kiln's INT8 GEMM can
+    #: write the parts itself (qgemm.lower adds the output to ``split_written``); that Split then has no step
+    split_readers: dict[str, Node] = field(default_factory=dict)
+    split_written: set[str] = field(default_factory=set)
 
     def info(self, name: str) -> TensorInfo:
         info = self.infos.get(name)
@@ -1285,12 +1289,16 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
             node = _with_linear_inputs(node, ctx)
         if _is_view(node, ctx):
             return "view", _lower_view(node, ctx), node
+        if node.op_type == "Split" and node.inputs[0] in ctx.split_written:  # the GEMM wrote the parts
+            return "fused:qgemm_split", [], replace(node, inputs=[], outputs=[])
         if node.op_type in POINTWISE_OPS or node.op_type == "Gelu":
             return _tactic(node, ops := _lower_pointwise(node, ctx)), ops, node
         if node.op_type in _LOWER:
             ops = _LOWER[node.op_type](node, ctx)
             if ctx.renamed:
                 node = replace(node, inputs=[ctx.renamed.get(n, n) for n in node.inputs])
+            if node.outputs and node.outputs[0] in ctx.split_written:
+                node = replace(node, outputs=list(ctx.split_readers[node.outputs[0]].outputs))
             return _tactic(node, ops), ops, node
         raise Unsupported(f"no CUDA implementation of {node.op_type}")
     except Unsupported:
@@ -1320,6 +1328,7 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     locations: dict[str, tuple[str, Any]] = {n: ("io", n) for n in io}
     for name in graph.constants:
         locations.setdefault(name, ("weight", name))
+    ctx.split_readers = _qmatmul_splits(graph, graph_outputs)
     alias: dict[str, str] = {}
     steps: list[Step] = []
     for node in graph.nodes:
@@ -1367,6 +1376,24 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
             locations[name] = locations.get(root, ("arena", 0))
     return Lowered(steps, locations, memory, folded, list(dict.fromkeys(ctx.kernels)), ctx.infos,
                    dict(ctx.weight_transforms), dict(ctx.layouts))
+
+
+def _qmatmul_splits(graph: Graph, graph_outputs: frozenset[str]) -> dict[str, Node]:
+    """QMatMul output -> the Split along its last axis that is its only reader (merge_parallel_qmatmuls' pattern),
+    where the output is no graph output."""
+    readers: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        for name in dict.fromkeys(node.inputs):
+            readers.setdefault(name, []).append(node)
+    found = {}
+    for node in graph.nodes:
+        if node.op_type != "QMatMul" or node.outputs[0] in graph_outputs:
+            continue
+        (split, *others) = readers.get(node.outputs[0], [None])
+        if split is not None and not others and split.op_type == "Split" and split.inputs[0] == node.outputs[0] \
+                and split.attr("axis", 0) == -1:
+            found[node.outputs[0]] = split
+    return found
 
 
 def _refs_of(step: Step) -> list[str]:

@@ -116,7 +116,9 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     if (not ctx.options.qgemm_sm90 or x.dtype != INT8 or k % 16 or n % 2 or activation not in ACTIVATIONS
             or result not in ROUNDING or out.dtype not in OUTPUTS or tiles(m, n) < MIN_TILES):
         return None
-    if ctx.strides(x_name) != contiguous_strides(x.shape) or ctx.strides(out_name) != contiguous_strides(out.shape):
+    parts = _split_parts(ctx, out_name, n)
+    if ctx.strides(x_name) != contiguous_strides(x.shape) or any(
+            ctx.strides(name) != contiguous_strides(ctx.info(name).shape) for name in parts or [out_name]):
         return None
     names = {"x_scale": node.inputs[1], "w_scale": node.inputs[3]}
     names.update({key: node.inputs[i] for key, i in (("bias", 4), ("y_scale", 5))
@@ -130,7 +132,11 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     bias = ctx.fold(f"{node.name}#bias", f32["bias"].reshape(-1).copy() if "bias" in f32 else np.zeros(n, np.float32))
     y_scale = float(f32["y_scale"].reshape(())) if "y_scale" in f32 else 1.0
     x_map, w_map = TensorMap(Ref(x_name), m, k, (TILE_M, TILE_K)), TensorMap(Ref(weight), n, k, (TILE_N, TILE_K))
-    args = [(Ref(out_name), ctypes.c_void_p), (x_map, None), (w_map, None),
+    ys = [Ref(name) for name in parts or [out_name]]
+    if parts:
+        ctx.split_written.add(out_name)  # the Split reading the output has no step of its own
+    args = [*[(y, ctypes.c_void_p) for y in (ys + ys[:1] * 2)[:3]], (n // len(parts) if parts else 0, ctypes.c_int),
+            (x_map, None), (w_map, None),
             (w_scale, ctypes.c_void_p), (bias, ctypes.c_void_p),
             (m, ctypes.c_int), (n, ctypes.c_int), (k, ctypes.c_int),
             (float(f32["x_scale"].reshape(())), ctypes.c_float), (y_scale, ctypes.c_float)]
@@ -140,6 +146,20 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
     form = GELU if activation == "Gelu" else PINGPONG
     return Launch(MODULE, kernel_name(form, act, result, out.dtype), (form.grid_blocks(m, n), 1, 1),
                   (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
+
+
+def _split_parts(ctx: _Context, out_name: str, n: int) -> list[str]:
+    """The outputs of the Split that is ``out_name``'s only reader (``_Context.split_readers``) when the kernel can
+    write them itself: two or three equal parts of whole tiles, shaped and typed as the output's columns; else []."""
+    split = ctx.split_readers.get(out_name)
+    if split is None or len(split.outputs) not in (2, 3) or not all(split.outputs):
+        return []
+    out = ctx.info(out_name)
+    width = n // len(split.outputs)
+    infos = [ctx.info(name) for name in split.outputs]
+    if width % TILE_N or any(i.dtype != out.dtype or tuple(i.shape) != (*out.shape[:-1], width) for i in infos):
+        return []
+    return list(split.outputs)
 
 
 def kernel_name(form: Form, act: int, result: np.dtype, out: np.dtype) -> str:
