@@ -1,6 +1,6 @@
 """Kiln's fused attention kernel vs torch's scaled_dot_product_attention, same run.
 
-    python -m bench.attention [--cases 0,1,2,3] [--out bench/results]
+    python -m bench.attention [--cases 0,1,2,3] [--out bench/results] [--profile-runs]
 
 Each case is a one-layer ONNX model (onnx.helper) of ``Attention`` (opset 23), fp16: BERT-base's shape (the 3-D
 form [batch, seq, 768], 12 heads of 64, its padding mask [batch, 1, 1, seq]), a longer sequence, and a causal
@@ -13,7 +13,8 @@ the layer):
             mask (torch picks its backend: flash without a mask, memory-efficient with one)
   torch+q   torch's attention, then ``(y / scale).round().clamp(-128, 127).to(int8)`` in eager kernels
 TFLOP/s counts 4 batch heads Sq Skv D (halved for causal). ``max diff`` compares Kiln's fp16 output with
-torch's. Writes ``attention_<time>.json``.
+torch's. Writes ``attention_<time>.json``. ``--profile-runs``: only Kiln's two engines of each case, a few launches
+each, no CUPTI and no torch peer, for a kernel profiler (bench/ncu_flash.sh).
 """
 
 from __future__ import annotations
@@ -75,23 +76,25 @@ def model(case: Case, quantize: bool) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
-def _kiln(torch, case: Case, quantize: bool, feeds: dict, stream) -> tuple[dict, object]:
+def _bound(torch, case: Case, quantize: bool, feeds: dict):
+    """(engine, execution context with the feeds and a fresh output bound, the output)."""
     engine = layer_engine(model(case, quantize), _shapes(case))
     ctx = engine.create_execution_context()
-    out_name = "yq" if quantize else "y"
     y = torch.empty(feeds["q"].shape, dtype=torch.int8 if quantize else torch.float16, device="cuda")
     for name, value in feeds.items():
         ctx.set_tensor_address(name, value.data_ptr())
-    ctx.set_tensor_address(out_name, y.data_ptr())
+    ctx.set_tensor_address("yq" if quantize else "y", y.data_ptr())
+    return engine, ctx, y
+
+
+def _kiln(torch, case: Case, quantize: bool, feeds: dict, stream) -> tuple[dict, object]:
+    engine, ctx, y = _bound(torch, case, quantize, feeds)
     us, kernels = kernel_us(lambda: ctx.execute_async_v3(stream.cuda_stream), stream)
     tactic = next(layer["tactic"] for layer in engine.plan.layers if "Attention" in layer["type"])
     return {"us": round(us, 2), "tflops": round(case.flops() / us / 1e6, 1), "tactic": tactic, "kernels": kernels}, y
 
 
-def run_case(torch, case: Case) -> dict:
-    import torch.nn.functional as F
-
-    stream = torch.cuda.current_stream()
+def _feeds(torch, case: Case) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     feeds = {name: torch.randn(shape, device="cuda", generator=gen).half() for name, shape in _shapes(case).items()
              if name != "mask"}
@@ -99,6 +102,24 @@ def run_case(torch, case: Case) -> dict:
         mask = torch.zeros(_shapes(case)["mask"], device="cuda", dtype=torch.float16)
         mask[1::2, ..., case.seq - case.seq // 8:] = -10000.0
         feeds["mask"] = mask
+    return feeds
+
+
+def profile_runs(torch, case: Case, runs: int = 3) -> None:
+    """Kiln's attention engines of ``case`` (float and int8 output), ``runs`` launches each and nothing else."""
+    stream, feeds = torch.cuda.current_stream(), _feeds(torch, case)
+    for quantize in (False, True):
+        _, ctx, _ = _bound(torch, case, quantize, feeds)
+        for _ in range(runs):
+            ctx.execute_async_v3(stream.cuda_stream)
+        torch.cuda.synchronize()
+
+
+def run_case(torch, case: Case) -> dict:
+    import torch.nn.functional as F
+
+    stream = torch.cuda.current_stream()
+    feeds = _feeds(torch, case)
     row: dict = {"case": case.name, "batch": case.batch, "heads": case.heads, "seq": case.seq, "dim": case.dim,
                  "causal": case.causal}
     row["kiln"], y = _kiln(torch, case, False, feeds, stream)
@@ -128,9 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))),
                         help="comma-separated indexes into " + "; ".join(f"{i}: {c.name}" for i, c in enumerate(CASES)))
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--profile-runs", action="store_true", help="only run the Kiln engines, for a profiler")
     args = parser.parse_args(argv)
     import torch
 
+    if args.profile_runs:
+        for case in (CASES[int(i)] for i in args.cases.split(",")):
+            profile_runs(torch, case)
+        return 0
     print(f"{torch.cuda.get_device_name()}: GPU kernel us per call (CUPTI)")
     print(f"{'case':<26} {'kiln':>7} {'kiln+q':>7} {'torch':>7} {'torch+q':>7} {'TFLOP/s':>7} {'x torch':>7} "
           f"{'max diff':>8}")
