@@ -503,11 +503,10 @@ def _lower_view(node: Node, ctx: _Context) -> list:
 def _is_view(node: Node, ctx: _Context) -> bool:
     """A layer whose output is its input's bytes: the view ops, and an Expand with nothing to broadcast at these
     shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer)."""
-    if not node.inputs or not node.inputs[0]:
+    if not node.inputs or not node.inputs[0] or node.op_type not in VIEW_OPS and node.op_type != "Expand":
         return False
-    if node.op_type == "Expand":
-        return ctx.info(node.inputs[0]).shape == ctx.info(node.outputs[0]).shape
-    return node.op_type in VIEW_OPS
+    shape = ctx.info(node.inputs[0]).shape  # unknown: Unsupported (the layer runs on the host)
+    return node.op_type in VIEW_OPS or shape == ctx.info(node.outputs[0]).shape
 
 
 def _lower_transpose(node: Node, ctx: _Context) -> list:
