@@ -209,13 +209,13 @@ class Emulator:
         f32 = np.float32
         v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
         v = v + self.view(bias, np.dtype(f32), (n,), (1,))  # zeros folded for a layer without bias
-        activation = {code: name for name, code in qgemm.ACTIVATIONS.items()} | {qgemm.GELU_Q: "GeluQ"}
-        if activation[act] == "GeluQ":  # the int8-output kernels' GELU (kiln_gelu_q)
+        if act == qgemm.GELU_Q:  # the int8-output kernels' GELU (kiln_gelu_q)
             v = gelu_sigmoid_fp32(v, np.array(qgemm.GELU_SIGMOID, f32), qgemm.GELU_SIGMOID_T_MAX)
-        elif activation[act] == "Gelu":  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
+        elif act == qgemm.ACTIVATIONS["Gelu"]:  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
             v = gelu_fp32(v, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
         else:
-            v = activate(Node("QMatMul", [], [], {"activation": activation[act]}, "qgemm", "kiln", 1, []), v).astype(f32)
+            activation = next(name for name, code in qgemm.ACTIVATIONS.items() if code == act)
+            v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
         out = _SUFFIX[name.rsplit("_", 1)[1]]
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]

@@ -1327,7 +1327,7 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     locations: dict[str, tuple[str, Any]] = {n: ("io", n) for n in io}
     for name in graph.constants:
         locations.setdefault(name, ("weight", name))
-    ctx.split_readers = _qmatmul_splits(graph, graph_outputs)
+    ctx.split_readers = _qmatmul_splits(graph)
     alias: dict[str, str] = {}
     steps: list[Step] = []
     for node in graph.nodes:
@@ -1377,19 +1377,16 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
                    dict(ctx.weight_transforms), dict(ctx.layouts))
 
 
-def _qmatmul_splits(graph: Graph, graph_outputs: frozenset[str]) -> dict[str, Node]:
+def _qmatmul_splits(graph: Graph) -> dict[str, Node]:
     """QMatMul output -> the Split along its last axis that is its only reader (merge_parallel_qmatmuls' pattern),
     where the output is no graph output."""
-    readers: dict[str, list[Node]] = {}
-    for node in graph.nodes:
-        for name in dict.fromkeys(node.inputs):
-            readers.setdefault(name, []).append(node)
+    from engine_core.passes.pattern import Uses
+
+    uses = Uses(graph)
     found = {}
     for node in graph.nodes:
-        if node.op_type != "QMatMul" or node.outputs[0] in graph_outputs:
-            continue
-        (split, *others) = readers.get(node.outputs[0], [None])
-        if split is not None and not others and split.op_type == "Split" and split.inputs[0] == node.outputs[0] \
+        split = uses.sole_reader(node.outputs[0]) if node.op_type == "QMatMul" else None
+        if split is not None and split.op_type == "Split" and split.inputs[0] == node.outputs[0] \
                 and split.attr("axis", 0) == -1:
             found[node.outputs[0]] = split
     return found
