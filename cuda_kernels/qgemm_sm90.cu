@@ -150,32 +150,40 @@ __device__ __forceinline__ float kiln_gelu_q(float v) {
     return __fmul_rn(v, r);
 }
 
+// Whether the kernel may fold x_scale into w_scale, add the bias in the same FMA and requantize with a multiply by
+// 1 / y_scale: where the activation is kiln_gelu_q, whose own error (2.6e-5) is already far above what these
+// reorderings change (an ulp of the value, ~1e-7 of a step), so its int8 result is the same but within that much of a
+// rounding boundary. 4 of ~25 instructions an element on the issue-bound FFN1 epilogue.
+template <int ACT> struct KilnQgFold { static constexpr bool value = ACT == QG_ACT_GELU_Q; };
+
 // dequantize, bias, activation: one output element in the CPU op's order (ACT a compile-time QG_ACT_*; a layer
-// without bias has zeros folded)
+// without bias has zeros folded); folded (KilnQgFold), w_scale is x_scale * w_scale and the bias is added by the FMA
 template <int ACT> __device__ __forceinline__ float kiln_qg_value(int acc, float x_scale, float w_scale, float bias) {
-    float v = __fadd_rn(__fmul_rn(__fmul_rn((float)acc, x_scale), w_scale), bias);
+    float v = KilnQgFold<ACT>::value ? __fmaf_rn((float)acc, w_scale, bias)
+                                     : __fadd_rn(__fmul_rn(__fmul_rn((float)acc, x_scale), w_scale), bias);
     if constexpr (ACT == QG_ACT_RELU) v = v > 0.0f ? v : 0.0f;
     if constexpr (ACT == QG_ACT_GELU) v = kiln_gelu(v);
     if constexpr (ACT == QG_ACT_GELU_Q) v = kiln_gelu_q(v);
     return v;
 }
 
-// two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND matters only there)
-template <typename T, int ROUND> struct KilnQgStore;
-template <int ROUND> struct KilnQgStore<float, ROUND> {
+// two adjacent outputs to memory: the float types convert, int8 requantizes (ROUND and ACT matter only there)
+template <typename T, int ROUND, int ACT> struct KilnQgStore;
+template <int ROUND, int ACT> struct KilnQgStore<float, ROUND, ACT> {
     __device__ __forceinline__ static void pair(float* y, float a, float b, float, float) { *reinterpret_cast<float2*>(y) = make_float2(a, b); }
 };
-template <int ROUND> struct KilnQgStore<__half, ROUND> {
+template <int ROUND, int ACT> struct KilnQgStore<__half, ROUND, ACT> {
     __device__ __forceinline__ static void pair(__half* y, float a, float b, float, float) { *reinterpret_cast<__half2*>(y) = __floats2half2_rn(a, b); }
 };
-template <int ROUND> struct KilnQgStore<__nv_bfloat16, ROUND> {
+template <int ROUND, int ACT> struct KilnQgStore<__nv_bfloat16, ROUND, ACT> {
     __device__ __forceinline__ static void pair(__nv_bfloat16* y, float a, float b, float, float) {
         *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(a, b);
     }
 };
 // requantize: round to the layer's float type (ROUND: the tensor the unfused graph stores; a pair converts in one
-// instruction), then QuantizeLinear
-template <int ROUND> struct KilnQgStore<signed char, ROUND> {
+// instruction), then QuantizeLinear; folded (KilnQgFold: GELU, >= -0.17, at a scale >= 1/256, so never under -44
+// steps), times the reciprocal and saturated at 127 only
+template <int ROUND, int ACT> struct KilnQgStore<signed char, ROUND, ACT> {
     __device__ __forceinline__ static void pair(signed char* y, float a, float b, float y_scale, float y_recip) {
         if constexpr (ROUND == QG_ROUND_F16) {
             const float2 r = __half22float2(__floats2half2_rn(a, b));
@@ -186,8 +194,13 @@ template <int ROUND> struct KilnQgStore<signed char, ROUND> {
             a = r.x, b = r.y;
         }
         char2 q;
-        q.x = kiln_quantize_s8(a, y_scale, y_recip);
-        q.y = kiln_quantize_s8(b, y_scale, y_recip);
+        if constexpr (KilnQgFold<ACT>::value) {
+            q.x = (signed char)__float_as_int(__fadd_rn(fminf(__fmul_rn(a, y_recip), 127.0f), 12582912.0f));
+            q.y = (signed char)__float_as_int(__fadd_rn(fminf(__fmul_rn(b, y_recip), 127.0f), 12582912.0f));
+        } else {
+            q.x = kiln_quantize_s8(a, y_scale, y_recip);
+            q.y = kiln_quantize_s8(b, y_scale, y_recip);
+        }
         *reinterpret_cast<char2*>(y) = q;
     }
 };
@@ -208,12 +221,12 @@ __device__ __forceinline__ void kiln_qg_pair(const int (&acc)[BN / 2], int h, T*
     const float2 ws = *reinterpret_cast<const float2*>(cols + c), b = *reinterpret_cast<const float2*>(cols + BN + c);
     const float v0 = kiln_qg_value<ACT>(acc[4 * J + 2 * h], x_scale, ws.x, b.x);
     const float v1 = kiln_qg_value<ACT>(acc[4 * J + 2 * h + 1], x_scale, ws.y, b.y);
-    KilnQgStore<T, ROUND>::pair(dst, v0, v1, y_scale, y_recip);
+    KilnQgStore<T, ROUND, ACT>::pair(dst, v0, v1, y_scale, y_recip);
 }
 
 // Byte `byte` of row `row` in a warp's staging slice: 16 rows of CHUNK bytes whose 16-byte chunks are swizzled by
 // row, so that a pair store (8 rows at one column) and a 16-byte read (whole rows) each hit distinct banks. CHUNK
-// is 128 in the ping-pong kernels, 64 in the GELU ones (two blocks per SM leave less shared memory): rows sharing
+// is 128 in the ping-pong kernels, 64 in the GELU ones (16 consumer warps leave less shared memory): rows sharing
 // a 128-byte bank line are then told apart by row / 2.
 template <int CHUNK> __device__ __forceinline__ int kiln_qg_staged(int row, int byte) {
     constexpr int SHIFT = CHUNK == 128 ? 0 : 1;
@@ -295,25 +308,28 @@ __device__ __forceinline__ void kiln_qg_epilogue_for(bool staged, const int (&ac
 // for a stage to be empty, then loads the step's x and w boxes into it by TMA (the copy engine writes the 128-byte
 // swizzle); the stage's "full" barrier completes when the bytes land. Consumer warpgroups wait for a stage to be
 // full, issue their wgmmas, wait for the slice before's (wgmma.wait_group 1: one slice stays queued on the tensor
-// cores) and mark that slice's stage empty, then run the epilogue. Two forms, both measured on BERT-base's layers
-// (bench.qgemm, H100, 8192 rows; session 8, then session 10's staged epilogue and cheaper GELU / quantize):
-//   - PINGPONG (CUTLASS's KernelTmaWarpSpecializedPingpong, written for this GEMM): one block per SM, a producer
-//     warpgroup and two consumer warpgroups that each own whole 128 x BN tiles and take turns: a consumer starts
-//     its K loop when the other has issued all of its previous tile's (the tensor cores run one tile at a time, and
-//     no consumer waits on a stage's barrier two phases ahead), so one's epilogue overlaps the other's K loop. The
-//     producer gives its registers back (setmaxnreg 40) so a consumer holds 128 int32 sums per thread with room for
-//     the epilogue (232). 6 stages. 768 x 768: 17.6 -> 12.2 us, FFN2 (K = 3072): 34.0 -> 27.4 us (1,411 TOPS).
-//   - The pair form for GELU: two blocks per SM, each a producer warp and two consumer warpgroups sharing a 128 x BN
-//     tile (64 rows each, 96 registers), 3 stages: the erf-and-requantize epilogue is the longer part, and eight
-//     consumer warps per SM in the epilogue at once run it faster than ping-pong's four (FFN1 + GELU -> int8: 78.1
-//     us against ping-pong's 112.1; the 768 x 768 layer 22.4 against 17.6). Session 10: 61.5 us against 90.5.
-template <bool PINGPONG> struct KilnQgShape {
-    static constexpr int STAGES = PINGPONG ? 6 : 3;
-    static constexpr int HALVES = PINGPONG ? 2 : 1;           // m64 row blocks per consumer: whole or half tiles
-    static constexpr int CONSUMER0 = PINGPONG ? 128 : 0;      // the first consumer thread
-    static constexpr int PRODUCER = PINGPONG ? 0 : 256;       // the thread issuing the loads
-    static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;    // warps reading a stage: its empty barrier's count
-    static constexpr int CHUNK = PINGPONG ? 128 : 64;         // bytes a row of each consumer warp's staging slice
+// cores) and mark that slice's stage empty, then run the epilogue. The consumers form two teams that take turns
+// over whole tiles (CUTLASS's KernelTmaWarpSpecializedPingpong, written for this GEMM): a team starts its K loop when
+// the other has issued all of its previous tile's (the tensor cores run one tile at a time, and no team waits on a
+// stage's barrier two phases ahead), so one team's epilogue overlaps the other's K loop. One block per SM, 6 stages.
+// Two forms, measured on BERT-base's layers (bench.qgemm, H100, 8192 rows):
+//   - PINGPONG (TEAM_WGS = 1), for layers without GELU: a team is one consumer warpgroup owning whole 128 x BN tiles;
+//     a producer warpgroup that gives its registers back (setmaxnreg 40) so a consumer holds 128 int32 sums per
+//     thread with room for the epilogue (232). 768 x 768: 17.6 -> 12.2 us, FFN2 (K = 3072): 34.0 -> 27.4 us (1,411
+//     TOPS; session 8).
+//   - Pairs (TEAM_WGS = 2), for GELU, whose epilogue is the longer part and runs faster on eight warps than on four:
+//     a team is two consumer warpgroups sharing each tile (64 rows each); a producer warp; 544 threads, 96 of the
+//     120 registers they may have. FFN1 + GELU -> int8 56.9 -> 53.9 us against session 8-12's two blocks per SM of
+//     one pair each (whose two blocks ran their K loops and epilogues at the same time), 1024 rows 11.6 -> 11.7.
+template <int TEAM_WGS> struct KilnQgShape {
+    static constexpr bool PRODUCER_WG = TEAM_WGS == 1;        // a whole producer warpgroup giving its registers back
+    static constexpr int CONSUMERS = 2 * TEAM_WGS;            // consumer warpgroups: two teams
+    static constexpr int STAGES = 6;
+    static constexpr int HALVES = 2 / TEAM_WGS;               // m64 row blocks per consumer: whole or half tiles
+    static constexpr int CONSUMER0 = PRODUCER_WG ? 128 : 0;   // the first consumer thread
+    static constexpr int PRODUCER = PRODUCER_WG ? 0 : 128 * CONSUMERS;  // the thread issuing the loads
+    static constexpr int STAGE_READERS = 4 * TEAM_WGS;        // warps reading a stage: its empty barrier's count
+    static constexpr int CHUNK = TEAM_WGS == 1 ? 128 : 64;    // bytes a row of each consumer warp's staging slice
 };
 
 // Where the tile's columns go: y [M, N], or with `split` > 0 (a multiple of BN) the part n0 / split of y0, y1, y2,
@@ -330,18 +346,18 @@ __device__ __forceinline__ KilnQgOut<T> kiln_qg_out(T* y0, T* y1, T* y2, int spl
     return {part == 0 ? y0 : part == 1 ? y1 : y2, n0 - part * split, split};
 }
 
-template <bool PINGPONG, typename T, int ACT, int ROUND>
+template <int TEAM_WGS, typename T, int ACT, int ROUND>
 __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y1, T* __restrict__ y2, int split,
                                            const KilnTensorMap* x, const KilnTensorMap* w,
                                            const float* __restrict__ w_scale, const float* __restrict__ bias, int M,
                                            int N, int K, float x_scale, float y_scale) {
-    using Shape = KilnQgShape<PINGPONG>;
+    using Shape = KilnQgShape<TEAM_WGS>;
     constexpr int BN = QG_BN, STAGES = Shape::STAGES, HALVES = Shape::HALVES;
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
     extern __shared__ unsigned char kiln_qg_smem[];
     // full[STAGES], empty[STAGES], then turn[2] (ping-pong: consumer c may start its next tile's K loop)
     __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES + 2];
-    __shared__ __align__(16) float kiln_qg_cols[2][2][2 * BN];  // consumer, tile parity: w_scale[BN], bias[BN]
+    __shared__ __align__(16) float kiln_qg_cols[Shape::CONSUMERS][2][2 * BN];  // consumer, tile parity: w_scale, bias
     static_assert(BN == 128, "a consumer thread per column's scale and bias");
     const unsigned raw = (unsigned)__cvta_generic_to_shared(kiln_qg_smem);
     const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms must be 1024-byte aligned
@@ -355,16 +371,14 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
             kiln_mbar_init(full + 8 * s, 1);  // the producer's expect_tx arrival
             kiln_mbar_init(empty + 8 * s, Shape::STAGE_READERS);
         }
-        if constexpr (PINGPONG) {  // one arrival per warp of the other consumer
-            kiln_mbar_init(turn, 4);
-            kiln_mbar_init(turn + 8, 4);
-        }
+        kiln_mbar_init(turn, 4 * TEAM_WGS);  // one arrival per warp of the other team
+        kiln_mbar_init(turn + 8, 4 * TEAM_WGS);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     }
     __syncthreads();
 
-    if (PINGPONG ? threadIdx.x < Shape::CONSUMER0 : threadIdx.x >= Shape::PRODUCER) {  // the producer's warp(group)
-        if constexpr (PINGPONG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (Shape::PRODUCER_WG ? threadIdx.x < Shape::CONSUMER0 : threadIdx.x >= Shape::PRODUCER) {  // the producer's warp(group)
+        if constexpr (Shape::PRODUCER_WG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x == Shape::PRODUCER) {
             int stage = 0, round = 0;
             for (int tile = 0; tile < mine; ++tile) {
@@ -381,9 +395,13 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
         }
         return;
     }
-    if constexpr (PINGPONG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int me = (threadIdx.x - Shape::CONSUMER0) / 128, tid = threadIdx.x % 128, lane = threadIdx.x % 32;
-    const int a_row0 = PINGPONG ? 0 : 64 * me;  // the consumer's first row in the tile
+    if constexpr (Shape::PRODUCER_WG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    // the consumer warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform (as CUTLASS's
+    // canonical_warp_group_idx): the stage and descriptor arithmetic then runs on uniform registers, without a move
+    // to them before each wgmma
+    const int me = __shfl_sync(0xffffffffu, (threadIdx.x - Shape::CONSUMER0) / 128, 0);
+    const int tid = threadIdx.x % 128, lane = threadIdx.x % 32;
+    const int team = me / TEAM_WGS, a_row0 = TEAM_WGS == 2 ? 64 * (me % 2) : 0;  // the consumer's first row in the tile
     // this warp's staging slice (16 rows of CHUNK bytes past the stage ring), used when rows are 16-byte aligned
     unsigned char* const staging = kiln_qg_smem + (base - raw) + STAGES * STAGE_BYTES +
                                  (threadIdx.x - Shape::CONSUMER0) / 32 * 16 * Shape::CHUNK;
@@ -391,14 +409,14 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
     const bool staged = (size_t)ld * sizeof(T) % 16 == 0 && kiln_aligned16(y0) && (split == 0 || kiln_aligned16(y1) &&
                                                                                    kiln_aligned16(y2));
     int acc[HALVES][BN / 2];
-    // ping-pong: consumer 0 takes the block's even tiles, consumer 1 the odd ones; else both take every tile
-    for (int tile = PINGPONG ? me : 0, turns = 0; tile < mine; tile += PINGPONG ? 2 : 1, ++turns) {
+    // team 0 takes the block's even tiles, team 1 the odd ones
+    for (int tile = team, turns = 0; tile < mine; tile += 2, ++turns) {
         const int t = blockIdx.x + tile * gridDim.x, m0 = (t / tiles_n) * QG_BM, n0 = (t % tiles_n) * BN;
         // the tile's per-column w_scale and bias, read from global memory now and stored to shared memory after the
         // K loop: the epilogue's loads then do not wait on global memory
         const float ws = n0 + tid < N ? w_scale[n0 + tid] : 0.0f, b = n0 + tid < N ? bias[n0 + tid] : 0.0f;
-        // ping-pong: consumer 1's first tile waits for consumer 0's first K loop, later ones for the other's last
-        if (PINGPONG && tile > 0) kiln_mbar_wait(turn + 8 * me, (me == 0 ? turns - 1 : turns) & 1);
+        // team 1's first tile waits for team 0's first K loop, later ones for the other team's last
+        if (tile > 0) kiln_mbar_wait(turn + 8 * team, (team == 0 ? turns - 1 : turns) & 1);
         const int first = tile * ktiles;  // this tile's first step in the producer's sequence
         int stage = first % STAGES, round = first / STAGES, previous = -1;
         for (int kt = 0; kt < ktiles; ++kt) {
@@ -419,16 +437,15 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
             previous = stage;
             if (++stage == STAGES) stage = 0, ++round;
         }
-        if (PINGPONG && lane == 0) kiln_mbar_arrive(turn + 8 * (1 - me));  // every K slice is issued: its turn
+        if (lane == 0) kiln_mbar_arrive(turn + 8 * (1 - team));  // every K slice is issued: its turn
         kiln_wgmma_wait<0>();
         if (lane == 0) kiln_mbar_arrive(empty + 8 * previous);
         // two buffers: a warp a tile ahead writes the other one while a slower warp still reads this one, and cannot
         // come back to this one before every warp of the consumer has passed the next barrier
         float* cols = kiln_qg_cols[me][turns & 1];
-        cols[tid] = ws;
+        cols[tid] = KilnQgFold<ACT>::value ? __fmul_rn(ws, x_scale) : ws;
         cols[BN + tid] = b;
-        if (me == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");  // this consumer's warps only
-        else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + me) : "memory");  // this consumer's warps only
         const KilnQgOut<T> out = kiln_qg_out(y0, y1, y2, split, n0, N);
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
@@ -439,44 +456,44 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
 }
 #endif  // QG_WGMMA
 
-// qgemm_sm90[_gelu]_128_<act><round>_<output>: a 1-D grid of at most one block per output tile, 384 threads (ping-pong:
-// the kernels without GELU) or 288 (GELU), STAGES * (128 + 128) * 128 + 8 * 16 * CHUNK + 1024 bytes of dynamic shared
-// memory (engine_core/backends/cuda/qgemm.py Form). <act> is the QG_ACT_* code, <round> the QG_ROUND_* code (int8
+// qgemm_sm90[_gelu]_128_<act><round>_<output>: a 1-D grid of at most one block per output tile (and per SM), 384
+// threads (ping-pong: the kernels without GELU) or 544 (pairs: GELU), STAGES * (128 + 128) * 128 + consumer warps * 16
+// * CHUNK + 1024 bytes of dynamic shared memory (engine_core/backends/cuda/qgemm.py Form). <act> is the QG_ACT_* code, <round> the QG_ROUND_* code (int8
 // outputs only; 0 for float ones). x and w are TMA descriptors of x [M, K] and w [N, K] (int8, row-major) in 128 x
 // 128-byte boxes with the 128-byte swizzle. y0 [M, N], or with split > 0 the parts y0, y1, y2 (kiln_qg_out).
-#define KILN_QGEMM(PINGPONG, THREADS, BLOCKS, NAME, T, ACT, ROUND)                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(                                           \
+#define KILN_QGEMM(TEAM_WGS, THREADS, NAME, T, ACT, ROUND)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                           \
         T* __restrict__ y0, T* __restrict__ y1, T* __restrict__ y2, int split,                                    \
         const __grid_constant__ KilnTensorMap x, const __grid_constant__ KilnTensorMap w,                          \
         const float* __restrict__ w_scale, const float* __restrict__ bias, int M, int N, int K, float x_scale,     \
         float y_scale) {                                                                                          \
-        KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND)                                                                  \
+        KILN_QGEMM_BODY(TEAM_WGS, T, ACT, ROUND)                                                                  \
     }
 #ifdef QG_WGMMA
-#define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) \
-    kiln_qgemm<PINGPONG, T, ACT, ROUND>(y0, y1, y2, split, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale);
+#define KILN_QGEMM_BODY(TEAM_WGS, T, ACT, ROUND) \
+    kiln_qgemm<TEAM_WGS, T, ACT, ROUND>(y0, y1, y2, split, &x, &w, w_scale, bias, M, N, K, x_scale, y_scale);
 #else
-#define KILN_QGEMM_BODY(PINGPONG, T, ACT, ROUND) __trap();
+#define KILN_QGEMM_BODY(TEAM_WGS, T, ACT, ROUND) __trap();
 #endif
 
 // ping-pong: no activation or ReLU; float outputs, or int8 after rounding to the layer's float type
 #define KILN_QGEMM_PINGPONG(ACT)                                                                                 \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_f32, float, ACT, QG_ROUND_F32)                             \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_f16, __half, ACT, QG_ROUND_F32)                            \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_bf16, __nv_bfloat16, ACT, QG_ROUND_F32)                    \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##0_i8, signed char, ACT, QG_ROUND_F32)                        \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##1_i8, signed char, ACT, QG_ROUND_F16)                        \
-    KILN_QGEMM(true, 384, 1, qgemm_sm90_128_##ACT##2_i8, signed char, ACT, QG_ROUND_BF16)
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##0_f32, float, ACT, QG_ROUND_F32)                             \
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##0_f16, __half, ACT, QG_ROUND_F32)                            \
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##0_bf16, __nv_bfloat16, ACT, QG_ROUND_F32)                    \
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##0_i8, signed char, ACT, QG_ROUND_F32)                        \
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##1_i8, signed char, ACT, QG_ROUND_F16)                        \
+    KILN_QGEMM(1, 384, qgemm_sm90_128_##ACT##2_i8, signed char, ACT, QG_ROUND_BF16)
 KILN_QGEMM_PINGPONG(0)
 KILN_QGEMM_PINGPONG(1)
-// two blocks per SM: GELU, and the cheap GELU for int8 outputs (session 12: ping-pong ran that one faster alone, 53.4
-// against 57.3 us for FFN1 at 8192 rows, but slower inside BERT-base at batch 64, 59.7 against 57.4 us a launch)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_f32, float, QG_ACT_GELU, QG_ROUND_F32)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_f16, __half, QG_ACT_GELU, QG_ROUND_F32)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_bf16, __nv_bfloat16, QG_ACT_GELU, QG_ROUND_F32)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_20_i8, signed char, QG_ACT_GELU, QG_ROUND_F32)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_21_i8, signed char, QG_ACT_GELU, QG_ROUND_F16)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_22_i8, signed char, QG_ACT_GELU, QG_ROUND_BF16)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_30_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F32)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_31_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F16)
-KILN_QGEMM(false, 288, 2, qgemm_sm90_gelu_128_32_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_BF16)
+// pairs: GELU, and the cheap GELU for int8 outputs (session 12: the one-warpgroup ping-pong form ran that one faster
+// alone, 53.4 against 57.3 us for FFN1 at 8192 rows, but slower inside BERT-base at batch 64, 59.7 against 57.4)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_20_f32, float, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_20_f16, __half, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_20_bf16, __nv_bfloat16, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_20_i8, signed char, QG_ACT_GELU, QG_ROUND_F32)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_21_i8, signed char, QG_ACT_GELU, QG_ROUND_F16)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_22_i8, signed char, QG_ACT_GELU, QG_ROUND_BF16)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_30_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F32)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_31_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_F16)
+KILN_QGEMM(2, 544, qgemm_sm90_gelu_128_32_i8, signed char, QG_ACT_GELU_Q, QG_ROUND_BF16)

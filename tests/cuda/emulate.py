@@ -207,19 +207,23 @@ class Emulator:
         acc = self.view(x_map.ref, np.dtype(np.int8), (m, k), (k, 1)).astype(np.int64) \
             @ self.view(w_map.ref, np.dtype(np.int8), (n, k), (k, 1)).astype(np.int64).T
         f32 = np.float32
-        v = acc.astype(np.int32).astype(f32) * f32(x_scale) * self.view(w_scale, np.dtype(f32), (n,), (1,))
-        v = v + self.view(bias, np.dtype(f32), (n,), (1,))  # zeros folded for a layer without bias
-        if act == qgemm.GELU_Q:  # the int8-output kernels' GELU (kiln_gelu_q)
+        acc, w_scale = acc.astype(np.int32).astype(f32), self.view(w_scale, np.dtype(f32), (n,), (1,))
+        bias = self.view(bias, np.dtype(f32), (n,), (1,))  # zeros folded for a layer without bias
+        if act == qgemm.GELU_Q:  # the int8-output kernels' GELU (kiln_gelu_q), folded (KilnQgFold): fma(acc,
+            # x_scale * w_scale, bias), whose product a double holds exactly
+            v = (acc.astype(np.float64) * (f32(x_scale) * w_scale).astype(np.float64) + bias).astype(f32)
             v = gelu_sigmoid_fp32(v, np.array(qgemm.GELU_SIGMOID, f32), qgemm.GELU_SIGMOID_T_MAX)
         elif act == qgemm.ACTIVATIONS["Gelu"]:  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
-            v = gelu_fp32(v, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
+            v = gelu_fp32(acc * f32(x_scale) * w_scale + bias, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
         else:
             activation = next(name for name, code in qgemm.ACTIVATIONS.items() if code == act)
-            v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
+            v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []),
+                         acc * f32(x_scale) * w_scale + bias).astype(f32)
         out = _SUFFIX[name.rsplit("_", 1)[1]]
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]
-            v = _saturate_int8(v.astype(rounded).astype(f32) / f32(y_scale))
+            v = v.astype(rounded).astype(f32)
+            v = _saturate_int8(v * (f32(1) / f32(y_scale)) if act == qgemm.GELU_Q else v / f32(y_scale))
         if split == 0:
             self.view(y0, out, (m, n), (n, 1))[...] = v.astype(out)
             return

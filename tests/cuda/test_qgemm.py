@@ -161,8 +161,8 @@ def test_layers_with_fewer_than_min_tiles_keep_the_cublaslt_path(monkeypatch):
 def test_persistent_grid_is_one_block_per_tile_up_to_what_the_sms_hold():
     for form in (qgemm.PINGPONG, qgemm.GELU):
         assert form.grid_blocks(300, 304) == 3 * 3
-    assert qgemm.PINGPONG.grid_blocks(8192, 768) == qgemm.SMS  # 384 tiles: blocks take several
-    assert qgemm.GELU.grid_blocks(8192, 3072) == 2 * qgemm.SMS
+    for form in (qgemm.PINGPONG, qgemm.GELU):  # 384 and 1,536 tiles: blocks take several
+        assert form.grid_blocks(8192, 768) == form.grid_blocks(8192, 3072) == qgemm.SMS
 
 
 def test_a_misaligned_tma_operand_is_an_error_that_names_it():
@@ -187,9 +187,9 @@ def test_a_misaligned_tma_operand_is_an_error_that_names_it():
 @pytest.mark.parametrize("dout", [40, 36])
 def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, dout, monkeypatch):
     """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40 or 36; M up to
-    300), with a block per tile and with few blocks taking several tiles each (``SMS`` = 2: fc1 ping-pong, 2 blocks
-    whose two consumer warpgroups take turns; fc2 GELU, 4 blocks; the producer's stage ring runs from one tile into
-    the next). Rows of 16-byte multiples take the staged epilogue; fc2's fp16 rows of 36 (72 bytes) the direct one.
+    300), with a block per tile and with few blocks taking several tiles each (``SMS`` = 2: 2 blocks whose two teams of
+    consumers take turns, one warpgroup each in fc1's ping-pong form, two in fc2's GELU form; the producer's stage
+    ring runs from one tile into the next). Rows of 16-byte multiples take the staged epilogue; fc2's fp16 rows of 36 (72 bytes) the direct one.
     The int32 sums are exact and the epilogue keeps the CPU op's order: fp32 differs only by GELU's last bits (the
     kernel's polynomial), FP16 by one fp16 ulp."""
     if not qgemm.available():

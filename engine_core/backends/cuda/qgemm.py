@@ -33,30 +33,31 @@ TILE_M, TILE_N, TILE_K = 128, 128, 128
 
 @dataclass(frozen=True)
 class Form:
-    """One form of the kernel (cuda_kernels/qgemm_sm90.cu, kiln_qgemm): its name prefix, pipeline stages, threads
-    per block, blocks per SM and the bytes a row of each consumer warp's epilogue staging slice (KilnQgShape::CHUNK)."""
+    """One form of the kernel (cuda_kernels/qgemm_sm90.cu, kiln_qgemm; one block per SM): its name prefix, pipeline
+    stages, threads per block, the bytes a row of each consumer warp's epilogue staging slice (KilnQgShape::CHUNK)
+    and its consumer warps."""
 
     prefix: str
     stages: int
     threads: int
-    blocks_per_sm: int
     chunk: int
+    consumer_warps: int
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory of one block: the stage ring, eight consumer warps' staging slices (16 rows each)
+        """Dynamic shared memory of one block: the stage ring, the consumer warps' staging slices (16 rows each)
         and slack to align the ring to 1024 bytes."""
-        return self.stages * (TILE_M + TILE_N) * TILE_K + 8 * 16 * self.chunk + 1024
+        return self.stages * (TILE_M + TILE_N) * TILE_K + self.consumer_warps * 16 * self.chunk + 1024
 
     def grid_blocks(self, m: int, n: int) -> int:
         """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
-        return max(1, min(tiles(m, n), SMS * self.blocks_per_sm))
+        return max(1, min(tiles(m, n), SMS))
 
 
-#: ping-pong (a producer warpgroup and two consumer warpgroups taking turns over whole tiles, one 209 KiB block per
-#: SM) for layers without GELU; two 105 KiB blocks per SM, two consumer warpgroups sharing each tile, for GELU, whose
-#: epilogue runs faster on eight warps at once (session 8, bench.qgemm: docs/cuda-backend.md; with the cheap int8-output
-#: GELU too, inside BERT-base: session 12)
-PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 1, 128), Form("qgemm_sm90_gelu", 3, 288, 2, 64)
+#: two teams of consumers taking turns over whole tiles, one block per SM: ping-pong (a team is one warpgroup, a
+#: producer warpgroup; 209 KiB) for layers without GELU; pairs (a team is two warpgroups sharing each tile, a producer
+#: warp; 209 KiB + 8 KiB of static scale and bias rows) for GELU, whose epilogue runs faster on eight warps at once
+#: (sessions 8 and 13, bench.qgemm: docs/cuda-backend.md)
+PINGPONG, GELU = Form("qgemm_sm90", 6, 384, 128, 8), Form("qgemm_sm90_gelu", 6, 544, 64, 16)
 #: QMatMul activation -> the kernel's code (QG_ACT_*). Each has its own copy of the epilogue in the kernels, so the
 #: rarer ones (Tanh, Sigmoid) keep the cuBLASLt path rather than growing every kernel and its compile time
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2}
