@@ -13,7 +13,8 @@ attention output and FFN2 of ``bench.int8``'s int8_explicit_residual, whose resi
   fp16    the same layer as an fp16 model (fp16 weights, cuBLASLt with its bias epilogue; GELU a kernel)
 Peers in the same run: torch fp16 ``F.linear`` (+ GELU) and torch ``_int_mm`` (int8 x int8 -> int32 only). TOPS
 count 2 M N K per call. ``max diff`` compares qgemm's output with lt's (int8 cases: quantization steps).
-Writes ``qgemm_<time>.json``. ``--profile-runs`` runs Kiln's qgemm and fp16 engines a few times each without
+Writes ``qgemm_<time>.json``. ``--kiln-only`` times the qgemm column alone (no cuBLASLt, fp16 or torch rows): for
+A/B runs of a kernel change on one machine, where the peers are unchanged. ``--profile-runs`` runs Kiln's qgemm and fp16 engines a few times each without
 timing or peers, for a kernel profiler: ``ncu --kernel-name regex:qgemm python -m bench.qgemm --profile-runs``.
 """
 
@@ -108,7 +109,7 @@ def _run_kiln(torch, model, rows: int, case: Case, x, y, stream, env: dict[str, 
     return {"us": round(us, 2), "tops": round(2 * rows * case.n * case.k / us / 1e6, 1), "tactic": tactic, "kernels": kernels}
 
 
-def run_case(torch, case: Case, rows: int) -> dict:
+def run_case(torch, case: Case, rows: int, kiln_only: bool = False) -> dict:
     import torch.nn.functional as F
 
     stream = torch.cuda.current_stream()
@@ -119,6 +120,8 @@ def run_case(torch, case: Case, rows: int) -> dict:
     model = int8_model(case, rows)
     y = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
     row["qgemm"] = _run_kiln(torch, model, rows, case, xq, y, stream)
+    if kiln_only:
+        return row
     y_lt = torch.empty((rows, case.n), dtype=out_dtype, device="cuda")
     row["lt"] = _run_kiln(torch, model, rows, case, xq, y_lt, stream, env={"KILN_QGEMM": "0"})
     row["max_diff_vs_lt"] = (y.float() - y_lt.float()).abs().max().item()
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))),
                         help="comma-separated indexes into " + "; ".join(f"{i}: {c.name}" for i, c in enumerate(CASES)))
     parser.add_argument("--profile-runs", action="store_true", help="only run the Kiln engines, for a profiler")
+    parser.add_argument("--kiln-only", action="store_true", help="time Kiln's qgemm alone (A/B runs of the kernel)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
@@ -173,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         for case in cases:
-            row = run_case(torch, case, rows)
+            row = run_case(torch, case, rows, args.kiln_only)
             results.append(row)
             q = row["qgemm"]
+            if args.kiln_only:
+                print(f"{case.name:<36} {rows:>5} {q['us']:>7.1f} {'':>7} {'':>7} {'':>7} {'':>7} {q['tops']:>6.0f}")
+                continue
             print(f"{case.name:<36} {rows:>5} {q['us']:>7.1f} {row['lt']['us']:>7.1f} {row['fp16']['us']:>7.1f}"
                   f" {row['torch_fp16_us']:>7.1f} {row['torch_int_mm_us']:>7.1f} {q['tops']:>6.0f}"
                   f" {row['fp16']['us'] / q['us']:>6.2f} {row['lt']['us'] / q['us']:>6.2f} {row['max_diff_vs_lt']:>8.3g}")
