@@ -75,6 +75,16 @@ def compute_capability(ordinal: int = 0) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def multiprocessor_count(ordinal: int = 0) -> int:
+    """Streaming multiprocessors of the device: what a persistent kernel's grid is sized to."""
+    from cuda.bindings import driver
+
+    _init()
+    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    return int(check(driver.cuDeviceGetAttribute(attr, device), "attr"))
+
+
 class DeviceBuffer:
     """Device memory from cuMemAlloc, freed with the object."""
 

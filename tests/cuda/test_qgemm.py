@@ -162,7 +162,28 @@ def test_persistent_grid_is_one_block_per_tile_up_to_what_the_sms_hold():
     for form in (qgemm.PINGPONG, qgemm.GELU):
         assert form.grid_blocks(300, 304) == 3 * 3
     for form in (qgemm.PINGPONG, qgemm.GELU):  # 384 and 1,536 tiles: blocks take several
-        assert form.grid_blocks(8192, 768) == form.grid_blocks(8192, 3072) == qgemm.SMS
+        assert form.grid_blocks(8192, 768) == form.grid_blocks(8192, 3072) == qgemm.sm_count()
+
+
+@pytest.mark.parametrize("answer, expected", [(114, 114), (None, qgemm.DEFAULT_SMS)])
+def test_persistent_grid_is_sized_to_the_gpus_multiprocessors(answer, expected, monkeypatch):
+    """An H100 PCIe has 114 SMs: a grid of 132 persistent blocks would leave 18 to start after the others' last tile.
+    Without a GPU to ask (the driver raises), the H100 SXM's 132."""
+    from engine_core.cuda import driver
+
+    def multiprocessor_count(ordinal: int = 0) -> int:
+        if answer is None:
+            raise driver.CudaError("cuInit: CUDA_ERROR_NO_DEVICE")
+        return answer
+
+    monkeypatch.setattr(qgemm, "SMS", None)
+    monkeypatch.setattr(driver, "multiprocessor_count", multiprocessor_count)
+    qgemm._device_sms.cache_clear()
+    try:
+        assert qgemm.GELU.grid_blocks(8192, 3072) == qgemm.PINGPONG.grid_blocks(8192, 768) == expected
+        assert qgemm.PINGPONG.grid_blocks(300, 304) == 9
+    finally:
+        qgemm._device_sms.cache_clear()
 
 
 def test_a_misaligned_tma_operand_is_an_error_that_names_it():
@@ -183,7 +204,7 @@ def test_a_misaligned_tma_operand_is_an_error_that_names_it():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flag, tolerance", [(None, 1e-6), (kiln.BuilderFlag.FP16, 2e-3)])
-@pytest.mark.parametrize("sms", [qgemm.SMS, 2])
+@pytest.mark.parametrize("sms", [None, 2])
 @pytest.mark.parametrize("dout", [40, 36])
 def test_ragged_qgemm_mlp_on_the_gpu_matches_the_cpu_backend(flag, tolerance, sms, dout, monkeypatch):
     """M, N and K off the tile grid (K = 160 and 304: a partial 128-byte K slice; N = 304 and 40 or 36; M up to

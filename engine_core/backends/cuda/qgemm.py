@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Form:
 
     def grid_blocks(self, m: int, n: int) -> int:
         """Blocks of the persistent kernel: one per output tile, at most as many as the GPU runs at once."""
-        return max(1, min(tiles(m, n), SMS))
+        return max(1, min(tiles(m, n), sm_count()))
 
 
 #: two teams of consumers taking turns over whole tiles, one block per SM: ping-pong (a team is one warpgroup, a
@@ -80,9 +81,10 @@ GELU_SIGMOID_MIN_SCALE = 1.0 / 256
 ROUNDING = {F32: 0, F16: 1, BF16: 2}
 #: output dtype -> kernel name suffix
 OUTPUTS = {F32: "f32", F16: "f16", BF16: "bf16", INT8: "i8"}
-#: streaming multiprocessors assumed when sizing the persistent grid: the H100 SXM's (sm_90 parts have 78-132; on
-#: fewer, the blocks past what runs at once start as others finish)
-SMS = 132
+#: streaming multiprocessors the persistent grid is sized for; None: the GPU's own (``sm_count``)
+SMS: int | None = None
+#: where no GPU answers (lowering without one: the emulator's tests): the H100 SXM's
+DEFAULT_SMS = 132
 #: output tiles below which a layer keeps the cuBLASLt path (its small-tile / split-K kernels spread a small layer
 #: over more SMs). Measured on the H100 (bench.qgemm with MIN_TILES = 0, session 8): at M = 1024 the 48-tile layers
 #: (N = 768) ran 6.5 vs 9.5 us (K = 768) and 11.5 vs 13.3 us (K = 3072) here against cuBLASLt + its epilogue kernel,
@@ -98,6 +100,23 @@ def available() -> bool:
     from engine_core.cuda.driver import compute_capability
 
     return compute_capability() == (9, 0)
+
+
+def sm_count() -> int:
+    """``SMS``, else the current GPU's multiprocessors (sm_90 parts have 78-132), else ``DEFAULT_SMS``. Why not a
+    constant 132: on an H100 PCIe (114 SMs) the 18 persistent blocks past what runs at once would start only when
+    others had done all their tiles, nearly doubling the layer's time."""
+    return SMS if SMS is not None else _device_sms()
+
+
+@cache
+def _device_sms() -> int:
+    from engine_core.cuda.driver import CudaError, multiprocessor_count
+
+    try:
+        return multiprocessor_count()
+    except (CudaError, ImportError, RuntimeError):  # no driver or GPU here (RuntimeError: libcuda not found)
+        return DEFAULT_SMS
 
 
 def tiles(m: int, n: int) -> int:
