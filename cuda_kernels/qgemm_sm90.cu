@@ -9,7 +9,8 @@
 //
 // Shape of the kernel: 128 x 128 output tiles, K consumed 128 bytes at a time through a ring of shared-memory
 // stages that TMA fills, a producer thread and consumer warpgroups (one wgmma m64n128k32 per 64 rows and 32 bytes
-// of K) that synchronize through mbarriers; a ping-pong form and a two-blocks-per-SM form for GELU (kiln_qgemm).
+// of K) that synchronize through mbarriers, in two teams taking turns over tiles: ping-pong, and pairs for GELU
+// (kiln_qgemm).
 // Session 7 measured 256-wide tiles (m64n256k32) 1.6-1.9x slower.
 // Operands are K-major (x [M, K] row-major; w as [N, K] rows, the "nk" weight transform) and land in the 128-byte
 // swizzled layout wgmma reads: row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row, 8 rows (1024
@@ -355,7 +356,7 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
     constexpr int BN = QG_BN, STAGES = Shape::STAGES, HALVES = Shape::HALVES;
     constexpr int A_BYTES = QG_BM * QG_BK, STAGE_BYTES = (QG_BM + BN) * QG_BK;
     extern __shared__ unsigned char kiln_qg_smem[];
-    // full[STAGES], empty[STAGES], then turn[2] (ping-pong: consumer c may start its next tile's K loop)
+    // full[STAGES], empty[STAGES], then turn[2] (team t may start its next tile's K loop)
     __shared__ __align__(8) unsigned long long kiln_qg_bars[2 * STAGES + 2];
     __shared__ __align__(16) float kiln_qg_cols[Shape::CONSUMERS][2][2 * BN];  // consumer, tile parity: w_scale, bias
     static_assert(BN == 128, "a consumer thread per column's scale and bias");
@@ -397,8 +398,9 @@ __device__ __forceinline__ void kiln_qgemm(T* __restrict__ y0, T* __restrict__ y
     }
     if constexpr (Shape::PRODUCER_WG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     // the consumer warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform (as CUTLASS's
-    // canonical_warp_group_idx): the stage and descriptor arithmetic then runs on uniform registers, without a move
-    // to them before each wgmma
+    // canonical_warp_group_idx): the ping-pong kernels' stage and descriptor arithmetic then runs on uniform
+    // registers (the pair kernels keep their loop counters in ordinary registers and move each wgmma's descriptors;
+    // broadcasting the stage index too moved them to uniform registers but made FFN1 slower, 52.4 vs 50.0 us)
     const int me = __shfl_sync(0xffffffffu, (threadIdx.x - Shape::CONSUMER0) / 128, 0);
     const int tid = threadIdx.x % 128, lane = threadIdx.x % 32;
     const int team = me / TEAM_WGS, a_row0 = TEAM_WGS == 2 ? 64 * (me % 2) : 0;  // the consumer's first row in the tile
