@@ -4,9 +4,17 @@
 # speed of light, warp states with their details (stall reasons: "no instruction" = instruction fetch), instruction
 # and scheduler statistics.
 #   bash bench/ncu_flash.sh OUT_DIR
+# NCU_SOURCE=1: the kernel alone's SASS source page instead, summarized by bench/ncu_source.py.
 set -o pipefail
 out=${1:?output directory}
 ncu=${NCU:-/usr/local/cuda/bin/ncu}
+if [ "${NCU_SOURCE:-0}" = 1 ]; then
+  timeout 150 "$ncu" --kernel-name regex:flash_attention_q_64 --launch-skip 1 --launch-count 1 --section WarpStateStats \
+    --section SourceCounters --page source --print-source sass --csv \
+    python3 -m bench.attention --cases 0 --profile-runs > "$out/ncu_flash_source.csv" 2>&1
+  python3 -m bench.ncu_source "$out/ncu_flash_source.csv" | tee "$out/ncu_flash_source.txt" | head -60
+  exit
+fi
 sections="--section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats --print-details all"
 timeout 150 "$ncu" --kernel-name regex:flash_attention_q_64 --launch-skip 1 --launch-count 1 $sections \
   python3 -m bench.attention --cases 0 --profile-runs > "$out/ncu_flash_alone.txt" 2>&1

@@ -137,10 +137,10 @@ __device__ __forceinline__ bool flash_rows_aligned(const void* base, long long s
 }
 
 // The mask of keys n0 .. n0 + BN - 1 as a base-2 additive bias: log2(e) * mask, -inf for masked-out (boolean
-// false) keys and keys past the end. ROWS 1: one row for the whole block (the mask does not vary with the
-// query, or there is none); FLASH_BM: rows block_row .. block_row + BM - 1 ([BM][BN]; rows past the queries 0).
-// A thread keeps one key and walks rows: consecutive threads read consecutive keys, no index division.
-template <typename T, int BN, int ROWS>
+// false) keys and keys past the end, for rows block_row .. block_row + BM - 1 ([BM][BN]; rows past the queries 0):
+// a mask that varies per query but cannot stream raw (flash_mask_raw). A thread keeps one key and walks rows:
+// consecutive threads read consecutive keys, no index division. (One row for every query: flash_mask_fetch.)
+template <typename T, int BN>
 __device__ __forceinline__ void flash_mask_tile(float* __restrict__ dst, const void* __restrict__ mask,
                                                 const KilnFlashGeom& g, long long mrow, int block_row, int n0) {
     static_assert(FLASH_THREADS % BN == 0, "a thread keeps one key");
@@ -148,18 +148,48 @@ __device__ __forceinline__ void flash_mask_tile(float* __restrict__ dst, const v
     const int col = threadIdx.x % BN, key = n0 + col;
     const T* madd = static_cast<const T*>(mask) + mrow + (long long)key * g.mk;
     const bool* mbool = static_cast<const bool*>(mask) + mrow + (long long)key * g.mk;
-    const long long row_step = ROWS > 1 ? g.mq : 0;
 #pragma unroll 8
-    for (int r = threadIdx.x / BN; r < ROWS; r += STEP) {
+    for (int r = threadIdx.x / BN; r < FLASH_BM; r += STEP) {
         const int row = block_row + r;
-        const long long at = (long long)(ROWS > 1 ? row : 0) * row_step;
+        const long long at = (long long)row * g.mq;
         float bias = 0.0f;
         if (key >= g.skv) bias = -CUDART_INF_F;
-        else if (g.mask_kind == 0 || (ROWS > 1 && row >= g.sq)) bias = 0.0f;
+        else if (g.mask_kind == 0 || row >= g.sq) bias = 0.0f;
         else if (g.mask_kind == 1) bias = kiln_f(madd[at]) * FLASH_LOG2E;
         else if (!mbool[at]) bias = -CUDART_INF_F;
         dst[r * BN + col] = bias;
     }
+}
+
+// A mask row shared by every query (or none) in two halves: flash_mask_fetch loads this thread's key's element
+// a tile ahead (an additive T or a bool; nothing past the keys or without a mask), flash_mask_store turns it into the
+// base-2 bias once the tile before is computed. Why: as one step, the load's latency from memory stalled warps 0 and
+// 1 before every tile while the others waited at the barrier (ncu source page, BERT-base's [B, 1, 1, S] mask: 18% of
+// the kernel's stall samples on the two conversions that waited for it, session 13).
+template <typename T> struct KilnFlashMaskElement {
+    T add;
+    bool keep;
+};
+
+template <typename T, int BN>
+__device__ __forceinline__ KilnFlashMaskElement<T> flash_mask_fetch(const void* __restrict__ mask, const KilnFlashGeom& g,
+                                                                   long long mrow, int n0) {
+    KilnFlashMaskElement<T> m{kiln_to<T>(0.0f), true};
+    const int key = n0 + (int)threadIdx.x;
+    if ((int)threadIdx.x < BN && key < g.skv) {
+        const long long at = mrow + (long long)key * g.mk;
+        if (g.mask_kind == 1) m.add = static_cast<const T*>(mask)[at];
+        else if (g.mask_kind == 2) m.keep = static_cast<const bool*>(mask)[at];
+    }
+    return m;
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ void flash_mask_store(float* __restrict__ dst, KilnFlashMaskElement<T> m,
+                                                 const KilnFlashGeom& g, int n0) {
+    if ((int)threadIdx.x >= BN) return;
+    const bool out = n0 + (int)threadIdx.x >= g.skv || !m.keep;
+    dst[threadIdx.x] = out ? -CUDART_INF_F : g.mask_kind == 1 ? kiln_f(m.add) * FLASH_LOG2E : 0.0f;
 }
 
 // The raw mask of rows block_row .. + BM - 1, keys n0 .. n0 + BN - 1 (M: T for an additive mask, bool) by
@@ -225,13 +255,15 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         kv_end = (int)max(0LL, min((long long)g.skv, last));
     }
     const int tiles = (kv_end + BN - 1) / BN;
-    const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (see flash_mask_tile)
+    const int mask_rows = g.mask_kind != 0 && g.mq != 0 ? FLASH_BM : 1;  // staged bias rows (flash_mask_tile; one: flash_mask_fetch)
     const long long mrow = (long long)b * g.mb + (long long)h * g.mh;
     // RAW: the per-row mask streams through cp.async (flash_mask_raw) into rows of raw_row bytes, from the row
     // flash_streams_raw_mask checked (recomputed from mrow here: reading blockIdx again cost the loop registers)
     const int mask_size = flash_mask_size<T>(g), raw_row = BN * mask_size + 16;
     const unsigned char* mask_rows_base = static_cast<const unsigned char*>(mask) + (mrow + (long long)block_row * g.mq) * mask_size;
     unsigned char* raw_s = reinterpret_cast<unsigned char*>(biases);
+    const bool mask_row = !RAW && mask_rows == 1;  // one bias row a tile, fetched a tile ahead (flash_mask_fetch)
+    KilnFlashMaskElement<T> next_mask{};
 
     auto load_tile = [&](int t) {
         const int n0 = t * BN, valid = min(BN, g.skv - n0), stage = t & 1;
@@ -246,14 +278,15 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
                                          reinterpret_cast<const bool*>(mask_rows_base) + n0, g.mq, g.sq - block_row,
                                          g.skv - n0);
         } else if (mask_rows > 1) {
-            flash_mask_tile<T, BN, FLASH_BM>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
+            flash_mask_tile<T, BN>(biases + stage * FLASH_BM * BN, mask, g, mrow, block_row, n0);
         } else {
-            flash_mask_tile<T, BN, 1>(biases + stage * BN, mask, g, mrow, block_row, n0);
+            next_mask = flash_mask_fetch<T, BN>(mask, g, mrow, n0);
         }
     };
     flash_tile<T, D, LD>(qs, qp, g.qs, FLASH_BM, g.sq - block_row, q_vec);
     if (tiles > 0) load_tile(0);
     flash_cp_commit();
+    if (mask_row && tiles > 0) flash_mask_store<T, BN>(biases, next_mask, g, 0);
 
     unsigned qa[D / KSTEP][4];
     float acc[D / 8][4];
@@ -413,6 +446,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
                 }
             }
         }
+        if (mask_row && t + 1 < tiles) flash_mask_store<T, BN>(biases + ((t + 1) & 1) * BN, next_mask, g, n0 + BN);
         __syncthreads();  // every warp is done with this stage before the next iteration refills it
     }
 
