@@ -103,9 +103,9 @@ def available() -> bool:
 
 
 def sm_count() -> int:
-    """``SMS``, else the current GPU's multiprocessors (sm_90 parts have 78-132), else ``DEFAULT_SMS``. Why not a
-    constant 132: on an H100 PCIe (114 SMs) the 18 persistent blocks past what runs at once would start only when
-    others had done all their tiles, nearly doubling the layer's time."""
+    """``SMS``, else GPU 0's multiprocessors (sm_90 parts have 78-132; a node's GPUs are alike), else
+    ``DEFAULT_SMS``. Why not a constant 132: on an H100 PCIe (114 SMs) the 18 persistent blocks past what runs at
+    once would start only when others had done all their tiles, nearly doubling the layer's time."""
     return SMS if SMS is not None else _device_sms()
 
 
