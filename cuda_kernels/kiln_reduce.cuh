@@ -56,9 +56,13 @@ __device__ __forceinline__ float kiln_div_rn(float v, float d, float recip) {
 // Saturating first and then adding 1.5 * 2^23 rounds half to even in the FP32 add and leaves the integer's two's
 // complement in the sum's low byte: FMA-pipe instructions only, where rintf + the int8 conversion (FRND, F2I) run
 // at a quarter of that rate (the GELU -> int8 GEMM epilogue's bottleneck). NaN saturates to -128 either way.
-__device__ __forceinline__ signed char kiln_quantize_s8(float v, float scale, float recip) {
-    const float q = fminf(fmaxf(kiln_div_rn(v, scale, recip), -128.0f), 127.0f);
+// kiln_s8_rint: that last step, for a q already saturated to [-128, 127].
+__device__ __forceinline__ signed char kiln_s8_rint(float q) {
     return (signed char)__float_as_int(__fadd_rn(q, 12582912.0f));
+}
+
+__device__ __forceinline__ signed char kiln_quantize_s8(float v, float scale, float recip) {
+    return kiln_s8_rint(fminf(fmaxf(kiln_div_rn(v, scale, recip), -128.0f), 127.0f));
 }
 
 __device__ __forceinline__ bool kiln_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }

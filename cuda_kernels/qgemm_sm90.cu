@@ -196,8 +196,8 @@ template <int ROUND, int ACT> struct KilnQgStore<signed char, ROUND, ACT> {
         }
         char2 q;
         if constexpr (KilnQgFold<ACT>::value) {
-            q.x = (signed char)__float_as_int(__fadd_rn(fminf(__fmul_rn(a, y_recip), 127.0f), 12582912.0f));
-            q.y = (signed char)__float_as_int(__fadd_rn(fminf(__fmul_rn(b, y_recip), 127.0f), 12582912.0f));
+            q.x = kiln_s8_rint(fminf(__fmul_rn(a, y_recip), 127.0f));
+            q.y = kiln_s8_rint(fminf(__fmul_rn(b, y_recip), 127.0f));
         } else {
             q.x = kiln_quantize_s8(a, y_scale, y_recip);
             q.y = kiln_quantize_s8(b, y_scale, y_recip);
