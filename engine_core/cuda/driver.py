@@ -64,25 +64,23 @@ def primary_context(ordinal: int = 0) -> Any:
     return ctx
 
 
-def compute_capability(ordinal: int = 0) -> tuple[int, int]:
+def _attribute(name: str, ordinal: int) -> int:
+    """The device's ``CU_DEVICE_ATTRIBUTE_<name>``."""
     from cuda.bindings import driver
 
     _init()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
-    attr = driver.CUdevice_attribute
-    major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "attr")
-    minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "attr")
-    return int(major), int(minor)
+    attr = getattr(driver.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    return int(check(driver.cuDeviceGetAttribute(attr, device), f"cuDeviceGetAttribute({name})"))
+
+
+def compute_capability(ordinal: int = 0) -> tuple[int, int]:
+    return _attribute("COMPUTE_CAPABILITY_MAJOR", ordinal), _attribute("COMPUTE_CAPABILITY_MINOR", ordinal)
 
 
 def multiprocessor_count(ordinal: int = 0) -> int:
     """Streaming multiprocessors of the device: what a persistent kernel's grid is sized to."""
-    from cuda.bindings import driver
-
-    _init()
-    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
-    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    return int(check(driver.cuDeviceGetAttribute(attr, device), "attr"))
+    return _attribute("MULTIPROCESSOR_COUNT", ordinal)
 
 
 class DeviceBuffer:

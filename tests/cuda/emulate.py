@@ -213,12 +213,13 @@ class Emulator:
             # x_scale * w_scale, bias), whose product a double holds exactly
             v = (acc.astype(np.float64) * (f32(x_scale) * w_scale).astype(np.float64) + bias).astype(f32)
             v = gelu_sigmoid_fp32(v, np.array(qgemm.GELU_SIGMOID, f32), qgemm.GELU_SIGMOID_T_MAX)
-        elif act == qgemm.ACTIVATIONS["Gelu"]:  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
-            v = gelu_fp32(acc * f32(x_scale) * w_scale + bias, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
         else:
-            activation = next(name for name, code in qgemm.ACTIVATIONS.items() if code == act)
-            v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []),
-                         acc * f32(x_scale) * w_scale + bias).astype(f32)
+            v = acc * f32(x_scale) * w_scale + bias
+            if act == qgemm.ACTIVATIONS["Gelu"]:  # the kernel's polynomial GELU (kiln_gelu), not the CPU op's erf
+                v = gelu_fp32(v, np.array(qgemm.GELU_LOG2_PHI, f32), qgemm.GELU_LIMIT)
+            else:
+                activation = next(name for name, code in qgemm.ACTIVATIONS.items() if code == act)
+                v = activate(Node("QMatMul", [], [], {"activation": activation}, "qgemm", "kiln", 1, []), v).astype(f32)
         out = _SUFFIX[name.rsplit("_", 1)[1]]
         if out == np.int8:
             rounded = {0: f32, 1: np.float16, 2: ml_dtypes.bfloat16}[round_to]
