@@ -14,8 +14,9 @@ attention output and FFN2 of ``bench.int8``'s int8_explicit_residual, whose resi
 Peers in the same run: torch fp16 ``F.linear`` (+ GELU) and torch ``_int_mm`` (int8 x int8 -> int32 only). TOPS
 count 2 M N K per call. ``max diff`` compares qgemm's output with lt's (int8 cases: quantization steps).
 Writes ``qgemm_<time>.json``. ``--kiln-only`` times the qgemm column alone (no cuBLASLt, fp16 or torch rows): for
-A/B runs of a kernel change on one machine, where the peers are unchanged. ``--profile-runs`` runs Kiln's qgemm and fp16 engines a few times each without
-timing or peers, for a kernel profiler: ``ncu --kernel-name regex:qgemm python -m bench.qgemm --profile-runs``.
+A/B runs of a kernel change on one machine, where the peers are unchanged. ``--profile-runs`` runs Kiln's qgemm and
+fp16 engines a few times each without timing or peers, for a kernel profiler: ``ncu --kernel-name regex:qgemm python
+-m bench.qgemm --profile-runs``.
 """
 
 from __future__ import annotations
