@@ -8,22 +8,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
-
-import uvicorn
+import sys
 
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.settings import AdaptiveSettings
+from server.frontend_processes import FrontendPool, frontend_count
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
+from server.listeners import Listeners, make_uvicorn, serve_listener, start_listeners
 from server.repository import configure_watch
 
 log = logging.getLogger("kiln.server")
+
+# How long a thread may hold the interpreter lock while another waits for it (Python's default: 5 ms). The
+# execution workers release the lock in every CUDA call and need it back to go on; with 5 ms, an execution of a
+# dozen calls could wait tens of ms for the event loop's threads (docs/performance.md). 200 us bounds that wait
+# at a cost of a few us per forced switch.
+SWITCH_INTERVAL_S = 0.0002
 
 
 def _bool(text: str) -> bool:
@@ -104,6 +109,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
+    parser.add_argument("--frontend-processes", type=frontend_count, default=frontend_count("0"), metavar="N|auto",
+                        help="serve HTTP and gRPC from N child processes sharing the ports, the models from this one "
+                             "(protocol work then scales with cores; 'auto': one per two cores beyond the first "
+                             "on machines with 4 or more, at most 8; default 0: all in this process)")
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)
@@ -139,47 +148,16 @@ def _adaptive(args: argparse.Namespace) -> AdaptiveSettings:
                             args.adaptive_profiles_max)
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to `serve` (several servers share one loop)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _uvicorn(app, host: str, port: int, name: str, graceful_s: float) -> _Server:
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(int(graceful_s), 1))
-    server = _Server(config)
-    server.name = name  # type: ignore[attr-defined]
-    return server
-
-
-async def _serve_listener(server: _Server) -> None:
-    """Run one uvicorn server; a listener that cannot start (uvicorn exits) just ends, and `serve` stops."""
-    try:
-        await server.serve()
-    except SystemExit:
-        log.error("the %s listener could not start on port %s", server.name, server.config.port)  # type: ignore[attr-defined]
-
-
-async def _start_grpc(core: ServerCore, host: str, port: int, **guard):
-    try:
-        from server.frontends.grpc import start_grpc_server
-    except ImportError as e:
-        log.warning("gRPC frontend unavailable (%s); serving HTTP only", e)
-        return None
-    return await start_grpc_server(core, host, port, **guard)
-
-
 async def serve(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM, then drain (server/lifecycle.py); returns the process exit code."""
-    from server.frontends.http import create_app
+    """Run until SIGINT/SIGTERM, then drain (server/lifecycle.py); returns the process exit code.
+
+    HTTP and gRPC run in this process, or in `--frontend-processes` children (server/frontend_processes.py) while
+    this one keeps the models; the metrics endpoint is always served here."""
     from server.metrics import create_metrics_app
 
     try:
-        limits = limits_from_args(args)
-        http_restricted, grpc_restricted = restrictions_from_args(args)
+        limits_from_args(args)  # bad limits fail here, before anything starts
+        restrictions_from_args(args)
         plan_cache.configure(args.plan_cache_dir)
         build_process.configure(build_limits(args))
         configure_watch(args.repository_watch)
@@ -187,18 +165,18 @@ async def serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
-    limiter = InflightLimiter(limits.max_inflight_requests)  # one budget for HTTP and gRPC together
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    limiter = InflightLimiter(args.max_inflight_requests)  # one budget for HTTP and gRPC together
     warm_up = asyncio.create_task(asyncio.to_thread(build_process.warm_up))  # overlaps the listeners' start
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))
-    graceful_s = lifecycle.settings.timeout_s
-    servers: list[_Server] = []
-    if args.allow_http:
-        app = create_app(core, limits, limiter, http_restricted)
-        servers.append(_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", graceful_s))
+    listeners = Listeners()
+    pool: FrontendPool | None = None
     if args.allow_metrics:
-        servers.append(_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics", graceful_s))
-    grpc_server = None
+        metrics = make_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics",
+                               lifecycle.settings.timeout_s)
+        listeners.servers.append(metrics)
+        listeners.tasks.append(asyncio.create_task(serve_listener(metrics), name="metrics"))
     stop = asyncio.Event()
 
     def begin_shutdown() -> None:
@@ -206,27 +184,37 @@ async def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     lifecycle.install_signal_handlers(asyncio.get_running_loop(), begin_shutdown)
-    tasks = [asyncio.create_task(_serve_listener(s), name=s.name) for s in servers]  # type: ignore[attr-defined]
     code = 0
     try:
-        if args.allow_grpc:
-            grpc_server = await _start_grpc(core, args.host, args.grpc_port, limiter=limiter,
-                                            restricted=grpc_restricted)
-        log.info("serving: HTTP %s, gRPC %s, metrics %s", args.http_port if args.allow_http else "off",
-                 args.grpc_port if grpc_server else "off", args.metrics_port if args.allow_metrics else "off")
+        if args.frontend_processes > 0 and (args.allow_http or args.allow_grpc):
+            pool = FrontendPool(core, args, args.frontend_processes)
+            await pool.start()
+            http_port, grpc_port = pool.ports
+        else:
+            started = await start_listeners(core, args, lifecycle, limiter)
+            listeners.servers += started.servers
+            listeners.tasks += started.tasks
+            listeners.grpc_server = started.grpc_server
+            http_port, grpc_port = args.http_port, args.grpc_port if started.grpc_server else "off"
+        log.info("serving: HTTP %s, gRPC %s, metrics %s", http_port if args.allow_http else "off",
+                 grpc_port if args.allow_grpc else "off", args.metrics_port if args.allow_metrics else "off")
         waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        if waiter not in done:  # a listener ended on its own: it could not start (port in use, ...)
+        waits = [waiter] if pool is None else [waiter, asyncio.create_task(pool.failed.wait())]
+        done, _ = await asyncio.wait([*waits, *listeners.tasks], return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:  # a listener ended on its own (port in use, ...), or frontends could not restart
             code = 1
             log.error("a listener stopped unexpectedly; shutting down")
-        waiter.cancel()
+        for task in waits:
+            task.cancel()
     except (OSError, SystemExit) as e:
         log.error("cannot start the server: %s", e)
         code = 1
     finally:
         core.begin_drain()
         build_process.stop_all()  # loads still building fail now instead of holding the exit up
-        await lifecycle.shutdown(servers, tasks, grpc_server)
+        if pool is not None:
+            await pool.stop(lifecycle.settings.timeout_s)
+        await lifecycle.shutdown(listeners.servers, listeners.tasks, listeners.grpc_server)
         await core.stop()
         await asyncio.gather(warm_up, return_exceptions=True)
     return code
@@ -235,12 +223,12 @@ async def serve(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of `kiln serve`: run the server until interrupted; returns the exit code."""
     try:
-        return _run(serve(args))
+        return run_event_loop(serve(args))
     except KeyboardInterrupt:
         return 0
 
 
-def _run(main_coroutine) -> int:
+def run_event_loop(main_coroutine) -> int:
     """uvloop when installed (less event-loop CPU per request: docs/performance.md), else asyncio."""
     try:
         import uvloop

@@ -28,6 +28,18 @@ class ServerError(Exception):
     def __repr__(self) -> str:
         return f"ServerError({self.kind.name}, {self.message!r})"
 
+    def __reduce__(self):
+        """Pickled whole (subclasses and attributes too): errors cross from the core process to frontends."""
+        return _rebuild, (type(self), self.kind, self.message, dict(self.__dict__))
+
+
+def _rebuild(cls: type[ServerError], kind: ErrorKind, message: str, state: dict) -> ServerError:
+    error = Exception.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    error.kind, error.message = kind, message
+    return error
+
 
 def invalid(message: str) -> ServerError:
     return ServerError(ErrorKind.INVALID_ARGUMENT, message)

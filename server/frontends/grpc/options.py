@@ -39,6 +39,8 @@ class GrpcOptions:
     max_stream_inflight: int = 1024
     health: bool = True
     reflection: bool = True
+    # Share the port with the other frontend processes of this server (kiln serve --frontend-processes).
+    reuse_port: bool = False
 
     @classmethod
     def from_kwargs(cls, **options) -> GrpcOptions:
@@ -69,6 +71,7 @@ class GrpcOptions:
             ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", self.http2_min_recv_ping_interval_without_data_ms),
             ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
-            # grpcio shares ports between processes by default; a second server on a busy port must fail instead.
-            ("grpc.so_reuseport", 0),
+            # grpcio shares ports between processes by default; a second server on a busy port must fail instead,
+            # unless this server's own frontend processes share it on purpose.
+            ("grpc.so_reuseport", int(self.reuse_port)),
         ]

@@ -1,0 +1,106 @@
+"""The HTTP and gRPC listeners of one process, over a core (the `ServerCore` itself or a `RemoteCore`).
+
+`kiln serve` runs them in its own process, or (`--frontend-processes N`) in N frontend processes that share the
+ports through SO_REUSEPORT: the kernel spreads connections over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from server.auth import restrictions_from_args
+from server.core.limits import InflightLimiter, limits_from_args
+from server.lifecycle import Lifecycle
+
+log = logging.getLogger("kiln.server")
+
+
+class UvicornServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to `serve` (several servers share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_uvicorn(app, host: str, port: int, name: str, graceful_s: float) -> UvicornServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=max(int(graceful_s), 1))
+    server = UvicornServer(config)
+    server.name = name  # type: ignore[attr-defined]
+    return server
+
+
+async def serve_listener(server: UvicornServer, sockets: list[socket.socket] | None = None) -> None:
+    """Run one uvicorn server; a listener that cannot start (uvicorn exits) just ends, and `serve` stops."""
+    try:
+        await server.serve(sockets=sockets)
+    except SystemExit:
+        log.error("the %s listener could not start on port %s", server.name, server.config.port)  # type: ignore[attr-defined]
+
+
+def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket on host:port with SO_REUSEPORT, so frontend processes can each listen on the same port.
+    `listen=False` only holds the port (the server process resolves port 0 and keeps the port for its frontends):
+    a socket that does not listen gets no connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+            sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_grpc(core, host: str, port: int, **guard):
+    try:
+        from server.frontends.grpc import start_grpc_server
+    except ImportError as e:
+        log.warning("gRPC frontend unavailable (%s); serving HTTP only", e)
+        return None
+    return await start_grpc_server(core, host, port, **guard)
+
+
+@dataclass
+class Listeners:
+    """What `start_listeners` started: uvicorn servers, the tasks serving them, the gRPC server."""
+
+    servers: list[UvicornServer] = field(default_factory=list)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    grpc_server: Any = None
+
+
+async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, limiter: InflightLimiter,
+                          reuse_port: bool = False) -> Listeners:
+    """HTTP (when allowed) and gRPC (when allowed) over `core`; raises OSError when a port cannot be had.
+    `reuse_port`: listen with SO_REUSEPORT (frontend processes sharing the ports)."""
+    from server.frontends.http import create_app
+
+    limits = limits_from_args(args)
+    http_restricted, grpc_restricted = restrictions_from_args(args)
+    listeners = Listeners()
+    if args.allow_http:
+        app = create_app(core, limits, limiter, http_restricted)
+        server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s)
+        sockets = [reuse_port_socket(args.host, args.http_port)] if reuse_port else None
+        listeners.servers.append(server)
+        listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
+    if args.allow_grpc:
+        listeners.grpc_server = await start_grpc(core, args.host, args.grpc_port, limiter=limiter,
+                                                 restricted=grpc_restricted, reuse_port=reuse_port)
+    return listeners

@@ -1,0 +1,238 @@
+"""`kiln serve --frontend-processes N`: HTTP and gRPC in child processes, the core in the server process.
+
+The wire format and the remote core run in-process first (a Unix socket in a temporary directory); then a real
+server with two frontend processes is driven with the stock tritonclient over both protocols, including
+errors, shared memory, statistics, a killed frontend and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from server.core.errors import ErrorKind, ServerError
+from server.core.limits import PayloadTooLarge
+from server.core.remote import CoreService, RemoteCore, encode, read_message
+from server.core.types import InferInput, InferRequest
+from server.frontend_processes import frontend_count
+
+from .conftest import examples, run_server
+
+
+def _roundtrip(message):
+    async def go():
+        reader = asyncio.StreamReader()
+        for frame in encode(message):
+            reader.feed_data(bytes(frame))
+        reader.feed_eof()
+        return await read_message(reader)
+
+    return asyncio.run(go())
+
+
+def test_messages_carry_arrays_of_every_layout_and_errors_whole():
+    arrays = {"f": np.arange(12, dtype=np.float32).reshape(3, 4), "empty": np.zeros((2, 0), np.int64),
+              "strided": np.arange(20).reshape(4, 5)[:, ::2], "bytes": np.array([b"a", b"bc"], dtype=object)}
+    back = _roundtrip((7, "infer", (arrays,), {}))
+    assert back[:2] == (7, "infer")
+    for name, array in arrays.items():
+        assert back[2][0][name].dtype == array.dtype
+        np.testing.assert_array_equal(back[2][0][name], array)
+    error = _roundtrip(PayloadTooLarge("body over 10 bytes"))
+    assert type(error) is PayloadTooLarge and error.kind == ErrorKind.RESOURCE_EXHAUSTED
+    assert error.http_status == 413 and str(error) == error.message == "body over 10 bytes"
+
+
+class _FakeCore:
+    """Answers like the core: a value, a ServerError, or an unexpected exception."""
+
+    async def model_metadata(self, name: str, version: str = "") -> dict:
+        if name == "missing":
+            raise ServerError(ErrorKind.NOT_FOUND, "unknown model: 'missing'")
+        return {"name": name, "versions": [version or "1"]}
+
+    async def infer(self, request: InferRequest) -> np.ndarray:
+        await asyncio.sleep(0.01 * (3 - len(request.inputs)))  # later calls finish first: replies out of order
+        return request.inputs[0].data * 2
+
+    async def repository_index(self, ready: bool = False) -> list:
+        raise RuntimeError("boom")
+
+    async def ready(self) -> bool:
+        return True
+
+
+def test_remote_core_forwards_calls_results_and_errors(tmp_path: Path):
+    async def go():
+        service = CoreService(_FakeCore(), str(tmp_path / "core.sock"))
+        await service.start()
+        remote = RemoteCore(service.path)
+        await remote.connect()
+        lost = []
+        remote.on_lost = lambda: lost.append(True)
+        assert await remote.model_metadata("m", version="3") == {"name": "m", "versions": ["3"]}
+        with pytest.raises(ServerError) as missing:
+            await remote.model_metadata("missing")
+        assert missing.value.kind == ErrorKind.NOT_FOUND and "unknown model" in missing.value.message
+        with pytest.raises(ServerError) as boom:
+            await remote.repository_index()
+        assert boom.value.kind == ErrorKind.INTERNAL and "RuntimeError: boom" in boom.value.message
+        with pytest.raises(AttributeError):
+            remote.stop  # noqa: B018 - not a frontend method: never forwarded
+        requests = [InferRequest("m", [InferInput("x", "FP32", (2,), np.full(2, i, np.float32))] * (i + 1))
+                    for i in range(3)]
+        results = await asyncio.gather(*(remote.infer(r) for r in requests))
+        for i, result in enumerate(results):
+            np.testing.assert_array_equal(result, np.full(2, 2 * i, np.float32))
+        assert await remote.ready()
+        remote.begin_drain()
+        assert not await remote.ready()  # a draining frontend answers without asking the core
+        await service.stop()
+        for _ in range(100):
+            if lost:
+                break
+            await asyncio.sleep(0.01)
+        assert lost
+        with pytest.raises(ServerError) as gone:
+            await remote.model_metadata("m")
+        assert gone.value.kind == ErrorKind.UNAVAILABLE
+        await remote.close()
+
+    asyncio.run(go())
+
+
+def test_frontend_count_flag():
+    assert frontend_count("0") == 0 and frontend_count("3") == 3
+    assert frontend_count("auto") >= 0
+    with pytest.raises(Exception, match="auto"):
+        frontend_count("-1")
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _frontends(pid: int) -> list[int]:
+    """The server's frontend processes (its other children are build processes, if any)."""
+    return [c for c in _children(pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+
+
+@pytest.fixture(scope="module")
+def two_frontends(tmp_path_factory):
+    base = tmp_path_factory.mktemp("frontends")
+    repository = examples.make_repository(base / "models")
+    with run_server(repository, base / "server.log", ["add_sub", "identity"],
+                    ["--frontend-processes", "2"]) as server:
+        yield server
+
+
+def _add_sub_inputs(module, a: np.ndarray, b: np.ndarray):
+    inputs = [module.InferInput("INPUT0", list(a.shape), "INT32"), module.InferInput("INPUT1", list(b.shape), "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+def test_both_protocols_serve_through_frontend_processes(two_frontends):
+    assert len(_frontends(two_frontends.process.pid)) == 2
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), np.int32)
+    http = httpclient.InferenceServerClient(two_frontends.http_url, concurrency=4)
+    grpc = grpcclient.InferenceServerClient(two_frontends.grpc_url)
+    for _ in range(8):  # several connections: both frontends see some
+        result = httpclient.InferenceServerClient(two_frontends.http_url).infer("add_sub", _add_sub_inputs(httpclient, a, b))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(grpc.infer("add_sub", _add_sub_inputs(grpcclient, a, b)).as_numpy("OUTPUT1"), a - b)
+    assert http.get_model_metadata("add_sub")["name"] == "add_sub"
+    assert grpc.is_server_ready() and http.is_server_live()
+    stats = http.get_inference_statistics("add_sub")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 9  # one core counts both protocols and all frontends
+
+
+def test_errors_keep_their_status_and_text_across_the_process_boundary(two_frontends):
+    http = httpclient.InferenceServerClient(two_frontends.http_url)
+    wrong = [httpclient.InferInput("INPUT0", [1, 16], "FP32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    wrong[0].set_data_from_numpy(np.zeros((1, 16), np.float32))
+    wrong[1].set_data_from_numpy(np.zeros((1, 16), np.int32))
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("add_sub", wrong)
+    assert e.value.status() == "400" and "data-type is 'FP32'" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        grpcclient.InferenceServerClient(two_frontends.grpc_url).get_model_metadata("no_such_model")
+    assert "StatusCode.NOT_FOUND" in str(e.value.status())
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(http.infer("add_sub", _add_sub_inputs(httpclient, a, a)).as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_system_shared_memory_is_read_and_written_by_the_core(two_frontends):
+    client = grpcclient.InferenceServerClient(two_frontends.grpc_url)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    key = f"/kiln_fp_{os.getpid()}"
+    region = shm.create_shared_memory_region("fp_io", key, 4 * a.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [a, a])
+        client.register_system_shared_memory("fp_io", key, 4 * a.nbytes)
+        inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_shared_memory("fp_io", a.nbytes)
+        inputs[1].set_shared_memory("fp_io", a.nbytes, offset=a.nbytes)
+        output = grpcclient.InferRequestedOutput("OUTPUT0")
+        output.set_shared_memory("fp_io", a.nbytes, offset=2 * a.nbytes)
+        client.infer("add_sub", inputs, outputs=[output])
+        result = shm.get_contents_as_numpy(region, np.int32, [1, 16], offset=2 * a.nbytes)
+        np.testing.assert_array_equal(result, 2 * a)
+        assert client.get_system_shared_memory_status(as_json=True)["regions"]["fp_io"]["key"] == key
+        client.unregister_system_shared_memory("fp_io")
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+
+def test_a_killed_frontend_is_replaced_and_sigterm_drains_everything(tmp_path: Path):
+    repository = examples.make_repository(tmp_path / "models")
+    with run_server(repository, tmp_path / "server.log", ["add_sub"], ["--frontend-processes", "2"]) as server:
+        pid = server.process.pid
+        first = _frontends(pid)
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(_frontends(pid)) < 2 or first[0] in _frontends(pid)):
+            time.sleep(0.2)
+        assert len(_frontends(pid)) == 2 and first[0] not in _frontends(pid)
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(4):
+            client = httpclient.InferenceServerClient(server.http_url)
+            deadline = time.monotonic() + 30
+            while True:  # the replacement may still be starting: a refused connection is retried
+                try:
+                    result = client.infer("add_sub", _add_sub_inputs(httpclient, a, a))
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+        children = _frontends(pid)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0, server.log()
+        for child in children:
+            assert not Path(f"/proc/{child}").exists() or "zombie" in Path(f"/proc/{child}/status").read_text()
+    assert "frontend process" in server.log()
+
+
+def test_load_and_unload_reach_the_core(two_frontends):
+    client = httpclient.InferenceServerClient(two_frontends.http_url)
+    client.unload_model("identity")
+    assert not client.is_model_ready("identity")
+    client.load_model("identity")
+    assert grpcclient.InferenceServerClient(two_frontends.grpc_url).is_model_ready("identity")
+    with pytest.raises(InferenceServerException, match="load"):
+        client.load_model("identity", config='{"max_batch_size": "not a number"}')
