@@ -36,7 +36,7 @@ import numpy as np
 from server.protos import model_config_pb2
 
 from .errors import ErrorKind, ServerError, invalid, unavailable
-from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, Workers
+from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
 from .statistics import ExecutionTimes
 
 log = logging.getLogger("kiln.server.batcher")
@@ -228,8 +228,12 @@ class DynamicBatcher:
     def __init__(self, contexts: list[object], execute: Executor, thread_name: str, settings: BatchingSettings,
                  record_execution: ExecutionRecorder | None = None,
                  clock: Callable[[], int] = time.perf_counter_ns,
-                 create_context: Callable[[], object] | None = None, padding: Padding | None = None) -> None:
+                 create_context: Callable[[], object] | None = None, padding: Padding | None = None,
+                 execute_parts: PartsExecutor | None = None) -> None:
         self.settings = settings
+        #: runs jobs of equal shapes as one batch, the engine gathering their inputs into its staging buffers and
+        #: handing back each job's outputs (no concatenation and splitting here); None: concatenate and split
+        self._execute_parts = execute_parts
         self.workers = Workers(contexts, create_context, thread_name)
         self.padding = padding  # None: only jobs of equal shapes share a batch
         self._free: list[object] = list(contexts)
@@ -468,6 +472,10 @@ class DynamicBatcher:
                 ran = [p for p in batch if p.key == batch[0].key]
                 deferred = [p for p in batch if p.key != batch[0].key]
         jobs = [p.job for p in ran]
+        if cuts is None and self._execute_parts is not None:
+            # the engine gathers, runs and splits in one call: all of it counts as compute infer
+            execution = self.workers.run_parts(self._execute_parts, context, [job.inputs for job in jobs])
+            return _Outcome(execution, ran, deferred, execution.outputs or [])  # type: ignore[arg-type]
         inputs = concat_inputs(jobs) if cuts is None else pad_inputs(jobs)
         t1 = time.perf_counter_ns()
         execution = self.workers.run(self._execute, context, inputs)

@@ -8,6 +8,7 @@ messages about shapes and datatypes, not engine internals.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from server.plan_cache import build_description, cache_key, files_digest, server
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
-from . import build_process
+from . import build_process, execution, warmup
 from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
 from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
@@ -34,7 +35,7 @@ from .model_config import (
     datatype_of,
     model_shape,
 )
-from .scheduler import DirectScheduler, Scheduler, Workers
+from .scheduler import DirectScheduler, Executor, Scheduler, Workers
 from .statistics import ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
@@ -84,8 +85,17 @@ class ModelVersion:
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
+        #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
+        self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
         self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,
-                                               engine)
+                                               engine, self.execute)
+
+    def warm_up(self, directory: Path) -> None:
+        """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
+        (blocking: part of loading). Raises ServerError naming a sample that does not fit the model."""
+        contexts = list(self.workers.initial)
+        warmup.warm_up_buckets(self.config, contexts, self.engine)
+        warmup.run_model_warmup(self, contexts, directory)
 
     def _record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
         """Executions go to whatever statistics this version has now (a rebuilt plan adopts its predecessor's)."""
@@ -210,24 +220,31 @@ class ModelVersion:
         self.scheduler.close()
 
 
-def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine) -> Scheduler:
-    """The dynamic batcher when the config asks for it and the model batches; else one job per execution.
-    Either replaces a faulted context with a fresh one from `engine`."""
+def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine,
+               execute: Executor) -> Scheduler:
+    """The dynamic batcher when the config asks for it and the model batches; else one job per execution
+    (`execute`). Either replaces a faulted context with a fresh one from `engine`."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     timeout_s = execution_timeout_s(config)
-    execute = _execute_bucketed if engine.backend == "cuda" and config.max_batch_size > 0 else _execute
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
         batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
-                                 create_context=engine.create_execution_context, padding=padding)
+                                 create_context=engine.create_execution_context, padding=padding,
+                                 execute_parts=functools.partial(execution.execute_parts,
+                                                                 bucketed=_bucketed(config, engine)))
         batcher.workers.label, batcher.workers.timeout_s = label, timeout_s
         return batcher
     scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                 create_context=engine.create_execution_context)
     scheduler.workers.label, scheduler.workers.timeout_s = label, timeout_s
     return scheduler
+
+
+def _bucketed(config: ModelConfig, engine: kiln.CudaEngine) -> bool:
+    """CUDA models that batch run at bucketed batch sizes (execution.py says why)."""
+    return engine.backend == "cuda" and config.max_batch_size > 0
 
 
 # Model config parameter: how long one execution may run, in milliseconds, e.g. parameters { key:
@@ -336,7 +353,7 @@ def _bucket(engine: kiln.CudaEngine):
     profiles = engine.plan.profiles
     if len(profiles) <= 1:
         return lambda shapes: 0
-    return lambda shapes: select_profile(profiles, shapes)
+    return lambda shapes: execution.select_profile(profiles, shapes)
 
 
 def _class_entry(value: float, index: int, labels: list[str]) -> bytes:
@@ -360,61 +377,6 @@ def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name:
     if int(np.prod(resolved, dtype=np.int64)) != count:
         raise invalid(f"tensor '{name}' with shape {list(item_shape)} cannot be reshaped to {list(target)}")
     return resolved
-
-
-def _execute_bucketed(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """CUDA models that batch: pad the batch to the next power of two the profile allows and cut the outputs
-    back. Why: every distinct batch size is a new binding on the device (lowering, cuDNN plans, a captured
-    CUDA graph); buckets bound them to log2(max batch) + 1 instead of one per size the batcher forms."""
-    sizes = {a.shape[0] for a in inputs.values() if a.ndim}
-    if len(sizes) != 1:
-        return _execute(context, inputs)
-    batch = sizes.pop()
-    engine = context.engine  # type: ignore[attr-defined]
-    bucket = 1 << max(batch - 1, 0).bit_length()
-    highest = max(p[name][2][0] for p in engine.plan.profiles for name in inputs if name in p)
-    if bucket == batch or bucket > highest:
-        return _execute(context, inputs)
-    padded = {name: np.concatenate([a, np.zeros((bucket - batch, *a.shape[1:]), a.dtype)]) for name, a in inputs.items()}
-    outputs = _execute(context, padded)
-    return {name: out[:batch] if out.ndim and out.shape[0] == bucket else out for name, out in outputs.items()}
-
-
-def _execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run on `context`, first switching it to the optimization profile that fits these shapes best."""
-    engine = context.engine  # type: ignore[attr-defined]
-    if engine.backend == "cuda":  # the current CUDA context is per thread; workers run on pool threads
-        from engine_core.cuda.driver import primary_context
-
-        primary_context()
-    if engine.num_optimization_profiles > 1:
-        shapes = {name: tuple(a.shape) for name, a in inputs.items()}
-        profile = select_profile(engine.plan.profiles, shapes)
-        if profile != context.active_optimization_profile:  # type: ignore[attr-defined]
-            context.set_optimization_profile_async(profile)  # type: ignore[attr-defined]
-    return context.infer(inputs)  # type: ignore[attr-defined]
-
-
-ProfileShapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-
-
-def select_profile(profiles: list[ProfileShapes], shapes: dict[str, tuple[int, ...]]) -> int:
-    """The profile whose min..max covers every input shape, with the least total distance to its opt shapes
-    (the smallest kernels/padding that still fit); profile 0 when none covers them (its error then says why)."""
-    best, best_distance = 0, None
-    for index, profile in enumerate(profiles):
-        distance = 0
-        for name, shape in shapes.items():
-            if name not in profile:
-                continue
-            low, opt, high = profile[name]
-            if len(shape) != len(low) or not all(a <= d <= b for a, d, b in zip(low, shape, high)):
-                break
-            distance += sum(abs(o - d) for o, d in zip(opt, shape))
-        else:
-            if best_distance is None or distance < best_distance:
-                best, best_distance = index, distance
-    return best
 
 
 # Model config parameter: opt batch sizes, one optimization profile each (e.g. "2,8,32"); profile i covers
@@ -501,6 +463,11 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
     model = ModelVersion(source.name, version, config, engine, _read_labels(source, config))
+    try:
+        model.warm_up(source.directory)
+    except BaseException:
+        model.close()
+        raise
     model.plan_origin = cached.origin
     model.source, model.requested_config = source, requested_config
     return model

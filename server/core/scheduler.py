@@ -35,6 +35,8 @@ log = logging.getLogger("kiln.server.workers")
 
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
+# Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs) -> per-job outputs.
+PartsExecutor = Callable[[object, list[dict[str, np.ndarray]]], list[dict[str, np.ndarray]]]
 # Told about each model execution: (items in the executed batch, its compute times).
 ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
@@ -98,8 +100,20 @@ class Workers:
 
     def run(self, execute: Executor, context: object, inputs: dict[str, np.ndarray]) -> Execution:
         """In a worker thread: execute on `context`; never raises (the error travels in the result)."""
+        return self._guarded(context, lambda: run_on_context(execute, context, inputs))
+
+    def run_parts(self, execute_parts: PartsExecutor, context: object,
+                  parts: list[dict[str, np.ndarray]]) -> Execution:
+        """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job."""
+        def go() -> tuple[Any, int, int]:
+            started = time.perf_counter_ns()
+            return execute_parts(context, parts), 0, time.perf_counter_ns() - started
+
+        return self._guarded(context, go)
+
+    def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
-            outputs, input_ns, infer_ns = run_on_context(execute, context, inputs)
+            outputs, input_ns, infer_ns = go()
         except REQUEST_ERRORS as e:
             return Execution(context, error=e)
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them

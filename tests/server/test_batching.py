@@ -357,7 +357,7 @@ def test_invalid_batching_config_leaves_the_model_unavailable_with_reason(tmp_pa
 
 # -- profile selection per batch ------------------------------------------------------------------------------
 def test_select_profile_prefers_the_covering_profile_with_the_closest_opt():
-    from server.core.model import select_profile
+    from server.core.execution import select_profile
 
     profiles = [{"X": ((1, 4), (2, 4), (2, 4))}, {"X": ((1, 4), (8, 4), (8, 4))}, {"X": ((1, 4), (4, 4), (4, 4))}]
     assert select_profile(profiles, {"X": (1, 4)}) == 0
@@ -368,6 +368,7 @@ def test_select_profile_prefers_the_covering_profile_with_the_closest_opt():
 
 def test_batches_run_on_the_profile_that_fits_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from server import plan_cache
+    from server.core import execution
     from server.core import model as model_module
     from server.core.model_config import parse_config_text
     from server.repository import read_source
@@ -384,7 +385,7 @@ def test_batches_run_on_the_profile_that_fits_them(tmp_path: Path, monkeypatch: 
     context = engine.create_execution_context()
     for rows, profile in [(1, 0), (3, 1), (7, 2), (2, 0)]:
         x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
-        np.testing.assert_array_equal(model_module._execute(context, {"X": x})["Y"], _expected(x))
+        np.testing.assert_array_equal(execution.execute(context, {"X": x})["Y"], _expected(x))
         assert context.active_optimization_profile == profile
     version.close()
     with pytest.raises(ServerError, match="kiln_profile_batch_sizes"):

@@ -1,0 +1,114 @@
+"""Warm-up when a model version loads, so that no live request pays for binding, kernel choice or graph capture.
+
+- **Batch buckets** (CUDA models that batch, every non-batch dim fixed): every bucket the model runs at
+  (`execution.batch_buckets`) is bound and its CUDA graph captured and verified on every instance
+  (`ExecutionContext.warm_up`). Without it the first request of each bucket size took the lowering, the cuDNN
+  plan builds and the capture: hundreds of ms, on live traffic. Config parameter `kiln_warmup_buckets: "false"`
+  skips it (faster loads, slow first requests).
+- **`model_warmup`** (Triton's config field): each sample runs `count` times (once when 0) on every instance,
+  with zero, random or file data; files are read from `<model>/warmup/` as raw tensor bytes (BYTES elements
+  length-prefixed), as Triton reads them. A sample that does not fit the model fails the load, naming it.
+Warm-up executions are not counted in the model's statistics (as in Triton).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from server.protos import model_config_pb2
+
+from . import execution
+from .errors import ServerError, invalid
+from .model_config import ModelConfig, model_shape
+from .tensors import element_count, from_raw
+from .types import DATATYPE_OF_CONFIG_TYPE, numpy_dtype
+
+log = logging.getLogger("kiln.server.warmup")
+
+# Model config parameter: "false" skips binding and capturing every batch bucket at load (see the module docstring).
+WARMUP_BUCKETS = "kiln_warmup_buckets"
+
+
+def warm_up_buckets(config: ModelConfig, contexts: list, engine) -> int:
+    """Bind every batch bucket on every context; returns how many bindings were prepared (0 when skipped)."""
+    parameter = config.parameters.get(WARMUP_BUCKETS)
+    text = parameter.string_value.strip().lower() if parameter is not None else ""
+    if text not in ("", "true", "false", "1", "0", "yes", "no"):
+        raise invalid(f"model '{config.name}': parameter {WARMUP_BUCKETS} must be 'true' or 'false', got "
+                      f"'{parameter.string_value}'")
+    if text in ("false", "0", "no") or engine.backend != "cuda" or config.max_batch_size <= 0:
+        return 0
+    items = {t.name: tuple(model_shape(t)) for t in config.input}
+    if any(d < 0 for dims in items.values() for d in dims):
+        log.info("model '%s': variable non-batch dims, so batch buckets are bound on first use", config.name)
+        return 0
+    started = time.perf_counter()
+    highest = execution.highest_batch(engine, list(items))
+    buckets = execution.batch_buckets(highest)
+    for context in contexts:
+        for bucket in buckets:
+            shapes = {name: (bucket, *dims) for name, dims in items.items()}
+            execution.use_profile_for(context, shapes)
+            context.warm_up(shapes)
+    log.info("model '%s': batch buckets %s bound and captured on %d instance(s) in %.1f s", config.name, buckets,
+             len(contexts), time.perf_counter() - started)
+    return len(buckets) * len(contexts)
+
+
+def run_model_warmup(model, contexts: list, directory: Path) -> None:
+    """Run the config's `model_warmup` samples on every context (`model` is the ModelVersion)."""
+    for sample in model.config.model_warmup:
+        label = f"model '{model.name}': warmup sample '{sample.name}'"
+        try:
+            arrays, datatypes = sample_inputs(sample, model.config, directory, label)
+            inputs, _ = model.check_inputs(arrays, datatypes)
+            for context in contexts:
+                for _ in range(max(sample.count, 1)):
+                    model.execute(context, inputs)
+        except ServerError as e:
+            raise invalid(e.message if e.message.startswith(label) else f"{label} failed: {e.message}") from None
+        except Exception as e:  # noqa: BLE001 - the engine's refusal, said against the sample
+            raise invalid(f"{label} failed: {type(e).__name__}: {e}") from None
+        log.info("%s ran %d time(s) on %d instance(s)", label, max(sample.count, 1), len(contexts))
+
+
+def sample_inputs(sample: model_config_pb2.ModelWarmup, config: ModelConfig, directory: Path,
+                  label: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """One sample's request inputs (with the batch dim when the model batches) and their datatypes."""
+    if not sample.inputs:
+        raise invalid(f"{label} has no inputs")
+    arrays, datatypes = {}, {}
+    rng = np.random.default_rng(0)
+    for name, spec in sample.inputs.items():
+        datatype = DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(spec.data_type))
+        if datatype is None:
+            raise invalid(f"{label}: input '{name}' has no valid data_type")
+        item = _item(spec, datatype, directory, f"{label}: input '{name}'", rng)
+        # Triton runs batch_size requests of one item each, all with the same data: the same rows here
+        arrays[name] = np.repeat(item[None], max(sample.batch_size, 1), axis=0) if config.max_batch_size > 0 else item
+        datatypes[name] = datatype
+    return arrays, datatypes
+
+
+def _item(spec: model_config_pb2.ModelWarmup.Input, datatype: str, directory: Path, label: str,
+          rng: np.random.Generator) -> np.ndarray:
+    """One batch item of a warmup input: zeros (Triton's default), random values, or the file's raw bytes."""
+    shape = tuple(spec.dims)
+    kind = spec.WhichOneof("input_data_type")
+    if kind == "input_data_file":
+        folder = (directory / "warmup").resolve()
+        path = (folder / spec.input_data_file).resolve()
+        if not path.is_relative_to(folder) or not path.is_file():
+            raise invalid(f"{label}: data file '{spec.input_data_file}' is not a file in {folder}")
+        return from_raw(path.read_bytes(), datatype, shape)
+    if datatype == "BYTES":
+        return np.array([b"kiln" if kind == "random_data" else b""] * element_count(shape), dtype=object).reshape(shape)
+    dtype = numpy_dtype(datatype)
+    if kind == "random_data":
+        values = rng.random(shape) if dtype.kind == "f" else rng.integers(0, 2 if dtype.kind == "b" else 8, shape)
+        return values.astype(dtype)
+    return np.zeros(shape, dtype)
