@@ -46,6 +46,7 @@ class Regions:
 
     @property
     def _module(self) -> Any:
+        _pkg_resources_shim()
         if self.kind == "cuda":
             import tritonclient.utils.cuda_shared_memory as module
         else:
@@ -100,6 +101,23 @@ class Regions:
             except Exception:
                 pass
         self.handles, self.sizes = {}, {}
+
+
+def _pkg_resources_shim() -> None:
+    """tritonclient 2.41's shared_memory modules import `pkg_resources` (gone from setuptools >= 81) only for
+    `resource_filename(package, name)`; answer that from the package's directory when it is missing."""
+    try:
+        import pkg_resources  # noqa: F401
+    except ImportError:
+        import importlib.util
+        import sys
+        import types
+        from pathlib import Path
+
+        shim = types.ModuleType("pkg_resources")
+        shim.resource_filename = lambda package, name: str(  # type: ignore[attr-defined]
+            Path(importlib.util.find_spec(package).origin).parent / name)
+        sys.modules["pkg_resources"] = shim
 
 
 def region_prefix(seed: int) -> str:
