@@ -660,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kiln perf measurement window (default 1.0; smoke 0.3)")
     p.add_argument("--max-trials", type=int, default=None, help="windows per level at most (default 4; smoke 3)")
     p.add_argument("--warmup-s", type=float, default=1.0, help="load before each level's windows (default 1)")
-    p.add_argument("--raw-seconds", type=float, default=1.0, help="raw engine timing per batch size (default 1)")
+    p.add_argument("--raw-seconds", type=float, default=0.5, help="raw engine timing per batch size (default 0.5)")
     p.add_argument("--precision", choices=["fp32", "tf32", "fp16", "bf16"], default="fp16",
                    help="the model config's kiln_precision (default fp16)")
     p.add_argument("--max-batch", type=int, default=None, help="max_batch_size of every model (default 128; smoke 4)")

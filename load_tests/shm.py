@@ -77,7 +77,8 @@ class Regions:
         """Register every region with the server through `client` (a tritonclient asyncio client)."""
         for region, handle in self.handles.items():
             if self.kind == "cuda":
-                raw = self._module.get_raw_handle(handle)
+                raw = self._module.get_raw_handle(handle)  # base64 bytes; str suits both clients' encoders
+                raw = raw.decode() if isinstance(raw, bytes) else raw
                 await client.register_cuda_shared_memory(region, raw, CUDA_DEVICE, self.sizes[region])
             else:
                 await client.register_system_shared_memory(region, f"/{region}", self.sizes[region])
