@@ -68,7 +68,7 @@ def peer_ratios(kiln: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
 
 
 def round_medians(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Scenarios measured in rounds (", run N"): per peer and level, the median over rounds of each round's
+    """Scenarios measured more than once (", run N": rounds or --run): per peer and level, the median over runs of each run's
     Kiln / peer ratio (req/s and p99): one number per level that a single noisy round cannot swing."""
     rounds: dict[str, list[dict[str, dict[str, Any]]]] = defaultdict(list)
     for name, docs in results.items():
@@ -151,7 +151,7 @@ def ratio_lines(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                          + ", ".join(f"c{r['level']:g}: {_fmt(r['p99'])}x" for r in ratios["per_level"]) + " | "
                          + f"{_fmt(ratios['geomean_rps'])}x | {_fmt(ratios['geomean_p99'])}x |")
     for m in round_medians(results):
-        lines.append(f"| {m['scenario']}: Kiln / {m['peer']}, median of {m['rounds']} rounds | | "
+        lines.append(f"| {m['scenario']}: Kiln / {m['peer']}, median of {m['rounds']} runs | | "
                      + ", ".join(f"c{r['level']:g}: {_fmt(r['rps'])}x" for r in m["per_level"]) + " | "
                      + ", ".join(f"c{r['level']:g}: {_fmt(r['p99'])}x" for r in m["per_level"]) + " | "
                      + f"{_fmt(_geomean([r['rps'] for r in m['per_level']]))}x | "

@@ -83,7 +83,7 @@ def test_rounds_get_a_median_ratio_row(tmp_path):
     assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
     text = page.read_text()
     assert "| add_sub_grpc, run 2: Kiln / triton | 1.50x |" in text
-    assert "| add_sub_grpc: Kiln / triton, median of 3 rounds | | c16: 0.75x | c16: 0.50x | 0.75x | 0.50x |" in text
+    assert "| add_sub_grpc: Kiln / triton, median of 3 runs | | c16: 0.75x | c16: 0.50x | 0.75x | 0.50x |" in text
 
 
 def _gpu_row(transport: str, variant: str, rate: float, raw: float) -> dict:
