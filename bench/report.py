@@ -68,8 +68,8 @@ def peer_ratios(kiln: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
 
 
 def round_medians(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Scenarios measured more than once (", run N": rounds or --run): per peer and level, the median over runs of each run's
-    Kiln / peer ratio (req/s and p99): one number per level that a single noisy round cannot swing."""
+    """Scenarios measured more than once (", run N": rounds or --run): per peer and level, the median over
+    runs of each run's Kiln / peer ratio (req/s and p99): one number per level that one noisy run cannot swing."""
     rounds: dict[str, list[dict[str, dict[str, Any]]]] = defaultdict(list)
     for name, docs in results.items():
         rounds[name.split(", run ")[0]].append(docs)
