@@ -1,16 +1,28 @@
-"""GPU serving benchmark: ResNet-50 behind `kiln serve`, dynamic batching on/off, vs the raw engine.
+"""GPU serving benchmark: ResNet-50 and BERT behind `kiln serve`, per transport and batching, vs the raw engine.
 
-    python load_tests/gpu_serving.py --out $OUT                   # GPU machine, ResNet-50 fp16, about 5 minutes
-    python load_tests/gpu_serving.py --out /tmp/gs --smoke        # any machine, a tiny ResNet, under a minute
+    python load_tests/gpu_serving.py --out $OUT                   # GPU machine: the issue's points, ~5 minutes
+    python load_tests/gpu_serving.py --out $OUT --models bert --transports grpc,http --concurrency 1,4,16,64,256
+    python load_tests/gpu_serving.py --out /tmp/gs --smoke        # any machine: tiny models, under a minute
 
-One server process serves the same ONNX model twice: `<model>_batched` (dynamic_batching) and `<model>_direct`
-(no batcher: each request runs alone), both `max_batch_size: --max-batch`, precision through the config
-parameter `kiln_precision` (server/core/model.py turns it into BuilderFlags). `kiln perf` sweeps the
-concurrency over gRPC with binary tensors. Then, with the server gone, a child process loads the very plan
-the server built (from the server's plan cache) and times `ExecutionContext.infer` alone at every batch size
-the server can form: that is the raw engine throughput. Server efficiency = served inferences/s / raw
-inferences/s at the batch size the server ran (dynamic batching: min(concurrency, max batch); direct: 1).
-Everything goes to `<out>/gpu_serving.json`, `kiln perf`'s own JSON per variant and the server log.
+Models (seeded weights, tools/make_models.py), `--precision` (default fp16) through the config parameter
+`kiln_precision`, max batch `--max-batch` (default 128):
+  resnet50  ResNet-50, FP32 input [3, 224, 224] (602 KB a request), logits [1000]
+  bert      BERT-base, seq 128, INT64 input_ids / attention_mask / token_type_ids (all zeros: valid ids and
+            masks), one output `cls` = hidden_state[:, 0, :] ([768], 3 KB): small payloads, the server's own cost
+Transports (`kiln perf`, tritonclient's asyncio clients, several processes): grpc (binary), http (binary
+tensors), system (gRPC + system shared memory), cuda (gRPC + CUDA shared memory); shared-memory regions are
+registered once per client process and reused, as perf_analyzer --shared-memory does. Variants: `batched`
+(dynamic_batching) and `direct` (no batcher: each request runs alone), one model each, same ONNX bytes.
+
+One server process (`python -m server`, what `kiln serve` runs; `--frontend-processes` passed on when its
+--help lists it) loads every model. Right after a model loads, a child process times the raw engine on the
+very plan the server built (its plan-cache file, named in the server log): ExecutionContext with
+set_tensor_address on device buffers the inputs already sit in, execute_async_v3 on a created stream, CUDA
+events around N runs (CPU plans: wall time), at every power-of-two batch up to the max batch -- the sizes the
+server's CUDA path pads its batches to. Each served row compares with the raw engine at the bucket the
+server's average executed batch pads to: efficiency = served inferences/s / raw inferences/s. Ratios in the
+same run: batched / direct and each transport / grpc. Output: `<out>/gpu_serving.json` (rewritten after every
+sweep, so a run cut short keeps what it measured), `kiln perf`'s JSON per sweep, the server log.
 """
 
 from __future__ import annotations
@@ -20,13 +32,15 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,70 +55,161 @@ import onnx  # noqa: E402
 
 from load_tests import perf  # noqa: E402
 
-READY_TIMEOUT_S = 420.0  # a first ResNet-50 build on the GPU (tactic timing) dominates this
+READY_TIMEOUT_S = 420.0  # a first model build on the GPU (tactic timing) dominates this
 VARIANTS = ("batched", "direct")
+#: transport -> (kiln perf protocol, shared memory kind)
+TRANSPORTS = {"grpc": ("grpc", "none"), "http": ("http", "none"), "system": ("grpc", "system"),
+              "cuda": ("grpc", "cuda")}
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    datatype: str  # KServe name: FP32, INT64
+    dims: tuple[int, ...]  # per item (the batch dim is the server's)
 
 
 @dataclass(frozen=True)
-class Setup:
-    """What one run measures; `smoke` picks a tiny model and short windows that fit a 2-core CPU machine."""
+class ModelSpec:
+    """One benchmarked model: its ONNX builder (make_models keyword arguments) and the tensors it serves."""
 
-    model: str
-    image: int
-    classes: int
+    name: str
+    builder: str  # make_models function
+    kwargs: tuple[tuple[str, Any], ...]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    input_data: str  # kiln perf --input-data: random, or zero where values must be valid ids and masks
+
+
+def _bert_spec(name: str, seq: int, hidden: int, **kwargs: Any) -> ModelSpec:
+    ids = tuple(Tensor(n, "INT64", (seq,)) for n in ("input_ids", "attention_mask", "token_type_ids"))
+    return ModelSpec(name, "bert", (("cls_only", True), ("hidden", hidden), *kwargs.items()), ids,
+                     (Tensor("cls", "FP32", (hidden,)),), "zero")
+
+
+#: --models name -> (full size, smoke size)
+MODELS: dict[str, tuple[ModelSpec, ModelSpec]] = {
+    "resnet50": (
+        ModelSpec("resnet50", "resnet50", (("image_size", 224),), (Tensor("input", "FP32", (3, 224, 224)),),
+                  (Tensor("logits", "FP32", (1000,)),), "random"),
+        ModelSpec("resnet_tiny", "resnet50", (("image_size", 32), ("width", 8), ("blocks", (1, 1, 1, 1)),
+                                              ("classes", 10)),
+                  (Tensor("input", "FP32", (3, 32, 32)),), (Tensor("logits", "FP32", (10,)),), "random")),
+    "bert": (
+        _bert_spec("bert_cls", 128, 768),
+        _bert_spec("bert_tiny", 16, 64, layers=2, heads=4, ffn=128, vocab=1000, max_positions=128)),
+}
+
+
+def build_onnx(spec: ModelSpec) -> onnx.ModelProto:
+    """tools/make_models.py's builder with the spec's arguments (seeded: the same bytes every run)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import make_models
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return getattr(make_models, spec.builder)(**dict(spec.kwargs))
+
+
+def model_config(name: str, spec: ModelSpec, setup: Setup, batched: bool) -> str:
+    """Triton-style config.pbtxt; precision goes in the `kiln_precision` parameter (the one the server reads)."""
+    def tensors(items: tuple[Tensor, ...]) -> str:
+        return ", ".join(f'{{ name: "{t.name}" data_type: TYPE_{t.datatype} dims: [ {", ".join(map(str, t.dims))} ] }}'
+                         for t in items)
+    batching = f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us} }}\n" if batched else ""
+    return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {setup.max_batch}\n'
+            f"input [ {tensors(spec.inputs)} ]\noutput [ {tensors(spec.outputs)} ]\n"
+            f"instance_group [ {{ count: 1 kind: {setup.instance_kind} }} ]\n{batching}"
+            f'parameters {{ key: "kiln_precision" value {{ string_value: "{setup.precision}" }} }}\n')
+
+
+def onnx_file(spec: ModelSpec, cache: Path) -> Path:
+    """The model's ONNX file, built once per cache directory (BERT-base takes seconds to generate and save)."""
+    path = cache / "gpu_serving_models" / f"{spec.name}.onnx"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        onnx.save(build_onnx(spec), partial)
+        partial.replace(path)
+    return path
+
+
+def write_model(repo: Path, spec: ModelSpec, source: Path, setup: Setup) -> dict[str, str]:
+    """Each variant of `spec` in `repo`, from the same ONNX bytes (the second load is a plan-cache hit);
+    returns variant -> served name. Hard links where possible (a symlink would resolve outside the model)."""
+    names = {}
+    for variant in setup.variants:
+        name = f"{spec.name}_{variant}"
+        target = repo / name / "1" / "model.onnx"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+        (repo / name / "config.pbtxt").write_text(model_config(name, spec, setup, variant == "batched"))
+        names[variant] = name
+    return names
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+@dataclass(frozen=True)
+class Setup:
+    """What one run measures; `smoke` picks tiny models and short windows that fit a 2-core CPU machine."""
+
+    models: tuple[str, ...]
+    transports: tuple[str, ...]
+    variants: tuple[str, ...]
+    concurrency: tuple[int, ...]
     max_batch: int
     precision: str
-    concurrency: str
-    interval_ms: int
+    window_s: float
     max_trials: int
     warmup_s: float
     processes: int
     raw_seconds: float
     instance_kind: str  # KIND_GPU on the device; KIND_AUTO for the smoke run (CPU here)
     queue_delay_us: int
+    frontend_processes: int | None
+    smoke: bool
+
+
+def _names(text: str, allowed: Any, what: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"--{what}: unknown {unknown or text!r}; choose from {', '.join(allowed)}")
+    return names
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
-    if args.smoke:
-        return Setup("resnet_tiny", 32, 10, 4, args.precision, args.concurrency or "1:4:x2", 400, 3, 0.3, 2, 0.3,
-                     "KIND_AUTO", args.queue_delay_us)
-    return Setup("resnet50", 224, 1000, args.max_batch, args.precision, args.concurrency or "1:128:x2", 1500, 4,
-                 1.0, args.processes, 1.0, "KIND_GPU", args.queue_delay_us)
+    smoke = args.smoke
+    default = ("resnet50,bert", "grpc,system", "1,4") if smoke else ("resnet50,bert", "grpc,http,system,cuda", "1,64")
+    levels = tuple(int(v) for v in perf.parse_range(args.concurrency or default[2]))
+    return Setup(
+        models=_names(args.models or default[0], MODELS, "models"),
+        transports=_names(args.transports or default[1], TRANSPORTS, "transports"),
+        variants=_names(args.variants, VARIANTS, "variants"),
+        concurrency=levels,
+        max_batch=args.max_batch or (4 if smoke else 128),
+        precision=args.precision,
+        window_s=args.window_s or (0.3 if smoke else 1.0),
+        max_trials=args.max_trials or (3 if smoke else 4),
+        warmup_s=0.2 if smoke else args.warmup_s,
+        processes=args.processes or (1 if smoke else max(1, min(8, (os.cpu_count() or 2) // 2))),
+        raw_seconds=0.2 if smoke else args.raw_seconds,
+        instance_kind="KIND_AUTO" if smoke else "KIND_GPU",
+        queue_delay_us=args.queue_delay_us,
+        frontend_processes=args.frontend_processes,
+        smoke=smoke,
+    )
 
 
-def build_model(setup: Setup) -> onnx.ModelProto:
-    """tools/make_models.py's ResNet-50 (seeded weights); the smoke model is the same code, 1 block per stage."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import make_models
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    if setup.model == "resnet50":
-        return make_models.resnet50(image_size=setup.image)
-    return make_models.resnet50(image_size=setup.image, width=8, blocks=(1, 1, 1, 1), classes=setup.classes)
-
-
-def model_config(name: str, setup: Setup, batched: bool) -> str:
-    """Triton-style config.pbtxt; precision goes in the `kiln_precision` parameter (the one the server reads)."""
-    batching = (f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us} }}\n" if batched else "")
-    return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {setup.max_batch}\n'
-            f'input [ {{ name: "input" data_type: TYPE_FP32 dims: [ 3, {setup.image}, {setup.image} ] }} ]\n'
-            f'output [ {{ name: "logits" data_type: TYPE_FP32 dims: [ {setup.classes} ] }} ]\n'
-            f'instance_group [ {{ count: 1 kind: {setup.instance_kind} }} ]\n{batching}'
-            f'parameters {{ key: "kiln_precision" value {{ string_value: "{setup.precision}" }} }}\n')
-
-
-def write_repository(directory: Path, setup: Setup) -> dict[str, str]:
-    """Both variants from the same ONNX bytes (so the second load is a plan-cache hit); returns variant -> name."""
-    model = build_model(setup)
-    names = {}
-    for variant in VARIANTS:
-        name = f"{setup.model}_{variant}"
-        (directory / name / "1").mkdir(parents=True, exist_ok=True)
-        onnx.save(model, directory / name / "1" / "model.onnx")
-        (directory / name / "config.pbtxt").write_text(model_config(name, setup, variant == "batched"))
-        names[variant] = name
-    return names
+def spec_of(setup: Setup, model: str) -> ModelSpec:
+    return MODELS[model][1 if setup.smoke else 0]
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -126,6 +231,26 @@ def _http(method: str, url: str, timeout: float = 5.0) -> int:
         return 0
 
 
+def _server_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def server_flags() -> str:
+    """The server's --help text: which optional flags this checkout's server has (asked at run time)."""
+    answer = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, cwd=ROOT,
+                            env=_server_env(), timeout=120)
+    return answer.stdout
+
+
+def frontend_arguments(requested: int | None, help_text: str) -> tuple[list[str], str]:
+    """`--frontend-processes N` when asked for and the server lists the flag; else nothing, and why."""
+    if requested is None:
+        return [], "not requested"
+    if "--frontend-processes" not in help_text:
+        return [], "requested, but this server has no --frontend-processes flag: not passed"
+    return ["--frontend-processes", str(requested)], f"passed: --frontend-processes {requested}"
+
+
 @dataclass
 class ServerHandle:
     http: str
@@ -134,15 +259,15 @@ class ServerHandle:
 
 
 @contextmanager
-def kiln_server(repo: Path, plans: Path, log: Path, first_model: str) -> Iterator[ServerHandle]:
+def kiln_server(repo: Path, plans: Path, log: Path, first_model: str, extra: list[str]) -> Iterator[ServerHandle]:
     """`python -m server` (what `kiln serve` runs) in explicit mode with one model loaded; stopped afterwards."""
     ports = [_free_port() for _ in range(3)]
     command = [sys.executable, "-m", "server", "--model-repository", str(repo), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--plan-cache-dir", str(plans), "--model-control-mode", "explicit", "--load-model", first_model]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               "--plan-cache-dir", str(plans), "--model-control-mode", "explicit", "--load-model", first_model,
+               *extra]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
     handle = ServerHandle(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", log)
     try:
         _wait(process, f"http://{handle.http}/v2/models/{first_model}/ready", log)
@@ -176,42 +301,137 @@ def load_model(server: ServerHandle, name: str) -> float:
     return time.monotonic() - started
 
 
-def sweep(server: ServerHandle, name: str, setup: Setup, out: Path) -> dict[str, Any]:
-    """`kiln perf` over gRPC (binary tensors) at every concurrency level; its JSON document."""
-    path = out / f"perf_{name}.json"
-    perf.main(["-m", name, "-i", "grpc", "-u", server.grpc, "--concurrency-range", setup.concurrency,
-               "-p", str(setup.interval_ms), "-r", str(setup.max_trials), "--warmup", str(setup.warmup_s),
-               "--processes", str(setup.processes), "--label", name, "--json-file", str(path), "-q"])
+_PLAN_LINE = re.compile(r"model '([^']+)' version \d+: plan .*?\((/[^()]+\.plan)\)")
+
+
+def plan_files(log_text: str) -> dict[str, str]:
+    """Served model -> the plan-cache file the server built or loaded it from (its log says which)."""
+    return {m.group(1): m.group(2) for m in _PLAN_LINE.finditer(log_text)}
+
+
+def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setup: Setup, out: Path) -> dict:
+    """`kiln perf` at every concurrency level over one transport; its JSON document."""
+    protocol, shared = TRANSPORTS[transport]
+    path = out / f"perf_{name}_{transport}.json"
+    url = server.grpc if protocol == "grpc" else server.http
+    perf.main(["-m", name, "-i", protocol, "-u", url, "--shared-memory", shared, "--input-data", spec.input_data,
+               "--concurrency-range", ",".join(map(str, setup.concurrency)), "-p", str(int(setup.window_s * 1000)),
+               "-r", str(setup.max_trials), "--warmup", str(setup.warmup_s), "--processes", str(setup.processes),
+               "--label", f"{name} {transport}", "--json-file", str(path), "-q"])
     return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------------------------- raw engine
 
-def raw_batch_sizes(levels: list[int], max_batch: int) -> list[int]:
-    """Batch sizes the server can have run: 1 (direct) and min(concurrency, max batch) for each level."""
-    return sorted({1, *(min(level, max_batch) for level in levels)})
+def raw_batch_sizes(max_batch: int) -> list[int]:
+    """Powers of two up to the max batch, and the max batch: the sizes the CUDA path executes."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch]
 
 
-def _time_batches(plan_path: str, shape: tuple[int, ...], batches: list[int], seconds: float) -> list[dict]:
-    """In a child process: time `ExecutionContext.infer` on the server's own plan, batch by batch."""
+def bucket(batch: float, max_batch: int) -> int:
+    """The batch the server's CUDA path runs for a batch of `batch` items: the next power of two (at most max)."""
+    items = max(1, round(batch))
+    return min(1 << (items - 1).bit_length(), max_batch)
+
+
+class _HostClock:
+    """CPU plans: execute_async_v3 runs synchronously; wall time over the runs."""
+
+    stream = 0
+
+    def elapsed_s(self, run: Callable[[int], None], iterations: int) -> float:
+        started = time.perf_counter()
+        for _ in range(iterations):
+            run(self.stream)
+        return time.perf_counter() - started
+
+
+class _CudaClock:
+    """A created stream and two CUDA events around the runs: device time, host enqueue gaps included."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver
+
+        from engine_core.cuda.driver import check, primary_context
+
+        primary_context()
+        self._driver, self._check = driver, check
+        self._stream = check(driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        self.stream = int(self._stream)
+        self._start = check(driver.cuEventCreate(0), "cuEventCreate")
+        self._stop = check(driver.cuEventCreate(0), "cuEventCreate")
+
+    def elapsed_s(self, run: Callable[[int], None], iterations: int) -> float:
+        d, check = self._driver, self._check
+        check(d.cuEventRecord(self._start, self._stream), "cuEventRecord")
+        for _ in range(iterations):
+            run(self.stream)
+        check(d.cuEventRecord(self._stop, self._stream), "cuEventRecord")
+        check(d.cuEventSynchronize(self._stop), "cuEventSynchronize")
+        return float(check(d.cuEventElapsedTime(self._start, self._stop), "cuEventElapsedTime")) / 1e3
+
+
+class _Buffers:
+    """I/O memory at the largest batch, filled once: device buffers for CUDA plans, host arrays for CPU ones.
+    A smaller batch binds the same addresses (batch-major layout: its rows are a prefix)."""
+
+    def __init__(self, engine: Any, context: Any, spec: ModelSpec, max_batch: int) -> None:
+        import engine_core as kiln
+        from load_tests.worker import InputSpec, make_array
+
+        self.cuda = engine.backend == "cuda"
+        self._keep: list[Any] = []
+        self.addresses: dict[str, int] = {}
+        rng = np.random.default_rng(0)
+        for t in spec.inputs:
+            array = make_array(InputSpec(t.name, t.datatype, (max_batch, *t.dims)), rng, spec.input_data)
+            self.addresses[t.name] = self._place(array)
+            context.set_input_shape(t.name, array.shape)
+        for t in spec.outputs:
+            shape = context.get_tensor_shape(t.name)
+            dtype = np.dtype(kiln.nptype(engine.get_tensor_dtype(t.name)))
+            self.addresses[t.name] = self._place(np.zeros(shape, dtype))
+
+    def _place(self, array: np.ndarray) -> int:
+        if not self.cuda:
+            self._keep.append(array)
+            return int(array.ctypes.data)
+        from engine_core.cuda.driver import DeviceBuffer
+
+        buffer = DeviceBuffer.from_array(array)
+        self._keep.append(buffer)
+        return buffer.ptr
+
+
+def _time_batches(plan_path: str, spec: ModelSpec, batches: list[int], seconds: float) -> list[dict]:
+    """In a child process: the server's own plan, device-resident I/O, execute_async_v3, batch by batch."""
     import engine_core as kiln
 
     engine = kiln.Runtime().deserialize_cuda_engine(Path(plan_path).read_bytes())
     if engine is None:
         raise RuntimeError(f"could not load the plan {plan_path}")
     context = engine.create_execution_context()
-    name = engine.get_tensor_name(0)
-    rng = np.random.default_rng(0)
+    buffers = _Buffers(engine, context, spec, max(batches))
+    clock = _CudaClock() if buffers.cuda else _HostClock()
+
+    def run(stream: int) -> None:
+        if not context.execute_async_v3(stream):
+            raise RuntimeError("execute_async_v3 failed (see the engine log)")
+
     rows = []
     for batch in batches:
-        x = rng.standard_normal((batch, *shape), dtype=np.float32)
-        for _ in range(3):  # warm-up: first-run allocations, graph capture, clocks
-            context.infer({name: x})
-        iterations, started = 0, time.perf_counter()
-        while iterations < 5 or time.perf_counter() - started < seconds:
-            context.infer({name: x})
-            iterations += 1
-        elapsed = time.perf_counter() - started
+        for t in spec.inputs:
+            context.set_input_shape(t.name, (batch, *t.dims))
+        for name, address in buffers.addresses.items():
+            context.set_tensor_address(name, address)
+        clock.elapsed_s(run, 3)  # warm-up: binding, graph capture, clocks
+        estimate = clock.elapsed_s(run, 5) / 5
+        iterations = int(min(100_000, max(5, seconds / max(estimate, 1e-6))))
+        elapsed = clock.elapsed_s(run, iterations)
         rows.append({"batch": batch, "iterations": iterations, "latency_ms": 1e3 * elapsed / iterations,
                      "infer_per_s": batch * iterations / elapsed})
     return rows
@@ -224,16 +444,11 @@ def _raw_child(queue: mp.Queue, *args: Any) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def measure_raw(plans: Path, setup: Setup, batches: list[int]) -> tuple[list[dict], str]:
-    """Raw throughput of the plan the server built (the newest in its cache), in a fresh process so the GPU is
-    the engine's alone; returns the rows and the plan file used."""
-    candidates = sorted(plans.rglob("*.plan"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise RuntimeError(f"the server left no plan in {plans}")
+def measure_raw(plan_file: str, spec: ModelSpec, batches: list[int], seconds: float) -> list[dict]:
+    """Raw throughput of the server's plan in a fresh process (its own CUDA context; the server is idle)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_raw_child, args=(queue, str(candidates[-1]), (3, setup.image, setup.image), batches,
-                                                 setup.raw_seconds))
+    child = ctx.Process(target=_raw_child, args=(queue, plan_file, spec, batches, seconds))
     child.start()
     try:
         kind, payload = queue.get(timeout=READY_TIMEOUT_S)
@@ -242,50 +457,82 @@ def measure_raw(plans: Path, setup: Setup, batches: list[int]) -> tuple[list[dic
         if child.is_alive():
             child.terminate()
     if kind != "ok":
-        raise RuntimeError(f"raw engine measurement failed: {payload}")
-    return payload, str(candidates[-1])
+        raise RuntimeError(f"raw engine measurement of {plan_file} failed: {payload}")
+    return payload
 
 
 # ----------------------------------------------------------------------------------------------- report
 
-def efficiency_rows(served: dict[str, dict], raw: list[dict], max_batch: int) -> list[dict]:
-    """Served / raw inferences per second, level by level, against the raw figure at the batch the server ran."""
+def served_rows(model: str, transport: str, variant: str, document: dict, raw: list[dict], max_batch: int) -> list[dict]:
+    """One row per concurrency level: served figures, the server's average batch, the raw engine at its bucket."""
     raw_by_batch = {r["batch"]: r["infer_per_s"] for r in raw}
     rows = []
-    for variant, document in served.items():
-        for result in document["results"]:
-            level = int(result["concurrency"])
-            batch = min(level, max_batch) if variant == "batched" else 1
-            served_rate = result["throughput_infer_per_s"]
-            raw_rate = raw_by_batch.get(batch)
-            server = result["server"] or {}
-            rows.append({"variant": variant, "concurrency": level, "raw_batch": batch,
-                         "server_avg_batch": server.get("avg_batch"),
-                         "served_infer_per_s": served_rate, "raw_infer_per_s": raw_rate,
-                         "efficiency": served_rate / raw_rate if raw_rate else None,
-                         "p50_ms": result["latency_us"].get("p50", 0) / 1e3,
-                         "p99_ms": result["latency_us"].get("p99", 0) / 1e3,
-                         "server_queue_us": server.get("queue_us"),
-                         "server_infer_us": server.get("compute_infer_us"),
-                         "errors": result["errors"]})
+    for result in document["results"]:
+        level = int(result["concurrency"])
+        server = result["server"] or {}
+        avg_batch = server.get("avg_batch")
+        executed = bucket(avg_batch if avg_batch else (min(level, max_batch) if variant == "batched" else 1), max_batch)
+        served_rate, raw_rate = result["throughput_infer_per_s"], raw_by_batch.get(executed)
+        rows.append({"model": model, "transport": transport, "variant": variant, "concurrency": level,
+                     "infer_per_s": served_rate, "p50_ms": result["latency_us"].get("p50", 0) / 1e3,
+                     "p99_ms": result["latency_us"].get("p99", 0) / 1e3, "server_avg_batch": avg_batch,
+                     "raw_batch": executed, "raw_infer_per_s": raw_rate,
+                     "efficiency": served_rate / raw_rate if raw_rate else None,
+                     "server_queue_us": server.get("queue_us"), "server_infer_us": server.get("compute_infer_us"),
+                     "errors": result["errors"], "client_bound": result["client"]["client_bound"],
+                     "stable": result["stable"]})
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def peer_ratios(rows: list[dict]) -> list[dict]:
+    """Same-run comparisons: batched / direct (same model, transport, level) and transport / grpc (same model,
+    variant, level), for req/s and p99."""
+    index = {(r["model"], r["transport"], r["variant"], r["concurrency"]): r for r in rows}
+    ratios = []
+    for (model, transport, variant, level), row in index.items():
+        peers = []
+        if variant == "batched":
+            peers.append(("batched / direct", index.get((model, transport, "direct", level))))
+        if transport != "grpc":
+            peers.append((f"{transport} / grpc", index.get((model, "grpc", variant, level))))
+        for what, other in peers:
+            if other is not None:
+                ratios.append({"model": model, "comparison": what,
+                               "transport": transport if what.startswith("batched") else variant,
+                               "concurrency": level, "infer_per_s": _ratio(row["infer_per_s"], other["infer_per_s"]),
+                               "p99": _ratio(row["p99_ms"], other["p99_ms"])})
+    return ratios
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def print_report(document: dict[str, Any], out=sys.stdout) -> None:
-    print(f"\nraw engine ({document['setup']['model']}, {document['setup']['precision']}):", file=out)
-    for r in document["raw"]:
-        print(f"  batch {r['batch']:>4}: {r['infer_per_s']:>10.1f} infer/s  {r['latency_ms']:>8.2f} ms", file=out)
-    print(f"\n{'variant':>8} {'conc':>5} {'batch':>6} {'served/s':>10} {'raw b/s':>10} {'effic.':>7} {'p50 ms':>8} "
-          f"{'p99 ms':>8} {'queue us':>9} {'err':>4}", file=out)
-    for r in document["efficiency"]:
-        effic = f"{r['efficiency']:.0%}" if r["efficiency"] is not None else "n/a"
-        queue = f"{r['server_queue_us']:.0f}" if r["server_queue_us"] is not None else "n/a"
-        batch = f"{r['server_avg_batch']:.1f}" if r["server_avg_batch"] is not None else "n/a"
-        print(f"{r['variant']:>8} {r['concurrency']:>5} {batch:>6} {r['served_infer_per_s']:>10.1f} "
-              f"{r['raw_infer_per_s'] or 0:>10.1f} {effic:>7} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {queue:>9} "
-              f"{r['errors']:>4}", file=out)
-    print("batch: the server's average executed batch (inference_count / execution_count); raw b/s: the raw "
-          "engine at batch min(concurrency, max batch) (direct: 1); effic. = served / raw", file=out)
+    setup = document["setup"]
+    for model, raw in document["raw"].items():
+        print(f"\nraw engine {model} ({setup['precision']}, device-resident I/O, execute_async_v3):", file=out)
+        for r in raw:
+            print(f"  batch {r['batch']:>4}: {r['infer_per_s']:>10.1f} infer/s  {r['latency_ms']:>8.3f} ms", file=out)
+    print(f"\n{'model':<12} {'transport':<9} {'variant':<8} {'conc':>5} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'avg b':>6} {'raw b':>5} {'raw/s':>9} {'effic.':>7} {'err':>4}", file=out)
+    for r in document["rows"]:
+        effic = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.0%}"
+        print(f"{r['model']:<12} {r['transport']:<9} {r['variant']:<8} {r['concurrency']:>5} {r['infer_per_s']:>9.1f} "
+              f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {_f(r['server_avg_batch'], '.1f'):>6} {r['raw_batch']:>5} "
+              f"{_f(r['raw_infer_per_s'], '.1f'):>9} {effic:>7} {r['errors']:>4}"
+              + ("  client-bound" if r["client_bound"] else ""), file=out)
+    print("avg b: the server's average executed batch (inference_count / execution_count); raw b: the power-of-two "
+          "bucket it pads to; raw/s: the raw engine there; effic. = infer/s / raw/s", file=out)
+    if document["ratios"]:
+        print(f"\n{'model':<12} {'comparison':<18} {'of':<9} {'conc':>5} {'req/s x':>8} {'p99 x':>7}", file=out)
+        for r in document["ratios"]:
+            print(f"{r['model']:<12} {r['comparison']:<18} {r['transport']:<9} {r['concurrency']:>5} "
+                  f"{_f(r['infer_per_s'], '.2f'):>8} {_f(r['p99'], '.2f'):>7}", file=out)
 
 
 def _device() -> dict[str, Any]:
@@ -301,55 +548,131 @@ def _device() -> dict[str, Any]:
     return info
 
 
+# ----------------------------------------------------------------------------------------------- run
+
+@dataclass
+class Run:
+    """What the run has measured so far; `document()` is gpu_serving.json at any point."""
+
+    args: argparse.Namespace
+    setup: Setup
+    started: float
+    models: dict[str, dict[str, str]]
+    skipped: list[str]
+    frontend: str
+    load_s: dict[str, float]
+    plans: dict[str, str]
+    raw: dict[str, list[dict]]
+    rows: list[dict]
+    device: dict[str, Any]
+    started_utc: str
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "tool": "load_tests/gpu_serving.py",
+            "command": "python load_tests/gpu_serving.py " + " ".join(self.args.argv),
+            "setup": asdict(self.setup),
+            "models": self.models,
+            "skipped": self.skipped,
+            "frontend_processes": self.frontend,
+            "plan_files": self.plans,
+            "load_s": self.load_s,
+            "device": self.device,
+            "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "started_utc": self.started_utc,
+            "raw": self.raw,
+            "rows": self.rows,
+            "ratios": peer_ratios(self.rows),
+            "elapsed_s": self.elapsed_s,
+        }
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def save(self) -> dict[str, Any]:
+        document = self.document()
+        (self.args.out / "gpu_serving.json").write_text(json.dumps(document, indent=2) + "\n")
+        return document
+
+
+def usable_transports(setup: Setup) -> tuple[list[str], list[str]]:
+    """The transports this machine can run, and notes on those it cannot (CUDA shared memory needs a GPU)."""
+    import engine_core as kiln
+
+    if "cuda" in setup.transports and "cuda" not in kiln.available_backends():
+        return [t for t in setup.transports if t != "cuda"], ["transport cuda: no CUDA device here"]
+    return list(setup.transports), []
+
+
+def measure_model(run: Run, server: ServerHandle, model: str, transports: list[str]) -> None:
+    """Load both variants, time the raw engine on their plan (server idle), then sweep every transport."""
+    setup, spec = run.setup, spec_of(run.setup, model)
+    names = run.models[model]
+    for name in names.values():
+        if name not in run.load_s:
+            run.load_s[name] = load_model(server, name)
+    plans = plan_files(server.log.read_text(errors="replace"))
+    plan = plans.get(names[setup.variants[0]])
+    if plan is None:
+        raise RuntimeError(f"the server log names no plan file for {names[setup.variants[0]]}: {server.log}")
+    run.plans[model] = plan
+    run.raw[spec.name] = measure_raw(plan, spec, raw_batch_sizes(setup.max_batch), setup.raw_seconds)
+    run.save()
+    for transport in transports:
+        for variant, name in names.items():
+            document = sweep(server, name, spec, transport, setup, run.args.out)
+            run.rows += served_rows(spec.name, transport, variant, document, run.raw[spec.name], setup.max_batch)
+            run.save()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     setup = make_setup(args)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    work = out / "work"
-    # one plan cache per setup, so the raw run finds the plan this server used (reruns still hit the cache)
-    repo, plans = work / "repository", work / f"plans_{setup.model}_{setup.precision}_b{setup.max_batch}"
-    names = write_repository(repo, setup)
-    started = time.monotonic()
-    served: dict[str, dict] = {}
-    load_s: dict[str, float] = {}
-    with kiln_server(repo, plans, out / "server.log", names["batched"]) as server:
-        load_s["batched"] = time.monotonic() - started  # process start + first build (or plan-cache hit)
-        served["batched"] = sweep(server, names["batched"], setup, out)
-        load_s["direct"] = load_model(server, names["direct"])
-        served["direct"] = sweep(server, names["direct"], setup, out)
-    levels = [int(level) for level in perf.parse_range(setup.concurrency)]
-    raw, plan_file = measure_raw(plans, setup, raw_batch_sizes(levels, setup.max_batch))
-    document = {
-        "tool": "load_tests/gpu_serving.py",
-        "command": "python load_tests/gpu_serving.py " + " ".join(args.argv),
-        "setup": asdict(setup),
-        "models": names,
-        "plan_file": plan_file,
-        "load_s": load_s,
-        "device": _device(),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "raw": raw,
-        "efficiency": efficiency_rows(served, raw, setup.max_batch),
-        "served": served,
-        "elapsed_s": time.monotonic() - started,
-    }
-    (out / "gpu_serving.json").write_text(json.dumps(document, indent=2) + "\n")
-    return document
+    cache = args.cache_dir or (Path(os.environ["KILN_CACHE_DIR"]) if os.environ.get("KILN_CACHE_DIR") else out / "work")
+    repo = out / "work" / "repository"
+    transports, skipped = usable_transports(setup)
+    started, started_utc = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    names = {model: write_model(repo, spec_of(setup, model), onnx_file(spec_of(setup, model), cache), setup)
+             for model in setup.models}
+    extra, frontend = frontend_arguments(setup.frontend_processes, server_flags())
+    state = Run(args, setup, started, names, skipped, frontend, {}, {}, {}, [], _device(), started_utc)
+    first = names[setup.models[0]][setup.variants[0]]
+    with kiln_server(repo, cache / "plans", out / "server.log", first, extra) as server:
+        state.load_s[first] = time.monotonic() - started  # model generation, process start, first build or cache hit
+        for model in setup.models:
+            measure_model(state, server, model, transports)
+    return state.save()
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python load_tests/gpu_serving.py", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="directory for gpu_serving.json, perf JSON, server log")
+    p.add_argument("--out", type=Path, default=os.environ.get("OUT"), required=not os.environ.get("OUT"),
+                   help="directory for gpu_serving.json, perf JSON, server log (default $OUT)")
+    p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: both)")
+    p.add_argument("--transports", default=None,
+                   help=f"comma list of {', '.join(TRANSPORTS)} (default: all; smoke grpc,system)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of batched, direct (default both)")
+    p.add_argument("--concurrency", default=None, metavar="LEVELS",
+                   help="levels, e.g. 1,4,16,64,256 or 1:256:x4 (default 1,64; smoke 1,4)")
+    p.add_argument("--window-s", type=float, default=None,
+                   help="kiln perf measurement window (default 1.0; smoke 0.3)")
+    p.add_argument("--max-trials", type=int, default=None, help="windows per level at most (default 4; smoke 3)")
+    p.add_argument("--warmup-s", type=float, default=1.0, help="load before each level's windows (default 1)")
+    p.add_argument("--raw-seconds", type=float, default=0.5, help="raw engine timing per batch size (default 0.5)")
     p.add_argument("--precision", choices=["fp32", "tf32", "fp16", "bf16"], default="fp16",
                    help="the model config's kiln_precision (default fp16)")
-    p.add_argument("--max-batch", type=int, default=128, help="max_batch_size of both variants (default 128)")
-    p.add_argument("--concurrency", default=None, metavar="START:END:STEP",
-                   help="kiln perf levels (default 1:128:x2; smoke 1:4:x2)")
-    p.add_argument("--processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
-                   help="kiln perf client processes (default: half the CPUs, at most 8)")
+    p.add_argument("--max-batch", type=int, default=None, help="max_batch_size of every model (default 128; smoke 4)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="kiln perf client processes (default: half the CPUs, at most 8; smoke 1)")
     p.add_argument("--queue-delay-us", type=int, default=500, help="dynamic batcher max_queue_delay_microseconds")
-    p.add_argument("--smoke", action="store_true", help="tiny ResNet, short windows: a check that runs anywhere")
+    p.add_argument("--frontend-processes", type=int, default=None, metavar="N",
+                   help="passed to the server when its --help lists --frontend-processes")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="plans (DIR/plans, the server's plan cache) and generated ONNX files, reused between "
+                        "runs (default $KILN_CACHE_DIR, else <out>/work)")
+    p.add_argument("--smoke", action="store_true", help="tiny models, short windows: a check that runs anywhere")
     return p
 
 
@@ -357,10 +680,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    if args.max_batch < 1 or args.processes < 1:
-        raise SystemExit("--max-batch and --processes must be positive")
+    args.out = Path(args.out)
+    if any(v is not None and v < 1 for v in (args.max_batch, args.processes, args.frontend_processes)):
+        raise SystemExit("--max-batch, --processes and --frontend-processes must be positive")
     document = run(args)
     print_report(document)
+    for note in document["skipped"]:
+        print(f"skipped: {note}")
     print(f"\nwrote {args.out / 'gpu_serving.json'} in {document['elapsed_s']:.0f} s")
     return 0
 

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from load_tests import shm
 from load_tests.stats import is_stable, latency_summary_us, server_split
 from load_tests.worker import InputSpec, WorkerConfig, worker_main
 
@@ -41,10 +42,13 @@ READY_TIMEOUT_S = 60.0
 # ----------------------------------------------------------------------------------------------- arguments
 
 def parse_range(text: str) -> list[float]:
-    """`start:end:step` -> the levels; step `xN` multiplies, `N` adds; `start` alone is one level.
+    """`start:end:step` -> the levels; step `xN` multiplies, `N` adds; `start` alone is one level; `a,b,c` lists
+    the levels themselves.
 
-    `1:64:x2` -> 1, 2, 4, ..., 64. Bounded: at most 64 levels.
+    `1:64:x2` -> 1, 2, 4, ..., 64; `1,16,64` -> 1, 16, 64. Bounded: at most 64 levels.
     """
+    if "," in text:
+        return _parse_list(text)
     parts = text.split(":")
     start = float(parts[0])
     end = float(parts[1]) if len(parts) > 1 else start
@@ -57,6 +61,16 @@ def parse_range(text: str) -> list[float]:
     while value <= end * (1 + 1e-9) and len(levels) < 64:
         levels.append(value)
         value = value * factor if multiply else value + factor
+    return levels
+
+
+def _parse_list(text: str) -> list[float]:
+    try:
+        levels = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(level <= 0 for level in levels) or len(levels) > 64:
+        raise argparse.ArgumentTypeError(f"bad level list '{text}': want up to 64 positive numbers, comma-separated")
     return levels
 
 
@@ -85,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP tensor encoding of inputs and outputs (gRPC is always binary)")
     p.add_argument("--response-compression", choices=["none", "gzip", "deflate"], default="none",
                    help="HTTP: the Accept-Encoding to send (default none, as perf_analyzer)")
+    p.add_argument("--shared-memory", choices=list(shm.KINDS), default="none",
+                   help="tensors in system (/dev/shm) or CUDA shared memory, registered once per client process "
+                        "(perf_analyzer's --shared-memory)")
+    p.add_argument("--output-shared-memory-size", type=int, default=shm.DEFAULT_OUTPUT_BYTES, metavar="BYTES",
+                   help="region size of an output whose size the metadata does not fix (default 102400)")
+    p.add_argument("--input-data", choices=["random", "zero"], default="random",
+                   help="input values: random (integers 0..99) or all zeros (e.g. valid token ids and masks)")
     p.add_argument("-b", "--batch-size", type=int, default=1, help="replaces a leading -1 dim of each input")
     p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="NAME:D1,D2",
                    help="full shape of an input (repeatable); needed for dynamic dims other than the batch")
@@ -422,13 +443,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         metadata = target.metadata(args.model_name, args.model_version)
         batching = target.max_batch_size(args.model_name, args.model_version) != 0  # None: unknown, assume so
         inputs = input_specs(metadata, args.batch_size, dict(args.shape), args.only_inputs, batching)
-        outputs = tuple(o["name"] for o in metadata.get("outputs", [])
-                        if not args.only_outputs or o["name"] in args.only_outputs)
+        output_meta = [o for o in metadata.get("outputs", []) if not args.only_outputs or o["name"] in args.only_outputs]
+        outputs = tuple(o["name"] for o in output_meta)
+        sizes = shm.output_bytes(output_meta, args.batch_size, batching, args.output_shared_memory_size)
         configs = [WorkerConfig(args.url, args.protocol, args.model_name, args.model_version, inputs, outputs,
                                 binary, args.priority, args.request_timeout, seed=i,
-                                response_compression=args.response_compression) for i in range(args.processes)]
+                                response_compression=args.response_compression, input_data=args.input_data,
+                                shared_memory=args.shared_memory, output_bytes=tuple(sizes[n] for n in outputs))
+                   for i in range(args.processes)]
+        tensors = f"{args.shared_memory} shared memory" if args.shared_memory != "none" else \
+            f"{args.input_tensor_format} tensors"
         progress(f"kiln perf: {args.model_name} at {args.protocol}://{args.url} "
-                 f"({args.input_tensor_format} tensors, {args.processes} client processes)")
+                 f"({tensors}, {args.processes} client processes)")
         pool = WorkerPool.start(configs)
         try:
             measurer = Measurer(pool, lambda: target.statistics(args.model_name, args.model_version))
@@ -450,6 +476,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model_name,
         "protocol": args.protocol,
         "tensor_format": args.input_tensor_format if args.protocol == "http" else "binary",
+        "shared_memory": args.shared_memory,
+        "input_data": args.input_data,
         "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in inputs],
         "mode": mode,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},

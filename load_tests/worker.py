@@ -15,11 +15,13 @@ import asyncio
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from load_tests.shm import Regions, region_prefix
 
 MAX_OUTSTANDING = 1024  # open-loop cap per worker: past it arrivals are counted as dropped, not queued forever
 DRAIN_TIMEOUT_S = 10.0
@@ -47,15 +49,20 @@ class WorkerConfig:
     request_timeout_s: float = 30.0
     seed: int = 0
     response_compression: str = "none"  # HTTP: "none" (identity), "gzip" or "deflate"
+    input_data: str = "random"  # "random" or "zero" (perf_analyzer's --input-data)
+    shared_memory: str = "none"  # "system" | "cuda": tensors in regions registered once (load_tests/shm.py)
+    output_bytes: tuple[int, ...] = ()  # shared memory: region size of each of `outputs`
 
 
-def make_array(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
-    """Random data of the input's type and shape (BYTES: short ASCII strings)."""
+def make_array(spec: InputSpec, rng: np.random.Generator, data: str = "random") -> np.ndarray:
+    """Input data of the input's type and shape: random (BYTES: short ASCII strings) or all zeros."""
     from tritonclient.utils import triton_to_np_dtype
 
     if spec.datatype == "BYTES":
         return np.array([b"kiln"] * int(np.prod(spec.shape)), dtype=np.object_).reshape(spec.shape)
     dtype = np.dtype(triton_to_np_dtype(spec.datatype))
+    if data == "zero":
+        return np.zeros(spec.shape, dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, spec.shape).astype(np.bool_)
     if np.issubdtype(dtype, np.integer):
@@ -86,9 +93,11 @@ class _Client:
     inputs: list[Any] = field(default_factory=list)
     outputs: list[Any] | None = None
     headers: dict[str, str] | None = None
+    regions: Regions | None = None  # shared memory: this worker's regions
     first_error: str = ""
 
     def build(self) -> None:
+        """The client and the request it repeats; with shared memory, its regions (created and filled here)."""
         rng = np.random.default_rng(self.config.seed)
         if self.config.protocol == "grpc":
             import tritonclient.grpc.aio as module
@@ -96,12 +105,17 @@ class _Client:
         else:
             import tritonclient.http.aio as module
             self.client = module.InferenceServerClient(self.config.url, conn_limit=MAX_OUTSTANDING)
+        if self.config.shared_memory != "none":
+            self.regions = Regions(self.config.shared_memory, region_prefix(self.config.seed))
         for spec in self.config.inputs:
             item = module.InferInput(spec.name, list(spec.shape), spec.datatype)
-            if self.config.protocol == "grpc":
-                item.set_data_from_numpy(make_array(spec, rng))
+            array = make_array(spec, rng, self.config.input_data)
+            if self.regions is not None:
+                item.set_shared_memory(*astuple(self.regions.add_input(spec.name, array)))
+            elif self.config.protocol == "grpc":
+                item.set_data_from_numpy(array)
             else:
-                item.set_data_from_numpy(make_array(spec, rng), binary_data=self.config.binary)
+                item.set_data_from_numpy(array, binary_data=self.config.binary)
             self.inputs.append(item)
         if self.config.protocol == "http":
             self.headers = http_headers(self.config.binary, self.config.response_compression)
@@ -111,6 +125,21 @@ class _Client:
             else:
                 self.outputs = [module.InferRequestedOutput(n, binary_data=self.config.binary)
                                 for n in self.config.outputs]
+            if self.regions is not None:
+                for output, size in zip(self.outputs, self.config.output_bytes, strict=True):
+                    output.set_shared_memory(*astuple(self.regions.add_output(output.name(), size)))
+
+    async def attach(self) -> None:
+        """Register the shared-memory regions once, before the first request (no-op without them)."""
+        if self.regions is not None:
+            await self.regions.register(self.client)
+
+    async def detach(self) -> None:
+        """Unregister and free the regions; then close the client."""
+        if self.regions is not None:
+            await self.regions.unregister(self.client)
+            self.regions.destroy()
+        await self.client.close()
 
     async def infer_once(self) -> tuple[int, int, bool]:
         start = time.monotonic_ns()
@@ -188,6 +217,12 @@ class Worker:
 
     async def serve(self) -> None:
         self.client.build()
+        try:
+            await self.client.attach()
+        except BaseException:
+            if self.client.regions is not None:
+                self.client.regions.destroy()
+            raise
         loop = asyncio.get_running_loop()
         loop.add_reader(self.conn.fileno(), lambda: self.commands.put_nowait(self.conn.recv()))
         self.conn.send(("ready", None))
@@ -205,7 +240,7 @@ class Worker:
             else:
                 await self._stop()
                 with contextlib.suppress(Exception):
-                    await self.client.client.close()
+                    await self.client.detach()
                 self.conn.send(("bye", None))
                 return
 

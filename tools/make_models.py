@@ -4,6 +4,7 @@
 
 Models: resnet50, resnet50_qdq (explicit Q/DQ: per-channel int8 weights, per-tensor activations;
 needs onnxruntime for its activation scales), mobilenetv2, bert_base (dynamic batch and sequence),
+``bert(cls_only=True)``: the same encoder answering only the CLS vector (load_tests/gpu_serving.py),
 gpt2 (decoder block stack), yolo_nms (a YOLO-style detector head ending in NonMaxSuppression). ``--small`` keeps every
 architecture but shrinks widths/depths/resolution, for tests. Each builder returns a ModelProto
 whose graph uses the op forms that PyTorch's exporter emits (Erf-GELU, Shape->Gather->Reshape, ...).
@@ -171,8 +172,12 @@ def _merge_heads(g: GraphMaker, x: str, hidden: int) -> str:
 
 
 def bert(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, vocab: int = 30522,
-         max_positions: int = 512) -> onnx.ModelProto:
-    """BERT encoder with dynamic batch and sequence: input_ids, attention_mask -> hidden states, pooled."""
+         max_positions: int = 512, cls_only: bool = False) -> onnx.ModelProto:
+    """BERT encoder with dynamic batch and sequence: input_ids, attention_mask -> hidden states, pooled.
+
+    ``cls_only``: the one output is ``cls`` = last_hidden_state[:, 0, :] ([batch, hidden]): the encoder's full
+    cost with a 3 KB answer, so a serving benchmark measures the server rather than the output copy.
+    """
     g = GraphMaker("bert", seed=7)
     d = hidden // heads
     emb = lambda rows: g.const((g.rng.standard_normal((rows, hidden)) * 0.02).astype(np.float32), "emb")  # noqa: E731
@@ -193,10 +198,13 @@ def bert(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072, 
         h = g.gelu_erf(g.linear(x, hidden, ffn))
         x = g.layer_norm(g.op("Add", [x, g.linear(h, ffn, hidden)]), hidden)
     cls = g.op("Gather", [x, g.const(np.int64(0))], axis=1)
-    pooled = g.op("Tanh", [g.linear(cls, hidden, hidden)])
     ids = lambda n: helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "sequence"])  # noqa: E731
+    inputs = [ids("input_ids"), ids("attention_mask"), ids("token_type_ids")]
+    if cls_only:
+        return g.model(inputs, [(cls, "cls", TensorProto.FLOAT, ["batch", hidden])])
+    pooled = g.op("Tanh", [g.linear(cls, hidden, hidden)])
     return g.model(
-        [ids("input_ids"), ids("attention_mask"), ids("token_type_ids")],
+        inputs,
         [(x, "last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", hidden]),
          (pooled, "pooler_output", TensorProto.FLOAT, ["batch", hidden])],
     )

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+from pathlib import Path
 
 import pytest
+import tritonclient.http as httpclient
 
 from load_tests import perf
+from server.core.shared_memory import SHM_ROOT
 
 FAST = ["-p", "500", "--warmup", "0.2", "-r", "3", "--processes", "2", "-q"]
 
@@ -58,3 +62,31 @@ def test_grpc_poisson_request_rate(kiln_server, tmp_path):
     _check_row(row)
     assert 20 <= row["requests_per_s"] <= 60  # open loop: the offered rate, not the server's maximum
     assert row["server"]["count"] > 0
+
+
+def _leftover_regions() -> list[str]:
+    return sorted(p.name for p in Path(SHM_ROOT).glob("kiln_perf_*"))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_system_shared_memory(kiln_server, tmp_path, protocol):
+    """Inputs and outputs in /dev/shm regions registered once per client process; gone from both sides after."""
+    if protocol == "grpc" and not kiln_server.grpc_available:
+        pytest.skip("gRPC frontend not importable")
+    before = _leftover_regions()
+    url = kiln_server.grpc_url if protocol == "grpc" else kiln_server.http_url
+    doc = _run(tmp_path, "-m", "add_sub", "-i", protocol, "-u", url, "--shared-memory", "system",
+               "--concurrency-range", "2", "-b", "2")
+    assert doc["shared_memory"] == "system"
+    row = doc["results"][0]
+    _check_row(row)
+    assert row["server"]["count"] > 0
+    assert _leftover_regions() == before
+    with httpclient.InferenceServerClient(kiln_server.http_url) as client:
+        assert client.get_system_shared_memory_status() == []
+
+
+def test_level_lists():
+    assert perf.parse_range("1,16,64") == [1, 16, 64]
+    with pytest.raises(argparse.ArgumentTypeError):
+        perf.parse_range("1,-2")

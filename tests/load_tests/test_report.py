@@ -69,3 +69,46 @@ def test_gpu_serving_section(tmp_path):
     assert "### GPU serving: resnet50 fp16, max batch 128 (H100)" in text
     assert "| 1 | 500.0 | 2.00 |" in text
     assert "| direct | 1 | 1.0 | 450.0 | 500.0 (b1) | 90% | 2.20 | 3.00 | 4 | 0 |" in text
+
+
+def test_rounds_get_a_median_ratio_row(tmp_path):
+    """Three alternating rounds against Triton: a ratio row per round, and the per-level median of those ratios."""
+    for run, (kiln_rps, triton_rps) in enumerate([(100.0, 200.0), (300.0, 200.0), (150.0, 200.0)], start=1):
+        for doc in (_doc("add_sub_grpc", "kiln", [(16, kiln_rps, 1000.0)]),
+                    _doc("add_sub_grpc", "triton", [(16, triton_rps, 2000.0)])):
+            doc["run"] = run
+            suffix = f"_run{run}" if run > 1 else ""
+            (tmp_path / f"serving_add_sub_grpc_{doc['server']}{suffix}.json").write_text(json.dumps(doc))
+    page = tmp_path / "performance.md"
+    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "| add_sub_grpc, run 2: Kiln / triton | 1.50x |" in text
+    assert "| add_sub_grpc: Kiln / triton, median of 3 runs | | c16: 0.75x | c16: 0.50x | 0.75x | 0.50x |" in text
+
+
+def _gpu_row(transport: str, variant: str, rate: float, raw: float) -> dict:
+    return {"model": "bert_cls", "transport": transport, "variant": variant, "concurrency": 64, "infer_per_s": rate,
+            "p50_ms": 2.0, "p99_ms": 4.0, "server_avg_batch": 40.0 if variant == "batched" else 1.0,
+            "raw_batch": 64 if variant == "batched" else 1, "raw_infer_per_s": raw, "efficiency": rate / raw,
+            "errors": 0, "client_bound": False}
+
+
+def test_gpu_serving_run_section(tmp_path):
+    (tmp_path / "serving_trivial_grpc_kiln.json").write_text(json.dumps(_doc("trivial_grpc", "kiln", [(1, 1.0, 1.0)])))
+    gpu = {"tool": "load_tests/gpu_serving.py", "command": "python load_tests/gpu_serving.py --out x",
+           "setup": {"precision": "fp16", "max_batch": 128}, "device": {"gpus": ["H100"]},
+           "load_s": {"bert_cls_batched": 40.0}, "elapsed_s": 300.0, "started_utc": "2026-11-27T10:00:00Z",
+           "frontend_processes": "not requested",
+           "raw": {"bert_cls": [{"batch": 1, "infer_per_s": 900.0, "latency_ms": 1.11},
+                                {"batch": 64, "infer_per_s": 8000.0, "latency_ms": 8.0}]},
+           "rows": [_gpu_row("grpc", "batched", 4000.0, 8000.0), _gpu_row("grpc", "direct", 450.0, 900.0)],
+           "ratios": [{"model": "bert_cls", "comparison": "batched / direct", "transport": "grpc", "concurrency": 64,
+                       "infer_per_s": 4000.0 / 450.0, "p99": 1.0}]}
+    (tmp_path / "gpu_serving_20261127.json").write_text(json.dumps(gpu))
+    page = tmp_path / "performance.md"
+    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert "### GPU serving: bert_cls fp16, max batch 128 (H100)" in text
+    assert "| 64 | 8000.0 (8.00 ms) |" in text
+    assert "| bert_cls | grpc | batched | 64 | 4000.0 | 2.00 | 4.00 | 40.0 | 8000.0 (b64) | 50% | 0 |" in text
+    assert "| bert_cls | batched / direct | grpc | 64 | 8.89x | 1.00x |" in text
