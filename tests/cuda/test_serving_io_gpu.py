@@ -115,3 +115,85 @@ def test_infer_stages_through_pinned_memory_and_returns_fresh_arrays():
     fortran = np.asfortranarray(xs[0])  # a non-contiguous feed is copied into the pinned mirror as it is
     np.testing.assert_array_equal(context.infer({"x": fortran})["y"], results[0])
     assert _replays(context) == before + 1
+
+
+# -- infer_batch and warm_up ----------------------------------------------------------------------------------
+
+
+def _binding(context):
+    (binding,) = context._cuda._bindings.values()
+    return binding
+
+
+def test_warm_up_captures_so_the_first_request_replays():
+    gpu, cpu = build_engine(mlp(), "cuda", PROFILE), build_engine(mlp(), "cpu", PROFILE)
+    context = gpu.create_execution_context()
+    context.warm_up({"x": (8, 64)})
+    binding = _binding(context)
+    assert len(binding.graphs) == 1 and binding.verified and not binding.graph_failed
+    runs, replays = binding.runs, _replays(context)
+    x = _x(30, 8)
+    y = context.infer({"x": x})["y"]
+    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == 1
+    np.testing.assert_allclose(y, cpu.create_execution_context().infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_infer_batch_after_warm_up_replays_the_graph_infer_uses():
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    context = engine.create_execution_context()
+    parts = [_x(10, 2), _x(11, 3), _x(12, 1)]
+    padded = np.concatenate(parts + [np.zeros((2, 64), np.float32)])
+    context.warm_up({"x": (8, 64)})
+    binding, replays = _binding(context), _replays(context)
+    results = context.infer_batch([{"x": p} for p in parts], pad_to=8)
+    assert _replays(context) == replays + 1 and len(context._cuda._bindings) == 1 and len(binding.graphs) == 1
+    want = context.infer({"x": padded})["y"]
+    assert _replays(context) == replays + 2 and len(binding.graphs) == 1  # the same buffers: the same graph
+    for (start, stop), result in zip(((0, 2), (2, 5), (5, 6)), results):
+        assert list(result) == ["y"]
+        np.testing.assert_array_equal(result["y"], want[start:stop])
+
+
+def test_infer_batch_reads_and_writes_device_views():
+    from engine_core.cuda.driver import DeviceBuffer
+
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    context = engine.create_execution_context()
+    parts = [_x(20, 2), _x(21, 3), _x(22, 1)]
+    want = context.infer({"x": np.concatenate(parts + [np.zeros((2, 64), np.float32)])})["y"]
+    sources = [DeviceBuffer.from_array(parts[0]), DeviceBuffer.from_array(parts[2])]
+    feeds = [{"x": kiln.DeviceView(sources[0].ptr, (2, 64), np.float32)}, {"x": parts[1]},
+             {"x": kiln.DeviceView(sources[1].ptr, (1, 64), np.float32)}]
+    out = DeviceBuffer(3 * 32 * 4)
+    for _ in range(3):  # the binding's second run is captured, the third replayed
+        out.copy_from(np.full((3, 32), np.nan, np.float32))
+        results = context.infer_batch(feeds, pad_to=8,
+                                      destinations=[{}, {"y": kiln.DeviceView(out.ptr, (3, 32), np.float32)}, {}])
+        assert list(results[1]) == [] and list(results[0]) == list(results[2]) == ["y"]
+        np.testing.assert_array_equal(results[0]["y"], want[0:2])
+        np.testing.assert_array_equal(out.to_array(np.float32, (3, 32)), want[2:5])
+        np.testing.assert_array_equal(results[2]["y"], want[5:6])
+    assert _replays(context) >= 2 and len(context._cuda._bindings) == 1
+    with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape \\[2, 32\\]"):
+        context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": kiln.DeviceView(out.ptr, (2, 32), np.float32)}, {}])
+
+
+def test_infer_batch_whole_outputs_match_the_cpu_backend():
+    """y and k are split by rows, s (a sum over the batch, padding rows included) goes whole to every part,
+    to a destination too."""
+    from engine_core.cuda.driver import DeviceBuffer
+    from tests.engine.test_infer_batch import SHAPES, batch_model
+
+    gpu, cpu = (build_engine(batch_model(), backend, SHAPES) for backend in ("cuda", "cpu"))
+    rng = np.random.default_rng(40)
+    parts = [{"x": rng.standard_normal((rows, 3)).astype(np.float32), "ids": rng.integers(0, 9, (rows, 2))}
+             for rows in (2, 3)]
+    want = cpu.create_execution_context().infer_batch(parts, pad_to=8)
+    whole = DeviceBuffer(3 * 4)
+    got = gpu.create_execution_context().infer_batch(
+        parts, pad_to=8, destinations=[{}, {"s": kiln.DeviceView(whole.ptr, (3,), np.float32)}])
+    assert list(got[0]) == ["y", "k", "s"] and list(got[1]) == ["y", "k"]
+    for g, w in zip(got, want):
+        for name in g:
+            np.testing.assert_allclose(g[name], w[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(whole.to_array(np.float32, (3,)), want[1]["s"], rtol=1e-5, atol=1e-6)

@@ -42,7 +42,9 @@ from engine_core.backends.cuda.lowering import (
     transform_weight,
 )
 from engine_core.backends.cuda.pointwise import Unsupported
+from engine_core.batching import Span, check_destination, gather_rows, is_batched, part_shape, split_outputs
 from engine_core.cuda.driver import DeviceBuffer, Module, check, encode_tensor_map, primary_context
+from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.ir import Value
 from engine_core.ir.graph import has_subgraph, subgraph_reads
@@ -62,6 +64,9 @@ MAX_GRAPHS_PER_SHAPE = 4
 HEURISTIC_CONV_PLANS = os.environ.get("KILN_CUDNN_HEURISTIC", "0") == "1"
 #: integer inputs up to this many elements may key a binding when shapes depend on their values
 MAX_SHAPE_VALUES = 4096
+#: runs warm_up may take to capture and verify a graph: eager, captured; again if cuDNN's epilogue did not
+#: reproduce (see execute); and slack for a workspace that grew meanwhile
+MAX_WARM_UP_RUNS = 6
 #: the legacy default stream (0, CU_STREAM_LEGACY) and the per-thread one (CU_STREAM_PER_THREAD): runs given these
 #: fork onto the context's own stream, where CUDA graphs can be captured and replayed
 DEFAULT_STREAMS = frozenset({0, 1, 2})
@@ -1139,6 +1144,147 @@ class CudaContextState:
                 stage.download(0, stage.nbytes, stream)
             _synchronize(stream)
         return {name: stage.array.copy() for name, stage in zip(self.engine.plan.graph.output_names, outputs)}
+
+
+    def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Run ``feeds`` through ``infer`` until the CUDA graph for its staging buffers at these shapes is
+        captured and verified (eager run, capture and verification, a second capture if cuDNN's fused
+        epilogue did not reproduce): the next ``infer`` / ``infer_batch`` at these shapes replays it. Plans
+        that run on the host, shapes that need input values and bindings without graphs run at most once."""
+        primary_context()
+        if self._host_only():
+            return
+        shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
+        try:
+            binding = self.bind(shapes)
+        except ShapesNeedValues:
+            return
+        for _ in range(MAX_WARM_UP_RUNS):
+            self.infer(feeds)
+            addresses = {name: stage.device.ptr for name, stage in self._staging(binding, shapes).items()}
+            if not self.graphs_possible(binding) or graph_key(addresses, None) in binding.graphs:
+                return
+
+    def infer_batch(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]], spans: Sequence[Span],
+                    total: int, destinations: Sequence[Mapping[str, DeviceView]], profiler: Any = None,
+                    debug: tuple[Any, Sequence[str]] | None = None) -> list[dict[str, np.ndarray]]:
+        """``ExecutionContext.infer_batch`` on the device (inputs checked there): each input's parts are
+        gathered into its staging buffers of the binding at ``total`` rows (the ones ``infer`` uses), padding
+        zeroed on the device, one run, then each part's rows go to its destination (device to device) or
+        through the pinned mirror to a fresh host array. Plans the device cannot run as a whole, or whose
+        shapes need input values, gather on the host and go through ``infer``'s fallbacks."""
+        primary_context()
+        shapes = {name: (total, *values[0].shape[1:]) for name, values in inputs.items()}
+        reason = self._host_only()
+        if reason:
+            outputs = self._on_host(self._gathered_on_host(inputs, total), reason, debug)
+            return self._scatter(outputs, spans, total, destinations)
+        try:
+            binding = self.bind(shapes)
+        except ShapesNeedValues:  # integer inputs decide shapes: infer binds on their values, or runs on the host
+            outputs = self.infer(self._gathered_on_host(inputs, total), profiler, debug)
+            return self._scatter(outputs, spans, total, destinations)
+        stream = self.stream()
+        stages = self._staging(binding, shapes)
+        for index, (span, targets) in enumerate(zip(spans, destinations)):
+            for name, view in targets.items():
+                stage = stages[name]
+                check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
+        addresses = {name: stage.device.ptr for name, stage in stages.items()}
+        with _synchronized_on_error(stream):
+            for name, values in inputs.items():
+                _gather(stages[name], values, total, stream)
+            try:
+                self.execute(shapes, addresses, stream, profiler, None, debug)
+            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
+                _synchronize(stream)
+                outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
+                return self._scatter(outputs, spans, total, destinations)
+            return self._deliver(stages, spans, total, destinations, stream)
+
+    def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
+                 destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[dict[str, np.ndarray]]:
+        """Each part's piece of every output: device to device into its destination, else one download of
+        the rows parts want on the host (from the first such part's to the last's), then one sync."""
+        results: list[dict[str, np.ndarray]] = [{} for _ in spans]
+        on_host = []
+        for name in self.engine.plan.graph.output_names:
+            stage = stages[name]
+            batched = is_batched(stage.shape, total)
+            wanted = []
+            for index, (start, stop) in enumerate(spans):
+                begin, end = (start * stage.row_bytes, stop * stage.row_bytes) if batched else (0, stage.nbytes)
+                view = destinations[index].get(name)
+                if view is None:
+                    wanted.append((index, begin, end))
+                else:
+                    _memcpy_dtod(view.ptr, stage.device.ptr + begin, end - begin, stream)
+            if wanted:
+                stage.download(wanted[0][1], wanted[-1][2], stream)
+                on_host.append((name, stage, batched, [index for index, _, _ in wanted]))
+        _synchronize(stream)
+        for name, stage, batched, indices in on_host:
+            for index in indices:
+                start, stop = spans[index]
+                results[index][name] = (stage.array[start:stop] if batched else stage.array).copy()
+        return results
+
+    def _gathered_on_host(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]],
+                          total: int) -> dict[str, np.ndarray]:
+        """The batch as host arrays (device parts read back): for runs that go through ``infer`` or the host."""
+        return {name: gather_rows([_read_view(v) if isinstance(v, DeviceView) else v for v in values], total)
+                for name, values in inputs.items()}
+
+    def _scatter(self, outputs: Mapping[str, np.ndarray], spans: Sequence[Span], total: int,
+                 destinations: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
+        """Host outputs split per part; pieces with a destination are copied there (complete on return)."""
+        from cuda.bindings import driver
+
+        parts = split_outputs(outputs, spans, total)
+        stream, pending = self.stream(), []
+        for index, (part, targets) in enumerate(zip(parts, destinations)):
+            for name, view in targets.items():
+                piece = np.ascontiguousarray(part.pop(name))
+                check_destination(name, index, view, piece.shape, piece.dtype)
+                if piece.nbytes:
+                    check(driver.cuMemcpyHtoDAsync(view.ptr, piece.ctypes.data, piece.nbytes, stream), "HtoD")
+                pending.append(piece)  # alive until the copies are done
+        _synchronize(stream)
+        return parts
+
+
+def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int, stream: int) -> None:
+    """One input's parts into its device buffer in order: host parts into the pinned mirror (one upload per
+    run of consecutive host parts), device parts device to device, rows past the parts zeroed."""
+    from cuda.bindings import driver
+
+    row, pending = 0, None  # pending: first row of host parts not uploaded yet
+    for value in values:
+        count = int(value.shape[0])
+        if isinstance(value, DeviceView):
+            if pending is not None:
+                stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
+                pending = None
+            _memcpy_dtod(stage.device.ptr + row * stage.row_bytes, value.ptr, count * stage.row_bytes, stream)
+        else:
+            np.copyto(stage.array[row:row + count], value)
+            pending = row if pending is None else pending
+        row += count
+    if pending is not None:
+        stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
+    if row < total:
+        check(driver.cuMemsetD8Async(stage.device.ptr + row * stage.row_bytes, 0, (total - row) * stage.row_bytes,
+                                     stream), "cuMemsetD8Async")
+
+
+def _read_view(view: DeviceView) -> np.ndarray:
+    """A host copy of a caller's device tensor (synchronous)."""
+    from cuda.bindings import driver
+
+    out = np.empty(view.shape, view.dtype)
+    if out.nbytes:
+        check(driver.cuMemcpyDtoH(out.ctypes.data, view.ptr, out.nbytes), "cuMemcpyDtoH")
+    return out
 
 
 @contextmanager
