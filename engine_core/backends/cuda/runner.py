@@ -1145,7 +1145,6 @@ class CudaContextState:
             _synchronize(stream)
         return {name: stage.array.copy() for name, stage in zip(self.engine.plan.graph.output_names, outputs)}
 
-
     def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Run ``feeds`` through ``infer`` until the CUDA graph for its staging buffers at these shapes is
         captured and verified (eager run, capture and verification, a second capture if cuDNN's fused
