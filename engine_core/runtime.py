@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner
+from engine_core.batching import Span, gather_rows, row_spans, split_outputs
 from engine_core.compat import check_plan_compatibility, device_arch, requirements
+from engine_core.cuda.view import DeviceView
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
 from engine_core.inspector import (  # inspector / debug-tensor hooks
@@ -384,6 +386,17 @@ def _active_debug(ctx: ExecutionContext) -> tuple[IDebugListener, tuple[str, ...
     if state is None or not state.active:
         return None
     return state.listener, tuple(sorted(state.enabled))
+
+
+def _shapes_need_values(plan: Plan, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether some output's shape depends on input values, not only on the feeds' shapes."""
+    graph = plan.graph
+    infos = {v.name: TensorInfo(v.dtype, tuple(feeds[v.name].shape)) for v in graph.inputs}
+    try:
+        inferred = infer_shapes(graph, infos, values=True)
+    except ShapeError:  # an op needs a value to say its shape
+        return True
+    return any(inferred.get(name) is None or inferred[name].shape is None for name in graph.output_names)
 
 
 def _plan_meta(plan: Plan) -> dict[str, Any]:
@@ -825,3 +838,144 @@ class ExecutionContext:
         outputs = self._run(arrays)
         return {name: outputs[name] if self.engine._tensor(name).kind != "tensor" else np.asarray(outputs[name])
                 for name in self._output_names}
+
+    def infer_batch(self, parts: Sequence[Mapping[str, np.ndarray | DeviceView]], pad_to: int | None = None,
+                    destinations: Sequence[Mapping[str, DeviceView]] | None = None) -> list[dict[str, np.ndarray]]:
+        """Run several requests' feeds as one batch and hand each its share of the outputs.
+
+        ``parts``: per request, every input as a numpy array or a ``DeviceView`` (CUDA backend), all with a
+        leading batch dim and the same dims after it. Each input's parts are gathered along axis 0 straight
+        into the run's input buffer (CUDA: host parts through its pinned mirror, device parts device to
+        device), rows up to ``pad_to`` (None: no padding) are zero, and the batch runs once. Part i gets its
+        rows of every output whose leading dim is the total batch, every other output whole (a copy).
+        ``destinations`` (CUDA backend): per part, output name -> DeviceView; that part's piece of the output
+        is copied there on the device (complete when this returns) and left out of its dict.
+        Why: no concatenation or padding copies on the host, and at a padded total batch the run uses the
+        same buffers, so the same CUDA graph, as ``infer`` and ``warm_up`` at that batch.
+        Raises ShapeError / TypeError naming the input (as ``infer``) or the output and part (destinations).
+        """
+        parts = list(parts)
+        if not parts:
+            return []
+        inputs, rows = self._batch_inputs(parts)
+        used = sum(rows)
+        total = used if pad_to is None else int(pad_to)
+        if total < used:
+            raise ValueError(f"pad_to {pad_to} is below the {used} rows of the parts")
+        targets = self._batch_destinations(destinations, len(parts))
+        for name, values in inputs.items():
+            self._input_shapes[name] = self.check_input_shape(name, (total, *values[0].shape[1:]))
+        self._inferred = None
+        spans = row_spans(rows)
+        if self._cuda is not None:
+            return self._cuda.infer_batch(inputs, spans, total, targets, profiler_for(self), _active_debug(self))
+        return self._infer_batch_on_host(inputs, spans, total, targets)
+
+    def _batch_inputs(self, parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[int]]:
+        """Each input's parts in order and each part's rows, checked as ``infer`` checks one feed."""
+        inputs: dict[str, list[Any]] = {name: [] for name in self._input_names}
+        rows = []
+        for index, part in enumerate(parts):
+            unknown = set(part) - set(self._input_names)
+            if unknown:
+                raise ShapeError(f"part {index}: unknown inputs {sorted(unknown)}; this engine takes {self._input_names}")
+            missing = [n for n in self._input_names if n not in part]
+            if missing:
+                raise ShapeError(f"part {index}: missing inputs {missing}")
+            counts = set()
+            for name in self._input_names:
+                value = self._batch_part(name, index, part[name])
+                first = inputs[name][0] if inputs[name] else value
+                if tuple(value.shape[1:]) != tuple(first.shape[1:]):
+                    raise ShapeError(f"input '{name}': part {index} has shape {list(value.shape)} and part 0 "
+                                     f"{list(first.shape)}; the dims after the batch dim must agree")
+                counts.add(int(value.shape[0]))
+                inputs[name].append(value)
+            if len(counts) > 1:
+                raise ShapeError(f"part {index}: its inputs have different batch sizes {sorted(counts)}")
+            rows.append(counts.pop() if counts else 0)
+        return inputs, rows
+
+    def _batch_part(self, name: str, index: int, value: Any) -> np.ndarray | DeviceView:
+        """One part of input ``name``: a tensor of the engine's dtype with a batch dim."""
+        tensor = self.engine._tensor(name)
+        if tensor.kind != "tensor" or self.engine.is_shape_inference_io(name):
+            raise TypeError(f"input '{name}' is a {'shape input' if tensor.kind == 'tensor' else tensor.kind}: "
+                            "infer_batch stacks tensors along their batch dim; run such engines with infer")
+        if not isinstance(value, DeviceView):
+            value = np.asarray(value)
+            if value.dtype.kind in "OSU" and tensor.dtype.kind == "O":
+                value = value.astype(object)
+        if value.dtype != tensor.dtype:
+            raise TypeError(f"input '{name}' of part {index} has dtype {value.dtype}, the engine expects {tensor.dtype}")
+        if not value.shape:
+            raise ShapeError(f"input '{name}' of part {index} is a scalar; infer_batch needs a leading batch dim")
+        return value
+
+    def _batch_destinations(self, destinations: Sequence[Mapping[str, DeviceView]] | None,
+                            count: int) -> list[Mapping[str, DeviceView]]:
+        """One (possibly empty) output name -> DeviceView mapping per part, names and dtypes checked."""
+        if destinations is None:
+            return [{} for _ in range(count)]
+        targets = list(destinations)
+        if len(targets) != count:
+            raise ValueError(f"destinations has {len(targets)} entries for {count} parts")
+        for index, target in enumerate(targets):
+            for name, view in target.items():
+                if name not in self._output_names:
+                    raise ShapeError(f"destination for part {index}: '{name}' is not an output of this engine "
+                                     f"(outputs: {self._output_names})")
+                if not isinstance(view, DeviceView):
+                    raise TypeError(f"destination of output '{name}' for part {index} is a {type(view).__name__}, "
+                                    "not a DeviceView")
+                dtype = self.engine._tensor(name).dtype
+                if view.dtype != dtype:
+                    raise TypeError(f"destination of output '{name}' for part {index} has dtype {view.dtype}, "
+                                    f"the engine's output is {dtype}")
+        return targets
+
+    def _infer_batch_on_host(self, inputs: Mapping[str, list[Any]], spans: Sequence[Span], total: int,
+                             targets: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
+        """CPU backend: numpy gathers, runs through ``infer`` and splits."""
+        for name, values in inputs.items():
+            if any(isinstance(v, DeviceView) for v in values):
+                raise TypeError(f"input '{name}' is given as a DeviceView, which needs a CUDA engine; "
+                                f"engine '{self.engine.name}' runs on the CPU backend")
+        if any(targets):
+            raise TypeError(f"destinations are DeviceViews, which need a CUDA engine; engine '{self.engine.name}' "
+                            "runs on the CPU backend")
+        outputs = self.infer({name: gather_rows(values, total) for name, values in inputs.items()})
+        return split_outputs(outputs, spans, total)
+
+    def warm_up(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Pay a shape's first-run costs before live requests: CUDA backend: bind these input shapes and run
+        on zeros until the CUDA graph for the buffers ``infer`` and ``infer_batch`` use at these shapes is
+        captured and verified, so the first real call replays it (no lowering, capture or verification on a
+        live request); CPU backend: one run on zeros. Static inputs may be left out of ``shapes``.
+
+        Engines whose shapes depend on input values (shape inputs, data-dependent shapes) are left as they
+        are: zeros would not stand for real requests. On the CUDA backend a larger batch may grow the cuDNN
+        workspace, which drops graphs captured before: warm the largest shapes first.
+        Raises ShapeError for unknown or missing inputs and shapes outside the active profile.
+        """
+        unknown = set(shapes) - set(self._input_names)
+        if unknown:
+            raise ShapeError(f"unknown inputs {sorted(unknown)}; this engine takes {self._input_names}")
+        zeros = {}
+        for name in self._input_names:
+            tensor = self.engine._tensor(name)
+            if tensor.kind != "tensor" or self.engine.is_shape_inference_io(name):
+                return
+            static = self.engine.get_tensor_shape(name)
+            if name not in shapes and any(d < 0 for d in static):
+                raise ShapeError(f"warm_up needs a shape for input '{name}' (engine shape {list(static)})")
+            shape = self.check_input_shape(name, shapes.get(name, static))
+            zeros[name] = np.full(shape, "", object) if tensor.dtype.kind == "O" else np.zeros(shape, tensor.dtype)
+        if _shapes_need_values(self.engine.plan, zeros):
+            return
+        if self._cuda is None:
+            self.infer(zeros)
+            return
+        self._input_shapes.update({name: value.shape for name, value in zeros.items()})
+        self._inferred = None
+        self._cuda.warm_up(zeros)

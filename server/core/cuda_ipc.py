@@ -1,27 +1,34 @@
-"""CUDA IPC: open a client's device allocation in this process and copy tensors to and from it.
+"""CUDA IPC for Triton's CUDA shared-memory extension: the server's checks and errors over the engine's mapping.
 
-A client of Triton's CUDA shared-memory extension allocates device memory, exports it with
-`cudaIpcGetMemHandle` and sends the 64 opaque handle bytes; `cuIpcOpenMemHandle` maps that allocation
-into the device's primary context here (the context the CUDA backend also uses, so pointers are shared).
+A client allocates device memory, exports it with `cudaIpcGetMemHandle` and sends the 64 opaque handle bytes;
+`engine_core.cuda.ipc.open_ipc_handle` maps that allocation into the device's primary context here (the
+context the CUDA backend also uses, so pointers are shared). This module adds what the protocol needs on top:
+the registered `byte_size` checked against the allocation, spans checked against it, and every failure as
+INVALID_ARGUMENT naming the reason. No driver calls here: the engine owns them.
 
-Today the server core hands numpy arrays to the engine, so inputs are copied device -> host and outputs
-host -> device with synchronous cuMemcpy: correct, not zero-copy. The zero-copy hook is `IpcMapping.ptr`:
-a CUDA backend context can take `ptr + offset` directly through `set_tensor_address` (engine_core's
-TensorRT-style API) once the core passes device addresses instead of arrays.
+`read`/`write` copy through the host (synchronously). The zero-copy path is `IpcMapping.view`: a
+`DeviceView` that `ExecutionContext.infer_batch` reads inputs from or writes outputs to on the device.
 """
 
 from __future__ import annotations
 
-import ctypes
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import numpy as np
 
+from engine_core.cuda import device_count as engine_device_count
+from engine_core.cuda.ipc import IPC_HANDLE_SIZE, open_ipc_handle
+from engine_core.cuda.ipc import IpcMapping as DeviceMapping
+from engine_core.cuda.view import DeviceView
+from engine_core.errors import KilnError
+
 from .errors import invalid
 
-IPC_HANDLE_SIZE = 64  # bytes in a cudaIpcMemHandle_t / CUipcMemHandle
+__all__ = ["IPC_HANDLE_SIZE", "NO_DEVICE", "IpcMapping", "available", "device_count", "open_handle"]
+
 NO_DEVICE = "no CUDA device on this server"
 
 
@@ -31,12 +38,7 @@ def device_count() -> int:
 
     Cached: the answer decides what `GET /v2` advertises and cannot change while the server runs.
     """
-    try:
-        from engine_core.cuda.driver import device_count as driver_device_count
-
-        return driver_device_count()
-    except Exception:  # ImportError, no libcuda, CUDA_ERROR_NO_DEVICE...: all mean "no GPU path here"
-        return 0
+    return engine_device_count()
 
 
 def available() -> bool:
@@ -54,51 +56,44 @@ class IpcMapping:
 
     device_id: int
     byte_size: int
-    ptr: int
+    mapping: DeviceMapping
     _closed: bool = False
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """A host copy of `nbytes` at `offset` (synchronous: the client's writes are complete before it sent
-        the request, and cuMemcpyDtoH orders after all prior work on the legacy stream)."""
-        from cuda.bindings import driver
+    @property
+    def ptr(self) -> int:
+        return self.mapping.ptr
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A host copy of `nbytes` at `offset` (the client's writes are complete before it sent the request)."""
         self._check_span(offset, nbytes)
-        if nbytes == 0:
-            return b""
-        out = ctypes.create_string_buffer(nbytes)
-        self._current()
-        _check(driver.cuMemcpyDtoH(ctypes.addressof(out), self.ptr + offset, nbytes), "cuMemcpyDtoH")
-        return out.raw
+        with _as_invalid():
+            return self.mapping.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
         """Copy `data` to `offset` and wait until it has landed: the client reads the region from another
         process as soon as the response arrives, so a copy still in flight would be a race."""
-        from cuda.bindings import driver
-
         self._check_span(offset, len(data))
-        if not data:
-            return
-        src = np.frombuffer(data, np.uint8)  # no copy; kept alive until the synchronize below
-        self._current()
-        _check(driver.cuMemcpyHtoD(self.ptr + offset, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
-        _check(driver.cuStreamSynchronize(driver.CUstream(0)), "cuStreamSynchronize")
+        with _as_invalid():
+            self.mapping.write(offset, data)
+
+    def view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView:
+        """The tensor at `offset` in place, for the engine (zero-copy inputs and outputs)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self._check_span(offset, nbytes)
+        with _as_invalid():
+            return self.mapping.view(offset, shape, dtype)
 
     def close(self) -> None:
-        """Unmap the allocation (cuIpcCloseMemHandle); the client still owns and frees the memory."""
-        from cuda.bindings import driver
-
+        """Unmap the allocation; the client still owns and frees the memory."""
         if self._closed:
             return
-        _context(self.device_id)
         self._closed = True
-        _check(driver.cuIpcCloseMemHandle(self.ptr), "cuIpcCloseMemHandle")
-
-    def _current(self) -> None:
-        if self._closed:
-            raise invalid("CUDA shared memory region was unregistered")
-        _context(self.device_id)
+        with _as_invalid():
+            self.mapping.close()
 
     def _check_span(self, offset: int, nbytes: int) -> None:
+        if self._closed:
+            raise invalid("CUDA shared memory region was unregistered")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.byte_size:
             raise invalid(f"[{offset}, {offset + nbytes}) is outside the {self.byte_size} bytes of the region")
 
@@ -117,39 +112,19 @@ def open_handle(raw_handle: bytes, device_id: int, byte_size: int) -> IpcMapping
         raise invalid(NO_DEVICE)
     if not 0 <= device_id < count:
         raise invalid(f"device_id {device_id} does not exist (this server has {count} CUDA device(s))")
-    from cuda.bindings import driver
+    with _as_invalid():
+        mapping = open_ipc_handle(raw_handle, device_id)
+    if byte_size > mapping.nbytes:
+        with _as_invalid():
+            mapping.close()
+        raise invalid(f"byte_size {byte_size} exceeds the {mapping.nbytes} bytes of the CUDA allocation")
+    return IpcMapping(device_id, byte_size, mapping)
 
-    _context(device_id)
-    handle = driver.CUipcMemHandle()
-    ctypes.memmove(handle.getPtr(), raw_handle, IPC_HANDLE_SIZE)  # the binding exposes the bytes only by address
-    flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-    ptr = int(_check(driver.cuIpcOpenMemHandle(handle, flags), "cannot open the CUDA IPC handle"))
+
+@contextmanager
+def _as_invalid() -> Iterator[None]:
+    """The engine's CUDA errors (and its span checks) as INVALID_ARGUMENT with the same message."""
     try:
-        _, allocated = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    except Exception:
-        driver.cuIpcCloseMemHandle(ptr)
-        raise
-    if byte_size > int(allocated):
-        driver.cuIpcCloseMemHandle(ptr)
-        raise invalid(f"byte_size {byte_size} exceeds the {int(allocated)} bytes of the CUDA allocation")
-    return IpcMapping(device_id, byte_size, ptr)
-
-
-def _check(result: Any, what: str) -> Any:
-    """cuda.bindings' (err, *values) as a value, or INVALID_ARGUMENT naming the call and the CUDA error."""
-    from engine_core.cuda.driver import CudaError, check
-
-    try:
-        return check(result, what)
-    except CudaError as e:
+        yield
+    except (KilnError, ValueError) as e:
         raise invalid(str(e)) from None
-
-
-def _context(device_id: int) -> None:
-    """Make the device's primary context current on this thread (server threads change between calls)."""
-    from engine_core.cuda.driver import CudaError, primary_context
-
-    try:
-        primary_context(device_id)
-    except CudaError as e:
-        raise invalid(f"CUDA device {device_id}: {e}") from None

@@ -18,7 +18,8 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,9 @@ from engine_core.backends.cuda.lowering import (
     transform_weight,
 )
 from engine_core.backends.cuda.pointwise import Unsupported
+from engine_core.batching import Span, check_destination, gather_rows, is_batched, part_shape, split_outputs
 from engine_core.cuda.driver import DeviceBuffer, Module, check, encode_tensor_map, primary_context
+from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.ir import Value
 from engine_core.ir.graph import has_subgraph, subgraph_reads
@@ -61,6 +64,12 @@ MAX_GRAPHS_PER_SHAPE = 4
 HEURISTIC_CONV_PLANS = os.environ.get("KILN_CUDNN_HEURISTIC", "0") == "1"
 #: integer inputs up to this many elements may key a binding when shapes depend on their values
 MAX_SHAPE_VALUES = 4096
+#: runs warm_up may take to capture and verify a graph: eager, captured; again if cuDNN's epilogue did not
+#: reproduce (see execute); and slack for a workspace that grew meanwhile
+MAX_WARM_UP_RUNS = 6
+#: the legacy default stream (0, CU_STREAM_LEGACY) and the per-thread one (CU_STREAM_PER_THREAD): runs given these
+#: fork onto the context's own stream, where CUDA graphs can be captured and replayed
+DEFAULT_STREAMS = frozenset({0, 1, 2})
 
 
 class UserMemory:
@@ -243,6 +252,17 @@ class PinnedBuffer:
             raise ExecutionError(f"cannot write {array.nbytes} bytes into a {self.nbytes}-byte host weight buffer")
         if array.nbytes:
             ctypes.memmove(self.ptr, array.ctypes.data, array.nbytes)
+
+    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A numpy array over this memory (valid while the buffer lives: keep both together)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if count * dtype.itemsize > self.nbytes:
+            raise ExecutionError(f"a {dtype} array of shape {list(shape)} does not fit {self.nbytes} pinned bytes")
+        if count == 0:
+            return np.empty(shape, dtype)
+        raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
     def __del__(self) -> None:
         try:
@@ -451,6 +471,38 @@ class _PreparedLaunch:
                                     ctypes.addressof(self.params), 0), f"launch {self.launch.function}")
 
 
+class _Stage:
+    """One I/O tensor of a binding as ``infer`` moves it: the device buffer the plan reads or writes and a
+    page-locked host mirror (with a numpy view of it). Why pinned: a copy from pageable memory is staged
+    synchronously through the driver; from page-locked memory it is a DMA queued on the stream. Both are
+    made once per binding, so every run of these shapes uses the same device addresses (its CUDA graph)."""
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = np.dtype(dtype), tuple(int(d) for d in shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.device = DeviceBuffer(self.nbytes)
+        self.host = PinnedBuffer(self.nbytes)
+        self.array = self.host.view(self.dtype, self.shape)
+        #: bytes of one row along the leading dim (the whole tensor for scalars)
+        self.row_bytes = self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+    def upload(self, begin: int, end: int, stream: int) -> None:
+        """Host mirror bytes [begin, end) -> the device buffer, queued on ``stream``."""
+        from cuda.bindings import driver
+
+        if end > begin:
+            check(driver.cuMemcpyHtoDAsync(self.device.ptr + begin, self.host.ptr + begin, end - begin, stream),
+                  "cuMemcpyHtoDAsync")
+
+    def download(self, begin: int, end: int, stream: int) -> None:
+        """Device bytes [begin, end) -> the host mirror, queued on ``stream``."""
+        from cuda.bindings import driver
+
+        if end > begin:
+            check(driver.cuMemcpyDtoHAsync(self.host.ptr + begin, self.device.ptr + begin, end - begin, stream),
+                  "cuMemcpyDtoHAsync")
+
+
 class _Binding:
     """Everything one set of input shapes needs: lowering, folded values, prepared launches."""
 
@@ -465,7 +517,8 @@ class _Binding:
             for op in step.ops:
                 for launch in [op] if isinstance(op, Launch) else op.fallback + op.rest if isinstance(op, Conv) else []:
                     self.prepared[id(launch)] = _PreparedLaunch(launch, state.function(launch.module, launch.function))
-        self.io_buffers: dict[str, DeviceBuffer] = {}
+        #: infer's device buffers and pinned host mirrors per I/O tensor (made on first use)
+        self.stages: dict[str, _Stage] = {}
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
         self.has_conv_epilogues = any(isinstance(op, Conv) and op.rest for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, _Graph] = {}
@@ -552,6 +605,10 @@ class CudaContextState:
         #: the two weight-streaming scratch slots (device), sized for the largest binding's schedule
         self._slots: list[DeviceBuffer | None] = [None, None]
         self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
+        #: "fork" / "join": order runs given a default stream against the context's own stream
+        self._events = _Events()
+        #: CUDA graph launches of live runs (verification replays excluded): what tests and benchmarks observe
+        self.graph_replays = 0
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, shapes: Shapes, values: Mapping[str, np.ndarray] | None = None) -> _Binding:
@@ -626,11 +683,40 @@ class CudaContextState:
     def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                 values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
                 consumed_event: Any = None) -> None:
-        """Launch every step on ``stream``; host syncs happen only around host-fallback layers.
+        """Run once on ``stream`` (any thread: the primary context is made current here).
+
+        A default stream (``DEFAULT_STREAMS``: what ``execute_async_v3(0)`` and torch's default stream give)
+        cannot be captured into a CUDA graph, so the run forks onto the context's own stream and joins
+        back, as the reference runtime does: an event recorded on the caller's stream is waited for by
+        the context's stream, the run (graph replay, capture, profiled or debug launches) goes there, and
+        an event recorded after it is waited for by the caller's stream. The input-consumed event is then
+        recorded on the context's stream; it still fires once no later layer reads an input.
+        """
+        primary_context()
+        caller = int(stream)
+        if caller not in DEFAULT_STREAMS:
+            self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event)
+            return
+        from cuda.bindings import driver
+
+        own = self.stream()
+        check(driver.cuEventRecord(self._events["fork"], caller), "cuEventRecord(fork)")
+        check(driver.cuStreamWaitEvent(own, self._events["fork"], 0), "cuStreamWaitEvent(fork)")
+        try:
+            self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event)
+        finally:  # whatever was enqueued, the caller's stream orders after it
+            check(driver.cuEventRecord(self._events["join"], own), "cuEventRecord(join)")
+            check(driver.cuStreamWaitEvent(caller, self._events["join"], 0), "cuStreamWaitEvent(join)")
+
+    def _execute_on(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
+                    values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
+                    consumed_event: Any = None) -> None:
+        """Launch every step on ``stream`` (never a default stream); host syncs happen only around
+        host-fallback layers.
 
         Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
-        second run with the same shapes and I/O addresses on a non-default stream is captured into a
-        graph; later runs with those addresses replay it with one launch. Plans with host-fallback
+        second run with the same shapes and I/O addresses is captured into a graph; later runs with
+        those addresses replay it with one launch. Plans with host-fallback
         layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
         ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
         Streamed weights' uploads (copy stream) are part of the capture. ``debug``: (IDebugListener,
@@ -649,10 +735,10 @@ class CudaContextState:
         if listener is not None:
             self._launch_all(binding, schedule, addresses, stream, consumed_event, listener=listener)
             return
-        if not self.use_graphs or stream == 0 or binding.has_host or binding.graph_failed:
+        if not self.graphs_possible(binding):
             self._launch_all(binding, schedule, addresses, stream, consumed_event)
             return
-        key = (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)))
+        key = graph_key(addresses, consumed_event)
         graph = binding.graphs.get(key)
         if graph is None:
             binding.runs += 1
@@ -683,6 +769,12 @@ class CudaContextState:
         from cuda.bindings import driver
 
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+        self.graph_replays += 1
+
+    def graphs_possible(self, binding: _Binding) -> bool:
+        """Whether runs of ``binding`` may be captured and replayed (host-fallback layers synchronize; a
+        capture that failed or did not reproduce stays off; KILN_CUDA_GRAPHS=0)."""
+        return self.use_graphs and not binding.has_host and not binding.graph_failed
 
     def _replay_matches(self, binding: _Binding, graph: _Graph, schedule: Any, addresses: Mapping[str, int],
                         stream: int, consumed_event: Any) -> bool:
@@ -994,19 +1086,37 @@ class CudaContextState:
             self._stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
         return self._stream
 
-    def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None,
-              debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
-        """Host numpy in/out: inputs to device buffers, run on the context's stream, outputs back.
-        ``debug``: (IDebugListener, tensor names) as in ``execute``."""
-        from cuda.bindings import driver
-
-        shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
-        values = None
+    def _host_only(self) -> str:
+        """Why no run of this plan can go to the device as a whole ("" when runs can)."""
         graph = self.engine.plan.graph
         if not all(v.is_tensor for v in (*graph.inputs, *graph.outputs)):
-            return self._on_host(feeds, "sequence/optional/map inputs or outputs", debug)
+            return "sequence/optional/map inputs or outputs"
         if any(v.dtype.kind in "OSUV" for v in (*graph.inputs, *graph.outputs)):
-            return self._on_host(feeds, "string inputs or outputs", debug)
+            return "string inputs or outputs"
+        return ""
+
+    def _staging(self, binding: _Binding, shapes: Shapes) -> dict[str, _Stage]:
+        """``binding``'s staging per I/O tensor (inputs at ``shapes``, outputs as inferred), made once."""
+        graph, infos = self.engine.plan.graph, binding.lowered.infos
+        for value in graph.inputs:
+            if value.name not in binding.stages:
+                binding.stages[value.name] = _Stage(value.dtype, shapes[value.name])
+        for name in graph.output_names:
+            if name not in binding.stages:
+                binding.stages[name] = _Stage(infos[name].dtype, infos[name].shape)
+        return binding.stages
+
+    def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None,
+              debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
+        """Host numpy in/out: inputs through pinned mirrors to device buffers, run on the context's stream,
+        outputs back through pinned mirrors, one stream synchronization; returns fresh arrays (the mirrors
+        are reused by the next run). ``debug``: (IDebugListener, tensor names) as in ``execute``."""
+        primary_context()
+        reason = self._host_only()
+        if reason:
+            return self._on_host(feeds, reason, debug)
+        shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
+        values = None
         try:
             binding = self.bind(shapes)
         except ShapesNeedValues:
@@ -1017,28 +1127,188 @@ class CudaContextState:
             except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
                 return self._on_host(feeds, str(e), debug)
         stream = self.stream()
-        graph, infos = self.engine.plan.graph, binding.lowered.infos
-        arrays = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
-        outputs = {name: np.empty(infos[name].shape, infos[name].dtype) for name in graph.output_names}
-        addresses = {}
-        for name, array in (*arrays.items(), *outputs.items()):
-            buf = binding.io_buffers.get(name)
-            if buf is None or buf.nbytes < array.nbytes:
-                buf = binding.io_buffers[name] = DeviceBuffer(array.nbytes)
-            addresses[name] = buf.ptr
-        for name, array in arrays.items():
-            if array.nbytes:
-                check(driver.cuMemcpyHtoDAsync(addresses[name], array.ctypes.data, array.nbytes, stream), "HtoD")
+        stages = self._staging(binding, shapes)
+        addresses = {name: stage.device.ptr for name, stage in stages.items()}
+        with _synchronized_on_error(stream):
+            for name, value in feeds.items():
+                stage = stages[name]
+                np.copyto(stage.array, value)
+                stage.upload(0, stage.nbytes, stream)
+            try:
+                self.execute(shapes, addresses, stream, profiler, values, debug)
+            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
+                _synchronize(stream)
+                return self._on_host(feeds, str(e), debug)
+            outputs = [stages[name] for name in self.engine.plan.graph.output_names]
+            for stage in outputs:
+                stage.download(0, stage.nbytes, stream)
+            _synchronize(stream)
+        return {name: stage.array.copy() for name, stage in zip(self.engine.plan.graph.output_names, outputs)}
+
+    def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Run ``feeds`` through ``infer`` until the CUDA graph for its staging buffers at these shapes is
+        captured and verified (eager run, capture and verification, a second capture if cuDNN's fused
+        epilogue did not reproduce): the next ``infer`` / ``infer_batch`` at these shapes replays it. Plans
+        that run on the host, shapes that need input values and bindings without graphs run at most once."""
+        primary_context()
+        if self._host_only():
+            return
+        shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         try:
-            self.execute(shapes, addresses, stream, profiler, values, debug)
-        except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
-            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-            return self._on_host(feeds, str(e), debug)
-        for name, array in outputs.items():
-            if array.nbytes:
-                check(driver.cuMemcpyDtoHAsync(array.ctypes.data, addresses[name], array.nbytes, stream), "DtoH")
-        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        return outputs
+            binding = self.bind(shapes)
+        except ShapesNeedValues:
+            return
+        for _ in range(MAX_WARM_UP_RUNS):
+            self.infer(feeds)
+            addresses = {name: stage.device.ptr for name, stage in self._staging(binding, shapes).items()}
+            if not self.graphs_possible(binding) or graph_key(addresses, None) in binding.graphs:
+                return
+
+    def infer_batch(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]], spans: Sequence[Span],
+                    total: int, destinations: Sequence[Mapping[str, DeviceView]], profiler: Any = None,
+                    debug: tuple[Any, Sequence[str]] | None = None) -> list[dict[str, np.ndarray]]:
+        """``ExecutionContext.infer_batch`` on the device (inputs checked there): each input's parts are
+        gathered into its staging buffers of the binding at ``total`` rows (the ones ``infer`` uses), padding
+        zeroed on the device, one run, then each part's rows go to its destination (device to device) or
+        through the pinned mirror to a fresh host array. Plans the device cannot run as a whole, or whose
+        shapes need input values, gather on the host and go through ``infer``'s fallbacks."""
+        primary_context()
+        shapes = {name: (total, *values[0].shape[1:]) for name, values in inputs.items()}
+        reason = self._host_only()
+        if reason:
+            outputs = self._on_host(self._gathered_on_host(inputs, total), reason, debug)
+            return self._scatter(outputs, spans, total, destinations)
+        try:
+            binding = self.bind(shapes)
+        except ShapesNeedValues:  # integer inputs decide shapes: infer binds on their values, or runs on the host
+            outputs = self.infer(self._gathered_on_host(inputs, total), profiler, debug)
+            return self._scatter(outputs, spans, total, destinations)
+        stream = self.stream()
+        stages = self._staging(binding, shapes)
+        for index, (span, targets) in enumerate(zip(spans, destinations)):
+            for name, view in targets.items():
+                stage = stages[name]
+                check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
+        addresses = {name: stage.device.ptr for name, stage in stages.items()}
+        with _synchronized_on_error(stream):
+            for name, values in inputs.items():
+                _gather(stages[name], values, total, stream)
+            try:
+                self.execute(shapes, addresses, stream, profiler, None, debug)
+            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
+                _synchronize(stream)
+                outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
+                return self._scatter(outputs, spans, total, destinations)
+            return self._deliver(stages, spans, total, destinations, stream)
+
+    def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
+                 destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[dict[str, np.ndarray]]:
+        """Each part's piece of every output: device to device into its destination, else one download of
+        the rows parts want on the host (from the first such part's to the last's), then one sync."""
+        results: list[dict[str, np.ndarray]] = [{} for _ in spans]
+        on_host = []
+        for name in self.engine.plan.graph.output_names:
+            stage = stages[name]
+            batched = is_batched(stage.shape, total)
+            wanted = []
+            for index, (start, stop) in enumerate(spans):
+                begin, end = (start * stage.row_bytes, stop * stage.row_bytes) if batched else (0, stage.nbytes)
+                view = destinations[index].get(name)
+                if view is None:
+                    wanted.append((index, begin, end))
+                else:
+                    _memcpy_dtod(view.ptr, stage.device.ptr + begin, end - begin, stream)
+            if wanted:
+                stage.download(wanted[0][1], wanted[-1][2], stream)
+                on_host.append((name, stage, batched, [index for index, _, _ in wanted]))
+        _synchronize(stream)
+        for name, stage, batched, indices in on_host:
+            for index in indices:
+                start, stop = spans[index]
+                results[index][name] = (stage.array[start:stop] if batched else stage.array).copy()
+        return results
+
+    def _gathered_on_host(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]],
+                          total: int) -> dict[str, np.ndarray]:
+        """The batch as host arrays (device parts read back): for runs that go through ``infer`` or the host."""
+        return {name: gather_rows([_read_view(v) if isinstance(v, DeviceView) else v for v in values], total)
+                for name, values in inputs.items()}
+
+    def _scatter(self, outputs: Mapping[str, np.ndarray], spans: Sequence[Span], total: int,
+                 destinations: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
+        """Host outputs split per part; pieces with a destination are copied there (complete on return)."""
+        from cuda.bindings import driver
+
+        parts = split_outputs(outputs, spans, total)
+        stream, pending = self.stream(), []
+        for index, (part, targets) in enumerate(zip(parts, destinations)):
+            for name, view in targets.items():
+                piece = np.ascontiguousarray(part.pop(name))
+                check_destination(name, index, view, piece.shape, piece.dtype)
+                if piece.nbytes:
+                    check(driver.cuMemcpyHtoDAsync(view.ptr, piece.ctypes.data, piece.nbytes, stream), "HtoD")
+                pending.append(piece)  # alive until the copies are done
+        _synchronize(stream)
+        return parts
+
+
+def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int, stream: int) -> None:
+    """One input's parts into its device buffer in order: host parts into the pinned mirror (one upload per
+    run of consecutive host parts), device parts device to device, rows past the parts zeroed."""
+    from cuda.bindings import driver
+
+    row, pending = 0, None  # pending: first row of host parts not uploaded yet
+    for value in values:
+        count = int(value.shape[0])
+        if isinstance(value, DeviceView):
+            if pending is not None:
+                stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
+                pending = None
+            _memcpy_dtod(stage.device.ptr + row * stage.row_bytes, value.ptr, count * stage.row_bytes, stream)
+        else:
+            np.copyto(stage.array[row:row + count], value)
+            pending = row if pending is None else pending
+        row += count
+    if pending is not None:
+        stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
+    if row < total:
+        check(driver.cuMemsetD8Async(stage.device.ptr + row * stage.row_bytes, 0, (total - row) * stage.row_bytes,
+                                     stream), "cuMemsetD8Async")
+
+
+def _read_view(view: DeviceView) -> np.ndarray:
+    """A host copy of a caller's device tensor (synchronous)."""
+    from cuda.bindings import driver
+
+    out = np.empty(view.shape, view.dtype)
+    if out.nbytes:
+        check(driver.cuMemcpyDtoH(out.ctypes.data, view.ptr, out.nbytes), "cuMemcpyDtoH")
+    return out
+
+
+@contextmanager
+def _synchronized_on_error(stream: int) -> Iterator[None]:
+    """On an exception, wait for ``stream`` before it propagates: copies queued from a pinned mirror must not
+    still be reading it when the next run refills it."""
+    try:
+        yield
+    except BaseException:
+        try:
+            _synchronize(stream)
+        except Exception:
+            pass
+        raise
+
+
+def _synchronize(stream: int) -> None:
+    from cuda.bindings import driver
+
+    check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def graph_key(addresses: Mapping[str, int], consumed_event: Any) -> tuple:
+    """What a captured graph depends on beyond its binding: the I/O addresses and the input-consumed event."""
+    return (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)))
 
 
 def lowering_options(plan: Plan) -> LoweringOptions:

@@ -1,0 +1,199 @@
+"""The engine's serving I/O path on the device: runs given the default stream fork onto the context's stream
+and still replay CUDA graphs; ``infer`` stages through pinned host memory and returns fresh arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine_core as kiln
+from tests.cuda.models import build_engine, mlp
+
+pytestmark = pytest.mark.gpu
+
+PROFILE = {"x": ((1, 64), (8, 64), (32, 64))}
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    from engine_core.cuda.driver import check
+
+    return driver, check
+
+
+def _x(seed: int, batch: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, 64)).astype(np.float32)
+
+
+def _replays(context) -> int:
+    return context._cuda.graph_replays
+
+
+def _graphs(context) -> int:
+    return sum(len(b.graphs) for b in context._cuda._bindings.values())
+
+
+class _Bound:
+    """One context with its own device input/output buffers, run through execute_async_v3."""
+
+    def __init__(self, engine, x: np.ndarray) -> None:
+        from engine_core.cuda.driver import DeviceBuffer
+
+        self.context = engine.create_execution_context()
+        self.x, self.dx, self.dy = x, DeviceBuffer.from_array(x), DeviceBuffer(x.shape[0] * 32 * 4)
+        self.context.set_input_shape("x", x.shape)
+        self.context.set_tensor_address("x", self.dx.ptr)
+        self.context.set_tensor_address("y", self.dy.ptr)
+
+    def run(self, stream: int) -> np.ndarray:
+        driver, check = _driver()
+        assert self.context.execute_async_v3(stream)
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        return self.dy.to_array(np.float32, (self.x.shape[0], 32))
+
+
+# -- the default stream ------------------------------------------------------------------------------------
+
+
+def test_default_stream_gives_the_created_stream_results_and_replays_a_graph():
+    driver, check = _driver()
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    x = _x(3, 8)
+    stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+    created, default = _Bound(engine, x), _Bound(engine, x)
+    want = [created.run(stream) for _ in range(4)]  # eager, captured, replayed twice
+    assert _replays(created.context) >= 2
+    got = [default.run(0) for _ in range(4)]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, want[0])
+        np.testing.assert_array_equal(b, want[0])
+    assert _graphs(default.context) == 1 and _replays(default.context) >= 2
+
+
+def test_default_stream_profiler_and_consumed_event_order_correctly():
+    driver, check = _driver()
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    x = _x(4, 5)
+    want = engine.create_execution_context().infer({"x": x})["y"]
+
+    class Times(kiln.IProfiler):
+        def __init__(self) -> None:
+            self.layers: list[tuple[str, float]] = []
+
+        def report_layer_time(self, layer_name: str, ms: float) -> None:
+            self.layers.append((layer_name, ms))
+
+    bound = _Bound(engine, x)
+    bound.context.profiler = Times()
+    np.testing.assert_allclose(bound.run(0), want, rtol=1e-5, atol=1e-6)
+    assert bound.context.profiler.layers and all(ms >= 0 for _, ms in bound.context.profiler.layers)
+    bound.context.profiler = None
+    consumed = check(driver.cuEventCreate(0), "cuEventCreate")
+    assert bound.context.set_input_consumed_event(int(consumed))
+    for _ in range(4):  # eager, captured (external event node), replayed
+        np.testing.assert_allclose(bound.run(0), want, rtol=1e-5, atol=1e-6)
+        check(driver.cuEventSynchronize(consumed), "cuEventSynchronize")
+    assert _replays(bound.context) >= 2
+    driver.cuEventDestroy(consumed)
+
+
+# -- pinned staging in infer --------------------------------------------------------------------------------
+
+
+def test_infer_stages_through_pinned_memory_and_returns_fresh_arrays():
+    gpu, cpu = build_engine(mlp(), "cuda", PROFILE), build_engine(mlp(), "cpu", PROFILE)
+    context, reference = gpu.create_execution_context(), cpu.create_execution_context()
+    xs = [_x(seed, 6) for seed in range(4)]
+    results = [context.infer({"x": x})["y"] for x in xs]  # eager, captured, replayed twice
+    for x, y in zip(xs, results):  # earlier results survive later runs: they are not the staging buffers
+        np.testing.assert_allclose(y, reference.infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(results) for b in results[i + 1:])
+    (binding,) = context._cuda._bindings.values()
+    assert set(binding.stages) == {"x", "y"} and _replays(context) >= 2
+    before = _replays(context)
+    fortran = np.asfortranarray(xs[0])  # a non-contiguous feed is copied into the pinned mirror as it is
+    np.testing.assert_array_equal(context.infer({"x": fortran})["y"], results[0])
+    assert _replays(context) == before + 1
+
+
+# -- infer_batch and warm_up ----------------------------------------------------------------------------------
+
+
+def _binding(context):
+    (binding,) = context._cuda._bindings.values()
+    return binding
+
+
+def test_warm_up_captures_so_the_first_request_replays():
+    gpu, cpu = build_engine(mlp(), "cuda", PROFILE), build_engine(mlp(), "cpu", PROFILE)
+    context = gpu.create_execution_context()
+    context.warm_up({"x": (8, 64)})
+    binding = _binding(context)
+    assert len(binding.graphs) == 1 and binding.verified and not binding.graph_failed
+    runs, replays = binding.runs, _replays(context)
+    x = _x(30, 8)
+    y = context.infer({"x": x})["y"]
+    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == 1
+    np.testing.assert_allclose(y, cpu.create_execution_context().infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_infer_batch_after_warm_up_replays_the_graph_infer_uses():
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    context = engine.create_execution_context()
+    parts = [_x(10, 2), _x(11, 3), _x(12, 1)]
+    padded = np.concatenate(parts + [np.zeros((2, 64), np.float32)])
+    context.warm_up({"x": (8, 64)})
+    binding, replays = _binding(context), _replays(context)
+    results = context.infer_batch([{"x": p} for p in parts], pad_to=8)
+    assert _replays(context) == replays + 1 and len(context._cuda._bindings) == 1 and len(binding.graphs) == 1
+    want = context.infer({"x": padded})["y"]
+    assert _replays(context) == replays + 2 and len(binding.graphs) == 1  # the same buffers: the same graph
+    for (start, stop), result in zip(((0, 2), (2, 5), (5, 6)), results):
+        assert list(result) == ["y"]
+        np.testing.assert_array_equal(result["y"], want[start:stop])
+
+
+def test_infer_batch_reads_and_writes_device_views():
+    from engine_core.cuda.driver import DeviceBuffer
+
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    context = engine.create_execution_context()
+    parts = [_x(20, 2), _x(21, 3), _x(22, 1)]
+    want = context.infer({"x": np.concatenate(parts + [np.zeros((2, 64), np.float32)])})["y"]
+    sources = [DeviceBuffer.from_array(parts[0]), DeviceBuffer.from_array(parts[2])]
+    feeds = [{"x": kiln.DeviceView(sources[0].ptr, (2, 64), np.float32)}, {"x": parts[1]},
+             {"x": kiln.DeviceView(sources[1].ptr, (1, 64), np.float32)}]
+    out = DeviceBuffer(3 * 32 * 4)
+    for _ in range(3):  # the binding's second run is captured, the third replayed
+        out.copy_from(np.full((3, 32), np.nan, np.float32))
+        results = context.infer_batch(feeds, pad_to=8,
+                                      destinations=[{}, {"y": kiln.DeviceView(out.ptr, (3, 32), np.float32)}, {}])
+        assert list(results[1]) == [] and list(results[0]) == list(results[2]) == ["y"]
+        np.testing.assert_array_equal(results[0]["y"], want[0:2])
+        np.testing.assert_array_equal(out.to_array(np.float32, (3, 32)), want[2:5])
+        np.testing.assert_array_equal(results[2]["y"], want[5:6])
+    assert _replays(context) >= 2 and len(context._cuda._bindings) == 1
+    with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape \\[2, 32\\]"):
+        context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": kiln.DeviceView(out.ptr, (2, 32), np.float32)}, {}])
+
+
+def test_infer_batch_whole_outputs_match_the_cpu_backend():
+    """y and k are split by rows, s (a sum over the batch, padding rows included) goes whole to every part,
+    to a destination too."""
+    from engine_core.cuda.driver import DeviceBuffer
+    from tests.engine.test_infer_batch import SHAPES, batch_model
+
+    gpu, cpu = (build_engine(batch_model(), backend, SHAPES) for backend in ("cuda", "cpu"))
+    rng = np.random.default_rng(40)
+    parts = [{"x": rng.standard_normal((rows, 3)).astype(np.float32), "ids": rng.integers(0, 9, (rows, 2))}
+             for rows in (2, 3)]
+    want = cpu.create_execution_context().infer_batch(parts, pad_to=8)
+    whole = DeviceBuffer(3 * 4)
+    got = gpu.create_execution_context().infer_batch(
+        parts, pad_to=8, destinations=[{}, {"s": kiln.DeviceView(whole.ptr, (3,), np.float32)}])
+    assert list(got[0]) == ["y", "k", "s"] and list(got[1]) == ["y", "k"]
+    for g, w in zip(got, want):
+        for name in g:
+            np.testing.assert_allclose(g[name], w[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(whole.to_array(np.float32, (3,)), want[1]["s"], rtol=1e-5, atol=1e-6)

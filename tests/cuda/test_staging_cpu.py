@@ -1,0 +1,222 @@
+"""The CUDA runner's host I/O path without a GPU: ``infer``, ``infer_batch`` and ``warm_up`` of a
+``CudaContextState`` over a fake driver whose "device" memory is host memory (copies are memmoves) and whose
+run is the CPU backend reading and writing the bound addresses. Why: the row offsets, padding, pinned
+mirrors, device-view gathers and destination copies are plain host logic; a mistake there shows up here on
+every machine, before the GPU tests run."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import engine_core as kiln
+from engine_core.backends.cpu import GraphRunner
+from engine_core.backends.cuda import runner
+from engine_core.cuda import driver as kiln_driver
+from engine_core.ops import TensorInfo
+from engine_core.passes import infer_shapes
+from tests.engine.test_infer_batch import SHAPES, batch_model
+from tests.engine.util import build
+
+
+class FakeDriver:
+    """The driver calls the staging path makes; device pointers are host addresses."""
+
+    CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+
+    def __init__(self) -> None:
+        self.memory: dict[int, ctypes.Array] = {}
+        self.calls: list[str] = []
+
+    def _alloc(self, nbytes: int) -> tuple[int, int]:
+        buf = ctypes.create_string_buffer(nbytes)
+        self.memory[ctypes.addressof(buf)] = buf
+        return 0, ctypes.addressof(buf)
+
+    def cuMemAlloc(self, nbytes):  # noqa: N802 (driver names)
+        return self._alloc(nbytes)
+
+    def cuMemHostAlloc(self, nbytes, flags):  # noqa: N802
+        return self._alloc(nbytes)
+
+    def cuMemFree(self, ptr):  # noqa: N802
+        return (0,)
+
+    cuMemFreeHost = cuMemFree
+
+    def _copy(self, kind: str):
+        def copy(dst, src, nbytes, stream=None):
+            self.calls.append(kind)
+            ctypes.memmove(int(dst), int(src), int(nbytes))
+            return (0,)
+        return copy
+
+    def __getattr__(self, name: str):
+        kinds = {"cuMemcpyHtoDAsync": "HtoD", "cuMemcpyDtoHAsync": "DtoH", "cuMemcpyDtoDAsync": "DtoD",
+                 "cuMemcpyHtoD": "HtoD sync", "cuMemcpyDtoH": "DtoH sync"}
+        if name in kinds:
+            return self._copy(kinds[name])
+        raise AttributeError(name)
+
+    def cuMemsetD8Async(self, dst, value, nbytes, stream):  # noqa: N802
+        self.calls.append("memset")
+        ctypes.memset(int(dst), int(value), int(nbytes))
+        return (0,)
+
+    def cuStreamCreate(self, flags):  # noqa: N802
+        return 0, 0x5000
+
+    def cuStreamSynchronize(self, stream):  # noqa: N802
+        self.calls.append("sync")
+        return (0,)
+
+    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        self.calls.append("event")
+        return 0, f"event{self.calls.count('event')}"
+
+    def cuEventRecord(self, event, stream):  # noqa: N802
+        self.calls.append(f"record {event} on {stream:#x}")
+        return (0,)
+
+    def cuStreamWaitEvent(self, stream, event, flags):  # noqa: N802
+        self.calls.append(f"{stream:#x} waits {event}")
+        return (0,)
+
+
+def _host(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype).reshape(shape)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = FakeDriver()
+    import cuda.bindings
+
+    monkeypatch.setattr(cuda.bindings, "driver", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
+    monkeypatch.setattr(runner, "primary_context", lambda ordinal=0: None)
+    monkeypatch.setattr(kiln_driver, "primary_context", lambda ordinal=0: None)
+    return fake
+
+
+@pytest.fixture
+def setup(fake):
+    """A CPU-built engine whose context runs through a CudaContextState: one binding per shape set, the run
+    is the CPU graph over the bound addresses, and a graph counts as captured from the second run."""
+    engine = kiln.Runtime().load(build(batch_model(), SHAPES))
+    context = engine.create_execution_context()
+    graph = engine.plan.graph
+    state = runner.CudaContextState(types.SimpleNamespace(plan=engine.plan))
+    def bind(shapes, values=None):
+        key = tuple(sorted(shapes.items()))
+        if key not in state._bindings:
+            infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs})
+            state._bindings[key] = types.SimpleNamespace(lowered=types.SimpleNamespace(infos=infos), stages={},
+                                                         graphs={}, has_host=False, graph_failed=False, runs=0)
+        return state._bindings[key]
+
+    def execute(shapes, addresses, stream, profiler=None, values=None, debug=None, consumed_event=None):
+        binding = bind(shapes)
+        fake.calls.append("run")
+        feeds = {v.name: _host(addresses[v.name], v.dtype, shapes[v.name]).copy() for v in graph.inputs}
+        for name, value in GraphRunner(graph).run(feeds).items():
+            _host(addresses[name], value.dtype, value.shape)[...] = value
+        binding.runs += 1
+        if binding.runs >= 2:
+            binding.graphs[runner.graph_key(addresses, consumed_event)] = "captured"
+
+    state.bind, state.execute = bind, execute
+    context._cuda = state
+    yield engine.create_execution_context(), context, fake
+    context._cuda = None  # free the fake buffers while the fake driver is still installed
+    state._bindings.clear()
+    gc.collect()
+
+
+def _part(seed: int, rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((rows, 3)).astype(np.float32), "ids": rng.integers(0, 9, (rows, 2))}
+
+
+def _device(fake: FakeDriver, array: np.ndarray) -> kiln.DeviceView:
+    _, ptr = fake.cuMemAlloc(array.nbytes)
+    _host(ptr, array.dtype, array.shape)[...] = array
+    return kiln.DeviceView(ptr, array.shape, array.dtype)
+
+
+def test_infer_goes_through_pinned_mirrors_with_one_sync(setup) -> None:
+    reference, context, fake = setup
+    part = _part(0, 4)
+    first = context.infer(part)
+    assert fake.calls == ["HtoD", "HtoD", "run", "DtoH", "DtoH", "DtoH", "sync"]
+    second = context.infer(_part(1, 4))
+    for name, value in reference.infer(part).items():
+        np.testing.assert_array_equal(first[name], value)  # not overwritten by the second run's staging
+    assert not np.shares_memory(first["y"], second["y"])
+    (binding,) = context._cuda._bindings.values()
+    assert set(binding.stages) == {"x", "ids", "y", "k", "s"}
+
+
+def test_infer_batch_gathers_pads_splits_and_writes_destinations(setup) -> None:
+    reference, context, fake = setup
+    parts = [_part(1, 2), _part(2, 3), _part(3, 1), _part(4, 1)]
+    want = reference.infer_batch(parts, pad_to=8)
+    feeds = [parts[0], {"x": _device(fake, parts[1]["x"]), "ids": parts[1]["ids"]}, parts[2],
+             {"x": parts[3]["x"], "ids": _device(fake, parts[3]["ids"])}]
+    y_out = _device(fake, np.full((3, 3), np.nan, np.float32))
+    s_out = _device(fake, np.zeros(3, np.float32))
+    fake.calls.clear()
+    got = context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": y_out}, {}, {"s": s_out}])
+    # x: part 0 host, part 1 device, parts 2-3 host (one upload), padding; ids: parts 0-2 host, part 3 device
+    assert fake.calls[:8] == ["HtoD", "DtoD", "HtoD", "memset", "HtoD", "DtoD", "memset", "run"]
+    assert fake.calls[-1] == "sync" and fake.calls.count("sync") == 1
+    assert [list(g) for g in got] == [["y", "k", "s"], ["k", "s"], ["y", "k", "s"], ["y", "k"]]
+    for g, w in zip(got, want):
+        for name in g:
+            np.testing.assert_array_equal(g[name], w[name], err_msg=name)
+    np.testing.assert_array_equal(_host(y_out.ptr, np.float32, (3, 3)), want[1]["y"])
+    np.testing.assert_array_equal(_host(s_out.ptr, np.float32, (3,)), want[3]["s"])
+    with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape"):
+        context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": s_out}, {}, {}])
+
+
+def test_infer_batch_at_a_padded_total_shares_infer_buffers_and_warm_up_stops_once_captured(setup) -> None:
+    reference, context, fake = setup
+    context.warm_up({"x": (8, 3), "ids": (8, 2)})
+    assert fake.calls.count("run") == 2  # eager, then "captured"
+    (binding,) = context._cuda._bindings.values()
+    addresses = {name: stage.device.ptr for name, stage in binding.stages.items()}
+    context.infer_batch([_part(5, 3), _part(6, 4)], pad_to=8)
+    context.infer(_part(7, 8))
+    assert len(context._cuda._bindings) == 1 and len(binding.graphs) == 1
+    assert {name: stage.device.ptr for name, stage in binding.stages.items()} == addresses
+
+
+def test_a_default_stream_run_forks_onto_the_context_stream_and_joins_back(fake, monkeypatch) -> None:
+    state = runner.CudaContextState(types.SimpleNamespace(plan=None))
+    ran = []
+    monkeypatch.setattr(state, "_execute_on", lambda shapes, addresses, stream, *rest: ran.append(stream))
+    for _ in range(2):
+        state.execute({}, {}, 0)
+    assert ran == [0x5000, 0x5000]
+    run = ["record event1 on 0x0", "0x5000 waits event1", "record event2 on 0x5000", "0x0 waits event2"]
+    assert fake.calls == ["event", *run[:2], "event", *run[2:], *run]  # two events, made once
+    fake.calls.clear()
+    state.execute({}, {}, 0x7000)  # a created stream: no fork
+    assert ran[-1] == 0x7000 and fake.calls == []
+
+    def fail(*args):
+        raise runner.ExecutionError("layer failed")
+
+    monkeypatch.setattr(state, "_execute_on", fail)
+    with pytest.raises(runner.ExecutionError, match="layer failed"):
+        state.execute({}, {}, 0)
+    assert fake.calls[-2:] == run[2:]  # the caller's stream still joins what was enqueued
