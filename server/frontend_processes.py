@@ -122,8 +122,8 @@ class FrontendPool:
                 await asyncio.sleep(_RESTART_DELAY_S)
                 try:
                     await self._start_child(index)
-                except OSError as e:
-                    log.error("%s; stopping the server", e)
+                except Exception as e:  # noqa: BLE001 - a server without its frontends must say so and stop
+                    log.error("cannot restart frontend process %d (%s); stopping the server", index, e)
                     self.failed.set()
                     return
 

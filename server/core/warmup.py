@@ -50,7 +50,7 @@ def warm_up_buckets(config: ModelConfig, contexts: list, engine) -> int:
     highest = execution.highest_batch(engine, list(items))
     buckets = execution.batch_buckets(highest)
     for context in contexts:
-        for bucket in buckets:
+        for bucket in reversed(buckets):  # largest first: a larger cuDNN workspace would drop earlier graphs
             shapes = {name: (bucket, *dims) for name, dims in items.items()}
             execution.use_profile_for(context, shapes)
             context.warm_up(shapes)
