@@ -686,7 +686,8 @@ class ExecutionContext:
         return run_with_debug(self, feeds, timer)  # debug-tensor hook (plain run without a listener)
 
     def execute_async_v3(self, stream_handle: int = 0) -> bool:
-        """Run with the addresses set by set_tensor_address (CPU backend: synchronously)."""
+        """Run with the addresses set by set_tensor_address (CPU backend: synchronously). CUDA backend: a
+        default stream (0) forks onto the context's own stream and joins back, so CUDA graphs replay there too."""
         try:
             if self._cuda is not None:  # CUDA backend hook: device addresses, launches on the stream
                 self._execute_cuda(stream_handle)
