@@ -50,7 +50,7 @@ class ShapeHistogram:
                 if array is None:
                     continue
                 for axis in axes:
-                    if axis < array.ndim:
+                    if axis < len(array.shape):  # numpy arrays and DeviceViews (CUDA shared memory)
                         self.counts[(name, axis)][int(array.shape[axis])] += 1
 
     def quantile_cuts(self, profiles: int) -> dict[DimKey, list[int]]:

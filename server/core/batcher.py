@@ -140,8 +140,8 @@ def shape_key(inputs: dict[str, np.ndarray]) -> ShapeKey:
 
 def pad_key(inputs: dict[str, np.ndarray], bucket: int) -> PadKey | None:
     """Jobs with equal keys can be padded to one shape; None for BYTES inputs (no neutral padding value)."""
-    if any(a.dtype == object for a in inputs.values()):
-        return None
+    if any(not isinstance(a, np.ndarray) or a.dtype == object for a in inputs.values()):
+        return None  # BYTES have no neutral padding value; device tensors are not padded on the host
     return bucket, tuple(sorted((name, a.dtype.str, a.ndim) for name, a in inputs.items()))
 
 
@@ -474,7 +474,7 @@ class DynamicBatcher:
         jobs = [p.job for p in ran]
         if cuts is None and self._execute_parts is not None:
             # the engine gathers, runs and splits in one call: all of it counts as compute infer
-            execution = self.workers.run_parts(self._execute_parts, context, [job.inputs for job in jobs])
+            execution = self.workers.run_parts(self._execute_parts, context, jobs)
             return _Outcome(execution, ran, deferred, execution.outputs or [])  # type: ignore[arg-type]
         inputs = concat_inputs(jobs) if cuts is None else pad_inputs(jobs)
         t1 = time.perf_counter_ns()

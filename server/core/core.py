@@ -28,7 +28,15 @@ from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
 from .shared_memory import SharedMemory
 from .tensors import from_raw, raw_size, to_raw
-from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput, numpy_dtype
+from .types import (
+    InferInput,
+    InferOutput,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    datatype_of_numpy,
+    numpy_dtype,
+)
 
 log = logging.getLogger("kiln.server")
 
@@ -227,16 +235,18 @@ class ServerCore:
         for tensor in request.inputs:
             if tensor.name in arrays:
                 raise invalid(f"input '{tensor.name}' is given more than once")
-            arrays[tensor.name] = self._input_array(tensor)
+            arrays[tensor.name] = self._input_array(tensor, model)
             datatypes[tensor.name] = tensor.datatype
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
         model.traffic.record(inputs)
+        destinations = self._output_views(model, requested, inputs)
         if trace:
             trace.mark("QUEUE_START")
         try:
-            result = await model.scheduler.submit(Job(inputs, batch, parameters=request.parameters))
+            result = await model.scheduler.submit(Job(inputs, batch, parameters=request.parameters,
+                                                       destinations=destinations))
         except ServerError:
             raise
         except (kiln.KilnError, TypeError, ValueError) as e:
@@ -244,13 +254,15 @@ class ServerCore:
         if trace:
             trace.mark("COMPUTE_END")
         t0 = time.perf_counter_ns()
-        outputs = [self._output(model, o, result.outputs[o.name]) for o in requested]
+        outputs = [self._output_on_device(o, destinations[o.name]) if o.name in destinations
+                   else self._output(model, o, result.outputs[o.name]) for o in requested]
         result.times.compute_output_ns = time.perf_counter_ns() - t0
         response = InferResponse(model.name, str(model.version), outputs, id=request.id)
         return response, batch, result.times
 
-    def _input_array(self, tensor: InferInput) -> np.ndarray:
-        """The input's data, read from its shared-memory region when it names one; shape checked."""
+    def _input_array(self, tensor: InferInput, model: ModelVersion) -> np.ndarray | kiln.DeviceView:
+        """The input's data, read from its shared-memory region when it names one; shape checked. An input in
+        CUDA shared memory for a CUDA model that batches stays where it is: the engine reads it on the device."""
         region = tensor.parameters.get("shared_memory_region")
         if region is not None:
             if tensor.data is not None:
@@ -259,6 +271,14 @@ class ServerCore:
             size = tensor.parameters.get("shared_memory_byte_size")
             if size is None:
                 raise invalid(f"input '{tensor.name}': shared_memory_byte_size is required with a region")
+            if _device_io(model) and tensor.datatype != "BYTES":
+                dtype = numpy_dtype(tensor.datatype)
+                if int(np.prod(tensor.shape, dtype=np.int64)) * dtype.itemsize != int(size):
+                    raise invalid(f"input '{tensor.name}': shared_memory_byte_size {size} does not match shape "
+                                  f"{list(tensor.shape)} of {tensor.datatype}")
+                view = self.system_shm.device_view(str(region), offset, int(size), tensor.shape, dtype)
+                if view is not None:
+                    return view
             raw = self.system_shm.read(str(region), offset, int(size))
             return from_raw(raw, tensor.datatype, tensor.shape)
         if tensor.data is None:
@@ -268,6 +288,46 @@ class ServerCore:
             raise invalid(f"input '{tensor.name}': data has {tensor.data.size} elements, shape "
                           f"{list(tensor.shape)} needs {int(np.prod(tensor.shape, dtype=np.int64))}")
         return tensor.data
+
+    def _output_views(self, model: ModelVersion, requested: list[RequestedOutput],
+                      inputs: dict[str, Any]) -> dict[str, kiln.DeviceView]:
+        """Outputs the engine can write straight into the client's CUDA shared memory: a CUDA model that batches,
+        a CUDA region, no classification, and the engine's own dtype and shape (no conversion or reshape)."""
+        if not _device_io(model):
+            return {}
+        views: dict[str, kiln.DeviceView] = {}
+        shapes = None
+        for output in requested:
+            params, spec = output.parameters, model.outputs[output.name]
+            region = params.get("shared_memory_region")
+            if region is None or params.get("classification") not in (None, False) or spec.model_dims != spec.dims:
+                continue
+            dtype = numpy_dtype(spec.datatype)
+            if spec.datatype == "BYTES" or model.engine_output_dtype(output.name) != dtype:
+                continue
+            if shapes is None:
+                shapes = model.output_shapes({name: tuple(a.shape) for name, a in inputs.items()})
+            if shapes is None:
+                return {}  # shapes the engine cannot tell before running: the host path writes them afterwards
+            size = params.get("shared_memory_byte_size")
+            if size is None:
+                raise invalid(f"output '{output.name}': shared_memory_byte_size is required with a region")
+            shape = shapes[output.name]
+            needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if needed > int(size):
+                raise invalid(f"shared memory size specified with the request for output '{output.name}' "
+                              f"({size} bytes) should be at least {needed} bytes to hold the results")
+            view = self.system_shm.device_view(str(region), int(params.get("shared_memory_offset", 0)), int(size),
+                                               shape, dtype)
+            if view is not None:
+                views[output.name] = view
+        return views
+
+    def _output_on_device(self, requested: RequestedOutput, view: kiln.DeviceView) -> InferOutput:
+        """An output the engine already wrote into CUDA shared memory: only its description goes back."""
+        params = dict(requested.parameters)
+        params["shared_memory_byte_size"] = view.nbytes
+        return InferOutput(requested.name, datatype_of_numpy(view.dtype), view.shape, None, params)
 
     def _output(self, model: ModelVersion, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
         """One output: converted to the config's datatype, classified if asked, written to shm if asked."""
@@ -499,6 +559,12 @@ class ServerCore:
         if updates:
             return self.logging.update(updates)
         return self.logging.current()
+
+
+def _device_io(model: ModelVersion) -> bool:
+    """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
+    models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch)."""
+    return model.engine.backend == "cuda" and model.max_batch_size > 0
 
 
 def _int_param(value: Any, name: str) -> int:

@@ -10,6 +10,7 @@ bucket there; outputs come back per request, so the server never concatenates or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,15 +72,17 @@ def execute(context, inputs: Feeds) -> dict[str, np.ndarray]:
 
 
 def _rows(feeds: Feeds) -> int | None:
-    sizes = {a.shape[0] for a in feeds.values() if a.ndim}
+    sizes = {a.shape[0] for a in feeds.values() if len(a.shape)}
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def execute_parts(context, parts: Sequence[Feeds], bucketed: bool) -> list[dict[str, np.ndarray]]:
-    """Run several jobs as one batch (the dynamic batcher), each job's outputs returned separately.
-    `bucketed`: pad the batch to its bucket (CUDA models that batch)."""
+def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mapping[str, Any]] | None = None, *,
+                  bucketed: bool) -> list[dict[str, np.ndarray]]:
+    """Run several jobs as one batch (the dynamic batcher), each job's outputs returned separately, or written
+    to its `destinations` (DeviceViews in CUDA shared memory) on the device. `bucketed`: pad the batch to its
+    bucket (CUDA models that batch)."""
     rows = [_rows(feeds) for feeds in parts]
-    if any(r is None for r in rows):  # inputs without one batch dim cannot be gathered: run them as they are
+    if any(r is None for r in rows):  # no common batch dim to gather along (device tensors need one: core.py)
         return [execute(context, feeds) for feeds in parts]
     total = sum(rows)  # type: ignore[arg-type]
     shapes = {name: (total, *a.shape[1:]) for name, a in parts[0].items()}
@@ -88,7 +91,7 @@ def execute_parts(context, parts: Sequence[Feeds], bucketed: bool) -> list[dict[
         pad_to = bucket_for(total, highest_batch(context.engine, list(shapes)))
         shapes = {name: (pad_to, *shape[1:]) for name, shape in shapes.items()}
     use_profile_for(context, shapes)
-    return context.infer_batch(list(parts), pad_to=pad_to if pad_to != total else None)
+    return context.infer_batch(list(parts), pad_to=pad_to if pad_to != total else None, destinations=destinations)
 
 
 def execute_bucketed(context, inputs: Feeds) -> dict[str, np.ndarray]:

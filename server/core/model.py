@@ -82,6 +82,7 @@ class ModelVersion:
         self.traffic_at_fit = 0  # traffic.requests when profiles were last fitted
         self._restarts_before = 0  # worker restarts of the plans this one replaced
         batched = config.max_batch_size > 0
+        self.output_shapes = ShapeOracle(engine).output_shapes  # per job, before it runs (CUDA shm outputs)
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
@@ -167,7 +168,7 @@ class ModelVersion:
                               f"{expected}, got {list(shape)}")
             if spec.model_dims != spec.dims:
                 lead = shape[:1] if self.max_batch_size > 0 else ()
-                array = array.reshape(lead + _resolve_reshape(spec.model_dims, item_shape, name))
+                array = _reshaped(array, lead + _resolve_reshape(spec.model_dims, item_shape, name))
             ready[name] = array
         if len(batch_sizes) > 1:
             raise invalid(f"inputs of model '{self.name}' disagree on the batch size: {sorted(batch_sizes)}")
@@ -179,6 +180,10 @@ class ModelVersion:
         if unknown:
             raise invalid(f"unexpected inference output {unknown} for model '{self.name}' "
                           f"(outputs: {sorted(self.outputs)})")
+
+    def engine_output_dtype(self, name: str) -> np.dtype:
+        """The dtype the engine produces for output `name` (before `shape_output` converts it)."""
+        return np.dtype(kiln.nptype(self.engine.get_tensor_dtype(name)))
 
     def shape_output(self, name: str, array: np.ndarray) -> np.ndarray:
         """The engine's output in the config's terms: dtype of its datatype, reshape undone."""
@@ -227,17 +232,17 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     timeout_s = execution_timeout_s(config)
+    execute_parts = functools.partial(execution.execute_parts, bucketed=_bucketed(config, engine))
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
         batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
                                  create_context=engine.create_execution_context, padding=padding,
-                                 execute_parts=functools.partial(execution.execute_parts,
-                                                                 bucketed=_bucketed(config, engine)))
+                                 execute_parts=execute_parts)
         batcher.workers.label, batcher.workers.timeout_s = label, timeout_s
         return batcher
     scheduler = DirectScheduler(contexts, execute, thread_name, record,
-                                create_context=engine.create_execution_context)
+                                create_context=engine.create_execution_context, execute_parts=execute_parts)
     scheduler.workers.label, scheduler.workers.timeout_s = label, timeout_s
     return scheduler
 
@@ -365,6 +370,13 @@ def _class_entry(value: float, index: int, labels: list[str]) -> bytes:
 
 def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def _reshaped(array, shape: tuple[int, ...]):
+    """`array` seen with `shape` (same elements): a numpy reshape, or the same device memory (DeviceView)."""
+    if isinstance(array, kiln.DeviceView):
+        return kiln.DeviceView(array.ptr, shape, array.dtype)
+    return array.reshape(shape)
 
 
 def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name: str) -> tuple[int, ...]:

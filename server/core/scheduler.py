@@ -35,8 +35,9 @@ log = logging.getLogger("kiln.server.workers")
 
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
-# Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs) -> per-job outputs.
-PartsExecutor = Callable[[object, list[dict[str, np.ndarray]]], list[dict[str, np.ndarray]]]
+# Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs, per-job output
+# destinations or None) -> per-job outputs.
+PartsExecutor = Callable[[object, list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, np.ndarray]]]
 # Told about each model execution: (items in the executed batch, its compute times).
 ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
@@ -45,10 +46,18 @@ ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 class Job:
     """One request's inputs, ready for the engine (dtype, batch dim and reshape already applied)."""
 
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray]  # or engine_core.DeviceView for inputs in CUDA shared memory (zero-copy)
     batch_size: int
     enqueued_ns: int = 0
     parameters: dict[str, Any] = field(default_factory=dict)  # the request's: `priority`, `timeout` (us)
+    #: outputs the engine writes straight into CUDA shared memory (name -> DeviceView); left out of the result
+    destinations: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether an input or output of this job lives in device memory: only the engine's gathering path
+        (`PartsExecutor`) can run it."""
+        return bool(self.destinations) or any(not isinstance(a, np.ndarray) for a in self.inputs.values())
 
 
 @dataclass
@@ -102,12 +111,14 @@ class Workers:
         """In a worker thread: execute on `context`; never raises (the error travels in the result)."""
         return self._guarded(context, lambda: run_on_context(execute, context, inputs))
 
-    def run_parts(self, execute_parts: PartsExecutor, context: object,
-                  parts: list[dict[str, np.ndarray]]) -> Execution:
+    def run_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
         """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job."""
+        destinations = [job.destinations for job in jobs] if any(job.destinations for job in jobs) else None
+
         def go() -> tuple[Any, int, int]:
             started = time.perf_counter_ns()
-            return execute_parts(context, parts), 0, time.perf_counter_ns() - started
+            outputs = execute_parts(context, [job.inputs for job in jobs], destinations)
+            return outputs, 0, time.perf_counter_ns() - started
 
         return self._guarded(context, go)
 
@@ -204,8 +215,10 @@ class DirectScheduler:
 
     def __init__(self, contexts: list[object], execute: Executor, thread_name: str,
                  record_execution: ExecutionRecorder | None = None,
-                 create_context: Callable[[], object] | None = None) -> None:
+                 create_context: Callable[[], object] | None = None,
+                 execute_parts: PartsExecutor | None = None) -> None:
         self.workers = Workers(contexts, create_context, thread_name)
+        self._execute_parts = execute_parts  # for jobs with inputs or outputs on the device (Job.on_device)
         self._free: list[object] = list(contexts)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._execute = execute
@@ -261,8 +274,7 @@ class DirectScheduler:
             context = await self._acquire()
             started = time.perf_counter_ns()
             try:
-                execution = asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.workers.run, self._execute, context, job.inputs)
+                execution = asyncio.get_running_loop().run_in_executor(self._pool, self._run, context, job)
             except RuntimeError as e:  # the pool is shut down
                 self._release(context)
                 raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
@@ -277,7 +289,7 @@ class DirectScheduler:
                 raise
             if result.error is not None:
                 raise result.error
-            outputs = result.outputs
+            outputs = result.outputs[0] if isinstance(result.outputs, list) else result.outputs
             compute_input_ns, compute_infer_ns = result.compute_input_ns, result.compute_infer_ns
         finally:
             self._active -= 1
@@ -288,6 +300,12 @@ class DirectScheduler:
         if self._record is not None:
             self._record(job.batch_size, times)
         return JobResult(outputs, times)
+
+    def _run(self, context: object, job: Job) -> Execution:
+        """In a worker thread: the job alone, through the engine's gathering path when it has device tensors."""
+        if job.on_device and self._execute_parts is not None:
+            return self.workers.run_parts(self._execute_parts, context, [job])
+        return self.workers.run(self._execute, context, job.inputs)
 
     def close(self) -> None:
         """Take no new jobs; jobs already submitted still run (a hot swap fails no request)."""
@@ -308,7 +326,8 @@ def run_on_context(execute: Executor, context: object,
     """In a worker thread: make inputs contiguous (the "compute input" step), then execute; returns the
     outputs and the two durations in ns."""
     t0 = time.perf_counter_ns()
-    inputs = {name: (np.ascontiguousarray(a) if a.dtype != object else a) for name, a in inputs.items()}
+    inputs = {name: (np.ascontiguousarray(a) if isinstance(a, np.ndarray) and a.dtype != object else a)
+              for name, a in inputs.items()}
     t1 = time.perf_counter_ns()
     outputs = execute(context, inputs)
     return outputs, t1 - t0, time.perf_counter_ns() - t1

@@ -11,8 +11,13 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+
+from engine_core.cuda.view import DeviceView
 
 from . import cuda_ipc
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
@@ -136,6 +141,21 @@ class SharedMemory:
         with self._lock:
             region = self._span(name, offset, byte_size)
             return region.read(offset, byte_size)
+
+    def device_view(self, name: str, offset: int, byte_size: int, shape: Sequence[int],
+                    dtype: np.dtype) -> DeviceView | None:
+        """The tensor at `offset` of CUDA region `name` in place (None for a system region): the engine reads
+        inputs from it and writes outputs into it on the device, with no copy through the host.
+        INVALID_ARGUMENT when the span is outside the region or smaller than the tensor."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        with self._lock:
+            region = self._span(name, offset, byte_size)
+            if region.kind != CUDA:
+                return None
+            if nbytes > byte_size:
+                raise invalid(f"shared memory region '{name}': {byte_size} bytes at offset {offset} cannot hold "
+                              f"the {nbytes} bytes of a {np.dtype(dtype)} tensor of shape {list(shape)}")
+            return region.ipc.view(offset, shape, dtype)  # type: ignore[union-attr]
 
     def write(self, name: str, offset: int, byte_size: int, data: bytes) -> None:
         """Write `data` into a span of `byte_size` bytes; INVALID_ARGUMENT if it does not fit."""
