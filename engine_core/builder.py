@@ -82,11 +82,17 @@ class ProgressMonitor(Protocol):
     def phase_finish(self, phase_name: str) -> None: ...
 
 
+#: the flags a new BuilderConfig has set (the reference's defaults)
+DEFAULT_FLAGS = 1 << int(BuilderFlag.TF32)
+
+
 class BuilderConfig:
     """Build options (IBuilderConfig)."""
 
     def __init__(self, default_backend: str) -> None:
-        self.flags = 0
+        #: TF32 starts set, as in the reference ("allows the use of TF32 Tensor Cores by default"): a user moving
+        #: from TensorRT gets the speed they had; ``clear_flag(BuilderFlag.TF32)`` asks for strict fp32 math
+        self.flags = DEFAULT_FLAGS
         self.backend = default_backend
         self.builder_optimization_level = 3
         self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY
