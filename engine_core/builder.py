@@ -458,7 +458,8 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             else "no kiln.QConv layer"
         options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
                                   cublaslt=cublaslt_available(), int8_requant=not requant_reason,
-                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available())
+                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available(),
+                                  strict_fp32_nchw=True)
         cache = _timing_cache_for(config)
         cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:
