@@ -8,10 +8,17 @@ without it convolutions run on the host, visibly.
 Graphs are built per distinct ``Conv.key()`` (shapes, layouts, dtype, epilogue) and cached per
 execution context together with a workspace; executing passes raw device pointers, so captured CUDA
 graphs replay them.
+
+Release: the frontend's graphs and tensors are nanobind objects, which must be gone before the interpreter
+finalizes nanobind (else "nanobind: leaked N instances" at exit). A context's ``CudnnConvs`` drops them with
+it, or on ``close()``; engines and contexts still alive at exit (a server's) are closed by an atexit hook.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from functools import cache
 from typing import Any
 
@@ -94,6 +101,14 @@ class CudnnConvs:
         #: fused graphs cuDNN has no engine for: their bare convolution runs, the caller adds the epilogue
         self._unfusable: set[tuple] = set()
         self._fusable: set[tuple] = set()
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Drop every cuDNN graph (and its tensors) built here. Safe while in use: a later run builds again; the
+        handle and workspace stay (a run on another thread may still hold them)."""
+        self._built.clear()
+        self._fusable.clear()
+        self._unfusable.clear()
 
     def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
         """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
@@ -290,6 +305,19 @@ class CudnnConvs:
         if not times:
             return 0, {}
         return min(times, key=times.__getitem__), times
+
+
+#: every CudnnConvs alive, for the exit hook
+_LIVE: weakref.WeakSet[CudnnConvs] = weakref.WeakSet()
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every live CudnnConvs and collect cycles, so no cuDNN frontend object outlives the interpreter's
+    finalization of nanobind (atexit hooks run before it; contexts kept by a server until exit are still alive)."""
+    for convs in list(_LIVE):
+        convs.close()
+    gc.collect()
 
 
 @cache
