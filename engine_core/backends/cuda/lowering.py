@@ -8,8 +8,8 @@ numpy implementation with explicit copies; reported as tactic "host", never sile
 Layouts: 4-D activations produced by convolutions live channels-last (NHWC) when cuDNN runs them —
 tensor-core convolutions want it — and stay so through pointwise layers and pooling, which read any
 layout through strides. Strict fp32 convolutions (no TF32) stay NCHW: cuDNN's fast FFMA engines are
-NCHW kernels (``LoweringOptions.strict_fp32_nchw``). A layer that needs the logical (linear) layout gets a visible reformat step
-in front of it, and graph outputs are always linear.
+NCHW kernels (``LoweringOptions.strict_fp32_nchw``). A layer that needs the logical (linear) layout gets
+a visible reformat step in front of it, and graph outputs are always linear.
 """
 
 from __future__ import annotations
@@ -1181,7 +1181,7 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
         raise Unsupported("convolution whose group does not match its shapes")
     nchw = conv_layout(dtype, ctx.options) == "linear"
     xin = ctx.as_layout(node.inputs[0], "linear" if nchw else "nhwc")
-    # cuDNN writes channels-last; a graph output (linear) gets it through a step-local buffer and a reformat
+    # channels-last: a graph output (linear) gets cuDNN's result through a step-local buffer and a reformat
     result = node.outputs[0]
     y_name = result
     if result in ctx.graph_outputs and not nchw:
