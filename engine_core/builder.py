@@ -82,11 +82,17 @@ class ProgressMonitor(Protocol):
     def phase_finish(self, phase_name: str) -> None: ...
 
 
+#: the flags a new BuilderConfig has set (the reference's defaults)
+DEFAULT_FLAGS = 1 << int(BuilderFlag.TF32)
+
+
 class BuilderConfig:
     """Build options (IBuilderConfig)."""
 
     def __init__(self, default_backend: str) -> None:
-        self.flags = 0
+        #: TF32 starts set, as in the reference ("allows the use of TF32 Tensor Cores by default"): a user moving
+        #: from TensorRT gets the speed they had; ``clear_flag(BuilderFlag.TF32)`` asks for strict fp32 math
+        self.flags = DEFAULT_FLAGS
         self.backend = default_backend
         self.builder_optimization_level = 3
         self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY
@@ -452,7 +458,8 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             else "no kiln.QConv layer"
         options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
                                   cublaslt=cublaslt_available(), int8_requant=not requant_reason,
-                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available())
+                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available(),
+                                  strict_fp32_nchw=True)
         cache = _timing_cache_for(config)
         cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
         for layer in layers:

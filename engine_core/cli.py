@@ -1,6 +1,6 @@
 """The `kiln` command: a thin layer over the public Python API (every feature is scriptable too).
 
-    kiln build model.onnx -o model.plan [--fp16] [--int8 --calib-data DIR [--calib-cache FILE] [--quant-report]] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
+    kiln build model.onnx -o model.plan [--fp16] [--no-tf32] [--int8 --calib-data DIR [--calib-cache FILE] [--quant-report]] [--refit] [--profiling-verbosity detailed] [--dump-layer-info]
                [--hardware-compatibility-level ampere_plus] [--version-compatible] [--weight-streaming]
                [--shapes x:1x3x224x224] [--min-shapes/--opt-shapes/--max-shapes ...]
     kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
@@ -127,6 +127,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     for name, flag in PRECISION_FLAGS.items():
         if getattr(args, name):
             config.set_flag(flag)
+    if args.tf32 is False:
+        config.clear_flag(kiln.BuilderFlag.TF32)
     if args.workspace is not None:
         config.set_memory_pool_limit(kiln.MemoryPoolType.WORKSPACE, int(args.workspace * (1 << 20)))
     apply_build_arguments(config, args)  # --profiling-verbosity, --refit
@@ -387,7 +389,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="plan file to write (default: model name + .plan)")
     p.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
     for name in PRECISION_FLAGS:
-        p.add_argument(f"--{name}", action="store_true", help=f"allow {name.upper()} precision")
+        if name == "tf32":  # set by default, as in the reference: --no-tf32 asks for strict fp32 math
+            p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                           help="allow TF32 tensor cores for fp32 math (the default; --no-tf32: strict fp32)")
+        else:
+            p.add_argument(f"--{name}", action="store_true", help=f"allow {name.upper()} precision")
     p.add_argument("--workspace", type=float, help="workspace memory limit in MiB")
     p.add_argument("--calib-data", metavar="DIR", help="INT8 calibration batches: .npz files (keys = input "
                    "names), NAME.npy / NAME_<k>.npy, or any .npy for a one-input model (needs --int8)")

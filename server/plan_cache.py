@@ -68,10 +68,20 @@ def build_description(config: kiln.BuilderConfig) -> dict[str, Any]:
                 for profile in config.profiles]
     shape_inputs = [{name: [list(s) for s in triple] for name, triple in sorted(profile.shape_values.items())}
                     for profile in config.profiles]
-    description = {"backend": config.backend, "flags": int(config.flags), "level": config.builder_optimization_level,
+    description = {"backend": config.backend, "flags": plan_flags(config), "level": config.builder_optimization_level,
                    "profiles": profiles, "shape_inputs": shape_inputs}
     environment = build_environment()
     return description | ({"environment": environment} if environment else {})  # unset: the keys of before
+
+
+def plan_flags(config: kiln.BuilderConfig) -> int:
+    """The config's flags as far as they change the plan. TF32 changes nothing on the CPU backend (numpy computes
+    fp32 exactly), so it is left out there: CPU plans cached before TF32 became the default keep their keys;
+    on CUDA it changes every fp32 GEMM and convolution, so it stays in."""
+    flags = int(config.flags)
+    if config.backend == "cpu":
+        flags &= ~(1 << int(kiln.BuilderFlag.TF32))
+    return flags
 
 
 def cache_key(model_digest: str, description: dict[str, Any], arch: str) -> str:

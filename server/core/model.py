@@ -302,24 +302,41 @@ def pad_batch(config: ModelConfig) -> bool:
 
 
 # Model config parameter: the engine precision, e.g. parameters { key: "kiln_precision" value { string_value:
-# "fp16" } }. fp32 (default, exact), tf32 (TF32 tensor cores for fp32 math), fp16 / bf16 (reduced precision
-# with fp32 I/O and accumulation; implies tf32 for the layers that stay fp32).
+# "fp16" } }. Unset: the engine's default (as a new BuilderConfig: TF32 tensor cores allowed for fp32 math);
+# fp32: strict fp32 (TF32 cleared); tf32; fp16 / bf16 (reduced precision with fp32 I/O and accumulation, TF32 for
+# the layers that stay fp32).
 PRECISION = "kiln_precision"
 _PRECISION_FLAGS = {"fp32": (), "tf32": (kiln.BuilderFlag.TF32,),
                     "fp16": (kiln.BuilderFlag.FP16, kiln.BuilderFlag.TF32),
                     "bf16": (kiln.BuilderFlag.BF16, kiln.BuilderFlag.TF32)}
+#: the flags `kiln_precision` decides, set or cleared; a builder config's other flags are left alone
+_PRECISION_MANAGED = (kiln.BuilderFlag.FP16, kiln.BuilderFlag.BF16, kiln.BuilderFlag.TF32)
 
 
 def precision_flags(config: ModelConfig) -> tuple[kiln.BuilderFlag, ...]:
-    """Builder flags for the config's `kiln_precision`; an unknown value is INVALID_ARGUMENT naming the model."""
+    """The precision flags the config's `kiln_precision` asks for (the others of _PRECISION_MANAGED are cleared);
+    unset, those a new BuilderConfig has, so the server builds what the engine would. An unknown value is
+    INVALID_ARGUMENT naming the model."""
     parameter = config.parameters.get(PRECISION)
     text = parameter.string_value.strip().lower() if parameter is not None else ""
-    if text in ("", "fp32"):
-        return ()
+    if text == "":
+        default = kiln.BuilderConfig("cpu")
+        return tuple(flag for flag in _PRECISION_MANAGED if default.get_flag(flag))
     if text not in _PRECISION_FLAGS:
         raise invalid(f"model '{config.name}': parameter {PRECISION} must be one of "
                       f"{', '.join(_PRECISION_FLAGS)}, got '{parameter.string_value}'")
     return _PRECISION_FLAGS[text]
+
+
+def apply_precision(config: ModelConfig, builder_config: kiln.BuilderConfig) -> None:
+    """Make ``builder_config``'s precision flags exactly those of `kiln_precision`: setting alone cannot give
+    strict fp32, since a new config has TF32 set."""
+    wanted = set(precision_flags(config))
+    for flag in _PRECISION_MANAGED:
+        if flag in wanted:
+            builder_config.set_flag(flag)
+        else:
+            builder_config.clear_flag(flag)
 
 
 class ShapeOracle:

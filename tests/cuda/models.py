@@ -218,7 +218,8 @@ def small_model_profiles(name: str, batches: tuple[int, int, int] = (1, 2, 4),
 def build_engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple], flag=None, flags=(),
                  debug=()):
     """An engine of ``model`` for ``backend`` with one profile (input -> (min, opt, max)); ``flag`` (e.g.
-    BuilderFlag.FP16) and ``flags`` set on the config, the ``debug`` tensors marked."""
+    BuilderFlag.FP16) and ``flags`` set on the config, the ``debug`` tensors marked. TF32 (a new config's default)
+    is cleared unless asked for: without flags an engine computes strict fp32, what the tolerances assume."""
     import engine_core as kiln
 
     builder = kiln.Builder()
@@ -228,6 +229,7 @@ def build_engine(model: onnx.ModelProto, backend: str, profiles: dict[str, tuple
         assert net.mark_debug(name)
     config = builder.create_builder_config()
     config.backend = backend
+    config.clear_flag(kiln.BuilderFlag.TF32)
     for one in ([flag] if flag is not None else []) + list(flags):
         config.set_flag(one)
     profile = builder.create_optimization_profile()

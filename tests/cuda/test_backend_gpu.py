@@ -33,6 +33,7 @@ def _build(model, backend: str, profiles: dict | None = None, flags=(), cache=No
     cfg = builder.create_builder_config()
     cfg.backend = backend
     cfg.builder_optimization_level = level
+    cfg.clear_flag(kiln.BuilderFlag.TF32)  # strict fp32 unless ``flags`` ask for TF32 (a new config allows it)
     for flag in flags:
         cfg.set_flag(flag)
     if cache is not None:

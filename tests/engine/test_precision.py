@@ -51,8 +51,8 @@ class _Warnings(kiln.Logger):
 
 def build(model: onnx.ModelProto, shapes: dict[str, tuple], flags: tuple = (), setup: Setup | None = None,
           network_flags: int = 0, backend: str = "cpu") -> tuple[bytes, list[str]]:
-    """Parse and build ``model`` on the CPU backend with ``flags`` (``setup`` edits the network
-    first); returns the plan bytes and the warnings logged during the build."""
+    """Parse and build ``model`` on the CPU backend with exactly ``flags`` (TF32, a new config's default, only when
+    asked for; ``setup`` edits the network first); returns the plan bytes and the warnings logged during the build."""
     b = kiln.Builder()
     network = b.create_network(network_flags)
     parser = kiln.OnnxParser(network)
@@ -60,6 +60,7 @@ def build(model: onnx.ModelProto, shapes: dict[str, tuple], flags: tuple = (), s
     config = b.create_builder_config()
     config.backend = backend
     config.builder_optimization_level = 0  # no fusions: these tests inspect each ONNX layer's type
+    config.clear_flag(F.TF32)
     for flag in flags:
         config.set_flag(flag)
     profile = b.create_optimization_profile()

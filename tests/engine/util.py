@@ -32,13 +32,15 @@ def parsed_graph(model: onnx.ModelProto):
 
 
 def build(model: onnx.ModelProto, shapes: dict[str, tuple], backend: str = "cpu") -> bytes:
-    """Parse ``model`` and build it with one profile: ``shapes[name] = (min, opt, max)``."""
+    """Parse ``model`` and build it with one profile: ``shapes[name] = (min, opt, max)``, in strict fp32 (TF32,
+    a new config's default, cleared: CUDA builds are compared with fp32 references)."""
     builder = kiln.Builder()
     network = builder.create_network()
     parser = kiln.OnnxParser(network)
     assert parser.parse(model.SerializeToString()), [str(e) for e in parser.errors]
     config = builder.create_builder_config()
     config.backend = backend
+    config.clear_flag(kiln.BuilderFlag.TF32)
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in shapes.items():
         profile.set_shape(name, lo, opt, hi)

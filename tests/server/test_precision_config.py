@@ -8,7 +8,8 @@ from google.protobuf import text_format
 
 import engine_core as kiln
 from server.core.errors import ServerError
-from server.core.model import precision_flags
+from server.core.model import apply_precision, precision_flags
+from server.plan_cache import build_description
 from server.protos import model_config_pb2
 
 
@@ -20,11 +21,36 @@ def _config(value: str | None) -> model_config_pb2.ModelConfig:
 
 
 @pytest.mark.parametrize(("value", "flags"), [
-    (None, set()), ("fp32", set()), ("TF32", {kiln.BuilderFlag.TF32}),
+    (None, {kiln.BuilderFlag.TF32}), ("fp32", set()), ("TF32", {kiln.BuilderFlag.TF32}),
     ("fp16", {kiln.BuilderFlag.FP16, kiln.BuilderFlag.TF32}), ("bf16", {kiln.BuilderFlag.BF16, kiln.BuilderFlag.TF32}),
 ])
 def test_precision_parameter_maps_to_builder_flags(value, flags):
     assert set(precision_flags(_config(value))) == flags
+
+
+@pytest.mark.parametrize(("value", "tf32"), [(None, True), ("fp32", False), ("tf32", True), ("fp16", True)])
+def test_applied_precision_clears_tf32_only_for_strict_fp32(value, tf32):
+    """Unset follows the engine (a new config allows TF32); fp32 must clear it, which setting flags cannot do."""
+    config = kiln.BuilderConfig("cuda")
+    config.set_flag(kiln.BuilderFlag.REFIT)
+    apply_precision(_config(value), config)
+    assert config.get_flag(kiln.BuilderFlag.TF32) is tf32
+    assert config.get_flag(kiln.BuilderFlag.REFIT)  # flags kiln_precision does not decide are left alone
+    assert config.get_flag(kiln.BuilderFlag.FP16) is (value == "fp16")
+
+
+def test_plan_cache_key_ignores_tf32_on_cpu_only():
+    """TF32 changes no CPU plan's results (a CPU plan cached before it became the default is still valid), but it
+    changes every fp32 GEMM and convolution of a CUDA plan."""
+    descriptions = {}
+    for backend in ("cpu", "cuda"):
+        for tf32 in (True, False):
+            config = kiln.BuilderConfig(backend)
+            if not tf32:
+                config.clear_flag(kiln.BuilderFlag.TF32)
+            descriptions[backend, tf32] = build_description(config)
+    assert descriptions["cpu", True] == descriptions["cpu", False]
+    assert descriptions["cuda", True] != descriptions["cuda", False]
 
 
 def test_an_unknown_precision_names_the_model_and_the_choices():

@@ -8,16 +8,24 @@ without it convolutions run on the host, visibly.
 Graphs are built per distinct ``Conv.key()`` (shapes, layouts, dtype, epilogue) and cached per
 execution context together with a workspace; executing passes raw device pointers, so captured CUDA
 graphs replay them.
+
+Release: the frontend's graphs and tensors are nanobind objects, which must be gone before the interpreter
+finalizes nanobind (else "nanobind: leaked N instances" at exit). A context's ``CudnnConvs`` drops them with
+it, or on ``close()``; engines and contexts still alive at exit (a server's) are closed by an atexit hook.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from functools import cache
 from typing import Any
 
 import numpy as np
 
 from engine_core.backends.cuda.lowering import Conv, Ref
+from engine_core.backends.cuda.tactics import time_first_runnable
 from engine_core.cuda.driver import CudaError, DeviceBuffer
 
 
@@ -44,6 +52,26 @@ def _data_type(cudnn: Any, dtype_name: str) -> Any:
 #: every cuDNN handle made: destroying one while graphs built on it are alive (garbage collection order at
 #: exit) crashed processes in native code, so handles live as long as the process
 _HANDLES: list[Any] = []
+
+
+#: execution plans the build times per convolution (those that build, in heuristics order)
+AUTOTUNE_PLANS = 4
+#: strict fp32: cuDNN's heuristics rank its FFMA engines (implicit / precomputed GEMM, Winograd, FFT) less
+#: reliably than its tensor-core ones, and their speeds differ several-fold by shape, so more of them are timed
+STRICT_FP32_AUTOTUNE_PLANS = 8
+#: a plan asking for more workspace is passed over (FFT engines can ask for gigabytes at large batches: memory the
+#: plan's device_memory_size does not count)
+MAX_WORKSPACE_BYTES = 1 << 30
+
+
+def strict_fp32(op: Conv) -> bool:
+    """An fp32 convolution without TF32: cuDNN's tensor-core engines are deselected (they would round to TF32)."""
+    return op.dtype.name == "float32" and not op.tf32
+
+
+def autotune_plans(op: Conv) -> int:
+    """How many buildable execution plans the build times for ``op``."""
+    return STRICT_FP32_AUTOTUNE_PLANS if strict_fp32(op) else AUTOTUNE_PLANS
 
 
 class _Built:
@@ -73,6 +101,14 @@ class CudnnConvs:
         #: fused graphs cuDNN has no engine for: their bare convolution runs, the caller adds the epilogue
         self._unfusable: set[tuple] = set()
         self._fusable: set[tuple] = set()
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Drop every cuDNN graph (and its tensors) built here. Safe while in use: a later run builds again; the
+        handle and workspace stay (a run on another thread may still hold them)."""
+        self._built.clear()
+        self._fusable.clear()
+        self._unfusable.clear()
 
     def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
         """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
@@ -102,7 +138,7 @@ class CudnnConvs:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        if op.dtype.name == "float32" and not op.tf32:  # exact fp32: no TF32 or down-converting engines
+        if strict_fp32(op):  # exact fp32: no TF32 (tensor-core) or down-converting engines, as PyTorch filters them
             notes = cudnn.numerical_note
             graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
                                           notes.REDUCED_PRECISION_REDUCTION])
@@ -164,6 +200,8 @@ class CudnnConvs:
                 workspace = int(graph.get_workspace_size_plan_at_index(candidate))
             except Exception:
                 continue
+            if workspace > MAX_WORKSPACE_BYTES:
+                continue
             built = self._built[key] = _Built(graph, tensors, candidate, workspace)
             break
         else:
@@ -218,8 +256,10 @@ class CudnnConvs:
             return "rest" if wanted is not op else ""
         return "fallback"
 
-    def autotune(self, op: Conv, candidates: int = 4, repeats: int = 5) -> tuple[int, dict[int, float]]:
-        """Time the first ``candidates`` execution plans on scratch buffers: (fastest index, ms by index)."""
+    def autotune(self, op: Conv, candidates: int | None = None, repeats: int = 5) -> tuple[int, dict[int, float]]:
+        """Time the first ``candidates`` execution plans (default ``autotune_plans(op)``) that build at their own
+        index, on scratch buffers: (fastest index, ms by index). Deselected plans (strict fp32's tensor-core ones)
+        do not count, so strict fp32 times its FFMA engines instead of nothing."""
         from cuda.bindings import driver
 
         from engine_core.cuda.driver import check
@@ -236,34 +276,48 @@ class CudnnConvs:
         timed = Conv(**{**op.__dict__, **{name: Ref(name) if getattr(op, name) is not None else None
                                           for name in ("x", "w", "y", "b", "z", "scale", "z_scale")}})
         stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
+        limit = candidates or autotune_plans(op)
         op = self.fusable(op)
         timed = timed if op.key() == timed.key() else timed.bare()
         graph, _ = self._graph(op)
-        count = min(int(graph.get_execution_plan_count()), candidates)
-        times: dict[int, float] = {}
-        for index in range(count):
+
+        def time_plan(index: int) -> float:
+            self.run(timed, refs.__getitem__, stream, index)
+            if self._built[(op.key(), index)].index != index:
+                raise CudaError(f"plan {index} does not build")  # deselected or unsupported: another one ran
+            start = check(driver.cuEventCreate(0), "cuEventCreate")
+            stop = check(driver.cuEventCreate(0), "cuEventCreate")
             try:
-                self.run(timed, refs.__getitem__, stream, index)
-                if self._built[(op.key(), index)].index != index:
-                    continue  # that plan did not build; another one ran instead
-                start = check(driver.cuEventCreate(0), "cuEventCreate")
-                stop = check(driver.cuEventCreate(0), "cuEventCreate")
                 check(driver.cuEventRecord(start, stream), "cuEventRecord")
                 for _ in range(repeats):
                     self.run(timed, refs.__getitem__, stream, index)
                 check(driver.cuEventRecord(stop, stream), "cuEventRecord")
                 check(driver.cuEventSynchronize(stop), "cuEventSynchronize")
-                times[index] = float(check(driver.cuEventElapsedTime(start, stop), "time")) / repeats
+                return float(check(driver.cuEventElapsedTime(start, stop), "time")) / repeats
+            finally:
                 driver.cuEventDestroy(start)
                 driver.cuEventDestroy(stop)
-            except Exception:
-                continue
+
+        times = time_first_runnable(range(int(graph.get_execution_plan_count())), time_plan, limit)
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
         driver.cuStreamDestroy(stream)
         self._stream = None
         if not times:
             return 0, {}
         return min(times, key=times.__getitem__), times
+
+
+#: every CudnnConvs alive, for the exit hook
+_LIVE: weakref.WeakSet[CudnnConvs] = weakref.WeakSet()
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every live CudnnConvs and collect cycles, so no cuDNN frontend object outlives the interpreter's
+    finalization of nanobind (atexit hooks run before it; contexts kept by a server until exit are still alive)."""
+    for convs in list(_LIVE):
+        convs.close()
+    gc.collect()
 
 
 @cache

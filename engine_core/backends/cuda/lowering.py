@@ -7,8 +7,9 @@ numpy implementation with explicit copies; reported as tactic "host", never sile
 
 Layouts: 4-D activations produced by convolutions live channels-last (NHWC) when cuDNN runs them —
 tensor-core convolutions want it — and stay so through pointwise layers and pooling, which read any
-layout through strides. A layer that needs the logical (linear) layout gets a visible reformat step
-in front of it, and graph outputs are always linear.
+layout through strides. Strict fp32 convolutions (no TF32) stay NCHW: cuDNN's fast FFMA engines are
+NCHW kernels (``LoweringOptions.strict_fp32_nchw``). A layer that needs the logical (linear) layout gets
+a visible reformat step in front of it, and graph outputs are always linear.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class LoweringOptions:
     #: INT8 ``kiln.QMatMul`` runs Kiln's Hopper wgmma GEMM with the epilogue in registers (qgemm.py): sm_90 GPUs,
     #: unless KILN_QGEMM=0
     qgemm_sm90: bool = False
+    #: strict fp32 convolutions (fp32 without TF32) run NCHW with KCRS filters: cuDNN's FFMA engines (implicit /
+    #: precomputed GEMM, Winograd, FFT) are NCHW kernels, and with the tensor-core engines deselected an NHWC fp32
+    #: graph is left with slow generic ones (ResNet-50 at batch 128: 395.6 ms against 10.8 ms in TF32). Plans
+    #: built before this option ran such convolutions channels-last and still do (the runner lowers as recorded)
+    strict_fp32_nchw: bool = False
 
 
 @dataclass(frozen=True)
@@ -1173,16 +1179,19 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     group = int(node.attr("group", 1))
     if w.shape[1] * group != x.shape[1]:
         raise Unsupported("convolution whose group does not match its shapes")
-    xin = ctx.as_layout(node.inputs[0], "nhwc")
-    # cuDNN writes channels-last; a graph output (linear) gets it through a step-local buffer and a reformat
+    nchw = conv_layout(dtype, ctx.options) == "linear"
+    xin = ctx.as_layout(node.inputs[0], "linear" if nchw else "nhwc")
+    # channels-last: a graph output (linear) gets cuDNN's result through a step-local buffer and a reformat
     result = node.outputs[0]
     y_name = result
-    if result in ctx.graph_outputs:
+    if result in ctx.graph_outputs and not nchw:
         y_name = ctx.new_scratch(f"{node.name}#conv", out.dtype, tuple(out.shape)).tensor
-    ctx.layouts[y_name] = "nhwc"
-    wname = f"{node.inputs[1]}#krsc"
-    ctx.weight_transforms[wname] = (node.inputs[1], "krsc")
-    ctx.infos[wname] = TensorInfo(w.dtype, w.shape)
+    wname = node.inputs[1]
+    if not nchw:
+        ctx.layouts[y_name] = "nhwc"
+        wname = f"{node.inputs[1]}#krsc"
+        ctx.weight_transforms[wname] = (node.inputs[1], "krsc")
+        ctx.infos[wname] = TensorInfo(w.dtype, w.shape)
     bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
     residual = node.inputs[3] if node.op_type == "FusedConv" and len(node.inputs) > 3 and node.inputs[3] else None
     if bias and (ctx.info(bias).dtype != dtype or ctx.info(bias).shape != (out.shape[1],)):
@@ -1201,7 +1210,7 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
     alpha, beta = float(node.attr("activation_alpha", 0.01)), float(node.attr("activation_beta", 0.0))
     conv = Conv(Ref(xin), Ref(wname), Ref(y_name), Ref(bias) if bias else None,
                 Ref(fused_residual) if fused_residual else None, tuple(x.shape), tuple(w.shape), tuple(out.shape),
-                nhwc_strides(x.shape), nhwc_strides(w.shape), ctx.strides(y_name),
+                ctx.strides(xin), contiguous_strides(w.shape) if nchw else nhwc_strides(w.shape), ctx.strides(y_name),
                 ctx.strides(fused_residual) if fused_residual else None, (pads[0], pads[1]), (pads[2], pads[3]),
                 strides, dilations, dtype, fused_activation, tf32=ctx.options.tf32)
     if bias or fused_residual or fused_activation:
@@ -1215,6 +1224,13 @@ def _lower_conv(node: Node, ctx: _Context) -> list:
         rest.append(copy_launch(ctx, out.dtype, Ref(result), Ref(y_name), out.shape, contiguous_strides(out.shape),
                                 ctx.strides(y_name)))
     return [conv, *rest]
+
+
+def conv_layout(dtype: np.dtype, options: LoweringOptions) -> str:
+    """The layout a float convolution of ``dtype`` reads and writes: "nhwc" (tensor-core engines want it), or
+    "linear" (NCHW) for strict fp32, whose fast cuDNN engines are FFMA kernels over NCHW."""
+    strict_fp32 = np.dtype(dtype) == F32 and not options.tf32
+    return "linear" if strict_fp32 and options.strict_fp32_nchw else "nhwc"
 
 
 def _lower_qmatmul(node: Node, ctx: _Context) -> list:
