@@ -173,6 +173,8 @@ def layer_engine(model, shape: tuple[int, ...] | dict[str, tuple[int, ...]], fp1
     config = builder.create_builder_config()
     if fp16:
         config.set_flag(kiln.BuilderFlag.FP16)
+    else:  # strict fp32, as the torch side computes it
+        config.clear_flag(kiln.BuilderFlag.TF32)
     profile = builder.create_optimization_profile()
     for name, fixed in (shape if isinstance(shape, dict) else {"x": shape}).items():
         profile.set_shape(name, fixed, fixed, fixed)
@@ -190,8 +192,8 @@ def build_kiln(onnx_path: Path, names: list[str], precision: str, batches: list[
         if not kiln.OnnxParser(net).parse_from_file(str(onnx_path)):
             raise RuntimeError(f"Kiln could not parse {onnx_path}")
         cfg = builder.create_builder_config()
-        if precision == "tf32":
-            cfg.set_flag(kiln.BuilderFlag.TF32)
+        if precision == "fp32":  # strict: a new config allows TF32, as the reference's does
+            cfg.clear_flag(kiln.BuilderFlag.TF32)
         if precision in ("fp16", "bf16"):
             cfg.set_flag(kiln.BuilderFlag.FP16 if precision == "fp16" else kiln.BuilderFlag.BF16)
             cfg.set_flag(kiln.BuilderFlag.TF32)

@@ -236,9 +236,10 @@ def build_engine(path: Path, spec: ModelSpec, variant: str, batches: list[int], 
         raise RuntimeError(f"Kiln could not parse {path}: " + "; ".join(str(e) for e in parser.errors))
     config = builder.create_builder_config()
     config.backend = backend
-    if variant != "fp32":  # fp32 is the reference: TF32 off, like bench.engine's fp32
+    if variant == "fp32":  # the reference: TF32 off (a new config allows it), like bench.engine's fp32
+        config.clear_flag(kiln.BuilderFlag.TF32)
+    else:
         config.set_flag(kiln.BuilderFlag.FP16)
-        config.set_flag(kiln.BuilderFlag.TF32)
     if variant.startswith("int8"):
         config.set_flag(kiln.BuilderFlag.INT8)
     if calibrator is not None:

@@ -94,7 +94,7 @@ def run_case(case: Any, backend: str = "cpu") -> CaseResult:
     """Import, build, run and check one test case."""
     from onnx import TensorProto, numpy_helper
 
-    from engine_core import Builder, OnnxParser, Runtime
+    from engine_core import Builder, BuilderFlag, OnnxParser, Runtime
     from engine_core.errors import KilnError
 
     started = time.perf_counter()
@@ -121,6 +121,7 @@ def run_case(case: Any, backend: str = "cpu") -> CaseResult:
             expected = [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in expected]
             config = builder.create_builder_config()
             config.backend = backend
+            config.clear_flag(BuilderFlag.TF32)  # the cases' expected outputs are fp32 math
             feeds = dict(zip(graph_inputs, inputs))
             profile = builder.create_optimization_profile()
             for name, value in feeds.items():

@@ -45,6 +45,7 @@ class KilnBackendRep(BackendRep):
         if key not in self._contexts:
             config = self.builder.create_builder_config()
             config.backend = self.backend
+            config.clear_flag(kiln.BuilderFlag.TF32)  # onnx's backend contract: fp32 results, as onnxruntime's
             profile = self.builder.create_optimization_profile()
             for name, value in feeds.items():
                 if isinstance(value, np.ndarray):

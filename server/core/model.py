@@ -478,8 +478,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     config = complete_config(config, proto, source.name, default_max_batch_size)
     builder = kiln.Builder()  # the ONNX import itself runs in the build process (bounded memory and time)
     builder_config = kiln.BuilderConfig(_backend_for(config))
-    for flag in precision_flags(config):
-        builder_config.set_flag(flag)
+    apply_precision(config, builder_config)
     for ranges in profiles or [_profile_ranges(config, batch) for batch in profile_batch_sizes(config)]:
         profile = builder.create_optimization_profile()
         for name, (low, opt, high) in ranges.items():
