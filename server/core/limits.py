@@ -26,6 +26,7 @@ MIB = 1 << 20
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _MAX_UPLOAD_FILES = 1024
 _MAX_UPLOAD_DEPTH = 16
+_NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX; most file systems)
 # Config fields naming files inside the model directory (a path out of it would read files the server can see).
 _FILE_FIELDS = ("default_model_filename", "label_filename")
 
@@ -155,6 +156,16 @@ def _file_fields(document: Any) -> Iterator[str]:
             stack.extend(node)
 
 
+def _check_component_lengths(name: str, relative: str) -> None:
+    """A file name longer than the file system allows is the client's error (400), refused before anything is
+    written; Triton's message for it starts "failed to load '<name>', failed to poll from model repository"."""
+    for part in PurePosixPath(relative).parts:
+        size = len(part.encode("utf-8", "surrogatepass"))
+        if size > _NAME_MAX:
+            raise invalid(f"failed to load '{name}', failed to poll from model repository: uploaded file path "
+                          f"component '{part[:40]}...' is {size} bytes long, at most {_NAME_MAX} are allowed")
+
+
 def check_load_request(name: str, config: str | None, files: dict[str, bytes]) -> None:
     """Refuse a repository load that could write or read outside the model directory, before anything runs."""
     check_model_name(name)
@@ -162,6 +173,7 @@ def check_load_request(name: str, config: str | None, files: dict[str, bytes]) -
         raise invalid(f"a load may upload at most {_MAX_UPLOAD_FILES} files, got {len(files)}")
     for key in files:
         check_relative_path(key.removeprefix("file:"), "uploaded file path")
+        _check_component_lengths(name, key.removeprefix("file:"))
     if config is None:
         return
     try:
