@@ -16,6 +16,7 @@ from server.auth import RestrictedApi, http_group
 from server.core.errors import ServerError
 from server.core.limits import InflightLimiter, PayloadTooLarge, RequestLimits
 
+from ..restricted import restricted_refusal
 from .errors import http_status
 
 Scope = MutableMapping[str, Any]
@@ -54,6 +55,10 @@ class GuardMiddleware:
         headers = _headers(scope)
         try:
             self.restricted.check(group, headers)
+        except ServerError as error:
+            await _refuse(send, restricted_refusal(self.restricted, group, error, "API"))
+            return
+        try:
             self._check_declared_length(headers)
         except ServerError as error:
             await _refuse(send, error)
