@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,6 +257,34 @@ class ServerCore:
         result.times.compute_output_ns = time.perf_counter_ns() - t0
         response = InferResponse(model.name, str(model.version), outputs, id=request.id)
         return response, batch, result.times
+
+    def raw_input(self, model_name: str, model_version: str, data: memoryview) -> InferInput:
+        """The one input of Triton's raw binary request (HTTP `Inference-Header-Content-Length: 0`), its name,
+        datatype and shape taken from the model: batch 1 when the model batches, the one variable dim (if any)
+        from the byte count, a BYTES input must have shape [1] and gets the whole body as its element.
+        Triton's rules and texts: core/src/infer_request.cc InferenceRequest::Normalize."""
+        model = self._version(model_name, model_version)
+        if len(model.inputs) != 1:
+            raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got {len(model.inputs)} "
+                          f"inputs in '{model.name}' model configuration")
+        spec = next(iter(model.inputs.values()))
+        dims = list(spec.dims)
+        if dims.count(-1) > 1:
+            raise invalid(f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
+                          "than one variable-sized dimension")
+        batch = [1] if model.max_batch_size > 0 else []
+        if spec.datatype == "BYTES":
+            if dims.count(-1) or math.prod(dims) != 1:
+                raise invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+            array = np.empty(1, dtype=np.object_)
+            array[0] = bytes(data)
+            shape = tuple(batch + dims)
+            return InferInput(spec.name, spec.datatype, shape, array.reshape(shape))
+        if -1 in dims:
+            per_step = math.prod(d for d in dims if d != -1) * numpy_dtype(spec.datatype).itemsize
+            dims[dims.index(-1)] = len(data) // per_step if per_step else 0
+        shape = tuple(batch + dims)
+        return InferInput(spec.name, spec.datatype, shape, from_raw(data, spec.datatype, shape))
 
     def _input_array(self, tensor: InferInput) -> np.ndarray:
         """The input's data, read from its shared-memory region when it names one; shape checked."""
