@@ -234,7 +234,7 @@ class ServerCore:
         datatypes = {}
         for tensor in request.inputs:
             if tensor.name in arrays:  # Triton (core/src/infer_request.cc AddOriginalInput) says exactly this
-                raise invalid(f"input '{tensor.name}' already exists in request")
+                raise invalid(f"input '{tensor.name}' already exists in request (given more than once)")
             arrays[tensor.name] = self._input_array(tensor)
             datatypes[tensor.name] = tensor.datatype
         _check_unique_outputs(request.outputs)

@@ -71,7 +71,8 @@ async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header:
         infer_request = InferRequest(model_name, [core.raw_input(model_name, model_version, memoryview(body))],
                                      model_version)
     else:
-        limits.check_json_size(len(body) if header_length is None else parse_header_length(header_length) or 0)
+        length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
+        limits.check_json_size(len(body) if length is None else min(length, len(body)))
         infer_request = decode_request(body, header_length, model_name, model_version)
     response = await _infer_unless_disconnected(core, infer_request, disconnected)
     if response is None:
