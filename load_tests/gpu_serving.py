@@ -265,7 +265,7 @@ def kiln_server(repo: Path, plans: Path, log: Path, first_model: str, extra: lis
     command = [sys.executable, "-m", "server", "--model-repository", str(repo), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                "--plan-cache-dir", str(plans), "--model-control-mode", "explicit", "--load-model", first_model,
-               *extra]
+               "--allow-client-shm", "true", *extra]  # the shared-memory transports register regions
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
     handle = ServerHandle(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", log)

@@ -106,6 +106,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kiln_execution_timeout_ms for models whose config leaves it out: an execution running "
                              "longer fails its requests (503) and its worker waits out of service; 0: no limit "
                              "(default; env KILN_EXECUTION_TIMEOUT_MS)")
+    parser.add_argument("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
+                        help="let clients register, unregister and use system and CUDA shared-memory regions "
+                             "(Triton's flag and default: false; status queries are always answered)")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
@@ -137,6 +140,7 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         log_file=args.log_file,
         log_format=args.log_format,
         adaptive=_adaptive(args),
+        allow_client_shm=args.allow_client_shm,
     )
 
 

@@ -84,8 +84,12 @@ class ModelRepository:
         directory.mkdir(parents=True)
         for relative, content in files.items():
             target = directory / _safe_relative(relative)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            except OSError as e:  # a name the file system refuses (too long, reserved): the client's upload
+                raise _errors().invalid(f"uploaded file '{relative}' cannot be written: "
+                                        f"{e.strerror or type(e).__name__}") from None
         return read_source(name, directory)
 
     def close(self) -> None:

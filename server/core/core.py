@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from server.repository import ModelRepository, ModelSource, RepositoryPoller, ch
 
 from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
-from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
+from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
 from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
@@ -39,6 +40,10 @@ from .types import (
 )
 
 log = logging.getLogger("kiln.server")
+
+# Triton's text (server/src/common.h kClientShmDisabledErrorStr) with Kiln's flag spelled the same way.
+CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with '--allow-client-shm=true' to "
+                       "enable.")
 
 SERVER_NAME = "kiln"
 EXTENSIONS = [
@@ -63,6 +68,7 @@ class CoreOptions:
     log_file: str = ""
     log_format: str = "default"
     adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings.from_env)  # --adaptive-profiles
+    allow_client_shm: bool = False  # --allow-client-shm: Triton's default is off too
 
 
 class ModelState:
@@ -177,15 +183,17 @@ class ServerCore:
         entry = self.models.get(name)
         if entry is None or (not entry.versions and entry.state != ModelState.LOADING):
             if entry is None and name not in self.repository.names():
-                raise not_found(f"unknown model: '{name}'")
-            raise unavailable(f"model '{name}' is not loaded ({entry.reason if entry else 'unloaded'})")
+                raise not_found(unknown_model(name))
+            raise unavailable(f"Request for unknown model: '{name}' has no available versions "
+                              f"(not loaded: {entry.reason if entry else 'unloaded'})")
         if not entry.versions:
-            raise unavailable(f"model '{name}' is {entry.state.lower()}")
+            raise unavailable(f"Request for unknown model: '{name}' has no available versions "
+                              f"(it is {entry.state.lower()})")
         if not version:
             return entry.latest()  # type: ignore[return-value]
         if not version.isdigit() or int(version) not in entry.versions:
-            raise not_found(f"model '{name}' has no ready version '{version}' "
-                            f"(ready: {sorted(entry.versions)})")
+            raise not_found(f"Request for unknown model: '{name}' version {version} is not found "
+                            f"(no ready version '{version}'; ready: {sorted(entry.versions)})")
         return entry.versions[int(version)]
 
     async def model_ready(self, name: str, version: str = "") -> bool:
@@ -232,11 +240,14 @@ class ServerCore:
     async def _infer(self, model: ModelVersion, request: InferRequest, trace):
         arrays = {}
         datatypes = {}
+        if request.raw_input is not None:
+            request.inputs = [self._raw_input(model, request.raw_input)]
         for tensor in request.inputs:
-            if tensor.name in arrays:
-                raise invalid(f"input '{tensor.name}' is given more than once")
+            if tensor.name in arrays:  # Triton (core/src/infer_request.cc AddOriginalInput) says exactly this
+                raise invalid(f"input '{tensor.name}' already exists in request (given more than once)")
             arrays[tensor.name] = self._input_array(tensor, model)
             datatypes[tensor.name] = tensor.datatype
+        _check_unique_outputs(request.outputs)
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
@@ -259,6 +270,34 @@ class ServerCore:
         result.times.compute_output_ns = time.perf_counter_ns() - t0
         response = InferResponse(model.name, str(model.version), outputs, id=request.id)
         return response, batch, result.times
+
+    @staticmethod
+    def _raw_input(model: ModelVersion, data: bytes | memoryview) -> InferInput:
+        """The one input of Triton's raw binary request (HTTP `Inference-Header-Content-Length: 0`), its name,
+        datatype and shape taken from the model: batch 1 when the model batches, the one variable dim (if any)
+        from the byte count, a BYTES input must have shape [1] and gets the whole body as its element.
+        Triton's rules and texts: core/src/infer_request.cc InferenceRequest::Normalize."""
+        if len(model.inputs) != 1:
+            raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got {len(model.inputs)} "
+                          f"inputs in '{model.name}' model configuration")
+        spec = next(iter(model.inputs.values()))
+        dims = list(spec.dims)
+        if dims.count(-1) > 1:
+            raise invalid(f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
+                          "than one variable-sized dimension")
+        batch = [1] if model.max_batch_size > 0 else []
+        if spec.datatype == "BYTES":
+            if dims.count(-1) or math.prod(dims) != 1:
+                raise invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+            array = np.empty(1, dtype=np.object_)
+            array[0] = bytes(data)
+            shape = tuple(batch + dims)
+            return InferInput(spec.name, spec.datatype, shape, array.reshape(shape))
+        if -1 in dims:
+            per_step = math.prod(d for d in dims if d != -1) * numpy_dtype(spec.datatype).itemsize
+            dims[dims.index(-1)] = len(data) // per_step if per_step else 0
+        shape = tuple(batch + dims)
+        return InferInput(spec.name, spec.datatype, shape, from_raw(data, spec.datatype, shape))
 
     def _input_array(self, tensor: InferInput, model: ModelVersion) -> np.ndarray | kiln.DeviceView:
         """The input's data, read from its shared-memory region when it names one; shape checked. An input in
@@ -369,9 +408,11 @@ class ServerCore:
         return index
 
     def _require_explicit(self) -> None:
+        """Triton's words (model_repository_manager.cc LoadUnloadModel), which it uses in mode none as well."""
         if self.options.model_control_mode != "explicit":
-            raise unavailable("explicit model load / unload is not allowed if model control mode is not "
-                              "'explicit' (start the server with --model-control-mode explicit)")
+            raise unavailable("explicit model load / unload is not allowed if polling is enabled (model control "
+                              f"mode is '{self.options.model_control_mode}'; start the server with "
+                              "--model-control-mode explicit)")
 
     async def load_model(self, name: str, config: str | None = None,
                          files: dict[str, bytes] | None = None) -> None:
@@ -397,7 +438,9 @@ class ServerCore:
             except ServerError as e:
                 if e.kind == ErrorKind.NOT_FOUND and not entry.versions:
                     del self.models[name]  # nothing by that name exists: leave no trace in the index
-                    raise
+                    # Triton's words (model_repository_manager.cc LoadUnloadModel), then ours
+                    raise not_found(f"failed to load '{name}', failed to poll from model repository: "
+                                    f"{e.message}") from None
                 self._load_failed(entry, previous_state, e.message)
                 raise invalid(f"load failed for model '{name}': {e.message}") from None
             except kiln.KilnError as e:
@@ -449,7 +492,7 @@ class ServerCore:
         """Stop serving `name`; requests already running finish. Unloading an unloaded model is a no-op."""
         self._require_explicit()
         if name not in self.models and name not in self.repository.names():
-            raise not_found(f"unknown model: '{name}'")
+            raise not_found(unknown_model(name))
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:
@@ -520,8 +563,8 @@ class ServerCore:
         entry = self.models.get(name)
         if entry is None or not entry.versions:
             if entry is None and name not in self.repository.names():
-                raise not_found(f"unknown model: '{name}'")
-            raise unavailable(f"model '{name}' is not loaded")
+                raise not_found(unknown_model(name))
+            raise unavailable(f"Request for unknown model: '{name}' has no available versions (not loaded)")
         if version:
             return {"model_stats": [self._version(name, version).statistics.as_dict()]}
         return {"model_stats": [v.statistics.as_dict() for _, v in sorted(entry.versions.items())]}
@@ -530,26 +573,35 @@ class ServerCore:
     async def system_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
         return self.system_shm.status(name)
 
+    def _require_client_shm(self) -> None:
+        """Register and unregister need --allow-client-shm; status stays answerable (Triton: http_server.cc)."""
+        if not self.options.allow_client_shm:
+            raise unimplemented(CLIENT_SHM_DISABLED)
+
     async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._require_client_shm()
         await asyncio.to_thread(self.system_shm.register, name, key, int(offset), int(byte_size))
 
     async def unregister_system_shared_memory(self, name: str = "") -> None:
+        self._require_client_shm()
         self.system_shm.unregister(name)
 
     async def cuda_shared_memory_status(self, name: str = "") -> list[dict[str, Any]]:
         return self.system_shm.cuda_status(name)
 
     async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self._require_client_shm()
         await asyncio.to_thread(self.system_shm.register_cuda, name, bytes(raw_handle), int(device_id), int(byte_size))
 
     async def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        self._require_client_shm()
         await asyncio.to_thread(self.system_shm.unregister_cuda, name)
 
     # -- settings -------------------------------------------------------------------------------------------
     async def trace_settings(self, model_name: str = "", updates: dict[str, Any] | None = None) -> dict[str, Any]:
         """Current trace settings (global or for a model), after applying `updates` if given."""
         if model_name and model_name not in self.models and model_name not in self.repository.names():
-            raise not_found(f"unknown model: '{model_name}'")
+            raise not_found(unknown_model(model_name))
         if updates:
             return self.trace.update(model_name, updates)
         return self.trace.current(model_name)
@@ -565,6 +617,20 @@ def _device_io(model: ModelVersion) -> bool:
     """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
     models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch)."""
     return model.engine.backend == "cuda" and model.max_batch_size > 0
+
+
+def unknown_model(name: str) -> str:
+    """Triton's text for a model the server does not know (model_repository_manager.cc FindModelIdentifier)."""
+    return f"Request for unknown model: '{name}' is not found"
+
+
+def _check_unique_outputs(outputs: list[RequestedOutput]) -> None:
+    """An output asked for twice is refused, as Triton does (core/src/infer_request.cc AddOriginalRequestedOutput)."""
+    seen: set[str] = set()
+    for output in outputs:
+        if output.name in seen:
+            raise invalid(f"output '{output.name}' already exists in request")
+        seen.add(output.name)
 
 
 def _int_param(value: Any, name: str) -> int:

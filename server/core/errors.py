@@ -15,6 +15,7 @@ class ErrorKind(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     INTERNAL = "INTERNAL"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"  # Triton's UNSUPPORTED: a feature this server was started without (HTTP 501)
 
 
 class ServerError(Exception):
@@ -51,3 +52,7 @@ def not_found(message: str) -> ServerError:
 
 def unavailable(message: str) -> ServerError:
     return ServerError(ErrorKind.UNAVAILABLE, message)
+
+
+def unimplemented(message: str) -> ServerError:
+    return ServerError(ErrorKind.UNIMPLEMENTED, message)

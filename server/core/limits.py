@@ -26,6 +26,7 @@ MIB = 1 << 20
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _MAX_UPLOAD_FILES = 1024
 _MAX_UPLOAD_DEPTH = 16
+_NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX; most file systems)
 # Config fields naming files inside the model directory (a path out of it would read files the server can see).
 _FILE_FIELDS = ("default_model_filename", "label_filename")
 
@@ -44,31 +45,66 @@ def overloaded(message: str) -> ServerError:
     return ServerError(ErrorKind.RESOURCE_EXHAUSTED, message)
 
 
+# Triton's --http-max-input-size default (server/src/common.h HTTP_DEFAULT_MAX_INPUT_SIZE = 1 << 26, 64 MiB).
+HTTP_DEFAULT_MAX_INPUT_SIZE = 64 * MIB
+_USE_FLAG = "Use --http-max-input-size to increase the limit."
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per-request size limits; 0 means unlimited for `max_inflight_requests` only."""
+    """Per-request size limits. None: no limit (`max_body_bytes`, `max_decompressed_bytes`); 0 means unlimited
+    for `max_inflight_requests` only.
 
-    max_body_bytes: int = GIB
-    max_decompressed_bytes: int = GIB
+    `max_input_bytes` is Triton's `--http-max-input-size`: it bounds what the server must parse or build from
+    the body (an inference request's JSON header, JSON request bodies of the other APIs, a raw binary input,
+    the decompressed size), not binary tensor data after the header, which Triton does not limit either.
+    `max_body_bytes` (`--http-max-body-bytes`) is Kiln's optional cap on the whole body on the wire; Triton has
+    none, so by default there is none.
+    """
+
+    max_body_bytes: int | None = None
+    max_decompressed_bytes: int | None = None
     # Compressed bodies may grow this many times, past a floor that legitimate small requests never reach.
     max_compression_ratio: int = 1024
     ratio_floor_bytes: int = 64 * MIB
     max_inflight_requests: int = 0
+    max_input_bytes: int = HTTP_DEFAULT_MAX_INPUT_SIZE
 
     def __post_init__(self) -> None:
-        if min(self.max_body_bytes, self.max_decompressed_bytes, self.max_compression_ratio) <= 0:
-            raise ValueError("body, decompressed size and compression ratio limits must be positive")
+        sizes = [s for s in (self.max_body_bytes, self.max_decompressed_bytes) if s is not None]
+        if min([*sizes, self.max_compression_ratio, self.max_input_bytes]) <= 0:
+            raise ValueError("body, input, decompressed size and compression ratio limits must be positive")
         if self.max_inflight_requests < 0:
             raise ValueError("max_inflight_requests must be >= 0 (0 = unlimited)")
 
     def decompressed_limit(self, compressed_bytes: int) -> int:
-        """The most bytes a body of `compressed_bytes` may inflate to (absolute cap and ratio cap)."""
+        """The most bytes a body of `compressed_bytes` may inflate to (input size, absolute and ratio caps)."""
         by_ratio = max(compressed_bytes * self.max_compression_ratio, self.ratio_floor_bytes)
-        return min(self.max_decompressed_bytes, by_ratio)
+        return min(self.max_decompressed_bytes or by_ratio, by_ratio, self.max_input_bytes)
+
+    def decompression_refusal(self, limit: int, compressed_bytes: int) -> ServerError:
+        """The answer when a body would inflate past `limit`: Triton's 400 when the input size is what binds
+        (data_compressor.h), else 413 for Kiln's own caps (the ratio guard, --http-max-body-bytes)."""
+        if limit == self.max_input_bytes:
+            return invalid(f"Decompressed data size exceeds the maximum allowed value of {limit} bytes. {_USE_FLAG}")
+        return PayloadTooLarge(f"decompressed request body exceeds the limit of {limit} bytes "
+                               f"({compressed_bytes} bytes compressed)")
 
     def check_body_size(self, size: int) -> None:
-        if size > self.max_body_bytes:
+        if self.max_body_bytes is not None and size > self.max_body_bytes:
             raise PayloadTooLarge(f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes")
+
+    def check_json_size(self, size: int) -> None:
+        """A request JSON (inference header or API body) the server would parse; Triton's text (http_server.cc)."""
+        if size > self.max_input_bytes:
+            raise invalid(f"request JSON size of {size} bytes exceeds the maximum allowed input size of "
+                          f"{self.max_input_bytes} bytes. {_USE_FLAG}")
+
+    def check_raw_input_size(self, size: int) -> None:
+        """The body of a raw binary request (Inference-Header-Content-Length: 0); Triton's text."""
+        if size > self.max_input_bytes:
+            raise invalid(f"Raw input has a byte_size ({size} bytes) that exceeds the maximum allowed value of "
+                          f"{self.max_input_bytes} bytes. {_USE_FLAG}")
 
 
 class InflightLimiter:
@@ -155,6 +191,16 @@ def _file_fields(document: Any) -> Iterator[str]:
             stack.extend(node)
 
 
+def _check_component_lengths(name: str, relative: str) -> None:
+    """A file name longer than the file system allows is the client's error (400), refused before anything is
+    written; Triton's message for it starts "failed to load '<name>', failed to poll from model repository"."""
+    for part in PurePosixPath(relative).parts:
+        size = len(part.encode("utf-8", "surrogatepass"))
+        if size > _NAME_MAX:
+            raise invalid(f"failed to load '{name}', failed to poll from model repository: uploaded file path "
+                          f"component '{part[:40]}...' is {size} bytes long, at most {_NAME_MAX} are allowed")
+
+
 def check_load_request(name: str, config: str | None, files: dict[str, bytes]) -> None:
     """Refuse a repository load that could write or read outside the model directory, before anything runs."""
     check_model_name(name)
@@ -162,6 +208,7 @@ def check_load_request(name: str, config: str | None, files: dict[str, bytes]) -
         raise invalid(f"a load may upload at most {_MAX_UPLOAD_FILES} files, got {len(files)}")
     for key in files:
         check_relative_path(key.removeprefix("file:"), "uploaded file path")
+        _check_component_lengths(name, key.removeprefix("file:"))
     if config is None:
         return
     try:
@@ -187,13 +234,27 @@ def _size(text: str) -> int:
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--http-max-body-bytes", type=_size, default=GIB, metavar="BYTES",
-                        help="largest HTTP request body (413 beyond; also caps what a compressed body inflates to)")
+    parser.add_argument("--http-max-input-size", type=_positive_size, default=HTTP_DEFAULT_MAX_INPUT_SIZE,
+                        metavar="BYTES",
+                        help="Triton's flag: largest request JSON (inference header or API body), raw binary "
+                             "input and decompressed body, 400 beyond; binary tensor data after the header is not "
+                             "counted (default 64M, as Triton)")
+    parser.add_argument("--http-max-body-bytes", type=_size, default=0, metavar="BYTES",
+                        help="largest HTTP request body on the wire, 413 beyond; also caps what a compressed body "
+                             "inflates to (default 0: no limit, as Triton)")
     parser.add_argument("--max-inflight-requests", type=int, default=0, metavar="N",
                         help="inference requests running at once over HTTP and gRPC together; more are refused "
                              "with 429 / RESOURCE_EXHAUSTED (0 = unlimited)")
 
 
+def _positive_size(text: str) -> int:
+    size = _size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got '{text}'")
+    return size
+
+
 def limits_from_args(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(max_body_bytes=args.http_max_body_bytes, max_decompressed_bytes=args.http_max_body_bytes,
-                         max_inflight_requests=args.max_inflight_requests)
+    body = args.http_max_body_bytes or None
+    return RequestLimits(max_body_bytes=body, max_decompressed_bytes=body, max_inflight_requests=args.max_inflight_requests,
+                         max_input_bytes=args.http_max_input_size)

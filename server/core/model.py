@@ -39,8 +39,13 @@ from .scheduler import DirectScheduler, Executor, Scheduler, Workers
 from .statistics import ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
-# Range given to dims the config leaves variable (-1) other than the batch dim.
-DYNAMIC_DIM_MAX = 4096
+# The most a dim the config leaves variable (-1, other than the batch dim) may take. Triton caps nothing; a CPU
+# plan runs numpy on the actual shapes, so its profile's max only bounds what is accepted and there it is the
+# largest extent a 32-bit index holds (TensorRT's Dims, Triton's int32 Content-Length). A CUDA plan sizes each
+# execution context's activation arena for the profile's max shapes (backends/cuda/runner.py), so on CUDA the
+# max stays at CUDA_DYNAMIC_DIM_MAX; a config that needs more names the dim (fixed dims are taken as given).
+DYNAMIC_DIM_MAX = (1 << 31) - 1
+CUDA_DYNAMIC_DIM_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -431,14 +436,18 @@ def profile_batch_sizes(config: ModelConfig) -> list[int]:
 
 
 def _profile_ranges(config: ModelConfig, batch: int) -> dict[str, tuple[list[int], list[int], list[int]]]:
-    """min/opt/max per input: batch 1..`batch` (opt = `batch`), variable dims 1..DYNAMIC_DIM_MAX, fixed dims
-    as given."""
+    """min/opt/max per input: batch 1..`batch` (opt = `batch`), fixed dims as given, variable dims (opt 1)
+    0..DYNAMIC_DIM_MAX on the CPU backend, which runs empty tensors (Triton serves a [1, 0] request), and
+    1..CUDA_DYNAMIC_DIM_MAX on CUDA, whose lowering refuses some layers of empty tensors (a refusal at the min
+    shapes would move those layers to the host) and whose arena is sized by the max."""
+    cuda = _backend_for(config) == "cuda"
+    smallest, largest = (1, CUDA_DYNAMIC_DIM_MAX) if cuda else (0, DYNAMIC_DIM_MAX)
     ranges = {}
     for tensor in config.input:
         dims = model_shape(tensor)
-        low = [1 if d == -1 else d for d in dims]
-        high = [DYNAMIC_DIM_MAX if d == -1 else d for d in dims]
-        opt = list(low)
+        low = [smallest if d == -1 else d for d in dims]
+        high = [largest if d == -1 else d for d in dims]
+        opt = [1 if d == -1 else d for d in dims]
         if config.max_batch_size > 0:
             low, opt, high = [1, *low], [batch, *opt], [batch, *high]
         ranges[tensor.name] = (low, opt, high)

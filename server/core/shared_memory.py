@@ -1,5 +1,8 @@
 """Shared-memory regions clients register so tensors need not travel in the request (Triton's extensions).
 
+Error texts are Triton's (server/src/shared_memory_manager.cc, common.cc), our details follow in parentheses,
+since client code compares them.
+
 System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here. CUDA shared memory is a client's
 device allocation opened through CUDA IPC (`cuda_ipc.py`; copies through the host for now, see there for
 the zero-copy hook). As in Triton, both kinds share one namespace of region names, and inputs are read from
@@ -103,7 +106,8 @@ class SharedMemory:
         """Map `byte_size` bytes at `offset` of the POSIX shared-memory object `key`."""
         _check_name(name)
         if offset < 0 or byte_size <= 0:
-            raise invalid(f"shared memory region '{name}': offset must be >= 0 and byte_size > 0")
+            raise invalid(f"failed to register shared memory region '{name}': invalid args (offset must be >= 0 "
+                          "and byte_size > 0)")
         with self._lock:
             self._check_free(name)
             self._regions[name] = SystemRegion(name, key, offset, byte_size, _map(name, key, offset, byte_size))
@@ -173,8 +177,8 @@ class SharedMemory:
     def _check_free(self, name: str) -> None:
         if name in self._regions:
             kind = "CUDA" if self._regions[name].kind == CUDA else "system"
-            raise ServerError(ErrorKind.ALREADY_EXISTS,
-                              f"shared memory region '{name}' is already registered (as {kind} shared memory)")
+            raise ServerError(ErrorKind.ALREADY_EXISTS, f"shared memory region '{name}' already in manager "
+                                                        f"(already registered as {kind} shared memory)")
 
     def _unregister(self, kind: str, name: str) -> None:
         """Forget then close each region; one that fails to close (a CUDA error) does not keep the rest open."""
@@ -193,22 +197,26 @@ class SharedMemory:
             raise failures[0]
 
     def _status(self, kind: str, name: str) -> list[dict[str, object]]:
-        label = "CUDA" if kind == CUDA else "system"
+        label = "cuda" if kind == CUDA else "system"
         with self._lock:
             if name:
                 region = self._regions.get(name)
-                if region is None or region.kind != kind:
-                    raise not_found(f"{label} shared memory region '{name}' is not registered")
+                if region is None:
+                    raise not_found(f"Unable to find {label} shared memory region: '{name}' (it is not registered)")
+                if region.kind != kind:
+                    other, this = ("CUDA", "system") if region.kind == CUDA else ("system", "CUDA")
+                    raise not_found(f"The region named '{name}' is registered as {other} shared memory, not {this} "
+                                    f"shared memory (the {label} region '{name}' is not registered)")
                 return [region.status()]
             return [r.status() for r in self._regions.values() if r.kind == kind]
 
     def _span(self, name: str, offset: int, byte_size: int) -> Region:
         region = self._regions.get(name)
         if region is None:
-            raise invalid(f"shared memory region '{name}' is not registered")
+            raise invalid(f"Unable to find shared memory region: '{name}' (it is not registered)")
         if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise invalid(f"shared memory region '{name}': [{offset}, {offset + byte_size}) is outside its "
-                          f"{region.byte_size} bytes")
+            raise invalid(f"Invalid offset + byte size for shared memory region: '{name}' "
+                          f"([{offset}, {offset + byte_size}) is outside its {region.byte_size} bytes)")
         return region
 
 
@@ -217,23 +225,24 @@ SystemSharedMemory = SharedMemory  # the name server/core/core.py imports
 
 def _check_name(name: str) -> None:
     if not name:
-        raise invalid("a shared memory region needs a name")
+        raise invalid("'region name' is necessary to register shared memory region (a shared memory region needs a name)")
 
 
 def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
     """mmap the whole object (offsets into it need not be page-aligned) after checking it is big enough."""
     path = os.path.join(SHM_ROOT, key.lstrip("/"))
     if "/" in key.strip("/") or not key.strip("/"):
-        raise invalid(f"shared memory region '{name}': invalid key '{key}'")
+        raise invalid(f"cannot register shared memory region '{name}' - invalid shm key '{key}'")
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        raise invalid(f"shared memory region '{name}': cannot open key '{key}': {e.strerror}") from None
+        raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': cannot open key '{key}': "
+                      f"{e.strerror})") from None
     try:
         size = os.fstat(fd).st_size
         if offset + byte_size > size:
-            raise invalid(f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
-                          f"{size} bytes of '{key}'")
+            raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
+                          f"byte_size {byte_size} exceeds the {size} bytes of '{key}')")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)

@@ -91,6 +91,9 @@ class InferRequest:
     id: str = ""
     outputs: list[RequestedOutput] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: Triton's raw binary request: the bytes of the model's single input, whose name, datatype and shape the
+    #: core deduces from the model (`inputs` is then empty)
+    raw_input: bytes | memoryview | None = None
 
 
 @dataclass

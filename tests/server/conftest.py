@@ -2,7 +2,8 @@
 
 The session fixture `kiln_server` writes the example repository (examples/make_example_repository.py) plus
 a few test-only models into a temporary directory, starts `python -m server` on free 127.0.0.1 ports in
-explicit model-control mode with the example models loaded, and waits until /v2/health/ready says yes.
+explicit model-control mode with the example models loaded and client shared memory allowed
+(`--allow-client-shm true`; off by default, as in Triton), and waits until /v2/health/ready says yes.
 If the gRPC frontend cannot be imported, the server runs without it (`grpc_available` tells).
 """
 
@@ -166,5 +167,5 @@ def kiln_server(tmp_path_factory: pytest.TempPathFactory):
     """Start the server once per test session; yields a `ServerProcess`."""
     base = tmp_path_factory.mktemp("kiln_server")
     repository = examples.make_repository(base / "models")
-    with run_server(repository, base / "server.log", STARTUP_MODELS) as server:
+    with run_server(repository, base / "server.log", STARTUP_MODELS, ["--allow-client-shm", "true"]) as server:
         yield server

@@ -94,17 +94,17 @@ def test_system_and_cuda_regions_share_one_namespace(tmp_path: Path) -> None:
     regions = SharedMemory()
     try:
         regions.register("shared", key, 0, 128)
-        with pytest.raises(ServerError, match="already registered .as system") as info:
+        with pytest.raises(ServerError, match="'shared' already in manager .already registered as system") as info:
             regions.register_cuda("shared", bytes(64), 0, 128)
         assert info.value.kind == ErrorKind.ALREADY_EXISTS
         assert regions.cuda_status() == []
-        with pytest.raises(ServerError, match="CUDA shared memory region 'shared' is not registered") as info:
+        with pytest.raises(ServerError, match="The region named 'shared' is registered as system shared memory, not CUDA shared memory") as info:
             regions.cuda_status("shared")
         assert info.value.kind == ErrorKind.NOT_FOUND
         regions.unregister_cuda("shared")  # a system region: left alone
         regions.unregister_cuda()
         assert [r["name"] for r in regions.status()] == ["shared"]
-        with pytest.raises(ServerError, match=r"\[120, 136\) is outside its 128 bytes"):
+        with pytest.raises(ServerError, match=r"Invalid offset \+ byte size for shared memory region: 'shared' \(\[120, 136\) is outside its 128"):
             regions.read("shared", 120, 16)
     finally:
         regions.close()
@@ -146,7 +146,7 @@ def _cuda_status_over_http(kiln_server) -> list[str]:
 
 
 def test_http_status_and_unregister_of_unknown_regions(http) -> None:
-    with pytest.raises(InferenceServerException, match="CUDA shared memory region 'nope' is not registered") as e:
+    with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region: 'nope'") as e:
         http.get_cuda_shared_memory_status("nope")
     assert e.value.status() == "404"
     http.unregister_cuda_shared_memory("nope")  # Triton ignores unknown names
@@ -166,7 +166,7 @@ def test_grpc_errors(grpc_client) -> None:
     with pytest.raises(InferenceServerException, match="must be the 64 bytes") as info:
         grpc_client.register_cuda_shared_memory("r", base64.b64encode(b"short"), 0, 64)
     assert _grpc_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(InferenceServerException, match="'nope' is not registered") as info:
+    with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region: 'nope'") as info:
         grpc_client.get_cuda_shared_memory_status("nope")
     assert _grpc_code(info.value) == grpc.StatusCode.NOT_FOUND
     grpc_client.unregister_cuda_shared_memory("nope")
@@ -227,11 +227,11 @@ def test_inference_with_inputs_and_outputs_in_cuda_memory(protocol: str, request
             np.testing.assert_array_equal(written[1], A - B)
 
             outputs[1].set_shared_memory(name_out, nbytes, offset=2 * nbytes)  # past the end: bounds checked
-            with pytest.raises(InferenceServerException, match=rf"'{name_out}': \[128, 192\) is outside"):
+            with pytest.raises(InferenceServerException, match=rf"Invalid offset \+ byte size for shared memory region: '{name_out}' \(\[128, 192\) is outside"):
                 client.infer("add_sub", inputs, outputs=outputs)
             client.unregister_cuda_shared_memory(name_in)
             assert set(_cuda_status(client)) == {name_out}
-            with pytest.raises(InferenceServerException, match=f"'{name_in}' is not registered"):
+            with pytest.raises(InferenceServerException, match=f"Unable to find shared memory region: '{name_in}'"):
                 client.infer("add_sub", inputs, outputs=outputs[:1])
         finally:
             client.unregister_cuda_shared_memory()

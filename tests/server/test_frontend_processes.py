@@ -133,7 +133,7 @@ def two_frontends(tmp_path_factory):
     base = tmp_path_factory.mktemp("frontends")
     repository = examples.make_repository(base / "models")
     with run_server(repository, base / "server.log", ["add_sub", "identity"],
-                    ["--frontend-processes", "2"]) as server:
+                    ["--frontend-processes", "2", "--allow-client-shm", "true"]) as server:
         yield server
 
 

@@ -22,6 +22,7 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "INTERNAL": grpc.StatusCode.INTERNAL,
     "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
+    "UNIMPLEMENTED": grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

@@ -18,6 +18,7 @@ from server.auth import RestrictedApi, grpc_group
 from server.core.errors import ServerError
 from server.core.limits import InflightLimiter
 
+from ..restricted import restricted_refusal
 from .errors import STATUS_CODES
 
 
@@ -68,7 +69,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         try:
             self.restricted.check(group, metadata)
         except ServerError as error:
-            return self._refusing(handler, error)
+            return self._refusing(handler, restricted_refusal(self.restricted, group, error, "protocol"))
         return self._wrapped(handler, limited=details.method.endswith("/ModelInfer"))
 
     @staticmethod

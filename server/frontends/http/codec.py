@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from server.core import InferInput, InferRequest, InferResponse, RequestedOutput
-from server.core.errors import invalid
+from server.core.errors import ServerError, invalid
 from server.core.limits import PayloadTooLarge, check_shape
 from server.core.tensors import element_count, from_raw, to_raw
 from server.core.types import numpy_dtype
@@ -26,14 +27,18 @@ from .schemas import InferRequestBody
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DECOMPRESSED_BYTES = 1 << 30
+# Triton refuses tensor data nested this deep (server/src/common.h HTTP_MAX_JSON_NESTING_DEPTH); its message:
+MAX_JSON_NESTING_DEPTH = 100
+NESTING_TOO_DEEP = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_NESTING_DEPTH})"
 
 
 # -- compression ------------------------------------------------------------------------------------------------
-def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES,
+               refusal: Callable[[int, int], ServerError] | None = None) -> bytes:
     """Undo Content-Encoding gzip/deflate (deflate = zlib stream, as tritonclient sends it; raw deflate too).
 
-    Inflation stops at `limit` bytes (413 beyond: a compression bomb never expands in memory); a stream
-    that ends early is a 400, not a silently shortened body.
+    Inflation stops at `limit` bytes (`refusal(limit, len(body))` beyond, 413 by default: a compression bomb
+    never expands in memory); a stream that ends early is a 400, not a silently shortened body.
     """
     encoding = (encoding or "identity").strip().lower()
     if encoding in ("identity", ""):
@@ -48,6 +53,8 @@ def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_
         except zlib.error:
             continue
         if inflater.unconsumed_tail or (not inflater.eof and len(data) >= limit):
+            if refusal is not None:
+                raise refusal(limit, len(body))
             raise PayloadTooLarge(f"decompressed request body exceeds the limit of {limit} bytes "
                                   f"({len(body)} bytes compressed)")
         if not inflater.eof:
@@ -79,14 +86,27 @@ def compress(body: bytes, encoding: str) -> bytes:
 
 
 # -- requests ---------------------------------------------------------------------------------------------------
-def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
-    """The JSON header and the binary section; a header length that lies about the body is a 400."""
+def parse_header_length(header_length: str | None) -> int | None:
+    """The `Inference-Header-Content-Length` value (None when absent); not an integer is a 400."""
     if header_length is None:
-        return body, memoryview(b"")
+        return None
     try:
-        length = int(header_length)
+        return int(header_length)
     except ValueError:
         raise invalid(f"{HEADER_LENGTH} must be an integer, got '{header_length}'") from None
+
+
+def is_raw_binary(header_length: str | None) -> bool:
+    """Triton's raw binary request: header length 0 means the whole body is the model's single input
+    (docs/protocol/extension_binary_data.md "Raw Binary Request"; http_server.cc EVBufferToRawInput)."""
+    return parse_header_length(header_length) == 0
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary section; a header length that lies about the body is a 400."""
+    length = parse_header_length(header_length)
+    if length is None:
+        return body, memoryview(b"")
     if not 0 <= length <= len(body):
         raise invalid(f"{HEADER_LENGTH} is {length} but the request body has {len(body)} bytes")
     return body[:length], memoryview(body)[length:]
@@ -151,6 +171,17 @@ def _non_negative_int(value: Any, what: str) -> int:
     return value
 
 
+def check_nesting(data: Any) -> None:
+    """Refuse tensor data nested as deep as Triton refuses it (ReadDataFromJsonHelper: any value at depth >= 100
+    counting the data itself as 0), before anything recurses over it."""
+    level = [data]
+    for _ in range(MAX_JSON_NESTING_DEPTH):
+        level = [item for value in level if isinstance(value, list) for item in value]
+        if not level:
+            return
+    raise invalid(NESTING_TOO_DEEP)
+
+
 def _flatten_strings(data: Any, name: str) -> list[bytes]:
     """BYTES JSON data (nested lists of strings) as a flat list of utf-8 bytes."""
     if isinstance(data, str):
@@ -174,6 +205,7 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> np
     """
     dtype = numpy_dtype(datatype)
     count = element_count(shape)
+    check_nesting(data)
     if datatype == "BYTES":
         flat = _flatten_strings(data, name)
         if len(flat) != count:

@@ -41,6 +41,7 @@ def json_body(schema: Any, required: bool = True) -> Any:
 
     async def parse(request: Request) -> Any:
         raw = await request.body()
+        request.app.state.limits.check_json_size(len(raw))  # --http-max-input-size, as Triton bounds every JSON
         if not raw.strip():
             if required:
                 raise invalid("the request needs a JSON body")

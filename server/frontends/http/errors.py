@@ -25,6 +25,7 @@ STATUS_OF_KIND: dict[ErrorKind, int] = {
     ErrorKind.ALREADY_EXISTS: 409,
     ErrorKind.INTERNAL: 500,
     ErrorKind.UNAUTHENTICATED: 401,
+    ErrorKind.UNIMPLEMENTED: 501,  # as Triton answers TRITONSERVER_ERROR_UNSUPPORTED
 }
 
 

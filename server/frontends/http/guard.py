@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: restricted APIs (401), body size (413), inference admission (429).
+"""ASGI middleware in front of every route: restricted APIs (401), body size (413, only with
+`--http-max-body-bytes`), inference admission (429).
 
 It runs before FastAPI reads a byte of the body: a declared Content-Length over the limit is refused at once,
 and a chunked body is counted as it arrives and cut off at the limit, so an oversize upload never sits in memory.
@@ -16,6 +17,7 @@ from server.auth import RestrictedApi, http_group
 from server.core.errors import ServerError
 from server.core.limits import InflightLimiter, PayloadTooLarge, RequestLimits
 
+from ..restricted import restricted_refusal
 from .errors import http_status
 
 Scope = MutableMapping[str, Any]
@@ -54,11 +56,16 @@ class GuardMiddleware:
         headers = _headers(scope)
         try:
             self.restricted.check(group, headers)
+        except ServerError as error:
+            await _refuse(send, restricted_refusal(self.restricted, group, error, "API"))
+            return
+        try:
             self._check_declared_length(headers)
         except ServerError as error:
             await _refuse(send, error)
             return
-        receive = self._counting(receive)
+        if self.limits.max_body_bytes is not None:
+            receive = self._counting(receive, self.limits.max_body_bytes)
         if group != "inference":
             await self.app(scope, receive, send)
             return
@@ -77,10 +84,9 @@ class GuardMiddleware:
         if declared is not None and declared.strip().isdigit():
             self.limits.check_body_size(int(declared))
 
-    def _counting(self, receive: Receive) -> Receive:
-        """`receive` that raises 413 once the body passes the limit (chunked bodies declare no length)."""
+    def _counting(self, receive: Receive, limit: int) -> Receive:
+        """`receive` that raises 413 once the body passes `limit` (chunked bodies declare no length)."""
         received = 0
-        limit = self.limits.max_body_bytes
 
         async def counted() -> Message:
             nonlocal received

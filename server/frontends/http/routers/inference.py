@@ -16,7 +16,16 @@ from fastapi import APIRouter, Request, Response
 from server.core import InferRequest, InferResponse, ServerCore
 from server.core.limits import RequestLimits
 
-from ..codec import HEADER_LENGTH, compress, decode_request, decompress, encode_response, pick_encoding
+from ..codec import (
+    HEADER_LENGTH,
+    compress,
+    decode_request,
+    decompress,
+    encode_response,
+    is_raw_binary,
+    parse_header_length,
+    pick_encoding,
+)
 from ..deps import CoreDep
 from ..schemas import InferRequestBody, InferResponseBody
 
@@ -53,12 +62,22 @@ async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header:
     """One inference request from its raw body and headers (`header` looks a name up case-insensitively) to the
     response body; None when the client went away first. Raises ServerError for every client-visible failure.
     The route and the fast path (`fastpath.py`) both run this, so they behave the same."""
-    body = decompress(raw, header("content-encoding"), limits.decompressed_limit(len(raw)))
-    infer_request = decode_request(body, header(HEADER_LENGTH), model_name, model_version)
+    body = decompress(raw, header("content-encoding"), limits.decompressed_limit(len(raw)),
+                      limits.decompression_refusal)
+    header_length = header(HEADER_LENGTH)
+    raw_binary = is_raw_binary(header_length)
+    if raw_binary:
+        limits.check_raw_input_size(len(body))
+        infer_request = InferRequest(model_name, [], model_version, raw_input=body)
+    else:
+        length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
+        limits.check_json_size(len(body) if length is None else min(length, len(body)))
+        infer_request = decode_request(body, header_length, model_name, model_version)
     response = await _infer_unless_disconnected(core, infer_request, disconnected)
     if response is None:
         return None
-    binary_default = bool(infer_request.parameters.get("binary_data_output", False))
+    # A raw binary request has no JSON that could ask for JSON outputs: Triton sends every output binary.
+    binary_default = raw_binary or bool(infer_request.parameters.get("binary_data_output", False))
     content, header_length = encode_response(response, binary_default)
     headers = {}
     if header_length is not None:
