@@ -201,6 +201,9 @@ def test_a_killed_frontend_is_replaced_and_sigterm_drains_everything(tmp_path: P
     repository = examples.make_repository(tmp_path / "models")
     with run_server(repository, tmp_path / "server.log", ["add_sub"], ["--frontend-processes", "2"]) as server:
         pid = server.process.pid
+        deadline = time.monotonic() + 60
+        while "frontend processes serve" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)  # ready answers as soon as one frontend listens; the others may still be starting
         first = _frontends(pid)
         os.kill(first[0], signal.SIGKILL)
         deadline = time.monotonic() + 60
