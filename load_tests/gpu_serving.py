@@ -121,7 +121,7 @@ def model_config(name: str, spec: ModelSpec, setup: Setup, batched: bool) -> str
     batching = f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us} }}\n" if batched else ""
     return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {setup.max_batch}\n'
             f"input [ {tensors(spec.inputs)} ]\noutput [ {tensors(spec.outputs)} ]\n"
-            f"instance_group [ {{ count: 1 kind: {setup.instance_kind} }} ]\n{batching}"
+            f"instance_group [ {{ count: {setup.instances} kind: {setup.instance_kind} }} ]\n{batching}"
             f'parameters {{ key: "kiln_precision" value {{ string_value: "{setup.precision}" }} }}\n')
 
 
@@ -173,6 +173,7 @@ class Setup:
     raw_seconds: float
     instance_kind: str  # KIND_GPU on the device; KIND_AUTO for the smoke run (CPU here)
     queue_delay_us: int
+    instances: int  # execution contexts (instance_group count) of each model
     frontend_processes: int | None
     smoke: bool
 
@@ -203,6 +204,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         raw_seconds=0.2 if smoke else args.raw_seconds,
         instance_kind="KIND_AUTO" if smoke else "KIND_GPU",
         queue_delay_us=args.queue_delay_us,
+        instances=args.instances,
         frontend_processes=args.frontend_processes,
         smoke=smoke,
     )
@@ -667,6 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=None,
                    help="kiln perf client processes (default: half the CPUs, at most 8; smoke 1)")
     p.add_argument("--queue-delay-us", type=int, default=500, help="dynamic batcher max_queue_delay_microseconds")
+    p.add_argument("--instances", type=int, default=1, help="instance_group count of every model (default 1)")
     p.add_argument("--frontend-processes", type=int, default=None, metavar="N",
                    help="passed to the server when its --help lists --frontend-processes")
     p.add_argument("--cache-dir", type=Path, default=None,

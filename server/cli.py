@@ -27,8 +27,8 @@ log = logging.getLogger("kiln.server")
 # How long a thread may hold the interpreter lock while another waits for it (Python's default: 5 ms). The
 # execution workers release the lock in every CUDA call and need it back to go on; with 5 ms, an execution of a
 # dozen calls could wait tens of ms for the event loop's threads (docs/performance.md). 200 us bounds that wait
-# at a cost of a few us per forced switch.
-SWITCH_INTERVAL_S = 0.0002
+# at a cost of a few us per forced switch. KILN_SWITCH_INTERVAL_US sets another value (measurements).
+SWITCH_INTERVAL_S = float(os.environ.get("KILN_SWITCH_INTERVAL_US", "200")) / 1e6
 
 
 def _bool(text: str) -> bool:

@@ -1,0 +1,132 @@
+"""Where a serving process spends its time under load: py-spy over every thread of the server (and one frontend
+process), while `kiln perf` drives one model at one concurrency.
+
+    python -m load_tests.serving_profile --repository DIR --model bert_cls_batched --concurrency 64 \\
+        --shape input_ids:128 ... --out $OUT/profile [--frontend-processes 4] [--seconds 8] [--server-arg=...]
+
+The repository is any Kiln/Triton model repository (load_tests/gpu_serving.py leaves one under
+<out>/work/repository). py-spy samples at 250 Hz with `--gil` off and idle frames left out, so a thread's
+samples are time it was running or waiting for the interpreter lock. Output: the folded stacks per process
+(`<out>/<process>.txt`, flame-graph input) and a table of the frames with the most samples, by thread
+group (event loop, execution workers, other), in `<out>/profile.json`; `kiln perf`'s JSON beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from load_tests.gpu_serving import _free_port, _http, _server_env  # noqa: E402
+
+
+def summarize(folded: Path, top: int = 25) -> dict:
+    """Samples per thread group and the frames with the most samples (self and inclusive) in a py-spy raw file."""
+    groups: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        samples = int(count)
+        total += samples
+        frames = stack.split(";")  # frames[0] names the thread (--threads)
+        group = ("execution workers" if "_worker" in stack or "ThreadPoolExecutor" in stack
+                 else "event loop" if "run_event_loop" in stack or "Runner.run" in stack else "other")
+        groups[group] += samples
+        own[frames[-1]] += samples
+        for frame in set(frames[1:]):
+            inclusive[frame] += samples
+    share = (lambda n: round(100.0 * n / total, 1)) if total else (lambda n: 0.0)
+    return {"samples": total, "groups": {k: share(v) for k, v in groups.most_common()},
+            "self": [(f, share(n)) for f, n in own.most_common(top)],
+            "inclusive": [(f, share(n)) for f, n in inclusive.most_common(top)]}
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def run(args: argparse.Namespace) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    http, grpc, metrics = _free_port(), _free_port(), _free_port()
+    command = [sys.executable, "-m", "server", "--model-repository", args.repository, "--host", "127.0.0.1",
+               "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+               "--model-control-mode", "explicit", "--load-model", args.model,
+               "--frontend-processes", str(args.frontend_processes), *args.server_arg]
+    log = open(out / "server.log", "wb")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
+    try:
+        deadline = time.monotonic() + 600
+        while _http("GET", f"http://127.0.0.1:{http}/v2/models/{args.model}/ready") != 200:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not get ready: {(out / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        time.sleep(2.0)  # frontends listening
+        perf = [sys.executable, "-m", "load_tests.perf", "-m", args.model, "-u", f"127.0.0.1:{grpc}", "-i", "grpc",
+                "--concurrency-range", f"{args.concurrency}:{args.concurrency}:1", "-p", "1000", "-r",
+                str(int(args.seconds) + 6), "--warmup", "1", "--input-data", args.input_data, "-q",
+                "--json-file", str(out / "perf.json"), *sum((["--shape", s] for s in args.shape), [])]
+        load = subprocess.Popen(perf, cwd=ROOT, env=_server_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(3.0)
+        targets = {"core": server.pid}
+        frontends = [c for c in _children(server.pid)
+                     if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        if frontends:
+            targets["frontend"] = frontends[0]
+        spies = {name: subprocess.Popen([spy, "record", "-p", str(pid), "-r", "250", "-d", str(int(args.seconds)),
+                                         "-f", "raw", "-o", str(out / f"{name}.txt"), "--threads", "--nonblocking"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for name, pid in targets.items()}
+        report = {}
+        for name, spy_process in spies.items():
+            _, err = spy_process.communicate(timeout=args.seconds + 60)
+            folded = out / f"{name}.txt"
+            report[name] = summarize(folded) if folded.exists() else {"error": err.decode(errors="replace")[-500:]}
+        load.wait(timeout=120)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    (out / "profile.json").write_text(json.dumps(report, indent=1))
+    for name, summary in report.items():
+        print(f"== {name}: {summary.get('samples')} samples, groups {summary.get('groups')}")
+        for frame, share in summary.get("self", [])[:15]:
+            print(f"   {share:5.1f}% self  {frame}")
+        for frame, share in summary.get("inclusive", [])[:20]:
+            print(f"   {share:5.1f}% incl  {frame}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load_tests.serving_profile", description=__doc__.split("\n")[0])
+    parser.add_argument("--repository", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--frontend-processes", type=int, default=0)
+    parser.add_argument("--input-data", default="random", choices=["random", "zero"])
+    parser.add_argument("--shape", action="append", default=[], help="NAME:D1,D2 (kiln perf --shape)")
+    parser.add_argument("--server-arg", action="append", default=[], help="an extra server flag (repeatable)")
+    parser.add_argument("--out", required=True)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
