@@ -5,6 +5,7 @@ Only what the engine needs, with errors turned into exceptions that name the cal
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from typing import Any
 
@@ -55,13 +56,20 @@ def primary_context(ordinal: int = 0) -> Any:
     """Retain (once) and make current *on this thread* the device's primary context.
 
     The current context is per thread: server workers run inference on pool threads, so every
-    caller sets it, not only the first (cuCtxSetCurrent is cheap).
+    caller asks. A thread that made it current here already skips the driver call: each call releases
+    and takes back the interpreter lock, which costs up to a switch interval when other threads are busy.
     """
     from cuda.bindings import driver
 
     ctx = _retained_primary_context(ordinal)
-    check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    if getattr(_CURRENT, "ctx", None) is not ctx:
+        check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        _CURRENT.ctx = ctx
     return ctx
+
+
+#: per thread, the context `primary_context` last made current (Kiln sets contexts only through it)
+_CURRENT = threading.local()
 
 
 def _attribute(name: str, ordinal: int) -> int:

@@ -485,6 +485,20 @@ class _Stage:
         self.array = self.host.view(self.dtype, self.shape)
         #: bytes of one row along the leading dim (the whole tensor for scalars)
         self.row_bytes = self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+        #: leading rows of the host mirror that may hold data; rows past it are zero (padding needs no clearing)
+        self.written = self.shape[0] if self.shape else 0
+
+    def fill(self, values: Sequence[np.ndarray], total: int) -> None:
+        """Host parts one after another into the mirror, the rows after them up to ``total`` zero (cleared
+        only where an earlier run wrote)."""
+        row = 0
+        for value in values:
+            count = int(value.shape[0])
+            np.copyto(self.array[row:row + count], value)
+            row += count
+        if self.written > row:
+            self.array[row:self.written] = 0
+        self.written = row
 
     def upload(self, begin: int, end: int, stream: int) -> None:
         """Host mirror bytes [begin, end) -> the device buffer, queued on ``stream``."""
@@ -503,6 +517,27 @@ class _Stage:
                   "cuMemcpyDtoHAsync")
 
 
+@dataclass(frozen=True)
+class StagedCopies:
+    """Copies around one run, captured with it: (device, host, nbytes) uploads from pinned host mirrors before
+    the run and (host, device, nbytes) downloads after it. Frozen and hashable: part of a graph's key."""
+
+    uploads: tuple[tuple[int, int, int], ...] = ()
+    downloads: tuple[tuple[int, int, int], ...] = ()
+
+    def upload(self, stream: int) -> None:
+        from cuda.bindings import driver
+
+        for device, host, nbytes in self.uploads:
+            check(driver.cuMemcpyHtoDAsync(device, host, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def download(self, stream: int) -> None:
+        from cuda.bindings import driver
+
+        for host, device, nbytes in self.downloads:
+            check(driver.cuMemcpyDtoHAsync(host, device, nbytes, stream), "cuMemcpyDtoHAsync")
+
+
 class _Binding:
     """Everything one set of input shapes needs: lowering, folded values, prepared launches."""
 
@@ -519,6 +554,8 @@ class _Binding:
                     self.prepared[id(launch)] = _PreparedLaunch(launch, state.function(launch.module, launch.function))
         #: infer's device buffers and pinned host mirrors per I/O tensor (made on first use)
         self.stages: dict[str, _Stage] = {}
+        #: the whole-mirror uploads of the inputs and downloads of the outputs, captured with the run
+        self.staged: StagedCopies | None = None
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
         self.has_conv_epilogues = any(isinstance(op, Conv) and op.rest for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, _Graph] = {}
@@ -682,7 +719,7 @@ class CudaContextState:
     # -- running ----------------------------------------------------------------------------------
     def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                 values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                consumed_event: Any = None) -> None:
+                consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
         """Run once on ``stream`` (any thread: the primary context is made current here).
 
         A default stream (``DEFAULT_STREAMS``: what ``execute_async_v3(0)`` and torch's default stream give)
@@ -695,7 +732,7 @@ class CudaContextState:
         primary_context()
         caller = int(stream)
         if caller not in DEFAULT_STREAMS:
-            self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event)
+            self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
             return
         from cuda.bindings import driver
 
@@ -703,14 +740,14 @@ class CudaContextState:
         check(driver.cuEventRecord(self._events["fork"], caller), "cuEventRecord(fork)")
         check(driver.cuStreamWaitEvent(own, self._events["fork"], 0), "cuStreamWaitEvent(fork)")
         try:
-            self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event)
+            self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event, staged)
         finally:  # whatever was enqueued, the caller's stream orders after it
             check(driver.cuEventRecord(self._events["join"], own), "cuEventRecord(join)")
             check(driver.cuStreamWaitEvent(caller, self._events["join"], 0), "cuStreamWaitEvent(join)")
 
     def _execute_on(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                     values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                    consumed_event: Any = None) -> None:
+                    consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
         """Launch every step on ``stream`` (never a default stream); host syncs happen only around
         host-fallback layers.
 
@@ -722,7 +759,10 @@ class CudaContextState:
         Streamed weights' uploads (copy stream) are part of the capture. ``debug``: (IDebugListener,
         tensor names): runs launch layer by layer (no replay) and report each tensor after its layer.
         ``consumed_event``: a CUevent recorded once no later step reads an input (captured as an
-        external event node, so replays record it too).
+        external event node, so replays record it too). ``staged``: host <-> device copies of the I/O
+        (``infer``'s pinned mirrors) enqueued before and after the run, and captured with it: a replay is then
+        one launch for copies and run together (each driver call releases the interpreter lock, and with
+        other threads busy getting it back costs up to a switch interval).
         """
         binding = self.bind(shapes, values)
         names = tuple(sorted(debug[1])) if debug is not None else ()
@@ -730,38 +770,41 @@ class CudaContextState:
         self._ensure_slots(schedule)
         listener = debug[0] if names else None
         if profiler is not None:
-            self._launch_profiled(binding, schedule, addresses, stream, profiler, consumed_event, listener)
+            self._launch_profiled(binding, schedule, addresses, stream, profiler, consumed_event, listener, staged)
             return
         if listener is not None:
-            self._launch_all(binding, schedule, addresses, stream, consumed_event, listener=listener)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, listener=listener,
+                             staged=staged)
             return
         if not self.graphs_possible(binding):
-            self._launch_all(binding, schedule, addresses, stream, consumed_event)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
             return
-        key = graph_key(addresses, consumed_event)
+        key = graph_key(addresses, consumed_event, staged)
         graph = binding.graphs.get(key)
         if graph is None:
             binding.runs += 1
             if binding.runs < 2:  # first run eagerly: library initialisation must not be captured
-                self._launch_all(binding, schedule, addresses, stream, consumed_event)
+                self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
                 return
-            graph = self._capture(binding, schedule, addresses, stream, consumed_event)
+            graph = self._capture(binding, schedule, addresses, stream, consumed_event, staged)
             if graph is None:
                 return
             if not binding.verified:
-                if self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event):
+                if self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event, staged):
                     binding.verified = True
                 elif not binding.conv_bias_only and binding.has_conv_epilogues:
                     binding.conv_bias_only = True  # next runs: capture again with cuDNN doing conv + bias only
                     binding.runs = 0
-                    self._launch_all(binding, schedule, addresses, stream, consumed_event)  # the replay was wrong
+                    # the replay was wrong
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
                     return
                 else:
                     binding.verified = binding.graph_failed = True
                     DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}': a captured CUDA graph "
                                        "did not reproduce the layer-by-layer results for these shapes; they run "
                                        "without graph replay")
-                    self._launch_all(binding, schedule, addresses, stream, consumed_event)  # the replay was wrong
+                    # the replay was wrong
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
                     return
             if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
                 binding.graphs.pop(next(iter(binding.graphs)))
@@ -777,7 +820,7 @@ class CudaContextState:
         return self.use_graphs and not binding.has_host and not binding.graph_failed
 
     def _replay_matches(self, binding: _Binding, graph: _Graph, schedule: Any, addresses: Mapping[str, int],
-                        stream: int, consumed_event: Any) -> bool:
+                        stream: int, consumed_event: Any, staged: StagedCopies | None = None) -> bool:
         """Once per binding: run layer by layer, then replay the captured graph on the same inputs, and compare
         the outputs. Why: a library call that is not capture-safe (host-side argument staging, say) would
         otherwise replay wrong results silently; such bindings keep launching layer by layer."""
@@ -796,7 +839,7 @@ class CudaContextState:
                 arrays.append(out)
             return arrays
 
-        self._launch_all(binding, schedule, addresses, stream, consumed_event)
+        self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
         want = fetch()
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
         got = fetch()
@@ -812,14 +855,14 @@ class CudaContextState:
         return True
 
     def _capture(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
-                 consumed_event: Any) -> _Graph | None:
+                 consumed_event: Any, staged: StagedCopies | None = None) -> _Graph | None:
         """Capture one run into an instantiated graph; on failure, run eagerly and stop trying."""
         from cuda.bindings import driver
 
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         try:
-            self._launch_all(binding, schedule, addresses, stream, consumed_event, capturing=True)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, capturing=True, staged=staged)
         except Exception:
             driver.cuStreamEndCapture(stream)
             binding.graph_failed = True
@@ -829,16 +872,18 @@ class CudaContextState:
             return _Graph(graph, check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
         except Exception:
             binding.graph_failed = True
-            self._launch_all(binding, schedule, addresses, stream, consumed_event)
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
             return None
 
     def _launch_profiled(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
-                         profiler: Any, consumed_event: Any = None, listener: Any = None) -> None:
+                         profiler: Any, consumed_event: Any = None, listener: Any = None,
+                         staged: StagedCopies | None = None) -> None:
         from cuda.bindings import driver
 
         events = [check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(len(binding.lowered.steps) + 1)]
         check(driver.cuEventRecord(events[0], stream), "cuEventRecord")
-        self._launch_all(binding, schedule, addresses, stream, consumed_event, after_step=events[1:], listener=listener)
+        self._launch_all(binding, schedule, addresses, stream, consumed_event, after_step=events[1:],
+                         listener=listener, staged=staged)
         check(driver.cuEventSynchronize(events[-1]), "cuEventSynchronize")
         for step, start, stop in zip(binding.lowered.steps, events, events[1:]):
             profiler.report_layer_time(step.node.name, float(check(driver.cuEventElapsedTime(start, stop), "time")))
@@ -864,8 +909,18 @@ class CudaContextState:
 
     def _launch_all(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
                     consumed_event: Any = None, after_step: list | None = None, capturing: bool = False,
-                    listener: Any = None) -> None:
-        """Enqueue one run: interpret ``schedule.actions`` on the compute and copy streams."""
+                    listener: Any = None, staged: StagedCopies | None = None) -> None:
+        """Enqueue one run: interpret ``schedule.actions`` on the compute and copy streams, between the
+        ``staged`` uploads and downloads."""
+
+        if staged is not None:
+            staged.upload(stream)
+        self._launch_steps(binding, schedule, addresses, stream, consumed_event, after_step, capturing, listener)
+        if staged is not None:
+            staged.download(stream)
+
+    def _launch_steps(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
+                      consumed_event: Any, after_step: list | None, capturing: bool, listener: Any) -> None:
         from cuda.bindings import driver
 
         resolve, current = self._resolver(binding, addresses)
@@ -1096,7 +1151,8 @@ class CudaContextState:
         return ""
 
     def _staging(self, binding: _Binding, shapes: Shapes) -> dict[str, _Stage]:
-        """``binding``'s staging per I/O tensor (inputs at ``shapes``, outputs as inferred), made once."""
+        """``binding``'s staging per I/O tensor (inputs at ``shapes``, outputs as inferred), made once, and
+        the copies of whole mirrors that runs through them enqueue (``binding.staged``)."""
         graph, infos = self.engine.plan.graph, binding.lowered.infos
         for value in graph.inputs:
             if value.name not in binding.stages:
@@ -1104,6 +1160,13 @@ class CudaContextState:
         for name in graph.output_names:
             if name not in binding.stages:
                 binding.stages[name] = _Stage(infos[name].dtype, infos[name].shape)
+        if binding.staged is None:
+            stages = binding.stages
+            binding.staged = StagedCopies(
+                tuple((stages[v.name].device.ptr, stages[v.name].host.ptr, stages[v.name].nbytes)
+                      for v in graph.inputs if stages[v.name].nbytes),
+                tuple((stages[n].host.ptr, stages[n].device.ptr, stages[n].nbytes)
+                      for n in graph.output_names if stages[n].nbytes))
         return binding.stages
 
     def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None,
@@ -1131,19 +1194,14 @@ class CudaContextState:
         addresses = {name: stage.device.ptr for name, stage in stages.items()}
         with _synchronized_on_error(stream):
             for name, value in feeds.items():
-                stage = stages[name]
-                np.copyto(stage.array, value)
-                stage.upload(0, stage.nbytes, stream)
+                stages[name].fill([np.asarray(value)], stages[name].shape[0] if stages[name].shape else 0)
             try:
-                self.execute(shapes, addresses, stream, profiler, values, debug)
+                self.execute(shapes, addresses, stream, profiler, values, debug, staged=binding.staged)
             except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
                 _synchronize(stream)
                 return self._on_host(feeds, str(e), debug)
-            outputs = [stages[name] for name in self.engine.plan.graph.output_names]
-            for stage in outputs:
-                stage.download(0, stage.nbytes, stream)
             _synchronize(stream)
-        return {name: stage.array.copy() for name, stage in zip(self.engine.plan.graph.output_names, outputs)}
+        return {name: stages[name].array.copy() for name in self.engine.plan.graph.output_names}
 
     def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Run ``feeds`` through ``infer`` until the CUDA graph for its staging buffers at these shapes is
@@ -1161,7 +1219,7 @@ class CudaContextState:
         for _ in range(MAX_WARM_UP_RUNS):
             self.infer(feeds)
             addresses = {name: stage.device.ptr for name, stage in self._staging(binding, shapes).items()}
-            if not self.graphs_possible(binding) or graph_key(addresses, None) in binding.graphs:
+            if not self.graphs_possible(binding) or graph_key(addresses, None, binding.staged) in binding.graphs:
                 return
 
     def infer_batch(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]], spans: Sequence[Span],
@@ -1190,6 +1248,8 @@ class CudaContextState:
                 stage = stages[name]
                 check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
         addresses = {name: stage.device.ptr for name, stage in stages.items()}
+        if not any(destinations) and not any(isinstance(v, DeviceView) for values in inputs.values() for v in values):
+            return self._infer_staged(binding, stages, inputs, spans, total, addresses, stream, profiler, debug)
         with _synchronized_on_error(stream):
             for name, values in inputs.items():
                 _gather(stages[name], values, total, stream)
@@ -1200,6 +1260,31 @@ class CudaContextState:
                 outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
                 return self._scatter(outputs, spans, total, destinations)
             return self._deliver(stages, spans, total, destinations, stream)
+
+    def _infer_staged(self, binding: _Binding, stages: Mapping[str, _Stage],
+                      inputs: Mapping[str, Sequence[np.ndarray]], spans: Sequence[Span], total: int,
+                      addresses: Mapping[str, int], stream: int, profiler: Any,
+                      debug: tuple[Any, Sequence[str]] | None) -> list[dict[str, np.ndarray]]:
+        """Host parts only: gathered into the pinned mirrors (padding zero there), then copies and run as one
+        replayed graph, one sync, each part's rows copied out of the output mirrors. Two driver calls a run."""
+        shapes = {name: stage.shape for name, stage in stages.items() if name in inputs}
+        with _synchronized_on_error(stream):
+            for name, values in inputs.items():
+                stages[name].fill(values, total)  # type: ignore[arg-type]
+            try:
+                self.execute(shapes, addresses, stream, profiler, None, debug, staged=binding.staged)
+            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
+                _synchronize(stream)
+                outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
+                return self._scatter(outputs, spans, total, [{} for _ in spans])
+            _synchronize(stream)
+        results: list[dict[str, np.ndarray]] = [{} for _ in spans]
+        for name in self.engine.plan.graph.output_names:
+            stage = stages[name]
+            batched = is_batched(stage.shape, total)
+            for result, (start, stop) in zip(results, spans):
+                result[name] = (stage.array[start:stop] if batched else stage.array).copy()
+        return results
 
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
                  destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[dict[str, np.ndarray]]:
@@ -1258,6 +1343,7 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
     from cuda.bindings import driver
 
     row, pending = 0, None  # pending: first row of host parts not uploaded yet
+    stage.written = stage.shape[0] if stage.shape else 0  # padding is zeroed on the device, not in the mirror
     for value in values:
         count = int(value.shape[0])
         if isinstance(value, DeviceView):
@@ -1306,9 +1392,10 @@ def _synchronize(stream: int) -> None:
     check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
-def graph_key(addresses: Mapping[str, int], consumed_event: Any) -> tuple:
-    """What a captured graph depends on beyond its binding: the I/O addresses and the input-consumed event."""
-    return (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)))
+def graph_key(addresses: Mapping[str, int], consumed_event: Any, staged: StagedCopies | None = None) -> tuple:
+    """What a captured graph depends on beyond its binding: the I/O addresses, the input-consumed event and the
+    staged copies captured with it."""
+    return (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)), ("#staged", staged))
 
 
 def lowering_options(plan: Plan) -> LoweringOptions:
