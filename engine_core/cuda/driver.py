@@ -91,6 +91,14 @@ def multiprocessor_count(ordinal: int = 0) -> int:
     return _attribute("MULTIPROCESSOR_COUNT", ordinal)
 
 
+#: Held around work that must not overlap a CUDA graph capture in another thread: captures and every run that
+#: is not a graph replay (a library's first use allocates and copies on the legacy stream), and synchronous
+#: copies, memsets and frees. Such a legacy-stream operation while a blocking stream captures elsewhere fails
+#: that capture (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT): servers load and warm models on several threads at once.
+#: Graph replays, the serving path, do not take it.
+DEVICE_LOCK = threading.RLock()
+
+
 class DeviceBuffer:
     """Device memory from cuMemAlloc, freed with the object."""
 
@@ -111,20 +119,23 @@ class DeviceBuffer:
         from cuda.bindings import driver
 
         array = np.ascontiguousarray(array)
-        check(driver.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+        with DEVICE_LOCK:
+            check(driver.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
 
     def to_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         from cuda.bindings import driver
 
         out = np.empty(shape, dtype)
-        check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        with DEVICE_LOCK:
+            check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
         return out
 
     def __del__(self) -> None:
         try:
             from cuda.bindings import driver
 
-            driver.cuMemFree(self.ptr)
+            with DEVICE_LOCK:
+                driver.cuMemFree(self.ptr)
         except Exception:
             pass
 

@@ -43,7 +43,7 @@ from engine_core.backends.cuda.lowering import (
 )
 from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.batching import Span, check_destination, gather_rows, is_batched, part_shape, split_outputs
-from engine_core.cuda.driver import DeviceBuffer, Module, check, encode_tensor_map, primary_context
+from engine_core.cuda.driver import DEVICE_LOCK, DeviceBuffer, Module, check, encode_tensor_map, primary_context
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.ir import Value
@@ -268,7 +268,8 @@ class PinnedBuffer:
         try:
             from cuda.bindings import driver
 
-            driver.cuMemFreeHost(self.ptr)
+            with DEVICE_LOCK:
+                driver.cuMemFreeHost(self.ptr)
         except Exception:
             pass
 
@@ -491,11 +492,11 @@ class _Stage:
     def fill(self, values: Sequence[np.ndarray], total: int) -> None:
         """Host parts one after another into the mirror, the rows after them up to ``total`` zero (cleared
         only where an earlier run wrote)."""
-        row = 0
-        for value in values:
-            count = int(value.shape[0])
-            np.copyto(self.array[row:row + count], value)
-            row += count
+        row = sum(int(value.shape[0]) for value in values)
+        if len(values) == 1:
+            np.copyto(self.array[:row], values[0])
+        elif row:
+            np.concatenate(values, out=self.array[:row])  # one C loop over the parts, not one call each
         if self.written > row:
             self.array[row:self.written] = 0
         self.written = row
@@ -748,6 +749,24 @@ class CudaContextState:
     def _execute_on(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                     values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
                     consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
+        """Replay the captured graph when there is one; any other run (eager, capture, verification, profiled,
+        debug) holds ``DEVICE_LOCK``: a library's first use or a synchronous copy on the legacy stream in one
+        thread would break a capture going on in another (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)."""
+        if profiler is None and not debug:
+            binding = self.bind(shapes, values)
+            graph = binding.graphs.get(graph_key(addresses, consumed_event, staged))
+            if graph is not None and self.graphs_possible(binding):
+                from cuda.bindings import driver
+
+                check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+                self.graph_replays += 1
+                return
+        with DEVICE_LOCK:
+            self._execute_locked(shapes, addresses, stream, profiler, values, debug, consumed_event, staged)
+
+    def _execute_locked(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
+                        values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
+                        consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
         """Launch every step on ``stream`` (never a default stream); host syncs happen only around
         host-fallback layers.
 
@@ -1281,9 +1300,10 @@ class CudaContextState:
         results: list[dict[str, np.ndarray]] = [{} for _ in spans]
         for name in self.engine.plan.graph.output_names:
             stage = stages[name]
+            whole = stage.array.copy()  # one copy out of the mirror; the parts get views of it
             batched = is_batched(stage.shape, total)
             for result, (start, stop) in zip(results, spans):
-                result[name] = (stage.array[start:stop] if batched else stage.array).copy()
+                result[name] = whole[start:stop] if batched else whole
         return results
 
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
@@ -1368,7 +1388,8 @@ def _read_view(view: DeviceView) -> np.ndarray:
 
     out = np.empty(view.shape, view.dtype)
     if out.nbytes:
-        check(driver.cuMemcpyDtoH(out.ctypes.data, view.ptr, out.nbytes), "cuMemcpyDtoH")
+        with DEVICE_LOCK:  # a legacy-stream copy: never during another thread's capture
+            check(driver.cuMemcpyDtoH(out.ctypes.data, view.ptr, out.nbytes), "cuMemcpyDtoH")
     return out
 
 
