@@ -313,7 +313,12 @@ class DynamicBatcher:
                 if self._closed:
                     self._pool.shutdown(wait=False)
                 return
-            wait_ns = self._start_ready(now)
+            wait_ns = None
+            while self._free:
+                batch, wait_ns = self._form_batch(now)
+                if not batch:
+                    break
+                self._start(batch)
             timeouts = [wait_ns] if wait_ns is not None else []
             timeouts += [p.deadline_ns - now for q in self._queues.values() for p in q
                          if p.deadline_ns and not p.delayed]
@@ -322,17 +327,6 @@ class DynamicBatcher:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
-
-    def _start_ready(self, now: int) -> int | None:
-        """Start every batch that can run now on a free context; returns how long (ns) until the next one may
-        (None: nothing waits for a delay)."""
-        wait_ns = None
-        while self._free:
-            batch, wait_ns = self._form_batch(now)
-            if not batch:
-                break
-            self._start(batch)
-        return wait_ns
 
     def _expire(self, now: int) -> None:
         """Answer REJECT requests past their deadline; DELAY ones move behind the rest. Drop cancelled ones."""
@@ -428,12 +422,6 @@ class DynamicBatcher:
         else:
             give_back = outcome.execution.context
             self._requeue(outcome.deferred)
-            if give_back is not None:  # the next batch starts before this one's answers are encoded and sent:
-                self._free.append(give_back)  # that work waits on the event loop, the device would wait for it
-                give_back = None
-                now = self._clock()
-                self._expire(now)
-                self._start_ready(now)
             self._answer(outcome, started)
         finally:
             if give_back is not None:
