@@ -684,8 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     args.out = Path(args.out)
-    if any(v is not None and v < 1 for v in (args.max_batch, args.processes, args.frontend_processes)):
-        raise SystemExit("--max-batch, --processes and --frontend-processes must be positive")
+    if any(v is not None and v < 1 for v in (args.max_batch, args.processes)) or (args.frontend_processes or 0) < 0:
+        raise SystemExit("--max-batch and --processes must be positive, --frontend-processes >= 0 (0: in-process)")
     document = run(args)
     print_report(document)
     for note in document["skipped"]:

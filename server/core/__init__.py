@@ -11,6 +11,7 @@ Frontends (`server/frontends/http`, `server/frontends/grpc`) translate their pro
     ALREADY_EXISTS     409   ALREADY_EXISTS
     INTERNAL           500   INTERNAL
     UNAUTHENTICATED    401   UNAUTHENTICATED
+    UNIMPLEMENTED      501   UNIMPLEMENTED   (a feature the server was started without, e.g. client shm)
 
 Core API (all `async`; versions are strings, "" = latest ready):
     live(), ready(), server_metadata(), model_ready(name, version), model_metadata(name, version),
@@ -19,6 +20,8 @@ Core API (all `async`; versions are strings, "" = latest ready):
     model_statistics(name="", version=""), system_shared_memory_status/register/unregister,
     cuda_shared_memory_status/register/unregister (CUDA IPC; INVALID_ARGUMENT "no CUDA device on this server" without a GPU), trace_settings(model, updates),
     log_settings(updates).
+
+Frontend processes reach the same API through `remote.RemoteCore` (server/frontend_processes.py).
 """
 
 from .core import CoreOptions, ModelState, ServerCore
