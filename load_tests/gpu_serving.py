@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 from load_tests import perf  # noqa: E402
+from server.core.execution import batch_buckets, bucket_for  # noqa: E402  (the buckets the server runs)
 
 READY_TIMEOUT_S = 420.0  # a first model build on the GPU (tactic timing) dominates this
 VARIANTS = ("batched", "direct")
@@ -325,19 +326,9 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
 
 # ----------------------------------------------------------------------------------------------- raw engine
 
-def raw_batch_sizes(max_batch: int) -> list[int]:
-    """Powers of two up to the max batch, and the max batch: the sizes the CUDA path executes."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch]
-
-
 def bucket(batch: float, max_batch: int) -> int:
-    """The batch the server's CUDA path runs for a batch of `batch` items: the next power of two (at most max)."""
-    items = max(1, round(batch))
-    return min(1 << (items - 1).bit_length(), max_batch)
+    """The batch the server's CUDA path runs for an average executed batch of `batch` items (its bucket)."""
+    return bucket_for(max(1, round(batch)), max_batch)
 
 
 class _HostClock:
@@ -619,7 +610,7 @@ def measure_model(run: Run, server: ServerHandle, model: str, transports: list[s
     if plan is None:
         raise RuntimeError(f"the server log names no plan file for {names[setup.variants[0]]}: {server.log}")
     run.plans[model] = plan
-    run.raw[spec.name] = measure_raw(plan, spec, raw_batch_sizes(setup.max_batch), setup.raw_seconds)
+    run.raw[spec.name] = measure_raw(plan, spec, batch_buckets(setup.max_batch), setup.raw_seconds)
     run.save()
     for transport in transports:
         for variant, name in names.items():
