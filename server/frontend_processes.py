@@ -73,7 +73,10 @@ class FrontendPool:
         self._args = copy.copy(args)
         self._held: list[socket.socket] = []
         self._directory = tempfile.mkdtemp(prefix="kiln-core-")
-        self._service = CoreService(core, os.path.join(self._directory, "core.sock"))
+        # --max-inflight-requests counts all frontends' inference requests together, in the core
+        self._service = CoreService(core, os.path.join(self._directory, "core.sock"),
+                                    InflightLimiter(args.max_inflight_requests))
+        self._args.max_inflight_requests = 0
         self._children: dict[int, _Child] = {}
         self._stopping = False
         self._watch: asyncio.Task | None = None
@@ -87,9 +90,6 @@ class FrontendPool:
                 held = reuse_port_socket(self._args.host, getattr(self._args, flag), listen=False)
                 self._held.append(held)
                 setattr(self._args, flag, held.getsockname()[1])
-        limit = self._args.max_inflight_requests
-        if limit:  # the in-flight budget is per process: split it
-            self._args.max_inflight_requests = max(1, -(-limit // self.count))
         await asyncio.gather(*(self._start_child(i) for i in range(self.count)))
         self._watch = asyncio.create_task(self._watch_children())
         log.info("%d frontend processes serve HTTP %s and gRPC %s", self.count,

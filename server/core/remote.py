@@ -9,6 +9,9 @@ travel as pickle protocol 5 out-of-band buffers, written with one `writelines` a
 A message is a frame: `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload, the
 buffers. Calls are `(call_id, method, args, kwargs)`, replies `(call_id, ok, value_or_error)`; many calls share a
 connection (replies come in completion order). Only the core API's public methods (`CORE_METHODS`) are served.
+A caller that gives up (a client disconnect) sends `(call_id, CANCEL, (), {})`: the call is cancelled in the core
+too, so a queued request leaves the batcher's queue as it does in one process. `--max-inflight-requests` is
+enforced here, for all frontends together, with the same error as in one process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ErrorKind, ServerError, unavailable
+from .limits import InflightLimiter
 
 log = logging.getLogger("kiln.server.remote")
 
@@ -34,6 +38,7 @@ CORE_METHODS = frozenset({
     "register_cuda_shared_memory", "unregister_cuda_shared_memory", "trace_settings", "log_settings",
 })
 _HEAD = struct.Struct("!II")
+CANCEL = "__cancel__"
 # Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
 _HIGH_WATER = 4 << 20
 
@@ -65,9 +70,10 @@ async def _send(writer: asyncio.StreamWriter, message: Any) -> None:
 class CoreService:
     """Serves `core`'s methods to frontend processes on a Unix socket at `path`."""
 
-    def __init__(self, core: Any, path: str) -> None:
+    def __init__(self, core: Any, path: str, limiter: InflightLimiter | None = None) -> None:
         self.core = core
         self.path = path
+        self.limiter = limiter or InflightLimiter()  # inference calls in flight, every frontend's together
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -83,18 +89,22 @@ class CoreService:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One frontend process: each call runs as its own task, so a slow model never holds up another call."""
         self._connections.add(asyncio.current_task())  # type: ignore[arg-type]
-        calls: set[asyncio.Task] = set()
+        calls: dict[int, asyncio.Task] = {}
         try:
             while True:
                 call_id, method, args, kwargs = await read_message(reader)
-                task = asyncio.create_task(self._answer(writer, call_id, method, args, kwargs))
-                calls.add(task)
-                task.add_done_callback(calls.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the frontend went away: its callers are gone too
+                if method == CANCEL:
+                    running = calls.get(call_id)
+                    if running is not None:
+                        running.cancel()
+                    continue
+                task = calls[call_id] = asyncio.create_task(self._answer(writer, call_id, method, args, kwargs))
+                task.add_done_callback(lambda _, done=call_id: calls.pop(done, None))
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the frontend went away (its callers are gone too), or the server stops
         finally:
             self._connections.discard(asyncio.current_task())  # type: ignore[arg-type]
-            for task in calls:
+            for task in list(calls.values()):
                 task.cancel()
             writer.close()
 
@@ -103,7 +113,11 @@ class CoreService:
         try:
             if method not in CORE_METHODS:
                 raise ServerError(ErrorKind.INTERNAL, f"the core has no method '{method}' for frontends")
-            reply = (call_id, True, await getattr(self.core, method)(*args, **kwargs))
+            if method == "infer":
+                with self.limiter.admit():
+                    reply = (call_id, True, await self.core.infer(*args, **kwargs))
+            else:
+                reply = (call_id, True, await getattr(self.core, method)(*args, **kwargs))
         except ServerError as e:
             reply = (call_id, False, e)
         except Exception as e:  # noqa: BLE001 - what an in-process frontend would turn into a 500, said as one
@@ -176,6 +190,10 @@ class RemoteCore:
         try:
             await _send(self._writer, (call_id, method, args, kwargs))
             return await reply
+        except asyncio.CancelledError:
+            if self._lost is None and (reply.cancelled() or not reply.done()):  # no answer came: stop it there
+                self._writer.writelines(encode((call_id, CANCEL, (), {})))
+            raise
         finally:
             self._pending.pop(call_id, None)
 

@@ -26,6 +26,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_MODELS = ["add_sub", "add_sub_fp32", "simple_cnn", "identity"]
 READY_TIMEOUT_S = 60
+# KILN_TEST_FRONTEND_PROCESSES=N runs every test server with N frontend processes (the default, auto, gives none
+# on CI's two cores): the suite then checks that both protocols behave the same across the process boundary.
+FRONTENDS = (["--frontend-processes", os.environ["KILN_TEST_FRONTEND_PROCESSES"]]
+             if os.environ.get("KILN_TEST_FRONTEND_PROCESSES") else [])
 
 
 def _install_pkg_resources_shim() -> None:
@@ -129,7 +133,7 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
     ports = [free_port() for _ in range(3)]
     command = [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               *extra_args]
+               *FRONTENDS, *extra_args]
     if models is not None:
         command += ["--model-control-mode", "explicit"]
         for name in models:

@@ -71,6 +71,16 @@ class _FakeCore:
     async def ready(self) -> bool:
         return True
 
+    async def load_model(self, name: str) -> None:
+        """Slow: the caller gives up before it ends, and the cancellation must reach this coroutine."""
+        self.loading = asyncio.Event()
+        try:
+            self.loading.set()
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled = name
+            raise
+
 
 def test_remote_core_forwards_calls_results_and_errors(tmp_path: Path):
     async def go():
@@ -94,6 +104,16 @@ def test_remote_core_forwards_calls_results_and_errors(tmp_path: Path):
         results = await asyncio.gather(*(remote.infer(r) for r in requests))
         for i, result in enumerate(results):
             np.testing.assert_array_equal(result, np.full(2, 2 * i, np.float32))
+        core = service.core
+        slow = asyncio.ensure_future(remote.load_model("big"))
+        while not hasattr(core, "loading"):
+            await asyncio.sleep(0.01)
+        slow.cancel()  # a client disconnect: the call stops in the core too (a queued request leaves its queue)
+        for _ in range(100):
+            if getattr(core, "cancelled", None):
+                break
+            await asyncio.sleep(0.01)
+        assert core.cancelled == "big"
         assert await remote.ready()
         remote.begin_drain()
         assert not await remote.ready()  # a draining frontend answers without asking the core
