@@ -170,6 +170,21 @@ def test_infer_goes_through_pinned_mirrors_with_one_sync(setup) -> None:
     assert set(binding.stages) == {"x", "ids", "y", "k", "s"}
 
 
+def test_stage_fill_clears_only_rows_an_earlier_run_wrote_and_takes_scalars(fake) -> None:
+    stage = runner._Stage(np.dtype(np.float32), (4, 2))
+    stage.fill([np.ones((1, 2), np.float32), np.full((2, 2), 2, np.float32)])
+    np.testing.assert_array_equal(stage.array[:3], [[1, 1], [2, 2], [2, 2]])
+    np.testing.assert_array_equal(stage.array[3], [0, 0])  # never written: a fresh mirror counts as written
+    stage.fill([np.full((1, 2), 5, np.float32)])
+    np.testing.assert_array_equal(stage.array, [[5, 5], [0, 0], [0, 0], [0, 0]])
+    assert stage.written == 1
+    scalar = runner._Stage(np.dtype(np.int64), ())
+    scalar.fill([np.asarray(7, np.int64)])
+    assert scalar.array == 7
+    del stage, scalar
+    gc.collect()  # free the fake buffers while the fake driver is still installed
+
+
 def test_host_parts_gather_in_the_mirrors_and_run_with_their_copies(setup) -> None:
     reference, context, fake = setup
     for rows in ([3, 4, 1], [2, 1], [1]):  # fewer rows each time: rows an earlier run wrote must read as zeros

@@ -489,9 +489,12 @@ class _Stage:
         #: leading rows of the host mirror that may hold data; rows past it are zero (padding needs no clearing)
         self.written = self.shape[0] if self.shape else 0
 
-    def fill(self, values: Sequence[np.ndarray], total: int) -> None:
-        """Host parts one after another into the mirror, the rows after them up to ``total`` zero (cleared
-        only where an earlier run wrote)."""
+    def fill(self, values: Sequence[np.ndarray]) -> None:
+        """Host parts one after another into the mirror, the rows after them zero (cleared only where an
+        earlier run wrote). A scalar tensor has one part, the whole value."""
+        if not self.shape:
+            np.copyto(self.array, values[0])
+            return
         row = sum(int(value.shape[0]) for value in values)
         if len(values) == 1:
             np.copyto(self.array[:row], values[0])
@@ -756,10 +759,7 @@ class CudaContextState:
             binding = self.bind(shapes, values)
             graph = binding.graphs.get(graph_key(addresses, consumed_event, staged))
             if graph is not None and self.graphs_possible(binding):
-                from cuda.bindings import driver
-
-                check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
-                self.graph_replays += 1
+                self._replay(graph, stream)
                 return
         with DEVICE_LOCK:
             self._execute_locked(shapes, addresses, stream, profiler, values, debug, consumed_event, staged)
@@ -828,6 +828,10 @@ class CudaContextState:
             if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
                 binding.graphs.pop(next(iter(binding.graphs)))
             binding.graphs[key] = graph
+        self._replay(graph, stream)
+
+    def _replay(self, graph: _Graph, stream: int) -> None:
+        """One launch of a captured run (counted in ``graph_replays``)."""
         from cuda.bindings import driver
 
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
@@ -931,7 +935,6 @@ class CudaContextState:
                     listener: Any = None, staged: StagedCopies | None = None) -> None:
         """Enqueue one run: interpret ``schedule.actions`` on the compute and copy streams, between the
         ``staged`` uploads and downloads."""
-
         if staged is not None:
             staged.upload(stream)
         self._launch_steps(binding, schedule, addresses, stream, consumed_event, after_step, capturing, listener)
@@ -1213,7 +1216,7 @@ class CudaContextState:
         addresses = {name: stage.device.ptr for name, stage in stages.items()}
         with _synchronized_on_error(stream):
             for name, value in feeds.items():
-                stages[name].fill([np.asarray(value)], stages[name].shape[0] if stages[name].shape else 0)
+                stages[name].fill([np.asarray(value)])
             try:
                 self.execute(shapes, addresses, stream, profiler, values, debug, staged=binding.staged)
             except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
@@ -1289,7 +1292,7 @@ class CudaContextState:
         shapes = {name: stage.shape for name, stage in stages.items() if name in inputs}
         with _synchronized_on_error(stream):
             for name, values in inputs.items():
-                stages[name].fill(values, total)  # type: ignore[arg-type]
+                stages[name].fill(values)  # type: ignore[arg-type]
             try:
                 self.execute(shapes, addresses, stream, profiler, None, debug, staged=binding.staged)
             except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
