@@ -306,13 +306,17 @@ def render_plots(results: dict[str, dict[str, dict[str, Any]]], directory: Path)
         ax.set_title(f"{name} (labels: {'concurrency' if doc['mode'] == 'concurrency' else 'req rate'})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        fig.text(0.01, 0.01, COMMAND, fontsize=6, alpha=0.6)
-        fig.tight_layout()
-        path = directory / f"serving_{name.replace(', run ', '_run')}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, directory / f"serving_{name.replace(', run ', '_run')}.png", COMMAND, 0.01))
     return written
+
+
+def _save(plt, fig, path: Path, caption: str, caption_y: float) -> Path:
+    """Write ``fig`` to ``path`` with the command that produced its data in small print, and close it."""
+    fig.text(0.01, caption_y, caption, fontsize=6, alpha=0.6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def render_gpu_plots(docs: list[dict[str, Any]], directory: Path) -> list[Path]:
@@ -347,12 +351,7 @@ def render_gpu_plots(docs: list[dict[str, Any]], directory: Path) -> list[Path]:
             ax.set_title(f"{model} ({doc['setup']['precision']})", fontsize=9)
             ax.grid(True, axis="y", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.text(0.01, 0.005, doc["command"], fontsize=6, alpha=0.6)
-        fig.tight_layout()
-        path = directory / f"{gpu_plot_name(doc)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, directory / f"{gpu_plot_name(doc)}.png", doc["command"], 0.005))
     return written
 
 

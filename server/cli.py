@@ -172,7 +172,6 @@ async def serve(args: argparse.Namespace) -> int:
         logging.getLogger("kiln").error("%s", e)
         return 2
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    limiter = InflightLimiter(args.max_inflight_requests)  # one budget for HTTP and gRPC together
     warm_up = asyncio.create_task(asyncio.to_thread(build_process.warm_up))  # overlaps the listeners' start
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))
@@ -197,6 +196,7 @@ async def serve(args: argparse.Namespace) -> int:
             await pool.start()
             http_port, grpc_port = pool.ports
         else:
+            limiter = InflightLimiter(args.max_inflight_requests)  # one budget for HTTP and gRPC together
             started = await start_listeners(core, args, lifecycle, limiter)
             listeners.servers += started.servers
             listeners.tasks += started.tasks

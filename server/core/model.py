@@ -30,6 +30,7 @@ from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
 from .model_config import (
     ModelConfig,
+    bool_parameter,
     complete_config,
     complete_outputs_from_engine,
     datatype_of,
@@ -87,14 +88,15 @@ class ModelVersion:
         self.traffic_at_fit = 0  # traffic.requests when profiles were last fitted
         self._restarts_before = 0  # worker restarts of the plans this one replaced
         batched = config.max_batch_size > 0
-        self.output_shapes = ShapeOracle(engine).output_shapes  # per job, before it runs (CUDA shm outputs)
+        #: output shapes per job before it runs: CUDA shm outputs and the batcher's padding
+        self.output_shapes = ShapeOracle(engine).output_shapes
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
         contexts = [engine.create_execution_context() for _ in range(count)]
         #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
         self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
         self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,
-                                               engine, self.execute)
+                                               engine, self.execute, self.output_shapes)
 
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
@@ -231,16 +233,17 @@ class ModelVersion:
 
 
 def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine,
-               execute: Executor) -> Scheduler:
+               execute: Executor, output_shapes) -> Scheduler:
     """The dynamic batcher when the config asks for it and the model batches; else one job per execution
-    (`execute`). Either replaces a faulted context with a fresh one from `engine`."""
+    (`execute`). Either replaces a faulted context with a fresh one from `engine`. `output_shapes`: the
+    version's shape oracle, which padding needs too."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     timeout_s = execution_timeout_s(config)
     execute_parts = functools.partial(execution.execute_parts, bucketed=_bucketed(config, engine))
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
-        padding = Padding(ShapeOracle(engine).output_shapes, _bucket(engine)) if pad else None
+        padding = Padding(output_shapes, _bucket(engine)) if pad else None
         batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
                                  create_context=engine.create_execution_context, padding=padding,
                                  execute_parts=execute_parts)
@@ -294,16 +297,11 @@ PAD_BATCH = "kiln_pad_batch"
 
 def pad_batch(config: ModelConfig) -> bool:
     """Whether the config turns padding on; anything but true/false is INVALID_ARGUMENT naming the model."""
-    parameter = config.parameters.get(PAD_BATCH)
-    text = parameter.string_value.strip().lower() if parameter is not None else ""
-    if text in ("", "false", "0", "no"):
+    if not bool_parameter(config, PAD_BATCH, default=False):
         return False
-    if text in ("true", "1", "yes"):
-        if config.max_batch_size <= 0 or not config.HasField("dynamic_batching"):
-            raise invalid(f"model '{config.name}': {PAD_BATCH} needs dynamic_batching and max_batch_size > 0")
-        return True
-    raise invalid(f"model '{config.name}': parameter {PAD_BATCH} must be 'true' or 'false', got "
-                  f"'{parameter.string_value}'")
+    if config.max_batch_size <= 0 or not config.HasField("dynamic_batching"):
+        raise invalid(f"model '{config.name}': {PAD_BATCH} needs dynamic_batching and max_batch_size > 0")
+    return True
 
 
 # Model config parameter: the engine precision, e.g. parameters { key: "kiln_precision" value { string_value:

@@ -176,6 +176,19 @@ def complete_outputs_from_engine(config: ModelConfig, outputs: dict[str, tuple[s
         tensor.dims.extend(shape[1:] if config.max_batch_size > 0 else shape)
 
 
+def bool_parameter(config: ModelConfig, key: str, default: bool) -> bool:
+    """A true/false config parameter (`default` when unset); anything else is INVALID_ARGUMENT naming the model."""
+    parameter = config.parameters.get(key)
+    text = parameter.string_value.strip().lower() if parameter is not None else ""
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    if text == "":
+        return default
+    raise invalid(f"model '{config.name}': parameter {key} must be 'true' or 'false', got '{parameter.string_value}'")
+
+
 def model_shape(tensor) -> list[int]:
     """The shape the model itself sees for one request item: `reshape.shape` when given, else `dims`."""
     return list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)

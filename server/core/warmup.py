@@ -23,7 +23,7 @@ from server.protos import model_config_pb2
 
 from . import execution
 from .errors import ServerError, invalid
-from .model_config import ModelConfig, model_shape
+from .model_config import ModelConfig, bool_parameter, model_shape
 from .tensors import element_count, from_raw
 from .types import DATATYPE_OF_CONFIG_TYPE, numpy_dtype
 
@@ -35,12 +35,8 @@ WARMUP_BUCKETS = "kiln_warmup_buckets"
 
 def warm_up_buckets(config: ModelConfig, contexts: list, engine) -> int:
     """Bind every batch bucket on every context; returns how many bindings were prepared (0 when skipped)."""
-    parameter = config.parameters.get(WARMUP_BUCKETS)
-    text = parameter.string_value.strip().lower() if parameter is not None else ""
-    if text not in ("", "true", "false", "1", "0", "yes", "no"):
-        raise invalid(f"model '{config.name}': parameter {WARMUP_BUCKETS} must be 'true' or 'false', got "
-                      f"'{parameter.string_value}'")
-    if text in ("false", "0", "no") or engine.backend != "cuda" or config.max_batch_size <= 0:
+    wanted = bool_parameter(config, WARMUP_BUCKETS, default=True)
+    if not wanted or engine.backend != "cuda" or config.max_batch_size <= 0:
         return 0
     items = {t.name: tuple(model_shape(t)) for t in config.input}
     if any(d < 0 for dims in items.values() for d in dims):
