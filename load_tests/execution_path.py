@@ -38,11 +38,11 @@ def _load(repository: str, name: str):
 
 def _job(model, seed: int) -> dict[str, np.ndarray]:
     """One request's engine-ready inputs: zeros for integer inputs (valid ids and masks), noise for floats."""
+    from server.core.types import numpy_dtype
+
     rng = np.random.default_rng(seed)
     inputs = {}
     for name, spec in model.inputs.items():
-        from server.core.types import numpy_dtype
-
         dtype = numpy_dtype(spec.datatype)
         shape = (1, *spec.model_dims)
         inputs[name] = (rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)).astype(dtype)

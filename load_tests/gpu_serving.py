@@ -259,19 +259,23 @@ class ServerHandle:
     http: str
     grpc: str
     log: Path
+    pid: int
 
 
 @contextmanager
-def kiln_server(repo: Path, plans: Path, log: Path, first_model: str, extra: list[str]) -> Iterator[ServerHandle]:
-    """`python -m server` (what `kiln serve` runs) in explicit mode with one model loaded; stopped afterwards."""
+def kiln_server(repo: Path, plans: Path | None, log: Path, first_model: str,
+                extra: list[str]) -> Iterator[ServerHandle]:
+    """`python -m server` (what `kiln serve` runs) in explicit mode with one model loaded; stopped afterwards.
+    `plans`: the plan cache directory (None: the server's default)."""
     ports = [_free_port() for _ in range(3)]
     command = [sys.executable, "-m", "server", "--model-repository", str(repo), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--plan-cache-dir", str(plans), "--model-control-mode", "explicit", "--load-model", first_model,
+               *(["--plan-cache-dir", str(plans)] if plans is not None else []),
+               "--model-control-mode", "explicit", "--load-model", first_model,
                "--allow-client-shm", "true", *extra]  # the shared-memory transports register regions
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
-    handle = ServerHandle(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", log)
+    handle = ServerHandle(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", log, process.pid)
     try:
         _wait(process, f"http://{handle.http}/v2/models/{first_model}/ready", log)
         yield handle

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from load_tests.gpu_serving import _free_port, _http, _server_env  # noqa: E402
+from load_tests.gpu_serving import _server_env, kiln_server  # noqa: E402
 
 
 def summarize(folded: Path, top: int = 25) -> dict:
@@ -63,21 +63,10 @@ def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    http, grpc, metrics = _free_port(), _free_port(), _free_port()
-    command = [sys.executable, "-m", "server", "--model-repository", args.repository, "--host", "127.0.0.1",
-               "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-               "--model-control-mode", "explicit", "--load-model", args.model,
-               "--frontend-processes", str(args.frontend_processes), *args.server_arg]
-    log = open(out / "server.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
-    try:
-        deadline = time.monotonic() + 600
-        while _http("GET", f"http://127.0.0.1:{http}/v2/models/{args.model}/ready") != 200:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not get ready: {(out / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    extra = ["--frontend-processes", str(args.frontend_processes), *args.server_arg]
+    with kiln_server(Path(args.repository), None, out / "server.log", args.model, extra) as server:
         time.sleep(2.0)  # frontends listening
-        perf = [sys.executable, "-m", "load_tests.perf", "-m", args.model, "-u", f"127.0.0.1:{grpc}", "-i", "grpc",
+        perf = [sys.executable, "-m", "load_tests.perf", "-m", args.model, "-u", server.grpc, "-i", "grpc",
                 "--concurrency-range", f"{args.concurrency}:{args.concurrency}:1", "-p", "1000", "-r",
                 str(int(args.seconds) + 6), "--warmup", "1", "--input-data", args.input_data, "-q",
                 "--json-file", str(out / "perf.json"), *sum((["--shape", s] for s in args.shape), [])]
@@ -99,10 +88,6 @@ def run(args: argparse.Namespace) -> dict:
             folded = out / f"{name}.txt"
             report[name] = summarize(folded) if folded.exists() else {"error": err.decode(errors="replace")[-500:]}
         load.wait(timeout=120)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     for name, summary in report.items():
         print(f"== {name}: {summary.get('samples')} samples, groups {summary.get('groups')}")
