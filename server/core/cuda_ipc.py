@@ -57,7 +57,6 @@ class IpcMapping:
     device_id: int
     byte_size: int
     mapping: DeviceMapping
-    _closed: bool = False
 
     @property
     def ptr(self) -> int:
@@ -85,14 +84,13 @@ class IpcMapping:
 
     def close(self) -> None:
         """Unmap the allocation; the client still owns and frees the memory."""
-        if self._closed:
+        if self.mapping.closed:
             return
-        self._closed = True
         with _as_invalid():
             self.mapping.close()
 
     def _check_span(self, offset: int, nbytes: int) -> None:
-        if self._closed:
+        if self.mapping.closed:
             raise invalid("CUDA shared memory region was unregistered")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.byte_size:
             raise invalid(f"[{offset}, {offset + nbytes}) is outside the {self.byte_size} bytes of the region")
