@@ -5,6 +5,7 @@ Only what the engine needs, with errors turned into exceptions that name the cal
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from functools import cache
 from typing import Any
@@ -50,6 +51,23 @@ def _retained_primary_context(ordinal: int) -> Any:
     _init()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
     return check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+
+
+@cache
+def _holding_the_lock() -> Any:
+    """libcuda through ctypes.PyDLL: its calls keep the interpreter lock. cuda.bindings releases it for every call,
+    and a thread that released it waits up to a switch interval to get it back while another thread runs Python
+    (a server's event loop): for a call of a few microseconds that wait is the whole cost."""
+    return ctypes.PyDLL("libcuda.so.1")
+
+
+def launch_graph(graph_exec: Any, stream: int) -> None:
+    """cuGraphLaunch without releasing the interpreter lock (the launch itself is a few microseconds)."""
+    from cuda.bindings import driver
+
+    err = _holding_the_lock().cuGraphLaunch(ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream)))
+    if err:
+        check(driver.CUresult(err), "cuGraphLaunch")
 
 
 def primary_context(ordinal: int = 0) -> Any:

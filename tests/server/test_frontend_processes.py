@@ -22,22 +22,23 @@ from tritonclient.utils import InferenceServerException
 
 from server.core.errors import ErrorKind, ServerError
 from server.core.limits import PayloadTooLarge
-from server.core.remote import CoreService, RemoteCore, encode, read_message
+from server.core.remote import CoreService, FrameDecoder, RemoteCore, encode
 from server.core.types import InferInput, InferRequest
 from server.frontend_processes import frontend_count
 
 from .conftest import examples, run_server
 
 
-def _roundtrip(message):
-    async def go():
-        reader = asyncio.StreamReader()
-        for frame in encode(message):
-            reader.feed_data(bytes(frame))
-        reader.feed_eof()
-        return await read_message(reader)
-
-    return asyncio.run(go())
+def _roundtrip(message, chunk: int = 0):
+    """`message` encoded and decoded, the frames fed whole or in `chunk`-byte pieces (as a socket may split them)."""
+    decoded: list = []
+    decoder = FrameDecoder(decoded.append)
+    data = b"".join(bytes(frame) for frame in encode(message))
+    step = chunk or len(data)
+    for start in range(0, len(data), step):
+        decoder.feed(data[start:start + step])
+    assert len(decoded) == 1
+    return decoded[0]
 
 
 def test_messages_carry_arrays_of_every_layout_and_errors_whole():
@@ -51,6 +52,32 @@ def test_messages_carry_arrays_of_every_layout_and_errors_whole():
     error = _roundtrip(PayloadTooLarge("body over 10 bytes"))
     assert type(error) is PayloadTooLarge and error.kind == ErrorKind.RESOURCE_EXHAUSTED
     assert error.http_status == 413 and str(error) == error.message == "body over 10 bytes"
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7, 4096])
+def test_frames_decode_however_the_socket_splits_them(chunk: int):
+    """Requests as frontends send them (dataclasses, a 1 MiB tensor that gets a buffer of its own, fp16 and BYTES),
+    several frames in one read, and frames split anywhere, header included."""
+    big = np.random.default_rng(0).standard_normal((1, 512, 512)).astype(np.float32)
+    request = InferRequest("m", [InferInput("x", "FP32", big.shape, big),
+                                 InferInput("h", "FP16", (2,), np.array([1.5, -2], np.float16)),
+                                 InferInput("s", "BYTES", (2,), np.array([b"a", b""], dtype=object))],
+                           model_version="2", id="r1", parameters={"priority": 1})
+    decoded: list = []
+    decoder = FrameDecoder(decoded.append)
+    messages = [(1, "infer", (request,), {}), (2, "ready", (), {}), (3, "infer", (request,), {"timeout": 5})]
+    data = b"".join(bytes(frame) for message in messages for frame in encode(message))
+    step = chunk or len(data)
+    for start in range(0, len(data), step):
+        decoder.feed(data[start:start + step])
+    assert [m[:2] for m in decoded] == [(1, "infer"), (2, "ready"), (3, "infer")] and decoded[2][3] == {"timeout": 5}
+    for message in (decoded[0], decoded[2]):
+        back = message[2][0]
+        assert (back.model_name, back.model_version, back.id, back.parameters) == ("m", "2", "r1", {"priority": 1})
+        for sent, got in zip(request.inputs, back.inputs):
+            assert (got.name, got.datatype, tuple(got.shape), got.data.dtype) == \
+                (sent.name, sent.datatype, tuple(sent.shape), sent.data.dtype)
+            np.testing.assert_array_equal(got.data, sent.data)
 
 
 class _FakeCore:

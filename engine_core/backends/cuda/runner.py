@@ -43,7 +43,15 @@ from engine_core.backends.cuda.lowering import (
 )
 from engine_core.backends.cuda.pointwise import Unsupported
 from engine_core.batching import Span, check_destination, gather_rows, is_batched, part_shape, split_outputs
-from engine_core.cuda.driver import DEVICE_LOCK, DeviceBuffer, Module, check, encode_tensor_map, primary_context
+from engine_core.cuda.driver import (
+    DEVICE_LOCK,
+    DeviceBuffer,
+    Module,
+    check,
+    encode_tensor_map,
+    launch_graph,
+    primary_context,
+)
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.ir import Value
@@ -831,10 +839,8 @@ class CudaContextState:
         self._replay(graph, stream)
 
     def _replay(self, graph: _Graph, stream: int) -> None:
-        """One launch of a captured run (counted in ``graph_replays``)."""
-        from cuda.bindings import driver
-
-        check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+        """One launch of a captured run (counted in ``graph_replays``), keeping the interpreter lock."""
+        launch_graph(graph.exec, stream)
         self.graph_replays += 1
 
     def graphs_possible(self, binding: _Binding) -> bool:
@@ -1303,7 +1309,7 @@ class CudaContextState:
         results: list[dict[str, np.ndarray]] = [{} for _ in spans]
         for name in self.engine.plan.graph.output_names:
             stage = stages[name]
-            whole = stage.array.copy()  # one copy out of the mirror; the parts get views of it
+            whole = _copy_out(stage.array)  # one copy out of the mirror; the parts get views of it
             batched = is_batched(stage.shape, total)
             for result, (start, stop) in zip(results, spans):
                 result[name] = whole[start:stop] if batched else whole
@@ -1408,6 +1414,18 @@ def _synchronized_on_error(stream: int) -> Iterator[None]:
         except Exception:
             pass
         raise
+
+
+#: outputs up to this size leave the pinned mirror in a copy that keeps the interpreter lock (numpy's releases it,
+#: and getting it back can cost more than the copy); larger ones let other threads run meanwhile
+_COPY_HOLDING_LOCK_BYTES = 1 << 20
+
+
+def _copy_out(array: np.ndarray) -> np.ndarray:
+    """A writable copy of a pinned mirror's (contiguous) array."""
+    if array.nbytes > _COPY_HOLDING_LOCK_BYTES:
+        return array.copy()
+    return np.frombuffer(bytearray(array.data), array.dtype).reshape(array.shape)
 
 
 def _synchronize(stream: int) -> None:
