@@ -197,13 +197,12 @@ class ServerCore:
         return entry.versions[int(version)]
 
     async def model_ready(self, name: str, version: str = "") -> bool:
-        """True when the version is loaded and serving; unknown models are NOT_FOUND, unloaded ones False."""
+        """True when the version is loaded and serving, else False, unknown models included: Triton answers
+        readiness, never NOT_FOUND (gRPC ready=false; HTTP 400 "Model version not ready")."""
         try:
             self._version(name, version)
             return True
-        except ServerError as e:
-            if e.kind == ErrorKind.NOT_FOUND and name not in self.models and name not in self.repository.names():
-                raise
+        except ServerError:
             return False
 
     async def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
@@ -560,13 +559,16 @@ class ServerCore:
         """Triton's `{"model_stats": [...]}` for all models, one model, or one version."""
         if not name:
             return {"model_stats": [v.statistics.as_dict() for v in self.loaded_versions()]}
+        # Triton's texts and INVALID_ARGUMENT (HTTP 400) for a model or version it has no statistics of
+        # (core/src/tritonserver.cc TRITONSERVER_ServerModelStatistics)
         entry = self.models.get(name)
         if entry is None or not entry.versions:
-            if entry is None and name not in self.repository.names():
-                raise not_found(unknown_model(name))
-            raise unavailable(f"Request for unknown model: '{name}' has no available versions (not loaded)")
+            raise invalid(f"requested model '{name}' is not available")
         if version:
-            return {"model_stats": [self._version(name, version).statistics.as_dict()]}
+            try:
+                return {"model_stats": [self._version(name, version).statistics.as_dict()]}
+            except ServerError:
+                raise invalid(f"requested model version is not available for model '{name}'") from None
         return {"model_stats": [v.statistics.as_dict() for _, v in sorted(entry.versions.items())]}
 
     # -- shared memory --------------------------------------------------------------------------------------

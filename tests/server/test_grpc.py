@@ -423,11 +423,23 @@ def test_bad_requests_map_to_status_codes(client, model, arrays, code) -> None:
 
 
 def test_unknown_model_metadata_and_version(client) -> None:
+    """Triton's statuses (checked against tritonserver 2.51): metadata, config and inference of an unknown model or
+    version are NOT_FOUND (inference even when its tensors are malformed too), readiness is plain false, and
+    statistics are INVALID_ARGUMENT."""
     for call in (lambda: client.get_model_metadata("missing_model"), lambda: client.get_model_config("add_sub", "9"),
-                 lambda: client.is_model_ready("missing_model")):
+                 lambda: client.infer("missing_model", [grpcclient.InferInput("INPUT0", [1, 16], "FP32")])):
         with pytest.raises(InferenceServerException) as info:
             call()
         assert _status(info.value) == grpc.StatusCode.NOT_FOUND
+        assert "Request for unknown model: " in info.value.message()
+    assert client.is_model_ready("missing_model") is False and client.is_model_ready("add_sub", "9") is False
+    for call, text in ((lambda: client.get_inference_statistics("missing_model"),
+                        "requested model 'missing_model' is not available"),
+                       (lambda: client.get_inference_statistics("add_sub", "9"),
+                        "requested model version is not available for model 'add_sub'")):
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        assert _status(info.value) == grpc.StatusCode.INVALID_ARGUMENT and info.value.message() == text
 
 
 def test_options_reach_the_server(grpc_server) -> None:

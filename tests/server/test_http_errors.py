@@ -176,8 +176,17 @@ def test_bad_compression_is_a_client_error(http):
 def test_other_endpoints_errors(http):
     _assert_error(http.get("/v2/models/nope"), 404, "unknown model")
     _assert_error(http.get("/v2/models/nope/config"), 404, "unknown model")
-    _assert_error(http.get("/v2/models/nope/stats"), 404, "unknown model")
-    assert http.get("/v2/models/nope/ready").status_code == 404
+    # Triton's codes and texts (checked against tritonserver 2.51): readiness is a 400 "not ready", statistics of a
+    # model or version it does not serve a 400, and inference on an unknown model 404 whatever the body holds
+    _assert_error(http.get("/v2/models/nope/stats"), 400, "requested model 'nope' is not available")
+    _assert_error(http.get("/v2/models/add_sub/versions/9/stats"), 400,
+                  "requested model version is not available for model 'add_sub'")
+    _assert_error(http.get("/v2/models/nope/ready"), 400, "Model version not ready")
+    _assert_error(http.get("/v2/models/add_sub/versions/9/ready"), 400, "Model version not ready")
+    _assert_error(http.post("/v2/models/nope/infer", content=b'{"inputs":'), 404,
+                  "Request for unknown model: 'nope' is not found")
+    _assert_error(http.post("/v2/models/nope/infer", json={"inputs": [{"name": "INPUT0", "shape": [1, 16],
+                                                                       "datatype": "FP32"}]}), 404, "unknown model")
     _assert_error(http.get("/v2/no/such/route"), 404, "Not Found")
     _assert_error(http.post("/v2/systemsharedmemory/region/r/register", json={"key": "/nope", "byte_size": 8}),
                   400, "cannot open key '/nope'")

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from server.core.errors import ServerError
 from server.core.limits import check_load_request
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
@@ -61,7 +62,14 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ------------------------------------------------------------------------------------------
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        response = await self._core.infer(convert.infer_request(request))
+        try:
+            converted = convert.infer_request(request)
+        except ServerError:
+            # Triton looks the model up before it reads the tensors: an unknown model is NOT_FOUND, whatever else
+            # is wrong with the request (model_metadata raises exactly that; asked only on this error path)
+            await self._core.model_metadata(request.model_name, request.model_version)
+            raise
+        response = await self._core.infer(converted)
         return convert.infer_response(response)
 
     @translate_errors

@@ -1,10 +1,12 @@
-"""Liveness and readiness (server and model): 200 means yes, 400 means no, as KServe specifies."""
+"""Liveness and readiness (server and model): 200 means yes, 400 means no, as KServe specifies; a model that is not
+ready (unknown ones too) says why in Triton's words."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
 from ..deps import CoreDep
+from ..errors import error_response
 
 router = APIRouter(tags=["health"])
 
@@ -26,4 +28,6 @@ async def server_ready(core: CoreDep) -> Response:
 @router.get("/v2/models/{model_name}/ready")
 @router.get("/v2/models/{model_name}/versions/{model_version}/ready")
 async def model_ready(core: CoreDep, model_name: str, model_version: str = "") -> Response:
-    return _status(await core.model_ready(model_name, model_version))
+    if await core.model_ready(model_name, model_version):
+        return Response(status_code=200)
+    return error_response(400, "Model version not ready")  # Triton's http_server.cc

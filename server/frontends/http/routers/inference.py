@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request, Response
 
 from server.core import InferRequest, InferResponse, ServerCore
+from server.core.errors import ServerError
 from server.core.limits import RequestLimits
 
 from ..codec import (
@@ -72,7 +73,13 @@ async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header:
     else:
         length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
         limits.check_json_size(len(body) if length is None else min(length, len(body)))
-        infer_request = decode_request(body, header_length, model_name, model_version)
+        try:
+            infer_request = decode_request(body, header_length, model_name, model_version)
+        except ServerError:
+            # Triton looks the model up before it parses the body: an unknown model is 404 whatever else is wrong
+            # (model_metadata raises exactly that; asked only on this error path)
+            await core.model_metadata(model_name, model_version)
+            raise
     response = await _infer_unless_disconnected(core, infer_request, disconnected)
     if response is None:
         return None
