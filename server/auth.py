@@ -1,9 +1,11 @@
-"""Restricted APIs, as Triton's `--http-restricted-api` / `--grpc-restricted-api`: a header (HTTP) or metadata
+"""Restricted APIs, as Triton's `--http-restricted-api` / `--grpc-restricted-protocol`: a header (HTTP) or metadata
 entry (gRPC) with a given value is required for whole API groups.
 
 `--http-restricted-api model-repository,model-config:admin-key=s3cret` means: every request to the repository
-or model-configuration endpoints must carry `admin-key: s3cret`; the others stay open. Requests without the
-right value get 401 / UNAUTHENTICATED (the value is compared in constant time and never echoed).
+or model-configuration endpoints must carry `admin-key: s3cret`; the others stay open. Over gRPC the metadata
+entry is `triton-grpc-protocol-admin-key`, as Triton names it. Requests without the right value get what Triton
+answers (measured against tritonserver 2.51): HTTP 403, gRPC UNAVAILABLE (the value is compared in constant time and
+never echoed). `--grpc-restricted-api` is accepted as another name for the gRPC flag.
 """
 
 from __future__ import annotations
@@ -60,8 +62,15 @@ def grpc_group(method: str) -> str:
     return _GRPC_GROUPS.get(method.rsplit("/", 1)[-1], "metadata")
 
 
-def unauthenticated(message: str) -> ServerError:
-    return ServerError(ErrorKind.UNAUTHENTICATED, message)
+#: what Triton's gRPC server expects before the configured key (grpc_server.cc: "triton-grpc-protocol-" + key)
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+
+
+def refused(message: str) -> ServerError:
+    """A request without its group's credential: Triton answers HTTP 403 and gRPC UNAVAILABLE."""
+    error = ServerError(ErrorKind.UNAVAILABLE, message)
+    error.http_status = 403  # type: ignore[attr-defined]
+    return error
 
 
 @dataclass(frozen=True)
@@ -75,22 +84,29 @@ class Restriction:
 
 @dataclass(frozen=True)
 class RestrictedApi:
-    """All restrictions of one protocol; empty = everything open."""
+    """All restrictions of one protocol; empty = everything open. `header_prefix` goes before each key in the
+    header or metadata name the request must carry (gRPC: GRPC_HEADER_PREFIX)."""
 
     restrictions: tuple[Restriction, ...] = field(default_factory=tuple)
+    header_prefix: str = ""
 
     def __bool__(self) -> bool:
         return bool(self.restrictions)
 
+    def header(self, group: str) -> str:
+        """The header (metadata) name `group`'s credential travels in ('' when the group is open)."""
+        key = next((r.key for r in self.restrictions if group in r.groups), "")
+        return self.header_prefix + key if key else ""
+
     def check(self, group: str, headers: Mapping[str, str]) -> None:
-        """Raise UNAUTHENTICATED unless `headers` (lower-case keys) carry every credential `group` needs."""
+        """Raise `refused` unless `headers` (lower-case keys) carry every credential `group` needs."""
         for restriction in self.restrictions:
             if group not in restriction.groups:
                 continue
-            given = headers.get(restriction.key)
+            given = headers.get(self.header_prefix + restriction.key)
             if given is None or not hmac.compare_digest(given.encode(), restriction.value.encode()):
-                raise unauthenticated(f"this API ({group}) is restricted: the request needs a valid "
-                                      f"'{restriction.key}' header (gRPC: metadata entry)")
+                raise refused(f"this API group ({group}) needs a valid '{self.header_prefix + restriction.key}' "
+                              f"{'metadata entry' if self.header_prefix else 'header'}")
 
 
 def parse_restriction(spec: str) -> Restriction:
@@ -107,7 +123,7 @@ def parse_restriction(spec: str) -> Restriction:
     return Restriction(groups, key.strip().lower(), value)
 
 
-def parse_restricted_api(specs: Iterable[str]) -> RestrictedApi:
+def parse_restricted_api(specs: Iterable[str], header_prefix: str = "") -> RestrictedApi:
     """Restrictions from repeated flags; a group may be restricted once only (as in Triton)."""
     restrictions = [parse_restriction(s) for s in specs]
     seen: set[str] = set()
@@ -116,7 +132,7 @@ def parse_restricted_api(specs: Iterable[str]) -> RestrictedApi:
         if twice:
             raise ValueError(f"API group(s) {sorted(twice)} are restricted more than once")
         seen |= restriction.groups
-    return RestrictedApi(tuple(restrictions))
+    return RestrictedApi(tuple(restrictions), header_prefix)
 
 
 def _spec(text: str) -> str:
@@ -128,13 +144,16 @@ def _spec(text: str) -> str:
 
 
 def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
-    for protocol in ("http", "grpc"):
-        parser.add_argument(f"--{protocol}-restricted-api", action="append", default=[], type=_spec,
-                            metavar="GROUPS:KEY=VALUE",
-                            help=f"require {'header' if protocol == 'http' else 'metadata'} KEY=VALUE for these "
-                                 f"API groups ({', '.join(API_GROUPS)}); repeatable")
+    groups = ", ".join(API_GROUPS)
+    parser.add_argument("--http-restricted-api", action="append", default=[], type=_spec, metavar="GROUPS:KEY=VALUE",
+                        help=f"require header KEY: VALUE for these API groups ({groups}); repeatable")
+    parser.add_argument("--grpc-restricted-protocol", "--grpc-restricted-api", dest="grpc_restricted_api",
+                        action="append", default=[], type=_spec, metavar="GROUPS:KEY=VALUE",
+                        help=f"require metadata triton-grpc-protocol-KEY: VALUE for these API groups ({groups}); "
+                             f"repeatable (Triton's flag; --grpc-restricted-api is another name for it)")
 
 
 def restrictions_from_args(args: argparse.Namespace) -> tuple[RestrictedApi, RestrictedApi]:
     """(HTTP, gRPC) restrictions."""
-    return parse_restricted_api(args.http_restricted_api), parse_restricted_api(args.grpc_restricted_api)
+    return (parse_restricted_api(args.http_restricted_api),
+            parse_restricted_api(args.grpc_restricted_api, GRPC_HEADER_PREFIX))

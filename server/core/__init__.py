@@ -6,11 +6,10 @@ Frontends (`server/frontends/http`, `server/frontends/grpc`) translate their pro
     kind               HTTP  gRPC
     INVALID_ARGUMENT   400   INVALID_ARGUMENT
     NOT_FOUND          404   NOT_FOUND
-    UNAVAILABLE        503   UNAVAILABLE
+    UNAVAILABLE        503   UNAVAILABLE     (a restricted API without its credential: 403, as Triton)
     RESOURCE_EXHAUSTED 429   RESOURCE_EXHAUSTED
     ALREADY_EXISTS     409   ALREADY_EXISTS
     INTERNAL           500   INTERNAL
-    UNAUTHENTICATED    401   UNAUTHENTICATED
     UNIMPLEMENTED      501   UNIMPLEMENTED   (a feature the server was started without, e.g. client shm)
 
 Core API (all `async`; versions are strings, "" = latest ready):

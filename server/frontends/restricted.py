@@ -8,13 +8,13 @@ compares those texts, so each frontend puts Triton's sentence first and Kiln's d
 
 from __future__ import annotations
 
-from server.auth import RestrictedApi
+from server.auth import RestrictedApi, refused
 from server.core.errors import ServerError
 
 
 def restricted_refusal(restricted: RestrictedApi, group: str, error: ServerError, subject: str) -> ServerError:
-    """`error` (from `restricted.check`) reworded as Triton's "This <subject> is restricted, ..." sentence.
+    """`error` (from `restricted.check`) reworded as Triton's "This <subject> is restricted, ..." sentence, its
+    status (HTTP 403, gRPC UNAVAILABLE) kept.
 
-    A group is restricted at most once (`parse_restricted_api` refuses more), so its key is unambiguous."""
-    key = next((r.key for r in restricted.restrictions if group in r.groups), "")
-    return ServerError(error.kind, f"This {subject} is restricted, expecting header '{key}' ({error.message})")
+    A group is restricted at most once (`parse_restricted_api` refuses more), so its header is unambiguous."""
+    return refused(f"This {subject} is restricted, expecting header '{restricted.header(group)}' ({error.message})")

@@ -70,7 +70,7 @@ def guarded_server(tmp_path_factory: pytest.TempPathFactory):
                          examples.ADD_SUB_CONFIG.replace('"add_sub"', '"victim"'))
     restricted = "model-repository,model-config:admin-key=s3cret"
     limits = ["--http-max-body-bytes", "1M", "--max-inflight-requests", str(MAX_INFLIGHT),
-              "--http-restricted-api", restricted, "--grpc-restricted-api", restricted,
+              "--http-restricted-api", restricted, "--grpc-restricted-protocol", restricted,
               "--allow-client-shm", "true"]  # so the fuzzers reach the shared-memory registration paths
     with run_server(repository, base / "server.log", ["add_sub", "identity", "slow", "victim"], limits) as server:
         yield server

@@ -14,7 +14,7 @@ from server.protos import grpc_service_pb2_grpc
 from tests.server.conftest import require_grpc
 
 SERVICE = "/inference.GRPCInferenceService/"
-ADMIN = (("admin-key", "s3cret"),)
+ADMIN = (("triton-grpc-protocol-admin-key", "s3cret"),)  # Triton prefixes the configured key over gRPC
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,11 @@ def test_restricted_apis_need_metadata(stub):
                           (stub.RepositoryIndex, pb.RepositoryIndexRequest()),
                           (stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="add_sub"))]:
         code, details = _code(call, request)
-        assert code == grpc.StatusCode.UNAUTHENTICATED and "admin-key" in details
-        code, _ = _code(call, request, metadata=(("admin-key", "wrong"),))
-        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert code == grpc.StatusCode.UNAVAILABLE and "triton-grpc-protocol-admin-key" in details  # as Triton
+        code, _ = _code(call, request, metadata=(("triton-grpc-protocol-admin-key", "wrong"),))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        code, _ = _code(call, request, metadata=(("admin-key", "s3cret"),))  # Triton reads the prefixed name only
+        assert code == grpc.StatusCode.UNAVAILABLE
     assert stub.ModelConfig(pb.ModelConfigRequest(name="add_sub"), metadata=ADMIN).config.name == "add_sub"
     assert stub.RepositoryIndex(pb.RepositoryIndexRequest(), metadata=ADMIN).models
     assert stub.ModelMetadata(pb.ModelMetadataRequest(name="add_sub")).name == "add_sub"  # not restricted

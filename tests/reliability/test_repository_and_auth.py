@@ -22,14 +22,14 @@ def _b64(data: bytes) -> str:
 @pytest.mark.parametrize("path", ["/v2/repository/index", "/v2/repository/models/add_sub/load",
                                   "/v2/repository/models/add_sub/unload"])
 def test_repository_needs_the_key(http, path):
-    assert_error(http.post(path), 401, "'admin-key' header")
-    assert_error(http.post(path, headers={"admin-key": "s3cre"}), 401, "restricted")
-    assert_error(http.post(path, headers={"Admin-Key": "S3CRET"}), 401, "restricted")
+    assert_error(http.post(path), 403, "This API is restricted, expecting header 'admin-key'")  # Triton's 403
+    assert_error(http.post(path, headers={"admin-key": "s3cre"}), 403, "restricted")
+    assert_error(http.post(path, headers={"Admin-Key": "S3CRET"}), 403, "restricted")
 
 
 def test_config_needs_the_key_other_apis_stay_open(http):
-    assert_error(http.get("/v2/models/add_sub/config"), 401, "model-config")
-    assert_error(http.get("/v2/models/add_sub/versions/1/config"), 401, "model-config")
+    assert_error(http.get("/v2/models/add_sub/config"), 403, "model-config")
+    assert_error(http.get("/v2/models/add_sub/versions/1/config"), 403, "model-config")
     assert http.get("/v2/models/add_sub/config", headers=ADMIN).json()["name"] == "add_sub"
     assert http.get("/v2/health/ready").status_code == 200
     assert http.get("/v2/models/add_sub").json()["name"] == "add_sub"
@@ -105,7 +105,7 @@ def test_restricted_api_specs():
     api.check("model-config", {"admin-key": "v=1"})
     with pytest.raises(ServerError) as info:
         api.check("model-config", {"admin-key": "v=2"})
-    assert info.value.kind.name == "UNAUTHENTICATED"
+    assert info.value.kind.name == "UNAVAILABLE" and info.value.http_status == 403  # Triton's gRPC / HTTP statuses
     with pytest.raises(ServerError):
         api.check("inference", {"admin-key": "v=1"})
     for bad in ["model-repository", "model-repository:key", "nope:k=v", ":k=v", "inference:=v"]:
@@ -115,8 +115,13 @@ def test_restricted_api_specs():
         parse_restricted_api(["inference:a=1", "inference,trace:b=2"])
     parser = argparse.ArgumentParser()
     add_auth_arguments(parser)
-    http_api, grpc_api = restrictions_from_args(parser.parse_args(["--grpc-restricted-api", "logging:k=v"]))
-    assert not http_api and grpc_api.restrictions[0].groups == {"logging"}
+    for flag in ("--grpc-restricted-protocol", "--grpc-restricted-api"):  # Triton's name, and ours before it
+        http_api, grpc_api = restrictions_from_args(parser.parse_args([flag, "logging:k=v"]))
+        assert not http_api and grpc_api.restrictions[0].groups == {"logging"}
+        assert grpc_api.header("logging") == "triton-grpc-protocol-k" and grpc_api.header("health") == ""
+        grpc_api.check("logging", {"triton-grpc-protocol-k": "v"})
+        with pytest.raises(ServerError):
+            grpc_api.check("logging", {"k": "v"})
     with pytest.raises(SystemExit):
         parser.parse_args(["--http-restricted-api", "bogus:k=v"])
 

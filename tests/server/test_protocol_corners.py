@@ -78,7 +78,7 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory):
     repository = base / "models"
     write_corner_models(repository)
     with run_server(repository, base / "server.log", None,
-                    ["--http-restricted-api", RESTRICTED, "--grpc-restricted-api", RESTRICTED]) as server:
+                    ["--http-restricted-api", RESTRICTED, "--grpc-restricted-protocol", RESTRICTED]) as server:
         yield server
 
 
@@ -198,9 +198,10 @@ def test_restricted_api_and_protocol_texts(plain_server) -> None:
         assert client.get_model_config("add_sub", headers={"admin-key": "s3cret"})["name"] == "add_sub"
     with grpcclient.InferenceServerClient(require_grpc(plain_server).grpc_url) as client:
         with pytest.raises(InferenceServerException,
-                           match="This protocol is restricted, expecting header 'admin-key'"):
+                           match="This protocol is restricted, expecting header 'triton-grpc-protocol-admin-key'"):
             client.get_model_config("add_sub")
-        assert client.get_model_config("add_sub", headers={"admin-key": "s3cret"}).config.name == "add_sub"
+        config = client.get_model_config("add_sub", headers={"triton-grpc-protocol-admin-key": "s3cret"})
+        assert config.config.name == "add_sub"
 
 
 def test_shared_memory_registration_texts(kiln_server) -> None:

@@ -21,7 +21,6 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "INTERNAL": grpc.StatusCode.INTERNAL,
-    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
     "UNIMPLEMENTED": grpc.StatusCode.UNIMPLEMENTED,
 }
 

@@ -1,6 +1,6 @@
 """A server interceptor in front of every RPC: restricted APIs, malformed messages, inference admission.
 
-* Restricted API groups (`--grpc-restricted-api`) need their metadata entry: UNAUTHENTICATED otherwise.
+* Restricted API groups (`--grpc-restricted-protocol`) need their metadata entry: UNAVAILABLE otherwise (Triton's).
 * A message whose bytes do not parse as the RPC's request type is INVALID_ARGUMENT (grpcio's own answer
   would be an INTERNAL error, which reads as a server fault).
 * ModelInfer counts against the inflight limit shared with HTTP: RESOURCE_EXHAUSTED beyond it.

@@ -24,7 +24,6 @@ STATUS_OF_KIND: dict[ErrorKind, int] = {
     ErrorKind.RESOURCE_EXHAUSTED: 429,
     ErrorKind.ALREADY_EXISTS: 409,
     ErrorKind.INTERNAL: 500,
-    ErrorKind.UNAUTHENTICATED: 401,
     ErrorKind.UNIMPLEMENTED: 501,  # as Triton answers TRITONSERVER_ERROR_UNSUPPORTED
 }
 
