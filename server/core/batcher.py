@@ -1,7 +1,7 @@
 """Triton's dynamic batcher: queue requests per model, run several as one execution, split the outputs back.
 
-Requests wait in one queue per priority level. A dispatcher task on the event loop forms a batch whenever an
-execution context is free: it takes the oldest request of the highest priority, then adds every queued
+Requests wait in one queue per priority level. The dispatcher (`_dispatch`, on the event loop) forms a batch
+whenever an execution context is free: it takes the oldest request of the highest priority, then adds every queued
 request whose non-batch shapes and datatypes match, up to `max_batch_size` items. The batch runs at once when
 it is full, when it reaches a preferred size, or when its oldest request has waited `max_queue_delay`;
 otherwise the dispatcher waits for more requests (opportunistic batching: while every context is busy,
@@ -243,8 +243,10 @@ class DynamicBatcher:
         self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
         self._queues: dict[int, collections.deque[_Pending]] = {
             level: collections.deque() for level in settings.policies}
-        self._wake: asyncio.Event | None = None
-        self._dispatcher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dispatch_soon = False  # a _dispatch is queued on the loop
+        self._timer: asyncio.TimerHandle | None = None  # the next _dispatch for a queue delay or deadline
+        self._deadlines = 0  # queued requests with a timeout (their expiry needs looking at)
         self._running: set[asyncio.Task] = set()
         self._closed = False
 
@@ -256,7 +258,8 @@ class DynamicBatcher:
         if gone is not None:
             raise gone
         pending = self._enqueue(job)
-        self._ensure_dispatcher()
+        if self._free or pending.deadline_ns:  # else the next free context (or a running timer) finds it
+            self._schedule()
         return await pending.future
 
     def _enqueue(self, job: Job) -> _Pending:
@@ -275,6 +278,7 @@ class DynamicBatcher:
         deadline = job.enqueued_ns + timeout_us * 1000 if timeout_us else 0
         future = asyncio.get_running_loop().create_future()
         pending = _Pending(job, future, level, shape_key(job.inputs), deadline, policy.reject_on_timeout)
+        self._deadlines += bool(deadline)
         if self.padding is not None:
             pending.pad_key = pad_key(job.inputs, self.padding.bucket({n: a.shape for n, a in job.inputs.items()}))
         queue.append(pending)
@@ -292,44 +296,50 @@ class DynamicBatcher:
             raise invalid(f"priority {priority} is out of range: this model has priority levels 1..{levels}")
         return priority
 
-    def _ensure_dispatcher(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-        if self._dispatcher is None or self._dispatcher.done():
-            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_loop())
-        self._wake.set()
+    def _schedule(self) -> None:
+        """Run `_dispatch` once, soon, however many arrivals and returns ask for it during this loop turn."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if not self._dispatch_soon:
+            self._dispatch_soon = True
+            self._loop.call_soon(self._dispatch)
 
     # -- dispatch -------------------------------------------------------------------------------------------
-    async def _dispatch_loop(self) -> None:
-        """Form and start batches until the queues are empty; sleeps until the next arrival, deadline or delay."""
-        assert self._wake is not None
-        while True:
-            self._wake.clear()
-            now = self._clock()
+    def _dispatch(self) -> None:
+        """Form and start batches while contexts are free; then wait (a timer) for the first queue delay or
+        deadline to run out. Runs on the event loop, only when something changed: an arrival that a free context
+        or a deadline cares about, a context coming back, a timer. Why not a task waiting on an event: that woke
+        for every arrival while every context was busy, and cost the event loop more than the arrival itself."""
+        self._dispatch_soon = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        now = self._clock()
+        if self._deadlines:
             self._expire(now)
-            if self.workers.none_left() is not None:
-                self._fail_queued(self.workers.none_left())  # type: ignore[arg-type]
-            if not any(self._queues.values()):
-                if self._closed:
-                    self._pool.shutdown(wait=False)
-                return
-            wait_ns = None
-            while self._free:
-                batch, wait_ns = self._form_batch(now)
-                if not batch:
-                    break
-                self._start(batch)
-            timeouts = [wait_ns] if wait_ns is not None else []
+        if self.workers.none_left() is not None:
+            self._fail_queued(self.workers.none_left())  # type: ignore[arg-type]
+        if not any(self._queues.values()):
+            if self._closed:
+                self._pool.shutdown(wait=False)  # running executions still finish
+            return
+        wait_ns = None
+        while self._free:
+            batch, wait_ns = self._form_batch(now)
+            if not batch:
+                break
+            self._start(batch)
+        timeouts = [wait_ns] if wait_ns is not None else []
+        if self._deadlines:
             timeouts += [p.deadline_ns - now for q in self._queues.values() for p in q
                          if p.deadline_ns and not p.delayed]
-            timeout = max(min(timeouts), 0) / 1e9 if timeouts else None
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+        if timeouts:
+            assert self._loop is not None
+            self._timer = self._loop.call_later(max(min(timeouts), 0) / 1e9, self._schedule)
 
     def _expire(self, now: int) -> None:
         """Answer REJECT requests past their deadline; DELAY ones move behind the rest. Drop cancelled ones."""
+        self._deadlines = 0
         for level, queue in self._queues.items():
             kept: collections.deque[_Pending] = collections.deque()
             for pending in queue:
@@ -342,6 +352,7 @@ class DynamicBatcher:
                             f"{(pending.deadline_ns - pending.job.enqueued_ns) // 1000} us)"))
                         continue
                     pending.delayed = True
+                self._deadlines += bool(pending.deadline_ns)
                 kept.append(pending)
             self._queues[level] = kept
 
@@ -355,13 +366,15 @@ class DynamicBatcher:
 
     def _ordered(self) -> list[_Pending]:
         """Queued requests in service order: priority level, then not-delayed before delayed, then arrival."""
-        ordered = [p for level in sorted(self._queues) for p in self._queues[level] if not p.delayed]
-        return ordered + [p for level in sorted(self._queues) for p in self._queues[level] if p.delayed]
+        live = [p for level in sorted(self._queues) for p in self._queues[level] if not p.future.done()]
+        return [p for p in live if not p.delayed] + [p for p in live if p.delayed]
 
     def _form_batch(self, now: int) -> tuple[list[_Pending], int | None]:
         """The batch to run now (empty if it should wait), and how long to wait for it (ns) when waiting."""
         ordered = self._ordered()
-        if not ordered:
+        if not ordered:  # only requests whose callers gave up
+            for queue in self._queues.values():
+                queue.clear()
             return [], None
         limit = self.settings.max_batch_size
         head = ordered[0]
@@ -391,9 +404,10 @@ class DynamicBatcher:
         return self.padding is not None and head.pad_key is not None and other.pad_key == head.pad_key
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        """`batch` out of the queues, and requests whose callers gave up (cancelled futures) with it."""
         chosen = {id(p) for p in batch}
         for level, queue in self._queues.items():
-            self._queues[level] = collections.deque(p for p in queue if id(p) not in chosen)
+            self._queues[level] = collections.deque(p for p in queue if id(p) not in chosen and not p.future.done())
         return batch
 
     def _start(self, batch: list[_Pending]) -> None:
@@ -420,21 +434,25 @@ class DynamicBatcher:
                 if not pending.future.done():
                     pending.future.set_exception(e)
         else:
-            give_back = outcome.execution.context
+            # the context goes back and the next batch starts before this one's members are answered: the
+            # device works on it while the event loop sends these replies
             self._requeue(outcome.deferred)
+            give_back = None
+            self._free.append(outcome.execution.context)
+            self._dispatch()
             self._answer(outcome, started)
         finally:
             if give_back is not None:
                 self._free.append(give_back)
-            if self._wake is not None:
-                self._ensure_dispatcher()
+            if give_back is not None or self.workers.none_left() is not None:  # queued requests must hear it
+                self._schedule()
 
     def _return_late(self, done: asyncio.Future, context: object) -> None:
         """An abandoned execution's thread returned: its context (or the replacement after a fault) serves again."""
         back = context if done.cancelled() or done.exception() is not None else done.result().execution.context
         if back is not None and not self._closed:
             self._free.append(back)
-            self._ensure_dispatcher()
+            self._schedule()
 
     def _answer(self, outcome: _Outcome, started: int) -> None:
         """Set each executed member's result (its part of the outputs) or the execution's error."""
