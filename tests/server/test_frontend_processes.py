@@ -256,7 +256,8 @@ def test_a_killed_frontend_is_replaced_and_sigterm_drains_everything(tmp_path: P
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (len(_frontends(pid)) < 2 or first[0] in _frontends(pid)):
             time.sleep(0.2)
-        assert len(_frontends(pid)) == 2 and first[0] not in _frontends(pid)
+        assert len(_frontends(pid)) == 2 and first[0] not in _frontends(pid), \
+            f"frontends before {first}, now {_frontends(pid)}; log:\n{server.log()[-3000:]}"
         a = np.arange(16, dtype=np.int32).reshape(1, 16)
         for _ in range(4):
             client = httpclient.InferenceServerClient(server.http_url)
