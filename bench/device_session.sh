@@ -21,6 +21,9 @@
 #   cudnn_int8   bench.cudnn_int8: every ResNet-50 convolution as one requantizing INT8 cuDNN graph vs fp16          ~2 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
 # The machine has no network: everything Kiln needs beyond the image comes from wheels/.
+# Same-call A/B against an earlier commit (machines differ by ~30%, so only same-call ratios count):
+#   rm -rf .ab/base && mkdir -p .ab/base && git archive REV | tar -x -C .ab/base     (.ab/ is git-ignored)
+#   carry [".ab", "wheels"]; run the baseline as (cd .ab/base && PYTHONPATH=$PWD python3 load_tests/gpu_serving.py ...)
 set -o pipefail
 export PYTHONPATH=$PWD KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kc} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
