@@ -17,6 +17,13 @@ def _doc(scenario: str, server: str, rows: list[tuple[int, float, float]]) -> di
                          "client": {"cpu_cores": 0.2}} for c, rps, p99 in rows]}
 
 
+def _render(results) -> str:
+    """The performance page `bench/report.py` writes from the JSON files in `results` (no plots)."""
+    page = results / "performance.md"
+    assert report.main(["--results", str(results), "--doc", str(page), "--no-plots"]) == 0
+    return page.read_text()
+
+
 def test_peer_ratios_per_level_and_peak():
     kiln = _doc("trivial_http_json", "kiln", [(1, 400.0, 2000.0), (2, 900.0, 3000.0)])
     peer = _doc("trivial_http_json", "mlserver", [(1, 200.0, 8000.0), (2, 300.0, 6000.0), (4, 350.0, 9000.0)])
@@ -46,9 +53,7 @@ def test_every_peer_gets_a_ratio_row_with_geomeans(tmp_path):
                 _doc("trivial_grpc", "mlserver", [(1, 100.0, 4000.0), (2, 200.0, 8000.0)]),
                 _doc("trivial_grpc", "kserve", [(1, 400.0, 1000.0), (2, 200.0, 4000.0)])):
         (tmp_path / f"serving_{doc['scenario']}_{doc['server']}.json").write_text(json.dumps(doc))
-    page = tmp_path / "performance.md"
-    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
-    text = page.read_text()
+    text = _render(tmp_path)
     assert "| trivial_grpc: Kiln / mlserver | 4.00x | c1: 4.00x, c2: 4.00x | c1: 0.50x, c2: 0.25x | 4.00x | 0.35x |" in text
     assert "| trivial_grpc: Kiln / kserve | 2.00x | c1: 1.00x, c2: 4.00x | c1: 2.00x, c2: 0.50x | 2.00x | 1.00x |" in text
 
@@ -63,9 +68,7 @@ def test_gpu_serving_section(tmp_path):
                            "served_infer_per_s": 450.0, "raw_infer_per_s": 500.0, "efficiency": 0.9,
                            "p50_ms": 2.2, "p99_ms": 3.0, "server_queue_us": 4.0, "errors": 0}]}
     (tmp_path / "gpu_serving_resnet50_fp16.json").write_text(json.dumps(gpu))
-    page = tmp_path / "performance.md"
-    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
-    text = page.read_text()
+    text = _render(tmp_path)
     assert "### GPU serving: resnet50 fp16, max batch 128 (H100)" in text
     assert "| 1 | 500.0 | 2.00 |" in text
     assert "| direct | 1 | 1.0 | 450.0 | 500.0 (b1) | 90% | 2.20 | 3.00 | 4 | 0 |" in text
@@ -79,9 +82,7 @@ def test_rounds_get_a_median_ratio_row(tmp_path):
             doc["run"] = run
             suffix = f"_run{run}" if run > 1 else ""
             (tmp_path / f"serving_add_sub_grpc_{doc['server']}{suffix}.json").write_text(json.dumps(doc))
-    page = tmp_path / "performance.md"
-    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
-    text = page.read_text()
+    text = _render(tmp_path)
     assert "| add_sub_grpc, run 2: Kiln / triton | 1.50x |" in text
     assert "| add_sub_grpc: Kiln / triton, median of 3 runs | | c16: 0.75x | c16: 0.50x | 0.75x | 0.50x |" in text
 
@@ -105,9 +106,7 @@ def test_gpu_serving_run_section(tmp_path):
            "ratios": [{"model": "bert_cls", "comparison": "batched / direct", "transport": "grpc", "concurrency": 64,
                        "infer_per_s": 4000.0 / 450.0, "p99": 1.0}]}
     (tmp_path / "gpu_serving_20261127.json").write_text(json.dumps(gpu))
-    page = tmp_path / "performance.md"
-    assert report.main(["--results", str(tmp_path), "--doc", str(page), "--no-plots"]) == 0
-    text = page.read_text()
+    text = _render(tmp_path)
     assert "### GPU serving: bert_cls fp16, max batch 128 (H100)" in text
     assert "| 64 | 8000.0 (8.00 ms) |" in text
     assert "| bert_cls | grpc | batched | 64 | 4000.0 | 2.00 | 4.00 | 40.0 | 8000.0 (b64) | 50% | 0 |" in text
