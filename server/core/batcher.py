@@ -246,7 +246,7 @@ class DynamicBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dispatch_soon = False  # a _dispatch is queued on the loop
         self._timer: asyncio.TimerHandle | None = None  # the next _dispatch for a queue delay or deadline
-        self._deadlines = 0  # queued requests with a timeout (their expiry needs looking at)
+        self._deadlines = 0  # at least the queued requests with a timeout (recounted by _expire; 0: none queued)
         self._running: set[asyncio.Task] = set()
         self._closed = False
 
@@ -317,8 +317,9 @@ class DynamicBatcher:
         now = self._clock()
         if self._deadlines:
             self._expire(now)
-        if self.workers.none_left() is not None:
-            self._fail_queued(self.workers.none_left())  # type: ignore[arg-type]
+        gone = self.workers.none_left()
+        if gone is not None:
+            self._fail_queued(gone)
         if not any(self._queues.values()):
             if self._closed:
                 self._pool.shutdown(wait=False)  # running executions still finish

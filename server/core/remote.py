@@ -301,15 +301,12 @@ class _ServedConnection(FramedConnection):
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         ok, value = await self.service.answer(method, args, kwargs)
         try:
-            try:
-                self.send((call_id, ok, value))
-            except (ConnectionError, RuntimeError):
-                return  # the frontend closed the connection meanwhile
-            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value: the caller must still get an answer
-                self.send((call_id, False, ServerError(ErrorKind.INTERNAL, f"internal error: {e}")))
-            await self.drain()
+            self.send((call_id, ok, value))
         except ConnectionError:
-            pass
+            return  # the frontend closed the connection meanwhile
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value: the caller must still get an answer
+            self.send((call_id, False, ServerError(ErrorKind.INTERNAL, f"internal error: {e}")))
+        await self.drain()
 
     def _lost(self, exc: Exception | None) -> None:
         self.service._connections.discard(self)
