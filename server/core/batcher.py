@@ -252,6 +252,10 @@ class DynamicBatcher:
 
     # -- submission -----------------------------------------------------------------------------------------
     async def submit(self, job: Job) -> JobResult:
+        return await self.enqueue(job)
+
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """Queue `job`; its future gets the result. No task per request: the dispatcher answers the future."""
         if self._closed:
             raise unavailable("this model version was unloaded while the request waited; retry")
         gone = self.workers.none_left()
@@ -260,7 +264,7 @@ class DynamicBatcher:
         pending = self._enqueue(job)
         if self._free or pending.deadline_ns:  # else the next free context (or a running timer) finds it
             self._schedule()
-        return await pending.future
+        return pending.future
 
     def _enqueue(self, job: Job) -> _Pending:
         level = self._level(job)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,23 +221,48 @@ class ServerCore:
     # -- inference ------------------------------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request: resolve shared memory, check against the config, execute, post-process outputs."""
-        model = self._version(request.model_name, request.model_version)
+        answer = asyncio.get_running_loop().create_future()
+        job = self.submit_infer(request, lambda response, error: _settle(answer, response, error))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            if job is not None:
+                job.cancel()  # a queued request leaves the batcher's queue
+            raise
+
+    def submit_infer(self, request: InferRequest, reply: Reply) -> asyncio.Future | None:
+        """Start one request without a task of its own: `reply(response, None)` or `reply(None, error)` is called
+        exactly once, on the event loop (with a CancelledError when the job is cancelled). Returns the queued
+        job's future (cancel it to withdraw the request), or None when the request was answered at once.
+
+        Why callbacks: the core process serves every frontend on one event-loop thread, and a task per request
+        (creation, scheduling, two steps) was a large share of its time per request (docs/performance.md)."""
         started = time.perf_counter_ns()
+        try:
+            model = self._version(request.model_name, request.model_version)
+        except ServerError as e:
+            reply(None, e)
+            return None
         trace = self.trace.start(model.name, str(model.version), request.id)
         if trace:
             trace.mark("REQUEST_START")
         try:
-            response, batch, times = await self._infer(model, request, trace)
-        except Exception:
+            job, requested, destinations = self._prepare(model, request)
+            if trace:
+                trace.mark("QUEUE_START")
+            future = model.scheduler.enqueue(job)
+        except Exception as e:  # noqa: BLE001 - answered, as `infer` would have raised it
             model.statistics.record_failure(time.perf_counter_ns() - started)
-            raise
-        model.statistics.record_success(batch, time.perf_counter_ns() - started, times)
-        if trace:
-            trace.mark("REQUEST_END")
-            self.trace.finish(trace)
-        return response
+            reply(None, e)
+            return None
+        future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size, requested,
+                                                           destinations, trace, started, reply))
+        return future
 
-    async def _infer(self, model: ModelVersion, request: InferRequest, trace):
+    def _prepare(self, model: ModelVersion, request: InferRequest
+                 ) -> tuple[Job, list[RequestedOutput], dict[str, kiln.DeviceView]]:
+        """The request checked against the model and turned into a job: inputs, requested outputs, and the
+        outputs the engine writes straight into CUDA shared memory."""
         arrays = {}
         datatypes = {}
         if request.raw_input is not None:
@@ -252,23 +278,36 @@ class ServerCore:
         inputs, batch = model.check_inputs(arrays, datatypes)
         model.traffic.record(inputs)
         destinations = self._output_views(model, requested, inputs)
-        if trace:
-            trace.mark("QUEUE_START")
+        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), requested, destinations
+
+    def _finish(self, done: asyncio.Future, model: ModelVersion, request: InferRequest, batch: int,
+                requested: list[RequestedOutput], destinations: dict[str, kiln.DeviceView], trace,
+                started: int, reply: Reply) -> None:
+        """A job's future is done: its outputs post-processed into the response, statistics and trace recorded,
+        and the caller answered."""
+        if done.cancelled():
+            reply(None, asyncio.CancelledError())
+            return
         try:
-            result = await model.scheduler.submit(Job(inputs, batch, parameters=request.parameters,
-                                                       destinations=destinations))
-        except ServerError:
-            raise
-        except (kiln.KilnError, TypeError, ValueError) as e:
-            raise invalid(f"inference failed for model '{model.name}': {e}") from None
+            try:
+                result = done.result()
+            except Exception as e:  # noqa: BLE001 - the engine refusing the request's data is the client's error
+                raise _execution_error(model, e) from None
+            if trace:
+                trace.mark("COMPUTE_END")
+            t0 = time.perf_counter_ns()
+            outputs = [self._output_on_device(o, destinations[o.name]) if o.name in destinations
+                       else self._output(model, o, result.outputs[o.name]) for o in requested]
+            result.times.compute_output_ns = time.perf_counter_ns() - t0
+        except Exception as e:  # noqa: BLE001 - the caller hears it
+            model.statistics.record_failure(time.perf_counter_ns() - started)
+            reply(None, e)
+            return
+        model.statistics.record_success(batch, time.perf_counter_ns() - started, result.times)
         if trace:
-            trace.mark("COMPUTE_END")
-        t0 = time.perf_counter_ns()
-        outputs = [self._output_on_device(o, destinations[o.name]) if o.name in destinations
-                   else self._output(model, o, result.outputs[o.name]) for o in requested]
-        result.times.compute_output_ns = time.perf_counter_ns() - t0
-        response = InferResponse(model.name, str(model.version), outputs, id=request.id)
-        return response, batch, result.times
+            trace.mark("REQUEST_END")
+            self.trace.finish(trace)
+        reply(InferResponse(model.name, str(model.version), outputs, id=request.id), None)
 
     @staticmethod
     def _raw_input(model: ModelVersion, data: bytes | memoryview) -> InferInput:
@@ -613,6 +652,27 @@ class ServerCore:
         if updates:
             return self.logging.update(updates)
         return self.logging.current()
+
+
+#: how `submit_infer` answers: (response, None) or (None, error)
+Reply = Callable[[InferResponse | None, BaseException | None], None]
+
+
+def _settle(answer: asyncio.Future, response: InferResponse | None, error: BaseException | None) -> None:
+    if answer.done():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(response)
+
+
+def _execution_error(model: ModelVersion, error: Exception) -> Exception:
+    """What the caller hears for `error`: server errors as they are; the engine refusing the request's data as
+    INVALID_ARGUMENT naming the model; anything else unchanged (an internal error)."""
+    if isinstance(error, (kiln.KilnError, TypeError, ValueError)) and not isinstance(error, ServerError):
+        return invalid(f"inference failed for model '{model.name}': {error}")
+    return error
 
 
 def _device_io(model: ModelVersion) -> bool:

@@ -180,13 +180,20 @@ class FramedConnection(asyncio.BufferedProtocol):
     the event loop, and tells `on_lost` when the peer goes."""
 
     def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[Exception | None], None]) -> None:
-        self._decoder = FrameDecoder(on_message)
+        self._on_message = on_message
+        self._decoder = FrameDecoder(self._received)
         self._on_lost = on_lost
+        #: told about a message that could not be pickled (None: it is logged)
+        self.on_unencodable: Callable[[Any, Exception], None] | None = None
         self.transport: asyncio.Transport | None = None
-        self._out: list[bytes | memoryview] = []
+        self._out: list[Any] = []  # messages sent during this turn of the event loop
         self._flushing = False
         self._writable: asyncio.Event | None = None  # set while the socket takes more (cleared when paused)
         self.closed = False
+
+    def _received(self, messages: list[Any]) -> None:
+        for message in messages:  # a frame holds every message its sender sent in one turn of its event loop
+            self._on_message(message)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -214,19 +221,36 @@ class FramedConnection(asyncio.BufferedProtocol):
             self._writable.set()
 
     def send(self, message: Any) -> None:
-        """Queue `message`; it leaves with everything else sent during this turn of the event loop."""
+        """Queue `message`; it leaves in one frame with everything else sent during this turn of the event loop."""
         if self.closed:
             raise ConnectionResetError("the core connection is closed")
-        self._out.extend(encode(message))
+        self._out.append(message)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flushing = False
-        out, self._out = self._out, []
-        if not self.closed and self.transport is not None:
-            self.transport.writelines(out)
+        messages, self._out = self._out, []
+        if self.closed or self.transport is None:
+            return
+        try:
+            frames = encode(messages)
+        except Exception:  # noqa: BLE001 - one message that cannot be pickled must not sink the others
+            frames = []
+            for message in messages:
+                try:
+                    frames += encode([message])
+                except Exception as e:  # noqa: BLE001 - its sender hears about it instead
+                    self.unencodable(message, e)
+        self.transport.writelines(frames)
+
+    def unencodable(self, message: Any, error: Exception) -> None:
+        """`message` could not be pickled and was not sent: whoever waits for it hears `error`."""
+        if self.on_unencodable is None:
+            log.error("dropped a core message that cannot be pickled: %s", error)
+        else:
+            self.on_unencodable(message, error)
 
     async def drain(self) -> None:
         """Wait while the socket's write buffer is over its high-water mark (a slow reader must not grow memory)."""
@@ -259,29 +283,36 @@ class CoreService:
             connection.close()
 
     async def answer(self, method: str, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        """One call's reply: (True, value) or (False, the ServerError the frontend raises)."""
+        """One call's reply: (True, value) or (False, the ServerError the frontend raises). Inference calls take
+        `_ServedConnection._infer` instead."""
         try:
             if method not in CORE_METHODS:
                 raise ServerError(ErrorKind.INTERNAL, f"the core has no method '{method}' for frontends")
-            if method == "infer":
-                with self.limiter.admit():
-                    return True, await self.core.infer(*args, **kwargs)
             return True, await getattr(self.core, method)(*args, **kwargs)
-        except ServerError as e:
-            return False, e
         except Exception as e:  # noqa: BLE001 - what an in-process frontend would turn into a 500, said as one
-            log.exception("core call %s failed", method)
-            return False, ServerError(ErrorKind.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            return False, _as_server_error(method, e)
+
+
+def _as_server_error(method: str, error: BaseException) -> ServerError:
+    """What a frontend raises for a core call's error: a ServerError as it is, anything else as an internal
+    error (logged here, with its traceback, since the frontend only sees the message)."""
+    if isinstance(error, ServerError):
+        return error
+    log.error("core call %s failed", method, exc_info=error)
+    return ServerError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
 class _ServedConnection(FramedConnection):
-    """One frontend process's connection: each call runs as its own task, so a slow model never holds up another
-    call; the frontend going away cancels its calls."""
+    """One frontend process's connection. An inference call is started with `ServerCore.submit_infer` and answered
+    from its completion callback (no task per request: the core's event loop serves every frontend); any other
+    call runs as a task of its own, so a slow model load never holds up another call. The frontend going away
+    cancels its calls."""
 
     def __init__(self, service: CoreService) -> None:
         super().__init__(self._called, self._lost)
+        self.on_unencodable = self._reply_unencodable
         self.service = service
-        self.calls: dict[int, asyncio.Task] = {}
+        self.calls: dict[int, asyncio.Future] = {}  # running calls: a task, or an inference request's job
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -295,23 +326,52 @@ class _ServedConnection(FramedConnection):
             if running is not None:
                 running.cancel()
             return
+        if method == "infer":
+            self._infer(call_id, *args, **kwargs)
+            return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
         task.add_done_callback(lambda _, done=call_id: self.calls.pop(done, None))
 
+    def _infer(self, call_id: int, request: InferRequest) -> None:
+        limiter = self.service.limiter
+        try:
+            limiter.acquire()
+        except ServerError as e:
+            self._reply(call_id, False, e)
+            return
+
+        def answered(response: InferResponse | None, error: BaseException | None) -> None:
+            limiter.release()
+            self.calls.pop(call_id, None)
+            if isinstance(error, asyncio.CancelledError):
+                return  # the frontend gave up on it
+            self._reply(call_id, error is None, response if error is None else _as_server_error("infer", error))
+
+        job = self.service.core.submit_infer(request, answered)
+        if job is not None and not job.done():
+            self.calls[call_id] = job
+
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         ok, value = await self.service.answer(method, args, kwargs)
+        self._reply(call_id, ok, value)
+        await self.drain()
+
+    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         try:
             self.send((call_id, ok, value))
         except ConnectionError:
-            return  # the frontend closed the connection meanwhile
-        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value: the caller must still get an answer
-            self.send((call_id, False, ServerError(ErrorKind.INTERNAL, f"internal error: {e}")))
-        await self.drain()
+            pass  # the frontend closed the connection meanwhile
+
+    def _reply_unencodable(self, message: Any, error: Exception) -> None:
+        """A reply that cannot be pickled: the caller still gets an answer, an internal error."""
+        call_id = message[0]
+        log.error("core call %s: the reply cannot be sent: %s", call_id, error)
+        self._reply(call_id, False, ServerError(ErrorKind.INTERNAL, f"internal error: {error}"))
 
     def _lost(self, exc: Exception | None) -> None:
         self.service._connections.discard(self)
-        for task in list(self.calls.values()):
-            task.cancel()
+        for call in list(self.calls.values()):
+            call.cancel()
 
 
 class RemoteCore:
@@ -334,6 +394,7 @@ class RemoteCore:
         loop = asyncio.get_running_loop()
         _, self._connection = await loop.create_unix_connection(
             lambda: FramedConnection(self._replied, self._connection_lost), self.path)
+        self._connection.on_unencodable = self._unsent
         self._connection.transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[union-attr]
 
     async def close(self) -> None:
@@ -393,6 +454,12 @@ class RemoteCore:
             reply.set_result(value)
         else:
             reply.set_exception(value)
+
+    def _unsent(self, message: Any, error: Exception) -> None:
+        """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""
+        reply = self._pending.get(message[0])
+        if reply is not None and not reply.done():
+            reply.set_exception(error)
 
     def _connection_lost(self, exc: Exception | None) -> None:
         self._lost = unavailable(f"the server core process is gone ({type(exc).__name__ if exc else 'closed'})")

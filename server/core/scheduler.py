@@ -205,6 +205,11 @@ class Scheduler(Protocol):
         """Run `job` and return its outputs; raises what the execution raised."""
         ...
 
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """Start `job` without awaiting it: the future gets its `JobResult` or error; cancelling it withdraws the
+        job. Raises at once what `submit` would raise before queueing (closed, no workers, a full queue)."""
+        ...
+
     def close(self) -> None:
         """Stop taking jobs; running ones finish."""
         ...
@@ -264,6 +269,11 @@ class DirectScheduler:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(gone)
+
+    def enqueue(self, job: Job) -> asyncio.Future:
+        if self._closed:
+            raise unavailable("this model version was unloaded while the request waited; retry")
+        return asyncio.get_running_loop().create_task(self.submit(job))
 
     async def submit(self, job: Job) -> JobResult:
         if self._closed:

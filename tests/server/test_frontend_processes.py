@@ -88,9 +88,25 @@ class _FakeCore:
             raise ServerError(ErrorKind.NOT_FOUND, "unknown model: 'missing'")
         return {"name": name, "versions": [version or "1"]}
 
-    async def infer(self, request: InferRequest) -> np.ndarray:
-        await asyncio.sleep(0.01 * (3 - len(request.inputs)))  # later calls finish first: replies out of order
-        return request.inputs[0].data * 2
+    def submit_infer(self, request: InferRequest, reply) -> asyncio.Future:
+        """As `ServerCore.submit_infer`: answers through `reply`, returns a future that cancelling withdraws."""
+
+        async def run() -> np.ndarray:
+            if request.model_name == "slow":
+                await asyncio.sleep(30)
+            await asyncio.sleep(0.01 * (3 - len(request.inputs)))  # later calls finish first: replies out of order
+            return request.inputs[0].data * 2
+
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled():
+                self.withdrawn = request.model_name
+                reply(None, asyncio.CancelledError())
+            else:
+                reply(task.result(), None)
+
+        job = asyncio.ensure_future(run())
+        job.add_done_callback(done)
+        return job
 
     async def repository_index(self, ready: bool = False) -> list:
         raise RuntimeError("boom")
@@ -141,6 +157,15 @@ def test_remote_core_forwards_calls_results_and_errors(tmp_path: Path):
                 break
             await asyncio.sleep(0.01)
         assert core.cancelled == "big"
+        slow_infer = asyncio.ensure_future(remote.infer(InferRequest("slow", requests[0].inputs)))
+        while service.limiter.count == 0:
+            await asyncio.sleep(0.01)
+        slow_infer.cancel()  # a queued inference request is withdrawn, and its in-flight slot freed
+        for _ in range(100):
+            if getattr(core, "withdrawn", None):
+                break
+            await asyncio.sleep(0.01)
+        assert core.withdrawn == "slow" and service.limiter.count == 0
         assert await remote.ready()
         remote.begin_drain()
         assert not await remote.ready()  # a draining frontend answers without asking the core
