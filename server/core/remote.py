@@ -27,6 +27,7 @@ import dataclasses
 import io
 import itertools
 import logging
+import operator
 import pickle
 import struct
 from collections.abc import Callable
@@ -72,8 +73,8 @@ def _array(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def _reduce_fields(cls: type) -> Callable[[Any], tuple]:
     """A dataclass as its constructor and positional fields (pickle's default goes through copyreg and __dict__)."""
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    return lambda obj: (cls, tuple(getattr(obj, name) for name in names))
+    fields = operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))  # every one has 2+ fields: a tuple
+    return lambda obj: (cls, fields(obj))
 
 
 _REDUCERS: dict[type, Callable[[Any], tuple]] = {

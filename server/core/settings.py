@@ -135,6 +135,10 @@ def _checked_trace_value(key: str, value: Any) -> Any:
     return text
 
 
+def _traces(values: dict[str, Any]) -> bool:
+    return values["trace_level"] != ["OFF"] and bool(values["trace_file"])
+
+
 @dataclass
 class Trace:
     """Timestamps of one traced request (Triton's names: REQUEST_START, QUEUE_START, COMPUTE_START, ...)."""
@@ -159,6 +163,7 @@ class TraceSettings:
         self._traced: dict[str, int] = {}
         self._next_id = 1
         self._lock = threading.Lock()
+        self._active = False  # whether any scope traces at all: `start` is on every request's path
 
     def current(self, model_name: str = "") -> dict[str, Any]:
         with self._lock:
@@ -184,6 +189,7 @@ class TraceSettings:
                     staged[key] = _checked_trace_value(key, value)
             target.clear()
             target.update(staged)
+            self._active = any(_traces(self._effective(scope)) for scope in ["", *self.model_values])
             if "trace_count" in updates or "trace_rate" in updates:
                 self._seen.pop(model_name, None)
                 self._traced.pop(model_name, None)
@@ -191,9 +197,11 @@ class TraceSettings:
 
     def start(self, model_name: str, model_version: str, request_id: str) -> Trace | None:
         """A Trace if this request is sampled (every trace_rate-th request, up to trace_count), else None."""
+        if not self._active:
+            return None
         with self._lock:
             values = self._effective(model_name)
-            if values["trace_level"] == ["OFF"] or not values["trace_file"]:
+            if not _traces(values):
                 return None
             scope = model_name if model_name in self.model_values else ""
             seen = self._seen.get(scope, 0) + 1
