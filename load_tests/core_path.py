@@ -7,7 +7,7 @@ A `ServerCore` on the CPU backend serves a dynamically batched FP32 add/sub mode
 with `concurrency` requests in flight in all. No HTTP or gRPC: this isolates the core process (frame decode,
 `ServerCore.infer`, batcher, reply encode), whose event-loop thread is the ceiling of GPU serving
 (docs/performance.md). Prints and writes req/s, the core process's CPU microseconds per request (user + system,
-from /proc) and the average executed batch. `--profile DIR` runs py-spy over the core meanwhile (folded stacks).
+from /proc). `--profile DIR` runs py-spy over the core meanwhile (folded stacks).
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from onnx import TensorProto
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MODEL = "add_sub_batched"
+from examples.make_example_repository import add_sub_model, write_model  # noqa: E402
+
 _CONFIG = """name: "add_sub_batched"
 max_batch_size: 64
 input [
@@ -48,11 +51,8 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 
 def make_repository(directory: Path) -> Path:
-    """A repository with the example add_sub_fp32 ONNX file under a batching config."""
-    model = directory / MODEL
-    (model / "1").mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "examples/model_repository/add_sub_fp32/1/model.onnx", model / "1/model.onnx")
-    (model / "config.pbtxt").write_text(_CONFIG)
+    """A repository with the example FP32 add/sub model under a batching config."""
+    write_model(directory, MODEL, add_sub_model(TensorProto.FLOAT), _CONFIG)
     return directory
 
 
@@ -89,20 +89,19 @@ def _client_main(socket_path: str, concurrency: int, seconds: float, results) ->
         core = RemoteCore(socket_path)
         await core.connect()
         a = np.arange(16, dtype=np.float32).reshape(1, 16)
-        done = 0
+        latencies: list[float] = []
         end = time.perf_counter() + seconds
 
         async def one_caller() -> None:
-            nonlocal done
-            while time.perf_counter() < end:
+            while (started := time.perf_counter()) < end:
                 request = InferRequest(MODEL, [InferInput("INPUT0", "FP32", (1, 16), a),
                                                InferInput("INPUT1", "FP32", (1, 16), a)])
                 response = await core.infer(request)
                 assert response.outputs[0].data.shape == (1, 16)
-                done += 1
+                latencies.append(time.perf_counter() - started)
 
         await asyncio.gather(*(one_caller() for _ in range(concurrency)))
-        results.put(done)
+        results.put(latencies)
         await core.close()
 
     run_event_loop(drive())
@@ -126,8 +125,9 @@ def run(args: argparse.Namespace) -> dict:
         _drive(socket_path, args.clients, args.concurrency, 1.0)
         profiler = _profile(core.pid, args) if args.profile else None
         cpu0, t0 = _cpu_seconds(core.pid), time.perf_counter()
-        done = _drive(socket_path, args.clients, args.concurrency, args.seconds)
+        latencies = np.array(_drive(socket_path, args.clients, args.concurrency, args.seconds))
         cpu, wall = _cpu_seconds(core.pid) - cpu0, time.perf_counter() - t0
+        done = len(latencies)
         if profiler is not None:
             profiler.wait(30)
         stop.set()
@@ -135,19 +135,21 @@ def run(args: argparse.Namespace) -> dict:
     return {"clients": args.clients, "concurrency": args.concurrency, "seconds": round(wall, 2),
             "requests": done, "req_per_s": round(done / wall, 1),
             "core_cpu_us_per_request": round(1e6 * cpu / max(done, 1), 1),
-            "core_cpu_share": round(cpu / wall, 2)}
+            "core_cpu_share": round(cpu / wall, 2),
+            "p50_us": round(float(np.percentile(latencies, 50)) * 1e6), "p99_us": round(float(np.percentile(latencies, 99)) * 1e6)}
 
 
-def _drive(socket_path: str, clients: int, concurrency: int, seconds: float) -> int:
+def _drive(socket_path: str, clients: int, concurrency: int, seconds: float) -> list[float]:
+    """Every request's latency (s), all client processes together."""
     results = _SPAWN.Queue()
     per_client = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
     workers = [_SPAWN.Process(target=_client_main, args=(socket_path, n, seconds, results)) for n in per_client]
     for worker in workers:
         worker.start()
-    done = sum(results.get(timeout=seconds + 120) for _ in workers)
+    latencies = [t for _ in workers for t in results.get(timeout=seconds + 120)]
     for worker in workers:
         worker.join(30)
-    return done
+    return latencies
 
 
 def _profile(pid: int, args: argparse.Namespace) -> subprocess.Popen | None:
@@ -168,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the result here as JSON")
     args = parser.parse_args(argv)
     result = run(args)
-    print(f"{'clients':>8} {'conc':>5} {'req/s':>9} {'core us/req':>12} {'core CPU':>9}")
+    print(f"{'clients':>8} {'conc':>5} {'req/s':>9} {'core us/req':>12} {'core CPU':>9} {'p50 us':>8} {'p99 us':>8}")
     print(f"{result['clients']:>8} {result['concurrency']:>5} {result['req_per_s']:>9,.0f} "
-          f"{result['core_cpu_us_per_request']:>12} {result['core_cpu_share']:>9}")
+          f"{result['core_cpu_us_per_request']:>12} {result['core_cpu_share']:>9} {result['p50_us']:>8} "
+          f"{result['p99_us']:>8}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

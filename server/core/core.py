@@ -23,7 +23,9 @@ from server.repository import ModelRepository, ModelSource, RepositoryPoller, ch
 
 from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
+from .batcher import DynamicBatcher
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
+from .grouping import MemberResults, member_request
 from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
@@ -230,13 +232,14 @@ class ServerCore:
                 job.cancel()  # a queued request leaves the batcher's queue
             raise
 
-    def submit_infer(self, request: InferRequest, reply: Reply) -> asyncio.Future | None:
+    def submit_infer(self, request: InferRequest, reply: Reply, requests: int = 1) -> asyncio.Future | None:
         """Start one request without a task of its own: `reply(response, None)` or `reply(None, error)` is called
         exactly once, on the event loop (with a CancelledError when the job is cancelled). Returns the queued
         job's future (cancel it to withdraw the request), or None when the request was answered at once.
 
         Why callbacks: the core process serves every frontend on one event-loop thread, and a task per request
-        (creation, scheduling, two steps) was a large share of its time per request (docs/performance.md)."""
+        (creation, scheduling, two steps) was a large share of its time per request (docs/performance.md).
+        `requests`: how many client requests this one stands for (a frontend's group), for the statistics."""
         started = time.perf_counter_ns()
         try:
             model = self._version(request.model_name, request.model_version)
@@ -252,12 +255,50 @@ class ServerCore:
                 trace.mark("QUEUE_START")
             future = model.scheduler.enqueue(job)
         except Exception as e:  # noqa: BLE001 - answered, as `infer` would have raised it
-            model.statistics.record_failure(time.perf_counter_ns() - started)
+            model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
             return None
         future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size, requested,
-                                                           destinations, trace, started, reply))
+                                                           destinations, trace, started, reply, requests))
         return future
+
+    def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Reply) -> list[asyncio.Future]:
+        """Start a frontend's group of alike requests (server/core/grouping.py): `request` holds their inputs
+        concatenated along the batch dim, `sizes[i]` rows for member i. When the model batches dynamically and the
+        rows fit one batch, the group runs as one job and `reply` gets the response with every member's rows (the
+        frontend cuts it up) or the error for all; otherwise each member runs as its own request and `reply` gets
+        their `MemberResults`. Returns the futures to cancel to withdraw the group."""
+        try:
+            model = self._version(request.model_name, request.model_version)
+        except ServerError as e:
+            reply(None, e)
+            return []
+        if (not isinstance(model.scheduler, DynamicBatcher) or not 0 < sum(sizes) <= model.max_batch_size
+                or self.trace.active):
+            return self._submit_members(request, sizes, reply)
+        job = self.submit_infer(request, reply, requests=len(sizes))
+        return [job] if job is not None else []
+
+    def _submit_members(self, request: InferRequest, sizes: list[int], reply: Reply) -> list[asyncio.Future]:
+        """Each member of a group as its own request; `reply` once all are answered."""
+        results: list[tuple[bool, object] | None] = [None] * len(sizes)
+        left = [len(sizes)]
+
+        def answered(index: int, response: InferResponse | None, error: BaseException | None) -> None:
+            results[index] = (True, response) if error is None else (False, error)
+            left[0] -= 1
+            if not left[0]:
+                reply(MemberResults(results), None)  # type: ignore[arg-type]
+
+        jobs = []
+        start = 0
+        for index, size in enumerate(sizes):
+            member = member_request(request, start, start + size)
+            start += size
+            job = self.submit_infer(member, lambda response, error, i=index: answered(i, response, error))
+            if job is not None:
+                jobs.append(job)
+        return jobs
 
     def _prepare(self, model: ModelVersion, request: InferRequest
                  ) -> tuple[Job, list[RequestedOutput], dict[str, kiln.DeviceView]]:
@@ -276,13 +317,13 @@ class ServerCore:
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
-        model.traffic.record(inputs)
+        model.traffic.record(inputs)  # a group once: its members' shapes are alike
         destinations = self._output_views(model, requested, inputs)
         return Job(inputs, batch, parameters=request.parameters, destinations=destinations), requested, destinations
 
     def _finish(self, done: asyncio.Future, model: ModelVersion, request: InferRequest, batch: int,
                 requested: list[RequestedOutput], destinations: dict[str, kiln.DeviceView], trace,
-                started: int, reply: Reply) -> None:
+                started: int, reply: Reply, requests: int) -> None:
         """A job's future is done: its outputs post-processed into the response, statistics and trace recorded,
         and the caller answered."""
         if done.cancelled():
@@ -300,10 +341,10 @@ class ServerCore:
                        else self._output(model, o, result.outputs[o.name]) for o in requested]
             result.times.compute_output_ns = time.perf_counter_ns() - t0
         except Exception as e:  # noqa: BLE001 - the caller hears it
-            model.statistics.record_failure(time.perf_counter_ns() - started)
+            model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
             return
-        model.statistics.record_success(batch, time.perf_counter_ns() - started, result.times)
+        model.statistics.record_success(batch, time.perf_counter_ns() - started, result.times, requests)
         if trace:
             trace.mark("REQUEST_END")
             self.trace.finish(trace)

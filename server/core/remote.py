@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ErrorKind, ServerError, unavailable
+from .grouping import MemberResults, concatenate, group_key, member_request, rows, split_response
 from .limits import InflightLimiter
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
@@ -50,6 +51,7 @@ CORE_METHODS = frozenset({
 })
 _HEAD = struct.Struct("!II")
 CANCEL = "__cancel__"
+INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/core/grouping.py)
 # Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
 _HIGH_WATER = 4 << 20
 
@@ -294,6 +296,63 @@ class CoreService:
             return False, _as_server_error(method, e)
 
 
+class _Withdrawal:
+    """A group's jobs, cancelled together when its frontend gives up on it."""
+
+    def __init__(self, jobs: list[asyncio.Future]) -> None:
+        self.jobs = jobs
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+
+@dataclasses.dataclass
+class _SentGroup:
+    """A group on its way to the core: its call, and how many of its members still wait for it."""
+
+    call_id: int
+    waiting: int
+
+
+@dataclasses.dataclass
+class _Member:
+    """One request of a group: its caller's future, and the group call once it is sent."""
+
+    request: InferRequest
+    answer: asyncio.Future
+    sent: _SentGroup | None = None
+
+
+def _distribute(reply: asyncio.Future, members: list[_Member], sizes: list[int]) -> None:
+    """A group's reply to its members: each its own response (its rows, its id) or the error."""
+    if reply.cancelled():
+        return  # every member gave up
+    try:
+        value = reply.result()
+        if len(members) == 1:
+            results = [(True, value)]
+        elif isinstance(value, MemberResults):  # the core ran them one by one: their responses carry no id
+            results = value.results
+            for member, (ok, result) in zip(members, results):
+                if ok:
+                    result.id = member.request.id  # type: ignore[attr-defined]
+        else:
+            results = [(True, r) for r in split_response(value, sizes, [m.request.id for m in members])]
+    except Exception as e:  # noqa: BLE001 - every member raises it
+        results = [(False, e)] * len(members)
+    for member, (ok, result) in zip(members, results):
+        _settle(member.answer, ok, result)
+
+
+def _settle(answer: asyncio.Future, ok: bool, value: Any) -> None:
+    if not answer.done():
+        if ok:
+            answer.set_result(value)
+        else:
+            answer.set_exception(value)
+
+
 def _as_server_error(method: str, error: BaseException) -> ServerError:
     """What a frontend raises for a core call's error: a ServerError as it is, anything else as an internal
     error (logged here, with its traceback, since the frontend only sees the message)."""
@@ -313,7 +372,7 @@ class _ServedConnection(FramedConnection):
         super().__init__(self._called, self._lost)
         self.on_unencodable = self._reply_unencodable
         self.service = service
-        self.calls: dict[int, asyncio.Future] = {}  # running calls: a task, or an inference request's job
+        self.calls: dict[int, Any] = {}  # running calls, to cancel: a task, a request's job, a group's jobs
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -327,8 +386,14 @@ class _ServedConnection(FramedConnection):
             if running is not None:
                 running.cancel()
             return
-        if method == "infer":
-            self._infer(call_id, *args, **kwargs)
+        if method in ("infer", INFER_GROUP):
+            try:
+                if method == "infer":
+                    self._infer(call_id, *args, **kwargs)
+                else:
+                    self._infer_group(call_id, *args)
+            except Exception as e:  # noqa: BLE001 - a bug must not leave the caller waiting forever
+                self._reply(call_id, False, _as_server_error(method, e))
             return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
         task.add_done_callback(lambda _, done=call_id: self.calls.pop(done, None))
@@ -351,6 +416,60 @@ class _ServedConnection(FramedConnection):
         job = self.service.core.submit_infer(request, answered)
         if job is not None and not job.done():
             self.calls[call_id] = job
+
+    def _infer_group(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
+        """A frontend's group of alike requests (server/core/grouping.py). Within the in-flight limit it counts
+        as its members; near the limit the members are admitted (or refused) one by one, as single requests."""
+        limiter = self.service.limiter
+        if limiter.limit and limiter.count + len(sizes) > limiter.limit:
+            self._infer_members(call_id, request, sizes)
+            return
+        limiter.count += len(sizes)
+
+        def answered(value: Any, error: BaseException | None) -> None:
+            limiter.count -= len(sizes)
+            self.calls.pop(call_id, None)
+            if isinstance(error, asyncio.CancelledError):
+                return
+            if isinstance(value, MemberResults):  # the core ran the members one by one
+                value.results = [(ok, v if ok else _as_server_error("infer", v)) for ok, v in value.results]
+            self._reply(call_id, error is None, value if error is None else _as_server_error("infer", error))
+
+        jobs = self.service.core.submit_infer_group(request, sizes, answered)
+        if any(not job.done() for job in jobs):
+            self.calls[call_id] = _Withdrawal(jobs)
+
+    def _infer_members(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
+        """Each member of a group as a single request with its own admission; one reply with every result."""
+        results: list[tuple[bool, Any] | None] = [None] * len(sizes)
+        left = [len(sizes)]
+        limiter = self.service.limiter
+
+        def answered(index: int, value: Any, error: BaseException | None, admitted: bool = True) -> None:
+            if admitted:
+                limiter.release()
+            results[index] = (True, value) if error is None else (False, _as_server_error("infer", error))
+            left[0] -= 1
+            if not left[0]:
+                self.calls.pop(call_id, None)
+                if not isinstance(error, asyncio.CancelledError):
+                    self._reply(call_id, True, MemberResults(results))  # type: ignore[arg-type]
+
+        jobs = []
+        start = 0
+        for index, size in enumerate(sizes):
+            member = member_request(request, start, start + size)
+            start += size
+            try:
+                limiter.acquire()
+            except ServerError as e:
+                answered(index, None, e, admitted=False)
+                continue
+            job = self.service.core.submit_infer(member, lambda value, error, i=index: answered(i, value, error))
+            if job is not None:
+                jobs.append(job)
+        if left[0]:
+            self.calls[call_id] = _Withdrawal(jobs)
 
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         ok, value = await self.service.answer(method, args, kwargs)
@@ -388,6 +507,7 @@ class RemoteCore:
         self._connection: FramedConnection | None = None
         self._lost: ServerError | None = None
         self._draining = False
+        self._groups: dict[Any, list[_Member]] = {}  # requests of this loop turn, by group key
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
 
@@ -415,6 +535,60 @@ class RemoteCore:
             return False
         return await self.call("live")
 
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """One inference request. Requests alike in all but their rows that arrive in one turn of the event loop
+        go to the core as one message (server/core/grouping.py); each caller still gets its own response."""
+        key = group_key(request)
+        if key is None or self._lost is not None or self._connection is None:
+            return await self.call("infer", request)
+        member = _Member(request, asyncio.get_running_loop().create_future())
+        members = self._groups.get(key)
+        if members is None:
+            members = self._groups[key] = []
+            if len(self._groups) == 1:
+                asyncio.get_running_loop().call_soon(self._send_groups)
+        members.append(member)
+        try:
+            return await member.answer
+        except asyncio.CancelledError:
+            self._withdraw(member)
+            raise
+
+    def _send_groups(self) -> None:
+        """Every group gathered during the last turn of the event loop to the core: one call per group (a group
+        of one as a plain request), answered from the reply's callback (no task per group)."""
+        groups, self._groups = self._groups, {}
+        for members in groups.values():
+            members = [m for m in members if not m.answer.done()]  # callers that gave up meanwhile
+            if not members:
+                continue
+            requests = [m.request for m in members]
+            sizes = [rows(request) for request in requests]
+            try:
+                if len(members) == 1:
+                    call_id, reply = self._start("infer", (requests[0],), {})
+                else:
+                    call_id, reply = self._start(INFER_GROUP, (concatenate(requests), sizes), {})
+            except Exception as e:  # noqa: BLE001 - e.g. the connection is gone: every member raises it
+                for member in members:
+                    _settle(member.answer, False, e)
+                continue
+            sent = _SentGroup(call_id, len(members))
+            for member in members:
+                member.sent = sent
+            reply.add_done_callback(lambda done, m=members, n=sizes: _distribute(done, m, n))
+
+    def _withdraw(self, member: _Member) -> None:
+        """A member's caller gave up: once every member of its group has, the core stops the group too."""
+        sent = member.sent
+        if sent is None or self._lost is not None or self._connection is None:
+            return
+        sent.waiting -= 1
+        if not sent.waiting and sent.call_id in self._pending:
+            self._pending.pop(sent.call_id, None)
+            with contextlib.suppress(ConnectionError):
+                self._connection.send((sent.call_id, CANCEL, (), {}))
+
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in CORE_METHODS:
             raise AttributeError(name)
@@ -427,6 +601,21 @@ class RemoteCore:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` in the core process; raises what it raised (a ServerError)."""
+        call_id, reply = self._start(method, args, kwargs)
+        connection = self._connection
+        try:
+            await connection.drain()  # type: ignore[union-attr]
+            return await reply
+        except asyncio.CancelledError:
+            if self._lost is None and (reply.cancelled() or not reply.done()):  # no answer came: stop it there
+                with contextlib.suppress(ConnectionError):
+                    connection.send((call_id, CANCEL, (), {}))  # type: ignore[union-attr]
+            raise
+        finally:
+            self._pending.pop(call_id, None)
+
+    def _start(self, method: str, args: tuple, kwargs: dict) -> tuple[int, asyncio.Future]:
+        """Send one call: its id and the future that gets the reply."""
         connection = self._connection
         if self._lost is not None or connection is None:
             raise self._lost or unavailable("the server core is not connected")
@@ -434,21 +623,14 @@ class RemoteCore:
         reply = self._pending[call_id] = asyncio.get_running_loop().create_future()
         try:
             connection.send((call_id, method, args, kwargs))
-            await connection.drain()
-            return await reply
-        except asyncio.CancelledError:
-            if self._lost is None and (reply.cancelled() or not reply.done()):  # no answer came: stop it there
-                with contextlib.suppress(ConnectionError):
-                    connection.send((call_id, CANCEL, (), {}))
-            raise
         except ConnectionError:
-            raise self._lost or unavailable("the server core connection closed") from None
-        finally:
             self._pending.pop(call_id, None)
+            raise self._lost or unavailable("the server core connection closed") from None
+        return call_id, reply
 
     def _replied(self, message: Any) -> None:
         call_id, ok, value = message
-        reply = self._pending.get(call_id)
+        reply = self._pending.pop(call_id, None)
         if reply is None or reply.done():
             return  # the caller gave up (client disconnect)
         if ok:

@@ -163,7 +163,9 @@ class TraceSettings:
         self._traced: dict[str, int] = {}
         self._next_id = 1
         self._lock = threading.Lock()
-        self._active = False  # whether any scope traces at all: `start` is on every request's path
+        #: whether any scope traces at all (`start` is on every request's path; a frontend's group of requests
+        #: runs as separate requests while it does)
+        self.active = False
 
     def current(self, model_name: str = "") -> dict[str, Any]:
         with self._lock:
@@ -189,7 +191,7 @@ class TraceSettings:
                     staged[key] = _checked_trace_value(key, value)
             target.clear()
             target.update(staged)
-            self._active = any(_traces(self._effective(scope)) for scope in ["", *self.model_values])
+            self.active = any(_traces(self._effective(scope)) for scope in ["", *self.model_values])
             if "trace_count" in updates or "trace_rate" in updates:
                 self._seen.pop(model_name, None)
                 self._traced.pop(model_name, None)
@@ -197,7 +199,7 @@ class TraceSettings:
 
     def start(self, model_name: str, model_version: str, request_id: str) -> Trace | None:
         """A Trace if this request is sampled (every trace_rate-th request, up to trace_count), else None."""
-        if not self._active:
+        if not self.active:
             return None
         with self._lock:
             values = self._effective(model_name)

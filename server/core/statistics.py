@@ -51,17 +51,19 @@ class ModelStatistics:
     last_inference_ms: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes) -> None:
-        """One successful request of `batch_size` items (inference_count, success, queue, per-request compute).
+    def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes, requests: int = 1) -> None:
+        """`requests` successful requests (a frontend's group, server/core/grouping.py, counts each member) of
+        `batch_size` items together, each taking `total_ns` (inference_count, success, queue, per-request compute).
 
         Executions are counted separately by the scheduler (`record_execution`), so with dynamic batching
         execution_count < inference_count, as in Triton."""
         with self._lock:
-            self.inference["success"].add(total_ns)
-            self.inference["queue"].add(times.queue_ns)
-            self.inference["compute_input"].add(times.compute_input_ns)
-            self.inference["compute_infer"].add(times.compute_infer_ns)
-            self.inference["compute_output"].add(times.compute_output_ns)
+            inference = self.inference
+            inference["success"].add(total_ns * requests, requests)
+            inference["queue"].add(times.queue_ns * requests, requests)
+            inference["compute_input"].add(times.compute_input_ns * requests, requests)
+            inference["compute_infer"].add(times.compute_infer_ns * requests, requests)
+            inference["compute_output"].add(times.compute_output_ns * requests, requests)
             self.inference_count += batch_size
             self.last_inference_ms = int(time.time() * 1000)
 
@@ -74,9 +76,9 @@ class ModelStatistics:
             batch["compute_output"].add(times.compute_output_ns)
             self.execution_count += 1
 
-    def record_failure(self, total_ns: int) -> None:
+    def record_failure(self, total_ns: int, requests: int = 1) -> None:
         with self._lock:
-            self.inference["fail"].add(total_ns)
+            self.inference["fail"].add(total_ns * requests, requests)
             self.last_inference_ms = int(time.time() * 1000)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Requests that a frontend process sends to the core as one: alike in everything but their rows.
+
+Why: the core process serves every frontend on one event-loop thread, and at GPU speeds its cost per message
+(decode, checks, queueing, reply, encode) is the server's ceiling (docs/performance.md). A frontend that receives
+several requests for the same model in one turn of its event loop, with the same inputs (names, datatypes, shapes
+past the batch dim), the same requested outputs and no per-request options, concatenates their inputs along the
+batch dim and sends one message; the core queues it as one job and answers with the concatenated outputs, which
+the frontend cuts back into one response per request.
+
+What a group does not change: each request still gets its own response, id and rows, and statistics count each
+one. What the core does when a group cannot run as one job (a model without dynamic batching or batch dim, more
+rows than max_batch_size, tracing on, the in-flight limit nearly reached): it runs each member as its own request
+and answers each one (`MemberResults`). What it shares: members are validated together (they are alike, so they
+pass or fail alike) and run in the same execution (as the dynamic batcher would have run them), so an execution
+error reaches all of them, as it would have. The group is one entry in the batcher's queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import InferInput, InferOutput, InferRequest, InferResponse
+
+#: request parameters a group may carry (all members equal): the frontends' own, the core ignores them
+GROUPABLE_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
+#: requested-output parameters a group may carry (all members equal)
+GROUPABLE_OUTPUT_PARAMETERS = frozenset({"binary_data"})
+
+
+@dataclass
+class MemberResults:
+    """The core's answer to a group it ran as separate requests: per member, (True, InferResponse) or
+    (False, the ServerError it raised), in member order."""
+
+    results: list[tuple[bool, object]]
+
+
+def group_key(request: InferRequest) -> Hashable | None:
+    """What requests must share to be sent as one (None: this one goes alone). Only plain requests group: numeric
+    tensors in the message, a batch dim of at least 1 that every input agrees on, and no per-request option the
+    core acts on (priority, timeout, shared memory, classification, raw binary input)."""
+    if request.raw_input is not None or not request.inputs:
+        return None
+    if request.parameters and not GROUPABLE_REQUEST_PARAMETERS.issuperset(request.parameters):
+        return None
+    rows = None
+    signature = []
+    for tensor in request.inputs:
+        data = tensor.data
+        if tensor.parameters or type(data) is not np.ndarray or data.dtype.kind not in "biuf" or not data.ndim:
+            return None
+        if rows is None:
+            rows = data.shape[0]
+        if data.shape[0] != rows or tuple(tensor.shape) != data.shape:
+            return None
+        signature.append((tensor.name, tensor.datatype, data.shape[1:], data.dtype.str))
+    if not rows:
+        return None
+    outputs = []
+    for output in request.outputs:
+        if output.parameters and not GROUPABLE_OUTPUT_PARAMETERS.issuperset(output.parameters):
+            return None
+        outputs.append((output.name, tuple(sorted(output.parameters.items()))))
+    return (request.model_name, request.model_version, tuple(signature), tuple(outputs),
+            tuple(sorted(request.parameters.items())))
+
+
+def rows(request: InferRequest) -> int:
+    """A groupable request's batch size (its inputs agree on it: `group_key`)."""
+    return int(request.inputs[0].data.shape[0])  # type: ignore[union-attr]
+
+
+def concatenate(requests: list[InferRequest]) -> InferRequest:
+    """One request carrying every member's inputs, concatenated along the batch dim in member order."""
+    first = requests[0]
+    inputs = []
+    for i, tensor in enumerate(first.inputs):
+        data = np.concatenate([r.inputs[i].data for r in requests])  # type: ignore[misc]
+        inputs.append(InferInput(tensor.name, tensor.datatype, data.shape, data))
+    return InferRequest(first.model_name, inputs, first.model_version, "", first.outputs, first.parameters)
+
+
+def member_request(group: InferRequest, start: int, stop: int, request_id: str = "") -> InferRequest:
+    """Member rows start:stop of a concatenated request, as the request it was (views, no copies)."""
+    inputs = [InferInput(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop])  # type: ignore[index]
+              for t in group.inputs]
+    return InferRequest(group.model_name, inputs, group.model_version, request_id, group.outputs, group.parameters)
+
+
+def split_response(response: InferResponse, sizes: list[int], ids: list[str]) -> list[InferResponse]:
+    """The group's response cut back into one response per member (views of its rows). Every output of a model
+    that batches starts with the batch dim; an output that does not (it cannot be cut) raises ValueError."""
+    total = sum(sizes)
+    for output in response.outputs:
+        if output.data is None or not output.shape or output.shape[0] != total:
+            raise ValueError(f"output '{output.name}' of shape {list(output.shape)} cannot be split into requests "
+                             f"of {sizes} rows")
+    members = []
+    start = 0
+    for size, request_id in zip(sizes, ids):
+        outputs = [InferOutput(o.name, o.datatype, (size, *o.shape[1:]), o.data[start:start + size],  # type: ignore[index]
+                               dict(o.parameters)) for o in response.outputs]
+        members.append(InferResponse(response.model_name, response.model_version, outputs, request_id,
+                                     dict(response.parameters)))
+        start += size
+    return members

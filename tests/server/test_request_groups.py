@@ -1,0 +1,194 @@
+"""A frontend process's alike requests go to the core as one message (server/core/grouping.py).
+
+The rules first (which requests may group, cutting a group's response back), then a real `ServerCore` served by
+`CoreService` and called through `RemoteCore` on one event loop, as a frontend process calls it: concurrent
+requests come back with their own rows and ids, statistics count each request, and groups the core cannot run as
+one job (too many rows, a model without dynamic batching, tracing on, the in-flight limit) still answer every
+member on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from server.core import CoreOptions, ServerCore
+from server.core.errors import ErrorKind, ServerError
+from server.core.grouping import concatenate, group_key, split_response
+from server.core.limits import InflightLimiter
+from server.core.remote import CoreService, RemoteCore
+from server.core.types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
+
+from .conftest import examples
+
+_CONFIG = """name: "{name}"
+max_batch_size: 8
+input [
+  {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }},
+  {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }}
+]
+output [
+  {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }},
+  {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }}
+]
+{batching}
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""
+
+
+def _request(value: float, rows: int = 1, request_id: str = "", model: str = "batched", **extra) -> InferRequest:
+    a = np.full((rows, 16), value, np.float32)
+    b = np.arange(16, dtype=np.float32) * np.ones((rows, 1), np.float32)
+    return InferRequest(model, [InferInput("INPUT0", "FP32", a.shape, a), InferInput("INPUT1", "FP32", b.shape, b)],
+                        id=request_id, **extra)
+
+
+def test_only_plain_alike_requests_share_a_key():
+    key = group_key(_request(1.0))
+    assert key is not None and key == group_key(_request(2.0, request_id="other"))
+    assert group_key(_request(1.0, rows=3)) == key  # rows are what members may differ in
+    assert group_key(_request(1.0, model="other")) != key
+    assert group_key(_request(1.0, parameters={"binary_data_output": True})) not in (None, key)
+    for request in (_request(1.0, parameters={"priority": 1}), _request(1.0, parameters={"timeout": 5}),
+                    _request(1.0, outputs=[RequestedOutput("OUTPUT0", {"classification": 2})]),
+                    _request(1.0, outputs=[RequestedOutput("OUTPUT0", {"shared_memory_region": "r"})]),
+                    InferRequest("batched", [], raw_input=b"1234")):
+        assert group_key(request) is None
+    disagreeing = _request(1.0)
+    disagreeing.inputs[1] = InferInput("INPUT1", "FP32", (2, 16), np.zeros((2, 16), np.float32))
+    assert group_key(disagreeing) is None  # inputs that disagree on the batch size get their own error
+    strings = InferRequest("batched", [InferInput("S", "BYTES", (1,), np.array([b"x"], dtype=object))])
+    assert group_key(strings) is None
+
+
+def test_a_group_response_is_cut_back_per_member():
+    members = [_request(1.0, rows=1, request_id="a"), _request(2.0, rows=3, request_id="b")]
+    group = concatenate(members)
+    assert group.inputs[0].shape == (4, 16) and group.id == ""
+    out = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    response = InferResponse("batched", "1", [InferOutput("OUTPUT0", "FP32", out.shape, out, {"binary_data": True})])
+    first, second = split_response(response, [1, 3], ["a", "b"])
+    assert (first.id, second.id) == ("a", "b")
+    np.testing.assert_array_equal(first.outputs[0].data, out[:1])
+    np.testing.assert_array_equal(second.outputs[0].data, out[1:])
+    assert second.outputs[0].shape == (3, 16) and second.outputs[0].parameters == {"binary_data": True}
+    with pytest.raises(ValueError, match="cannot be split"):
+        split_response(response, [1, 1], ["a", "b"])
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    make = examples
+    root = tmp_path_factory.mktemp("groups")
+    make.write_model(root, "batched", make.add_sub_model(TensorProto.FLOAT),
+                     _CONFIG.format(name="batched", batching="dynamic_batching { max_queue_delay_microseconds: 2000 }"))
+    make.write_model(root, "unbatched", make.add_sub_model(TensorProto.FLOAT),
+                     _CONFIG.format(name="unbatched", batching=""))
+    return root
+
+
+def _serve(repository: Path, tmp_path: Path, scenario, limit: int = 0):
+    """Run `scenario(core, remote, service)` against a real core behind a core service, on one event loop."""
+
+    async def go():
+        core = ServerCore(CoreOptions([str(repository)], model_control_mode="explicit",
+                                      startup_models=["batched", "unbatched"]))
+        await core.start()
+        await core.wait_for_startup()
+        service = CoreService(core, str(tmp_path / "core.sock"), InflightLimiter(limit))
+        await service.start()
+        remote = RemoteCore(service.path)
+        await remote.connect()
+        try:
+            return await scenario(core, remote, service)
+        finally:
+            await remote.close()
+            await service.stop()
+            await core.stop()
+
+    return asyncio.run(go())
+
+
+def _check(responses, requests) -> None:
+    for response, request in zip(responses, requests):
+        a, b = (t.data for t in request.inputs)
+        assert response.id == request.id
+        outputs = {o.name: o for o in response.outputs}
+        np.testing.assert_array_equal(outputs["OUTPUT0"].data, a + b)
+        np.testing.assert_array_equal(outputs["OUTPUT1"].data, a - b)
+        assert tuple(outputs["OUTPUT0"].shape) == a.shape
+
+
+def test_concurrent_requests_get_their_own_rows_ids_and_statistics(repository: Path, tmp_path: Path):
+    requests = [_request(float(i), rows=1 + i % 2, request_id=f"r{i}") for i in range(5)]  # 7 rows: one batch
+
+    async def scenario(core, remote, service):
+        responses = await asyncio.gather(*(remote.infer(r) for r in requests))
+        _check(responses, requests)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == len(requests)
+        assert stats["inference_count"] == 7
+        assert stats["execution_count"] == 1  # one loop turn, one group, one execution
+        assert service.limiter.count == 0
+
+    _serve(repository, tmp_path, scenario)
+
+
+def test_groups_the_core_cannot_run_as_one_job_answer_each_member(repository: Path, tmp_path: Path):
+    too_many = [_request(float(i), rows=3, request_id=f"big{i}") for i in range(4)]  # 12 rows > max batch 8
+    unbatched = [_request(float(i), request_id=f"u{i}", model="unbatched") for i in range(3)]
+
+    async def scenario(core, remote, service):
+        _check(await asyncio.gather(*(remote.infer(r) for r in too_many)), too_many)
+        _check(await asyncio.gather(*(remote.infer(r) for r in unbatched)), unbatched)
+        stats = (await core.model_statistics("unbatched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 3 and stats["execution_count"] == 3
+        trace = tmp_path / "trace.json"
+        await core.trace_settings(updates={"trace_file": str(trace), "trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+        traced = [_request(float(i), request_id=f"t{i}") for i in range(3)]
+        _check(await asyncio.gather(*(remote.infer(r) for r in traced)), traced)
+        assert len(trace.read_text().splitlines()) == 3  # one trace per request, not per group
+
+    _serve(repository, tmp_path, scenario)
+
+
+def test_a_group_near_the_inflight_limit_admits_its_members_one_by_one(repository: Path, tmp_path: Path):
+    requests = [_request(float(i), request_id=f"r{i}") for i in range(3)]
+
+    async def scenario(core, remote, service):
+        results = await asyncio.gather(*(remote.infer(r) for r in requests), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, ServerError)]
+        assert len(refused) == 1 and refused[0].kind == ErrorKind.RESOURCE_EXHAUSTED
+        _check([r for r in results if not isinstance(r, Exception)], requests[:2])
+        assert service.limiter.count == 0
+
+    _serve(repository, tmp_path, scenario, limit=2)
+
+
+def test_errors_reach_every_member_and_withdrawn_groups_leave_the_queue(repository: Path, tmp_path: Path):
+    async def scenario(core, remote, service):
+        wrong = [InferRequest("batched", [InferInput("INPUT0", "FP32", (1, 16), np.zeros((1, 16), np.float32))],
+                              id=f"w{i}") for i in range(3)]
+        results = await asyncio.gather(*(remote.infer(r) for r in wrong), return_exceptions=True)
+        assert all(isinstance(r, ServerError) and r.kind == ErrorKind.INVALID_ARGUMENT for r in results)
+        missing = await asyncio.gather(*(remote.infer(_request(1.0, model="nope")) for _ in range(2)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, ServerError) and r.kind == ErrorKind.NOT_FOUND for r in missing)
+        waiting = [asyncio.ensure_future(remote.infer(_request(float(i)))) for i in range(3)]
+        while core.models["batched"].latest().scheduler.queued() == 0:  # queued for the 2 ms batching delay
+            await asyncio.sleep(0)
+        for task in waiting:
+            task.cancel()
+        for _ in range(200):
+            if core.models["batched"].latest().scheduler.queued() == 0 and service.limiter.count == 0:
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)  # well past the batching delay: a group still queued would have run by now
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert service.limiter.count == 0 and stats["execution_count"] == 0  # withdrawn, never run
+
+    _serve(repository, tmp_path, scenario)
