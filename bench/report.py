@@ -215,7 +215,7 @@ def gpu_run_lines(doc: dict[str, Any]) -> list[str]:
     if plot.exists():
         lines += ["", f"![GPU serving](../bench/results/{plot.name})"]
     loads = ", ".join(f"{k} {v:.0f} s" for k, v in doc.get("load_s", {}).items())
-    lines += ["", "Efficiency = served infer/s / the raw engine's infer/s at the power-of-two bucket the server's "
+    lines += ["", "Efficiency = served infer/s / the raw engine's infer/s at the bucket the server's "
               "average executed batch pads to (what its CUDA path runs). Transports: grpc and http send binary "
               "tensors; system and cuda are gRPC with the tensors in shared memory.",
               f"- `{doc['command']}` ({doc.get('started_utc', '')}, {doc.get('elapsed_s', 0):.0f} s; model loads: "

@@ -18,7 +18,7 @@ One server process (`python -m server`, what `kiln serve` runs; `--frontend-proc
 --help lists it) loads every model. Right after a model loads, a child process times the raw engine on the
 very plan the server built (its plan-cache file, named in the server log): ExecutionContext with
 set_tensor_address on device buffers the inputs already sit in, execute_async_v3 on a created stream, CUDA
-events around N runs (CPU plans: wall time), at every power-of-two batch up to the max batch -- the sizes the
+events around N runs (CPU plans: wall time), at every batch bucket up to the max batch -- the sizes the
 server's CUDA path pads its batches to. Each served row compares with the raw engine at the bucket the
 server's average executed batch pads to: efficiency = served inferences/s / raw inferences/s. Ratios in the
 same run: batched / direct and each transport / grpc. Output: `<out>/gpu_serving.json` (rewritten after every
@@ -523,7 +523,7 @@ def print_report(document: dict[str, Any], out=sys.stdout) -> None:
               f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {_f(r['server_avg_batch'], '.1f'):>6} {r['raw_batch']:>5} "
               f"{_f(r['raw_infer_per_s'], '.1f'):>9} {effic:>7} {r['errors']:>4}"
               + ("  client-bound" if r["client_bound"] else ""), file=out)
-    print("avg b: the server's average executed batch (inference_count / execution_count); raw b: the power-of-two "
+    print("avg b: the server's average executed batch (inference_count / execution_count); raw b: the "
           "bucket it pads to; raw/s: the raw engine there; effic. = infer/s / raw/s", file=out)
     if document["ratios"]:
         print(f"\n{'model':<12} {'comparison':<18} {'of':<9} {'conc':>5} {'req/s x':>8} {'p99 x':>7}", file=out)

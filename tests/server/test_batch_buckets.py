@@ -23,18 +23,21 @@ class _Context:
         return [{"y": p["x"] * 2, "total": np.array(pad_to or sum(q["x"].shape[0] for q in parts))} for p in parts]
 
 
-def test_buckets_are_powers_of_two_and_the_largest_batch():
+def test_buckets_are_powers_of_two_their_midpoints_and_the_largest_batch():
     assert batch_buckets(1) == [1]
-    assert batch_buckets(8) == [1, 2, 4, 8]
-    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert [bucket_for(b, 100) for b in (1, 3, 64, 65, 100)] == [1, 4, 64, 100, 100]
+    assert batch_buckets(8) == [1, 2, 3, 4, 6, 8]
+    assert batch_buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert batch_buckets(128)[-4:] == [48, 64, 96, 128]
+    assert [bucket_for(b, 100) for b in (1, 3, 5, 64, 65, 97, 100)] == [1, 3, 6, 64, 96, 100, 100]
+    for highest in (2, 7, 64, 1000):  # never more than a third of a batch is padding
+        assert all(bucket_for(b, highest) <= max(b * 3 // 2, b + 1) for b in range(1, highest + 1))
 
 
 def test_a_job_is_padded_to_its_bucket_by_the_engine():
     context = _Context(max_batch=16)
-    x = np.arange(20, dtype=np.float32).reshape(5, 4)
+    x = np.arange(28, dtype=np.float32).reshape(7, 4)
     out = execute_bucketed(context, {"x": x})
-    assert context.seen == [([5], 8)]
+    assert context.seen == [([7], 8)]
     np.testing.assert_array_equal(out["y"], x * 2)
     assert out["total"] == 8  # a non-batched output is left as it is
 
@@ -48,8 +51,8 @@ def test_buckets_never_exceed_the_profile_and_exact_sizes_are_not_padded():
 
 def test_jobs_of_a_batch_are_gathered_together():
     context = _Context(max_batch=16)
-    parts = [{"x": np.full((n, 4), n, np.float32)} for n in (1, 2, 2)]
+    parts = [{"x": np.full((n, 4), n, np.float32)} for n in (1, 2, 2, 2)]
     outs = execute_parts(context, parts, bucketed=True)
-    assert context.seen == [([1, 2, 2], 8)]
+    assert context.seen == [([1, 2, 2, 2], 8)]
     for part, out in zip(parts, outs):
         np.testing.assert_array_equal(out["y"], part["x"] * 2)
