@@ -11,7 +11,7 @@ from load_tests import gpu_serving
 
 
 def test_served_batches_map_to_the_buckets_the_cuda_path_runs():
-    assert [gpu_serving.bucket(b, 128) for b in (1.0, 1.4, 2.6, 20.0, 33.0, 100.0)] == [1, 1, 4, 32, 64, 128]
+    assert [gpu_serving.bucket(b, 128) for b in (1.0, 1.4, 2.6, 20.0, 33.0, 100.0)] == [1, 1, 3, 24, 48, 128]
     assert gpu_serving.bucket(5.0, 6) == 6
 
 
@@ -88,7 +88,7 @@ def test_smoke_run(tmp_path):
     assert doc["setup"]["precision"] == "fp32" and doc["frontend_processes"] == "not requested"
     assert set(doc["raw"]) == {"resnet_tiny", "bert_tiny"}
     for raw in doc["raw"].values():
-        assert [r["batch"] for r in raw] == [1, 2, 4]
+        assert [r["batch"] for r in raw] == [1, 2, 3, 4]
         assert all(r["infer_per_s"] > 0 and r["iterations"] >= 5 for r in raw)
     assert all(path.endswith(".plan") for path in doc["plan_files"].values())
     rows = doc["rows"]
