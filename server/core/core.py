@@ -25,7 +25,7 @@ from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
-from .grouping import MemberResults, member_request
+from .grouping import run_members
 from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
@@ -275,30 +275,9 @@ class ServerCore:
             return []
         if (not isinstance(model.scheduler, DynamicBatcher) or not 0 < sum(sizes) <= model.max_batch_size
                 or self.trace.active):
-            return self._submit_members(request, sizes, reply)
+            return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
-
-    def _submit_members(self, request: InferRequest, sizes: list[int], reply: Reply) -> list[asyncio.Future]:
-        """Each member of a group as its own request; `reply` once all are answered."""
-        results: list[tuple[bool, object] | None] = [None] * len(sizes)
-        left = [len(sizes)]
-
-        def answered(index: int, response: InferResponse | None, error: BaseException | None) -> None:
-            results[index] = (True, response) if error is None else (False, error)
-            left[0] -= 1
-            if not left[0]:
-                reply(MemberResults(results), None)  # type: ignore[arg-type]
-
-        jobs = []
-        start = 0
-        for index, size in enumerate(sizes):
-            member = member_request(request, start, start + size)
-            start += size
-            job = self.submit_infer(member, lambda response, error, i=index: answered(i, response, error))
-            if job is not None:
-                jobs.append(job)
-        return jobs
 
     def _prepare(self, model: ModelVersion, request: InferRequest
                  ) -> tuple[Job, list[RequestedOutput], dict[str, kiln.DeviceView]]:

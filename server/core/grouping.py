@@ -17,8 +17,10 @@ error reaches all of them, as it would have. The group is one entry in the batch
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import asyncio
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +90,35 @@ def member_request(group: InferRequest, start: int, stop: int, request_id: str =
     inputs = [InferInput(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop])  # type: ignore[index]
               for t in group.inputs]
     return InferRequest(group.model_name, inputs, group.model_version, request_id, group.outputs, group.parameters)
+
+
+#: how a member is answered: (response, None) or (None, error)
+Answer = Callable[[Any, BaseException | None], None]
+
+
+def run_members(group: InferRequest, sizes: list[int],
+                submit: Callable[[InferRequest, Answer], asyncio.Future | None],
+                reply: Callable[[MemberResults], None]) -> list[asyncio.Future]:
+    """Each member of `group` as a request of its own through `submit(request, answer)` (which answers at once
+    when it refuses one); `reply` gets every member's result once all are answered. Returns the members' jobs."""
+    results: list[tuple[bool, object]] = [(False, None)] * len(sizes)
+    left = [len(sizes)]
+
+    def answered(index: int, response: Any, error: BaseException | None) -> None:
+        results[index] = (True, response) if error is None else (False, error)
+        left[0] -= 1
+        if not left[0]:
+            reply(MemberResults(results))
+
+    jobs = []
+    start = 0
+    for index, size in enumerate(sizes):
+        job = submit(member_request(group, start, start + size),
+                     lambda response, error, i=index: answered(i, response, error))
+        start += size
+        if job is not None:
+            jobs.append(job)
+    return jobs
 
 
 def split_response(response: InferResponse, sizes: list[int], ids: list[str]) -> list[InferResponse]:

@@ -120,15 +120,20 @@ class InflightLimiter:
         self.count = 0
         self.refused = 0
 
-    def acquire(self) -> None:
-        """Take a slot or raise RESOURCE_EXHAUSTED; pair with `release`."""
-        if self.limit and self.count >= self.limit:
-            self.refused += 1
-            raise overloaded(f"the server is at its limit of {self.limit} requests in flight; retry later")
-        self.count += 1
+    def fits(self, count: int) -> bool:
+        """Whether `count` more requests would be admitted now."""
+        return not self.limit or self.count + count <= self.limit
 
-    def release(self) -> None:
-        self.count -= 1
+    def acquire(self, count: int = 1) -> None:
+        """Take `count` slots (a frontend's group of requests takes one per request) or raise RESOURCE_EXHAUSTED;
+        pair with `release`."""
+        if not self.fits(count):
+            self.refused += count
+            raise overloaded(f"the server is at its limit of {self.limit} requests in flight; retry later")
+        self.count += count
+
+    def release(self, count: int = 1) -> None:
+        self.count -= count
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:

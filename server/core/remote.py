@@ -13,6 +13,11 @@ A caller that gives up (a client disconnect) sends `(call_id, CANCEL, (), {})`: 
 too, so a queued request leaves the batcher's queue as it does in one process. `--max-inflight-requests` is
 enforced here, for all frontends together, with the same error as in one process.
 
+Inference takes a faster road on both ends. `RemoteCore.infer` holds a request until the end of the event-loop
+turn and sends the alike ones of that turn as one `INFER_GROUP` call (server/core/grouping.py). The core starts
+each call with `ServerCore.submit_infer`/`submit_infer_group` and answers it from the job's completion callback,
+with no task per request.
+
 Both ends run `FramedConnection`, a buffered protocol: the socket is read straight into its buffer (a large frame
 into one buffer of its own size), every complete frame in a read is decoded at once, and everything sent during
 one turn of the event loop leaves in one write. Why: at tens of thousands of calls a second a stream reader's
@@ -36,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ErrorKind, ServerError, unavailable
-from .grouping import MemberResults, concatenate, group_key, member_request, rows, split_response
+from .grouping import MemberResults, concatenate, group_key, rows, run_members, split_response
 from .limits import InflightLimiter
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
@@ -399,77 +404,67 @@ class _ServedConnection(FramedConnection):
         task.add_done_callback(lambda _, done=call_id: self.calls.pop(done, None))
 
     def _infer(self, call_id: int, request: InferRequest) -> None:
-        limiter = self.service.limiter
-        try:
-            limiter.acquire()
-        except ServerError as e:
-            self._reply(call_id, False, e)
-            return
-
         def answered(response: InferResponse | None, error: BaseException | None) -> None:
-            limiter.release()
             self.calls.pop(call_id, None)
             if isinstance(error, asyncio.CancelledError):
                 return  # the frontend gave up on it
             self._reply(call_id, error is None, response if error is None else _as_server_error("infer", error))
 
-        job = self.service.core.submit_infer(request, answered)
+        job = self._submit_admitted(request, answered)
         if job is not None and not job.done():
             self.calls[call_id] = job
+
+    def _submit_admitted(self, request: InferRequest, answer: Callable[[Any, BaseException | None], None]) -> Any:
+        """`ServerCore.submit_infer` within the in-flight limit (every frontend's together): beyond it the request
+        is answered RESOURCE_EXHAUSTED at once."""
+        limiter = self.service.limiter
+        try:
+            limiter.acquire()
+        except ServerError as e:
+            answer(None, e)
+            return None
+
+        def released(response: Any, error: BaseException | None) -> None:
+            limiter.release()
+            answer(response, error)
+
+        return self.service.core.submit_infer(request, released)
 
     def _infer_group(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
         """A frontend's group of alike requests (server/core/grouping.py). Within the in-flight limit it counts
         as its members; near the limit the members are admitted (or refused) one by one, as single requests."""
         limiter = self.service.limiter
-        if limiter.limit and limiter.count + len(sizes) > limiter.limit:
-            self._infer_members(call_id, request, sizes)
-            return
-        limiter.count += len(sizes)
+        if not limiter.fits(len(sizes)):
+            jobs = run_members(request, sizes, self._submit_admitted,
+                               lambda results: self._answer_group(call_id, results, None))
+        else:
+            limiter.acquire(len(sizes))
 
-        def answered(value: Any, error: BaseException | None) -> None:
-            limiter.count -= len(sizes)
-            self.calls.pop(call_id, None)
-            if isinstance(error, asyncio.CancelledError):
-                return
-            if isinstance(value, MemberResults):  # the core ran the members one by one
-                value.results = [(ok, v if ok else _as_server_error("infer", v)) for ok, v in value.results]
-            self._reply(call_id, error is None, value if error is None else _as_server_error("infer", error))
+            def released(value: Any, error: BaseException | None) -> None:
+                limiter.release(len(sizes))
+                self._answer_group(call_id, value, error)
 
-        jobs = self.service.core.submit_infer_group(request, sizes, answered)
+            jobs = self.service.core.submit_infer_group(request, sizes, released)
         if any(not job.done() for job in jobs):
             self.calls[call_id] = _Withdrawal(jobs)
 
-    def _infer_members(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
-        """Each member of a group as a single request with its own admission; one reply with every result."""
-        results: list[tuple[bool, Any] | None] = [None] * len(sizes)
-        left = [len(sizes)]
-        limiter = self.service.limiter
+    def _answer_group(self, call_id: int, value: Any, error: BaseException | None) -> None:
+        """A group's reply: its response, the error of all its members, or per-member results; nothing once the
+        frontend withdrew it."""
+        self.calls.pop(call_id, None)
+        if isinstance(error, asyncio.CancelledError):
+            return
+        if isinstance(value, MemberResults):  # the members ran one by one
+            self._reply_members(call_id, value)
+            return
+        self._reply(call_id, error is None, value if error is None else _as_server_error("infer", error))
 
-        def answered(index: int, value: Any, error: BaseException | None, admitted: bool = True) -> None:
-            if admitted:
-                limiter.release()
-            results[index] = (True, value) if error is None else (False, _as_server_error("infer", error))
-            left[0] -= 1
-            if not left[0]:
-                self.calls.pop(call_id, None)
-                if not isinstance(error, asyncio.CancelledError):
-                    self._reply(call_id, True, MemberResults(results))  # type: ignore[arg-type]
-
-        jobs = []
-        start = 0
-        for index, size in enumerate(sizes):
-            member = member_request(request, start, start + size)
-            start += size
-            try:
-                limiter.acquire()
-            except ServerError as e:
-                answered(index, None, e, admitted=False)
-                continue
-            job = self.service.core.submit_infer(member, lambda value, error, i=index: answered(i, value, error))
-            if job is not None:
-                jobs.append(job)
-        if left[0]:
-            self.calls[call_id] = _Withdrawal(jobs)
+    def _reply_members(self, call_id: int, results: MemberResults) -> None:
+        """A group's per-member results, errors as the frontend raises them; nothing once it withdrew the group."""
+        if any(isinstance(value, asyncio.CancelledError) for _, value in results.results):
+            return
+        results.results = [(ok, v if ok else _as_server_error("infer", v)) for ok, v in results.results]
+        self._reply(call_id, True, results)
 
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         ok, value = await self.service.answer(method, args, kwargs)
