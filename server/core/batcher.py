@@ -44,6 +44,9 @@ log = logging.getLogger("kiln.server.batcher")
 QueuePolicy = model_config_pb2.ModelQueuePolicy
 DynamicBatching = model_config_pb2.ModelDynamicBatching
 
+# Batches run on the event loop per dispatch at most (Workers.runs_inline), before the loop takes in I/O again.
+_INLINE_PER_DISPATCH = 4
+
 # A job's compatibility key: per input, its dtype and its shape without the batch dim.
 ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 # With padding: the job's profile (bucket) and, per input, its dtype and rank.
@@ -329,10 +332,19 @@ class DynamicBatcher:
                 self._pool.shutdown(wait=False)  # running executions still finish
             return
         wait_ns = None
+        inline = _INLINE_PER_DISPATCH
         while self._free:
             batch, wait_ns = self._form_batch(now)
             if not batch:
                 break
+            if self.workers.runs_inline():
+                if not inline:  # let the loop take in I/O, then go on
+                    self._schedule()
+                    return
+                inline -= 1
+                self._run_inline(batch)
+                now = self._clock()
+                continue
             self._start(batch)
         timeouts = [wait_ns] if wait_ns is not None else []
         if self._deadlines:
@@ -414,6 +426,26 @@ class DynamicBatcher:
         for level, queue in self._queues.items():
             self._queues[level] = collections.deque(p for p in queue if id(p) not in chosen and not p.future.done())
         return batch
+
+    def _run_inline(self, batch: list[_Pending]) -> None:
+        """Execute `batch` right here on the event loop (`Workers.runs_inline`: its executions are known to be
+        far shorter than a hand-off to a thread) and answer its members."""
+        context = self._free.pop()
+        started = self._clock()
+        try:
+            outcome = self._execute_batch(context, batch)
+        except Exception as e:  # noqa: BLE001 - every member must hear about the failure
+            self._free.append(context)
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(e)
+            return
+        self._requeue(outcome.deferred)
+        if outcome.execution.context is not None:
+            self._free.append(outcome.execution.context)
+        elif self.workers.none_left() is not None:  # the last context faulted: the queue must hear it
+            self._schedule()
+        self._answer(outcome, started)
 
     def _start(self, batch: list[_Pending]) -> None:
         context = self._free.pop()

@@ -36,7 +36,7 @@ from .model_config import (
     datatype_of,
     model_shape,
 )
-from .scheduler import DirectScheduler, Executor, Scheduler, Workers
+from .scheduler import INLINE_BELOW_NS, DirectScheduler, Executor, Scheduler, Workers
 from .statistics import ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
@@ -248,6 +248,8 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
                                  create_context=engine.create_execution_context, padding=padding,
                                  execute_parts=execute_parts)
         batcher.workers.label, batcher.workers.timeout_s = label, timeout_s
+        if engine.backend == "cpu" and timeout_s is None:  # an inline execution could not be abandoned
+            batcher.workers.inline_below_ns = INLINE_BELOW_NS
         return batcher
     scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                 create_context=engine.create_execution_context, execute_parts=execute_parts)

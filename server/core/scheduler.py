@@ -78,6 +78,11 @@ class Execution:
     error: BaseException | None = None
 
 
+#: fast executions in a row before a model's executions run on the event loop (Workers.runs_inline)
+INLINE_AFTER = 32
+#: how fast "fast" is, for CPU-backend models (measured in the worker thread, lock waits included)
+INLINE_BELOW_NS = 1_000_000
+
 # Raised by the engine before it runs anything, about the request itself: the context is still sound.
 REQUEST_ERRORS = (ShapeError, TypeError)
 
@@ -104,8 +109,26 @@ class Workers:
         self.timeout_s = timeout_s
         self.hung = 0  # workers running an execution that outlived timeout_s (back in service when it returns)
         self.hangs = 0  # such executions over the scheduler's life (metrics)
+        #: executions this fast may run on the event loop itself (0: never; see `runs_inline`)
+        self.inline_below_ns = 0
+        self._slow = INLINE_AFTER  # executions to see (all fast) before running inline; reset by a slow one
         self._create = create
         self._lock = threading.Lock()
+
+    def runs_inline(self) -> bool:
+        """Whether the next execution may run on the event loop instead of a worker thread: the model allows it
+        (`inline_below_ns`, CPU-backend models without an execution timeout) and its last `INLINE_AFTER`
+        executions each took less than that. Why: a tiny numpy execution holds the interpreter lock anyway, and
+        handing it to a thread and back (executor queue, lock switches, a wake-up of the loop) cost more than
+        the execution itself and left batches queued behind a busy event loop (docs/performance.md)."""
+        return bool(self.inline_below_ns) and self._slow == 0
+
+    def timed(self, duration_ns: int) -> None:
+        """Note one execution's duration (`runs_inline` goes back to threads after any slow one)."""
+        if duration_ns >= self.inline_below_ns:
+            self._slow = INLINE_AFTER
+        elif self._slow:
+            self._slow -= 1
 
     def run(self, execute: Executor, context: object, inputs: dict[str, np.ndarray]) -> Execution:
         """In a worker thread: execute on `context`; never raises (the error travels in the result)."""
@@ -125,6 +148,8 @@ class Workers:
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
             outputs, input_ns, infer_ns = go()
+            if self.inline_below_ns:
+                self.timed(input_ns + infer_ns)
         except REQUEST_ERRORS as e:
             return Execution(context, error=e)
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them

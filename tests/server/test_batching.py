@@ -200,6 +200,39 @@ def test_bad_settings_and_priorities_are_refused():
     asyncio.run(scenario())
 
 
+def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back():
+    """CPU-backend models: after INLINE_AFTER fast executions in a row, batches run on the event loop's own thread
+    (no hand-off to a worker thread); one slow execution sends them back to the worker thread."""
+    from server.core.scheduler import INLINE_AFTER
+
+    threads: list[str] = []
+    slow = threading.Event()
+
+    def execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.02)
+        return {"Y": inputs["X"] + 1}
+
+    async def run() -> None:
+        batcher = DynamicBatcher([object()], execute, "inline-test", settings(""))
+        batcher.workers.inline_below_ns = 5_000_000
+        loop_thread = threading.current_thread().name
+        for i in range(INLINE_AFTER + 2):
+            result = await batcher.submit(job(float(i)))
+            np.testing.assert_array_equal(result.outputs["Y"], np.full((1, 3), i + 1, np.float32))
+        assert all(name != loop_thread for name in threads[:INLINE_AFTER])  # until proven fast: a worker
+        assert threads[-1] == loop_thread  # then on the loop
+        slow.set()
+        await batcher.submit(job(0.0))  # runs inline, and takes too long
+        await batcher.submit(job(0.0))
+        assert threads[-2] == loop_thread and threads[-1] != loop_thread
+        batcher.close()
+
+    asyncio.run(run())
+
+
 def test_concat_and_split_round_trip_bytes():
     jobs = [Job({"S": np.array([[b"a"], [b"b"]], dtype=object)}, 2), Job({"S": np.array([[b"c"]], dtype=object)}, 1)]
     joined = concat_inputs(jobs)
