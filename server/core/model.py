@@ -254,6 +254,8 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                 create_context=engine.create_execution_context, execute_parts=execute_parts)
     scheduler.workers.label, scheduler.workers.timeout_s = label, timeout_s
+    if engine.backend == "cpu" and timeout_s is None:
+        scheduler.workers.inline_below_ns = INLINE_BELOW_NS
     return scheduler
 
 

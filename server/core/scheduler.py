@@ -308,20 +308,11 @@ class DirectScheduler:
         try:
             context = await self._acquire()
             started = time.perf_counter_ns()
-            try:
-                execution = asyncio.get_running_loop().run_in_executor(self._pool, self._run, context, job)
-            except RuntimeError as e:  # the pool is shut down
-                self._release(context)
-                raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
-            # Back to the pool when the thread is done, not when the caller stops waiting: a cancelled request
-            # (HTTP disconnect, gRPC cancel) must not hand a context that is still running to the next job.
-            # After a fault the thread hands back the replacement context instead.
-            execution.add_done_callback(lambda done: self._release(_context_after(done, context)))
-            try:
-                result: Execution = await self.workers.wait(execution)
-            except ServerError:  # abandoned past the timeout: with every worker hung, the queue hears it now
-                self._refuse_waiters_if_none_left()
-                raise
+            if self.workers.runs_inline():  # known to be far shorter than a hand-off to a thread (Workers)
+                result = self._run(context, job)
+                self._release(result.context)
+            else:
+                result = await self._in_thread(context, job)
             if result.error is not None:
                 raise result.error
             outputs = result.outputs[0] if isinstance(result.outputs, list) else result.outputs
@@ -335,6 +326,23 @@ class DirectScheduler:
         if self._record is not None:
             self._record(job.batch_size, times)
         return JobResult(outputs, times)
+
+    async def _in_thread(self, context: object, job: Job) -> Execution:
+        """Run `job` on `context` in a worker thread; the context goes back to the pool when the thread is done."""
+        try:
+            execution = asyncio.get_running_loop().run_in_executor(self._pool, self._run, context, job)
+        except RuntimeError as e:  # the pool is shut down
+            self._release(context)
+            raise ServerError(ErrorKind.INTERNAL, f"execution failed: {e}") from e
+        # Back to the pool when the thread is done, not when the caller stops waiting: a cancelled request
+        # (HTTP disconnect, gRPC cancel) must not hand a context that is still running to the next job.
+        # After a fault the thread hands back the replacement context instead.
+        execution.add_done_callback(lambda done: self._release(_context_after(done, context)))
+        try:
+            return await self.workers.wait(execution)
+        except ServerError:  # abandoned past the timeout: with every worker hung, the queue hears it now
+            self._refuse_waiters_if_none_left()
+            raise
 
     def _run(self, context: object, job: Job) -> Execution:
         """In a worker thread: the job alone, through the engine's gathering path when it has device tensors."""

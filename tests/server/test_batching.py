@@ -200,10 +200,12 @@ def test_bad_settings_and_priorities_are_refused():
     asyncio.run(scenario())
 
 
-def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back():
-    """CPU-backend models: after INLINE_AFTER fast executions in a row, batches run on the event loop's own thread
-    (no hand-off to a worker thread); one slow execution sends them back to the worker thread."""
-    from server.core.scheduler import INLINE_AFTER
+@pytest.mark.parametrize("batched", [True, False])
+def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back(batched: bool):
+    """CPU-backend models: after INLINE_AFTER fast executions in a row, executions run on the event loop's own
+    thread (no hand-off to a worker thread); one slow execution sends them back to the worker thread. Both the
+    dynamic batcher and direct execution."""
+    from server.core.scheduler import INLINE_AFTER, DirectScheduler
 
     threads: list[str] = []
     slow = threading.Event()
@@ -216,7 +218,8 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
         return {"Y": inputs["X"] + 1}
 
     async def run() -> None:
-        batcher = DynamicBatcher([object()], execute, "inline-test", settings(""))
+        batcher = (DynamicBatcher([object()], execute, "inline-test", settings("")) if batched
+                   else DirectScheduler([object()], execute, "inline-test"))
         batcher.workers.inline_below_ns = 5_000_000
         loop_thread = threading.current_thread().name
         for i in range(INLINE_AFTER + 2):
