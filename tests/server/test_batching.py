@@ -220,15 +220,16 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
     async def run() -> None:
         batcher = (DynamicBatcher([object()], execute, "inline-test", settings("")) if batched
                    else DirectScheduler([object()], execute, "inline-test"))
-        batcher.workers.inline_below_ns = 5_000_000
+        batcher.workers.inline_below_ns = 60_000_000_000  # every execution counts as fast, however slow CI is
         loop_thread = threading.current_thread().name
         for i in range(INLINE_AFTER + 2):
             result = await batcher.submit(job(float(i)))
             np.testing.assert_array_equal(result.outputs["Y"], np.full((1, 3), i + 1, np.float32))
         assert all(name != loop_thread for name in threads[:INLINE_AFTER])  # until proven fast: a worker
         assert threads[-1] == loop_thread  # then on the loop
+        batcher.workers.inline_below_ns = 1_000_000
         slow.set()
-        await batcher.submit(job(0.0))  # runs inline, and takes too long
+        await batcher.submit(job(0.0))  # runs inline, and takes too long (20 ms)
         await batcher.submit(job(0.0))
         assert threads[-2] == loop_thread and threads[-1] != loop_thread
         batcher.close()
