@@ -440,12 +440,17 @@ class DynamicBatcher:
                 if not pending.future.done():
                     pending.future.set_exception(e)
             return
+        self._take_back(outcome)
+        if self.workers.none_left() is not None:  # the last context faulted: the queue must hear it
+            self._schedule()
+        self._answer(outcome, started)
+
+    def _take_back(self, outcome: _Outcome) -> None:
+        """After an execution: the members left out go back to the front of their queues, and its context (the
+        replacement after a fault) to the pool; none when no replacement could be made (the pool shrinks)."""
         self._requeue(outcome.deferred)
         if outcome.execution.context is not None:
             self._free.append(outcome.execution.context)
-        elif self.workers.none_left() is not None:  # the last context faulted: the queue must hear it
-            self._schedule()
-        self._answer(outcome, started)
 
     def _start(self, batch: list[_Pending]) -> None:
         context = self._free.pop()
@@ -473,9 +478,8 @@ class DynamicBatcher:
         else:
             # the context goes back and the next batch starts before this one's members are answered: the
             # device works on it while the event loop sends these replies
-            self._requeue(outcome.deferred)
             give_back = None
-            self._free.append(outcome.execution.context)
+            self._take_back(outcome)
             self._dispatch()
             self._answer(outcome, started)
         finally:

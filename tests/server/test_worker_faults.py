@@ -146,6 +146,27 @@ def test_when_no_context_can_be_recreated_requests_are_refused_not_hung():
     assert [r.kind for r in direct_results] == [ErrorKind.INTERNAL, ErrorKind.UNAVAILABLE]
 
 
+def test_a_pool_that_lost_one_context_serves_on_with_the_others():
+    """A fault whose context cannot be recreated shrinks the batcher's pool by one; the other context serves the
+    following batches (the lost one must not come back as an empty slot)."""
+    def broken() -> Context:
+        raise RuntimeError("out of device memory")
+
+    async def scenario():
+        executor = FlakyExecutor(RuntimeError("boom"))
+        settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, "m")
+        batcher = DynamicBatcher([Context(), Context()], executor, "test", settings, create_context=broken)
+        faulted = await asyncio.gather(_submit(batcher, 13), return_exceptions=True)
+        results = [await _submit(batcher, v) for v in (5, 6, 7)]
+        batcher.close()
+        return batcher.workers, faulted[0], results
+
+    workers, faulted, results = asyncio.run(scenario())
+    assert isinstance(faulted, ServerError) and faulted.kind == ErrorKind.INTERNAL
+    assert workers.alive == 1 and workers.faults == 1
+    assert [float(r.outputs["Y"][0, 0]) for r in results] == [6.0, 7.0, 8.0]
+
+
 class StallingExecutor:
     """X + 1; an input holding 42 blocks its worker thread until ``release`` is set (a stuck execution)."""
 
