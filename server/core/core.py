@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
-from .grouping import run_members
+from .grouping import Answer, run_members, settle
 from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
@@ -224,7 +224,7 @@ class ServerCore:
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request: resolve shared memory, check against the config, execute, post-process outputs."""
         answer = asyncio.get_running_loop().create_future()
-        job = self.submit_infer(request, lambda response, error: _settle(answer, response, error))
+        job = self.submit_infer(request, functools.partial(settle, answer))
         try:
             return await answer
         except asyncio.CancelledError:
@@ -232,7 +232,7 @@ class ServerCore:
                 job.cancel()  # a queued request leaves the batcher's queue
             raise
 
-    def submit_infer(self, request: InferRequest, reply: Reply, requests: int = 1) -> asyncio.Future | None:
+    def submit_infer(self, request: InferRequest, reply: Answer, requests: int = 1) -> asyncio.Future | None:
         """Start one request without a task of its own: `reply(response, None)` or `reply(None, error)` is called
         exactly once, on the event loop (with a CancelledError when the job is cancelled). Returns the queued
         job's future (cancel it to withdraw the request), or None when the request was answered at once.
@@ -262,7 +262,7 @@ class ServerCore:
                                                            destinations, trace, started, reply, requests))
         return future
 
-    def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Reply) -> list[asyncio.Future]:
+    def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer) -> list[asyncio.Future]:
         """Start a frontend's group of alike requests (server/core/grouping.py): `request` holds their inputs
         concatenated along the batch dim, `sizes[i]` rows for member i. When the model batches dynamically and the
         rows fit one batch, the group runs as one job and `reply` gets the response with every member's rows (the
@@ -302,7 +302,7 @@ class ServerCore:
 
     def _finish(self, done: asyncio.Future, model: ModelVersion, request: InferRequest, batch: int,
                 requested: list[RequestedOutput], destinations: dict[str, kiln.DeviceView], trace,
-                started: int, reply: Reply, requests: int) -> None:
+                started: int, reply: Answer, requests: int) -> None:
         """A job's future is done: its outputs post-processed into the response, statistics and trace recorded,
         and the caller answered."""
         if done.cancelled():
@@ -672,19 +672,6 @@ class ServerCore:
         if updates:
             return self.logging.update(updates)
         return self.logging.current()
-
-
-#: how `submit_infer` answers: (response, None) or (None, error)
-Reply = Callable[[InferResponse | None, BaseException | None], None]
-
-
-def _settle(answer: asyncio.Future, response: InferResponse | None, error: BaseException | None) -> None:
-    if answer.done():
-        return
-    if error is not None:
-        answer.set_exception(error)
-    else:
-        answer.set_result(response)
 
 
 def _execution_error(model: ModelVersion, error: Exception) -> Exception:

@@ -32,12 +32,26 @@ GROUPABLE_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
 GROUPABLE_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 
 
+#: how a request (or a group, or a core call) is answered: (value, None) or (None, error)
+Answer = Callable[[Any, BaseException | None], None]
+
+
+def settle(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    """Answer a caller's future the way an `Answer` is told, unless the caller gave up meanwhile."""
+    if answer.done():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(value)
+
+
 @dataclass
 class MemberResults:
-    """The core's answer to a group it ran as separate requests: per member, (True, InferResponse) or
-    (False, the ServerError it raised), in member order."""
+    """The core's answer to a group it ran as separate requests: per member, in member order, (InferResponse,
+    None) or (None, the error it raised), as an `Answer` would have been told."""
 
-    results: list[tuple[bool, object]]
+    results: list[tuple[Any, BaseException | None]]
 
 
 def group_key(request: InferRequest) -> Hashable | None:
@@ -92,8 +106,6 @@ def member_request(group: InferRequest, start: int, stop: int, request_id: str =
     return InferRequest(group.model_name, inputs, group.model_version, request_id, group.outputs, group.parameters)
 
 
-#: how a member is answered: (response, None) or (None, error)
-Answer = Callable[[Any, BaseException | None], None]
 
 
 def run_members(group: InferRequest, sizes: list[int],
@@ -101,11 +113,11 @@ def run_members(group: InferRequest, sizes: list[int],
                 reply: Callable[[MemberResults], None]) -> list[asyncio.Future]:
     """Each member of `group` as a request of its own through `submit(request, answer)` (which answers at once
     when it refuses one); `reply` gets every member's result once all are answered. Returns the members' jobs."""
-    results: list[tuple[bool, object]] = [(False, None)] * len(sizes)
+    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(sizes)
     left = [len(sizes)]
 
     def answered(index: int, response: Any, error: BaseException | None) -> None:
-        results[index] = (True, response) if error is None else (False, error)
+        results[index] = (response, error)
         left[0] -= 1
         if not left[0]:
             reply(MemberResults(results))

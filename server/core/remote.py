@@ -6,9 +6,10 @@ interpreter lock that the GPU workers need between their CUDA calls (docs/perfor
 (`kiln serve --frontend-processes N`) parse on other cores and hand the core one small message per call; tensors
 travel as pickle protocol 5 out-of-band buffers, written with one `writelines` and read without re-joining.
 
-A message is a frame: `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload, the
-buffers. Calls are `(call_id, method, args, kwargs)`, replies `(call_id, ok, value_or_error)`; many calls share a
-connection (replies come in completion order). Only the core API's public methods (`CORE_METHODS`) are served.
+A frame is `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload (the list of
+messages sent during one turn of the sender's event loop), the buffers. Calls are `(call_id, method, args,
+kwargs)`, replies `(call_id, value, error)` (error None on success); many calls share a connection (replies come
+in completion order). Only the core API's public methods (`CORE_METHODS`) are served.
 A caller that gives up (a client disconnect) sends `(call_id, CANCEL, (), {})`: the call is cancelled in the core
 too, so a queued request leaves the batcher's queue as it does in one process. `--max-inflight-requests` is
 enforced here, for all frontends together, with the same error as in one process.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import logging
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ErrorKind, ServerError, unavailable
-from .grouping import MemberResults, concatenate, group_key, rows, run_members, split_response
+from .grouping import Answer, MemberResults, concatenate, group_key, rows, run_members, settle, split_response
 from .limits import InflightLimiter
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
@@ -191,8 +193,8 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._on_message = on_message
         self._decoder = FrameDecoder(self._received)
         self._on_lost = on_lost
-        #: told about a message that could not be pickled (None: it is logged)
-        self.on_unencodable: Callable[[Any, Exception], None] | None = None
+        #: told about a message that could not be pickled and was not sent (whoever waits for it must hear)
+        self.on_unencodable: Callable[[Any, Exception], None] = _log_unencodable
         self.transport: asyncio.Transport | None = None
         self._out: list[Any] = []  # messages sent during this turn of the event loop
         self._flushing = False
@@ -250,15 +252,8 @@ class FramedConnection(asyncio.BufferedProtocol):
                 try:
                     frames += encode([message])
                 except Exception as e:  # noqa: BLE001 - its sender hears about it instead
-                    self.unencodable(message, e)
+                    self.on_unencodable(message, e)
         self.transport.writelines(frames)
-
-    def unencodable(self, message: Any, error: Exception) -> None:
-        """`message` could not be pickled and was not sent: whoever waits for it hears `error`."""
-        if self.on_unencodable is None:
-            log.error("dropped a core message that cannot be pickled: %s", error)
-        else:
-            self.on_unencodable(message, error)
 
     async def drain(self) -> None:
         """Wait while the socket's write buffer is over its high-water mark (a slow reader must not grow memory)."""
@@ -268,6 +263,10 @@ class FramedConnection(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _log_unencodable(message: Any, error: Exception) -> None:
+    log.error("dropped a core message that cannot be pickled: %s", error)
 
 
 class CoreService:
@@ -290,15 +289,15 @@ class CoreService:
         for connection in list(self._connections):
             connection.close()
 
-    async def answer(self, method: str, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        """One call's reply: (True, value) or (False, the ServerError the frontend raises). Inference calls take
+    async def answer(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, ServerError | None]:
+        """One call's reply: (value, None) or (None, the ServerError the frontend raises). Inference calls take
         `_ServedConnection._infer` instead."""
         try:
             if method not in CORE_METHODS:
                 raise ServerError(ErrorKind.INTERNAL, f"the core has no method '{method}' for frontends")
-            return True, await getattr(self.core, method)(*args, **kwargs)
+            return await getattr(self.core, method)(*args, **kwargs), None
         except Exception as e:  # noqa: BLE001 - what an in-process frontend would turn into a 500, said as one
-            return False, _as_server_error(method, e)
+            return None, _as_server_error(method, e)
 
 
 class _Withdrawal:
@@ -336,26 +335,18 @@ def _distribute(reply: asyncio.Future, members: list[_Member], sizes: list[int])
     try:
         value = reply.result()
         if len(members) == 1:
-            results = [(True, value)]
+            results = [(value, None)]
         elif isinstance(value, MemberResults):  # the core ran them one by one: their responses carry no id
             results = value.results
-            for member, (ok, result) in zip(members, results):
-                if ok:
-                    result.id = member.request.id  # type: ignore[attr-defined]
+            for member, (response, error) in zip(members, results):
+                if error is None:
+                    response.id = member.request.id
         else:
-            results = [(True, r) for r in split_response(value, sizes, [m.request.id for m in members])]
+            results = [(r, None) for r in split_response(value, sizes, [m.request.id for m in members])]
     except Exception as e:  # noqa: BLE001 - every member raises it
-        results = [(False, e)] * len(members)
-    for member, (ok, result) in zip(members, results):
-        _settle(member.answer, ok, result)
-
-
-def _settle(answer: asyncio.Future, ok: bool, value: Any) -> None:
-    if not answer.done():
-        if ok:
-            answer.set_result(value)
-        else:
-            answer.set_exception(value)
+        results = [(None, e)] * len(members)
+    for member, (response, error) in zip(members, results):
+        settle(member.answer, response, error)
 
 
 def _as_server_error(method: str, error: BaseException) -> ServerError:
@@ -398,23 +389,17 @@ class _ServedConnection(FramedConnection):
                 else:
                     self._infer_group(call_id, *args)
             except Exception as e:  # noqa: BLE001 - a bug must not leave the caller waiting forever
-                self._reply(call_id, False, _as_server_error(method, e))
+                self._reply(call_id, None, _as_server_error(method, e))
             return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
         task.add_done_callback(lambda _, done=call_id: self.calls.pop(done, None))
 
     def _infer(self, call_id: int, request: InferRequest) -> None:
-        def answered(response: InferResponse | None, error: BaseException | None) -> None:
-            self.calls.pop(call_id, None)
-            if isinstance(error, asyncio.CancelledError):
-                return  # the frontend gave up on it
-            self._reply(call_id, error is None, response if error is None else _as_server_error("infer", error))
-
-        job = self._submit_admitted(request, answered)
+        job = self._submit_admitted(request, functools.partial(self._answer, call_id))
         if job is not None and not job.done():
             self.calls[call_id] = job
 
-    def _submit_admitted(self, request: InferRequest, answer: Callable[[Any, BaseException | None], None]) -> Any:
+    def _submit_admitted(self, request: InferRequest, answer: Answer) -> asyncio.Future | None:
         """`ServerCore.submit_infer` within the in-flight limit (every frontend's together): beyond it the request
         is answered RESOURCE_EXHAUSTED at once."""
         limiter = self.service.limiter
@@ -436,44 +421,38 @@ class _ServedConnection(FramedConnection):
         limiter = self.service.limiter
         if not limiter.fits(len(sizes)):
             jobs = run_members(request, sizes, self._submit_admitted,
-                               lambda results: self._answer_group(call_id, results, None))
+                               lambda results: self._answer(call_id, results, None))
         else:
             limiter.acquire(len(sizes))
 
             def released(value: Any, error: BaseException | None) -> None:
                 limiter.release(len(sizes))
-                self._answer_group(call_id, value, error)
+                self._answer(call_id, value, error)
 
             jobs = self.service.core.submit_infer_group(request, sizes, released)
         if any(not job.done() for job in jobs):
             self.calls[call_id] = _Withdrawal(jobs)
 
-    def _answer_group(self, call_id: int, value: Any, error: BaseException | None) -> None:
-        """A group's reply: its response, the error of all its members, or per-member results; nothing once the
-        frontend withdrew it."""
+    def _answer(self, call_id: int, value: Any, error: BaseException | None) -> None:
+        """An inference call's reply: a response (a group's with every member's rows), the error (for every
+        member of a group), or a group's per-member results; nothing once the frontend withdrew the call."""
         self.calls.pop(call_id, None)
         if isinstance(error, asyncio.CancelledError):
             return
         if isinstance(value, MemberResults):  # the members ran one by one
-            self._reply_members(call_id, value)
-            return
-        self._reply(call_id, error is None, value if error is None else _as_server_error("infer", error))
-
-    def _reply_members(self, call_id: int, results: MemberResults) -> None:
-        """A group's per-member results, errors as the frontend raises them; nothing once it withdrew the group."""
-        if any(isinstance(value, asyncio.CancelledError) for _, value in results.results):
-            return
-        results.results = [(ok, v if ok else _as_server_error("infer", v)) for ok, v in results.results]
-        self._reply(call_id, True, results)
+            if any(isinstance(e, asyncio.CancelledError) for _, e in value.results):
+                return
+            value.results = [(v, None if e is None else _as_server_error("infer", e)) for v, e in value.results]
+        self._reply(call_id, value, None if error is None else _as_server_error("infer", error))
 
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
-        ok, value = await self.service.answer(method, args, kwargs)
-        self._reply(call_id, ok, value)
+        value, error = await self.service.answer(method, args, kwargs)
+        self._reply(call_id, value, error)
         await self.drain()
 
-    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
+    def _reply(self, call_id: int, value: Any, error: ServerError | None = None) -> None:
         try:
-            self.send((call_id, ok, value))
+            self.send((call_id, value, error))
         except ConnectionError:
             pass  # the frontend closed the connection meanwhile
 
@@ -481,7 +460,7 @@ class _ServedConnection(FramedConnection):
         """A reply that cannot be pickled: the caller still gets an answer, an internal error."""
         call_id = message[0]
         log.error("core call %s: the reply cannot be sent: %s", call_id, error)
-        self._reply(call_id, False, ServerError(ErrorKind.INTERNAL, f"internal error: {error}"))
+        self._reply(call_id, None, ServerError(ErrorKind.INTERNAL, f"internal error: {error}"))
 
     def _lost(self, exc: Exception | None) -> None:
         self.service._connections.discard(self)
@@ -566,7 +545,7 @@ class RemoteCore:
                     call_id, reply = self._start(INFER_GROUP, (concatenate(requests), sizes), {})
             except Exception as e:  # noqa: BLE001 - e.g. the connection is gone: every member raises it
                 for member in members:
-                    _settle(member.answer, False, e)
+                    settle(member.answer, None, e)
                 continue
             sent = _SentGroup(call_id, len(members))
             for member in members:
@@ -576,13 +555,11 @@ class RemoteCore:
     def _withdraw(self, member: _Member) -> None:
         """A member's caller gave up: once every member of its group has, the core stops the group too."""
         sent = member.sent
-        if sent is None or self._lost is not None or self._connection is None:
+        if sent is None:
             return
         sent.waiting -= 1
         if not sent.waiting and sent.call_id in self._pending:
-            self._pending.pop(sent.call_id, None)
-            with contextlib.suppress(ConnectionError):
-                self._connection.send((sent.call_id, CANCEL, (), {}))
+            self._cancel(sent.call_id)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in CORE_METHODS:
@@ -597,17 +574,22 @@ class RemoteCore:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` in the core process; raises what it raised (a ServerError)."""
         call_id, reply = self._start(method, args, kwargs)
-        connection = self._connection
         try:
-            await connection.drain()  # type: ignore[union-attr]
+            await self._connection.drain()  # type: ignore[union-attr]
             return await reply
         except asyncio.CancelledError:
-            if self._lost is None and (reply.cancelled() or not reply.done()):  # no answer came: stop it there
-                with contextlib.suppress(ConnectionError):
-                    connection.send((call_id, CANCEL, (), {}))  # type: ignore[union-attr]
+            if reply.cancelled() or not reply.done():  # no answer came: stop it there
+                self._cancel(call_id)
             raise
         finally:
             self._pending.pop(call_id, None)
+
+    def _cancel(self, call_id: int) -> None:
+        """The caller of `call_id` gave up: the core stops the call (a queued request leaves its queue)."""
+        self._pending.pop(call_id, None)
+        if self._lost is None and self._connection is not None:
+            with contextlib.suppress(ConnectionError):
+                self._connection.send((call_id, CANCEL, (), {}))
 
     def _start(self, method: str, args: tuple, kwargs: dict) -> tuple[int, asyncio.Future]:
         """Send one call: its id and the future that gets the reply."""
@@ -624,20 +606,16 @@ class RemoteCore:
         return call_id, reply
 
     def _replied(self, message: Any) -> None:
-        call_id, ok, value = message
+        call_id, value, error = message
         reply = self._pending.pop(call_id, None)
-        if reply is None or reply.done():
-            return  # the caller gave up (client disconnect)
-        if ok:
-            reply.set_result(value)
-        else:
-            reply.set_exception(value)
+        if reply is not None:  # else the caller gave up (client disconnect)
+            settle(reply, value, error)
 
     def _unsent(self, message: Any, error: Exception) -> None:
         """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""
         reply = self._pending.get(message[0])
-        if reply is not None and not reply.done():
-            reply.set_exception(error)
+        if reply is not None:
+            settle(reply, None, error)
 
     def _connection_lost(self, exc: Exception | None) -> None:
         self._lost = unavailable(f"the server core process is gone ({type(exc).__name__ if exc else 'closed'})")
