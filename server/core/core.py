@@ -677,7 +677,7 @@ class ServerCore:
 def _execution_error(model: ModelVersion, error: Exception) -> Exception:
     """What the caller hears for `error`: server errors as they are; the engine refusing the request's data as
     INVALID_ARGUMENT naming the model; anything else unchanged (an internal error)."""
-    if isinstance(error, (kiln.KilnError, TypeError, ValueError)) and not isinstance(error, ServerError):
+    if isinstance(error, (kiln.KilnError, TypeError, ValueError)):
         return invalid(f"inference failed for model '{model.name}': {error}")
     return error
 
