@@ -332,16 +332,17 @@ class DynamicBatcher:
                 self._pool.shutdown(wait=False)  # running executions still finish
             return
         wait_ns = None
-        inline = _INLINE_PER_DISPATCH
+        inline_left = _INLINE_PER_DISPATCH
         while self._free:
+            inline = self.workers.runs_inline()
+            if inline and not inline_left:  # let the loop take in I/O, then go on (before a batch leaves its queue)
+                self._schedule()
+                return
             batch, wait_ns = self._form_batch(now)
             if not batch:
                 break
-            if self.workers.runs_inline():
-                if not inline:  # let the loop take in I/O, then go on
-                    self._schedule()
-                    return
-                inline -= 1
+            if inline:
+                inline_left -= 1
                 self._run_inline(batch)
                 now = self._clock()
                 continue

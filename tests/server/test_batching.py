@@ -237,6 +237,27 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
     asyncio.run(run())
 
 
+def test_inline_executions_answer_every_request_when_many_batches_wait():
+    """More full batches queued than one dispatch runs inline: the rest wait for the next dispatch, none is lost
+    (a batch taken out of its queue after the inline budget ran out used to vanish, its callers waiting forever)."""
+    from server.core.scheduler import INLINE_AFTER
+
+    def execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"Y": inputs["X"] + 1}
+
+    async def run() -> None:
+        batcher = DynamicBatcher([object()], execute, "inline-many", settings("max_queue_delay_microseconds: 100"))
+        batcher.workers.inline_below_ns = 60_000_000_000
+        for i in range(INLINE_AFTER + 1):
+            await batcher.submit(job(float(i)))
+        assert batcher.workers.runs_inline()
+        results = await asyncio.wait_for(asyncio.gather(*(batcher.submit(job(float(i))) for i in range(80))), 10)
+        assert [float(r.outputs["Y"][0, 0]) for r in results] == [i + 1.0 for i in range(80)]
+        batcher.close()
+
+    asyncio.run(run())
+
+
 def test_concat_and_split_round_trip_bytes():
     jobs = [Job({"S": np.array([[b"a"], [b"b"]], dtype=object)}, 2), Job({"S": np.array([[b"c"]], dtype=object)}, 1)]
     joined = concat_inputs(jobs)
