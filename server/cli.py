@@ -15,6 +15,7 @@ import sys
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process
+from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.settings import AdaptiveSettings
 from server.frontend_processes import FrontendPool, frontend_count
@@ -202,6 +203,7 @@ async def serve(args: argparse.Namespace) -> int:
             listeners.tasks += started.tasks
             listeners.grpc_server = started.grpc_server
             http_port, grpc_port = args.http_port, args.grpc_port if started.grpc_server else "off"
+        freeze_long_lived()  # the listeners' objects; models freeze theirs as they load
         log.info("serving: HTTP %s, gRPC %s, metrics %s", http_port if args.allow_http else "off",
                  grpc_port if args.allow_grpc else "off", args.metrics_port if args.allow_metrics else "off")
         waiter = asyncio.create_task(stop.wait())

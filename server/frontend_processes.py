@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.lifecycle import Lifecycle, drain_settings
@@ -188,6 +189,7 @@ async def serve_frontend(args: argparse.Namespace, core_path: str, listening) ->
         log.error("cannot listen: %s", e)
         return 1
     listening.set()
+    freeze_long_lived()
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *listeners.tasks], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()

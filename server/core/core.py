@@ -26,6 +26,7 @@ from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
 from .grouping import Answer, run_members, settle
+from .heap import freeze_long_lived
 from .model import ModelVersion, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
 from .scheduler import Job
@@ -514,6 +515,7 @@ class ServerCore:
             for version in old.values():
                 version.close()
             log.info("successfully loaded model '%s' versions %s", name, sorted(versions))
+        freeze_long_lived()
 
     def _load_failed(self, entry: ModelEntry, previous_state: str, reason: str) -> None:
         """Keep serving the old versions if a reload failed; otherwise the model is UNAVAILABLE with the reason."""
@@ -563,6 +565,7 @@ class ServerCore:
             for version in versions.values():
                 version.close()
         log.info("successfully unloaded model '%s'", name)
+        freeze_long_lived()
 
     # -- adaptive profiles ----------------------------------------------------------------------------------
     async def _adapt_profiles_forever(self) -> None:
