@@ -7,7 +7,6 @@ functions, so every path decodes the same way.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
 
@@ -21,9 +20,13 @@ _LENGTH = struct.Struct("<I")
 
 def element_count(shape: Sequence[int]) -> int:
     """Number of elements of `shape`; negative dims are a client error."""
-    if any(int(d) < 0 for d in shape):
-        raise invalid(f"shape {list(shape)} has a negative dimension")
-    return math.prod(int(d) for d in shape)  # exact: int64 products of hostile shapes wrap
+    count = 1
+    for d in shape:
+        d = int(d)  # exact Python ints: int64 products of hostile shapes wrap
+        if d < 0:
+            raise invalid(f"shape {list(shape)} has a negative dimension")
+        count *= d
+    return count
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
@@ -60,7 +63,7 @@ def deserialize_bytes(raw: bytes | memoryview, count: int) -> np.ndarray:
 def from_raw(raw: bytes | memoryview, datatype: str, shape: Sequence[int]) -> np.ndarray:
     """Decode raw bytes of a tensor; INVALID_ARGUMENT when the size does not match datatype and shape."""
     count = element_count(shape)
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(map(int, shape))
     if datatype == "BYTES":
         return deserialize_bytes(raw, count).reshape(shape)
     dtype = numpy_dtype(datatype)
