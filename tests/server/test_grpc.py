@@ -492,8 +492,8 @@ def test_options_are_validated() -> None:
         GrpcOptions.from_kwargs(max_msg_size=1)
     with pytest.raises(ValueError, match="compression"):
         GrpcOptions.from_kwargs(compression="brotli")
-    args = dict(GrpcOptions.from_kwargs(max_message_size=1024, keepalive_time_ms=5).channel_args())
-    assert args["grpc.max_receive_message_length"] == 1024 and args["grpc.keepalive_time_ms"] == 5
+    settings = GrpcOptions.from_kwargs(max_message_size=1024, keepalive_time_ms=5).http2_settings()
+    assert settings.keepalive_time_s == 0.005
 
 
 # -- standard services ----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Transport options of the gRPC frontend and the grpcio channel arguments they become.
+"""Transport options of the gRPC frontend and the HTTP/2 settings they become.
 
-The defaults follow Triton's `--grpc-*` flags so that clients tuned for Triton behave the same here.
+The defaults follow Triton's `--grpc-*` flags (grpcio's channel arguments of the same names) so that clients tuned
+for Triton behave the same here.
 """
 
 from __future__ import annotations
@@ -8,15 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import grpc
+from .http2 import Http2Settings
 
 GIB = 1 << 30
 
-_COMPRESSION = {
-    "none": grpc.Compression.NoCompression,
-    "gzip": grpc.Compression.Gzip,
-    "deflate": grpc.Compression.Deflate,
-}
+_COMPRESSION = ("none", "gzip", "deflate")
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class GrpcOptions:
     http2_max_ping_strikes: int = 2
     # Compression of responses: "none", "gzip" or "deflate". Compressed requests are always accepted.
     compression: str = "none"
-    # Requests handled at once; further ones wait in grpcio's queue (None: no limit).
+    # Calls handled at once; further ones get RESOURCE_EXHAUSTED (None: no limit), as grpcio's option does.
     max_concurrent_rpcs: int | None = None
     # In-flight requests per ModelStreamInfer stream before the server stops reading that stream.
     max_stream_inflight: int = 1024
@@ -56,22 +53,11 @@ class GrpcOptions:
             raise ValueError("max_message_size and max_stream_inflight must be positive")
         return result
 
-    @property
-    def grpc_compression(self) -> grpc.Compression:
-        return _COMPRESSION[self.compression]
-
-    def channel_args(self) -> list[tuple[str, int]]:
-        """grpcio server options (channel arguments) for these settings."""
-        return [
-            ("grpc.max_send_message_length", self.max_message_size),
-            ("grpc.max_receive_message_length", self.max_message_size),
-            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
-            ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", self.http2_min_recv_ping_interval_without_data_ms),
-            ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
-            # grpcio shares ports between processes by default; a second server on a busy port must fail instead,
-            # unless this server's own frontend processes share it on purpose.
-            ("grpc.so_reuseport", int(self.reuse_port)),
-        ]
+    def http2_settings(self) -> Http2Settings:
+        """The HTTP/2 layer's settings for these options (grpcio's keepalive and ping-policing meanings)."""
+        return Http2Settings(
+            keepalive_time_s=self.keepalive_time_ms / 1000, keepalive_timeout_s=self.keepalive_timeout_ms / 1000,
+            keepalive_permit_without_calls=self.keepalive_permit_without_calls,
+            max_pings_without_data=self.http2_max_pings_without_data,
+            min_recv_ping_interval_s=self.http2_min_recv_ping_interval_without_data_ms / 1000,
+            max_ping_strikes=self.http2_max_ping_strikes)

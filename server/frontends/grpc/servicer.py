@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-
-import grpc
+from typing import Any
 
 from server.core.errors import ServerError
+from server.core.grouping import Answer
 from server.core.limits import check_load_request
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
@@ -75,6 +75,32 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self._infer(request)
+
+    def submit_infer(self, request: pb.ModelInferRequest, reply: Answer) -> asyncio.Future | None:
+        """ModelInfer without a task: `reply(response, None)` or `reply(None, error)` comes from the job's
+        completion (the core's `submit_infer`); returns what to cancel to withdraw the request. Requests that do
+        not convert, and cores without `submit_infer` (a frontend process's RemoteCore), take the task road."""
+        submit = getattr(self._core, "submit_infer", None)
+        converted = None
+        if submit is not None:
+            try:
+                converted = convert.infer_request(request)
+            except ServerError:
+                pass  # _infer raises it again, after the model lookup that decides between NOT_FOUND and it
+        if converted is None:
+            task = asyncio.ensure_future(self._infer(request))
+            task.add_done_callback(lambda done: reply(*_outcome(done)))
+            return task
+
+        def converted_reply(response: Any, error: BaseException | None) -> None:
+            if error is None:
+                try:
+                    response = convert.infer_response(response)
+                except Exception as e:  # noqa: BLE001 - answered as the error it is
+                    response, error = None, e
+            reply(response, error)
+
+        return submit(converted, converted_reply)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -193,5 +219,16 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return convert.log_settings_to_proto(settings)
 
 
-def add_to_server(core, options: GrpcOptions, server: grpc.aio.Server) -> None:
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, options), server)
+def _outcome(task: asyncio.Future) -> tuple[Any, BaseException | None]:
+    if task.cancelled():
+        return None, asyncio.CancelledError()
+    error = task.exception()
+    return (None, error) if error is not None else (task.result(), None)
+
+
+def add_to_server(core, options: GrpcOptions, server) -> None:
+    """Register the servicer with `server` (a `GrpcServer`: grpcio's registration methods, plus the callback
+    road for ModelInfer)."""
+    servicer = InferenceServicer(core, options)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    server.add_submitter("/inference.GRPCInferenceService/ModelInfer", servicer.submit_infer)
