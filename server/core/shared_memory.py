@@ -39,7 +39,7 @@ class Region(Protocol):
     kind: str
     byte_size: int
 
-    def read(self, offset: int, nbytes: int) -> bytes: ...
+    def read(self, offset: int, nbytes: int) -> bytes | memoryview: ...
     def write(self, offset: int, data: bytes) -> None: ...
     def close(self) -> None: ...
     def status(self) -> dict[str, object]: ...
@@ -54,16 +54,22 @@ class SystemRegion:
     mapping: mmap.mmap
     kind: str = SYSTEM
 
-    def read(self, offset: int, nbytes: int) -> bytes:
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes in place, read-only: the engine copies them once, into its staging buffer, when the request
+        executes (Triton's contract too: the client leaves a region alone until the response arrives). A copy
+        here cost the core's event loop ~15% of its time with 600 KB images."""
         start = self.offset + offset
-        return bytes(self.mapping[start:start + nbytes])
+        return memoryview(self.mapping).toreadonly()[start:start + nbytes]
 
     def write(self, offset: int, data: bytes) -> None:
         start = self.offset + offset
         self.mapping[start:start + len(data)] = data
 
     def close(self) -> None:
-        self.mapping.close()
+        try:
+            self.mapping.close()
+        except BufferError:  # a queued or running request still reads it: unmapped when its last view goes
+            pass
 
     def status(self) -> dict[str, object]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -140,8 +146,9 @@ class SharedMemory:
         return self._status(CUDA, name)
 
     # -- inference ----------------------------------------------------------------------------------------
-    def read(self, name: str, offset: int, byte_size: int) -> bytes:
-        """A copy of `byte_size` bytes at `offset` (relative to the registered offset) of region `name`."""
+    def read(self, name: str, offset: int, byte_size: int) -> bytes | memoryview:
+        """The `byte_size` bytes at `offset` (relative to the registered offset) of region `name`: a read-only view
+        of a system region, a copy of a CUDA one."""
         with self._lock:
             region = self._span(name, offset, byte_size)
             return region.read(offset, byte_size)
