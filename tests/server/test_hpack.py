@@ -11,7 +11,15 @@ import random
 import pytest
 
 from server.frontends.grpc import hpack
-from server.frontends.grpc.hpack import HUFFMAN_CODES, STATIC_TABLE, Decoder, Encoder, HpackError, huffman_decode
+from server.frontends.grpc.hpack import (
+    HUFFMAN_CODES,
+    STATIC_TABLE,
+    Decoder,
+    Encoder,
+    HpackError,
+    _encode_int,
+    huffman_decode,
+)
 
 
 def huffman_encode(data: bytes) -> bytes:
@@ -29,15 +37,7 @@ def huffman_encode(data: bytes) -> bytes:
 
 def encode_int(value: int, prefix_bits: int, flags: int = 0) -> bytes:
     """RFC 7541 5.1: an integer with an N-bit prefix, `flags` in the first byte's other bits."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((flags | value,))
-    out = bytearray((flags | limit,))
-    value -= limit
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    return bytes((*out, value))
+    return _encode_int(value, prefix_bits, flags)
 
 
 def string_literal(data: bytes, huffman: bool = False) -> bytes:

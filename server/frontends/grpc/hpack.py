@@ -336,36 +336,12 @@ class Decoder:
                 if index >= entries:
                     raise HpackError(f"header index {index} is not in the table")
                 name = table[index][0]
-            else:  # a literal name (5.2), inline for speed; it must be lowercase (RFC 9113 8.2.1)
-                if pos >= n:
-                    raise HpackError("header block ends before a string")
-                length = block[pos]
-                pos += 1
-                huffman = length & 0x80
-                length &= 0x7F
-                if length == 0x7F:
-                    length, pos = _read_int(block, pos, 0x7F)
-                end = pos + length
-                if end > n:
-                    raise HpackError("header block ends inside a string")
-                name = huffman_decode(block[pos:end]) if huffman else block[pos:end].decode("latin-1")
-                pos = end
+            else:  # a literal name (5.2); it must be lowercase (RFC 9113 8.2.1)
+                name, pos = _read_string(block, pos, n)
                 if name.lower() != name:
                     raise HpackError(f"header name {name!r} is not lowercase")
-            # the value (5.2)
-            if pos >= n:
-                raise HpackError("header block ends before a string")
-            length = block[pos]
-            pos += 1
-            huffman = length & 0x80
-            length &= 0x7F
-            if length == 0x7F:
-                length, pos = _read_int(block, pos, 0x7F)
-            end = pos + length
-            if end > n:
-                raise HpackError("header block ends inside a string")
-            field = (name, huffman_decode(block[pos:end]) if huffman else block[pos:end].decode("latin-1"))
-            pos = end
+            value, pos = _read_string(block, pos, n)
+            field = (name, value)
             append(field)
             if first & 0x40:
                 self._add(field)
@@ -401,6 +377,22 @@ class Decoder:
         while self._size > max_size:
             name, value = table.pop()
             self._size -= len(name) + len(value) + 32
+
+
+def _read_string(block: bytes, pos: int, n: int) -> tuple[str, int]:
+    """A string literal (5.2) at `pos`, Huffman-coded or not, and the position after it."""
+    if pos >= n:
+        raise HpackError("header block ends before a string")
+    length = block[pos]
+    pos += 1
+    huffman = length & 0x80
+    length &= 0x7F
+    if length == 0x7F:
+        length, pos = _read_int(block, pos, 0x7F)
+    end = pos + length
+    if end > n:
+        raise HpackError("header block ends inside a string")
+    return (huffman_decode(block[pos:end]) if huffman else block[pos:end].decode("latin-1")), end
 
 
 def _encode_int(value: int, prefix_bits: int, flags: int) -> bytes:
