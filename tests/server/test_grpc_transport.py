@@ -274,3 +274,25 @@ def test_a_compressed_message_is_measured_after_decompression() -> None:
         assert await _method(channel, "Echo")(bytes(100), compression=grpc.Compression.Gzip) == bytes(100)
 
     _run(test, max_message_size=4096)
+
+
+def test_a_client_table_size_below_the_default_is_signalled_in_the_next_header_block() -> None:
+    """RFC 7541 4.2: after SETTINGS_HEADER_TABLE_SIZE 0 the server's next header block starts with a size update
+    (strict decoders such as nghttp2 refuse the block otherwise), and the block still decodes."""
+    from server.frontends.grpc.hpack import Decoder, Encoder
+    from server.frontends.grpc.http2 import END_HEADERS, END_STREAM, HEADERS, SETTINGS_HEADER_TABLE_SIZE
+
+    def test(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(PREFACE + frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, 0)))
+            request = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{SERVICE}/Nope"),
+                                        (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers")])
+            sock.sendall(frame(HEADERS, END_HEADERS | END_STREAM, 1, request))
+            block = _read_frames(sock, HEADERS, 5)[-1][2]
+            assert block[0] == 0x20
+            decoder = Decoder(max_table_size=0)
+            decoder.max_allowed_table_size = 0
+            headers = dict(decoder.decode(bytes(block)))
+            assert headers["grpc-status"] == str(grpc.StatusCode.UNIMPLEMENTED.value[0])
+
+    _in_thread(test)

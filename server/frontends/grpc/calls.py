@@ -258,46 +258,35 @@ class Call:
         task.add_done_callback(self._unary_done)
 
     def _unary_done(self, task: asyncio.Task) -> None:
-        if self._finished:
-            return
         if task.cancelled():
-            self._cancelled = True
-            self.finish(grpc.StatusCode.CANCELLED, "Cancelled")
-            return
-        error = task.exception()
-        if error is not None:
-            self._fail(error)
-            return
-        if self._code != OK:  # set_code without abort
+            self._answered(None, asyncio.CancelledError())
+        elif task.exception() is None and self._code != OK:  # set_code without abort
             self.finish(self._code, self._details)
-            return
-        try:
-            self.send_message(self.serialize(task.result()))
-        except Exception as error:  # noqa: BLE001 - a response that does not serialize is a server bug
-            self._fail(error)
-            return
-        self.finish(OK, "")
+        else:
+            error = task.exception()
+            self._answered(None if error is not None else task.result(), error)
 
     def start_submitted(self, submit: Submitter, request: Any) -> None:
         """Run a unary call through a callback-style submitter (no task, no coroutine frames)."""
         self.task = submit(request, self._answered)
 
     def _answered(self, response: Any, error: BaseException | None) -> None:
+        """The end of a unary call: its response, or the error that took its place."""
         if self._finished:
             return
+        if isinstance(error, asyncio.CancelledError):
+            self._cancelled = True
+            self.finish(grpc.StatusCode.CANCELLED, "Cancelled")
+            return
+        if error is None:
+            try:
+                self.send_message(self.serialize(response))
+            except Exception as e:  # noqa: BLE001 - a response that does not serialize is a server bug
+                error = e
         if error is not None:
-            if isinstance(error, asyncio.CancelledError):
-                self._cancelled = True
-                self.finish(grpc.StatusCode.CANCELLED, "Cancelled")
-            else:
-                self.finish(*status_of(error))
-            return
-        try:
-            self.send_message(self.serialize(response))
-        except Exception as e:  # noqa: BLE001 - a response that does not serialize is a server bug
-            self._fail(e)
-            return
-        self.finish(OK, "")
+            self._fail(error)
+        else:
+            self.finish(OK, "")
 
     def start_streaming(self, request: Any) -> None:
         self.task = asyncio.ensure_future(self._stream_responses(request))
@@ -320,13 +309,14 @@ class Call:
         self.finish(self._code, self._details)
 
     def _fail(self, error: BaseException) -> None:
+        """A handler's exception as the call's status: an abort's own status, a ServerError's mapped one, and for
+        anything else (a bug) INTERNAL, logged with its traceback (`errors.status_of`)."""
         if self._finished:
             return
         if isinstance(error, (grpc.aio.AbortError, CallEnded)) and self._code != OK:
             self.finish(self._code, self._details)
             return
-        log.error("unexpected error in gRPC handler %s", self.method, exc_info=error)
-        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handling: {type(error).__name__}")
+        self.finish(*status_of(error))
 
     def send_message(self, payload: bytes) -> None:
         if self._finished:
@@ -358,9 +348,7 @@ class Call:
             return
         self._finished = True
         self._code, self._details = code, details
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         stream = self.stream
         if code == OK and not self._trailing:
             self._send_headers()
@@ -376,10 +364,7 @@ class Call:
             stream.send_headers(trailers, end_stream=True)
         if not stream.closed_remote and not stream.pending:
             stream.reset(NO_ERROR)  # answered before the request ended: the client may stop sending
-        if self.on_finish is not None:
-            self.on_finish(self)
-        for callback in self._done_callbacks:
-            callback(self)
+        self._notify()
 
     def reset_by_peer(self) -> None:
         """RST_STREAM from the client or a lost connection: nothing more can be sent; the handler stops."""
@@ -387,10 +372,17 @@ class Call:
             return
         self._cancelled = True
         self._finished = True
-        if self._timer is not None:
-            self._timer.cancel()
+        self._stop_timer()
         if self.task is not None:
             self.task.cancel()
+        self._notify()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _notify(self) -> None:
         if self.on_finish is not None:
             self.on_finish(self)
         for callback in self._done_callbacks:

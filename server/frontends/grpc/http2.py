@@ -143,7 +143,7 @@ class Http2Connection(asyncio.Protocol):
         self.encoder = Encoder()
         self._decoder = Decoder(max_table_size=4096)
         self.transport: asyncio.Transport | None = None
-        self.loop = asyncio.get_event_loop()
+        self.loop = asyncio.get_running_loop()
         self._pieces: list[bytes | memoryview] = []  # the reads of an incomplete frame (or preface)
         self._have = 0
         self._need = len(PREFACE)  # bytes `_pieces` must hold before parsing is worth it
@@ -158,6 +158,7 @@ class Http2Connection(asyncio.Protocol):
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_max_frame = DEFAULT_FRAME_SIZE
         self._blocked: dict[int, Stream] = {}  # streams waiting for window, in order
+        self._table_size_update = b""
         self._recv_unacknowledged = 0
         # shutdown
         self.going_away = False
@@ -408,6 +409,9 @@ class Http2Connection(asyncio.Protocol):
                 if not DEFAULT_FRAME_SIZE <= value <= (1 << 24) - 1:
                     raise ConnectionError_(PROTOCOL_ERROR, f"invalid max frame size {value}")
                 self._peer_max_frame = value
+            elif key == SETTINGS_HEADER_TABLE_SIZE and value < 4096:
+                # our encoder never adds to the table, but a decoder that shrank it expects the change signalled
+                self._table_size_update = b"\x20"  # RFC 7541 6.3: maximum size 0, at the start of the next block
             elif key == SETTINGS_ENABLE_PUSH and value > 1:
                 raise ConnectionError_(PROTOCOL_ERROR, "invalid ENABLE_PUSH")
         self._write(frame(SETTINGS, ACK, 0))
@@ -525,6 +529,8 @@ class Http2Connection(asyncio.Protocol):
             self._out.append(payload)
 
     def _write_header_block(self, stream_id: int, block: bytes, end: bool) -> None:
+        if self._table_size_update:
+            block, self._table_size_update = self._table_size_update + block, b""
         max_frame = self._peer_max_frame
         flags = END_STREAM if end else 0
         if len(block) <= max_frame:
