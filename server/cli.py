@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import ssl
 import sys
 
 from server import plan_cache
@@ -18,10 +21,12 @@ from server.core import CoreOptions, ServerCore, build_process
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.settings import AdaptiveSettings
+from server.flags import parse_bool as _bool
 from server.frontend_processes import FrontendPool, frontend_count
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
-from server.listeners import Listeners, make_uvicorn, serve_listener, start_listeners
+from server.listeners import Listeners, make_uvicorn, reload_certificates, serve_listener, start_listeners
 from server.repository import configure_watch
+from server.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("kiln.server")
 
@@ -30,15 +35,6 @@ log = logging.getLogger("kiln.server")
 # dozen calls could wait tens of ms for the event loop's threads (docs/performance.md). 200 us bounds that wait
 # at a cost of a few us per forced switch. KILN_SWITCH_INTERVAL_US sets another value (measurements).
 SWITCH_INTERVAL_S = float(os.environ.get("KILN_SWITCH_INTERVAL_US", "200")) / 1e6
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got '{text}'")
 
 
 def _memory_size(text: str) -> int:
@@ -122,6 +118,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)
+    add_tls_arguments(parser)
 
 
 def build_limits(args: argparse.Namespace) -> build_process.BuildLimits:
@@ -165,11 +162,12 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         limits_from_args(args)  # bad limits fail here, before anything starts
         restrictions_from_args(args)
+        _, _, metrics_tls = tls_from_args(args)
         plan_cache.configure(args.plan_cache_dir)
         build_process.configure(build_limits(args))
         configure_watch(args.repository_watch)
         core = ServerCore(core_options(args))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ssl.SSLError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -180,7 +178,7 @@ async def serve(args: argparse.Namespace) -> int:
     pool: FrontendPool | None = None
     if args.allow_metrics:
         metrics = make_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics",
-                               lifecycle.settings.timeout_s)
+                               lifecycle.settings.timeout_s, metrics_tls)
         listeners.servers.append(metrics)
         listeners.tasks.append(asyncio.create_task(serve_listener(metrics), name="metrics"))
     stop = asyncio.Event()
@@ -190,6 +188,14 @@ async def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     lifecycle.install_signal_handlers(asyncio.get_running_loop(), begin_shutdown)
+
+    def reload_tls() -> None:  # SIGHUP: certificates rotated on disk
+        reload_certificates(listeners)
+        if pool is not None:
+            pool.forward(signal.SIGHUP)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls)
     code = 0
     try:
         if args.frontend_processes > 0 and (args.allow_http or args.allow_grpc):

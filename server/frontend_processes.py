@@ -30,7 +30,7 @@ from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.lifecycle import Lifecycle, drain_settings
-from server.listeners import reuse_port_socket, start_listeners
+from server.listeners import reload_certificates, reuse_port_socket, start_listeners
 
 log = logging.getLogger("kiln.server.frontends")
 
@@ -128,6 +128,13 @@ class FrontendPool:
                     self.failed.set()
                     return
 
+    def forward(self, signum: int) -> None:
+        """Pass a signal on to every live child (SIGHUP: each re-reads its TLS certificates)."""
+        for child in self._children.values():
+            if child.process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signum)  # type: ignore[arg-type]
+
     async def stop(self, timeout_s: float) -> None:
         """Drain: every child stops taking requests, finishes what it has (within `timeout_s`) and exits."""
         self._stopping = True
@@ -188,6 +195,8 @@ async def serve_frontend(args: argparse.Namespace, core_path: str, listening) ->
     except OSError as e:
         log.error("cannot listen: %s", e)
         return 1
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_certificates, listeners)
     listening.set()
     freeze_long_lived()
     waiter = asyncio.create_task(stop.wait())

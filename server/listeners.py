@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import uvicorn
 from server.auth import restrictions_from_args
 from server.core.limits import InflightLimiter, limits_from_args
 from server.lifecycle import Lifecycle
+from server.tls import TlsSettings, tls_from_args
 
 log = logging.getLogger("kiln.server")
 
@@ -32,12 +34,28 @@ class UvicornServer(uvicorn.Server):
         yield
 
 
-def make_uvicorn(app, host: str, port: int, name: str, graceful_s: float) -> UvicornServer:
+def make_uvicorn(app, host: str, port: int, name: str, graceful_s: float,
+                 tls: TlsSettings | None = None) -> UvicornServer:
+    """A uvicorn server for `app`; over TLS (uvicorn's ssl_* options) when `tls` is given."""
+    ssl_options = {} if tls is None else {
+        "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.root,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(int(graceful_s), 1))
+                            timeout_graceful_shutdown=max(int(graceful_s), 1), **ssl_options)
     server = UvicornServer(config)
     server.name = name  # type: ignore[attr-defined]
+    server.tls = tls  # type: ignore[attr-defined]
     return server
+
+
+def reload_certificates(listeners: Listeners) -> None:
+    """SIGHUP: every TLS listener re-reads its certificate and key (new connections get them; open ones stay)."""
+    for server in listeners.servers:
+        tls = getattr(server, "tls", None)
+        if tls is not None and server.config.ssl is not None:  # config.ssl: the context uvicorn's sockets use
+            tls.reload(server.config.ssl, server.name)  # type: ignore[attr-defined]
+    if listeners.grpc_server is not None:
+        listeners.grpc_server.reload_certificates()
 
 
 async def serve_listener(server: UvicornServer, sockets: list[socket.socket] | None = None) -> None:
@@ -93,14 +111,16 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
 
     limits = limits_from_args(args)
     http_restricted, grpc_restricted = restrictions_from_args(args)
+    grpc_tls, http_tls, _ = tls_from_args(args)
     listeners = Listeners()
     if args.allow_http:
         app = create_app(core, limits, limiter, http_restricted)
-        server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s)
+        server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s,
+                              http_tls)
         sockets = [reuse_port_socket(args.host, args.http_port)] if reuse_port else None
         listeners.servers.append(server)
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
     if args.allow_grpc:
         listeners.grpc_server = await start_grpc(core, args.host, args.grpc_port, limiter=limiter,
-                                                 restricted=grpc_restricted, reuse_port=reuse_port)
+                                                 restricted=grpc_restricted, reuse_port=reuse_port, tls=grpc_tls)
     return listeners

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -81,6 +81,8 @@ class ServerProcess:
     grpc_port: int
     metrics_port: int
     grpc_available: bool
+    #: httpx options for the readiness probe (an HTTPS server: its CA as `verify`, a client `cert` for mutual TLS)
+    http_client: dict = field(default_factory=dict)
 
     @property
     def http_url(self) -> str:
@@ -96,7 +98,7 @@ class ServerProcess:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.http_url}"
+        return f"{'https' if self.http_client else 'http'}://{self.http_url}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -116,7 +118,7 @@ def _wait_ready(server: ServerProcess) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.base_url}/v2/health/ready", timeout=1).status_code == 200:
+            if httpx.get(f"{server.base_url}/v2/health/ready", timeout=1, **server.http_client).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -126,10 +128,11 @@ def _wait_ready(server: ServerProcess) -> None:
 
 @contextlib.contextmanager
 def run_server(repository: Path, log_path: Path, models: list[str] | None, extra_args: list[str] = (),
-               module: str = "server", env: dict[str, str] | None = None):
+               module: str = "server", env: dict[str, str] | None = None, http_client: dict | None = None):
     """A real `python -m <module>` server on free 127.0.0.1 ports, ready when yielded; terminated (then killed
     if it hangs) on exit. ``models``: explicit mode with these loaded; None: every model in the repository.
-    ``module``: e.g. a test module that registers plugins before starting the server; ``env``: added variables."""
+    ``module``: e.g. a test module that registers plugins before starting the server; ``env``: added variables;
+    ``http_client``: httpx options for probing an HTTPS server (verify=CA file, cert=(cert, key))."""
     ports = [free_port() for _ in range(3)]
     command = [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
                "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
@@ -142,7 +145,8 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     grpc_off = any(a == "--allow-grpc" and b == "false" for a, b in zip(extra_args, list(extra_args)[1:]))
-    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable() and not grpc_off)
+    server = ServerProcess(process, repository, log_path, *ports, grpc_available=_grpc_importable() and not grpc_off,
+                           http_client=http_client or {})
     try:
         _wait_ready(server)
         yield server

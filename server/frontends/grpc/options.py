@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from server.tls import TlsSettings
+
 from .http2 import Http2Settings
 
 GIB = 1 << 30
@@ -38,6 +40,8 @@ class GrpcOptions:
     reflection: bool = True
     # Share the port with the other frontend processes of this server (kiln serve --frontend-processes).
     reuse_port: bool = False
+    # TLS (Triton's --grpc-use-ssl, --grpc-use-ssl-mutual and their files); None: cleartext HTTP/2
+    tls: TlsSettings | None = None
 
     @classmethod
     def from_kwargs(cls, **options) -> GrpcOptions:

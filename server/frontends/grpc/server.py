@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import namedtuple
 from typing import Any
 
@@ -66,6 +67,7 @@ class GrpcServer:
         self._servers: list[asyncio.AbstractServer] = []
         self._active = 0
         self._idle = asyncio.Event()
+        self._ssl: ssl.SSLContext | None = None
         self.port = 0
 
     # -- the grpc.aio.Server registration API that generated code calls ------------------------------------------
@@ -94,14 +96,21 @@ class GrpcServer:
     # -- serving -----------------------------------------------------------------------------------------------------
     async def start(self, host: str, port: int, reuse_port: bool) -> int:
         loop = asyncio.get_running_loop()
+        tls = self.options.tls
+        self._ssl = tls.context(alpn=["h2"]) if tls is not None else None  # gRPC clients require ALPN h2
         try:
             server = await loop.create_server(self._connection, host, port, reuse_port=reuse_port or None,
-                                              backlog=2048)
+                                              backlog=2048, ssl=self._ssl)
         except OSError as e:
             raise OSError(f"gRPC: cannot listen on {host}:{port}: {e}") from None
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         return self.port
+
+    def reload_certificates(self) -> None:
+        """SIGHUP: re-read the certificate and key; handshakes from now on use them, open connections stay."""
+        if self.options.tls is not None and self._ssl is not None:
+            self.options.tls.reload(self._ssl, "gRPC")
 
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self, self._http2, on_close=self._connections.discard)
@@ -287,5 +296,7 @@ async def start_grpc_server(core, host: str, port: int, *, limiter: InflightLimi
     if settings.reflection:
         _enable_reflection(server, services)
     bound = await server.start(host, port, settings.reuse_port)
-    log.info("gRPC inference service listening on %s:%s", host, bound)
+    log.info("gRPC inference service listening on %s:%s%s", host, bound,
+             "" if settings.tls is None else " (TLS" + (", client certificates required)" if settings.tls.mutual
+                                                      else ")"))
     return server
