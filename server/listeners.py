@@ -52,8 +52,9 @@ def reload_certificates(listeners: Listeners) -> None:
     """SIGHUP: every TLS listener re-reads its certificate and key (new connections get them; open ones stay)."""
     for server in listeners.servers:
         tls = getattr(server, "tls", None)
-        if tls is not None and server.config.ssl is not None:  # config.ssl: the context uvicorn's sockets use
-            tls.reload(server.config.ssl, server.name)  # type: ignore[attr-defined]
+        context = getattr(server.config, "ssl", None)  # the context uvicorn's sockets use (set once it loads)
+        if tls is not None and context is not None:
+            tls.reload(context, server.name)  # type: ignore[attr-defined]
     if listeners.grpc_server is not None:
         listeners.grpc_server.reload_certificates()
 
