@@ -4,11 +4,14 @@ Served on their own port (default 8002) at `/metrics`. A collector turns `ModelS
 families, so the numbers are the same ones /stats reports. Counter names carry no `_total` suffix, exactly as
 Triton exposes them (dashboards written for Triton keep working), so the text is rendered here rather than by
 prometheus_client's `generate_latest`, which would rename them. Kiln's own families (`kiln_*`: worker restarts,
-live workers, adaptive-profile rebuilds) follow Prometheus naming instead.
+live workers, adaptive-profile rebuilds, queue depth per priority level) follow Prometheus naming instead.
+Gauges as Triton has them: `nv_inference_pending_request_count` (what autoscalers read) and the host's
+`nv_cpu_utilization` / `nv_cpu_memory_*` (from /proc; left out where there is none).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client.core import Metric
@@ -65,11 +68,56 @@ _KILN_FAMILIES = {
 }
 
 
+class HostCpu:
+    """Triton's nv_cpu_* gauges from /proc: utilization over the time since the previous scrape (since boot at the
+    first), memory used as total minus available."""
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self._proc = proc
+        self._last: tuple[int, int] | None = None  # (busy, total) jiffies at the previous scrape
+
+    def _jiffies(self) -> tuple[int, int]:
+        with open(os.path.join(self._proc, "stat")) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+        return total - idle, total
+
+    def utilization(self) -> float:
+        busy, total = self._jiffies()
+        last_busy, last_total = self._last or (0, 0)
+        self._last = (busy, total)
+        return (busy - last_busy) / (total - last_total) if total > last_total else 0.0
+
+    def memory(self) -> tuple[int, int]:
+        """(total, used) bytes."""
+        values = {}
+        with open(os.path.join(self._proc, "meminfo")) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+        return values["MemTotal"], values["MemTotal"] - values.get("MemAvailable", values.get("MemFree", 0))
+
+    def families(self) -> Iterable[Metric]:
+        try:
+            utilization, (total, used) = self.utilization(), self.memory()
+        except (OSError, ValueError, KeyError, IndexError):  # no /proc (not Linux): Triton leaves them out too
+            return
+        for name, help_text, value in (
+                ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
+                ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
+                ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used)):
+            family = Metric(name, help_text, "gauge")
+            family.add_sample(name, {}, float(value))
+            yield family
+
+
 class InferenceMetricsCollector:
-    """A prometheus_client collector over the core's loaded model versions."""
+    """A prometheus_client collector over the core's loaded model versions, and the host's CPU."""
 
     def __init__(self, core) -> None:
         self._core = core
+        self._cpu = HostCpu()
 
     def collect(self) -> Iterable[Metric]:
         stats = [version.statistics.as_dict() for version in self._core.loaded_versions()]
@@ -85,6 +133,23 @@ class InferenceMetricsCollector:
                 family.add_sample(name, {"model": version.name, "version": str(version.version)},
                                   float(read_version(version)))
             yield family
+        yield from self._queues(versions)
+        yield from self._cpu.families()
+
+    @staticmethod
+    def _queues(versions: list) -> Iterable[Metric]:
+        pending = Metric("nv_inference_pending_request_count",
+                         "Instantaneous number of pending requests awaiting execution per-model.", "gauge")
+        depth = Metric("kiln_queue_depth", "Requests waiting for execution, by priority level (1 is highest; "
+                       "models without priority levels have one)", "gauge")
+        for version in versions:
+            labels = {"model": version.name, "version": str(version.version)}
+            levels = version.scheduler.pending()
+            pending.add_sample(pending.name, labels, float(sum(levels.values())))
+            for level, count in levels.items():
+                depth.add_sample(depth.name, {**labels, "priority": str(level)}, float(count))
+        yield pending
+        yield depth
 
 
 def make_registry(core) -> CollectorRegistry:

@@ -257,6 +257,10 @@ class DynamicBatcher:
     async def submit(self, job: Job) -> JobResult:
         return await self.enqueue(job)
 
+    def pending(self) -> dict[int, int]:
+        return {level: sum(p.job.requests for p in queue if not p.future.done())
+                for level, queue in sorted(self._queues.items())}
+
     def enqueue(self, job: Job) -> asyncio.Future:
         """Queue `job`; its future gets the result. No task per request: the dispatcher answers the future."""
         if self._closed:

@@ -252,6 +252,7 @@ class ServerCore:
             trace.mark("REQUEST_START")
         try:
             job, requested, destinations = self._prepare(model, request)
+            job.requests = requests
             if trace:
                 trace.mark("QUEUE_START")
             future = model.scheduler.enqueue(job)

@@ -52,6 +52,8 @@ class Job:
     parameters: dict[str, Any] = field(default_factory=dict)  # the request's: `priority`, `timeout` (us)
     #: outputs the engine writes straight into CUDA shared memory (name -> DeviceView); left out of the result
     destinations: dict[str, Any] = field(default_factory=dict)
+    #: client requests this job stands for (a frontend's group of alike requests is one job: core/grouping.py)
+    requests: int = 1
 
     @property
     def on_device(self) -> bool:
@@ -239,6 +241,10 @@ class Scheduler(Protocol):
         """Stop taking jobs; running ones finish."""
         ...
 
+    def pending(self) -> dict[int, int]:
+        """Client requests queued and not yet executing, by priority level (Triton's pending request count)."""
+        ...
+
 
 class DirectScheduler:
     """No batching: each job runs by itself on a free context from a fixed pool (one per model instance)."""
@@ -294,6 +300,9 @@ class DirectScheduler:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(gone)
+
+    def pending(self) -> dict[int, int]:
+        return {1: sum(1 for waiter in self._waiters if not waiter.done())}
 
     def enqueue(self, job: Job) -> asyncio.Future:
         if self._closed:

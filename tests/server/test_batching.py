@@ -237,6 +237,31 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
     asyncio.run(run())
 
 
+def test_pending_counts_queued_requests_by_priority_level_and_groups_by_their_members():
+    """What nv_inference_pending_request_count and kiln_queue_depth report: requests waiting, not executing; a
+    frontend's group (one job) counts each member; a request whose caller gave up no longer counts."""
+    async def scenario():
+        executor = GatedAdder()
+        batcher, first = await _blocked_batcher(executor, "priority_levels: 2 default_priority_level: 2 "
+                                                          "max_queue_delay_microseconds: 0")
+        assert batcher.pending() == {1: 0, 2: 0}  # the first job is executing, not pending
+        group = job(5, rows=3)
+        group.requests = 3
+        tasks = [asyncio.ensure_future(batcher.submit(j)) for j in (job(1, priority=1), group, job(2))]
+        quitter = asyncio.ensure_future(batcher.submit(job(3)))
+        await asyncio.sleep(0.01)
+        assert batcher.pending() == {1: 1, 2: 5}
+        quitter.cancel()
+        await asyncio.sleep(0.01)
+        assert batcher.pending() == {1: 1, 2: 4}
+        executor.gate.set()
+        await asyncio.gather(first, *tasks)
+        assert batcher.pending() == {1: 0, 2: 0}
+        batcher.close()
+
+    asyncio.run(scenario())
+
+
 def test_inline_executions_answer_every_request_when_many_batches_wait():
     """More full batches queued than one dispatch runs inline: the rest wait for the next dispatch, none is lost
     (a batch taken out of its queue after the inline budget ran out used to vanish, its callers waiting forever)."""

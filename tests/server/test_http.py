@@ -272,6 +272,15 @@ def test_prometheus_metrics_follow_statistics(client, kiln_server):
                  "nv_inference_queue_duration_us", "nv_inference_compute_input_duration_us",
                  "nv_inference_compute_output_duration_us"):
         assert _metric(text, name, "add_sub") >= 0
+    assert _metric(text, "nv_inference_pending_request_count", "add_sub") == 0  # idle: nothing waits
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert families["nv_inference_pending_request_count"].type == "gauge"
+    assert {s.labels["priority"] for s in families["kiln_queue_depth"].samples} == {"1"}
+    utilization = families["nv_cpu_utilization"].samples[0].value
+    total = families["nv_cpu_memory_total_bytes"].samples[0].value
+    assert 0.0 <= utilization <= 1.0 and 0 < families["nv_cpu_memory_used_bytes"].samples[0].value < total
 
 
 # -- repository -------------------------------------------------------------------------------------------------
