@@ -568,10 +568,6 @@ class DynamicBatcher:
             self.padding = None
         return cuts
 
-    def queued(self) -> int:
-        """Requests waiting (not yet running); for tests and statistics."""
-        return sum(len(q) for q in self._queues.values())
-
     def close(self) -> None:
         """Take no new jobs; the queued and running ones still finish (a hot swap fails no request)."""
         self._closed = True

@@ -106,8 +106,6 @@ def member_request(group: InferRequest, start: int, stop: int, request_id: str =
     return InferRequest(group.model_name, inputs, group.model_version, request_id, group.outputs, group.parameters)
 
 
-
-
 def run_members(group: InferRequest, sizes: list[int],
                 submit: Callable[[InferRequest, Answer], asyncio.Future | None],
                 reply: Callable[[MemberResults], None]) -> list[asyncio.Future]:

@@ -244,18 +244,16 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     if config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(output_shapes, _bucket(engine)) if pad else None
-        batcher = DynamicBatcher(contexts, execute, thread_name, settings, record,
-                                 create_context=engine.create_execution_context, padding=padding,
-                                 execute_parts=execute_parts)
-        batcher.workers.label, batcher.workers.timeout_s = label, timeout_s
-        if engine.backend == "cpu" and timeout_s is None:  # an inline execution could not be abandoned
-            batcher.workers.inline_below_ns = INLINE_BELOW_NS
-        return batcher
-    scheduler = DirectScheduler(contexts, execute, thread_name, record,
-                                create_context=engine.create_execution_context, execute_parts=execute_parts)
-    scheduler.workers.label, scheduler.workers.timeout_s = label, timeout_s
-    if engine.backend == "cpu" and timeout_s is None:
-        scheduler.workers.inline_below_ns = INLINE_BELOW_NS
+        scheduler: Scheduler = DynamicBatcher(contexts, execute, thread_name, settings, record,
+                                              create_context=engine.create_execution_context, padding=padding,
+                                              execute_parts=execute_parts)
+    else:
+        scheduler = DirectScheduler(contexts, execute, thread_name, record,
+                                    create_context=engine.create_execution_context, execute_parts=execute_parts)
+    workers = scheduler.workers  # type: ignore[attr-defined]
+    workers.label, workers.timeout_s = label, timeout_s
+    if engine.backend == "cpu" and timeout_s is None:  # an inline execution could not be abandoned
+        workers.inline_below_ns = INLINE_BELOW_NS
     return scheduler
 
 

@@ -179,12 +179,12 @@ def test_errors_reach_every_member_and_withdrawn_groups_leave_the_queue(reposito
                                        return_exceptions=True)
         assert all(isinstance(r, ServerError) and r.kind == ErrorKind.NOT_FOUND for r in missing)
         waiting = [asyncio.ensure_future(remote.infer(_request(float(i)))) for i in range(3)]
-        while core.models["batched"].latest().scheduler.queued() == 0:  # queued for the 2 ms batching delay
+        while core.models["batched"].latest().scheduler.pending()[1] == 0:  # queued for the 2 ms batching delay
             await asyncio.sleep(0)
         for task in waiting:
             task.cancel()
         for _ in range(200):
-            if core.models["batched"].latest().scheduler.queued() == 0 and service.limiter.count == 0:
+            if core.models["batched"].latest().scheduler.pending()[1] == 0 and service.limiter.count == 0:
                 break
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.02)  # well past the batching delay: a group still queued would have run by now

@@ -136,21 +136,11 @@ class GrpcServer:
     # -- calls ---------------------------------------------------------------------------------------------------------
     def stream_opened(self, stream: Stream, end_stream: bool) -> None:
         """A new request's headers: find its handler, check what can be checked before the message arrives."""
-        method = path = content_type = timeout = encoding = accept = None
-        for name, value in stream.headers:
-            if name == ":path":
-                path = value
-            elif name == ":method":
-                method = value
-            elif name == "content-type":
-                content_type = value
-            elif name == "grpc-timeout":
-                timeout = value
-            elif name == "grpc-encoding":
-                encoding = value
-            elif name == "grpc-accept-encoding":
-                accept = value
-        if method != "POST":
+        headers = dict(stream.headers)  # a repeated name: its last value, as before
+        path, content_type = headers.get(":path"), headers.get("content-type")
+        timeout, encoding, accept = (headers.get("grpc-timeout"), headers.get("grpc-encoding"),
+                                     headers.get("grpc-accept-encoding"))
+        if headers.get(":method") != "POST":
             _http_error(stream, 405, "gRPC calls are POST requests")
             return
         if content_type is None or not content_type.startswith("application/grpc"):
