@@ -1,0 +1,390 @@
+"""Every field of Triton's `inference.ModelConfig`, honoured or refused: one table, and the check run at load.
+
+Why: a Triton model repository moved to Kiln must get Triton's behaviour or a clear refusal, never a field that
+loads READY and silently does nothing (issue #30). `FIELDS` names every field of model_config.proto (nested ones
+too; `tests/server/test_config_fields.py` walks the descriptor, so a proto update cannot add a field the table
+leaves out). A field is HONOURED (the note says where it takes effect), REFUSED (any value but the default fails
+the model's load, with the note as the reason and what to do instead) or PARTLY (some values are honoured, the
+others refused, as the note says). `ConfigFieldCheck` runs at every load; `kiln serve --lenient-config` turns a
+refusal into one logged warning per model and field and loads the model with the field ignored.
+
+A field counts as set as protobuf tells it (`ListFields`): a scalar other than its default, a non-empty list or
+map, a message that is present. So `decoupled: false` or `response_cache { enable: false }` are accepted, while
+`sequence_batching { }` (present, so Triton runs the sequence batcher) is refused.
+
+`python -m server.core.config_fields` prints the table that docs/server.md carries.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from server.protos import model_config_pb2
+
+from .errors import invalid
+
+log = logging.getLogger("kiln.server.config")
+
+ModelConfig = model_config_pb2.ModelConfig
+InstanceGroup = model_config_pb2.ModelInstanceGroup
+
+
+class Status(enum.Enum):
+    HONOURED = "honoured"
+    REFUSED = "refused"
+    PARTLY = "partly"  # some values honoured, the others refused: the note says which
+
+
+#: values of a PARTLY field that are honoured: (the field's value, the whole config) -> bool
+Accepts = Callable[[Any, ModelConfig], bool]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What Kiln does with one config field."""
+
+    status: Status
+    note: str  # honoured: where it takes effect; refused: why, and what the user can do instead
+    accepts: Accepts | None = None  # PARTLY: the values that are honoured
+    refusal: str = ""  # PARTLY: the reason and what to do, for the values that are not (REFUSED: the note)
+    whole: bool = False  # the rule covers every field inside this one (a refused message, an ensemble's steps)
+    container: bool = False  # a message that only groups the fields below it: present and empty, it does nothing
+
+    def honours(self, value: Any, config: ModelConfig) -> bool:
+        if self.status is Status.HONOURED:
+            return True
+        return self.accepts is not None and self.accepts(value, config)
+
+
+def honoured(where: str, whole: bool = False) -> Rule:
+    return Rule(Status.HONOURED, where, whole=whole)
+
+
+def refused(why_and_instead: str, whole: bool = False) -> Rule:
+    return Rule(Status.REFUSED, why_and_instead, whole=whole)
+
+
+def partly(note: str, accepts: Accepts, refusal: str, whole: bool = False) -> Rule:
+    return Rule(Status.PARTLY, note, accepts, refusal, whole=whole)
+
+
+def container() -> Rule:
+    return Rule(Status.HONOURED, "groups the fields below; present and empty it changes nothing, as in Triton",
+                container=True)
+
+
+_NOT_YET = "Kiln does not yet support"
+_CUDA_BACKEND = "Kiln's CUDA backend"
+
+
+def _pinned(side: str) -> Rule:
+    """input/output_pinned_memory: Triton reads a missing message as enabled, a present one by its `enable`."""
+    return partly(f"enable: true honoured ({_CUDA_BACKEND} always stages {side} through pinned host buffers, "
+                  "engine_core/backends/cuda/runner.py); enable: false refused",
+                  lambda value, _: bool(value.enable),
+                  "Kiln cannot turn pinned staging off (enable: false, or the message without enable, which Triton "
+                  "reads as false). Remove it or set enable: true", whole=True)
+
+
+# Model config parameters Kiln reads, and where (each reader checks its value when the model loads).
+KNOWN_PARAMETERS: dict[str, str] = {
+    "kiln_precision": "builder precision flags (model.apply_precision)",
+    "kiln_profile_batch_sizes": "one optimization profile per batch size (model.profile_batch_sizes)",
+    "kiln_pad_batch": "the dynamic batcher zero-pads requests of different shapes (model.pad_batch)",
+    "kiln_execution_timeout_ms": "how long one execution may run (model.execution_timeout_s)",
+    "kiln_warmup_buckets": "bind and capture every batch bucket at load (warmup.warm_up_buckets)",
+}
+# One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value
+# fields as "parameters.string_value"). Notes name the code that reads a field; refused notes end with what to do.
+FIELDS: dict[str, Rule] = {
+    "name": honoured("must match the model's directory name (model_config.complete_config)"),
+    "platform": honoured("ONNX platforms (kiln_onnx, onnxruntime_onnx, onnx) and ensemble; others refused at load "
+                         "(model_config._check_platform)"),
+    "backend": honoured("ONNX backends (kiln, onnxruntime, onnx); others refused at load "
+                        "(model_config._check_platform)"),
+    "runtime": refused("Kiln runs ONNX models with its own engine and loads no backend library. Remove runtime"),
+    "version_policy": honoured("which versions load (repository.select_versions); default latest 1"),
+    "version_policy.latest": honoured("the newest num_versions versions (repository.select_versions)"),
+    "version_policy.latest.num_versions": honoured("repository.select_versions"),
+    "version_policy.all": honoured("every version in the repository (repository.select_versions)"),
+    "version_policy.specific": honoured("the listed versions; a missing one fails the load "
+                                        "(repository.select_versions)"),
+    "version_policy.specific.versions": honoured("repository.select_versions"),
+    "max_batch_size": honoured("batch dim, profiles and request checks (model_config.complete_config, "
+                               "model.check_inputs)"),
+    "input": honoured("checked against the ONNX graph, missing ones added (model_config._complete_tensors)"),
+    "input.name": honoured("must name an ONNX graph input (model_config._complete_tensors)"),
+    "input.data_type": honoured("must match the graph; requests are checked against it (model.check_inputs)"),
+    "input.format": honoured("informational, as for Triton's ONNX Runtime backend: served at /config for clients "
+                             "(the engine takes the ONNX graph's layout)"),
+    "input.dims": honoured("request shapes are checked against it; -1 is variable (model.check_inputs)"),
+    "input.reshape": honoured("requests are reshaped to it before execution (model.model_shape, check_inputs)"),
+    "input.reshape.shape": honoured("model.model_shape"),
+    "input.is_shape_tensor": refused(f"{_NOT_YET} shape-tensor inputs in the server (a TensorRT feature; an ONNX "
+                                     "model's shape inputs are ordinary INT64 inputs). Remove is_shape_tensor"),
+    "input.allow_ragged_batch": refused(f"{_NOT_YET} ragged batching: requests of different shapes are batched "
+                                        "only with kiln_pad_batch (zero-padding). Remove allow_ragged_batch"),
+    "input.optional": refused(f"{_NOT_YET} optional inputs: every request must carry every input. Remove optional "
+                              "and send the input with every request"),
+    "input.is_non_linear_format_io": refused(f"{_NOT_YET} non-linear I/O formats (a TensorRT feature). Remove it"),
+    "output": honoured("checked against the built engine, missing ones added (model_config.complete_outputs_from_"
+                       "engine)"),
+    "output.name": honoured("must name an output the model produces (model._check_declared_outputs)"),
+    "output.data_type": honoured("must match the engine's output (model._check_declared_outputs)"),
+    "output.dims": honoured("the output's shape in metadata and /config; with reshape, what outputs are reshaped "
+                            "back to (model.shape_output)"),
+    "output.reshape": honoured("outputs are reshaped back to dims (model.shape_output)"),
+    "output.reshape.shape": honoured("model.model_shape"),
+    "output.label_filename": honoured("labels of the classification extension (model._read_labels, classify)"),
+    "output.is_shape_tensor": refused(f"{_NOT_YET} shape-tensor outputs in the server (a TensorRT feature). Remove "
+                                      "is_shape_tensor"),
+    "output.is_non_linear_format_io": refused(f"{_NOT_YET} non-linear I/O formats (a TensorRT feature). Remove it"),
+    "batch_input": refused(f"{_NOT_YET} batch inputs (tensors the batcher makes from a batch, e.g. for ragged "
+                           "batching). Remove batch_input", whole=True),
+    "batch_output": refused(f"{_NOT_YET} batch outputs (outputs scattered back per request by the batcher). "
+                            "Remove batch_output", whole=True),
+    "optimization": container(),
+    "optimization.graph": container(),
+    "optimization.graph.level": refused("Kiln always applies its own graph optimizations (the builder's passes); "
+                                        "there is no per-model level. Remove optimization.graph.level"),
+    "optimization.priority": refused(f"{_NOT_YET} model priorities (CUDA stream priorities): every model's work "
+                                     "runs at one priority. Remove optimization.priority, or use dynamic_batching "
+                                     "priority_levels for request priorities"),
+    "optimization.cuda": container(),
+    "optimization.cuda.graphs": honoured(f"true asks for what {_CUDA_BACKEND} always does: it replays captured "
+                                         "CUDA graphs (engine_core/backends/cuda/runner.py), every batch bucket "
+                                         "captured at load (server/core/warmup.py)"),
+    "optimization.cuda.busy_wait_events": refused(f"{_CUDA_BACKEND} synchronizes its streams itself and has no "
+                                                  "busy-wait mode. Remove busy_wait_events"),
+    "optimization.cuda.graph_spec": refused("Kiln captures CUDA graphs for its own batch buckets (powers of two and "
+                                            "the midpoints between them, server/core/execution.py), not for listed "
+                                            "shapes. Remove graph_spec", whole=True),
+    "optimization.cuda.output_copy_stream": refused(f"{_CUDA_BACKEND} schedules its copies itself, inside the "
+                                                    "captured graph. Remove output_copy_stream"),
+    "optimization.execution_accelerators": container(),
+    "optimization.execution_accelerators.gpu_execution_accelerator": refused(
+        "Kiln builds its own engine and runs no TensorRT or other accelerator. For reduced precision use "
+        'parameters { key: "kiln_precision" value { string_value: "fp16" } }; remove the accelerator', whole=True),
+    "optimization.execution_accelerators.cpu_execution_accelerator": refused(
+        "Kiln builds its own engine and runs no OpenVINO or other accelerator. Remove the accelerator", whole=True),
+    "optimization.input_pinned_memory": _pinned("inputs"),
+    "optimization.output_pinned_memory": _pinned("outputs"),
+    "optimization.gather_kernel_buffer_threshold": refused(
+        f"{_CUDA_BACKEND} gathers a batch's requests itself, straight into pinned staging "
+        "(ExecutionContext.infer_batch). Remove gather_kernel_buffer_threshold"),
+    "optimization.eager_batching": refused(f"{_NOT_YET} eager batching. Remove eager_batching"),
+    "dynamic_batching": honoured("present, requests are batched by the dynamic batcher (model._scheduler, "
+                                 "server/core/batcher.py) when max_batch_size > 0"),
+    "dynamic_batching.preferred_batch_size": honoured("batcher.BatchingSettings; a batch of a preferred size is "
+                                                      "sent at once"),
+    "dynamic_batching.max_queue_delay_microseconds": honoured("how long a batch may wait to fill "
+                                                              "(batcher.BatchingSettings)"),
+    "dynamic_batching.preserve_ordering": refused(f"{_NOT_YET} holding responses back to keep request order: each "
+                                                  "response is sent when its batch ends. Remove preserve_ordering"),
+    "dynamic_batching.priority_levels": honoured("request priorities 1..N (batcher.BatchingSettings)"),
+    "dynamic_batching.default_priority_level": honoured("priority of a request without one "
+                                                        "(batcher.BatchingSettings)"),
+    "dynamic_batching.default_queue_policy": honoured("queue policy of every level without its own (batcher._policy)"),
+    "dynamic_batching.default_queue_policy.timeout_action": honoured("REJECT or DELAY a timed-out request "
+                                                                     "(batcher._policy)"),
+    "dynamic_batching.default_queue_policy.default_timeout_microseconds": honoured("batcher._policy"),
+    "dynamic_batching.default_queue_policy.allow_timeout_override": honoured("a request's own timeout parameter "
+                                                                             "(batcher._policy)"),
+    "dynamic_batching.default_queue_policy.max_queue_size": honoured("beyond it 429 / RESOURCE_EXHAUSTED "
+                                                                     "(batcher._policy)"),
+    "dynamic_batching.priority_queue_policy": honoured("queue policy per priority level (batcher.BatchingSettings)"),
+    "dynamic_batching.priority_queue_policy.timeout_action": honoured("batcher._policy"),
+    "dynamic_batching.priority_queue_policy.default_timeout_microseconds": honoured("batcher._policy"),
+    "dynamic_batching.priority_queue_policy.allow_timeout_override": honoured("batcher._policy"),
+    "dynamic_batching.priority_queue_policy.max_queue_size": honoured("batcher._policy"),
+    "sequence_batching": refused(f"{_NOT_YET} sequence batching (stateful models: sequence ids, control inputs, "
+                                 "implicit state). Serve the model without it (each request independent) or keep "
+                                 "it on Triton", whole=True),
+    "ensemble_scheduling": partly('honoured for platform "ensemble" (server/core/ensemble.py); refused with any '
+                                  "other platform", lambda _, config: config.platform == "ensemble",
+                                  'ensemble_scheduling is only for platform "ensemble". Set platform: "ensemble" or '
+                                  "remove ensemble_scheduling", whole=True),
+    "instance_group": honoured("one execution context per instance; groups of different kinds are refused "
+                               "(model_config.complete_config, model.ModelVersion)"),
+    "instance_group.name": honoured("a label, served at /config (as in Triton)"),
+    "instance_group.kind": partly("KIND_AUTO / KIND_CPU / KIND_GPU pick the engine backend (model._backend_for); "
+                                  "KIND_MODEL refused", lambda value, _: value != InstanceGroup.KIND_MODEL,
+                                  f"{_NOT_YET} KIND_MODEL (models that place themselves). Use KIND_GPU, KIND_CPU or "
+                                  "KIND_AUTO"),
+    "instance_group.count": honoured("execution contexts serving requests concurrently (model.ModelVersion)"),
+    "instance_group.rate_limiter": container(),
+    "instance_group.rate_limiter.resources": refused(
+        f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
+        "--rate-limit=off, ignores it too)", whole=True),
+    "instance_group.rate_limiter.priority": refused(
+        f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
+        "--rate-limit=off, ignores it too)"),
+    "instance_group.gpus": partly(f"[0] honoured ({_CUDA_BACKEND} runs on device 0); other GPUs refused",
+                                  lambda value, _: list(value) == [0],
+                                  f"{_NOT_YET} instances on GPUs other than 0. Use gpus: [0] (or leave it out) and "
+                                  "run one server per GPU with CUDA_VISIBLE_DEVICES"),
+    "instance_group.secondary_devices": refused(f"{_NOT_YET} secondary devices (NVDLA). Remove secondary_devices",
+                                                whole=True),
+    "instance_group.profile": refused("Kiln picks the optimization profile for each request itself "
+                                      "(execution.select_profile); profiles come from kiln_profile_batch_sizes. "
+                                      "Remove profile"),
+    "instance_group.passive": refused(f"{_NOT_YET} passive instances: every instance takes requests. Remove "
+                                      "passive"),
+    "instance_group.host_policy": refused(f"{_NOT_YET} host policies (NUMA placement). Remove host_policy"),
+    "default_model_filename": honoured("the file each version loads (model.load_model_version); default "
+                                       "model.onnx"),
+    "cc_model_filenames": refused("Kiln builds one plan per device from the one ONNX file (plans are cached per "
+                                  "target). Remove cc_model_filenames and use default_model_filename"),
+    "metric_tags": refused(f"{_NOT_YET} metric tags: /metrics labels series by model and version only. Remove "
+                           "metric_tags"),
+    "parameters": honoured(f"per key: {', '.join(KNOWN_PARAMETERS)} (server/core/model.py, warmup.py); other keys "
+                           "are kept and logged as not read (Triton hands them to its backend), an unknown kiln_* "
+                           "key with a warning"),
+    "parameters.string_value": honoured("the value of a known key, checked when the model loads"),
+    "model_warmup": honoured("samples run on every instance before READY (warmup.run_model_warmup)"),
+    "model_warmup.name": honoured("names the sample in logs and errors (warmup.run_model_warmup)"),
+    "model_warmup.batch_size": honoured("warmup.sample_inputs"),
+    "model_warmup.inputs": honoured("warmup.sample_inputs"),
+    "model_warmup.inputs.data_type": honoured("warmup.sample_inputs"),
+    "model_warmup.inputs.dims": honoured("warmup._item"),
+    "model_warmup.inputs.zero_data": honoured("warmup._item"),
+    "model_warmup.inputs.random_data": honoured("warmup._item"),
+    "model_warmup.inputs.input_data_file": honoured("raw bytes from <model>/warmup/ (warmup._item)"),
+    "model_warmup.count": honoured("runs per instance, 0 = once (warmup.run_model_warmup)"),
+    "model_operations": container(),
+    "model_operations.op_library_filename": refused("Kiln loads no operation libraries; custom ops are Kiln plugins "
+                                                    "(examples/plugins). Remove model_operations"),
+    "model_transaction_policy": container(),
+    "model_transaction_policy.decoupled": refused(f"{_NOT_YET} decoupled models (zero or many responses per "
+                                                  "request): every request gets exactly one response. Remove "
+                                                  "decoupled or set it to false"),
+    "model_repository_agents": container(),
+    "model_repository_agents.agents": refused(f"{_NOT_YET} repository agents (e.g. checksum, decryption). Remove "
+                                              "model_repository_agents", whole=True),
+    "response_cache": container(),
+    "response_cache.enable": refused(f"{_NOT_YET} a response cache: every request executes. Remove response_cache "
+                                     "or set enable: false"),
+    "model_metrics": container(),
+    "model_metrics.metric_control": refused(f"{_NOT_YET} per-model metric control (histogram buckets): Kiln serves "
+                                            "no latency histograms yet. Remove model_metrics", whole=True),
+}
+
+LENIENT_FLAG = "--lenient-config"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One set field the table refuses, as found in one config."""
+
+    path: str
+    shown: str  # the value as the config spells it ("" for a message)
+    rule: Rule
+
+    def describe(self) -> str:
+        value = f" ({self.shown})" if self.shown else ""
+        return f"config field '{self.path}'{value} is refused: {self.rule.refusal or self.rule.note}"
+
+
+def refusals(config: ModelConfig) -> list[Refusal]:
+    """The set fields of `config` that the table refuses, in proto order. KeyError for a field missing from the
+    table (the descriptor test keeps that from happening)."""
+    return list(_walk(config, "", config))
+
+
+def _walk(message: Message, prefix: str, config: ModelConfig) -> Iterator[Refusal]:
+    for field, value in message.ListFields():
+        path = prefix + field.name
+        rule = FIELDS[path]
+        if not rule.honours(value, config):
+            yield Refusal(path, _shown(field, value), rule)
+        if rule.whole or field.message_type is None:
+            continue
+        for item in _messages_in(field, value):
+            yield from _walk(item, path + ".", config)
+
+
+def _messages_in(field: FieldDescriptor, value: Any) -> list[Message]:
+    """The messages inside a set message field: itself, a list's items, or a map's message values."""
+    if field.message_type.GetOptions().map_entry:
+        holds_messages = field.message_type.fields_by_name["value"].message_type is not None
+        return list(value.values()) if holds_messages else []
+    return list(value) if field.is_repeated else [value]
+
+
+def _shown(field: FieldDescriptor, value: Any) -> str:
+    """A scalar value as the config spells it: enum names, lists in brackets; messages and maps show nothing."""
+    if field.message_type is not None:
+        return ""
+    name = (lambda v: field.enum_type.values_by_number[v].name) if field.enum_type is not None else repr
+    if field.is_repeated:
+        return "[" + ", ".join(name(v) for v in value) + "]"
+    return name(value)
+
+
+class ConfigFieldCheck:
+    """Run at every model load: refused fields fail the load (Triton-style: the model is UNAVAILABLE with the
+    reason, the server serves on), or with `lenient` are logged once per model and field and ignored. Parameters
+    are looked at per key (`KNOWN_PARAMETERS`)."""
+
+    def __init__(self, lenient: bool = False) -> None:
+        self.lenient = lenient
+        self._logged: set[tuple[str, str]] = set()  # (model, field or parameter): said once
+
+    def check(self, config: ModelConfig, model: str) -> None:
+        """INVALID_ARGUMENT naming the model and every refused field, unless lenient."""
+        found = refusals(config)
+        self._look_at_parameters(config, model)
+        if found and not self.lenient:
+            raise invalid(f"model '{model}': " + "; ".join(r.describe() for r in found) +
+                          f" (or start the server with {LENIENT_FLAG} to load it with such fields ignored)")
+        for refusal in found:
+            self._once(model, refusal.path, logging.WARNING, "model '%s': %s; loading it with the field ignored "
+                       "(%s)", model, refusal.describe(), LENIENT_FLAG)
+
+    def _look_at_parameters(self, config: ModelConfig, model: str) -> None:
+        """Unknown keys stay in the config, as Triton hands every parameter to its backend; said once, with a
+        warning for an unknown kiln_* key (most likely a misspelt one)."""
+        for key in config.parameters:
+            if key in KNOWN_PARAMETERS:
+                continue
+            if key.startswith("kiln_"):
+                self._once(model, key, logging.WARNING, "model '%s': parameter '%s' is not a Kiln parameter and is "
+                           "not read (known: %s)", model, key, ", ".join(KNOWN_PARAMETERS))
+            else:
+                self._once(model, key, logging.INFO, "model '%s': parameter '%s' is not read by Kiln (kept in the "
+                           "config, as Triton hands parameters to its backend)", model, key)
+
+    def _once(self, model: str, what: str, level: int, message: str, *args: Any) -> None:
+        if (model, what) not in self._logged:
+            self._logged.add((model, what))
+            log.log(level, message, *args)
+
+
+def doc_rows() -> list[tuple[str, str, str]]:
+    """(field, status, note) per entry, containers left out: what docs/server.md shows."""
+    rows = []
+    for path, rule in FIELDS.items():
+        if rule.container:
+            continue
+        field = f"`{path}`" + (" (and every field inside)" if rule.whole else "")
+        note = f"{rule.note}. {rule.refusal}" if rule.status is Status.PARTLY else rule.note
+        rows.append((field, rule.status.value, note))
+    return rows
+
+
+def markdown_table() -> str:
+    """The docs/server.md table, generated from `FIELDS`."""
+    lines = ["| field | status | note |", "|---|---|---|"]
+    lines += [f"| {field} | {status} | {note.replace('|', '/')} |" for field, status, note in doc_rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
