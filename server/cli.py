@@ -106,6 +106,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
                         help="let clients register, unregister and use system and CUDA shared-memory regions "
                              "(Triton's flag and default: false; status queries are always answered)")
+    parser.add_argument("--lenient-config", action="store_true",
+                        help="load models whose config sets fields Kiln refuses (sequence_batching, decoupled, "
+                             "response_cache, ...: docs/server.md lists them), logging one warning per model and "
+                             "field and ignoring the field; without it such a model fails to load and is UNAVAILABLE "
+                             "with the reason")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
@@ -141,6 +146,7 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         log_format=args.log_format,
         adaptive=_adaptive(args),
         allow_client_shm=args.allow_client_shm,
+        lenient_config=args.lenient_config,
     )
 
 

@@ -24,6 +24,7 @@ from server.repository import ModelRepository, ModelSource, RepositoryPoller, ch
 from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
+from .config_fields import ConfigFieldCheck
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
 from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
@@ -73,6 +74,7 @@ class CoreOptions:
     log_format: str = "default"
     adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings.from_env)  # --adaptive-profiles
     allow_client_shm: bool = False  # --allow-client-shm: Triton's default is off too
+    lenient_config: bool = False  # --lenient-config: refused config fields are logged and ignored, not fatal
 
 
 class ModelState:
@@ -109,6 +111,7 @@ class ServerCore:
         self.system_shm = SharedMemory()  # system and CUDA regions, one namespace as in Triton
         self.logging = LogSettings(options.log_verbose, options.log_file, options.log_format)
         self.trace = TraceSettings()
+        self.config_fields = ConfigFieldCheck(options.lenient_config)
         self._startup: list[asyncio.Task] = []
         self._startup_names: list[str] = []
         self._started = False
@@ -534,6 +537,7 @@ class ServerCore:
             config = parse_config_text(source.config_text, source.name)
         else:
             config = ModelConfig()
+        self.config_fields.check(config, source.name)  # once per load, for every kind of model, before any build
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
