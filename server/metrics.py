@@ -21,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from server.core.model import ModelVersion
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name -> (help, how to read it from a `$model_stat` dict)
@@ -126,7 +128,8 @@ class InferenceMetricsCollector:
             for stat in stats:
                 family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
             yield family
-        versions = self._core.loaded_versions()
+        # ensembles run their composing models' plans, which these families count: they have none of their own
+        versions = [v for v in self._core.loaded_versions() if isinstance(v, ModelVersion)]
         for name, (help_text, kind, read_version) in _KILN_FAMILIES.items():
             family = Metric(name, help_text, kind)
             for version in versions:

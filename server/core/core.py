@@ -25,14 +25,16 @@ from . import cuda_ipc
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
+from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
 from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
-from .model import ModelVersion, load_model_version, with_default_execution_timeout
-from .model_config import ModelConfig, config_to_dict, parse_config_json, parse_config_text
+from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
+from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config_json, parse_config_text
 from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
 from .shared_memory import SharedMemory
+from .statistics import ExecutionTimes
 from .tensors import from_raw, raw_size, to_raw
 from .types import (
     InferInput,
@@ -91,10 +93,13 @@ class ModelEntry:
     name: str
     state: str = ModelState.UNAVAILABLE
     reason: str = "unloaded"
-    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    versions: dict[int, ServedModel] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: loaded because it was asked for (start-up, poll, load API), not only as an ensemble's composing model:
+    #: unloading that ensemble with unload_dependents leaves it loaded (Triton's explicitly_load_)
+    explicit: bool = False
 
-    def latest(self) -> ModelVersion | None:
+    def latest(self) -> ServedModel | None:
         return self.versions[max(self.versions)] if self.versions else None
 
 
@@ -121,6 +126,8 @@ class ServerCore:
             self._poller = RepositoryPoller(self.repository, options.repository_poll_secs,
                                             self._load_quietly, self._unload)
         self._startup_poll: asyncio.Task | None = None
+        #: ensembles being loaded -> the models their steps name (with the loaded ensembles': cycle checks)
+        self._ensembles_loading: dict[str, set[str]] = {}
         self._adaptive_task: asyncio.Task | None = None
         self._draining = False
 
@@ -185,7 +192,7 @@ class ServerCore:
         cuda = ["cuda_shared_memory"] if cuda_ipc.available() else []  # only where a region can be registered
         return {"name": SERVER_NAME, "version": kiln.__version__, "extensions": [*EXTENSIONS, *cuda]}
 
-    def _version(self, name: str, version: str = "") -> ModelVersion:
+    def _version(self, name: str, version: str = "") -> ServedModel:
         """The ready version `version` of model `name` ("" = the latest ready one)."""
         entry = self.models.get(name)
         if entry is None or (not entry.versions and entry.state != ModelState.LOADING):
@@ -250,6 +257,8 @@ class ServerCore:
         except ServerError as e:
             reply(None, e)
             return None
+        if isinstance(model, EnsembleVersion):
+            return self._submit_ensemble(model, request, reply, requests, started)
         trace = self.trace.start(model.name, str(model.version), request.id)
         if trace:
             trace.mark("REQUEST_START")
@@ -278,8 +287,8 @@ class ServerCore:
         except ServerError as e:
             reply(None, e)
             return []
-        if (not isinstance(model.scheduler, DynamicBatcher) or not 0 < sum(sizes) <= model.max_batch_size
-                or self.trace.active):
+        if (not isinstance(model, ModelVersion) or not isinstance(model.scheduler, DynamicBatcher)
+                or not 0 < sum(sizes) <= model.max_batch_size or self.trace.active):
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
@@ -288,6 +297,15 @@ class ServerCore:
                  ) -> tuple[Job, list[RequestedOutput], dict[str, kiln.DeviceView]]:
         """The request checked against the model and turned into a job: inputs, requested outputs, and the
         outputs the engine writes straight into CUDA shared memory."""
+        inputs, batch, requested = self._checked(model, request)
+        model.traffic.record(inputs)  # a group once: its members' shapes are alike
+        destinations = self._output_views(model, requested, inputs)
+        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), requested, destinations
+
+    def _checked(self, model: ServedModel, request: InferRequest
+                 ) -> tuple[dict[str, Any], int, list[RequestedOutput]]:
+        """The request's inputs (read from shared memory where they are) checked against the model's config, its
+        batch size, and the outputs it asks for (all when it names none)."""
         arrays = {}
         datatypes = {}
         if request.raw_input is not None:
@@ -301,9 +319,56 @@ class ServerCore:
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
-        model.traffic.record(inputs)  # a group once: its members' shapes are alike
-        destinations = self._output_views(model, requested, inputs)
-        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), requested, destinations
+        return inputs, batch, requested
+
+    def _submit_ensemble(self, model: EnsembleVersion, request: InferRequest, reply: Answer, requests: int,
+                         started: int) -> asyncio.Future | None:
+        """`submit_infer` for an ensemble: checked like any request, then its steps run as a task (cancel it to
+        withdraw the request and its steps); each step is a request to its composing model through `infer`."""
+        trace = self.trace.start(model.name, str(model.version), request.id)
+        if trace:
+            trace.mark("REQUEST_START")
+        try:
+            inputs, batch, requested = self._checked(model, request)
+        except Exception as e:  # noqa: BLE001 - answered, as `infer` would have raised it
+            model.statistics.record_failure(time.perf_counter_ns() - started, requests)
+            reply(None, e)
+            return None
+        times = ExecutionTimes(compute_input_ns=time.perf_counter_ns() - started)
+        if trace:
+            trace.mark("QUEUE_START")
+        task = asyncio.ensure_future(model.run(inputs, batch, request, [o.name for o in requested], self.infer))
+        task.add_done_callback(lambda done: self._finish_ensemble(done, model, request, batch, requested, times,
+                                                                  trace, started, reply, requests))
+        return task
+
+    def _finish_ensemble(self, done: asyncio.Future, model: EnsembleVersion, request: InferRequest, batch: int,
+                         requested: list[RequestedOutput], times: ExecutionTimes, trace, started: int,
+                         reply: Answer, requests: int) -> None:
+        """An ensemble's steps are done: its outputs post-processed (shared memory, classification) into the
+        response. Its statistics count one execution per request, as Triton's do; compute_infer is the time its
+        steps took together (Triton adds up its steps' compute times instead)."""
+        if done.cancelled():
+            reply(None, asyncio.CancelledError())
+            return
+        try:
+            arrays = done.result()
+            if trace:
+                trace.mark("COMPUTE_END")
+            t0 = time.perf_counter_ns()
+            times.compute_infer_ns = t0 - started - times.compute_input_ns
+            outputs = [self._output(model, o, arrays[o.name]) for o in requested]
+            times.compute_output_ns = time.perf_counter_ns() - t0
+        except Exception as e:  # noqa: BLE001 - the caller hears it
+            model.statistics.record_failure(time.perf_counter_ns() - started, requests)
+            reply(None, e)
+            return
+        model.statistics.record_success(batch, time.perf_counter_ns() - started, times, requests)
+        model.statistics.record_execution(batch, times)
+        if trace:
+            trace.mark("REQUEST_END")
+            self.trace.finish(trace)
+        reply(InferResponse(model.name, str(model.version), outputs, id=request.id), None)
 
     def _finish(self, done: asyncio.Future, model: ModelVersion, request: InferRequest, batch: int,
                 requested: list[RequestedOutput], destinations: dict[str, kiln.DeviceView], trace,
@@ -335,7 +400,7 @@ class ServerCore:
         reply(InferResponse(model.name, str(model.version), outputs, id=request.id), None)
 
     @staticmethod
-    def _raw_input(model: ModelVersion, data: bytes | memoryview) -> InferInput:
+    def _raw_input(model: ServedModel, data: bytes | memoryview) -> InferInput:
         """The one input of Triton's raw binary request (HTTP `Inference-Header-Content-Length: 0`), its name,
         datatype and shape taken from the model: batch 1 when the model batches, the one variable dim (if any)
         from the byte count, a BYTES input must have shape [1] and gets the whole body as its element.
@@ -362,7 +427,7 @@ class ServerCore:
         shape = tuple(batch + dims)
         return InferInput(spec.name, spec.datatype, shape, from_raw(data, spec.datatype, shape))
 
-    def _input_array(self, tensor: InferInput, model: ModelVersion) -> np.ndarray | kiln.DeviceView:
+    def _input_array(self, tensor: InferInput, model: ServedModel) -> np.ndarray | kiln.DeviceView:
         """The input's data, read from its shared-memory region when it names one; shape checked. An input in
         CUDA shared memory for a CUDA model that batches stays where it is: the engine reads it on the device."""
         region = tensor.parameters.get("shared_memory_region")
@@ -431,7 +496,7 @@ class ServerCore:
         params["shared_memory_byte_size"] = view.nbytes
         return InferOutput(requested.name, datatype_of_numpy(view.dtype), view.shape, None, params)
 
-    def _output(self, model: ModelVersion, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
+    def _output(self, model: ServedModel, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
         """One output: converted to the config's datatype, classified if asked, written to shm if asked."""
         params = dict(requested.parameters)
         array = model.shape_output(requested.name, array)
@@ -489,8 +554,12 @@ class ServerCore:
         check_upload(name, files)
         await self._load(name, config or None, files or None)
 
-    async def _load(self, name: str, config_json: str | None, files: dict[str, bytes] | None) -> None:
+    async def _load(self, name: str, config_json: str | None, files: dict[str, bytes] | None,
+                    implicit: bool = False) -> None:
+        """Load (or reload) `name`. `implicit`: only as an ensemble's composing model (see ModelEntry.explicit)."""
         entry = self.models.setdefault(name, ModelEntry(name))
+        if not implicit:
+            entry.explicit = True
         async with entry.lock:
             previous_state = entry.state
             entry.state, entry.reason = ModelState.LOADING, ""
@@ -530,7 +599,7 @@ class ServerCore:
             entry.state, entry.reason = ModelState.UNAVAILABLE, reason
             log.error("failed to load model '%s': %s", entry.name, reason)
 
-    async def _build_versions(self, source: ModelSource, config_json: str | None) -> dict[int, ModelVersion]:
+    async def _build_versions(self, source: ModelSource, config_json: str | None) -> dict[int, ServedModel]:
         if config_json is not None:
             config = parse_config_json(config_json, source.name)
         elif source.config_text is not None:
@@ -540,6 +609,9 @@ class ServerCore:
         self.config_fields.check(config, source.name)  # once per load, for every kind of model, before any build
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
+        config.name = config.name or source.name
+        if is_ensemble(config):  # no model file: its version directories may be empty, as in Triton
+            return await self._build_ensemble(source, config)
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
         wanted = select_versions(config.version_policy, list(source.versions))
         builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
@@ -553,24 +625,104 @@ class ServerCore:
             raise errors[0]
         return {v.version: v for v in results}  # type: ignore[union-attr]
 
+    async def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> dict[int, ServedModel]:
+        """An ensemble's versions, checked against its composing models, which are loaded with it when they are
+        not yet (Triton polls and loads an ensemble's composing models with it, explicit mode included)."""
+        name = source.name
+        config = complete_ensemble_config(config, name)
+        wanted = select_versions(config.version_policy, list(source.versions))
+        composing = sorted({step.model_name for step in config.ensemble_scheduling.step})
+        self._check_no_cycle(name, composing)
+        self._ensembles_loading[name] = set(composing)
+        try:
+            loaded = await asyncio.gather(*(self._composing_versions(name, c) for c in composing))
+        finally:
+            del self._ensembles_loading[name]
+        versions = dict(zip(composing, loaded))
+        return {v: EnsembleVersion(name, v, config, versions) for v in wanted}
+
+    def _check_no_cycle(self, ensemble: str, composing: list[str]) -> None:
+        """Refuse an ensemble that would run itself, directly or through other ensembles: it could never finish
+        loading (each waits for the other) nor running."""
+        edges = {name: set().union(*(v.composing_names for v in entry.versions.values()
+                                     if isinstance(v, EnsembleVersion)))
+                 for name, entry in self.models.items()}
+        edges.update(self._ensembles_loading)
+        for name in composing:
+            path = dependency_path(edges, name, ensemble)
+            if path is not None:
+                raise invalid(f"ensemble '{ensemble}' has a cycle: it runs {' -> '.join(path)}, which runs it again")
+
+    async def _composing_versions(self, ensemble: str, name: str) -> dict[int, ServedModel]:
+        """The loaded versions of composing model `name`: waited for if it is loading, loaded if it is not."""
+        startup = next((t for n, t in zip(self._startup_names, self._startup) if n == name and not t.done()), None)
+        entry = self.models.get(name)
+        if startup is not None:
+            await asyncio.shield(startup)  # its start-up load is under way: wait rather than build it twice
+        elif entry is not None and entry.lock.locked():
+            async with entry.lock:  # a load (or unload) of it is under way
+                pass
+        entry = self.models.get(name)
+        if entry is None or not entry.versions:
+            if name not in self.repository.names():  # Triton's text (model_repository_manager.cc)
+                raise invalid(f"ensemble {ensemble} contains models that are not available or ambiguous: {name}")
+            with contextlib.suppress(ServerError):  # the reason is in the entry; the message below gives it
+                await self._load(name, None, None, implicit=True)
+            entry = self.models.get(name)
+        if entry is None or not entry.versions:
+            failed = f" Model '{name}' loading failed with error: {entry.reason}" if entry and entry.reason else ""
+            raise invalid(f"ensemble '{ensemble}' depends on '{name}' which has no loaded version.{failed}")
+        return dict(entry.versions)
+
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        """Stop serving `name`; requests already running finish. Unloading an unloaded model is a no-op."""
+        """Stop serving `name`; requests already running finish. Unloading an unloaded model is a no-op.
+        `unload_dependents`: an ensemble's composing models go too, unless they were loaded by themselves or
+        another loaded ensemble runs them (Triton's rule)."""
         self._require_explicit()
         if name not in self.models and name not in self.repository.names():
             raise not_found(unknown_model(name))
+        composing = self._composing_of(name)
         await self._unload(name)
+        if unload_dependents:
+            await self._unload_composing(composing)
 
-    async def _unload(self, name: str) -> None:
+    async def _unload(self, name: str, reason: str = "unloaded") -> None:
+        """Unload `name`; the loaded ensembles that run it become UNAVAILABLE too, with Triton's reason."""
         entry = self.models.get(name)
         if entry is None:
             return
         async with entry.lock:
             versions, entry.versions = entry.versions, {}
-            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+            entry.state, entry.reason = ModelState.UNAVAILABLE, reason
+            entry.explicit = False
             for version in versions.values():
                 version.close()
-        log.info("successfully unloaded model '%s'", name)
+        log.info("successfully unloaded model '%s'%s", name, "" if reason == "unloaded" else f" ({reason})")
+        for dependent in self._dependents_of(name):
+            await self._unload(dependent, f"ensemble '{dependent}' depends on '{name}' which has no loaded version")
         freeze_long_lived()
+
+    def _composing_of(self, name: str) -> set[str]:
+        """The models the loaded versions of ensemble `name` run (empty for any other model)."""
+        entry = self.models.get(name)
+        versions = entry.versions.values() if entry else ()
+        return set().union(*(v.composing_names for v in versions if isinstance(v, EnsembleVersion)))
+
+    def _dependents_of(self, name: str) -> list[str]:
+        """The loaded ensembles that run `name`."""
+        return sorted(ensemble for ensemble, entry in self.models.items()
+                      if entry.versions and name in self._composing_of(ensemble))
+
+    async def _unload_composing(self, names: set[str]) -> None:
+        """unload_dependents: the composing models loaded only for an ensemble that no loaded ensemble runs now,
+        and theirs in turn (nested ensembles)."""
+        for name in sorted(names):
+            entry = self.models.get(name)
+            if entry is None or not entry.versions or entry.explicit or self._dependents_of(name):
+                continue
+            inner = self._composing_of(name)
+            await self._unload(name)
+            await self._unload_composing(inner)
 
     # -- adaptive profiles ----------------------------------------------------------------------------------
     async def _adapt_profiles_forever(self) -> None:
@@ -580,7 +732,7 @@ class ServerCore:
             await asyncio.sleep(settings.interval_s)
             for name, entry in list(self.models.items()):
                 for number, model in list(entry.versions.items()):
-                    if (not model.profiles_matter
+                    if (not isinstance(model, ModelVersion) or not model.profiles_matter
                             or model.traffic.requests - model.traffic_at_fit < settings.min_requests):
                         continue
                     try:
@@ -599,7 +751,7 @@ class ServerCore:
             return False
         async with entry.lock:
             old = entry.versions.get(version)
-            if old is None or old.source is None or old.requested_config is None:
+            if not isinstance(old, ModelVersion) or old.source is None or old.requested_config is None:
                 return False
             old.traffic_at_fit = old.traffic.requests
             fitted = fit_profiles(old.traffic, old.profile_ranges(), self.options.adaptive.max_profiles)
@@ -619,7 +771,7 @@ class ServerCore:
         return True
 
     # -- statistics -----------------------------------------------------------------------------------------
-    def loaded_versions(self) -> list[ModelVersion]:
+    def loaded_versions(self) -> list[ServedModel]:
         return [v for entry in self.models.values() for _, v in sorted(entry.versions.items())]
 
     async def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
@@ -690,10 +842,11 @@ def _execution_error(model: ModelVersion, error: Exception) -> Exception:
     return error
 
 
-def _device_io(model: ModelVersion) -> bool:
+def _device_io(model: ServedModel) -> bool:
     """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
-    models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch)."""
-    return model.engine.backend == "cuda" and model.max_batch_size > 0
+    models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch).
+    Ensembles read and write them through the host for now."""
+    return isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
 
 
 def unknown_model(name: str) -> str:

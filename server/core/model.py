@@ -67,21 +67,116 @@ def _specs(tensors) -> dict[str, TensorSpec]:
     return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t))) for t in tensors}
 
 
-class ModelVersion:
-    """A ready model version: completed config, I/O specs, labels, scheduler and statistics."""
+class ServedModel:
+    """What every served version has, whether it runs a plan (`ModelVersion`) or other models (an ensemble,
+    server/core/ensemble.py): the completed config, I/O specs and statistics, and the request checks and output
+    shaping in the config's terms, so both answer malformed requests with the same messages."""
 
-    def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
-                 labels: dict[str, list[str]]) -> None:
+    def __init__(self, name: str, version: int, config: ModelConfig, labels: dict[str, list[str]]) -> None:
         self.name = name
         self.version = version
         self.config = config
-        self.engine = engine
         self.labels = labels
         self.inputs = _specs(config.input)
         self.outputs = _specs(config.output)
         self.max_batch_size = config.max_batch_size
-        self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
         self.statistics = ModelStatistics(name, str(version))
+
+    def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
+        """Validate request inputs against the config; returns engine-ready arrays and the batch size.
+
+        Every error names the input and says what was expected, in the config's terms.
+        """
+        unknown = sorted(set(arrays) - set(self.inputs))
+        if unknown:
+            raise invalid(f"unexpected inference input {unknown} for model '{self.name}' "
+                          f"(inputs: {sorted(self.inputs)})")
+        missing = sorted(set(self.inputs) - set(arrays))
+        if missing:
+            raise invalid(f"expected {len(self.inputs)} inputs but got {len(arrays)} inputs for model "
+                          f"'{self.name}': missing {missing}")
+        batch_sizes = set()
+        ready: dict[str, np.ndarray] = {}
+        for name, spec in self.inputs.items():
+            array, datatype = arrays[name], datatypes[name]
+            if datatype != spec.datatype:
+                raise invalid(f"inference input '{name}' data-type is '{datatype}', but model '{self.name}' "
+                              f"expects '{spec.datatype}'")
+            shape = tuple(array.shape)
+            item_shape = shape
+            if self.max_batch_size > 0:
+                if not shape or not 1 <= shape[0] <= self.max_batch_size:
+                    raise invalid(f"inference input '{name}' has shape {list(shape)}: the first dim is the batch "
+                                  f"size and must be 1..{self.max_batch_size} for model '{self.name}'")
+                batch_sizes.add(shape[0])
+                item_shape = shape[1:]
+            if not _matches(item_shape, spec.dims):
+                expected = [-1, *spec.dims] if self.max_batch_size > 0 else list(spec.dims)
+                raise invalid(f"unexpected shape for input '{name}' for model '{self.name}'. Expected "
+                              f"{expected}, got {list(shape)}")
+            if spec.model_dims != spec.dims:
+                lead = shape[:1] if self.max_batch_size > 0 else ()
+                array = _reshaped(array, lead + _resolve_reshape(spec.model_dims, item_shape, name))
+            ready[name] = array
+        if len(batch_sizes) > 1:
+            raise invalid(f"inputs of model '{self.name}' disagree on the batch size: {sorted(batch_sizes)}")
+        batch = batch_sizes.pop() if batch_sizes else 1
+        return ready, batch
+
+    def check_outputs(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.outputs]
+        if unknown:
+            raise invalid(f"unexpected inference output {unknown} for model '{self.name}' "
+                          f"(outputs: {sorted(self.outputs)})")
+
+    def shape_output(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The engine's output in the config's terms: dtype of its datatype, reshape undone."""
+        spec = self.outputs[name]
+        array = np.asarray(array)
+        if spec.model_dims != spec.dims:
+            lead = array.shape[:1] if self.max_batch_size > 0 else ()
+            array = array.reshape(lead + _resolve_reshape(spec.dims, array.shape[len(lead):], name))
+        dtype = numpy_dtype(spec.datatype)
+        return array if array.dtype == dtype else array.astype(dtype)
+
+    def classify(self, name: str, array: np.ndarray, k: int) -> np.ndarray:
+        """Top-k classes per batch item as BYTES "score:index[:label]" (Triton's classification extension)."""
+        if k <= 0:
+            raise invalid(f"classification count for output '{name}' must be positive, got {k}")
+        if array.dtype == object or array.dtype == np.bool_:
+            raise invalid(f"output '{name}' is {datatype_of_numpy(array.dtype)}; classification needs numbers")
+        batched = self.max_batch_size > 0
+        scores = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
+        k = min(k, scores.shape[1])
+        order = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")[:, :k]
+        top = np.take_along_axis(scores, order, axis=1)
+        labels = self.labels.get(name, [])
+        result = np.empty(order.shape, dtype=object)
+        for row, (indices, values) in enumerate(zip(order, top)):
+            result[row] = [_class_entry(float(v), int(i), labels) for v, i in zip(values, indices)]
+        return result if batched else result.reshape(k)
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [str(self.version)],
+            "platform": self.config.platform or self.config.backend,
+            "inputs": [s.metadata(self.max_batch_size) for s in self.inputs.values()],
+            "outputs": [s.metadata(self.max_batch_size) for s in self.outputs.values()],
+        }
+
+    def close(self) -> None:
+        """Release what the version holds (nothing here)."""
+
+
+class ModelVersion(ServedModel):
+    """A ready model version built from a plan: engine, execution contexts, scheduler."""
+
+    def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
+                 labels: dict[str, list[str]]) -> None:
+        super().__init__(name, version, config, labels)
+        self.engine = engine
+        self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
         self.source: ModelSource | None = None  # what it was built from, so it can be rebuilt (adaptive profiles)
         self.requested_config: ModelConfig | None = None
         self.profile_rebuilds = 0  # plans swapped in by adaptive profiles since the version was loaded
@@ -141,92 +236,9 @@ class ModelVersion:
         self._restarts_before = old.worker_restarts
         self.profile_rebuilds = old.profile_rebuilds + 1
 
-    def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
-        """Validate request inputs against the config; returns engine-ready arrays and the batch size.
-
-        Every error names the input and says what was expected, in the config's terms.
-        """
-        unknown = sorted(set(arrays) - set(self.inputs))
-        if unknown:
-            raise invalid(f"unexpected inference input {unknown} for model '{self.name}' "
-                          f"(inputs: {sorted(self.inputs)})")
-        missing = sorted(set(self.inputs) - set(arrays))
-        if missing:
-            raise invalid(f"expected {len(self.inputs)} inputs but got {len(arrays)} inputs for model "
-                          f"'{self.name}': missing {missing}")
-        batch_sizes = set()
-        ready: dict[str, np.ndarray] = {}
-        for name, spec in self.inputs.items():
-            array, datatype = arrays[name], datatypes[name]
-            if datatype != spec.datatype:
-                raise invalid(f"inference input '{name}' data-type is '{datatype}', but model '{self.name}' "
-                              f"expects '{spec.datatype}'")
-            shape = tuple(array.shape)
-            item_shape = shape
-            if self.max_batch_size > 0:
-                if not shape or not 1 <= shape[0] <= self.max_batch_size:
-                    raise invalid(f"inference input '{name}' has shape {list(shape)}: the first dim is the batch "
-                                  f"size and must be 1..{self.max_batch_size} for model '{self.name}'")
-                batch_sizes.add(shape[0])
-                item_shape = shape[1:]
-            if not _matches(item_shape, spec.dims):
-                expected = [-1, *spec.dims] if self.max_batch_size > 0 else list(spec.dims)
-                raise invalid(f"unexpected shape for input '{name}' for model '{self.name}'. Expected "
-                              f"{expected}, got {list(shape)}")
-            if spec.model_dims != spec.dims:
-                lead = shape[:1] if self.max_batch_size > 0 else ()
-                array = _reshaped(array, lead + _resolve_reshape(spec.model_dims, item_shape, name))
-            ready[name] = array
-        if len(batch_sizes) > 1:
-            raise invalid(f"inputs of model '{self.name}' disagree on the batch size: {sorted(batch_sizes)}")
-        batch = batch_sizes.pop() if batch_sizes else 1
-        return ready, batch
-
-    def check_outputs(self, names: list[str]) -> None:
-        unknown = [n for n in names if n not in self.outputs]
-        if unknown:
-            raise invalid(f"unexpected inference output {unknown} for model '{self.name}' "
-                          f"(outputs: {sorted(self.outputs)})")
-
     def engine_output_dtype(self, name: str) -> np.dtype:
         """The dtype the engine produces for output `name` (before `shape_output` converts it)."""
         return np.dtype(kiln.nptype(self.engine.get_tensor_dtype(name)))
-
-    def shape_output(self, name: str, array: np.ndarray) -> np.ndarray:
-        """The engine's output in the config's terms: dtype of its datatype, reshape undone."""
-        spec = self.outputs[name]
-        array = np.asarray(array)
-        if spec.model_dims != spec.dims:
-            lead = array.shape[:1] if self.max_batch_size > 0 else ()
-            array = array.reshape(lead + _resolve_reshape(spec.dims, array.shape[len(lead):], name))
-        dtype = numpy_dtype(spec.datatype)
-        return array if array.dtype == dtype else array.astype(dtype)
-
-    def classify(self, name: str, array: np.ndarray, k: int) -> np.ndarray:
-        """Top-k classes per batch item as BYTES "score:index[:label]" (Triton's classification extension)."""
-        if k <= 0:
-            raise invalid(f"classification count for output '{name}' must be positive, got {k}")
-        if array.dtype == object or array.dtype == np.bool_:
-            raise invalid(f"output '{name}' is {datatype_of_numpy(array.dtype)}; classification needs numbers")
-        batched = self.max_batch_size > 0
-        scores = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
-        k = min(k, scores.shape[1])
-        order = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")[:, :k]
-        top = np.take_along_axis(scores, order, axis=1)
-        labels = self.labels.get(name, [])
-        result = np.empty(order.shape, dtype=object)
-        for row, (indices, values) in enumerate(zip(order, top)):
-            result[row] = [_class_entry(float(v), int(i), labels) for v, i in zip(values, indices)]
-        return result if batched else result.reshape(k)
-
-    def metadata(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": [str(self.version)],
-            "platform": self.config.platform or self.config.backend,
-            "inputs": [s.metadata(self.max_batch_size) for s in self.inputs.values()],
-            "outputs": [s.metadata(self.max_batch_size) for s in self.outputs.values()],
-        }
 
     def close(self) -> None:
         self.scheduler.close()

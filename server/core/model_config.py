@@ -22,6 +22,7 @@ ModelConfig = model_config_pb2.ModelConfig
 # Platforms/backends whose models are ONNX files Kiln can build ("" = not stated).
 ACCEPTED_PLATFORMS = {"", "kiln_onnx", "onnxruntime_onnx", "onnx"}
 ACCEPTED_BACKENDS = {"", "kiln", "onnxruntime", "onnx"}
+ENSEMBLE_PLATFORM = "ensemble"  # Triton's: runs other models (server/core/ensemble.py), has no model file
 DEFAULT_PLATFORM = "kiln_onnx"
 DEFAULT_BACKEND = "kiln"
 DEFAULT_MODEL_FILENAME = "model.onnx"
@@ -79,11 +80,26 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [v for v in model.graph.input if v.name not in weights]
 
 
+def is_ensemble(config: ModelConfig) -> bool:
+    """Whether `config` is an ensemble's; INVALID_ARGUMENT when its platform, backend and scheduling disagree."""
+    _check_platform(config)
+    return config.platform == ENSEMBLE_PLATFORM
+
+
 def _check_platform(config: ModelConfig) -> None:
+    """Kiln builds ONNX models and runs ensembles (platform "ensemble", no backend: Triton's rule)."""
+    if config.platform == ENSEMBLE_PLATFORM:
+        if config.backend:
+            raise invalid(f"model '{config.name}': an ensemble has no backend (platform 'ensemble', backend "
+                          f"'{config.backend}')")
+        return
+    if config.HasField("ensemble_scheduling"):  # Triton's text (model_config_utils.cc)
+        raise invalid(f"ensemble scheduling cannot be set for model '{config.name}' whose platform is not "
+                      f"{ENSEMBLE_PLATFORM}")
     if config.platform not in ACCEPTED_PLATFORMS or config.backend not in ACCEPTED_BACKENDS:
         raise invalid(f"model '{config.name}': platform '{config.platform}' / backend '{config.backend}' is not "
-                      f"served by Kiln (ONNX models only: platform {sorted(ACCEPTED_PLATFORMS - {''})}, "
-                      f"backend {sorted(ACCEPTED_BACKENDS - {''})})")
+                      f"served by Kiln (ONNX models: platform {sorted(ACCEPTED_PLATFORMS - {''})}, "
+                      f"backend {sorted(ACCEPTED_BACKENDS - {''})}; or platform '{ENSEMBLE_PLATFORM}')")
 
 
 def _supports_batching(model: onnx.ModelProto) -> bool:
