@@ -139,8 +139,9 @@ def _dependency_order(steps: list[EnsembleStep], writer: dict[str, int], name: s
     while len(ordered) < len(steps):
         ready = [s for s in steps if s.index not in done and waits_on[s.index] <= done]
         if not ready:
-            stuck = ", ".join(s.label for s in steps if s.index not in done)
-            raise invalid(f"ensemble '{name}' has a cycle: {stuck} wait on each other's outputs, so none can run")
+            stuck = ", ".join(f"{s.index} ('{s.model_name}')" for s in steps if s.index not in done)
+            raise invalid(f"ensemble '{name}' has a cycle: steps {stuck} wait on each other's outputs, so none can "
+                          "run")
         ordered.extend(ready)
         done.update(s.index for s in ready)
     return ordered
