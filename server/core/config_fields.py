@@ -56,6 +56,7 @@ class Rule:
     refusal: str = ""  # PARTLY: the reason and what to do, for the values that are not (REFUSED: the note)
     whole: bool = False  # the rule covers every field inside this one (a refused message, an ensemble's steps)
     container: bool = False  # a message that only groups the fields below it: present and empty, it does nothing
+    lenient: bool = True  # False: Triton refuses the value too, so --lenient-config cannot load the model with it
 
     def honours(self, value: Any, config: ModelConfig) -> bool:
         if self.status is Status.HONOURED:
@@ -71,8 +72,8 @@ def refused(why_and_instead: str, whole: bool = False) -> Rule:
     return Rule(Status.REFUSED, why_and_instead, whole=whole)
 
 
-def partly(note: str, accepts: Accepts, refusal: str, whole: bool = False) -> Rule:
-    return Rule(Status.PARTLY, note, accepts, refusal, whole=whole)
+def partly(note: str, accepts: Accepts, refusal: str, whole: bool = False, lenient: bool = True) -> Rule:
+    return Rule(Status.PARTLY, note, accepts, refusal, whole=whole, lenient=lenient)
 
 
 def container() -> Rule:
@@ -170,8 +171,8 @@ FIELDS: dict[str, Rule] = {
                                                     "captured graph. Remove output_copy_stream"),
     "optimization.execution_accelerators": container(),
     "optimization.execution_accelerators.gpu_execution_accelerator": refused(
-        "Kiln builds its own engine and runs no TensorRT or other accelerator. For reduced precision use "
-        'parameters { key: "kiln_precision" value { string_value: "fp16" } }; remove the accelerator', whole=True),
+        "Kiln builds its own engine and runs no TensorRT or other accelerator. Remove the accelerator; for reduced "
+        'precision use parameters { key: "kiln_precision" value { string_value: "fp16" } }', whole=True),
     "optimization.execution_accelerators.cpu_execution_accelerator": refused(
         "Kiln builds its own engine and runs no OpenVINO or other accelerator. Remove the accelerator", whole=True),
     "optimization.input_pinned_memory": _pinned("inputs"),
@@ -205,12 +206,13 @@ FIELDS: dict[str, Rule] = {
     "dynamic_batching.priority_queue_policy.allow_timeout_override": honoured("batcher._policy"),
     "dynamic_batching.priority_queue_policy.max_queue_size": honoured("batcher._policy"),
     "sequence_batching": refused(f"{_NOT_YET} sequence batching (stateful models: sequence ids, control inputs, "
-                                 "implicit state). Serve the model without it (each request independent) or keep "
-                                 "it on Triton", whole=True),
+                                 "implicit state). Remove sequence_batching to serve the model with every request "
+                                 "independent, or keep the model on Triton", whole=True),
     "ensemble_scheduling": partly('honoured for platform "ensemble" (server/core/ensemble.py); refused with any '
                                   "other platform", lambda _, config: config.platform == "ensemble",
-                                  'ensemble_scheduling is only for platform "ensemble". Set platform: "ensemble" or '
-                                  "remove ensemble_scheduling", whole=True),
+                                  'ensemble_scheduling is only for platform "ensemble". Remove it, or set platform: '
+                                  '"ensemble" for an ensemble (Triton refuses it too, and so does --lenient-config)',
+                                  whole=True, lenient=False),
     "instance_group": honoured("one execution context per instance; groups of different kinds are refused "
                                "(model_config.complete_config, model.ModelVersion)"),
     "instance_group.name": honoured("a label, served at /config (as in Triton)"),
@@ -338,12 +340,14 @@ class ConfigFieldCheck:
         self._logged: set[tuple[str, str]] = set()  # (model, field or parameter): said once
 
     def check(self, config: ModelConfig, model: str) -> None:
-        """INVALID_ARGUMENT naming the model and every refused field, unless lenient."""
+        """INVALID_ARGUMENT naming the model and every refused field (lenient: those Triton refuses as well)."""
         found = refusals(config)
         self._look_at_parameters(config, model)
-        if found and not self.lenient:
-            raise invalid(f"model '{model}': " + "; ".join(r.describe() for r in found) +
-                          f" (or start the server with {LENIENT_FLAG} to load it with such fields ignored)")
+        fatal = [r for r in found if not (self.lenient and r.rule.lenient)]
+        if fatal:
+            hint = (f" (or start the server with {LENIENT_FLAG} to load it with such fields ignored)"
+                    if any(r.rule.lenient for r in fatal) else "")
+            raise invalid(f"model '{model}': " + "; ".join(r.describe() for r in fatal) + hint)
         for refusal in found:
             self._once(model, refusal.path, logging.WARNING, "model '%s': %s; loading it with the field ignored "
                        "(%s)", model, refusal.describe(), LENIENT_FLAG)
@@ -351,7 +355,7 @@ class ConfigFieldCheck:
     def _look_at_parameters(self, config: ModelConfig, model: str) -> None:
         """Unknown keys stay in the config, as Triton hands every parameter to its backend; said once, with a
         warning for an unknown kiln_* key (most likely a misspelt one)."""
-        for key in config.parameters:
+        for key in sorted(config.parameters):  # a protobuf map has no order of its own
             if key in KNOWN_PARAMETERS:
                 continue
             if key.startswith("kiln_"):
