@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from google.protobuf import text_format
 from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
@@ -125,7 +127,7 @@ def server(tmp_path_factory):
                                                                      {"S": "S", "D": "D"})]))
     for name, (config, _) in INVALID.items():
         _ensemble(repo, name, config)
-    with run_server(repo, base / "server.log", STARTUP) as running:
+    with run_server(repo, base / "server.log", STARTUP, ["--allow-client-shm", "true"]) as running:
         yield running
 
 
@@ -184,6 +186,37 @@ def test_only_requested_outputs_come_back(server, protocol):
     result = _infer(protocol, server, "ens_diamond", a, b, outputs=["X"])
     np.testing.assert_array_equal(result.as_numpy("X"), a - b)
     assert result.as_numpy("S") is None and result.as_numpy("Y") is None
+
+
+def test_classification_of_an_ensemble_output(client):
+    a = np.arange(16, dtype=np.int32)[None]
+    b = np.zeros((1, 16), np.int32)
+    inputs = [httpclient.InferInput("A", [1, 16], "INT32"), httpclient.InferInput("B", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client.infer("ens_chain", inputs, outputs=[httpclient.InferRequestedOutput("S", class_count=2)])
+    assert [v.decode() for v in result.as_numpy("S")[0]] == ["30.000000:15", "28.000000:14"]  # S = 2A
+
+
+def test_system_shared_memory_in_and_out_of_an_ensemble(client):
+    a, b = _pair(2, seed=8)
+    size = a.nbytes
+    key = f"/kiln_ens_{id(client)}"
+    region = shm.create_shared_memory_region("kiln_ens", key, 3 * size)
+    try:
+        shm.set_shared_memory_region(region, [a, b])
+        client.register_system_shared_memory("kiln_ens", key, 3 * size)
+        inputs = [httpclient.InferInput("A", [2, 16], "INT32"), httpclient.InferInput("B", [2, 16], "INT32")]
+        inputs[0].set_shared_memory("kiln_ens", size)
+        inputs[1].set_shared_memory("kiln_ens", size, offset=size)
+        output = httpclient.InferRequestedOutput("D", binary_data=True)
+        output.set_shared_memory("kiln_ens", size, offset=2 * size)
+        result = client.infer("ens_chain", inputs, outputs=[output])
+        assert result.get_output("D")["parameters"]["shared_memory_region"] == "kiln_ens"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.int32, [2, 16], offset=2 * size), 2 * b)
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(region)
 
 
 def test_nested_ensemble(client, server):
@@ -247,8 +280,6 @@ def test_metadata_and_config_of_an_ensemble(client):
 
 
 def test_metrics_list_the_ensemble(server, client):
-    import httpx
-
     text = httpx.get(server.metrics_url).text
     assert 'nv_inference_request_success{model="ens_chain",version="1"}' in text
     assert 'kiln_workers{model="ens_chain"' not in text  # it has no workers of its own
