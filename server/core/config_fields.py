@@ -6,7 +6,8 @@ too; `tests/server/test_config_fields.py` walks the descriptor, so a proto updat
 leaves out). A field is HONOURED (the note says where it takes effect), REFUSED (any value but the default fails
 the model's load, with the note as the reason and what to do instead) or PARTLY (some values are honoured, the
 others refused, as the note says). `ConfigFieldCheck` runs at every load; `kiln serve --lenient-config` turns a
-refusal into one logged warning per model and field and loads the model with the field ignored.
+refusal into one logged warning per model and field and loads the model with the field ignored (except where
+Triton refuses the value too: `Rule.lenient`).
 
 A field counts as set as protobuf tells it (`ListFields`): a scalar other than its default, a non-empty list or
 map, a message that is present. So `decoupled: false` or `response_cache { enable: false }` are accepted, while
@@ -64,8 +65,8 @@ class Rule:
         return self.accepts is not None and self.accepts(value, config)
 
 
-def honoured(where: str, whole: bool = False) -> Rule:
-    return Rule(Status.HONOURED, where, whole=whole)
+def honoured(where: str) -> Rule:
+    return Rule(Status.HONOURED, where)
 
 
 def refused(why_and_instead: str, whole: bool = False) -> Rule:
@@ -102,6 +103,7 @@ KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_execution_timeout_ms": "how long one execution may run (model.execution_timeout_s)",
     "kiln_warmup_buckets": "bind and capture every batch bucket at load (warmup.warm_up_buckets)",
 }
+
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value
 # fields as "parameters.string_value"). Notes name the code that reads a field; refused notes end with what to do.
 FIELDS: dict[str, Rule] = {
