@@ -654,23 +654,26 @@ class ServerCore:
                 raise invalid(f"ensemble '{ensemble}' has a cycle: it runs {' -> '.join(path)}, which runs it again")
 
     async def _composing_versions(self, ensemble: str, name: str) -> dict[int, ServedModel]:
-        """The loaded versions of composing model `name`: waited for if it is loading, loaded if it is not."""
+        """The loaded versions of composing model `name`: waited for if it is loading (its outcome is taken as it
+        is, not tried again), loaded if it is not."""
         startup = next((t for n, t in zip(self._startup_names, self._startup) if n == name and not t.done()), None)
         entry = self.models.get(name)
+        busy = startup is not None or (entry is not None and entry.lock.locked())
         if startup is not None:
             await asyncio.shield(startup)  # its start-up load is under way: wait rather than build it twice
-        elif entry is not None and entry.lock.locked():
+        elif busy:
             async with entry.lock:  # a load (or unload) of it is under way
                 pass
         entry = self.models.get(name)
-        if entry is None or not entry.versions:
+        if not busy and (entry is None or not entry.versions):
             if name not in self.repository.names():  # Triton's text (model_repository_manager.cc)
                 raise invalid(f"ensemble {ensemble} contains models that are not available or ambiguous: {name}")
             with contextlib.suppress(ServerError):  # the reason is in the entry; the message below gives it
                 await self._load(name, None, None, implicit=True)
             entry = self.models.get(name)
         if entry is None or not entry.versions:
-            failed = f" Model '{name}' loading failed with error: {entry.reason}" if entry and entry.reason else ""
+            failed = (f" Model '{name}' loading failed with error: {entry.reason}"
+                      if entry is not None and entry.reason not in ("", "unloaded") else "")
             raise invalid(f"ensemble '{ensemble}' depends on '{name}' which has no loaded version.{failed}")
         return dict(entry.versions)
 
