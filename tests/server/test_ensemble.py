@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.http.aio as aiohttpclient
 import tritonclient.utils.shared_memory as shm
 from google.protobuf import text_format
 from onnx import TensorProto
@@ -186,6 +187,27 @@ def test_only_requested_outputs_come_back(server, protocol):
     result = _infer(protocol, server, "ens_diamond", a, b, outputs=["X"])
     np.testing.assert_array_equal(result.as_numpy("X"), a - b)
     assert result.as_numpy("S") is None and result.as_numpy("Y") is None
+
+
+def test_concurrent_requests_each_get_their_own_answer(server):
+    """Concurrent requests (which a frontend may send to the core as one group) each get their own rows."""
+    async def scenario():
+        async with aiohttpclient.InferenceServerClient(server.http_url) as client:
+            pairs = [_pair(1 + i % 3, seed=100 + i) for i in range(24)]
+
+            async def one(a, b):
+                inputs = [aiohttpclient.InferInput("A", list(a.shape), "INT32"),
+                          aiohttpclient.InferInput("B", list(b.shape), "INT32")]
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(b)
+                return await client.infer("ens_diamond", inputs)
+
+            return pairs, await asyncio.gather(*(one(a, b) for a, b in pairs))
+
+    pairs, results = asyncio.run(scenario())
+    for (a, b), result in zip(pairs, results):
+        np.testing.assert_array_equal(result.as_numpy("S"), 2 * b)
+        np.testing.assert_array_equal(result.as_numpy("X"), a - b)
 
 
 def test_classification_of_an_ensemble_output(client):
