@@ -11,8 +11,11 @@ without materializing K^T or the scaled/masked copies of the scores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache, partial
+
 from engine_core.ir import Graph, Node
-from engine_core.passes.pattern import Uses, is_op, known_rank, origins, other_input, replace_nodes, scalar
+from engine_core.passes.pattern import Match, Uses, fuse_matches, is_op, known_rank, origins, other_input, scalar
 from engine_core.passes.symbolic import Symbols, symbolic_shapes
 
 #: Where(cond, scores, fill) before the softmax is a boolean mask when fill is at most this: exp(fill - max)
@@ -67,64 +70,73 @@ def _scores_side(graph: Graph, uses: Uses, add: Node) -> tuple[str, str] | None:
     return None
 
 
+def _scores(graph: Graph, uses: Uses, softmax: Node) -> tuple[list[Node], str, float, Node] | None:
+    """(the mask and scale nodes, mask, scale, the MatMul(Q, K^T)) behind the softmax's input, else None."""
+    covered, mask, tensor = [], "", softmax.inputs[0]
+    node = uses.producers.get(tensor)
+    if is_op(node, "Where") and uses.sole_reader(tensor) is softmax:
+        fill = scalar(graph, node.inputs[2])
+        if fill is None or fill > MASKED:
+            return None
+        covered.append(node)
+        mask, tensor = node.inputs[0], node.inputs[1]
+        node = uses.producers.get(tensor)
+    elif is_op(node, "Add") and uses.sole_reader(tensor) is softmax:
+        sides = _scores_side(graph, uses, node)
+        if sides is None:
+            return None
+        covered.append(node)
+        tensor, mask = sides
+        node = uses.producers.get(tensor)
+    scale = 1.0
+    if is_op(node, "Mul", "Div") and uses.sole_reader(tensor) is not None:
+        constant = next((i for i in node.inputs if scalar(graph, i) is not None), None)
+        operand = other_input(node, constant) if constant else None
+        if operand is None or (node.op_type == "Div" and node.inputs[1] != constant) or not scalar(graph, constant):
+            return None
+        value = scalar(graph, constant)
+        scale = value if node.op_type == "Mul" else 1.0 / value
+        covered.append(node)
+        tensor = operand
+        node = uses.producers.get(tensor)
+    if not is_op(node, "MatMul") or uses.sole_reader(tensor) is None or not _four_d(graph, uses, node.inputs[0]):
+        return None
+    return covered, mask, scale, node
+
+
+def _attention(graph: Graph, uses: Uses, symbols: Callable[[], Symbols], softmax: Node, taken: set[int]) -> \
+        Match | None:
+    """The ``Attention`` node (after the Transpose of K it may need) for the block around ``softmax``, in the place
+    of the MatMul by V; None when the block does not match or an earlier match took part of it."""
+    if softmax.attr("axis", -1 if softmax.opset >= 13 else 1) not in (-1, 3):
+        return None
+    out = uses.sole_reader(softmax.outputs[0])
+    if not is_op(out, "MatMul") or out.inputs[0] != softmax.outputs[0] or not _four_d(graph, uses, out.inputs[1]):
+        return None
+    found = _scores(graph, uses, softmax)
+    if found is None:
+        return None
+    covered, mask, scale, scores = found
+    extra: list[Node] = []
+    key = _key(graph, uses, scores.inputs[1], extra)
+    covered = [softmax, *covered, scores, out]
+    if key is None or any(id(n) in taken for n in covered):
+        return None
+    key_transpose = uses.producers[scores.inputs[1]]
+    # the layers the Attention stands for: K's Transpose too, unless the Transpose in ``extra`` took its place (and
+    # origin); decided before the mask's Shape and Expand join ``extra``
+    stands_for = covered if extra else [*covered, key_transpose]
+    if mask:
+        mask = _mask_over_keys(graph, symbols(), mask, scores.inputs[1], key, softmax.name, extra)
+    inputs = [scores.inputs[0], key, out.inputs[1]] + ([mask] if mask else [])
+    attention = Node("Attention", inputs, [out.outputs[0]], {"scale": float(scale)}, f"{softmax.name}_attention",
+                     "", 23, origins(sorted(stands_for, key=graph.nodes.index)))
+    return [*extra, attention], [key_transpose, *covered]
+
+
 def fuse_attention(graph: Graph) -> int:
     """Replace every matching attention block by an ``Attention`` node; returns how many."""
     uses = Uses(graph)
-    sym: Symbols | None = None
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    added: list[tuple[Node, Node]] = []  # (new Transpose, the node it must precede)
-    for softmax in list(graph.nodes):
-        if not is_op(softmax, "Softmax") or softmax.attr("axis", -1 if softmax.opset >= 13 else 1) not in (-1, 3):
-            continue
-        out = uses.sole_reader(softmax.outputs[0])
-        if not is_op(out, "MatMul") or out.inputs[0] != softmax.outputs[0] or not _four_d(graph, uses, out.inputs[1]):
-            continue
-        covered, mask, tensor = [softmax, out], "", softmax.inputs[0]
-        node = uses.producers.get(tensor)
-        if is_op(node, "Where") and uses.sole_reader(tensor) is softmax:
-            fill = scalar(graph, node.inputs[2])
-            if fill is None or fill > MASKED:
-                continue
-            covered.append(node)
-            mask, tensor = node.inputs[0], node.inputs[1]
-            node = uses.producers.get(tensor)
-        elif is_op(node, "Add") and uses.sole_reader(tensor) is softmax:
-            sides = _scores_side(graph, uses, node)
-            if sides is None:
-                continue
-            covered.append(node)
-            tensor, mask = sides
-            node = uses.producers.get(tensor)
-        scale = 1.0
-        if is_op(node, "Mul", "Div") and uses.sole_reader(tensor) is not None:
-            constant = next((i for i in node.inputs if scalar(graph, i) is not None), None)
-            operand = other_input(node, constant) if constant else None
-            if operand is None or (node.op_type == "Div" and node.inputs[1] != constant) or not scalar(graph, constant):
-                continue
-            value = scalar(graph, constant)
-            scale = value if node.op_type == "Mul" else 1.0 / value
-            covered.append(node)
-            tensor = operand
-            node = uses.producers.get(tensor)
-        if not is_op(node, "MatMul") or uses.sole_reader(tensor) is None or not _four_d(graph, uses, node.inputs[0]):
-            continue
-        extra: list[Node] = []
-        key = _key(graph, uses, node.inputs[1], extra)
-        if key is None or any(id(n) in removed for n in covered + [node]):
-            continue
-        key_transpose = uses.producers[node.inputs[1]]  # replaced by ``extra`` (which keeps its origin) if any
-        covered += [node] + ([] if extra else [key_transpose])
-        if mask:
-            sym = sym or symbolic_shapes(graph)
-            mask = _mask_over_keys(graph, sym, mask, node.inputs[1], key, softmax.name, extra)
-        inputs = [node.inputs[0], key, out.inputs[1]] + ([mask] if mask else [])
-        attention = Node("Attention", inputs, [out.outputs[0]], {"scale": float(scale)}, f"{softmax.name}_attention",
-                         "", 23, origins(sorted(covered, key=graph.nodes.index)))
-        fused[id(out)] = attention
-        removed.update(id(n) for n in (*covered, key_transpose))
-        added += [(t, attention) for t in extra]
-    replace_nodes(graph, fused, removed)
-    for transpose, before in added:
-        graph.nodes.insert(graph.nodes.index(before), transpose)
-    return len(fused)
+    symbols = cache(partial(symbolic_shapes, graph))  # computed once, and only when a mask needs it
+    return fuse_matches(graph, ("Softmax",),
+                        lambda softmax, taken: _attention(graph, uses, symbols, softmax, taken))

@@ -60,17 +60,31 @@ def is_op(node: Node | None, *op_types: str) -> bool:
     return node is not None and node.op_type in op_types and node.domain in ("", "ai.onnx")
 
 
-def replace_nodes(graph: Graph, fused: dict[int, Node], removed: set[int]) -> None:
-    """Put each fused node where the node it is keyed by (id) was, drop ``removed`` nodes."""
-    graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in removed or id(n) in fused]
+#: what a match gives: (the fused node, or a run of nodes, that takes the place of the last covered node; every node
+#: the match covers, that one last)
+Match = tuple[Node | list[Node], list[Node]]
 
 
-def fuse_matches(graph: Graph, op_types: tuple[str, ...],
-                 match: Callable[[Node, set[int]], tuple[Node, list[Node]] | None], domain: str = "") -> int:
-    """For each node of ``op_types`` (in ``domain``: the standard one by default) no earlier match covered,
-    ``match(node, covered ids)`` gives (the fused node, the nodes it covers, the one it replaces last) or None; the
-    fused nodes go in place. Returns how many."""
-    fused: dict[int, Node] = {}
+def replace_nodes(graph: Graph, fused: dict[int, Node | list[Node]], removed: set[int]) -> None:
+    """Put each fused node (or run of nodes, in order) where the node it is keyed by (id) was, drop ``removed``
+    nodes."""
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        new = fused.get(id(node))
+        if new is not None:
+            nodes.extend(new if isinstance(new, list) else [new])
+        elif id(node) not in removed:
+            nodes.append(node)
+    graph.nodes = nodes
+
+
+def fuse_matches(graph: Graph, op_types: tuple[str, ...], match: Callable[[Node, set[int]], Match | None],
+                 domain: str = "") -> int:
+    """The fusion loop every rooted pattern pass shares: for each node of ``op_types`` (in ``domain``: the standard
+    one by default) in graph order that no earlier match covered, ``match(node, covered ids)`` gives a ``Match`` or
+    None (the ids let a pattern refuse nodes an earlier match took). The node list changes only at the end, so every
+    match sees the original one. Returns how many matches."""
+    fused: dict[int, Node | list[Node]] = {}
     removed: set[int] = set()
     for node in list(graph.nodes):
         of_type = node.op_type in op_types and node.domain == domain if domain else is_op(node, *op_types)
