@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from engine_core.ir import Graph, Node
-from engine_core.passes.pattern import Uses, is_op, other_input, replace_nodes, scalar
+from engine_core.passes.pattern import Match, Uses, fuse_matches, is_op, origins, other_input, scalar
 
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -110,22 +110,19 @@ def _match(graph: Graph, uses: Uses, erf: Node) -> tuple[str, list[Node], str] |
     return None
 
 
+def _gelu(graph: Graph, uses: Uses, erf: Node, taken: set[int]) -> Match | None:
+    """The ``Gelu`` node for the GELU around ``erf``, in the place of its last node in graph order; None when there is
+    none or an earlier match took one of its nodes."""
+    found = _match(graph, uses, erf)
+    if found is None or any(id(n) in taken for n in found[1]):
+        return None
+    x, nodes, output = found
+    node = Node("Gelu", [x], [output], {"approximate": "none" if erf.op_type == "Erf" else "tanh"}, f"{erf.name}_gelu",
+                "", 20, origins(nodes))
+    return node, sorted(nodes, key=graph.nodes.index)
+
+
 def fuse_gelu(graph: Graph) -> int:
     """Replace every erf- or tanh-form GELU by a ``Gelu`` node (opset 20); returns how many."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for erf in list(graph.nodes):
-        if not is_op(erf, "Erf", "Tanh"):
-            continue
-        match = _match(graph, uses, erf)
-        if match is None or any(id(n) in removed for n in match[1]):
-            continue
-        x, covered, output = match
-        last = max(covered, key=graph.nodes.index)
-        fused[id(last)] = Node("Gelu", [x], [output], {"approximate": "none" if erf.op_type == "Erf" else "tanh"},
-                               f"{erf.name}_gelu", "", 20,
-                               [o for n in covered for o in n.origin])
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("Erf", "Tanh"), lambda erf, taken: _gelu(graph, uses, erf, taken))

@@ -13,13 +13,14 @@ import numpy as np
 
 from engine_core.ir import Graph, Node
 from engine_core.passes.pattern import (
+    Match,
     Uses,
     as_vector,
+    fuse_matches,
     is_op,
     last_axis_mean,
     origins,
     other_input,
-    replace_nodes,
     scalar,
     squared,
     vector,
@@ -62,33 +63,31 @@ def _affine(graph: Graph, uses: Uses, tensor: str, op: str) -> tuple[Node, str, 
     return None if value is None else (node, name, value)
 
 
+def _layer_norm(graph: Graph, uses: Uses, mean: Node) -> Match | None:
+    """The ``LayerNormalization`` for the chain starting at ``mean`` (the first ReduceMean), in the place of its last
+    node; None without the chain or its gamma."""
+    match = _normalized(graph, uses, mean) if last_axis_mean(graph, mean) else None
+    if match is None:
+        return None
+    x, covered, eps = match
+    tail = covered[-1].outputs[0]
+    scale = _affine(graph, uses, tail, "Mul")
+    if scale is None:  # LayerNormalization needs a scale; without gamma there is no width to make one
+        return None
+    covered.append(scale[0])
+    tail = scale[0].outputs[0]
+    inputs = [x, as_vector(graph, scale[1], scale[2])]
+    shift = _affine(graph, uses, tail, "Add")
+    if shift is not None and shift[2].shape == scale[2].shape and shift[2].dtype == scale[2].dtype:
+        covered.append(shift[0])
+        tail = shift[0].outputs[0]
+        inputs.append(as_vector(graph, shift[1], shift[2]))
+    node = Node("LayerNormalization", inputs, [tail], {"axis": -1, "epsilon": eps},
+                f"{mean.name}_layernorm", "", 17, origins(covered))
+    return node, covered
+
+
 def fuse_layer_norm(graph: Graph) -> int:
     """Replace every decomposed layer normalization over the last axis; returns how many."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for mean in list(graph.nodes):
-        if not last_axis_mean(graph, mean) or id(mean) in removed:
-            continue
-        match = _normalized(graph, uses, mean)
-        if match is None:
-            continue
-        x, covered, eps = match
-        tail = covered[-1].outputs[0]
-        scale = _affine(graph, uses, tail, "Mul")
-        if scale is None:  # LayerNormalization needs a scale; without gamma there is no width to make one
-            continue
-        covered.append(scale[0])
-        tail = scale[0].outputs[0]
-        inputs = [x, as_vector(graph, scale[1], scale[2])]
-        shift = _affine(graph, uses, tail, "Add")
-        if shift is not None and shift[2].shape == scale[2].shape and shift[2].dtype == scale[2].dtype:
-            covered.append(shift[0])
-            tail = shift[0].outputs[0]
-            inputs.append(as_vector(graph, shift[1], shift[2]))
-        node = Node("LayerNormalization", inputs, [tail], {"axis": -1, "epsilon": eps},
-                    f"{mean.name}_layernorm", "", 17, origins(covered))
-        fused[id(covered[-1])] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("ReduceMean",), lambda mean, _: _layer_norm(graph, uses, mean))

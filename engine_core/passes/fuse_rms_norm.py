@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from engine_core.ir import Graph, Node
 from engine_core.passes.pattern import (
+    Match,
     Uses,
     as_vector,
+    fuse_matches,
     is_op,
     last_axis_mean,
     origins,
     other_input,
-    replace_nodes,
     scalar,
     squared,
     vector,
@@ -55,32 +56,30 @@ def _normalized(graph: Graph, uses: Uses, x: str, root: str) -> tuple[list[Node]
     return [inverse, mul], mul.outputs[0]
 
 
+def _rms_norm(graph: Graph, uses: Uses, square: Node, taken: set[int]) -> Match | None:
+    """The ``RMSNormalization`` for the chain starting at the squaring node, in the place of its gamma Mul; None
+    without the chain or when an earlier match took part of it."""
+    root = _root(graph, uses, square)
+    if root is None:
+        return None
+    x, covered, eps = root
+    found = _normalized(graph, uses, x, covered[-1].outputs[0])
+    if found is None:
+        return None
+    covered += found[0]
+    scale = uses.sole_reader(found[1])
+    gamma_name = other_input(scale, found[1]) or "" if is_op(scale, "Mul") else ""
+    gamma = vector(graph, gamma_name)
+    if gamma is None or any(id(n) in taken for n in covered):
+        return None
+    covered.append(scale)
+    node = Node("RMSNormalization", [x, as_vector(graph, gamma_name, gamma)],
+                [scale.outputs[0]], {"axis": -1, "epsilon": float(eps)}, f"{square.name}_rmsnorm", "", 23,
+                origins(covered))
+    return node, covered
+
+
 def fuse_rms_norm(graph: Graph) -> int:
     """Replace every decomposed RMS normalization over the last axis; returns how many."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for square in list(graph.nodes):
-        if not is_op(square, "Pow", "Mul") or id(square) in removed:
-            continue
-        root = _root(graph, uses, square)
-        if root is None:
-            continue
-        x, covered, eps = root
-        found = _normalized(graph, uses, x, covered[-1].outputs[0])
-        if found is None:
-            continue
-        covered += found[0]
-        scale = uses.sole_reader(found[1])
-        gamma_name = other_input(scale, found[1]) or "" if is_op(scale, "Mul") else ""
-        gamma = vector(graph, gamma_name)
-        if gamma is None or any(id(n) in removed for n in covered):
-            continue
-        covered.append(scale)
-        node = Node("RMSNormalization", [x, as_vector(graph, gamma_name, gamma)],
-                    [scale.outputs[0]], {"axis": -1, "epsilon": float(eps)}, f"{square.name}_rmsnorm", "", 23,
-                    origins(covered))
-        fused[id(scale)] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("Pow", "Mul"), lambda square, taken: _rms_norm(graph, uses, square, taken))
