@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.ir import Graph, Node
-from engine_core.passes.pattern import Uses, is_op, other_input, replace_nodes, scalar
+from engine_core.passes.pattern import Match, Uses, fuse_matches, is_op, origins, other_input, scalar
 
 _CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
@@ -43,43 +43,43 @@ def _activation(graph: Graph, node: Node) -> tuple[str, float, float] | None:
     return None
 
 
+def _fused_conv(graph: Graph, uses: Uses, conv: Node, taken: set[int]) -> Match | None:
+    """The ``FusedConv`` for ``conv`` (constant weight) with the bias Add, residual Add and activation after it that
+    it can absorb, in the place of its last node; None when there is nothing to absorb."""
+    if len(conv.inputs) < 2 or conv.inputs[1] not in graph.constants:
+        return None
+    weight = graph.constants[conv.inputs[1]]
+    bias = conv.inputs[2] if len(conv.inputs) > 2 and conv.inputs[2] else ""
+    covered, tail, residual = [conv], conv.outputs[0], ""
+    step = uses.sole_reader(tail)
+    if step is not None and id(step) in taken:  # already part of another fused layer
+        return None
+    if is_op(step, "Add") and not bias and (extra := _channel_bias(graph, other_input(step, tail) or "", weight)) \
+            is not None:
+        bias = graph.add_constant(f"{conv.name}_bias", extra)
+        covered.append(step)
+        tail = step.outputs[0]
+        step = uses.sole_reader(tail)
+    if is_op(step, "Add") and (other := other_input(step, tail)) and other not in graph.constants and other != tail:
+        residual = other
+        covered.append(step)
+        tail = step.outputs[0]
+        step = uses.sole_reader(tail)
+    activation = _activation(graph, step) if step is not None and id(step) not in taken else None
+    if activation is not None:
+        covered.append(step)
+        tail = step.outputs[0]
+    if len(covered) == 1:
+        return None
+    attrs = {k: v for k, v in conv.attrs.items() if k in _CONV_ATTRS}
+    name, alpha, beta = activation or ("", 0.0, 0.0)
+    attrs.update(activation=name, activation_alpha=alpha, activation_beta=beta)
+    node = Node("FusedConv", [conv.inputs[0], conv.inputs[1], bias, residual], [tail], attrs,
+                conv.name, "kiln", 1, origins(covered))
+    return node, covered
+
+
 def fuse_conv_epilogue(graph: Graph) -> int:
     """Fuse every eligible Conv chain in place; returns how many FusedConv layers were made."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for conv in list(graph.nodes):
-        if not is_op(conv, "Conv") or len(conv.inputs) < 2 or conv.inputs[1] not in graph.constants:
-            continue
-        weight = graph.constants[conv.inputs[1]]
-        bias = conv.inputs[2] if len(conv.inputs) > 2 and conv.inputs[2] else ""
-        covered, tail, residual = [conv], conv.outputs[0], ""
-        step = uses.sole_reader(tail)
-        if step is not None and id(step) in removed:  # already part of another fused layer
-            continue
-        if is_op(step, "Add") and not bias and (extra := _channel_bias(graph, other_input(step, tail) or "", weight)) \
-                is not None:
-            bias = graph.add_constant(f"{conv.name}_bias", extra)
-            covered.append(step)
-            tail = step.outputs[0]
-            step = uses.sole_reader(tail)
-        if is_op(step, "Add") and (other := other_input(step, tail)) and other not in graph.constants and other != tail:
-            residual = other
-            covered.append(step)
-            tail = step.outputs[0]
-            step = uses.sole_reader(tail)
-        activation = _activation(graph, step) if step is not None and id(step) not in removed else None
-        if activation is not None:
-            covered.append(step)
-            tail = step.outputs[0]
-        if len(covered) == 1:
-            continue
-        attrs = {k: v for k, v in conv.attrs.items() if k in _CONV_ATTRS}
-        name, alpha, beta = activation or ("", 0.0, 0.0)
-        attrs.update(activation=name, activation_alpha=alpha, activation_beta=beta)
-        node = Node("FusedConv", [conv.inputs[0], conv.inputs[1], bias, residual], [tail], attrs,
-                    conv.name, "kiln", 1, [o for n in covered for o in n.origin])
-        fused[id(covered[-1])] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("Conv",), lambda conv, taken: _fused_conv(graph, uses, conv, taken))

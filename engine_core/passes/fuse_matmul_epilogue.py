@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.ir import Graph, Node
-from engine_core.passes.pattern import Uses, as_vector, is_op, known_rank, other_input, replace_nodes
+from engine_core.passes.pattern import Match, Uses, as_vector, fuse_matches, is_op, known_rank, origins, other_input
 
 #: ONNX activation op -> FusedMatMul activation name
 _ACTIVATIONS = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh"}
@@ -44,50 +44,56 @@ def _swapped(uses: Uses, name: str) -> Node | None:
     return node if uses.sole_reader(name) is not None else None
 
 
+def _operands(graph: Graph, mm: Node) -> tuple[str, str, int, int, float, str, int] | None:
+    """(a, b, transA, transB, alpha, bias, output columns) of a Gemm or MatMul with a constant weight (2-D for a
+    MatMul, so the GEMM library's epilogue applies), else None."""
+    if is_op(mm, "Gemm"):
+        if mm.attr("beta", 1.0) != 1.0 or len(mm.inputs) < 2 or mm.inputs[1] not in graph.constants:
+            return None
+        trans_b = int(mm.attr("transB", 0))
+        columns = graph.constants[mm.inputs[1]].shape[0 if trans_b else 1]
+        bias = _bias(graph, mm.inputs[2], columns, 2) if len(mm.inputs) > 2 and mm.inputs[2] else ""
+        if bias is None:
+            return None
+        return mm.inputs[0], mm.inputs[1], int(mm.attr("transA", 0)), trans_b, float(mm.attr("alpha", 1.0)), bias, \
+            columns
+    if mm.inputs[1] in graph.constants and graph.constants[mm.inputs[1]].ndim == 2:
+        return mm.inputs[0], mm.inputs[1], 0, 0, 1.0, "", graph.constants[mm.inputs[1]].shape[1]
+    return None
+
+
+def _fused_matmul(graph: Graph, uses: Uses, mm: Node, taken: set[int]) -> Match | None:
+    """The ``FusedMatMul`` for ``mm`` with the bias Add, activation and operand Transpose around it that it can
+    absorb, in the place of its last node; None for a plain MatMul (nothing to gain) or a variable weight."""
+    operands = _operands(graph, mm)
+    if operands is None:
+        return None
+    a, b, trans_a, trans_b, alpha, bias, columns = operands
+    covered, tail = [mm], mm.outputs[0]
+    step = uses.sole_reader(tail)
+    out_rank = 2 if is_op(mm, "Gemm") else known_rank(graph, uses, a)
+    found = _bias(graph, other_input(step, tail) or "", columns, out_rank) if is_op(step, "Add") and not bias \
+        else None
+    if found:
+        bias = found
+        covered.append(step)
+        tail = step.outputs[0]
+        step = uses.sole_reader(tail)
+    activation = _activation(step)
+    if activation is not None:
+        covered.append(step)
+        tail = step.outputs[0]
+    if not trans_a and (transpose := _swapped(uses, a)) is not None and id(transpose) not in taken:
+        a, trans_a = transpose.inputs[0], 1  # Gemm's A is 2-D: its Transpose swaps the last two dims too
+        covered.insert(0, transpose)
+    elif len(covered) == 1 and not is_op(mm, "Gemm"):
+        return None  # a plain MatMul gains nothing
+    attrs = {"transA": trans_a, "transB": trans_b, "alpha": alpha, "activation": activation or ""}
+    node = Node("FusedMatMul", [a, b, bias], [tail], attrs, mm.name, "kiln", 1, origins(covered))
+    return node, covered
+
+
 def fuse_matmul_epilogue(graph: Graph) -> int:
     """Fuse every eligible MatMul/Gemm chain in place; returns how many FusedMatMul layers were made."""
     uses = Uses(graph)
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    for mm in list(graph.nodes):
-        if is_op(mm, "Gemm"):
-            if mm.attr("beta", 1.0) != 1.0 or len(mm.inputs) < 2 or mm.inputs[1] not in graph.constants:
-                continue
-            a, b = mm.inputs[0], mm.inputs[1]
-            trans_a, trans_b = int(mm.attr("transA", 0)), int(mm.attr("transB", 0))
-            alpha = float(mm.attr("alpha", 1.0))
-            columns = graph.constants[b].shape[0 if trans_b else 1]
-            bias = _bias(graph, mm.inputs[2], columns, 2) if len(mm.inputs) > 2 and mm.inputs[2] else ""
-            if bias is None:
-                continue
-        elif is_op(mm, "MatMul") and mm.inputs[1] in graph.constants and graph.constants[mm.inputs[1]].ndim == 2:
-            a, b, trans_a, trans_b, alpha, bias = mm.inputs[0], mm.inputs[1], 0, 0, 1.0, ""
-            columns = graph.constants[b].shape[1]
-        else:
-            continue
-        covered, tail = [mm], mm.outputs[0]
-        step = uses.sole_reader(tail)
-        out_rank = 2 if is_op(mm, "Gemm") else known_rank(graph, uses, a)
-        found = _bias(graph, other_input(step, tail) or "", columns, out_rank) if is_op(step, "Add") and not bias \
-            else None
-        if found:
-            bias = found
-            covered.append(step)
-            tail = step.outputs[0]
-            step = uses.sole_reader(tail)
-        activation = _activation(step)
-        if activation is not None:
-            covered.append(step)
-            tail = step.outputs[0]
-        if not trans_a and (transpose := _swapped(uses, a)) is not None and id(transpose) not in removed:
-            a, trans_a = transpose.inputs[0], 1  # Gemm's A is 2-D: its Transpose swaps the last two dims too
-            covered.insert(0, transpose)
-        elif len(covered) == 1 and not is_op(mm, "Gemm"):
-            continue  # a plain MatMul gains nothing
-        attrs = {"transA": trans_a, "transB": trans_b, "alpha": alpha, "activation": activation or ""}
-        node = Node("FusedMatMul", [a, b, bias], [tail], attrs, mm.name, "kiln", 1,
-                    [o for n in covered for o in n.origin])
-        fused[id(covered[-1])] = node
-        removed.update(id(n) for n in covered)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    return fuse_matches(graph, ("MatMul", "Gemm"), lambda mm, taken: _fused_matmul(graph, uses, mm, taken))
