@@ -14,7 +14,7 @@ from functools import cache
 import numpy as np
 
 from engine_core.ir import Graph, Node, Value
-from engine_core.passes.pattern import Uses, replace_nodes
+from engine_core.passes.pattern import Match, Uses, fuse_matches, origins
 from engine_core.types import np_to_onnx
 
 
@@ -73,9 +73,9 @@ def _external_inputs(group: list[Node]) -> list[str]:
     return list(seen)
 
 
-def fuse_pointwise_chain(graph: Graph) -> int:
-    """Group and replace every chain of two or more pointwise layers; returns how many chains were made."""
-    uses = Uses(graph)
+def _groups(graph: Graph, uses: Uses) -> list[list[Node]]:
+    """The chains, each in graph order: groups of two or more chainable layers, each layer joined to its reader's
+    group as described above."""
     group_of: dict[int, list[Node]] = {}
     for node in graph.nodes:  # topological order: a node's producers were seen before it
         if not _chainable(node, graph, uses):
@@ -91,25 +91,32 @@ def fuse_pointwise_chain(graph: Graph) -> int:
             group = candidate + group
         for member in group:
             group_of[id(member)] = group
-    fused: dict[int, Node] = {}
-    removed: set[int] = set()
-    done: set[int] = set()
-    for group in group_of.values():
-        if id(group) in done or len(group) < 2:
-            continue
-        done.add(id(group))
-        members = sorted(group, key=graph.nodes.index)
-        last = members[-1]
-        inputs = _external_inputs(members)
-        body = Graph(f"{last.name}_body", [Value(n, _dtype_hint(graph, n)) for n in inputs],
-                     [Value(last.outputs[0], _dtype_hint(graph, last.outputs[0]))], [_copy(n) for n in members], {},
-                     dict(graph.opsets))
-        node = Node("PointwiseChain", inputs, [last.outputs[0]], {"body": body}, last.name, "kiln", 1,
-                    [o for n in members for o in n.origin])
-        fused[id(last)] = node
-        removed.update(id(n) for n in members)
-    replace_nodes(graph, fused, removed)
-    return len(fused)
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    groups = {id(g): g for g in group_of.values()}.values()
+    return [sorted(g, key=lambda n: order[id(n)]) for g in groups if len(g) >= 2]
+
+
+def _chain(graph: Graph, members: list[Node]) -> Match:
+    """The ``PointwiseChain`` holding a chain's layers (copied, in graph order) as its body, in the place of its last
+    layer."""
+    last = members[-1]
+    inputs = _external_inputs(members)
+    body = Graph(f"{last.name}_body", [Value(n, _dtype_hint(graph, n)) for n in inputs],
+                 [Value(last.outputs[0], _dtype_hint(graph, last.outputs[0]))], [_copy(n) for n in members], {},
+                 dict(graph.opsets))
+    node = Node("PointwiseChain", inputs, [last.outputs[0]], {"body": body}, last.name, "kiln", 1, origins(members))
+    return node, members
+
+
+def fuse_pointwise_chain(graph: Graph) -> int:
+    """Group and replace every chain of two or more pointwise layers; returns how many chains were made."""
+    chains = {id(members[-1]): members for members in _groups(graph, Uses(graph))}  # by the layer each replaces
+
+    def match(node: Node, _: set[int]) -> Match | None:
+        members = chains.get(id(node))
+        return None if members is None else _chain(graph, members)
+
+    return fuse_matches(graph, (*chain_ops()[0], "QuantizeLinear", "DequantizeLinear"), match)
 
 
 def _copy(node: Node) -> Node:
