@@ -72,6 +72,19 @@ def test_conv_batchnorm_folding_graph_and_numbers(rng):
     np.testing.assert_allclose(ctx.infer({"x": x})["y"], ort_run(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
 
 
+def test_conv_batchnorm_folding_keeps_a_conv_output_that_a_branch_reads():
+    """An If/Loop body reading the conv's output is a second reader: folding would take that tensor away."""
+    model = models.small_cnn()
+    branch = lambda out: helper.make_graph([helper.make_node("Identity", ["c1"], [out])], out, [],  # noqa: E731
+                                           [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+    model.graph.node.append(helper.make_node("If", ["c"], ["z"], then_branch=branch("t"), else_branch=branch("e")))
+    model.graph.input.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    graph = parsed_graph(model)
+    assert fold_conv_batchnorm(graph) == 0
+    assert [n.op_type for n in graph.nodes][:2] == ["Conv", "BatchNormalization"]
+
+
 def test_shape_inference_propagates_shape_values():
     """Shape -> Reshape with a computed target resolves to a concrete shape (value propagation)."""
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"]),
