@@ -110,14 +110,21 @@ class InflightTracker:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        self._count += 1
-        self._idle.clear()
+        self.enter()
         try:
             yield
         finally:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.set()
+            self.leave()
+
+    def enter(self) -> None:
+        """One more request in flight (`leave` once it is answered or abandoned)."""
+        self._count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._idle.set()
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """True when idle within `timeout` seconds (None: wait as long as it takes)."""

@@ -35,13 +35,14 @@ class UvicornServer(uvicorn.Server):
 
 
 def make_uvicorn(app, host: str, port: int, name: str, graceful_s: float,
-                 tls: TlsSettings | None = None) -> UvicornServer:
-    """A uvicorn server for `app`; over TLS (uvicorn's ssl_* options) when `tls` is given."""
+                 tls: TlsSettings | None = None, protocol: type | None = None) -> UvicornServer:
+    """A uvicorn server for `app`; over TLS (uvicorn's ssl_* options) when `tls` is given; `protocol`: the HTTP
+    protocol class per connection (default: uvicorn's choice)."""
     ssl_options = {} if tls is None else {
         "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.root,
         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(int(graceful_s), 1), **ssl_options)
+                            timeout_graceful_shutdown=max(int(graceful_s), 1), http=protocol or "auto", **ssl_options)
     server = UvicornServer(config)
     server.name = name  # type: ignore[attr-defined]
     server.tls = tls  # type: ignore[attr-defined]
@@ -109,6 +110,7 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
     """HTTP (when allowed) and gRPC (when allowed) over `core`; raises OSError when a port cannot be had.
     `reuse_port`: listen with SO_REUSEPORT (frontend processes sharing the ports)."""
     from server.frontends.http import create_app
+    from server.frontends.http.protocol import InferRoute, protocol_for
 
     limits = limits_from_args(args)
     http_restricted, grpc_restricted = restrictions_from_args(args)
@@ -117,7 +119,7 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
     if args.allow_http:
         app = create_app(core, limits, limiter, http_restricted)
         server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s,
-                              http_tls)
+                              http_tls, protocol_for(InferRoute(core, app, lifecycle)))
         sockets = [reuse_port_socket(args.host, args.http_port)] if reuse_port else None
         listeners.servers.append(server)
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))

@@ -36,6 +36,14 @@ GROUPABLE_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 Answer = Callable[[Any, BaseException | None], None]
 
 
+def outcome(done: asyncio.Future) -> tuple[Any, BaseException | None]:
+    """A finished future as an `Answer`'s arguments: (value, None), (None, error), or (None, CancelledError())."""
+    if done.cancelled():
+        return None, asyncio.CancelledError()
+    error = done.exception()
+    return (None, error) if error is not None else (done.result(), None)
+
+
 def settle(answer: asyncio.Future, value: Any, error: BaseException | None) -> None:
     """Answer a caller's future the way an `Answer` is told, unless the caller gave up meanwhile."""
     if answer.done():

@@ -43,7 +43,17 @@ from typing import Any
 import numpy as np
 
 from .errors import ErrorKind, ServerError, unavailable
-from .grouping import Answer, MemberResults, concatenate, group_key, rows, run_members, settle, split_response
+from .grouping import (
+    Answer,
+    MemberResults,
+    concatenate,
+    group_key,
+    outcome,
+    rows,
+    run_members,
+    settle,
+    split_response,
+)
 from .limits import InflightLimiter
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
@@ -512,9 +522,39 @@ class RemoteCore:
     async def infer(self, request: InferRequest) -> InferResponse:
         """One inference request. Requests alike in all but their rows that arrive in one turn of the event loop
         go to the core as one message (server/core/grouping.py); each caller still gets its own response."""
+        member = self._join_group(request)
+        if member is None:
+            return await self.call("infer", request)
+        try:
+            return await member.answer
+        except asyncio.CancelledError:
+            self._withdraw(member)
+            raise
+
+    def submit_infer(self, request: InferRequest, reply: Answer) -> asyncio.Future:
+        """`ServerCore.submit_infer` from a frontend process: `reply` is called once, on the event loop (with a
+        CancelledError when the returned future is cancelled, which also withdraws the request from the core).
+        Why: the frontends answer from this callback instead of a task per request, as the core process does."""
+        member = self._join_group(request)
+        if member is None:
+            task = asyncio.ensure_future(self.call("infer", request))
+            task.add_done_callback(lambda done: reply(*outcome(done)))
+            return task
+
+        def answered(done: asyncio.Future) -> None:
+            if done.cancelled():
+                self._withdraw(member)
+            reply(*outcome(done))
+
+        member.answer.add_done_callback(answered)
+        return member.answer
+
+    def _join_group(self, request: InferRequest) -> _Member | None:
+        """`request` as a member of this loop turn's group for its key (sent by `_send_groups`); None when it
+        cannot be grouped (per-request options) or the core is not connected: it then goes as a call of its own."""
         key = group_key(request)
         if key is None or self._lost is not None or self._connection is None:
-            return await self.call("infer", request)
+            return None
         member = _Member(request, asyncio.get_running_loop().create_future())
         members = self._groups.get(key)
         if members is None:
@@ -522,11 +562,7 @@ class RemoteCore:
             if len(self._groups) == 1:
                 asyncio.get_running_loop().call_soon(self._send_groups)
         members.append(member)
-        try:
-            return await member.answer
-        except asyncio.CancelledError:
-            self._withdraw(member)
-            raise
+        return member
 
     def _send_groups(self) -> None:
         """Every group gathered during the last turn of the event loop to the core: one call per group (a group

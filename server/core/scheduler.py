@@ -82,7 +82,9 @@ class Execution:
 
 #: fast executions in a row before a model's executions run on the event loop (Workers.runs_inline)
 INLINE_AFTER = 32
-#: how fast "fast" is, for CPU-backend models (measured in the worker thread, lock waits included)
+#: how fast "fast" is, for CPU-backend models, in the executing thread's CPU time: wall time counted a worker
+#: thread's waits for the interpreter lock beside a busy event loop, and any preemption of a busy machine, so under
+#: load executions looked slow, rarely went inline, and every batch paid for the hand-off (docs/performance.md)
 INLINE_BELOW_NS = 1_000_000
 
 # Raised by the engine before it runs anything, about the request itself: the context is still sound.
@@ -126,7 +128,7 @@ class Workers:
         return bool(self.inline_below_ns) and self._slow == 0
 
     def timed(self, duration_ns: int) -> None:
-        """Note one execution's duration (`runs_inline` goes back to threads after any slow one)."""
+        """Note one execution's CPU time (`runs_inline` goes back to threads after any slow one)."""
         if duration_ns >= self.inline_below_ns:
             self._slow = INLINE_AFTER
         elif self._slow:
@@ -149,9 +151,10 @@ class Workers:
 
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
+            started = time.thread_time_ns()
             outputs, input_ns, infer_ns = go()
             if self.inline_below_ns:
-                self.timed(input_ns + infer_ns)
+                self.timed(time.thread_time_ns() - started)
         except REQUEST_ERRORS as e:
             return Execution(context, error=e)
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them

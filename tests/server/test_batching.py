@@ -214,7 +214,9 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
         threads.append(threading.current_thread().name)
         if slow.is_set():
             slow.clear()
-            time.sleep(0.02)
+            started = time.thread_time()
+            while time.thread_time() - started < 0.02:  # 20 ms of CPU (what counts: a sleep would not)
+                pass
         return {"Y": inputs["X"] + 1}
 
     async def run() -> None:
@@ -229,9 +231,33 @@ def test_fast_executions_move_onto_the_event_loop_and_a_slow_one_moves_them_back
         assert threads[-1] == loop_thread  # then on the loop
         batcher.workers.inline_below_ns = 1_000_000
         slow.set()
-        await batcher.submit(job(0.0))  # runs inline, and takes too long (20 ms)
+        await batcher.submit(job(0.0))  # runs inline, and computes too long (20 ms)
         await batcher.submit(job(0.0))
         assert threads[-2] == loop_thread and threads[-1] != loop_thread
+        batcher.close()
+
+    asyncio.run(run())
+
+
+def test_waits_in_a_worker_thread_do_not_count_as_slow():
+    """Executions are timed by their CPU time: in a worker thread beside a busy event loop most of the wall time is
+    spent waiting for the interpreter lock (here: a sleep), which running inline would not pay."""
+    from server.core.scheduler import INLINE_AFTER
+
+    threads: list[str] = []
+
+    def execute(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.003)  # over the 1 ms threshold in wall time, not in CPU time
+        return {"Y": inputs["X"] + 1}
+
+    async def run() -> None:
+        batcher = DynamicBatcher([object()], execute, "inline-test", settings(""))
+        batcher.workers.inline_below_ns = 1_000_000
+        for i in range(INLINE_AFTER + 1):
+            await batcher.submit(job(float(i)))
+        assert threads[-1] == threading.current_thread().name and threads[0] != threads[-1]
         batcher.close()
 
     asyncio.run(run())

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from server.core.errors import ServerError
-from server.core.grouping import Answer
+from server.core.grouping import Answer, outcome
 from server.core.limits import check_load_request
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
@@ -89,7 +89,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 pass  # _infer raises it again, after the model lookup that decides between NOT_FOUND and it
         if converted is None:
             task = asyncio.ensure_future(self._infer(request))
-            task.add_done_callback(lambda done: reply(*_outcome(done)))
+            task.add_done_callback(lambda done: reply(*outcome(done)))
             return task
 
         def converted_reply(response: Any, error: BaseException | None) -> None:
@@ -217,13 +217,6 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         updates = {key: convert.oneof_value(value) for key, value in request.settings.items()}
         settings = await self._core.log_settings(updates)
         return convert.log_settings_to_proto(settings)
-
-
-def _outcome(task: asyncio.Future) -> tuple[Any, BaseException | None]:
-    if task.cancelled():
-        return None, asyncio.CancelledError()
-    error = task.exception()
-    return (None, error) if error is not None else (task.result(), None)
 
 
 def add_to_server(core, options: GrpcOptions, server) -> None:

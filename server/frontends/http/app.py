@@ -1,4 +1,4 @@
-"""The HTTP frontend factory: FastAPI routers + error handlers over one `ServerCore`, behind the guard and the inference fast path."""
+"""The HTTP frontend factory: FastAPI routers + error handlers over one `ServerCore`, behind the guard."""
 
 from __future__ import annotations
 
@@ -9,19 +9,17 @@ from server.core import ServerCore
 from server.core.limits import InflightLimiter, RequestLimits
 
 from .errors import install_error_handlers
-from .fastpath import ASGIApp, InferFastPath
 from .guard import GuardMiddleware
 from .routers import ALL
 
 
 def create_app(core: ServerCore, limits: RequestLimits | None = None, limiter: InflightLimiter | None = None,
-               restricted: RestrictedApi | None = None) -> ASGIApp:
+               restricted: RestrictedApi | None = None) -> GuardMiddleware:
     """The HTTP/REST frontend (KServe v2 + Triton extensions) for `core`; the caller owns the core's lifecycle.
 
     `limiter` is shared with the gRPC frontend so `--max-inflight-requests` bounds both together. The result is
-    the FastAPI app behind `GuardMiddleware` (auth, size, admission) and the inference fast path, both outside
-    it: inside, every inference request also crossed Starlette's and FastAPI's own middleware (error, telemetry
-    and body-limit layers), ~9% of the event loop's time on the CPU (docs/performance.md).
+    the FastAPI app behind `GuardMiddleware` (auth, size, admission). Inference requests mostly do not come
+    through here: the HTTP protocol answers them itself with the guard's checks (`protocol.py`).
     """
     import engine_core as kiln
 
@@ -33,5 +31,5 @@ def create_app(core: ServerCore, limits: RequestLimits | None = None, limiter: I
     for router in ALL:
         app.include_router(router)
     install_error_handlers(app)
-    return GuardMiddleware(InferFastPath(app, core=core, limits=limits), limits=limits, limiter=limiter,
+    return GuardMiddleware(app, limits=limits, limiter=limiter,
                            restricted=restricted or RestrictedApi())

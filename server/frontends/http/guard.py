@@ -53,16 +53,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         group = http_group(scope.get("path", ""))
-        headers = _headers(scope)
-        try:
-            self.restricted.check(group, headers)
-        except ServerError as error:
-            await _refuse(send, restricted_refusal(self.restricted, group, error, "API"))
-            return
-        try:
-            self._check_declared_length(headers)
-        except ServerError as error:
-            await _refuse(send, error)
+        refusal = self.refusal(group, _headers(scope))
+        if refusal is not None:
+            await _refuse(send, refusal)
             return
         if self.limits.max_body_bytes is not None:
             receive = self._counting(receive, self.limits.max_body_bytes)
@@ -78,6 +71,20 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.limiter.release()
+
+    def refusal(self, group: str, headers: dict[str, str]) -> ServerError | None:
+        """What is refused before a byte of the body is read: a restricted API group without its credential
+        (`headers` has lower-case names), a declared Content-Length over the limit. The HTTP protocol's own
+        inference road (`protocol.py`) asks this too."""
+        try:
+            self.restricted.check(group, headers)
+        except ServerError as error:
+            return restricted_refusal(self.restricted, group, error, "API")
+        try:
+            self._check_declared_length(headers)
+        except ServerError as error:
+            return error
+        return None
 
     def _check_declared_length(self, headers: dict[str, str]) -> None:
         declared = headers.get("content-length")

@@ -39,7 +39,8 @@ _DOC = {"requestBody": {"content": {"application/json": {"schema": InferRequestB
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_model=InferResponseBody,
              openapi_extra=_DOC)
 async def infer(core: CoreDep, request: Request, model_name: str, model_version: str = "") -> Response:
-    """FastAPI's route (OpenAPI docs, and any request the fast path in `fastpath.py` leaves to the router)."""
+    """FastAPI's route (OpenAPI docs, and the requests the protocol's own inference road leaves to ASGI:
+    `Expect: 100-continue`, pipelined behind another request, percent-encoded paths; `protocol.py`)."""
     outcome = await run_infer(core, request.app.state.limits, await request.body(), request.headers.get,
                               model_name, model_version, lambda: wait_for_disconnect(request.receive))
     if outcome is None:  # nobody is listening any more
@@ -56,34 +57,38 @@ class InferOutcome:
     headers: dict[str, str]
 
 
-async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header: Callable[[str], str | None],
-                    model_name: str, model_version: str,
-                    disconnected: Callable[[], Awaitable[None]]) -> InferOutcome | None:
-    """One inference request from its raw body and headers (`header` looks a name up case-insensitively) to the
-    response body; None when the client went away first. Raises ServerError for every client-visible failure.
-    The route and the fast path (`fastpath.py`) both run this, so they behave the same."""
+class UnparsedBody(Exception):
+    """The request's JSON header did not decode (`error` says why). Triton looks the model up before it parses
+    the body, so an unknown model answers 404 whatever else is wrong: the caller asks `core.model_metadata`
+    first, and answers `error` when the model is there."""
+
+    def __init__(self, error: ServerError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def read_infer_request(limits: RequestLimits, raw: bytes, header: Callable[[str], str | None], model_name: str,
+                       model_version: str) -> InferRequest:
+    """The request in `raw` (its body) and headers (`header` looks a name up case-insensitively): decompressed,
+    size-checked and decoded. Raises ServerError, or `UnparsedBody` when the JSON header did not decode."""
     body = decompress(raw, header("content-encoding"), limits.decompressed_limit(len(raw)),
                       limits.decompression_refusal)
     header_length = header(HEADER_LENGTH)
-    raw_binary = is_raw_binary(header_length)
-    if raw_binary:
+    if is_raw_binary(header_length):
         limits.check_raw_input_size(len(body))
-        infer_request = InferRequest(model_name, [], model_version, raw_input=body)
-    else:
-        length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
-        limits.check_json_size(len(body) if length is None else min(length, len(body)))
-        try:
-            infer_request = decode_request(body, header_length, model_name, model_version)
-        except ServerError:
-            # Triton looks the model up before it parses the body: an unknown model is 404 whatever else is wrong
-            # (model_metadata raises exactly that; asked only on this error path)
-            await core.model_metadata(model_name, model_version)
-            raise
-    response = await _infer_unless_disconnected(core, infer_request, disconnected)
-    if response is None:
-        return None
+        return InferRequest(model_name, [], model_version, raw_input=body)
+    length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
+    limits.check_json_size(len(body) if length is None else min(length, len(body)))
+    try:
+        return decode_request(body, header_length, model_name, model_version)
+    except ServerError as e:
+        raise UnparsedBody(e) from None
+
+
+def infer_outcome(request: InferRequest, response: InferResponse, header: Callable[[str], str | None]) -> InferOutcome:
+    """The answer to `request`: the response encoded (binary where asked), compressed as the client accepts."""
     # A raw binary request has no JSON that could ask for JSON outputs: Triton sends every output binary.
-    binary_default = raw_binary or bool(infer_request.parameters.get("binary_data_output", False))
+    binary_default = request.raw_input is not None or bool(request.parameters.get("binary_data_output", False))
     content, header_length = encode_response(response, binary_default)
     headers = {}
     if header_length is not None:
@@ -94,6 +99,23 @@ async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header:
         headers["Content-Encoding"] = encoding
     media_type = "application/octet-stream" if header_length is not None else "application/json"
     return InferOutcome(content, media_type, headers)
+
+
+async def run_infer(core: ServerCore, limits: RequestLimits, raw: bytes, header: Callable[[str], str | None],
+                    model_name: str, model_version: str,
+                    disconnected: Callable[[], Awaitable[None]]) -> InferOutcome | None:
+    """One inference request from its raw body and headers to the response body; None when the client went away
+    first. Raises ServerError for every client-visible failure. The route runs this; the HTTP protocol's own
+    inference road (`protocol.py`) runs the same two halves, `read_infer_request` and `infer_outcome`."""
+    try:
+        infer_request = read_infer_request(limits, raw, header, model_name, model_version)
+    except UnparsedBody as unparsed:
+        await core.model_metadata(model_name, model_version)
+        raise unparsed.error from None
+    response = await _infer_unless_disconnected(core, infer_request, disconnected)
+    if response is None:
+        return None
+    return infer_outcome(infer_request, response, header)
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
