@@ -168,6 +168,12 @@ class SharedMemory:
                               f"the {nbytes} bytes of a {np.dtype(dtype)} tensor of shape {list(shape)}")
             return region.ipc.view(offset, shape, dtype)  # type: ignore[union-attr]
 
+    def is_cuda(self, name: str) -> bool:
+        """Whether `name` is a registered CUDA region: device memory, which the response cache leaves alone."""
+        with self._lock:
+            region = self._regions.get(name)
+            return region is not None and region.kind == CUDA
+
     def write(self, name: str, offset: int, byte_size: int, data: bytes) -> None:
         """Write `data` into a span of `byte_size` bytes; INVALID_ARGUMENT if it does not fit."""
         if len(data) > byte_size:

@@ -76,6 +76,21 @@ class ModelStatistics:
             batch["compute_output"].add(times.compute_output_ns)
             self.execution_count += 1
 
+    def record_cache_hit(self, total_ns: int, queue_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache, counted as Triton counts one (infer_stats.cc
+        UpdateSuccessCacheHit): success and queue (the time before the lookup), cache_hit (the lookup); no
+        inference, execution or compute time, since the model did not run."""
+        with self._lock:
+            self.inference["success"].add(total_ns)
+            self.inference["queue"].add(queue_ns)
+            self.inference["cache_hit"].add(lookup_ns)
+
+    def record_cache_miss(self, ns: int) -> None:
+        """A request the model ran and whose response went into the cache: `ns` is its lookup plus insertion
+        (Triton's UpdateSuccessCacheMiss); its success is recorded as usual."""
+        with self._lock:
+            self.inference["cache_miss"].add(ns)
+
     def record_failure(self, total_ns: int, requests: int = 1) -> None:
         with self._lock:
             self.inference["fail"].add(total_ns * requests, requests)
