@@ -12,6 +12,8 @@ infer_stats.cc; the `local` cache, triton-inference-server/local_cache) and Kiln
   outputs; what a request asks for on top (classification, system shared memory) is applied to each answer.
 - Full, the cache evicts its least recently used entries until the new one fits; an entry larger than the whole
   cache is not stored (a warning per model). Inserting a key already there stores nothing and counts no miss.
+- Kiln forgets a model's entries when it is loaded again or unloaded (`forget`): a reloaded version 1 may run
+  another model file. Triton's cache API has no removal, so Triton keeps answering from the old entries.
 
 Statistics and metrics (server/core/statistics.py, server/metrics.py) are counted by the core; this module keeps
 the cache-wide counters Triton's local cache reports (`nv_cache_*` gauges).
@@ -154,7 +156,8 @@ class ResponseCache:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._entries: OrderedDict[bytes, tuple[dict[str, np.ndarray], int]] = OrderedDict()  # oldest use first
+        #: key -> (outputs, bytes, model), oldest use first
+        self._entries: OrderedDict[bytes, tuple[dict[str, np.ndarray], int, str]] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._lookups = self._hits = self._evictions = 0
@@ -179,8 +182,8 @@ class ResponseCache:
         return Lookup(key, None if entry is None else entry[0], t1 - t0, t2 - t1)
 
     def insert(self, key: bytes, outputs: Mapping[str, np.ndarray], model: str = "") -> str:
-        """Store copies of `outputs` (read-only, so no answer can change them) under `key`, evicting the least
-        recently used entries until they fit. Returns an `InsertResult`."""
+        """Store copies of `outputs` (read-only, so no answer can change them) under `key` as an entry of `model`,
+        evicting the least recently used entries until they fit. Returns an `InsertResult`."""
         t0 = time.perf_counter_ns()
         try:
             with self._lock:
@@ -195,15 +198,23 @@ class ResponseCache:
                 if key in self._entries:
                     return InsertResult.EXISTS
                 while self._used + nbytes > self.size:
-                    _, (_, freed) = self._entries.popitem(last=False)
+                    _, (_, freed, _) = self._entries.popitem(last=False)
                     self._used -= freed
                     self._evictions += 1
-                self._entries[key] = (stored, nbytes)
+                self._entries[key] = (stored, nbytes, model)
                 self._used += nbytes
             return InsertResult.STORED
         finally:
             with self._lock:
                 self._insertion_ns += time.perf_counter_ns() - t0
+
+    def forget(self, model: str) -> int:
+        """Drop every entry of `model` (loaded again or unloaded: its answers may differ now); returns how many."""
+        with self._lock:
+            keys = [key for key, (_, _, owner) in self._entries.items() if owner == model]
+            for key in keys:
+                self._used -= self._entries.pop(key)[1]
+            return len(keys)
 
     def counters(self) -> CacheCounters:
         with self._lock:
