@@ -148,7 +148,7 @@ class GrpcServer:
             return
         options = self.options
         response_encoding = None
-        if options.compression != "none" and accept and options.compression in accept.split(","):
+        if options.compression != "none" and accept and options.compression in (name.strip() for name in accept.split(",")):
             response_encoding = options.compression
         handler = self._handler(path or "", stream)
         call = Call(stream, path or "", handler, MessageReader(encoding, options.max_message_size),
