@@ -207,9 +207,60 @@ FIELDS: dict[str, Rule] = {
     "dynamic_batching.priority_queue_policy.default_timeout_microseconds": honoured("batcher._policy"),
     "dynamic_batching.priority_queue_policy.allow_timeout_override": honoured("batcher._policy"),
     "dynamic_batching.priority_queue_policy.max_queue_size": honoured("batcher._policy"),
-    "sequence_batching": refused(f"{_NOT_YET} sequence batching (stateful models: sequence ids, control inputs, "
-                                 "implicit state). Remove sequence_batching to serve the model with every request "
-                                 "independent, or keep the model on Triton", whole=True),
+    "sequence_batching": honoured("present, requests run through the sequence batcher (model._scheduler, "
+                                  "server/core/sequence.py): correlation IDs, slots, control inputs, implicit state"),
+    "sequence_batching.direct": honoured("the direct strategy, the default: one slot per batch row "
+                                         "(sequence.DirectSequenceBatcher)"),
+    "sequence_batching.direct.max_queue_delay_microseconds": honoured(
+        "with minimum_slot_utilization, how long a batch waits for more slots (sequence.DirectSequenceBatcher)"),
+    "sequence_batching.direct.minimum_slot_utilization": honoured(
+        "share of ready slots that starts a batch before the queue delay (sequence.DirectSequenceBatcher)"),
+    "sequence_batching.oldest": honoured("the oldest strategy: the next request of each sequence goes to a dynamic "
+                                         "batcher (sequence.OldestSequenceBatcher)"),
+    "sequence_batching.oldest.max_candidate_sequences": honoured("sequence slots per instance "
+                                                                 "(sequence_config._strategy)"),
+    "sequence_batching.oldest.preferred_batch_size": honoured("the batcher's preferred sizes; default "
+                                                              "[max_batch_size] (model_config, batcher)"),
+    "sequence_batching.oldest.max_queue_delay_microseconds": honoured("how long a batch may wait to fill "
+                                                                      "(batcher.BatchingSettings)"),
+    "sequence_batching.oldest.preserve_ordering": refused(
+        f"{_NOT_YET} holding responses back to keep request order: each response is sent when its batch ends "
+        "(requests of one sequence run in order either way). Remove preserve_ordering"),
+    "sequence_batching.max_sequence_idle_microseconds": honoured("an idle sequence's slot and state are released; "
+                                                                 "default 1 s (sequence.SequenceBatcher)"),
+    "sequence_batching.control_input": honoured("tensors the batcher fills per batch row (sequence_config)"),
+    "sequence_batching.control_input.name": honoured("a graph input; not a client input "
+                                                     "(sequence_config._check_against_graph)"),
+    "sequence_batching.control_input.control": honoured("sequence_config._bool_control, _corrid_control"),
+    "sequence_batching.control_input.control.kind": honoured("START, END, READY and CORRID "
+                                                             "(sequence_config.SequenceSettings.controls)"),
+    "sequence_batching.control_input.control.int32_false_true": honoured("sequence_config.BoolControl"),
+    "sequence_batching.control_input.control.fp32_false_true": honoured("sequence_config.BoolControl"),
+    "sequence_batching.control_input.control.bool_false_true": honoured("sequence_config.BoolControl"),
+    "sequence_batching.control_input.control.data_type": honoured("CORRID's type: UINT64, INT64, UINT32, INT32 or "
+                                                                  "STRING (sequence_config.CorridControl)"),
+    "sequence_batching.state": honoured("implicit state kept per sequence between steps (sequence_config.StateSpec, "
+                                        "sequence.SequenceBatcher)"),
+    "sequence_batching.state.input_name": honoured("the graph input the state is fed to"),
+    "sequence_batching.state.output_name": honoured("the graph output that becomes the next step's state"),
+    "sequence_batching.state.data_type": honoured("checked against the graph (sequence_config._check_against_graph)"),
+    "sequence_batching.state.dims": honoured("the state's shape; variable dims start at 1 (sequence_config._state)"),
+    "sequence_batching.state.initial_state": honoured("the state at START; without it zeros "
+                                                      "(sequence_config._initial_value)"),
+    "sequence_batching.state.initial_state.data_type": honoured("must equal the state's "
+                                                                "(sequence_config._initial_value)"),
+    "sequence_batching.state.initial_state.dims": honoured("sequence_config._initial_value"),
+    "sequence_batching.state.initial_state.zero_data": honoured("sequence_config._initial_value"),
+    "sequence_batching.state.initial_state.data_file": honoured("raw bytes from <model>/initial_state/ "
+                                                                "(sequence_config._initial_value)"),
+    "sequence_batching.state.initial_state.name": honoured("required, as in Triton (sequence_config._initial_value)"),
+    "sequence_batching.state.use_same_buffer_for_input_output": honoured(
+        "Kiln keeps the array the model wrote as the next input, without copies, either way"),
+    "sequence_batching.state.use_growable_memory": refused(
+        f"{_NOT_YET} growable state memory (a GPU memory feature; Kiln keeps states as host arrays). Remove "
+        "use_growable_memory"),
+    "sequence_batching.iterative_sequence": refused(
+        f"{_NOT_YET} iterative sequences (a decoupled model re-running one request). Remove iterative_sequence"),
     "ensemble_scheduling": partly('honoured for platform "ensemble" (server/core/ensemble.py); refused with any '
                                   "other platform", lambda _, config: config.platform == "ensemble",
                                   'ensemble_scheduling is only for platform "ensemble". Remove it, or set platform: '

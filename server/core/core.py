@@ -848,8 +848,10 @@ def _execution_error(model: ModelVersion, error: Exception) -> Exception:
 def _device_io(model: ServedModel) -> bool:
     """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
     models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch).
-    Ensembles read and write them through the host for now."""
-    return isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
+    Ensembles and sequence models (whose batcher stacks rows with their controls and state) read and write them
+    through the host for now."""
+    return (isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
+            and model.sequence is None)
 
 
 def unknown_model(name: str) -> str:

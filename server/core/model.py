@@ -37,6 +37,8 @@ from .model_config import (
     model_shape,
 )
 from .scheduler import INLINE_BELOW_NS, DirectScheduler, Executor, Scheduler, Workers
+from .sequence import sequence_batcher
+from .sequence_config import SequenceSettings, sequence_settings, server_filled_inputs
 from .statistics import ExecutionTimes, ModelStatistics
 from .types import datatype_of_numpy, numpy_dtype
 
@@ -173,9 +175,10 @@ class ModelVersion(ServedModel):
     """A ready model version built from a plan: engine, execution contexts, scheduler."""
 
     def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
-                 labels: dict[str, list[str]]) -> None:
+                 labels: dict[str, list[str]], sequence: SequenceSettings | None = None) -> None:
         super().__init__(name, version, config, labels)
         self.engine = engine
+        self.sequence = sequence  # the sequence batcher's settings (None: not a sequence model)
         self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
         self.source: ModelSource | None = None  # what it was built from, so it can be rebuilt (adaptive profiles)
         self.requested_config: ModelConfig | None = None
@@ -191,7 +194,7 @@ class ModelVersion(ServedModel):
         #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
         self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
         self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,
-                                               engine, self.execute, self.output_shapes)
+                                               engine, self.execute, self.output_shapes, sequence)
 
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
@@ -217,9 +220,10 @@ class ModelVersion(ServedModel):
     def profiles_matter(self) -> bool:
         """Whether profiles fitted to traffic can pay off: on the GPU (kernels and graphs per profile), or when the
         batcher pads (requests are padded only within a profile). The CPU backend runs numpy on actual shapes,
-        so without padding a rebuild would buy nothing."""
-        return bool(self.traffic.counts) and (self.engine.backend == "cuda"
-                                              or getattr(self.scheduler, "padding", None) is not None)
+        so without padding a rebuild would buy nothing. Never for a sequence model: a swapped-in plan would start
+        without its live sequences."""
+        return bool(self.traffic.counts) and self.sequence is None and (
+            self.engine.backend == "cuda" or getattr(self.scheduler, "padding", None) is not None)
 
     def profile_ranges(self) -> ProfileRanges:
         """The base profile (every dim's full range) adaptive profiles are fitted within."""
@@ -245,20 +249,24 @@ class ModelVersion(ServedModel):
 
 
 def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine,
-               execute: Executor, output_shapes) -> Scheduler:
-    """The dynamic batcher when the config asks for it and the model batches; else one job per execution
-    (`execute`). Either replaces a faulted context with a fresh one from `engine`. `output_shapes`: the
-    version's shape oracle, which padding needs too."""
+               execute: Executor, output_shapes, sequence: SequenceSettings | None = None) -> Scheduler:
+    """The sequence batcher for a sequence model (`sequence`); the dynamic batcher when the config asks for it
+    and the model batches; else one job per execution (`execute`). Each replaces a faulted context with a fresh
+    one from `engine`. `output_shapes`: the version's shape oracle, which padding needs too."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     timeout_s = execution_timeout_s(config)
     execute_parts = functools.partial(execution.execute_parts, bucketed=_bucketed(config, engine))
-    if config.HasField("dynamic_batching") and config.max_batch_size > 0:
+    if sequence is not None:
+        scheduler: Scheduler = sequence_batcher(contexts, execute, thread_name, sequence, record,
+                                                create_context=engine.create_execution_context,
+                                                execute_parts=execute_parts)
+    elif config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(output_shapes, _bucket(engine)) if pad else None
-        scheduler: Scheduler = DynamicBatcher(contexts, execute, thread_name, settings, record,
-                                              create_context=engine.create_execution_context, padding=padding,
-                                              execute_parts=execute_parts)
+        scheduler = DynamicBatcher(contexts, execute, thread_name, settings, record,
+                                   create_context=engine.create_execution_context, padding=padding,
+                                   execute_parts=execute_parts)
     else:
         scheduler = DirectScheduler(contexts, execute, thread_name, record,
                                     create_context=engine.create_execution_context, execute_parts=execute_parts)
@@ -455,7 +463,7 @@ def _profile_ranges(config: ModelConfig, batch: int) -> dict[str, tuple[list[int
     cuda = _backend_for(config) == "cuda"
     smallest, largest = (1, CUDA_DYNAMIC_DIM_MAX) if cuda else (0, DYNAMIC_DIM_MAX)
     ranges = {}
-    for tensor in config.input:
+    for tensor in [*config.input, *server_filled_inputs(config)]:  # sequence controls and states too
         dims = model_shape(tensor)
         low = [smallest if d == -1 else d for d in dims]
         high = [largest if d == -1 else d for d in dims]
@@ -497,6 +505,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     except Exception as e:  # noqa: BLE001 - protobuf raises several types for a corrupt file
         raise invalid(f"model '{source.name}' version {version}: {filename} is not a valid ONNX model: {e}") from None
     config = complete_config(config, proto, source.name, default_max_batch_size)
+    sequence = sequence_settings(config, proto, source.directory)
     builder = kiln.Builder()  # the ONNX import itself runs in the build process (bounded memory and time)
     builder_config = kiln.BuilderConfig(_backend_for(config))
     apply_precision(config, builder_config)
@@ -511,7 +520,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     engine = cached.engine
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
-    model = ModelVersion(source.name, version, config, engine, _read_labels(source, config))
+    model = ModelVersion(source.name, version, config, engine, _read_labels(source, config), sequence)
     try:
         model.warm_up(source.directory)
     except BaseException:

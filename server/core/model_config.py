@@ -26,6 +26,7 @@ ENSEMBLE_PLATFORM = "ensemble"  # Triton's: runs other models (server/core/ensem
 DEFAULT_PLATFORM = "kiln_onnx"
 DEFAULT_BACKEND = "kiln"
 DEFAULT_MODEL_FILENAME = "model.onnx"
+SEQUENCE_IDLE_DEFAULT_US = 1_000_000  # Triton's max_sequence_idle_microseconds when unset (1 s)
 
 
 def parse_config_text(text: str, model_name: str) -> ModelConfig:
@@ -128,8 +129,15 @@ def complete_config(config: ModelConfig, model: onnx.ModelProto, name: str,
         raise invalid(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
     if not declares_io and config.max_batch_size == 0 and _supports_batching(model):
         config.max_batch_size = default_max_batch_size
-    _complete_tensors(config.input, graph_inputs(model), config, "input", add_missing=True)
+    server_inputs, _ = sequence_io_names(config)  # the sequence batcher fills these; requests do not carry them
+    for tensor in config.input:
+        if tensor.name in server_inputs:
+            raise invalid(f"model '{name}': '{tensor.name}' is a sequence batching control or state input, which the "
+                          "server fills; remove it from the config's input list")
+    _complete_tensors(config.input, [v for v in graph_inputs(model) if v.name not in server_inputs], config,
+                      "input", add_missing=True)
     _complete_tensors(config.output, list(model.graph.output), config, "output", add_missing=False)
+    _complete_sequence_batching(config)
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if not config.instance_group:
@@ -141,6 +149,28 @@ def complete_config(config: ModelConfig, model: onnx.ModelProto, name: str,
     for group in config.instance_group:
         group.count = group.count or 1
     return config
+
+
+def sequence_io_names(config: ModelConfig) -> tuple[set[str], set[str]]:
+    """The graph inputs the sequence batcher fills (control and state inputs) and the state outputs it keeps:
+    neither is a client's input or output (server/core/sequence_config.py)."""
+    if not config.HasField("sequence_batching"):
+        return set(), set()
+    batching = config.sequence_batching
+    inputs = {c.name for c in batching.control_input} | {s.input_name for s in batching.state}
+    return inputs, {s.output_name for s in batching.state}
+
+
+def _complete_sequence_batching(config: ModelConfig) -> None:
+    """Triton's defaults, so /config shows what runs: max_sequence_idle_microseconds 1 s, and the oldest
+    strategy's preferred_batch_size [max_batch_size] (model_config_utils.cc NormalizeModelConfig)."""
+    if not config.HasField("sequence_batching"):
+        return
+    batching = config.sequence_batching
+    if not batching.max_sequence_idle_microseconds:
+        batching.max_sequence_idle_microseconds = SEQUENCE_IDLE_DEFAULT_US
+    if batching.HasField("oldest") and not batching.oldest.preferred_batch_size and config.max_batch_size > 0:
+        batching.oldest.preferred_batch_size.append(config.max_batch_size)
 
 
 def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: ModelConfig, role: str,
@@ -182,7 +212,7 @@ def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: Model
 
 def complete_outputs_from_engine(config: ModelConfig, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Add the outputs the config left out, from the built engine's (datatype, shape) per output name."""
-    declared = {t.name for t in config.output}
+    declared = {t.name for t in config.output} | sequence_io_names(config)[1]  # state outputs are the server's
     for name, (datatype, shape) in outputs.items():
         if name in declared:
             continue

@@ -24,6 +24,7 @@ from server.protos import model_config_pb2
 from . import execution
 from .errors import ServerError, invalid
 from .model_config import ModelConfig, bool_parameter, model_shape
+from .sequence_config import server_filled_inputs
 from .tensors import element_count, from_raw
 from .types import DATATYPE_OF_CONFIG_TYPE, numpy_dtype
 
@@ -38,7 +39,7 @@ def warm_up_buckets(config: ModelConfig, contexts: list, engine) -> int:
     wanted = bool_parameter(config, WARMUP_BUCKETS, default=True)
     if not wanted or engine.backend != "cuda" or config.max_batch_size <= 0:
         return 0
-    items = {t.name: tuple(model_shape(t)) for t in config.input}
+    items = {t.name: tuple(model_shape(t)) for t in [*config.input, *server_filled_inputs(config)]}
     if any(d < 0 for dims in items.values() for d in dims):
         log.info("model '%s': variable non-batch dims, so batch buckets are bound on first use", config.name)
         return 0
@@ -61,7 +62,7 @@ def run_model_warmup(model, contexts: list, directory: Path) -> None:
         label = f"model '{model.name}': warmup sample '{sample.name}'"
         try:
             arrays, datatypes = sample_inputs(sample, model.config, directory, label)
-            inputs, _ = model.check_inputs(arrays, datatypes)
+            inputs = _feeds(model, arrays, datatypes)
             for context in contexts:
                 for _ in range(max(sample.count, 1)):
                     model.execute(context, inputs)
@@ -70,6 +71,20 @@ def run_model_warmup(model, contexts: list, directory: Path) -> None:
         except Exception as e:  # noqa: BLE001 - the engine's refusal, said against the sample
             raise invalid(f"{label} failed: {type(e).__name__}: {e}") from None
         log.info("%s ran %d time(s) on %d instance(s)", label, max(sample.count, 1), len(contexts))
+
+
+def _feeds(model, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> dict[str, np.ndarray]:
+    """A sample's engine inputs. A sequence model's control and state inputs are the server's: taken from the
+    sample where it names them (Triton hands a warm-up sample to the model as it is), the others filled as a batch
+    row without a request (every control false, the initial state)."""
+    settings = model.sequence
+    if settings is None:
+        return model.check_inputs(arrays, datatypes)[0]
+    given = {name: a for name, a in arrays.items() if name in settings.server_inputs}
+    inputs, batch = model.check_inputs({n: a for n, a in arrays.items() if n not in given}, datatypes)
+    states = {name: np.repeat(a, batch, axis=0) if settings.batched else a
+              for name, a in settings.initial_states().items()}
+    return {**inputs, **settings.controls([None] * batch), **states, **given}
 
 
 def sample_inputs(sample: model_config_pb2.ModelWarmup, config: ModelConfig, directory: Path,

@@ -61,7 +61,11 @@ REFUSED_EXAMPLES = {
     "optimization.gather_kernel_buffer_threshold": "optimization { gather_kernel_buffer_threshold: 8 }",
     "optimization.eager_batching": "optimization { eager_batching: true }",
     "dynamic_batching.preserve_ordering": "dynamic_batching { preserve_ordering: true }",
-    "sequence_batching": "sequence_batching { }",
+    "sequence_batching.oldest.preserve_ordering": "sequence_batching { oldest { preserve_ordering: true } }",
+    "sequence_batching.state.use_growable_memory": 'sequence_batching { state [{ input_name: "INPUT0" output_name: '
+                                                   '"OUTPUT0" data_type: TYPE_FP32 dims: [16] use_growable_memory: '
+                                                   "true }] }",
+    "sequence_batching.iterative_sequence": "sequence_batching { iterative_sequence: true }",
     "ensemble_scheduling": 'ensemble_scheduling { step [{ model_name: "add_sub" model_version: -1 }] }',
     "instance_group.kind": "instance_group [{ kind: KIND_MODEL }]",
     "instance_group.rate_limiter.resources": 'instance_group [{ rate_limiter { resources [{ name: "R1" count: 2 }] '
@@ -176,7 +180,7 @@ dynamic_batching { preserve_ordering: false }
 parameters { key: "kiln_warmup_buckets" value { string_value: "true" } }
 """
 # Two refusals that --lenient-config lets load (the model then runs without them).
-LENIENT_CONFIG = ('max_batch_size: 8\ninstance_group [{ kind: KIND_CPU }]\nsequence_batching { }\n'
+LENIENT_CONFIG = ('max_batch_size: 8\ninstance_group [{ kind: KIND_CPU }]\noptimization { eager_batching: true }\n'
                   "model_transaction_policy { decoupled: true }\n")
 
 
@@ -229,16 +233,18 @@ def test_a_refused_field_fails_the_load_naming_field_and_model(repository: Path,
 
 
 def test_the_refusal_shows_the_value_and_lists_every_refused_field():
-    config = parse_config_text("instance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\nsequence_batching { }", "m")
+    config = parse_config_text("instance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\n"
+                               "sequence_batching { iterative_sequence: true }", "m")
     found = [(r.path, r.shown) for r in refusals(config)]
     assert found == [("instance_group.gpus", "[0, 1]"), ("instance_group.kind", "KIND_MODEL"),
-                     ("sequence_batching", "")]  # in field-number order
+                     ("sequence_batching.iterative_sequence", "True")]  # in field-number order
     with pytest.raises(ServerError) as failure:
         ConfigFieldCheck().check(config, "m")
     message = failure.value.message
     assert message.startswith("model 'm': config field 'instance_group.gpus' ([0, 1]) is refused: Kiln does not yet "
                               "support instances on GPUs other than 0")
-    assert "'instance_group.kind' (KIND_MODEL)" in message and "'sequence_batching' is refused" in message
+    assert "'instance_group.kind' (KIND_MODEL)" in message
+    assert "'sequence_batching.iterative_sequence' (True) is refused" in message
 
 
 @pytest.mark.parametrize("text", [
@@ -306,7 +312,8 @@ def test_lenient_loads_with_one_warning_per_model_and_field(repository: Path, pr
     assert _with_core(repository, scenario, lenient=True)["state"] == ModelState.READY
     warnings = [m for level, m in config_log.messages if level == logging.WARNING]
     assert len(warnings) == 2
-    assert "'sequence_batching' is refused" in warnings[0] and "'model_transaction_policy.decoupled'" in warnings[1]
+    assert "'optimization.eager_batching' (True) is refused" in warnings[0]
+    assert "'model_transaction_policy.decoupled'" in warnings[1]
     assert all("model 'lenient'" in w and "--lenient-config" in w for w in warnings)
 
 
@@ -346,7 +353,7 @@ def test_server_refuses_over_http_and_serves_on(repository: Path, tmp_path: Path
             client.load_model("lenient")
         assert "load failed for model 'lenient'" in str(failure.value)
         entry = next(m for m in client.get_model_repository_index() if m["name"] == "lenient")
-        assert entry["state"] == "UNAVAILABLE" and "'sequence_batching' is refused" in entry["reason"]
+        assert entry["state"] == "UNAVAILABLE" and "'optimization.eager_batching' (True) is refused" in entry["reason"]
         assert client.is_server_ready() and client.is_model_ready("defaults")
 
 
@@ -361,5 +368,5 @@ def test_server_with_lenient_config_loads_the_model_and_warns(repository: Path, 
             tensor.set_data_from_numpy(a)
         np.testing.assert_array_equal(client.infer("lenient", inputs).as_numpy("OUTPUT0"), a * 2)
         log = server.log()
-    assert log.count("config field 'sequence_batching' is refused") == 1
+    assert log.count("config field 'optimization.eager_batching' (True) is refused") == 1
     assert log.count("config field 'model_transaction_policy.decoupled' (True) is refused") == 1
