@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .latency import LatencyRecorder, new_recorder
+
 
 @dataclass
 class Duration:
@@ -49,6 +51,8 @@ class ModelStatistics:
     inference_count: int = 0
     execution_count: int = 0
     last_inference_ms: int = 0
+    #: `--metrics-config` summaries and histogram (server/core/latency.py); None when they are off
+    latencies: LatencyRecorder | None = field(default_factory=new_recorder, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_success(self, batch_size: int, total_ns: int, times: ExecutionTimes, requests: int = 1) -> None:
@@ -66,6 +70,13 @@ class ModelStatistics:
             inference["compute_output"].add(times.compute_output_ns * requests, requests)
             self.inference_count += batch_size
             self.last_inference_ms = int(time.time() * 1000)
+        if self.latencies is not None:
+            for name, ns in (("request_duration", total_ns), ("queue_duration", times.queue_ns),
+                             ("compute_input_duration", times.compute_input_ns),
+                             ("compute_infer_duration", times.compute_infer_ns),
+                             ("compute_output_duration", times.compute_output_ns)):
+                self.latencies.observe(name, ns, requests)
+            self.latencies.responded(total_ns, requests)
 
     def record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
         """One model execution of `batch_size` items (execution_count, batch_stats)."""
@@ -84,12 +95,18 @@ class ModelStatistics:
             self.inference["success"].add(total_ns)
             self.inference["queue"].add(queue_ns)
             self.inference["cache_hit"].add(lookup_ns)
+        if self.latencies is not None:
+            self.latencies.observe("queue_duration", queue_ns)
+            self.latencies.observe("cache_hit_duration", lookup_ns)
+            self.latencies.responded(total_ns)
 
     def record_cache_miss(self, ns: int) -> None:
         """A request the model ran and whose response went into the cache: `ns` is its lookup plus insertion
         (Triton's UpdateSuccessCacheMiss); its success is recorded as usual."""
         with self._lock:
             self.inference["cache_miss"].add(ns)
+        if self.latencies is not None:
+            self.latencies.observe("cache_miss_duration", ns)
 
     def record_failure(self, total_ns: int, requests: int = 1) -> None:
         with self._lock:
