@@ -95,6 +95,12 @@ def _pinned(side: str) -> Rule:
                   "reads as false). Remove it or set enable: true", whole=True)
 
 
+def _cacheable(_: Any, config: ModelConfig) -> bool:
+    """response_cache.enable with a model Triton caches: not one of the sequence batcher, not decoupled
+    (core/src/model_config_utils.cc ValidateModelConfig)."""
+    return not config.HasField("sequence_batching") and not config.model_transaction_policy.decoupled
+
+
 # Model config parameters Kiln reads, and where (each reader checks its value when the model loads).
 KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_precision": "builder precision flags (model.apply_precision)",
@@ -324,8 +330,15 @@ FIELDS: dict[str, Rule] = {
     "model_repository_agents.agents": refused(f"{_NOT_YET} repository agents (e.g. checksum, decryption). Remove "
                                               "model_repository_agents", whole=True),
     "response_cache": container(),
-    "response_cache.enable": refused(f"{_NOT_YET} a response cache: every request executes. Remove response_cache "
-                                     "or set enable: false"),
+    "response_cache.enable": partly("enable: true honoured: with the server's --cache-config local,size=BYTES, "
+                                    "repeated requests are answered from the response cache without running the "
+                                    "model (server/core/response_cache.py); without that flag the model loads and "
+                                    "runs uncached, as in Triton (a warning says so). Refused with sequence_batching "
+                                    "or decoupled", _cacheable,
+                                    "Response Cache does not currently support models with the sequence batching "
+                                    "scheduler or a 'decoupled' transaction policy (Triton refuses them too, and so "
+                                    "does --lenient-config). Remove response_cache or set enable: false",
+                                    lenient=False),
     "model_metrics": container(),
     "model_metrics.metric_control": refused(f"{_NOT_YET} per-model metric control (histogram buckets): Kiln serves "
                                             "no latency histograms yet. Remove model_metrics", whole=True),

@@ -31,6 +31,7 @@ from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
 from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config_json, parse_config_text
+from .response_cache import CacheConfig, InsertResult, Lookup, ResponseCache
 from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
 from .shared_memory import SharedMemory
@@ -53,6 +54,8 @@ CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with 
                        "enable.")
 
 SERVER_NAME = "kiln"
+#: request parameters that make a request a step of a sequence (Triton's names), which the response cache bypasses
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 EXTENSIONS = [
     "classification", "model_configuration", "model_repository", "model_repository(unload_dependents)",
     "schedule_policy", "statistics", "system_shared_memory", "binary_tensor_data", "parameters", "trace",
@@ -77,6 +80,7 @@ class CoreOptions:
     adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings.from_env)  # --adaptive-profiles
     allow_client_shm: bool = False  # --allow-client-shm: Triton's default is off too
     lenient_config: bool = False  # --lenient-config: refused config fields are logged and ignored, not fatal
+    response_cache: CacheConfig | None = None  # --cache-config local,size=<bytes>: Triton's response cache
 
 
 class ModelState:
@@ -117,6 +121,7 @@ class ServerCore:
         self.logging = LogSettings(options.log_verbose, options.log_file, options.log_format)
         self.trace = TraceSettings()
         self.config_fields = ConfigFieldCheck(options.lenient_config)
+        self.response_cache = _make_cache(options.response_cache)
         self._startup: list[asyncio.Task] = []
         self._startup_names: list[str] = []
         self._started = False
@@ -263,7 +268,12 @@ class ServerCore:
         if trace:
             trace.mark("REQUEST_START")
         try:
-            job, requested, destinations = self._prepare(model, request)
+            inputs, batch, requested = self._checked(model, request)
+            cached = self._look_up(model, request, inputs, requested, requests)
+            if cached is not None and cached.outputs is not None:
+                self._answer_cached(model, request, requested, cached, trace, started, reply)
+                return None
+            job, destinations = self._prepare(model, request, inputs, batch, requested)
             job.requests = requests
             if trace:
                 trace.mark("QUEUE_START")
@@ -273,34 +283,34 @@ class ServerCore:
             reply(None, e)
             return None
         future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size, requested,
-                                                           destinations, trace, started, reply, requests))
+                                                           destinations, trace, started, reply, requests, cached))
         return future
 
     def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer) -> list[asyncio.Future]:
         """Start a frontend's group of alike requests (server/core/grouping.py): `request` holds their inputs
         concatenated along the batch dim, `sizes[i]` rows for member i. When the model batches dynamically and the
         rows fit one batch, the group runs as one job and `reply` gets the response with every member's rows (the
-        frontend cuts it up) or the error for all; otherwise each member runs as its own request and `reply` gets
-        their `MemberResults`. Returns the futures to cancel to withdraw the group."""
+        frontend cuts it up) or the error for all; otherwise (a model that caches responses too: each member is
+        looked up on its own) each member runs as its own request and `reply` gets their `MemberResults`. Returns
+        the futures to cancel to withdraw the group."""
         try:
             model = self._version(request.model_name, request.model_version)
         except ServerError as e:
             reply(None, e)
             return []
         if (not isinstance(model, ModelVersion) or not isinstance(model.scheduler, DynamicBatcher)
-                or not 0 < sum(sizes) <= model.max_batch_size or self.trace.active):
+                or not 0 < sum(sizes) <= model.max_batch_size or self.trace.active or self.caches_responses(model)):
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
 
-    def _prepare(self, model: ModelVersion, request: InferRequest
-                 ) -> tuple[Job, list[RequestedOutput], dict[str, kiln.DeviceView]]:
-        """The request checked against the model and turned into a job: inputs, requested outputs, and the
-        outputs the engine writes straight into CUDA shared memory."""
-        inputs, batch, requested = self._checked(model, request)
+    def _prepare(self, model: ModelVersion, request: InferRequest, inputs: dict[str, Any], batch: int,
+                 requested: list[RequestedOutput]) -> tuple[Job, dict[str, kiln.DeviceView]]:
+        """The checked request turned into a job, and the outputs the engine writes straight into CUDA shared
+        memory."""
         model.traffic.record(inputs)  # a group once: its members' shapes are alike
         destinations = self._output_views(model, requested, inputs)
-        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), requested, destinations
+        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), destinations
 
     def _checked(self, model: ServedModel, request: InferRequest
                  ) -> tuple[dict[str, Any], int, list[RequestedOutput]]:
@@ -330,21 +340,25 @@ class ServerCore:
             trace.mark("REQUEST_START")
         try:
             inputs, batch, requested = self._checked(model, request)
+            cached = self._look_up(model, request, inputs, requested, requests)
         except Exception as e:  # noqa: BLE001 - answered, as `infer` would have raised it
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
+            return None
+        if cached is not None and cached.outputs is not None:
+            self._answer_cached(model, request, requested, cached, trace, started, reply)
             return None
         times = ExecutionTimes(compute_input_ns=time.perf_counter_ns() - started)
         if trace:
             trace.mark("QUEUE_START")
         task = asyncio.ensure_future(model.run(inputs, batch, request, [o.name for o in requested], self.infer))
         task.add_done_callback(lambda done: self._finish_ensemble(done, model, request, batch, requested, times,
-                                                                  trace, started, reply, requests))
+                                                                  trace, started, reply, requests, cached))
         return task
 
     def _finish_ensemble(self, done: asyncio.Future, model: EnsembleVersion, request: InferRequest, batch: int,
                          requested: list[RequestedOutput], times: ExecutionTimes, trace, started: int,
-                         reply: Answer, requests: int) -> None:
+                         reply: Answer, requests: int, cached: Lookup | None = None) -> None:
         """An ensemble's steps are done: its outputs post-processed (shared memory, classification) into the
         response. Its statistics count one execution per request, as Triton's do; compute_infer is the time its
         steps took together (Triton adds up its steps' compute times instead)."""
@@ -363,6 +377,7 @@ class ServerCore:
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
             return
+        self._store(model, cached, arrays, requested)
         model.statistics.record_success(batch, time.perf_counter_ns() - started, times, requests)
         model.statistics.record_execution(batch, times)
         if trace:
@@ -372,7 +387,7 @@ class ServerCore:
 
     def _finish(self, done: asyncio.Future, model: ModelVersion, request: InferRequest, batch: int,
                 requested: list[RequestedOutput], destinations: dict[str, kiln.DeviceView], trace,
-                started: int, reply: Answer, requests: int) -> None:
+                started: int, reply: Answer, requests: int, cached: Lookup | None = None) -> None:
         """A job's future is done: its outputs post-processed into the response, statistics and trace recorded,
         and the caller answered."""
         if done.cancelled():
@@ -393,11 +408,71 @@ class ServerCore:
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
             return
+        self._store(model, cached, result.outputs, requested)
         model.statistics.record_success(batch, time.perf_counter_ns() - started, result.times, requests)
         if trace:
             trace.mark("REQUEST_END")
             self.trace.finish(trace)
         reply(InferResponse(model.name, str(model.version), outputs, id=request.id), None)
+
+    # -- response cache (server/core/response_cache.py) ----------------------------------------------------
+    def caches_responses(self, model: ServedModel) -> bool:
+        """Whether `model`'s requests go through the response cache: the server has one and the model's config
+        enables it (Triton needs both)."""
+        return self.response_cache is not None and model.config.response_cache.enable
+
+    def _look_up(self, model: ServedModel, request: InferRequest, inputs: dict[str, Any],
+                 requested: list[RequestedOutput], requests: int) -> Lookup | None:
+        """The checked request's look in the cache; None when it bypasses the cache: the model does not use it, a
+        tensor is in CUDA shared memory (Triton caches host memory only), the request is a step of a sequence (an
+        ensemble with a stateful step: its answer depends on more than its inputs), or a frontend's group (its
+        members go one by one for cached models: `submit_infer_group`)."""
+        if (requests != 1 or not self.caches_responses(model) or self._uses_device_memory(request, requested)
+                or any(request.parameters.get(p) for p in SEQUENCE_PARAMETERS)):
+            return None
+        return self.response_cache.lookup(model.name, model.version, inputs,  # type: ignore[union-attr]
+                                          [o.name for o in requested])
+
+    def _uses_device_memory(self, request: InferRequest, requested: list[RequestedOutput]) -> bool:
+        tensors = [*(t.parameters for t in request.inputs), *(o.parameters for o in requested)]
+        return any(self.system_shm.is_cuda(str(p["shared_memory_region"]))
+                   for p in tensors if "shared_memory_region" in p)
+
+    def _answer_cached(self, model: ServedModel, request: InferRequest, requested: list[RequestedOutput],
+                       cached: Lookup, trace, started: int, reply: Answer) -> None:
+        """A cache hit: the stored outputs post-processed as this request asks (classification, shared memory)
+        and answered without running the model; statistics as Triton counts a hit (success, queue, cache_hit;
+        no inference or execution)."""
+        try:
+            outputs = [self._output(model, o, cached.outputs[o.name]) for o in requested]  # type: ignore[index]
+        except Exception as e:  # noqa: BLE001 - the caller hears it
+            model.statistics.record_failure(time.perf_counter_ns() - started)
+            reply(None, e)
+            return
+        model.statistics.record_cache_hit(time.perf_counter_ns() - started, cached.hash_ns, cached.lookup_ns)
+        if trace:
+            trace.mark("REQUEST_END")
+            self.trace.finish(trace)
+        reply(InferResponse(model.name, str(model.version), outputs, id=request.id), None)
+
+    def _store(self, model: ServedModel, cached: Lookup | None, arrays: dict[str, Any],
+               requested: list[RequestedOutput]) -> None:
+        """After a miss, the model's outputs go into the cache; the miss is counted with the time of the lookup
+        and the insertion, unless another request stored the same key first (Triton's ALREADY_EXISTS)."""
+        entry = self.models.get(model.name)
+        if (cached is None or entry is None or entry.versions.get(model.version) is not model  # reloaded meanwhile
+                or any(not isinstance(arrays.get(o.name), np.ndarray) for o in requested)):
+            return
+        t0 = time.perf_counter_ns()
+        stored = self.response_cache.insert(cached.key, {o.name: arrays[o.name] for o in requested},  # type: ignore[union-attr]
+                                            model.name)
+        if stored != InsertResult.EXISTS:
+            model.statistics.record_cache_miss(cached.lookup_ns + time.perf_counter_ns() - t0)
+
+    def _forget_responses(self, name: str) -> None:
+        """A model loaded again (maybe from other files) or unloaded: its cached responses go."""
+        if self.response_cache is not None:
+            self.response_cache.forget(name)
 
     @staticmethod
     def _raw_input(model: ServedModel, data: bytes | memoryview) -> InferInput:
@@ -587,6 +662,7 @@ class ServerCore:
             entry.state, entry.reason = ModelState.READY, ""
             for version in old.values():
                 version.close()
+            self._forget_responses(name)
             log.info("successfully loaded model '%s' versions %s", name, sorted(versions))
         freeze_long_lived()
 
@@ -607,6 +683,9 @@ class ServerCore:
         else:
             config = ModelConfig()
         self.config_fields.check(config, source.name)  # once per load, for every kind of model, before any build
+        if config.response_cache.enable and self.response_cache is None:
+            log.warning("model '%s' enables response_cache, but the server has no cache: its requests are not "
+                        "cached (start the server with --cache-config local,size=<bytes>)", source.name)
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
         config.name = config.name or source.name
@@ -700,6 +779,7 @@ class ServerCore:
             entry.explicit = False
             for version in versions.values():
                 version.close()
+            self._forget_responses(name)
         log.info("successfully unloaded model '%s'%s", name, "" if reason == "unloaded" else f" ({reason})")
         for dependent in self._dependents_of(name):
             await self._unload(dependent, f"ensemble '{dependent}' depends on '{name}' which has no loaded version")
@@ -835,6 +915,14 @@ class ServerCore:
         if updates:
             return self.logging.update(updates)
         return self.logging.current()
+
+
+def _make_cache(config: CacheConfig | None) -> ResponseCache | None:
+    if config is None:
+        return None
+    log.info("Response Cache is created with size %d (--cache-config %s,size=%d)", config.size, config.name,
+             config.size)
+    return ResponseCache(config.size)
 
 
 def _execution_error(model: ModelVersion, error: Exception) -> Exception:

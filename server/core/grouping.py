@@ -9,10 +9,11 @@ the frontend cuts back into one response per request.
 
 What a group does not change: each request still gets its own response, id and rows, and statistics count each
 one. What the core does when a group cannot run as one job (a model without dynamic batching or batch dim, more
-rows than max_batch_size, tracing on, the in-flight limit nearly reached): it runs each member as its own request
-and answers each one (`MemberResults`). What it shares: members are validated together (they are alike, so they
-pass or fail alike) and run in the same execution (as the dynamic batcher would have run them), so an execution
-error reaches all of them, as it would have. The group is one entry in the batcher's queue.
+rows than max_batch_size, tracing on, the in-flight limit nearly reached, a model that caches responses, whose
+members are looked up one by one): it runs each member as its own request and answers each one (`MemberResults`).
+What it shares: members are validated together (they are alike, so they pass or fail alike) and run in the same
+execution (as the dynamic batcher would have run them), so an execution error reaches all of them, as it would
+have. The group is one entry in the batcher's queue.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ REFUSED_EXAMPLES = {
     "model_operations.op_library_filename": 'model_operations { op_library_filename: ["libcustom_ops.so"] }',
     "model_transaction_policy.decoupled": "model_transaction_policy { decoupled: true }",
     "model_repository_agents.agents": 'model_repository_agents { agents [{ name: "checksum" }] }',
-    "response_cache.enable": "response_cache { enable: true }",
+    "response_cache.enable": "response_cache { enable: true }\nmodel_transaction_policy { decoupled: true }",
     "model_metrics.metric_control": 'model_metrics { metric_control [{ metric_identifier { family: '
                                     '"nv_inference_request_duration" } histogram_options { buckets: [1, 10] } }] }',
 }
