@@ -3,7 +3,10 @@
 Log settings: log_file, log_info, log_warning, log_error, log_verbose_level, log_format.
 Trace settings: trace_file, trace_level (list), trace_rate, trace_count, log_frequency, trace_mode; global ones
 plus per-model overrides (a `None` value clears a model's override). Traced requests are appended to
-`trace_file` as JSON lines with Triton's timestamp names.
+`trace_file` as JSON lines with Triton's timestamp names; at level TENSORS, each traced request's input tensors
+(`TENSOR_QUEUE_INPUT`) and model outputs (`TENSOR_BACKEND_OUTPUT`) follow as Triton's tensor records. In trace_mode
+opentelemetry, traces become spans instead (server/core/otel.py); as in Triton, a request carrying a W3C
+`traceparent` is then traced whatever trace_rate and trace_count say, and TENSORS records nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import invalid
+from .otel import OtelExporter
+
+log = logging.getLogger("kiln.server.trace")
 
 LOGGER_NAME = "kiln"
 
@@ -136,7 +142,22 @@ def _checked_trace_value(key: str, value: Any) -> Any:
 
 
 def _traces(values: dict[str, Any]) -> bool:
-    return values["trace_level"] != ["OFF"] and bool(values["trace_file"])
+    """Whether these settings trace: a level, and somewhere to put traces (a file, or the OpenTelemetry exporter)."""
+    return values["trace_level"] != ["OFF"] and (values["trace_mode"] == "opentelemetry" or bool(values["trace_file"]))
+
+
+def tensor_data(array: Any) -> str:
+    """A tensor's elements as Triton's trace file writes them: comma-separated, row-major (bools as 0/1)."""
+    values = array.ravel().tolist() if hasattr(array, "ravel") else list(array)
+    return ",".join(_element(v) for v in values)
+
+
+def _element(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
 
 
 @dataclass
@@ -148,9 +169,40 @@ class Trace:
     model_version: str
     request_id: str
     timestamps: list[dict[str, Any]] = field(default_factory=list)
+    levels: tuple[str, ...] = ("TIMESTAMPS",)
+    mode: str = "triton"
+    traceparent: str = ""  # the client's W3C trace context, continued in opentelemetry mode
+    batch_size: int = 0  # of the execution the request ran in (its span says it)
+    tensors: list[dict[str, Any]] = field(default_factory=list)
 
     def mark(self, name: str, ns: int | None = None) -> None:
         self.timestamps.append({"name": name, "ns": time.monotonic_ns() if ns is None else ns})
+
+    def record_tensors(self, activity: str, tensors: list[tuple[str, str, Any]]) -> None:
+        """(name, datatype, array) tensors as Triton's TENSORS records (level TENSORS in triton mode only)."""
+        if "TENSORS" not in self.levels or self.mode != "triton":
+            return
+        for name, datatype, array in tensors:
+            if not hasattr(array, "ravel"):  # a tensor in CUDA shared memory: not copied out for the trace
+                continue
+            self.tensors.append({"id": self.id, "activity": activity, "tensor": {
+                "name": name, "data": tensor_data(array), "shape": ",".join(str(d) for d in array.shape),
+                "dtype": datatype}})
+
+    def executed(self, batch_size: int, queue_ns: int, input_ns: int, infer_ns: int) -> None:
+        """The execution's batch size, and its COMPUTE_START / COMPUTE_INPUT_END / COMPUTE_OUTPUT_START told by
+        the scheduler's durations from QUEUE_START (bounded by COMPUTE_END: the workers time by thread CPU)."""
+        self.batch_size = batch_size
+        stamps = {t["name"]: t["ns"] for t in self.timestamps}
+        if "QUEUE_START" not in stamps or "COMPUTE_END" not in stamps:
+            return
+        end = stamps["COMPUTE_END"]
+        start = min(stamps["QUEUE_START"] + queue_ns, end)
+        input_end = min(start + input_ns, end)
+        for name, ns in (("COMPUTE_START", start), ("COMPUTE_INPUT_END", input_end),
+                         ("COMPUTE_OUTPUT_START", min(input_end + infer_ns, end))):
+            self.mark(name, ns)
+        self.timestamps.sort(key=lambda t: t["ns"])
 
 
 class TraceSettings:
@@ -163,6 +215,9 @@ class TraceSettings:
         self._traced: dict[str, int] = {}
         self._next_id = 1
         self._lock = threading.Lock()
+        #: the span exporter of trace_mode opentelemetry, made at start-up (`--trace-config`) or when a
+        #: setting first asks for that mode
+        self.otel: OtelExporter | None = None
         #: whether any scope traces at all (`start` is on every request's path; a frontend's group of requests
         #: runs as separate requests while it does)
         self.active = False
@@ -189,6 +244,12 @@ class TraceSettings:
                         staged[key] = TRACE_DEFAULTS[key]
                 else:
                     staged[key] = _checked_trace_value(key, value)
+            after = {**self.global_values, **staged}
+            if after["trace_mode"] == "opentelemetry":
+                if self.otel is None:
+                    self.otel = OtelExporter()  # refuses the update when the SDK is missing
+                if "TENSORS" in after["trace_level"]:
+                    log.warning("trace level TENSORS records nothing in trace mode opentelemetry (as in Triton)")
             target.clear()
             target.update(staged)
             self.active = any(_traces(self._effective(scope)) for scope in ["", *self.model_values])
@@ -197,32 +258,45 @@ class TraceSettings:
                 self._traced.pop(model_name, None)
             return self._effective(model_name)
 
-    def start(self, model_name: str, model_version: str, request_id: str) -> Trace | None:
-        """A Trace if this request is sampled (every trace_rate-th request, up to trace_count), else None."""
+    def start(self, model_name: str, model_version: str, request_id: str, traceparent: str = "") -> Trace | None:
+        """A Trace if this request is sampled (every trace_rate-th request, up to trace_count; in opentelemetry
+        mode also every request that carries a `traceparent`), else None."""
         if not self.active:
             return None
         with self._lock:
             values = self._effective(model_name)
             if not _traces(values):
                 return None
+            mode = values["trace_mode"]
             scope = model_name if model_name in self.model_values else ""
             seen = self._seen.get(scope, 0) + 1
             self._seen[scope] = seen
             count = int(values["trace_count"])
-            if (seen - 1) % int(values["trace_rate"]) or (count != -1 and self._traced.get(scope, 0) >= count):
+            propagated = mode == "opentelemetry" and bool(traceparent)
+            if not propagated and ((seen - 1) % int(values["trace_rate"])
+                                   or (count != -1 and self._traced.get(scope, 0) >= count)):
                 return None
             self._traced[scope] = self._traced.get(scope, 0) + 1
-            trace = Trace(self._next_id, model_name, model_version, request_id)
+            trace = Trace(self._next_id, model_name, model_version, request_id, levels=tuple(values["trace_level"]),
+                          mode=mode, traceparent=traceparent)
             self._next_id += 1
             return trace
 
     def finish(self, trace: Trace) -> None:
-        """Append the trace to the trace file as one JSON line."""
+        """Export the trace's spans (opentelemetry), or append it to the trace file: one JSON line with its
+        timestamps (level TIMESTAMPS), then one per tensor record (level TENSORS)."""
+        if trace.mode == "opentelemetry":
+            if self.otel is not None:
+                self.otel.export(trace)
+            return
         path = self.current(trace.model_name)["trace_file"]
-        record = {"id": trace.id, "model_name": trace.model_name, "model_version": trace.model_version,
-                  "request_id": trace.request_id, "timestamps": trace.timestamps}
+        record: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name,
+                                  "model_version": trace.model_version, "request_id": trace.request_id}
+        if "TIMESTAMPS" in trace.levels:
+            record["timestamps"] = trace.timestamps
+        lines = [json.dumps(record), *(json.dumps(t) for t in trace.tensors)]
         with self._lock, open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 @dataclass

@@ -94,6 +94,8 @@ class InferRequest:
     #: Triton's raw binary request: the bytes of the model's single input, whose name, datatype and shape the
     #: core deduces from the model (`inputs` is then empty)
     raw_input: bytes | memoryview | None = None
+    #: the client's W3C trace context (HTTP header / gRPC metadata `traceparent`), continued by OpenTelemetry traces
+    traceparent: str = ""
 
 
 @dataclass

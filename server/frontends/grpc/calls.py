@@ -36,7 +36,8 @@ _TRANSPORT_HEADERS = frozenset({"content-type", "te", "grpc-timeout", "grpc-enco
 _encoder = Encoder()
 #: a callback-style unary behavior: submit(request, reply) calls reply(response, None) or reply(None, error) once
 #: and returns what to cancel to withdraw the request (or None)
-Submitter = Callable[[Any, Callable[[Any, "BaseException | None"], None]], "asyncio.Future | None"]
+#: (request, reply, call) -> what to cancel; the call is the servicer context (its invocation_metadata)
+Submitter = Callable[[Any, Callable[[Any, "BaseException | None"], None], Any], "asyncio.Future | None"]
 
 
 def response_headers(encoding: str | None) -> bytes:
@@ -268,7 +269,7 @@ class Call:
 
     def start_submitted(self, submit: Submitter, request: Any) -> None:
         """Run a unary call through a callback-style submitter (no task, no coroutine frames)."""
-        self.task = submit(request, self._answered)
+        self.task = submit(request, self._answered, self)
 
     def _answered(self, response: Any, error: BaseException | None) -> None:
         """The end of a unary call: its response, or the error that took its place."""

@@ -61,9 +61,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return convert.from_dict(stats, pb.ModelStatisticsResponse)
 
     # -- inference ------------------------------------------------------------------------------------------
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Any = None) -> pb.ModelInferResponse:
         try:
             converted = convert.infer_request(request)
+            converted.traceparent = _traceparent(context)
         except ServerError:
             # Triton looks the model up before it reads the tensors: an unknown model is NOT_FOUND, whatever else
             # is wrong with the request (model_metadata raises exactly that; asked only on this error path)
@@ -74,9 +75,9 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        return await self._infer(request)
+        return await self._infer(request, context)
 
-    def submit_infer(self, request: pb.ModelInferRequest, reply: Answer) -> asyncio.Future | None:
+    def submit_infer(self, request: pb.ModelInferRequest, reply: Answer, context: Any = None) -> asyncio.Future | None:
         """ModelInfer without a task: `reply(response, None)` or `reply(None, error)` comes from the job's
         completion (the core's `submit_infer`); returns what to cancel to withdraw the request. Requests that do
         not convert, and cores without `submit_infer` (a frontend process's RemoteCore), take the task road."""
@@ -85,10 +86,11 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if submit is not None:
             try:
                 converted = convert.infer_request(request)
+                converted.traceparent = _traceparent(context)
             except ServerError:
                 pass  # _infer raises it again, after the model lookup that decides between NOT_FOUND and it
         if converted is None:
-            task = asyncio.ensure_future(self._infer(request))
+            task = asyncio.ensure_future(self._infer(request, context))
             task.add_done_callback(lambda done: reply(*outcome(done)))
             return task
 
@@ -225,3 +227,13 @@ def add_to_server(core, options: GrpcOptions, server) -> None:
     servicer = InferenceServicer(core, options)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     server.add_submitter("/inference.GRPCInferenceService/ModelInfer", servicer.submit_infer)
+
+
+def _traceparent(context: Any) -> str:
+    """The call's W3C `traceparent` metadata ("" without one), which OpenTelemetry traces continue."""
+    if context is None:
+        return ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""

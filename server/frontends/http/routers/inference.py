@@ -76,13 +76,15 @@ def read_infer_request(limits: RequestLimits, raw: bytes, header: Callable[[str]
     header_length = header(HEADER_LENGTH)
     if is_raw_binary(header_length):
         limits.check_raw_input_size(len(body))
-        return InferRequest(model_name, [], model_version, raw_input=body)
+        return InferRequest(model_name, [], model_version, raw_input=body, traceparent=header("traceparent") or "")
     length = parse_header_length(header_length)  # one that lies about the body is decode_request's 400
     limits.check_json_size(len(body) if length is None else min(length, len(body)))
     try:
-        return decode_request(body, header_length, model_name, model_version)
+        request = decode_request(body, header_length, model_name, model_version)
     except ServerError as e:
         raise UnparsedBody(e) from None
+    request.traceparent = header("traceparent") or ""  # W3C trace context, continued by OpenTelemetry traces
+    return request
 
 
 def infer_outcome(request: InferRequest, response: InferResponse, header: Callable[[str], str | None]) -> InferOutcome:
