@@ -17,7 +17,7 @@ import sys
 
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
-from server.core import CoreOptions, ServerCore, build_process
+from server.core import CoreOptions, ServerCore, build_process, latency
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.settings import AdaptiveSettings
@@ -25,8 +25,10 @@ from server.flags import parse_bool as _bool
 from server.frontend_processes import FrontendPool, frontend_count
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
 from server.listeners import Listeners, make_uvicorn, reload_certificates, serve_listener, start_listeners
+from server.metrics_flags import add_metrics_arguments, metrics_options_from_args
 from server.repository import configure_watch
 from server.tls import add_tls_arguments, tls_from_args
+from server.trace_flags import add_trace_arguments, apply_trace_config
 
 log = logging.getLogger("kiln.server")
 
@@ -124,6 +126,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser)
     add_auth_arguments(parser)
     add_tls_arguments(parser)
+    add_metrics_arguments(parser)
+    add_trace_arguments(parser)
 
 
 def build_limits(args: argparse.Namespace) -> build_process.BuildLimits:
@@ -169,10 +173,13 @@ async def serve(args: argparse.Namespace) -> int:
         limits_from_args(args)  # bad limits fail here, before anything starts
         restrictions_from_args(args)
         _, _, metrics_tls = tls_from_args(args)
+        metrics_options = metrics_options_from_args(args)
+        latency.configure(metrics_options.config)  # before models load: their statistics record with it
         plan_cache.configure(args.plan_cache_dir)
         build_process.configure(build_limits(args))
         configure_watch(args.repository_watch)
         core = ServerCore(core_options(args))
+        apply_trace_config(core.trace, list(args.trace_config))
     except (FileNotFoundError, ValueError, ssl.SSLError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
@@ -183,7 +190,7 @@ async def serve(args: argparse.Namespace) -> int:
     listeners = Listeners()
     pool: FrontendPool | None = None
     if args.allow_metrics:
-        metrics = make_uvicorn(create_metrics_app(core), args.host, args.metrics_port, "metrics",
+        metrics = make_uvicorn(create_metrics_app(core, metrics_options), args.host, args.metrics_port, "metrics",
                                lifecycle.settings.timeout_s, metrics_tls)
         listeners.servers.append(metrics)
         listeners.tasks.append(asyncio.create_task(serve_listener(metrics), name="metrics"))
@@ -236,6 +243,8 @@ async def serve(args: argparse.Namespace) -> int:
             await pool.stop(lifecycle.settings.timeout_s)
         await lifecycle.shutdown(listeners.servers, listeners.tasks, listeners.grpc_server)
         await core.stop()
+        if core.trace.otel is not None:
+            core.trace.otel.shutdown()  # the spans still batched leave now
         await asyncio.gather(warm_up, return_exceptions=True)
     return code
 

@@ -11,6 +11,7 @@ Gauges as Triton has them: `nv_inference_pending_request_count` (what autoscaler
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 
@@ -22,6 +23,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from server.core.model import ModelVersion
+from server.gpu_metrics import NvmlGpus, Sampled
+from server.metrics_flags import MetricsOptions
+from server.metrics_latency import latency_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -117,13 +121,20 @@ class HostCpu:
 class InferenceMetricsCollector:
     """A prometheus_client collector over the core's loaded model versions, and the host's CPU."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, core, options: MetricsOptions | None = None) -> None:
         self._core = core
-        self._cpu = HostCpu()
+        self._options = options or MetricsOptions()
+        interval_s = self._options.interval_s
+        self._host = [Sampled(HostCpu().families, interval_s)] if self._options.allow_cpu else []
+        self._host += [Sampled(NvmlGpus().families, interval_s)] if self._options.allow_gpu else []
 
     def collect(self) -> Iterable[Metric]:
-        stats = [version.statistics.as_dict() for version in self._core.loaded_versions()]
+        loaded = self._core.loaded_versions()
+        stats = [version.statistics.as_dict() for version in loaded]
+        config = self._options.config
         for name, (help_text, read) in _COUNTERS.items():
+            if name.endswith("_duration_us") and not config.counter_latencies:
+                continue  # --metrics-config counter_latencies=false
             family = Metric(name, help_text, "counter")
             for stat in stats:
                 family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
@@ -137,7 +148,9 @@ class InferenceMetricsCollector:
                                   float(read_version(version)))
             yield family
         yield from self._queues(versions)
-        yield from self._cpu.families()
+        yield from latency_families(config, loaded, self._core.caches_responses)
+        for host in self._host:
+            yield from host.families()
 
     @staticmethod
     def _queues(versions: list) -> Iterable[Metric]:
@@ -155,9 +168,9 @@ class InferenceMetricsCollector:
         yield depth
 
 
-def make_registry(core) -> CollectorRegistry:
+def make_registry(core, options: MetricsOptions | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(InferenceMetricsCollector(core))
+    registry.register(InferenceMetricsCollector(core, options))
     return registry
 
 
@@ -166,6 +179,8 @@ def _escape_label(value: str) -> str:
 
 
 def _number(value: float) -> str:
+    if math.isnan(value) or math.isinf(value):  # an empty summary's quantiles; Prometheus' own spelling
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
@@ -182,9 +197,9 @@ def render(registry: CollectorRegistry) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_metrics_app(core) -> Starlette:
+def create_metrics_app(core, options: MetricsOptions | None = None) -> Starlette:
     """An ASGI app serving `/metrics` for `core` (run it on the metrics port)."""
-    registry = make_registry(core)
+    registry = make_registry(core, options)
 
     async def metrics(request: Request) -> PlainTextResponse:
         return PlainTextResponse(render(registry), media_type=CONTENT_TYPE)

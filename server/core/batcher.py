@@ -508,16 +508,16 @@ class DynamicBatcher:
                 if not pending.future.done():
                     pending.future.set_exception(execution.error)
             return
+        batch = sum(p.job.batch_size for p in outcome.ran)
         if self._record is not None:
-            self._record(sum(p.job.batch_size for p in outcome.ran),
-                         ExecutionTimes(0, execution.compute_input_ns, execution.compute_infer_ns,
-                                        outcome.output_ns))
+            self._record(batch, ExecutionTimes(0, execution.compute_input_ns, execution.compute_infer_ns,
+                                               outcome.output_ns))
         for pending, part in zip(outcome.ran, outcome.parts):
             if not pending.future.done():
                 times = ExecutionTimes(queue_ns=started - pending.job.enqueued_ns,
                                        compute_input_ns=execution.compute_input_ns,
                                        compute_infer_ns=execution.compute_infer_ns)
-                pending.future.set_result(JobResult(part, times))
+                pending.future.set_result(JobResult(part, times, batch))
 
     def _requeue(self, deferred: list[_Pending]) -> None:
         """Members left out of a batch go back to the front of their queues, in their order."""

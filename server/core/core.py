@@ -264,11 +264,14 @@ class ServerCore:
             return None
         if isinstance(model, EnsembleVersion):
             return self._submit_ensemble(model, request, reply, requests, started)
-        trace = self.trace.start(model.name, str(model.version), request.id)
+        trace = self.trace.start(model.name, str(model.version), request.id, request.traceparent)
         if trace:
             trace.mark("REQUEST_START")
         try:
             inputs, batch, requested = self._checked(model, request)
+            if trace:
+                trace.record_tensors("TENSOR_QUEUE_INPUT", [(t.name, t.datatype, inputs[t.name])
+                                                            for t in request.inputs if t.name in inputs])
             cached = self._look_up(model, request, inputs, requested, requests)
             if cached is not None and cached.outputs is not None:
                 self._answer_cached(model, request, requested, cached, trace, started, reply)
@@ -335,7 +338,7 @@ class ServerCore:
                          started: int) -> asyncio.Future | None:
         """`submit_infer` for an ensemble: checked like any request, then its steps run as a task (cancel it to
         withdraw the request and its steps); each step is a request to its composing model through `infer`."""
-        trace = self.trace.start(model.name, str(model.version), request.id)
+        trace = self.trace.start(model.name, str(model.version), request.id, request.traceparent)
         if trace:
             trace.mark("REQUEST_START")
         try:
@@ -400,6 +403,12 @@ class ServerCore:
                 raise _execution_error(model, e) from None
             if trace:
                 trace.mark("COMPUTE_END")
+                times = result.times
+                trace.executed(result.batch_size or batch, times.queue_ns, times.compute_input_ns,
+                               times.compute_infer_ns)
+                trace.record_tensors("TENSOR_BACKEND_OUTPUT", [(o.name, datatype_of_numpy(result.outputs[o.name].dtype),
+                                                                result.outputs[o.name])
+                                                               for o in requested if o.name in result.outputs])
             t0 = time.perf_counter_ns()
             outputs = [self._output_on_device(o, destinations[o.name]) if o.name in destinations
                        else self._output(model, o, result.outputs[o.name]) for o in requested]

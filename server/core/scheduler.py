@@ -66,6 +66,7 @@ class Job:
 class JobResult:
     outputs: dict[str, np.ndarray]
     times: ExecutionTimes
+    batch_size: int = 0  #: of the execution the job ran in, when batched with others (a trace's compute span)
 
 
 @dataclass
