@@ -134,7 +134,7 @@ def _checked_trace_value(key: str, value: Any) -> Any:
             number = int(text)
         except ValueError:
             raise invalid(f"trace setting '{key}' must be an integer, got {text!r}") from None
-        if number < (-1 if key == "trace_count" else 0) or (key == "trace_rate" and number == 0):
+        if number < (-1 if key == "trace_count" else 0):  # rate 0: only requests with a traceparent (otel)
             raise invalid(f"trace setting '{key}' is out of range: {number}")
     if key == "trace_mode" and text not in ("triton", "opentelemetry"):
         raise invalid(f"trace_mode must be 'triton' or 'opentelemetry', got {text!r}")
@@ -273,7 +273,8 @@ class TraceSettings:
             self._seen[scope] = seen
             count = int(values["trace_count"])
             propagated = mode == "opentelemetry" and bool(traceparent)
-            if not propagated and ((seen - 1) % int(values["trace_rate"])
+            rate = int(values["trace_rate"])
+            if not propagated and (not rate or (seen - 1) % rate
                                    or (count != -1 and self._traced.get(scope, 0) >= count)):
                 return None
             self._traced[scope] = self._traced.get(scope, 0) + 1

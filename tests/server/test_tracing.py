@@ -66,6 +66,14 @@ def test_span_tree_continues_the_clients_trace():
     assert abs(root.start_time - time.time_ns()) < 60e9  # wall-clock times, not monotonic ones
 
 
+def test_rate_zero_traces_only_propagated_requests():
+    exporter = InMemorySpanExporter()
+    settings = _otel_settings(exporter)
+    settings.update("", {"trace_rate": "0"})
+    assert settings.start("m", "1", "") is None
+    assert settings.start("m", "1", "", TRACEPARENT) is not None
+
+
 def test_without_traceparent_a_new_trace_starts():
     exporter = InMemorySpanExporter()
     settings = _otel_settings(exporter)
