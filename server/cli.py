@@ -20,6 +20,7 @@ from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process, latency
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
+from server.core.response_cache import CacheConfig, parse_cache_config
 from server.core.settings import AdaptiveSettings
 from server.flags import parse_bool as _bool
 from server.frontend_processes import FrontendPool, frontend_count
@@ -110,9 +111,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(Triton's flag and default: false; status queries are always answered)")
     parser.add_argument("--lenient-config", action="store_true",
                         help="load models whose config sets fields Kiln refuses (sequence_batching, decoupled, "
-                             "response_cache, ...: docs/server.md lists them), logging one warning per model and "
+                             "rate_limiter, ...: docs/server.md lists them), logging one warning per model and "
                              "field and ignoring the field; without it such a model fails to load and is UNAVAILABLE "
                              "with the reason")
+    parser.add_argument("--cache-config", action="append", default=[], metavar="<cache>,<key>=<value>",
+                        help="Triton's response cache: --cache-config local,size=<bytes> keeps responses of models "
+                             "whose config has response_cache { enable: true } in a cache of that many bytes of host "
+                             "memory shared by all models, and answers repeated requests from it")
+    parser.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
+                        help="deprecated (as in Triton): the same as --cache-config local,size=BYTES (0: no cache)")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
@@ -151,7 +158,21 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         adaptive=_adaptive(args),
         allow_client_shm=args.allow_client_shm,
         lenient_config=args.lenient_config,
+        response_cache=cache_config(args),
     )
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig | None:
+    """--cache-config, or Triton's deprecated --response-cache-byte-size; ValueError for a bad or unknown cache."""
+    settings = list(args.cache_config)
+    if args.response_cache_byte_size:  # 0, its old default, leaves the cache off
+        if settings:  # Triton's text (command_line_parser.cc)
+            raise ValueError("Incompatible flags --response-cache-byte-size and --cache-config both provided. "
+                             "Please provide one or the other.")
+        log.warning("'--response-cache-byte-size' has been deprecated! The equivalent --cache-config argument is "
+                    "'--cache-config=local,size=%d'", args.response_cache_byte_size)
+        settings = [f"local,size={args.response_cache_byte_size}"]
+    return parse_cache_config(settings)
 
 
 def _adaptive(args: argparse.Namespace) -> AdaptiveSettings:

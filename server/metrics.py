@@ -6,7 +6,9 @@ Triton exposes them (dashboards written for Triton keep working), so the text is
 prometheus_client's `generate_latest`, which would rename them. Kiln's own families (`kiln_*`: worker restarts,
 live workers, adaptive-profile rebuilds, queue depth per priority level) follow Prometheus naming instead.
 Gauges as Triton has them: `nv_inference_pending_request_count` (what autoscalers read) and the host's
-`nv_cpu_utilization` / `nv_cpu_memory_*` (from /proc; left out where there is none).
+`nv_cpu_utilization` / `nv_cpu_memory_*` (from /proc; left out where there is none). With a response cache
+(`--cache-config`): Triton's per-model `nv_cache_*_per_model` counters for the models that use it, and the
+cache-wide `nv_cache_*` gauges its `local` cache publishes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,31 @@ _COUNTERS = {
     "nv_inference_compute_output_duration_us": ("Cumulative inference compute output duration in microseconds "
                                                 "(does not include cached requests)",
                                                 lambda s: s["inference_stats"]["compute_output"]["ns"] // 1000),
+}
+
+# Triton's per-model response cache counters (core/src/metrics.cc), for versions that use the cache.
+_CACHE_COUNTERS = {
+    "nv_cache_num_hits_per_model": ("Number of cache hits per model",
+                                    lambda s: s["inference_stats"]["cache_hit"]["count"]),
+    "nv_cache_hit_duration_per_model": ("Total cache hit duration per model, in microseconds",
+                                        lambda s: s["inference_stats"]["cache_hit"]["ns"] // 1000),
+    "nv_cache_num_misses_per_model": ("Number of cache misses per model",
+                                      lambda s: s["inference_stats"]["cache_miss"]["count"]),
+    "nv_cache_miss_duration_per_model": ("Total cache miss (insert+lookup) duration per model, in microseconds",
+                                         lambda s: s["inference_stats"]["cache_miss"]["ns"] // 1000),
+}
+
+# The gauges Triton's local cache publishes (local_cache.cc InitMetrics): name -> (help, read `CacheCounters`).
+_CACHE_GAUGES = {
+    "nv_cache_util": ("Cache utilization [0.0 - 1.0]", lambda c: c.used / c.size),
+    "nv_cache_num_entries": ("Number of responses stored in response cache", lambda c: c.entries),
+    "nv_cache_num_hits": ("Number of cache hits in response cache", lambda c: c.hits),
+    "nv_cache_num_misses": ("Number of cache misses in response cache", lambda c: c.misses),
+    "nv_cache_num_lookups": ("Number of cache lookups in response cache", lambda c: c.lookups),
+    "nv_cache_num_evictions": ("Number of cache evictions in response cache", lambda c: c.evictions),
+    "nv_cache_lookup_duration": ("Total cache lookup duration (hit and miss), in microseconds",
+                                 lambda c: c.lookup_us),
+    "nv_cache_insertion_duration": ("Total cache insertion duration, in microseconds", lambda c: c.insertion_us),
 }
 
 
@@ -139,6 +166,7 @@ class InferenceMetricsCollector:
             for stat in stats:
                 family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
             yield family
+        yield from self._cache([s for v, s in zip(loaded, stats) if self._core.caches_responses(v)])
         # ensembles run their composing models' plans, which these families count: they have none of their own
         versions = [v for v in self._core.loaded_versions() if isinstance(v, ModelVersion)]
         for name, (help_text, kind, read_version) in _KILN_FAMILIES.items():
@@ -151,6 +179,24 @@ class InferenceMetricsCollector:
         yield from latency_families(config, loaded, self._core.caches_responses)
         for host in self._host:
             yield from host.families()
+
+    def _cache(self, stats: list[dict]) -> Iterable[Metric]:
+        """The response cache's families; none without a cache (Triton creates them only then). The per-model
+        counters are latency counters in Triton: --metrics-config counter_latencies=false leaves them out."""
+        cache = self._core.response_cache
+        if cache is None:
+            return
+        if self._options.config.counter_latencies:
+            for name, (help_text, read) in _CACHE_COUNTERS.items():
+                family = Metric(name, help_text, "counter")
+                for stat in stats:
+                    family.add_sample(name, {"model": stat["name"], "version": stat["version"]}, float(read(stat)))
+                yield family
+        counters = cache.counters()
+        for name, (help_text, read_counters) in _CACHE_GAUGES.items():
+            family = Metric(name, help_text, "gauge")
+            family.add_sample(name, {}, float(read_counters(counters)))
+            yield family
 
     @staticmethod
     def _queues(versions: list) -> Iterable[Metric]:
