@@ -66,9 +66,9 @@ class MemberResults:
 def group_key(request: InferRequest) -> Hashable | None:
     """What requests must share to be sent as one (None: this one goes alone). Only plain requests group: numeric
     tensors in the message, a batch dim of at least 1 that every input agrees on, and no per-request option the
-    core acts on (priority, timeout, shared memory, classification, raw binary input)."""
-    if request.raw_input is not None or not request.inputs:
-        return None
+    core acts on (priority, timeout, shared memory, classification, raw binary input, a client's trace)."""
+    if request.raw_input is not None or not request.inputs or request.traceparent:
+        return None  # a request continuing a client's trace gets spans of its own
     if request.parameters and not GROUPABLE_REQUEST_PARAMETERS.issuperset(request.parameters):
         return None
     rows = None
