@@ -136,7 +136,7 @@ def test_channels_not_a_multiple_of_four_run_on_the_host(c, k):
     infos = {"x": TensorInfo(i8, (1, c, 5, 5)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (k, c, 1, 1)),
              "ws": TensorInfo(f32, (k,)), "y": TensorInfo(f32, (1, k, 5, 5))}
     graph = Graph(nodes=[node], constants={"w": np.zeros((k, c, 1, 1), np.int8)})
-    ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
+    ctx = lowering.LoweringContext(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
     with pytest.raises(Unsupported, match="multiples of 4"):
         lower_qconv(node, ctx)
 

@@ -149,7 +149,7 @@ def test_k_or_n_not_a_multiple_of_four_runs_on_the_host():
     infos = {"x": TensorInfo(i8, (4, 6)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (8, 6)),
              "ws": TensorInfo(f32, (8,)), "y": TensorInfo(f32, (4, 8))}
     graph = Graph(nodes=[node])
-    ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
+    ctx = lowering.LoweringContext(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), graph.constants)
     with pytest.raises(Unsupported, match="multiples of 4"):
         lower_qmatmul(node, ctx)
 
@@ -268,7 +268,7 @@ def test_fp8_k_or_n_not_a_multiple_of_sixteen_runs_on_the_host():
     for n, k in ((24, 32), (32, 8)):
         infos = {"x": TensorInfo(FP8, (4, k)), "s": TensorInfo(f32, ()), "w": TensorInfo(FP8, (n, k)),
                  "ws": TensorInfo(f32, ()), "y": TensorInfo(f32, (4, n))}
-        ctx = lowering._Context(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), {})
+        ctx = lowering.LoweringContext(infos, frozenset({"y"}), {}, lowering.LoweringOptions(), {})
         with pytest.raises(Unsupported, match=f"FP8 GEMM needs N and K multiples of 16, got N={n}, K={k}"):
             lower_qmatmul(node, ctx)
 

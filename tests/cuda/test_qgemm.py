@@ -136,7 +136,7 @@ def _qmatmul_context(k: int, n: int, constants: dict[str, np.ndarray], options: 
     i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
     infos = {"x": TensorInfo(i8, (4, k)), "s": TensorInfo(f32, ()), "w": TensorInfo(i8, (n, k)),
              "ws": TensorInfo(f32, (n,)), "y": TensorInfo(f32, (4, n))}
-    return node, lowering._Context(infos, frozenset({"y"}), {}, options, Graph(nodes=[node]).constants | constants)
+    return node, lowering.LoweringContext(infos, frozenset({"y"}), {}, options, Graph(nodes=[node]).constants | constants)
 
 
 @pytest.mark.parametrize("k, n, constant, options, why", [

@@ -20,6 +20,7 @@ from engine_core.backends.cuda.lowering import (
     LoweringOptions,
     lower_graph,
 )
+from engine_core.backends.cuda.lowering_context import KERNEL_FILES, ON_DEMAND_KERNEL_FILES
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
 from engine_core.backends.cuda.pointwise import POINTWISE_OPTIONS, pointwise_source
 from engine_core.backends.cuda.tactics import Timer, choose_tactic
@@ -27,11 +28,6 @@ from engine_core.ir import Graph
 from engine_core.ops import TensorInfo
 from engine_core.timing_cache import TimingCache
 
-#: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module)
-KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
-#: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
-#: 30-50 s)
-ON_DEMAND_KERNEL_FILES = ("qgemm_sm90",)
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
 

@@ -8,13 +8,12 @@ runner needs; nvmath-python would add a dependency for the same call.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 from functools import cache
 
 import numpy as np
 
+from engine_core.backends.cuda import cublaslt
+from engine_core.backends.cuda.libraries import load_wheel_library
 from engine_core.cuda.driver import CudaError
 
 _OP_N, _OP_T = 0, 1
@@ -25,30 +24,10 @@ _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
 _GEMM_DEFAULT = -1
 
 
-def load_wheel_library(stem: str) -> ctypes.CDLL:
-    """``lib<stem>.so`` from the nvidia-cublas wheel (cu13 or older layout), torch's copy, or the system;
-    raises CudaError when absent."""
-    patterns = (f"nvidia/cu13/lib/lib{stem}.so*", f"nvidia/cublas/lib/lib{stem}.so*", f"torch/lib/lib{stem}.so*")
-    for base in sys.path:
-        for pattern in patterns:
-            found = sorted(p for p in glob.glob(os.path.join(base, pattern))
-                           if os.path.basename(p).startswith(f"lib{stem}.so"))
-            if found:
-                return ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
-    for name in (f"lib{stem}.so.13", f"lib{stem}.so.12", f"lib{stem}.so"):
-        try:
-            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-    raise CudaError(f"lib{stem} not found (install nvidia-cublas)")
-
-
 @cache
 def library() -> ctypes.CDLL:
     """libcublas, loaded after libcublasLt (which it needs)."""
-    from engine_core.backends.cuda.cublaslt import library as lt_library
-
-    lt_library()
+    cublaslt.library()
     return load_wheel_library("cublas")
 
 

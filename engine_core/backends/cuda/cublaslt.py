@@ -12,6 +12,7 @@ from functools import cache
 
 import numpy as np
 
+from engine_core.backends.cuda.libraries import load_wheel_library
 from engine_core.cuda.driver import CudaError, DeviceBuffer
 
 WORKSPACE_BYTES = 32 << 20
@@ -33,8 +34,6 @@ class _Heuristic(ctypes.Structure):
 @cache
 def library() -> ctypes.CDLL:
     """libcublasLt from the nvidia-cublas wheel (or the system); raises CudaError when absent."""
-    from engine_core.backends.cuda.cublas import load_wheel_library
-
     return load_wheel_library("cublasLt")
 
 

@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.backends.cuda.int8_gemm import INT8, INT32, Int8Gemm, Int8GemmRequant, _optional, dequant_program
-from engine_core.backends.cuda.lowering import (
+from engine_core.backends.cuda.int8_gemm import INT8, INT32, Int8Gemm, Int8GemmRequant, dequant_program
+from engine_core.backends.cuda.lowering_context import (
     Conv,
     Launch,
+    LoweringContext,
     Ref,
-    _Context,
     copy_launch,
     launch_program,
     nhwc_strides,
+    optional_input,
 )
 from engine_core.backends.cuda.pointwise import (
     FLOATS,
@@ -66,7 +67,7 @@ def _geometry(node: Node, x: TensorInfo, w: TensorInfo) -> Window:
 _WORDS = {8: np.dtype(np.int64), 4: np.dtype(np.int32), 2: np.dtype(np.int16)}
 
 
-def _byte_copy(ctx: _Context, dst: Ref, src: Ref, shape: tuple[int, ...], dst_strides: tuple[int, ...],
+def _byte_copy(ctx: LoweringContext, dst: Ref, src: Ref, shape: tuple[int, ...], dst_strides: tuple[int, ...],
                src_strides: tuple[int, ...]) -> Launch:
     """A strided int8 copy, moved in 8/4/2-byte words when the innermost dimension is contiguous on both sides
     (or a broadcast zero) and every other stride and both offsets are multiples of the word. Why: im2col copies
@@ -83,7 +84,7 @@ def _byte_copy(ctx: _Context, dst: Ref, src: Ref, shape: tuple[int, ...], dst_st
     return copy_launch(ctx, INT8, dst, src, shape, dst_strides, src_strides)
 
 
-def _fill_zero(node: Node, ctx: _Context, target: Ref, count: int) -> Launch:
+def _fill_zero(node: Node, ctx: LoweringContext, target: Ref, count: int) -> Launch:
     """``count`` int8 zeros at ``target``: a copy from one folded zero word read with stride 0."""
     zero = ctx.fold(f"{node.name}#zero", np.zeros((8,), np.int8))
     return _byte_copy(ctx, target, zero, (count,), (1,), (0,))
@@ -95,7 +96,7 @@ def _nhwc_order(strides: tuple[int, ...]) -> tuple[int, ...]:
     return n, h, w, c
 
 
-def _columns(node: Node, ctx: _Context, xin: str, win: Window) -> tuple[Ref, list[Launch]]:
+def _columns(node: Node, ctx: LoweringContext, xin: str, win: Window) -> tuple[Ref, list[Launch]]:
     """The GEMM's left operand [N*OH*OW, R*S*C] (int8, row-major) and the launches that build it."""
     n, c, h, w = ctx.info(xin).shape
     (kh, kw), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilations
@@ -121,7 +122,7 @@ def _columns(node: Node, ctx: _Context, xin: str, win: Window) -> tuple[Ref, lis
     return cols, ops
 
 
-def _weight_rows(node: Node, ctx: _Context) -> Ref:
+def _weight_rows(node: Node, ctx: LoweringContext) -> Ref:
     """The weight as [K, R*S*C] int8 rows (KRSC): the engine's "krsc" weight transform."""
     name = node.inputs[2]
     w = ctx.info(name)
@@ -131,18 +132,18 @@ def _weight_rows(node: Node, ctx: _Context) -> Ref:
     return Ref(derived)
 
 
-def _channel_strides(ctx: _Context, name: str, rank: int) -> tuple[int, ...]:
+def _channel_strides(ctx: LoweringContext, name: str, rank: int) -> tuple[int, ...]:
     """Strides reading a per-tensor (stride 0) or per-channel (axis 1) vector along an NCHW output."""
     size = int(np.prod(ctx.info(name).shape, dtype=np.int64))
     return tuple(1 if d == 1 and size > 1 else 0 for d in range(rank))
 
 
-def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
+def _epilogue(node: Node, ctx: LoweringContext, acc: Ref, out_name: str) -> Launch:
     """One generated kernel: act(float(acc) * x_scale * w_scale[k] + bias[k] + residual) -> the output;
     with y_scale then Cast to the float type and QuantizeLinear -> int8 (the CPU op's order). An int8 residual
     is dequantized by its scale first."""
     out = ctx.info(out_name)
-    bias, residual, y_scale, r_scale = (_optional(node, i) for i in (4, 5, 6, 7))
+    bias, residual, y_scale, r_scale = (optional_input(node, i) for i in (4, 5, 6, 7))
     inputs = [acc.tensor, node.inputs[1], node.inputs[3], *[n for n in (bias, residual, r_scale, y_scale) if n]]
     dequantize = {inputs.index(residual): inputs.index(r_scale)} if r_scale else {}
     nodes = dequant_program(node, ctx, len(inputs), [inputs.index(n) for n in (bias, residual) if n], bool(y_scale),
@@ -158,15 +159,15 @@ def _epilogue(node: Node, ctx: _Context, acc: Ref, out_name: str) -> Launch:
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
 
 
-def _constant(ctx: _Context, name: str) -> np.ndarray | None:
+def _constant(ctx: LoweringContext, name: str) -> np.ndarray | None:
     value = ctx.constant(name)
     return None if value is None else np.asarray(value, np.float64)
 
 
-def _constant_epilogue(node: Node, ctx: _Context) -> dict[str, np.ndarray] | None:
+def _constant_epilogue(node: Node, ctx: LoweringContext) -> dict[str, np.ndarray] | None:
     """The values of the layer's scales and bias when all are known at build time (the single-call lowerings
     fold them), else None."""
-    names = (node.inputs[1], node.inputs[3], *(_optional(node, i) for i in (6, 4, 7)))
+    names = (node.inputs[1], node.inputs[3], *(optional_input(node, i) for i in (6, 4, 7)))
     values = {name: _constant(ctx, name) for name in names if name}
     return None if any(v is None for v in values.values()) else values
 
@@ -176,13 +177,13 @@ def _same_memory_order(shape: tuple[int, ...], a: tuple[int, ...], b: tuple[int,
     return all(x == y for d, x, y in zip(shape, a, b) if d != 1)
 
 
-def _requant_gemm(node: Node, ctx: _Context, cols: Ref, weight: Ref, m: int, k: int, reduction: int,
+def _requant_gemm(node: Node, ctx: LoweringContext, cols: Ref, weight: Ref, m: int, k: int, reduction: int,
                   out_name: str) -> Int8GemmRequant | None:
     """The whole layer as one cuBLASLt call writing the int8 output channels-last (``Int8GemmRequant``), or None
     when it does not apply: the GPU's cuBLASLt lacks the algorithms (``ctx.options.int8_requant``), the layer
     does not requantize, its activation is not ReLU, a scale or the bias is computed at run time, or the
     residual is not an int8 tensor laid out like the output."""
-    y_scale, residual, r_scale = (_optional(node, i) for i in (6, 5, 7))
+    y_scale, residual, r_scale = (optional_input(node, i) for i in (6, 5, 7))
     if not ctx.options.int8_requant or not y_scale or node.attr("activation", "") not in ("", "Relu"):
         return None
     out = ctx.info(out_name)
@@ -204,11 +205,12 @@ def _requant_gemm(node: Node, ctx: _Context, cols: Ref, weight: Ref, m: int, k: 
                            beta=float(beta[0]) if residual else 0.0, relu=node.attr("activation", "") == "Relu")
 
 
-def _folded_scales(node: Node, ctx: _Context, values: dict[str, np.ndarray], k: int) -> tuple[Ref, Ref | None, np.ndarray]:
+def _folded_scales(node: Node, ctx: LoweringContext, values: dict[str, np.ndarray],
+                   k: int) -> tuple[Ref, Ref | None, np.ndarray]:
     """The requantizing epilogue's constants folded for one float32 pass over the INT32 sums: (alpha = x_scale *
     w_scale[k] / y_scale as a folded [K] vector, bias / y_scale folded or None, the residual's multiplier
     r_scale / y_scale per channel: 1 / y_scale for a float residual). Without y_scale (a float output) it is 1."""
-    y_scale, bias, r_scale = (_optional(node, i) for i in (6, 4, 7))
+    y_scale, bias, r_scale = (optional_input(node, i) for i in (6, 4, 7))
     out_scale = float(values[y_scale].reshape(())) if y_scale else 1.0
     alpha = float(values[node.inputs[1]].reshape(())) * np.broadcast_to(values[node.inputs[3]].reshape(-1), (k,))
     folded_alpha = ctx.fold(f"{node.name}#alpha", (alpha / out_scale).astype(np.float32))
@@ -217,13 +219,13 @@ def _folded_scales(node: Node, ctx: _Context, values: dict[str, np.ndarray], k: 
     return folded_alpha, folded_bias, beta
 
 
-def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv | None:
+def _cudnn_conv(node: Node, ctx: LoweringContext, win: Window, out_name: str) -> Conv | None:
     """The whole layer as one cuDNN INT8 graph (``LoweringOptions.cudnn_int8``: int8 NHWC x, KRSC w, INT32 sums,
     the requantizing epilogue in float32, the output written NHWC), or None when it does not apply: no cuDNN
     INT8 here, an activation other than ReLU, a scale or the bias computed at run time, a residual of another
     shape or type, or an output that is a graph output or flat (their layouts stay linear)."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(out_name)
-    residual, r_scale = _optional(node, 5), _optional(node, 7)
+    residual, r_scale = optional_input(node, 5), optional_input(node, 7)
     if not ctx.options.cudnn_int8 or ctx.layouts.get(out_name) != "nhwc" or node.attr("activation", "") not in ("", "Relu"):
         return None
     values = _constant_epilogue(node, ctx)
@@ -249,7 +251,7 @@ def _cudnn_conv(node: Node, ctx: _Context, win: Window, out_name: str) -> Conv |
                 z_dtype=ctx.info(residual).dtype if residual else None, y_dtype=out.dtype)
 
 
-def _check(node: Node, ctx: _Context) -> None:
+def _check(node: Node, ctx: LoweringContext) -> None:
     """Raise Unsupported for what this lowering does not take (the layer then runs on the host)."""
     x, w, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[2]), ctx.info(node.outputs[0])
     if x.dtype != INT8 or w.dtype != INT8 or len(x.shape) != 4 or len(w.shape) != 4:
@@ -259,8 +261,9 @@ def _check(node: Node, ctx: _Context) -> None:
     if w.shape[0] % ALIGN or w.shape[1] % ALIGN:
         raise Unsupported(f"INT8 convolutions need input and output channels multiples of {ALIGN}, got "
                           f"{w.shape[1]} and {w.shape[0]}")
-    y_scale, r_scale = _optional(node, 6), _optional(node, 7)
-    floats = (node.inputs[1], node.inputs[3], _optional(node, 4), "" if r_scale else _optional(node, 5), y_scale, r_scale)
+    y_scale, r_scale = optional_input(node, 6), optional_input(node, 7)
+    floats = (node.inputs[1], node.inputs[3], optional_input(node, 4), "" if r_scale else optional_input(node, 5),
+              y_scale, r_scale)
     for name in floats:
         if name and ctx.info(name).dtype not in FLOATS:
             raise Unsupported(f"QConv {name} is {ctx.info(name).dtype}, not a float type")
@@ -268,7 +271,7 @@ def _check(node: Node, ctx: _Context) -> None:
         raise Unsupported(f"QConv writing {out.dtype} ({'with' if y_scale else 'without'} an output scale)")
 
 
-def lower_qconv(node: Node, ctx: _Context) -> list:
+def lower_qconv(node: Node, ctx: LoweringContext) -> list:
     """``kiln.QConv`` -> [im2col copies (when needed), Int8GemmRequant writing the int8 output] when
     ``_requant_gemm`` applies, else [..., Int8Gemm into a step-local int32 buffer, the epilogue]."""
     _check(node, ctx)

@@ -47,7 +47,14 @@ from engine_core.backends.cuda.cublaslt import (
     check,
     make_layouts,
 )
-from engine_core.backends.cuda.lowering import Host, Launch, Ref, _Context, launch_program
+from engine_core.backends.cuda.lowering_context import (
+    Host,
+    Launch,
+    LoweringContext,
+    Ref,
+    launch_program,
+    optional_input,
+)
 from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
 from engine_core.cuda.driver import CudaError
 from engine_core.ir import Node
@@ -153,7 +160,7 @@ def _output_columns(w: TensorInfo, trans_b: bool) -> tuple[int, int]:
     return int(n), int(k)
 
 
-def _weight_rows(node: Node, ctx: _Context, trans_b: bool) -> str:
+def _weight_rows(node: Node, ctx: LoweringContext, trans_b: bool) -> str:
     """The weight as [N, K] rows: itself for transB, else a derived weight transposed once per engine."""
     name = node.inputs[2]
     if trans_b:
@@ -165,11 +172,7 @@ def _weight_rows(node: Node, ctx: _Context, trans_b: bool) -> str:
     return derived
 
 
-def _optional(node: Node, index: int) -> str:
-    return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
-
-
-def dequant_program(node: Node, ctx: _Context, n_inputs: int, adds: list[int], requantize: bool,
+def dequant_program(node: Node, ctx: LoweringContext, n_inputs: int, adds: list[int], requantize: bool,
                     out_dtype: np.dtype, dequantize: Mapping[int, int] | None = None) -> list[PwNode]:
     """The epilogue program of a QMatMul / QConv over inputs [acc, x_scale, w_scale, ...]: float(acc) * x_scale *
     w_scale, plus each input in ``adds`` (bias, residual), the node's activation, and with ``requantize`` a Cast
@@ -209,13 +212,13 @@ def dequant_program(node: Node, ctx: _Context, n_inputs: int, adds: list[int], r
     return nodes
 
 
-def _dequant_epilogue(node: Node, ctx: _Context, acc: str, float_out: str = "") -> Launch:
+def _dequant_epilogue(node: Node, ctx: LoweringContext, acc: str, float_out: str = "") -> Launch:
     """One generated kernel: act(float(acc) * x_scale * w_scale + bias) -> the node's output; with y_scale
     then Cast to the float type and QuantizeLinear (the pointwise op's own code) -> int8. ``float_out``: stop
     before the requantization and write the float result there instead."""
     out_name = float_out or node.outputs[0]
     out = ctx.info(out_name)
-    bias, y_scale = _optional(node, 4), "" if float_out else _optional(node, 5)
+    bias, y_scale = optional_input(node, 4), "" if float_out else optional_input(node, 5)
     inputs = [acc, node.inputs[1], node.inputs[3], *([bias] if bias else []), *([y_scale] if y_scale else [])]
     nodes = dequant_program(node, ctx, len(inputs), [3] if bias else [], bool(y_scale), out.dtype)
     kernel = ctx.kernel(program_kernel(nodes, out.dtype, [ctx.info(n).dtype for n in inputs]))
@@ -223,7 +226,7 @@ def _dequant_epilogue(node: Node, ctx: _Context, acc: str, float_out: str = "") 
     return launch_program(kernel, Ref(out_name), [Ref(n) for n in inputs], out.shape, ctx.strides(out_name), strides)
 
 
-def _host_requantize(node: Node, ctx: _Context, acc: str) -> list:
+def _host_requantize(node: Node, ctx: LoweringContext, acc: str) -> list:
     """[the epilogue into a step-local float buffer, QuantizeLinear(that, y_scale) on the host]: a
     requantizing layer whose output type the pointwise kernels cannot store (float8e4m3fn)."""
     out = ctx.info(node.outputs[0])
@@ -234,7 +237,7 @@ def _host_requantize(node: Node, ctx: _Context, acc: str) -> list:
     return [_dequant_epilogue(node, ctx, acc, buffer.tensor), Host(quantize)]
 
 
-def lower_qmatmul(node: Node, ctx: _Context) -> list:
+def lower_qmatmul(node: Node, ctx: LoweringContext) -> list:
     """``kiln.QMatMul`` -> Kiln's sm_90 INT8 GEMM with the epilogue in registers (``qgemm.lower``) where it
     applies, else [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing epilogue];
     raises Unsupported (the layer then runs on the host) for shapes cuBLASLt's IMMA / FP8 kernels do not take."""
@@ -249,8 +252,8 @@ def lower_qmatmul(node: Node, ctx: _Context) -> list:
     if n % multiple or k % multiple:
         kind = "FP8" if gemm_type is Fp8Gemm else "INT8"
         raise Unsupported(f"{kind} GEMM needs N and K multiples of {multiple}, got N={n}, K={k}")
-    y_scale = _optional(node, 5)
-    for name in (node.inputs[1], node.inputs[3], _optional(node, 4), y_scale):
+    y_scale = optional_input(node, 5)
+    for name in (node.inputs[1], node.inputs[3], optional_input(node, 4), y_scale):
         if name and ctx.info(name).dtype not in FLOATS:
             raise Unsupported(f"QMatMul {name} is {ctx.info(name).dtype}, not a float type")
     if (out.dtype == x.dtype) != bool(y_scale) or (not y_scale and out.dtype not in FLOATS):

@@ -16,23 +16,44 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cuda.memory import MemoryPlan, liveness, plan_memory
+from engine_core.backends.cuda.int8_conv import lower_qconv
+from engine_core.backends.cuda.int8_gemm import lower_qmatmul
+from engine_core.backends.cuda.lowering_context import (
+    F16,
+    F32,
+    INT8,
+    THREADS,
+    Conv,
+    Copy,
+    Gemm,
+    Host,
+    Launch,
+    Lowered,
+    LoweringContext,
+    LoweringOptions,
+    Ref,
+    Step,
+    copy_launch,
+    grid_for,
+    launch_program,
+    nhwc_strides,
+)
+from engine_core.backends.cuda.lowering_context import TensorMap as TensorMap  # re-exported: the step types
+from engine_core.backends.cuda.lowering_context import transform_weight as transform_weight  # lived here
+from engine_core.backends.cuda.memory import liveness, plan_memory
 from engine_core.backends.cuda.pointwise import (
     BF16,
     FLOATS,
     POINTWISE_OPS,
-    PointwiseKernel,
     PwNode,
     Unsupported,
     broadcast_strides,
     contiguous_strides,
-    make_indexer,
-    pointwise_kernel,
     program_kernel,
 )
 from engine_core.ir import Graph, Node
@@ -40,10 +61,8 @@ from engine_core.ops import TensorInfo
 from engine_core.ops.registry import normalize_axis
 
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
-F32, F16, INT8 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)
 #: storage types of the row kernels (softmax, norms, reductions, pooling)
 ROW_SUFFIX = {F32: "f32", F16: "f16", BF16: "bf16"}
-THREADS = 256
 GEMM_TACTICS = ("cublas", "kiln_gemm")
 #: ops that read and write any layout through strides (a channels-last input keeps its layout)
 LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNormalization", "MaxPool",
@@ -53,321 +72,7 @@ ACTIVATIONS = {"": None, "Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "
                "GeluTanh": "Gelu", "LeakyRelu": "LeakyRelu", "Clip": "Clip"}
 
 
-@dataclass(frozen=True)
-class LoweringOptions:
-    """Build choices the lowering needs: TF32 math for fp32 GEMM/conv, whether cuDNN runs convolutions."""
-
-    tf32: bool = False
-    cudnn: bool = False
-    #: cuBLASLt runs FusedMatMul with its bias / activation fused into the GEMM
-    cublaslt: bool = False
-    #: cuBLASLt's int8-output IMMA GEMMs (alpha vector, bias / ReLU epilogue, int8 residual) run requantizing
-    #: INT8 convolutions as one call (int8_gemm.Int8GemmRequant); probed on the GPU at build time
-    int8_requant: bool = False
-    #: cuDNN runs ``kiln.QConv`` as one INT8 graph (INT32 sums, the requantizing epilogue fused); probed on the GPU
-    #: at build time (cudnn_conv.int8_unsupported)
-    cudnn_int8: bool = False
-    #: INT8 ``kiln.QMatMul`` runs Kiln's Hopper wgmma GEMM with the epilogue in registers (qgemm.py): sm_90 GPUs,
-    #: unless KILN_QGEMM=0
-    qgemm_sm90: bool = False
-    #: strict fp32 convolutions (fp32 without TF32) run NCHW with KCRS filters: cuDNN's FFMA engines (implicit /
-    #: precomputed GEMM, Winograd, FFT) are NCHW kernels, and with the tensor-core engines deselected an NHWC fp32
-    #: graph is left with slow generic ones (ResNet-50 at batch 128: 395.6 ms against 10.8 ms in TF32). Plans
-    #: built before this option ran such convolutions channels-last and still do (the runner lowers as recorded)
-    strict_fp32_nchw: bool = False
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A device pointer argument: a tensor's address plus a byte offset."""
-
-    tensor: str
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class TensorMap:
-    """A TMA descriptor argument (CUtensorMap, 128 bytes by value) of a row-major int8 matrix [rows, cols] at a
-    tensor's address, read in boxes of ``box`` (rows, bytes) with the 128-byte swizzle. Why an argument kind: the
-    descriptor holds the address, so the runner encodes it when it first resolves the tensor and again whenever
-    the address changes (a new arena, other I/O addresses)."""
-
-    ref: Ref
-    rows: int
-    cols: int
-    box: tuple[int, int]
-
-
-@dataclass
-class Launch:
-    """One kernel launch; ``args`` are (value, ctypes type) pairs, the value a Ref (a device pointer), a TensorMap
-    (a 128-byte descriptor by value; its type is None) or a constant. ``program`` is the pointwise program a
-    generated kernel evaluates (the emulator runs it on the host)."""
-
-    module: str
-    function: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: list[tuple[Any, Any]]
-    program: PointwiseKernel | None = None
-    #: dynamic shared memory per block (bytes); above 48 KiB the runner raises the function's limit first
-    shared_bytes: int = 0
-
-    def refs(self) -> list[Ref]:
-        """The tensors the launch addresses: its Ref arguments and its tensor maps' tensors."""
-        return [v.ref if isinstance(v, TensorMap) else v for v, _ in self.args if isinstance(v, (Ref, TensorMap))]
-
-
-@dataclass
-class Gemm:
-    """Y[b] = alpha * A[b] @ B[b] + beta * Y[b]; operands addressed by element strides (row, col, batch)."""
-
-    a: Ref
-    b: Ref
-    y: Ref
-    m: int
-    n: int
-    k: int
-    batch: int
-    a_strides: tuple[int, int, int]
-    b_strides: tuple[int, int, int]
-    alpha: float = 1.0
-    beta: float = 0.0
-    tactic: str = "cublas"
-    dtype: np.dtype = F32
-    tf32: bool = False
-    #: cuBLASLt epilogue ("bias", "relu_bias", "gelu_bias") reading ``bias`` (bias[N]); tactic "cublaslt"
-    bias: Ref | None = None
-    epilogue: str = ""
-
-    @property
-    def trans_a(self) -> bool:
-        return self.a_strides[1] != 1
-
-    @property
-    def trans_b(self) -> bool:
-        return self.b_strides[1] != 1
-
-
-@dataclass
-class Conv:
-    """Y = act(conv(X, W) + B + Z) through cuDNN; every tensor described by logical NCHW dims and the
-    element strides of its physical layout. ``key()`` identifies the cuDNN graph (cached per engine)."""
-
-    x: Ref
-    w: Ref
-    y: Ref
-    b: Ref | None
-    z: Ref | None
-    x_dims: tuple[int, ...]
-    w_dims: tuple[int, ...]
-    y_dims: tuple[int, ...]
-    x_strides: tuple[int, ...]
-    w_strides: tuple[int, ...]
-    y_strides: tuple[int, ...]
-    z_strides: tuple[int, ...] | None
-    pads_begin: tuple[int, ...]
-    pads_end: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    dtype: np.dtype
-    activation: str = ""
-    alpha: float = 0.0
-    beta: float = 0.0
-    tf32: bool = False
-    #: bias + residual + activation as generated kernels, for when cuDNN has no engine for the fused graph
-    #: (then the bare convolution runs and these follow)
-    fallback: list = field(default_factory=list)
-    #: residual + activation alone as generated kernels, for running cuDNN with the bias epilogue only (a
-    #: binding whose captured CUDA graph did not reproduce with the full epilogue in cuDNN)
-    rest: list = field(default_factory=list)
-    #: INT8 convolutions (``kiln.QConv``, int8 ``dtype``): the float32 [K] multiplier of the INT32 sums
-    #: (x_scale * w_scale[k] / y_scale); ``b`` is then float32 too (bias / y_scale)
-    scale: Ref | None = None
-    #: INT8 convolutions: the float32 [K] multiplier of the residual ``z`` (its scale / y_scale)
-    z_scale: Ref | None = None
-    #: INT8 convolutions: the residual's and the output's element types (int8 when requantizing, else a float)
-    z_dtype: np.dtype | None = None
-    y_dtype: np.dtype | None = None
-
-    @property
-    def int8(self) -> bool:
-        """An INT8 convolution: int8 x and w, INT32 sums, the float requantizing epilogue in the same graph."""
-        return self.scale is not None
-
-    def refs(self) -> list[Ref]:
-        """Every tensor cuDNN addresses (the epilogue kernels' arguments not included)."""
-        return [r for r in (self.x, self.w, self.y, self.b, self.z, self.scale, self.z_scale) if r is not None]
-
-    def bare(self) -> Conv:
-        """The convolution alone (no bias, residual or activation)."""
-        return replace(self, b=None, z=None, z_strides=None, activation="", fallback=[], rest=[])
-
-    def bias_only(self) -> Conv:
-        """The convolution with its bias only (residual and activation left to ``rest``)."""
-        return replace(self, z=None, z_strides=None, activation="", fallback=[], rest=[])
-
-    def key(self) -> tuple:
-        return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
-                self.z_strides, self.b is not None, self.pads_begin, self.pads_end, self.strides, self.dilations,
-                str(self.dtype), self.activation, self.alpha, self.beta, self.tf32, self.int8, str(self.z_dtype),
-                str(self.y_dtype))
-
-
-@dataclass
-class Copy:
-    dst: Ref
-    src: Ref
-    nbytes: int
-
-
-@dataclass
-class Host:
-    """Run the numpy implementation: inputs device->host, outputs host->device."""
-
-    node: Node
-
-
-@dataclass
-class Step:
-    node: Node
-    tactic: str
-    ops: list[Launch | Gemm | Conv | Copy | Host]
-    #: step-local scratch tensors (planned in the arena for this step only)
-    scratch: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Lowered:
-    steps: list[Step]
-    #: tensor -> ("arena", offset) | ("io", name) | ("weight", name) | ("folded", name)
-    locations: dict[str, tuple[str, Any]]
-    memory: MemoryPlan
-    #: host-known tensors (shape computations) that device steps read: uploaded per shape set
-    folded: dict[str, np.ndarray]
-    kernels: list[PointwiseKernel]
-    infos: dict[str, TensorInfo]
-    #: derived weights: name -> (source weight, transform), e.g. ("w", "krsc") for channels-last filters
-    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
-    layouts: dict[str, str] = field(default_factory=dict)
-
-    def tactics(self) -> dict[str, str]:
-        return {s.node.name: s.tactic for s in self.steps}
-
-
-def grid_for(n: int, threads: int = THREADS) -> tuple[int, int, int]:
-    return (max(1, min((n + threads - 1) // threads, 1 << 20)), 1, 1)
-
-
-def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of a logical NCHW tensor stored channels-last (NHWC)."""
-    n, c, h, w = shape
-    return (h * w * c, 1, w * c, c)
-
-
-def transform_weight(value: np.ndarray, transform: str) -> np.ndarray:
-    """A derived weight's host value (the runner uploads it once per engine)."""
-    if transform == "krsc":
-        return np.ascontiguousarray(np.transpose(value, (0, 2, 3, 1)))
-    if transform == "nk":  # a [K, N] int8 GEMM weight as the [N, K] rows cuBLASLt's IMMA "TN" form reads
-        return np.ascontiguousarray(value.T)
-    raise ValueError(f"unknown weight transform {transform}")
-
-
-@dataclass
-class _Context:
-    infos: dict[str, TensorInfo]
-    graph_outputs: frozenset[str]
-    gemm_choice: Mapping[str, str]
-    options: LoweringOptions
-    constants: Mapping[str, Any]
-    layouts: dict[str, str] = field(default_factory=dict)
-    kernels: list[PointwiseKernel] = field(default_factory=list)
-    pre_steps: list[Step] = field(default_factory=list)
-    reformatted: dict[tuple[str, str], str] = field(default_factory=dict)
-    folded_extra: dict[str, np.ndarray] = field(default_factory=dict)
-    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
-    scratch: list[str] = field(default_factory=list)
-    #: inputs a lowering read under another name (a reformatted copy): the step node lists that name,
-    #: so liveness keeps the copy alive until the step has run
-    renamed: dict[str, str] = field(default_factory=dict)
-    #: a QMatMul output -> the last-axis Split that is its only reader (``split_readers``): Kiln's INT8 GEMM can
-    #: write the parts itself (qgemm.lower adds the output to ``split_written``); that Split then has no step
-    split_readers: dict[str, Node] = field(default_factory=dict)
-    split_written: set[str] = field(default_factory=set)
-
-    def info(self, name: str) -> TensorInfo:
-        info = self.infos.get(name)
-        if info is None or info.shape is None:
-            raise Unsupported(f"tensor '{name}' has no known shape")
-        return info
-
-    def value(self, name: str) -> np.ndarray | None:
-        info = self.infos.get(name)
-        return None if info is None else info.value
-
-    def constant(self, name: str) -> np.ndarray | None:
-        """``name``'s value when the build knows it (a weight, or a value folded at these shapes), else None."""
-        value = self.constants.get(name)
-        return self.value(name) if value is None else np.asarray(value)
-
-    def strides(self, name: str) -> tuple[int, ...]:
-        """Element strides of ``name``'s physical layout (logical dims)."""
-        shape = self.info(name).shape
-        return nhwc_strides(shape) if self.layouts.get(name) == "nhwc" else contiguous_strides(shape)
-
-    def kernel(self, kernel: PointwiseKernel) -> PointwiseKernel:
-        self.kernels.append(kernel)
-        return kernel
-
-    def as_layout(self, name: str, layout: str) -> str:
-        """``name`` in ``layout`` ("linear" or "nhwc"): itself, or a reformat step's output."""
-        current = self.layouts.get(name, "linear")
-        if current == layout:
-            return name
-        key = (name, layout)
-        if key not in self.reformatted:
-            info = self.info(name)
-            out = f"{name}#{layout}"
-            self.infos[out] = TensorInfo(info.dtype, info.shape)
-            if layout == "nhwc":
-                self.layouts[out] = "nhwc"
-            launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out), self.strides(name))
-            node = Node("Identity", [name], [out], {}, f"reformat:{name}->{layout}", "", 1, [name])
-            self.pre_steps.append(Step(node, f"reformat:{layout}", [launch]))
-            self.reformatted[key] = out
-        return self.reformatted[key]
-
-    def fold(self, name: str, value: np.ndarray) -> Ref:
-        """A host-computed constant for this step (uploaded with the binding's folded values)."""
-        self.folded_extra[name] = np.ascontiguousarray(value)
-        self.infos[name] = TensorInfo(value.dtype, value.shape, value)
-        return Ref(name)
-
-    def new_scratch(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> Ref:
-        self.infos[name] = TensorInfo(np.dtype(dtype), tuple(shape))
-        self.scratch.append(name)
-        return Ref(name)
-
-
-def launch_program(kernel: PointwiseKernel, y: Ref, xs: list[Ref], shape, out_strides, in_strides) -> Launch:
-    n = int(np.prod(shape, dtype=np.int64))
-    ix, rank = make_indexer(shape, out_strides, in_strides)
-    threads = kernel.vector_threads(n, rank, ix)
-    if threads is None:  # the strided path: rank <= 1 moves 4 elements per thread (pointwise.cu), others one
-        threads = (n + 3) // 4 if rank <= 1 else n
-    grid = grid_for(threads)
-    return Launch("pointwise", kernel.name, grid, (THREADS, 1, 1),
-                  [(y, ctypes.c_void_p), *[(x, ctypes.c_void_p) for x in xs], (n, ctypes.c_longlong),
-                   (rank, ctypes.c_int), (ix, type(ix))], kernel)
-
-
-def copy_launch(ctx: _Context, dtype: np.dtype, dst: Ref, src: Ref, shape, dst_strides, src_strides) -> Launch:
-    return launch_program(ctx.kernel(pointwise_kernel("Identity", dtype, [dtype])), dst, [src], shape, dst_strides,
-                          [src_strides])
-
-
-def _out_layout(node: Node, ctx: _Context, spatial: bool = False) -> str:
+def _out_layout(node: Node, ctx: LoweringContext, spatial: bool = False) -> str:
     """Layout of a layout-aware node's output: channels-last when a same-shape input is (``spatial``:
     when its first input is, as for pooling), unless the output is a graph output or the layouts
     coincide (H*W == 1 or C == 1)."""
@@ -386,7 +91,7 @@ def _out_layout(node: Node, ctx: _Context, spatial: bool = False) -> str:
 # -- pointwise ---------------------------------------------------------------------------------------
 
 
-def _pointwise_launch(node: Node, ctx: _Context, nodes: list[PwNode], inputs: list[str]) -> list:
+def _pointwise_launch(node: Node, ctx: LoweringContext, nodes: list[PwNode], inputs: list[str]) -> list:
     out_name = node.outputs[0]
     out = ctx.info(out_name)
     if len(inputs) == 0 or any(n == "" for n in inputs):
@@ -400,7 +105,7 @@ def _pointwise_launch(node: Node, ctx: _Context, nodes: list[PwNode], inputs: li
                            [broadcast_strides(i.shape, out.shape, ctx.strides(n)) for n, i in zip(inputs, infos)])]
 
 
-def _lower_pointwise(node: Node, ctx: _Context) -> list:
+def _lower_pointwise(node: Node, ctx: LoweringContext) -> list:
     if node.op_type == "Clip" and node.opset < 11:
         raise Unsupported("Clip before opset 11 keeps bounds in attributes")
     present = [n for n in node.inputs if n]
@@ -412,7 +117,7 @@ def _lower_pointwise(node: Node, ctx: _Context) -> list:
     return _pointwise_launch(node, ctx, [pw], present)
 
 
-def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
+def _lower_pointwise_chain(node: Node, ctx: LoweringContext) -> list:
     """``kiln.PointwiseChain``: its body (pointwise ONNX nodes) becomes one generated kernel."""
     from engine_core.passes import infer_shapes
 
@@ -447,7 +152,7 @@ def _lower_pointwise_chain(node: Node, ctx: _Context) -> list:
     return _pointwise_launch(node, ctx, nodes, inputs)
 
 
-def _lower_qdq(node: Node, ctx: _Context) -> list:
+def _lower_qdq(node: Node, ctx: LoweringContext) -> list:
     """QuantizeLinear / DequantizeLinear (per-tensor or per-axis, int8/uint8/int16/uint16) as pointwise
     kernels; the scale and zero point broadcast along ``axis``. Blocked quantization stays on the host."""
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
@@ -479,7 +184,7 @@ def _lower_qdq(node: Node, ctx: _Context) -> list:
                            ctx.strides(node.outputs[0]), strides)]
 
 
-def _lower_batch_norm(node: Node, ctx: _Context) -> list:
+def _lower_batch_norm(node: Node, ctx: LoweringContext) -> list:
     """Inference BatchNormalization = x * a + b with per-channel a, b computed on the host."""
     x = ctx.info(node.inputs[0])
     values = [ctx.value(n) for n in node.inputs[1:5]]
@@ -498,7 +203,7 @@ def _lower_batch_norm(node: Node, ctx: _Context) -> list:
 # -- data movement -----------------------------------------------------------------------------------
 
 
-def _lower_view(node: Node, ctx: _Context) -> list:
+def _lower_view(node: Node, ctx: LoweringContext) -> list:
     """Views alias their input; only a view that is a graph output needs a copy."""
     if node.outputs[0] not in ctx.graph_outputs:
         return []
@@ -506,7 +211,7 @@ def _lower_view(node: Node, ctx: _Context) -> list:
     return [Copy(Ref(node.outputs[0]), Ref(node.inputs[0]), int(np.prod(out.shape)) * out.dtype.itemsize)]
 
 
-def _is_view(node: Node, ctx: _Context) -> bool:
+def _is_view(node: Node, ctx: LoweringContext) -> bool:
     """A layer whose output is its input's bytes: the view ops, and an Expand with nothing to broadcast at these
     shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer)."""
     if not node.inputs or not node.inputs[0] or node.op_type not in VIEW_OPS and node.op_type != "Expand":
@@ -515,7 +220,7 @@ def _is_view(node: Node, ctx: _Context) -> bool:
     return node.op_type in VIEW_OPS or shape == ctx.info(node.outputs[0]).shape
 
 
-def _lower_transpose(node: Node, ctx: _Context) -> list:
+def _lower_transpose(node: Node, ctx: LoweringContext) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     perm = node.attr("perm", None) or list(reversed(range(len(x.shape))))
     src = ctx.strides(node.inputs[0])
@@ -523,13 +228,13 @@ def _lower_transpose(node: Node, ctx: _Context) -> list:
                         contiguous_strides(out.shape), [src[p] for p in perm])]
 
 
-def _lower_expand(node: Node, ctx: _Context) -> list:
+def _lower_expand(node: Node, ctx: LoweringContext) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     return [copy_launch(ctx, x.dtype, Ref(node.outputs[0]), Ref(node.inputs[0]), out.shape,
                         contiguous_strides(out.shape), broadcast_strides(x.shape, out.shape))]
 
 
-def _lower_concat(node: Node, ctx: _Context) -> list:
+def _lower_concat(node: Node, ctx: LoweringContext) -> list:
     out = ctx.info(node.outputs[0])
     axis = normalize_axis(node.attr("axis"), len(out.shape))
     out_strides = contiguous_strides(out.shape)
@@ -543,7 +248,7 @@ def _lower_concat(node: Node, ctx: _Context) -> list:
     return launches
 
 
-def _lower_slice(node: Node, ctx: _Context) -> list:
+def _lower_slice(node: Node, ctx: LoweringContext) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     args = [ctx.value(n) if i < len(node.inputs) and n else None for i, n in enumerate(node.inputs[1:5])]
     if node.opset < 10 or args[0] is None or args[1] is None or any(
@@ -563,7 +268,7 @@ def _lower_slice(node: Node, ctx: _Context) -> list:
                         contiguous_strides(out.shape), strides)]
 
 
-def _lower_split(node: Node, ctx: _Context) -> list:
+def _lower_split(node: Node, ctx: LoweringContext) -> list:
     """Split: one strided copy per output, each reading the input from its offset along the axis (the
     output shapes, known from shape inference, give the sizes whichever way the split was declared)."""
     x = ctx.info(node.inputs[0])
@@ -579,7 +284,7 @@ def _lower_split(node: Node, ctx: _Context) -> list:
     return ops
 
 
-def _lower_gather(node: Node, ctx: _Context) -> list:
+def _lower_gather(node: Node, ctx: LoweringContext) -> list:
     data, idx = ctx.info(node.inputs[0]), ctx.info(node.inputs[1])
     ctx.info(node.outputs[0])
     if idx.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
@@ -620,7 +325,7 @@ class AttnMask(ctypes.Structure):
                 ("causal", ctypes.c_int), ("causal_offset", ctypes.c_int)]
 
 
-def _lower_softmax(node: Node, ctx: _Context) -> list:
+def _lower_softmax(node: Node, ctx: LoweringContext) -> list:
     x = ctx.info(node.inputs[0])
     if not x.shape:
         raise Unsupported("Softmax of a scalar")
@@ -646,7 +351,7 @@ def _warp_grid(rows: int) -> tuple[int, int, int]:
     return (max(1, (rows + THREADS // 32 - 1) // (THREADS // 32)), 1, 1)
 
 
-def _norm_geometry(node: Node, ctx: _Context, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, int, int]:
+def _norm_geometry(node: Node, ctx: LoweringContext, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, int, int]:
     """(kernel suffix, rows, cols) of a LayerNormalization / RMSNormalization / SkipLayerNorm over ``shape``;
     raises Unsupported for what the row kernels do not take."""
     if any(node.outputs[2 if node.op_type == "SkipLayerNorm" else 1:]):  # SkipLayerNorm's output 1: int8 of y
@@ -671,7 +376,7 @@ def _norm_tail(node: Node, first: int, y: Ref | None = None) -> list[tuple]:
             (y, ctypes.c_void_p) if y is not None else (0, ctypes.c_void_p)]
 
 
-def _lower_norm(node: Node, ctx: _Context) -> list:
+def _lower_norm(node: Node, ctx: LoweringContext) -> list:
     """LayerNormalization / RMSNormalization over trailing axes with same-size scale (and bias)."""
     x = ctx.info(node.inputs[0])
     suffix, rows, cols = _norm_geometry(node, ctx, x.shape, x.dtype)
@@ -697,7 +402,7 @@ def _norm_launch(module: str, kind: str, suffix: str, rows: int, cols: int, xs: 
     return Launch(module, f"{kind}_{suffix}", (rows, 1, 1), (THREADS, 1, 1), [*args, (cols, ctypes.c_longlong), eps])
 
 
-def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
+def _lower_skip_layer_norm(node: Node, ctx: LoweringContext) -> list:
     """``kiln.SkipLayerNorm``: one skip_layer_norm.cu launch when x and skip both have the output's shape; when
     one broadcasts, a generated Add into step-local scratch and the layer_norm.cu kernel (the unfused cost). Int8
     operands (inputs 6, 7: passes/fuse_norm_dequantize.py) take the warp kernel's ``_dq`` form only."""
@@ -728,7 +433,7 @@ def _lower_skip_layer_norm(node: Node, ctx: _Context) -> list:
     return steps
 
 
-def _dequantizing_skip_norm(node: Node, ctx: _Context, suffix: str, rows: int, cols: int, same_shape: bool,
+def _dequantizing_skip_norm(node: Node, ctx: LoweringContext, suffix: str, rows: int, cols: int, same_shape: bool,
                             quantized: bool) -> Launch:
     """skip_layer_norm_dq_warp_*: int8 x and skip dequantized in the kernel (fp32 scales), y and the int8 output
     each written when the layer has it."""
@@ -743,7 +448,7 @@ def _dequantizing_skip_norm(node: Node, ctx: _Context, suffix: str, rows: int, c
     return Launch("skip_layer_norm", f"skip_layer_norm_dq_warp_{suffix}", _warp_grid(rows), (THREADS, 1, 1), args)
 
 
-def _quantize_launch(ctx: _Context, x: str, scale: str, y: str) -> Launch:
+def _quantize_launch(ctx: LoweringContext, x: str, scale: str, y: str) -> Launch:
     """The generated QuantizeLinear of contiguous ``x`` to int8 ``y`` by one scale (zero point 0): what a fused
     layer that quantizes its output runs when its kernel cannot do it in registers."""
     shape = ctx.info(x).shape
@@ -753,7 +458,7 @@ def _quantize_launch(ctx: _Context, x: str, scale: str, y: str) -> Launch:
     return launch_program(kernel, Ref(y), [Ref(x), Ref(scale)], shape, strides, [strides, (0,) * len(shape)])
 
 
-def _check_int8_output(ctx: _Context, node: Node) -> None:
+def _check_int8_output(ctx: LoweringContext, node: Node) -> None:
     """A fused layer's int8 output (SkipLayerNorm, AttentionQuantize: inputs 4 and 5) takes a float32 scale and a
     zero point that is a constant 0 (or none)."""
     scale, zero = node.inputs[4], node.inputs[5] if len(node.inputs) > 5 else ""
@@ -762,7 +467,7 @@ def _check_int8_output(ctx: _Context, node: Node) -> None:
         raise Unsupported(f"{node.op_type} quantizing with a zero point other than a constant 0 or a non-fp32 scale")
 
 
-def _norm_quantized_output(node: Node, ctx: _Context) -> bool:
+def _norm_quantized_output(node: Node, ctx: LoweringContext) -> bool:
     """Whether a SkipLayerNorm also writes its output quantized (output 1); raises Unsupported for a zero point
     that is not a constant 0."""
     if len(node.outputs) < 2 or not node.outputs[1]:
@@ -775,7 +480,7 @@ _REDUCE_KERNELS = {"ReduceMean": "reduce_rows", "ReduceSum": "reduce_rows", "Red
                    "ReduceMin": "reduce_min_rows"}
 
 
-def _lower_reduce(node: Node, ctx: _Context) -> list:
+def _lower_reduce(node: Node, ctx: LoweringContext) -> list:
     x = ctx.info(node.inputs[0])
     if not x.shape:
         raise Unsupported(f"{node.op_type} of a scalar")
@@ -809,7 +514,7 @@ class PoolGeom(ctypes.Structure):
                                           "ph_end", "pw_end", "dh", "dw", "channels_last", "count_include_pad")]
 
 
-def _lower_pool(node: Node, ctx: _Context) -> list:
+def _lower_pool(node: Node, ctx: LoweringContext) -> list:
     x, out = ctx.info(node.inputs[0]), ctx.info(node.outputs[0])
     if len(x.shape) != 4 or any(node.outputs[1:]):
         raise Unsupported(f"{node.op_type} that is not 2-D with one output")
@@ -863,11 +568,11 @@ def _gemm_dtype(dtypes: list[np.dtype], what: str) -> np.dtype:
     return dtypes[0]
 
 
-def _gemm_tactic(node: Node, ctx: _Context, dtype: np.dtype) -> str:
+def _gemm_tactic(node: Node, ctx: LoweringContext, dtype: np.dtype) -> str:
     return ctx.gemm_choice.get(node.name, GEMM_TACTICS[0]) if dtype == F32 else "cublas"
 
 
-def _matmul_ops(node: Node, ctx: _Context, a_name: str, b_name: str, trans_a: bool, trans_b: bool,
+def _matmul_ops(node: Node, ctx: LoweringContext, a_name: str, b_name: str, trans_a: bool, trans_b: bool,
                 alpha: float) -> list[Gemm]:
     """Batched GEMM for MatMul semantics (numpy broadcasting of batch dims), operands optionally transposed
     in their last two dims."""
@@ -891,7 +596,7 @@ def _matmul_ops(node: Node, ctx: _Context, a_name: str, b_name: str, trans_a: bo
                  alpha, 0.0, _gemm_tactic(node, ctx, dtype), dtype, ctx.options.tf32)]
 
 
-def _lower_matmul(node: Node, ctx: _Context) -> list:
+def _lower_matmul(node: Node, ctx: LoweringContext) -> list:
     return _matmul_ops(node, ctx, node.inputs[0], node.inputs[1], False, False, 1.0)
 
 
@@ -905,7 +610,7 @@ def _batch_stride(shape: tuple[int, ...], batch_shape: tuple[int, ...], matrix: 
     raise Unsupported("MatMul with partially broadcast batch dims")
 
 
-def _epilogue(node: Node, ctx: _Context, bias: str | None, activation: str, alpha: float = 0.01,
+def _epilogue(node: Node, ctx: LoweringContext, bias: str | None, activation: str, alpha: float = 0.01,
               beta: float = 0.0, residual: str | None = None, target: str | None = None,
               bias_axis: int | None = None) -> list:
     """Y = act(Y + bias (+ residual)) in place on ``target`` (default: the node's output), as one generated
@@ -949,7 +654,7 @@ def _epilogue(node: Node, ctx: _Context, bias: str | None, activation: str, alph
                            strides)]
 
 
-def _lower_gemm(node: Node, ctx: _Context) -> list:
+def _lower_gemm(node: Node, ctx: LoweringContext) -> list:
     a, b, out = ctx.info(node.inputs[0]), ctx.info(node.inputs[1]), ctx.info(node.outputs[0])
     dtype = _gemm_dtype([a.dtype, b.dtype, out.dtype], "Gemm")
     ta, tb = node.attr("transA", 0), node.attr("transB", 0)
@@ -979,7 +684,7 @@ def _lower_gemm(node: Node, ctx: _Context) -> list:
 _LT_EPILOGUES = {"": "bias", "Relu": "relu_bias", "GeluTanh": "gelu_bias"}
 
 
-def _lower_fused_matmul(node: Node, ctx: _Context) -> list:
+def _lower_fused_matmul(node: Node, ctx: LoweringContext) -> list:
     """``kiln.FusedMatMul``: with cuBLASLt the bias (and ReLU / tanh-GELU) run in the GEMM's epilogue;
     otherwise (or for other activations) one generated epilogue kernel follows the GEMM."""
     ops: list = _matmul_ops(node, ctx, node.inputs[0], node.inputs[1], bool(node.attr("transA", 0)),
@@ -1024,7 +729,7 @@ def flash_shared_bytes(d: int, suffix: str, full_mask: bool) -> int:
     return (FLASH_ROWS + 4 * keys) * row * (4 if tf32 else 2) + 2 * mask
 
 
-def _heads_view(ctx: _Context, name: str, heads: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _heads_view(ctx: LoweringContext, name: str, heads: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, element strides) of an Attention operand as [batch, heads, seq, head_dim]: the 4-D form as it
     is, the 3-D form [batch, seq, heads * head_dim] split by its head count (no copy)."""
     shape, strides = ctx.info(name).shape, ctx.strides(name)
@@ -1036,14 +741,14 @@ def _heads_view(ctx: _Context, name: str, heads: int | None) -> tuple[tuple[int,
     return (shape[0], heads, shape[1], d), (strides[0], d * strides[2], strides[1], strides[2])
 
 
-def _flash_suffix(dtype: np.dtype, ctx: _Context) -> str | None:
+def _flash_suffix(dtype: np.dtype, ctx: LoweringContext) -> str | None:
     """flash_attention kernel suffix for ``dtype``: fp16/bf16, and fp32 only where TF32 is allowed."""
     if dtype == F32:
         return "tf32" if ctx.options.tf32 else None
     return {F16: "f16", BF16: "bf16"}.get(dtype)
 
 
-def _lower_attention(node: Node, ctx: _Context) -> list:
+def _lower_attention(node: Node, ctx: LoweringContext) -> list:
     """ONNX Attention without past keys: Y = softmax(scale Q K^T + mask) V, 3-D or 4-D operands; or
     ``kiln.AttentionQuantize``, the same with Y quantized to int8 (inputs 4, 5: its scale and zero point).
 
@@ -1105,7 +810,7 @@ def _lower_attention(node: Node, ctx: _Context) -> list:
                               causal, mask, mask_kind, mask_strides)
 
 
-def _unfused_attention(node: Node, ctx: _Context, dtype: np.dtype, dims: tuple[int, ...],
+def _unfused_attention(node: Node, ctx: LoweringContext, dtype: np.dtype, dims: tuple[int, ...],
                        views: tuple[tuple[int, ...], ...], scale: float, causal: int, mask: str | None,
                        mask_kind: int, mask_strides: tuple[int, ...]) -> list:
     """S = scale Q K^T (batched GEMM), P = attention softmax(S) in place, Y = P V (batched GEMM); operands
@@ -1155,7 +860,7 @@ def _unfused_attention(node: Node, ctx: _Context, dtype: np.dtype, dims: tuple[i
 # -- convolution ---------------------------------------------------------------------------------------------
 
 
-def _lower_conv(node: Node, ctx: _Context) -> list:
+def _lower_conv(node: Node, ctx: LoweringContext) -> list:
     """Conv / ``kiln.FusedConv`` (2-D) through cuDNN, channels-last activations and KRSC filters."""
     if not ctx.options.cudnn:
         raise Unsupported("convolution needs the cuDNN frontend (pip install kiln[gpu])")
@@ -1233,18 +938,6 @@ def conv_layout(dtype: np.dtype, options: LoweringOptions) -> str:
     return "linear" if strict_fp32 and options.strict_fp32_nchw else "nhwc"
 
 
-def _lower_qmatmul(node: Node, ctx: _Context) -> list:
-    from engine_core.backends.cuda.int8_gemm import lower_qmatmul  # int8_gemm imports this module
-
-    return lower_qmatmul(node, ctx)
-
-
-def _lower_qconv(node: Node, ctx: _Context) -> list:
-    from engine_core.backends.cuda.int8_conv import lower_qconv  # int8_conv imports this module
-
-    return lower_qconv(node, ctx)
-
-
 _LOWER = {
     "Transpose": _lower_transpose, "Expand": _lower_expand, "Concat": _lower_concat, "Slice": _lower_slice,
     "Gather": _lower_gather, "Split": _lower_split, "Softmax": _lower_softmax, "LayerNormalization": _lower_norm,
@@ -1256,7 +949,7 @@ _LOWER = {
     "FusedConv": _lower_conv, "PointwiseChain": _lower_pointwise_chain, "BatchNormalization": _lower_batch_norm,
     "MaxPool": _lower_pool, "AveragePool": _lower_pool, "GlobalAveragePool": _lower_pool,
     "GlobalMaxPool": _lower_pool, "QuantizeLinear": _lower_qdq, "DequantizeLinear": _lower_qdq,
-    "QMatMul": _lower_qmatmul, "QConv": _lower_qconv,
+    "QMatMul": lower_qmatmul, "QConv": lower_qconv,
 }
 _KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm",
                        "AttentionQuantize"})
@@ -1285,7 +978,7 @@ def _tactic(node: Node, ops: list) -> str:
     return f"kernel:{node.op_type}"
 
 
-def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
+def lower_node(node: Node, ctx: LoweringContext) -> tuple[str, list, Node]:
     """(tactic name, device ops, the node as lowered) for one layer; ("host", [Host], node) when it has no
     CUDA implementation. Inputs a layer cannot read channels-last are reformatted first (``ctx.pre_steps``)."""
     ctx.scratch = []
@@ -1324,7 +1017,7 @@ def lower_node(node: Node, ctx: _Context) -> tuple[str, list, Node]:
         return "host", [Host(node)], node
 
 
-def _with_linear_inputs(node: Node, ctx: _Context) -> Node:
+def _with_linear_inputs(node: Node, ctx: LoweringContext) -> Node:
     if not any(ctx.layouts.get(n) == "nhwc" for n in node.inputs if n):
         return node
     inputs = [ctx.as_layout(n, "linear") if n and ctx.layouts.get(n) == "nhwc" else n for n in node.inputs]
@@ -1338,7 +1031,7 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
                 options: LoweringOptions | None = None) -> Lowered:
     """Lower every layer that is not a pure shape computation, place tensors, plan the arena."""
     graph_outputs = frozenset(graph.output_names)
-    ctx = _Context(dict(infos), graph_outputs, gemm_choice or {}, options or LoweringOptions(), graph.constants)
+    ctx = LoweringContext(dict(infos), graph_outputs, gemm_choice or {}, options or LoweringOptions(), graph.constants)
     io = set(graph.input_names) | graph_outputs
     locations: dict[str, tuple[str, Any]] = {n: ("io", n) for n in io}
     for name in graph.constants:

@@ -22,7 +22,7 @@ from functools import cache
 
 import numpy as np
 
-from engine_core.backends.cuda.lowering import F16, F32, INT8, Launch, Ref, TensorMap, _Context
+from engine_core.backends.cuda.lowering_context import F16, F32, INT8, Launch, LoweringContext, Ref, TensorMap
 from engine_core.backends.cuda.pointwise import BF16, contiguous_strides
 from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
@@ -124,7 +124,7 @@ def tiles(m: int, n: int) -> int:
     return -(-m // TILE_M) * -(-n // TILE_N)
 
 
-def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Launch | None:
+def lower(node: Node, ctx: LoweringContext, weight: str, m: int, n: int, k: int) -> Launch | None:
     """The whole QMatMul as one ``qgemm_sm90`` launch, or None when it does not fit the kernel: the build has
     it off (not sm_90, or KILN_QGEMM=0), fp8 operands, K % 16 or N odd, another activation (Tanh, Sigmoid, tanh GELU, ...),
     scales or bias computed at run time, operands not laid out contiguously, or fewer than ``MIN_TILES`` output
@@ -168,9 +168,10 @@ def lower(node: Node, ctx: _Context, weight: str, m: int, n: int, k: int) -> Lau
                   (form.threads, 1, 1), args, shared_bytes=form.shared_bytes())
 
 
-def _split_parts(ctx: _Context, out_name: str, n: int) -> list[str]:
-    """The outputs of the Split that is ``out_name``'s only reader (``_Context.split_readers``) when the kernel can
-    write them itself: two or three equal parts of whole tiles, shaped and typed as the output's columns; else []."""
+def _split_parts(ctx: LoweringContext, out_name: str, n: int) -> list[str]:
+    """The outputs of the Split that is ``out_name``'s only reader (``LoweringContext.split_readers``) when the
+    kernel can write them itself: two or three equal parts of whole tiles, shaped and typed as the output's columns;
+    else []."""
     split = ctx.split_readers.get(out_name)
     if split is None or len(split.outputs) not in (2, 3) or not all(split.outputs):
         return []

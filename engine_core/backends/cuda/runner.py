@@ -26,8 +26,11 @@ from typing import Any
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner, run_node, run_scoped
+from engine_core.backends.cuda.gemm import run_kiln_gemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
-from engine_core.backends.cuda.lowering import (
+from engine_core.backends.cuda.lowering import lower_graph
+from engine_core.backends.cuda.lowering_context import (
+    ON_DEMAND_KERNEL_FILES,
     Conv,
     Copy,
     Gemm,
@@ -38,7 +41,6 @@ from engine_core.backends.cuda.lowering import (
     Ref,
     Step,
     TensorMap,
-    lower_graph,
     transform_weight,
 )
 from engine_core.backends.cuda.pointwise import Unsupported
@@ -353,7 +355,6 @@ class CudaEngineState:
         key = (module, name)
         if key not in self._functions:
             if module not in self.modules:  # an on-demand kernel file the build's shapes did not use: compile it now
-                from engine_core.backends.cuda import ON_DEMAND_KERNEL_FILES
                 from engine_core.cuda.nvrtc import compile_kernel_file
 
                 if module not in ON_DEMAND_KERNEL_FILES:
@@ -1451,16 +1452,3 @@ def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
 
     if nbytes:
         check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
-
-
-def run_kiln_gemm(function: Any, op: Gemm, a: int, b: int, y: int, stream: int) -> None:
-    """Kiln's own tiled GEMM (cuda_kernels/gemm.cu): 64x64 tiles, 256 threads."""
-    from engine_core.cuda.driver import launch
-
-    grid = ((op.n + 63) // 64, (op.m + 63) // 64, op.batch)
-    c = ctypes
-    launch(function, grid, (256, 1, 1), [
-        (a, c.c_void_p), (b, c.c_void_p), (y, c.c_void_p), (op.m, c.c_int), (op.n, c.c_int), (op.k, c.c_int),
-        (op.a_strides[0], c.c_longlong), (op.a_strides[1], c.c_longlong), (op.a_strides[2], c.c_longlong),
-        (op.b_strides[0], c.c_longlong), (op.b_strides[1], c.c_longlong), (op.b_strides[2], c.c_longlong),
-        (op.m * op.n, c.c_longlong), (op.alpha, c.c_float), (op.beta, c.c_float)], stream=stream)

@@ -52,7 +52,7 @@ def gemm_timer(op: Gemm, gemm_function, repeats: int = 10) -> Timer:
     from cuda.bindings import driver
 
     from engine_core.backends.cuda.cublas import Cublas
-    from engine_core.backends.cuda.runner import run_kiln_gemm
+    from engine_core.backends.cuda.gemm import run_kiln_gemm
     from engine_core.cuda.driver import DeviceBuffer, check
 
     rng = np.random.default_rng(0)

@@ -1,0 +1,358 @@
+"""What the CUDA lowering produces and what its rules share: the step types (kernel launches, GEMMs,
+convolutions, copies, host fallbacks), the build options, the lowering context the rules read and extend,
+and the small helpers every rule uses (launch geometry, layouts, generated copies).
+
+lowering.py (the driver and the rules for most ops) and the INT8 rules (int8_gemm.py, int8_conv.py, qgemm.py)
+all build on this module, so the driver can import the INT8 rules without those importing it back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from engine_core.backends.cuda.memory import MemoryPlan
+from engine_core.backends.cuda.pointwise import (
+    PointwiseKernel,
+    Unsupported,
+    contiguous_strides,
+    make_indexer,
+    pointwise_kernel,
+)
+from engine_core.ir import Node
+from engine_core.ops.registry import TensorInfo
+
+F32, F16, INT8 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)
+THREADS = 256
+#: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module); ``Launch.module`` names
+#: one of these, an ON_DEMAND_KERNEL_FILES entry, or "pointwise"
+KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
+#: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
+#: 30-50 s)
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90",)
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """Build choices the lowering needs: TF32 math for fp32 GEMM/conv, whether cuDNN runs convolutions."""
+
+    tf32: bool = False
+    cudnn: bool = False
+    #: cuBLASLt runs FusedMatMul with its bias / activation fused into the GEMM
+    cublaslt: bool = False
+    #: cuBLASLt's int8-output IMMA GEMMs (alpha vector, bias / ReLU epilogue, int8 residual) run requantizing
+    #: INT8 convolutions as one call (int8_gemm.Int8GemmRequant); probed on the GPU at build time
+    int8_requant: bool = False
+    #: cuDNN runs ``kiln.QConv`` as one INT8 graph (INT32 sums, the requantizing epilogue fused); probed on the GPU
+    #: at build time (cudnn_conv.int8_unsupported)
+    cudnn_int8: bool = False
+    #: INT8 ``kiln.QMatMul`` runs Kiln's Hopper wgmma GEMM with the epilogue in registers (qgemm.py): sm_90 GPUs,
+    #: unless KILN_QGEMM=0
+    qgemm_sm90: bool = False
+    #: strict fp32 convolutions (fp32 without TF32) run NCHW with KCRS filters: cuDNN's FFMA engines (implicit /
+    #: precomputed GEMM, Winograd, FFT) are NCHW kernels, and with the tensor-core engines deselected an NHWC fp32
+    #: graph is left with slow generic ones (ResNet-50 at batch 128: 395.6 ms against 10.8 ms in TF32). Plans
+    #: built before this option ran such convolutions channels-last and still do (the runner lowers as recorded)
+    strict_fp32_nchw: bool = False
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A device pointer argument: a tensor's address plus a byte offset."""
+
+    tensor: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA descriptor argument (CUtensorMap, 128 bytes by value) of a row-major int8 matrix [rows, cols] at a
+    tensor's address, read in boxes of ``box`` (rows, bytes) with the 128-byte swizzle. Why an argument kind: the
+    descriptor holds the address, so the runner encodes it when it first resolves the tensor and again whenever
+    the address changes (a new arena, other I/O addresses)."""
+
+    ref: Ref
+    rows: int
+    cols: int
+    box: tuple[int, int]
+
+
+@dataclass
+class Launch:
+    """One kernel launch; ``args`` are (value, ctypes type) pairs, the value a Ref (a device pointer), a TensorMap
+    (a 128-byte descriptor by value; its type is None) or a constant. ``program`` is the pointwise program a
+    generated kernel evaluates (the emulator runs it on the host)."""
+
+    module: str
+    function: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: list[tuple[Any, Any]]
+    program: PointwiseKernel | None = None
+    #: dynamic shared memory per block (bytes); above 48 KiB the runner raises the function's limit first
+    shared_bytes: int = 0
+
+    def refs(self) -> list[Ref]:
+        """The tensors the launch addresses: its Ref arguments and its tensor maps' tensors."""
+        return [v.ref if isinstance(v, TensorMap) else v for v, _ in self.args if isinstance(v, (Ref, TensorMap))]
+
+
+@dataclass
+class Gemm:
+    """Y[b] = alpha * A[b] @ B[b] + beta * Y[b]; operands addressed by element strides (row, col, batch)."""
+
+    a: Ref
+    b: Ref
+    y: Ref
+    m: int
+    n: int
+    k: int
+    batch: int
+    a_strides: tuple[int, int, int]
+    b_strides: tuple[int, int, int]
+    alpha: float = 1.0
+    beta: float = 0.0
+    tactic: str = "cublas"
+    dtype: np.dtype = F32
+    tf32: bool = False
+    #: cuBLASLt epilogue ("bias", "relu_bias", "gelu_bias") reading ``bias`` (bias[N]); tactic "cublaslt"
+    bias: Ref | None = None
+    epilogue: str = ""
+
+    @property
+    def trans_a(self) -> bool:
+        return self.a_strides[1] != 1
+
+    @property
+    def trans_b(self) -> bool:
+        return self.b_strides[1] != 1
+
+
+@dataclass
+class Conv:
+    """Y = act(conv(X, W) + B + Z) through cuDNN; every tensor described by logical NCHW dims and the
+    element strides of its physical layout. ``key()`` identifies the cuDNN graph (cached per engine)."""
+
+    x: Ref
+    w: Ref
+    y: Ref
+    b: Ref | None
+    z: Ref | None
+    x_dims: tuple[int, ...]
+    w_dims: tuple[int, ...]
+    y_dims: tuple[int, ...]
+    x_strides: tuple[int, ...]
+    w_strides: tuple[int, ...]
+    y_strides: tuple[int, ...]
+    z_strides: tuple[int, ...] | None
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    dtype: np.dtype
+    activation: str = ""
+    alpha: float = 0.0
+    beta: float = 0.0
+    tf32: bool = False
+    #: bias + residual + activation as generated kernels, for when cuDNN has no engine for the fused graph
+    #: (then the bare convolution runs and these follow)
+    fallback: list = field(default_factory=list)
+    #: residual + activation alone as generated kernels, for running cuDNN with the bias epilogue only (a
+    #: binding whose captured CUDA graph did not reproduce with the full epilogue in cuDNN)
+    rest: list = field(default_factory=list)
+    #: INT8 convolutions (``kiln.QConv``, int8 ``dtype``): the float32 [K] multiplier of the INT32 sums
+    #: (x_scale * w_scale[k] / y_scale); ``b`` is then float32 too (bias / y_scale)
+    scale: Ref | None = None
+    #: INT8 convolutions: the float32 [K] multiplier of the residual ``z`` (its scale / y_scale)
+    z_scale: Ref | None = None
+    #: INT8 convolutions: the residual's and the output's element types (int8 when requantizing, else a float)
+    z_dtype: np.dtype | None = None
+    y_dtype: np.dtype | None = None
+
+    @property
+    def int8(self) -> bool:
+        """An INT8 convolution: int8 x and w, INT32 sums, the float requantizing epilogue in the same graph."""
+        return self.scale is not None
+
+    def refs(self) -> list[Ref]:
+        """Every tensor cuDNN addresses (the epilogue kernels' arguments not included)."""
+        return [r for r in (self.x, self.w, self.y, self.b, self.z, self.scale, self.z_scale) if r is not None]
+
+    def bare(self) -> Conv:
+        """The convolution alone (no bias, residual or activation)."""
+        return replace(self, b=None, z=None, z_strides=None, activation="", fallback=[], rest=[])
+
+    def bias_only(self) -> Conv:
+        """The convolution with its bias only (residual and activation left to ``rest``)."""
+        return replace(self, z=None, z_strides=None, activation="", fallback=[], rest=[])
+
+    def key(self) -> tuple:
+        return (self.x_dims, self.w_dims, self.y_dims, self.x_strides, self.w_strides, self.y_strides,
+                self.z_strides, self.b is not None, self.pads_begin, self.pads_end, self.strides, self.dilations,
+                str(self.dtype), self.activation, self.alpha, self.beta, self.tf32, self.int8, str(self.z_dtype),
+                str(self.y_dtype))
+
+
+@dataclass
+class Copy:
+    dst: Ref
+    src: Ref
+    nbytes: int
+
+
+@dataclass
+class Host:
+    """Run the numpy implementation: inputs device->host, outputs host->device."""
+
+    node: Node
+
+
+@dataclass
+class Step:
+    node: Node
+    tactic: str
+    ops: list[Launch | Gemm | Conv | Copy | Host]
+    #: step-local scratch tensors (planned in the arena for this step only)
+    scratch: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Lowered:
+    steps: list[Step]
+    #: tensor -> ("arena", offset) | ("io", name) | ("weight", name) | ("folded", name)
+    locations: dict[str, tuple[str, Any]]
+    memory: MemoryPlan
+    #: host-known tensors (shape computations) that device steps read: uploaded per shape set
+    folded: dict[str, np.ndarray]
+    kernels: list[PointwiseKernel]
+    infos: dict[str, TensorInfo]
+    #: derived weights: name -> (source weight, transform), e.g. ("w", "krsc") for channels-last filters
+    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
+    layouts: dict[str, str] = field(default_factory=dict)
+
+    def tactics(self) -> dict[str, str]:
+        return {s.node.name: s.tactic for s in self.steps}
+
+
+def grid_for(n: int, threads: int = THREADS) -> tuple[int, int, int]:
+    return (max(1, min((n + threads - 1) // threads, 1 << 20)), 1, 1)
+
+
+def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a logical NCHW tensor stored channels-last (NHWC)."""
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def transform_weight(value: np.ndarray, transform: str) -> np.ndarray:
+    """A derived weight's host value (the runner uploads it once per engine)."""
+    if transform == "krsc":
+        return np.ascontiguousarray(np.transpose(value, (0, 2, 3, 1)))
+    if transform == "nk":  # a [K, N] int8 GEMM weight as the [N, K] rows cuBLASLt's IMMA "TN" form reads
+        return np.ascontiguousarray(value.T)
+    raise ValueError(f"unknown weight transform {transform}")
+
+
+@dataclass
+class LoweringContext:
+    """What a lowering rule reads and adds to while it lowers one graph at one set of shapes: tensor infos and
+    constants, layouts, the generated kernels, reformat steps, folded values and scratch tensors."""
+    infos: dict[str, TensorInfo]
+    graph_outputs: frozenset[str]
+    gemm_choice: Mapping[str, str]
+    options: LoweringOptions
+    constants: Mapping[str, Any]
+    layouts: dict[str, str] = field(default_factory=dict)
+    kernels: list[PointwiseKernel] = field(default_factory=list)
+    pre_steps: list[Step] = field(default_factory=list)
+    reformatted: dict[tuple[str, str], str] = field(default_factory=dict)
+    folded_extra: dict[str, np.ndarray] = field(default_factory=dict)
+    weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
+    scratch: list[str] = field(default_factory=list)
+    #: inputs a lowering read under another name (a reformatted copy): the step node lists that name,
+    #: so liveness keeps the copy alive until the step has run
+    renamed: dict[str, str] = field(default_factory=dict)
+    #: a QMatMul output -> the last-axis Split that is its only reader (``split_readers``): Kiln's INT8 GEMM can
+    #: write the parts itself (qgemm.lower adds the output to ``split_written``); that Split then has no step
+    split_readers: dict[str, Node] = field(default_factory=dict)
+    split_written: set[str] = field(default_factory=set)
+
+    def info(self, name: str) -> TensorInfo:
+        info = self.infos.get(name)
+        if info is None or info.shape is None:
+            raise Unsupported(f"tensor '{name}' has no known shape")
+        return info
+
+    def value(self, name: str) -> np.ndarray | None:
+        info = self.infos.get(name)
+        return None if info is None else info.value
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """``name``'s value when the build knows it (a weight, or a value folded at these shapes), else None."""
+        value = self.constants.get(name)
+        return self.value(name) if value is None else np.asarray(value)
+
+    def strides(self, name: str) -> tuple[int, ...]:
+        """Element strides of ``name``'s physical layout (logical dims)."""
+        shape = self.info(name).shape
+        return nhwc_strides(shape) if self.layouts.get(name) == "nhwc" else contiguous_strides(shape)
+
+    def kernel(self, kernel: PointwiseKernel) -> PointwiseKernel:
+        self.kernels.append(kernel)
+        return kernel
+
+    def as_layout(self, name: str, layout: str) -> str:
+        """``name`` in ``layout`` ("linear" or "nhwc"): itself, or a reformat step's output."""
+        current = self.layouts.get(name, "linear")
+        if current == layout:
+            return name
+        key = (name, layout)
+        if key not in self.reformatted:
+            info = self.info(name)
+            out = f"{name}#{layout}"
+            self.infos[out] = TensorInfo(info.dtype, info.shape)
+            if layout == "nhwc":
+                self.layouts[out] = "nhwc"
+            launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out),
+                                 self.strides(name))
+            node = Node("Identity", [name], [out], {}, f"reformat:{name}->{layout}", "", 1, [name])
+            self.pre_steps.append(Step(node, f"reformat:{layout}", [launch]))
+            self.reformatted[key] = out
+        return self.reformatted[key]
+
+    def fold(self, name: str, value: np.ndarray) -> Ref:
+        """A host-computed constant for this step (uploaded with the binding's folded values)."""
+        self.folded_extra[name] = np.ascontiguousarray(value)
+        self.infos[name] = TensorInfo(value.dtype, value.shape, value)
+        return Ref(name)
+
+    def new_scratch(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> Ref:
+        self.infos[name] = TensorInfo(np.dtype(dtype), tuple(shape))
+        self.scratch.append(name)
+        return Ref(name)
+
+
+def launch_program(kernel: PointwiseKernel, y: Ref, xs: list[Ref], shape, out_strides, in_strides) -> Launch:
+    n = int(np.prod(shape, dtype=np.int64))
+    ix, rank = make_indexer(shape, out_strides, in_strides)
+    threads = kernel.vector_threads(n, rank, ix)
+    if threads is None:  # the strided path: rank <= 1 moves 4 elements per thread (pointwise.cu), others one
+        threads = (n + 3) // 4 if rank <= 1 else n
+    grid = grid_for(threads)
+    return Launch("pointwise", kernel.name, grid, (THREADS, 1, 1),
+                  [(y, ctypes.c_void_p), *[(x, ctypes.c_void_p) for x in xs], (n, ctypes.c_longlong),
+                   (rank, ctypes.c_int), (ix, type(ix))], kernel)
+
+
+def copy_launch(ctx: LoweringContext, dtype: np.dtype, dst: Ref, src: Ref, shape, dst_strides, src_strides) -> Launch:
+    return launch_program(ctx.kernel(pointwise_kernel("Identity", dtype, [dtype])), dst, [src], shape, dst_strides,
+                          [src_strides])
+
+
+def optional_input(node: Node, index: int) -> str:
+    """The name of the node's input ``index``, or "" when the node omits it (absent or empty)."""
+    return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
