@@ -1,5 +1,8 @@
 """CPU backend: runs plan layers with the numpy implementations in the op registry.
 
+It needs the registry only (the ops' modules import it to run their bodies: If, Loop, Scan, fused layers);
+importing ``engine_core`` registers every op (``engine_core.ops``).
+
 A plan's layers run in order; every intermediate array is dropped right after its last reader
 (liveness computed once per graph), so peak memory stays close to the planner's estimate.
 """
@@ -13,7 +16,7 @@ import numpy as np
 
 from engine_core.errors import ExecutionError, KilnError
 from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
-from engine_core.ops import get_op
+from engine_core.ops.registry import get_op
 
 #: Called after each layer with (layer name, milliseconds): the IProfiler hook.
 LayerTimer = Callable[[str, float], None]

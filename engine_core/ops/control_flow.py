@@ -40,7 +40,7 @@ def run_body(body: Graph, feeds: Mapping[str, Any], scope: Scope, runner: Any = 
 
 
 def body_runner(body: Graph) -> Any:
-    from engine_core.backends.cpu import GraphRunner
+    from engine_core.backends.cpu import GraphRunner  # on use: loading it loads engine_core.ops first
 
     return GraphRunner(body)
 
@@ -67,7 +67,7 @@ def infer_body(body: Graph, inputs: Sequence[TensorInfo], scope: Mapping[str, Te
     """
     if scope is None:
         return None
-    from engine_core.passes.shape_inference import infer_shapes
+    from engine_core.passes.shape_inference import infer_shapes  # on use: engine_core.passes loads all passes
 
     feeds = {**scope, **{v.name: info for v, info in zip(body.inputs, inputs)}}  # inner names shadow outer ones
     try:

@@ -134,7 +134,7 @@ register_op("FusedMatMul", infer=_fused_matmul_infer, cpu=_fused_matmul_cpu, dom
 
 def _chain_infer(node: Node, *inputs: TensorInfo, scope: Any = None) -> TensorInfo:
     """The body's output info for these inputs (the body reads only its own inputs: ``scope`` is unused)."""
-    from engine_core.passes.shape_inference import infer_shapes
+    from engine_core.passes.shape_inference import infer_shapes  # on use: engine_core.passes loads all passes
 
     body = node.attr("body")
     infos = infer_shapes(body, {v.name: info for v, info in zip(body.inputs, inputs)}, values=False)
@@ -142,7 +142,7 @@ def _chain_infer(node: Node, *inputs: TensorInfo, scope: Any = None) -> TensorIn
 
 
 def _chain_cpu(node: Node, *inputs: np.ndarray, scope: Any = None) -> np.ndarray:
-    from engine_core.backends.cpu import GraphRunner
+    from engine_core.backends.cpu import GraphRunner  # on use: loading it loads engine_core.ops first
 
     body = node.attr("body")
     out = GraphRunner(body).run({v.name: x for v, x in zip(body.inputs, inputs)})

@@ -14,8 +14,7 @@ import numpy as np
 from engine_core.backends.cpu import run_node
 from engine_core.errors import ShapeError
 from engine_core.ir import Graph, has_subgraph
-from engine_core.ops import TensorInfo, get_op
-from engine_core.ops.registry import ShapeInferenceError
+from engine_core.ops.registry import ShapeInferenceError, TensorInfo, get_op
 
 #: Values with at most this many elements are propagated (shape tensors, scalars, small tables).
 VALUE_LIMIT = 4096
