@@ -54,12 +54,20 @@ class Job:
     destinations: dict[str, Any] = field(default_factory=dict)
     #: client requests this job stands for (a frontend's group of alike requests is one job: core/grouping.py)
     requests: int = 1
+    #: the request's id and the outputs it asks for, for models that see requests as they are (Python models)
+    request_id: str = ""
+    outputs: tuple[str, ...] = ()
 
     @property
     def on_device(self) -> bool:
         """Whether an input or output of this job lives in device memory: only the engine's gathering path
         (`PartsExecutor`) can run it."""
         return bool(self.destinations) or any(not isinstance(a, np.ndarray) for a in self.inputs.values())
+
+
+# Runs several jobs as one execution, handed over as they are: (context, jobs) -> per job its outputs or its own
+# error (a Python model answers each request of a batch separately, and one may fail alone).
+JobsExecutor = Callable[[object, list[Job]], list[dict[str, np.ndarray] | BaseException]]
 
 
 @dataclass
@@ -83,9 +91,11 @@ class Execution:
 
 #: fast executions in a row before a model's executions run on the event loop (Workers.runs_inline)
 INLINE_AFTER = 32
-#: how fast "fast" is, for CPU-backend models, in the executing thread's CPU time: wall time counted a worker
-#: thread's waits for the interpreter lock beside a busy event loop, and any preemption of a busy machine, so under
-#: load executions looked slow, rarely went inline, and every batch paid for the hand-off (docs/performance.md)
+#: how fast "fast" is, for CPU-backend models: in a worker thread its CPU time (wall time there counted its waits
+#: for the interpreter lock beside a busy event loop, so under load executions looked slow, rarely went inline, and
+#: every batch paid for the hand-off); on the event loop wall time (reading a thread's CPU clock is a system call,
+#: ~9% of the loop per JSON request on a 2-core VM), where one slow run in a row is forgiven: a busy machine
+#: preempts the loop now and then, a slow model is slow every time (docs/performance.md)
 INLINE_BELOW_NS = 1_000_000
 
 # Raised by the engine before it runs anything, about the request itself: the context is still sound.
@@ -117,6 +127,8 @@ class Workers:
         #: executions this fast may run on the event loop itself (0: never; see `runs_inline`)
         self.inline_below_ns = 0
         self._slow = INLINE_AFTER  # executions to see (all fast) before running inline; reset by a slow one
+        self._struck = False  # the last execution on the event loop was slow (the next slow one counts)
+        self._loop_thread = 0  # the event loop's thread (noted by runs_inline, which it calls)
         self._create = create
         self._lock = threading.Lock()
 
@@ -126,14 +138,21 @@ class Workers:
         executions each took less than that. Why: a tiny numpy execution holds the interpreter lock anyway, and
         handing it to a thread and back (executor queue, lock switches, a wake-up of the loop) cost more than
         the execution itself and left batches queued behind a busy event loop (docs/performance.md)."""
+        self._loop_thread = threading.get_ident()
         return bool(self.inline_below_ns) and self._slow == 0
 
-    def timed(self, duration_ns: int) -> None:
-        """Note one execution's CPU time (`runs_inline` goes back to threads after any slow one)."""
-        if duration_ns >= self.inline_below_ns:
+    def timed(self, duration_ns: int, on_loop: bool = False) -> None:
+        """Note one execution's duration (`runs_inline` goes back to threads after a slow one: in a worker thread
+        any, on the event loop the second in a row)."""
+        if duration_ns < self.inline_below_ns:
+            self._struck = False
+            if self._slow:
+                self._slow -= 1
+        elif on_loop and not self._struck:
+            self._struck = True
+        else:
+            self._struck = False
             self._slow = INLINE_AFTER
-        elif self._slow:
-            self._slow -= 1
 
     def run(self, execute: Executor, context: object, inputs: dict[str, np.ndarray]) -> Execution:
         """In a worker thread: execute on `context`; never raises (the error travels in the result)."""
@@ -150,12 +169,25 @@ class Workers:
 
         return self._guarded(context, go)
 
+    def run_jobs(self, execute_jobs: JobsExecutor, context: object, jobs: list[Job]) -> Execution:
+        """Like `run_parts` for models that take the jobs themselves (a Python model's execute() gets the batch's
+        requests as they are): `outputs` is one dict per job, or that job's own error."""
+
+        def go() -> tuple[Any, int, int]:
+            started = time.perf_counter_ns()
+            outputs = execute_jobs(context, jobs)
+            return outputs, 0, time.perf_counter_ns() - started
+
+        return self._guarded(context, go)
+
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
-            started = time.thread_time_ns()
+            on_loop = threading.get_ident() == self._loop_thread
+            clock = time.perf_counter_ns if on_loop else time.thread_time_ns
+            started = clock()
             outputs, input_ns, infer_ns = go()
             if self.inline_below_ns:
-                self.timed(time.thread_time_ns() - started)
+                self.timed(clock() - started, on_loop)
         except REQUEST_ERRORS as e:
             return Execution(context, error=e)
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them
