@@ -36,7 +36,7 @@ import numpy as np
 from server.protos import model_config_pb2
 
 from .errors import ErrorKind, ServerError, invalid, unavailable
-from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
+from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, JobsExecutor, PartsExecutor, Workers
 from .statistics import ExecutionTimes
 
 log = logging.getLogger("kiln.server.batcher")
@@ -232,8 +232,11 @@ class DynamicBatcher:
                  record_execution: ExecutionRecorder | None = None,
                  clock: Callable[[], int] = time.perf_counter_ns,
                  create_context: Callable[[], object] | None = None, padding: Padding | None = None,
-                 execute_parts: PartsExecutor | None = None) -> None:
+                 execute_parts: PartsExecutor | None = None, execute_jobs: JobsExecutor | None = None) -> None:
         self.settings = settings
+        #: takes a batch's jobs as they are and answers each (a Python model's execute() gets a list of requests);
+        #: set, it replaces `execute` and `execute_parts`
+        self._execute_jobs = execute_jobs
         #: runs jobs of equal shapes as one batch, the engine gathering their inputs into its staging buffers and
         #: handing back each job's outputs (no concatenation and splitting here); None: concatenate and split
         self._execute_parts = execute_parts
@@ -513,6 +516,10 @@ class DynamicBatcher:
             self._record(batch, ExecutionTimes(0, execution.compute_input_ns, execution.compute_infer_ns,
                                                outcome.output_ns))
         for pending, part in zip(outcome.ran, outcome.parts):
+            if isinstance(part, BaseException):  # that job's own error (`execute_jobs`)
+                if not pending.future.done():
+                    pending.future.set_exception(part)
+                continue
             if not pending.future.done():
                 times = ExecutionTimes(queue_ns=started - pending.job.enqueued_ns,
                                        compute_input_ns=execution.compute_input_ns,
@@ -536,6 +543,9 @@ class DynamicBatcher:
                 ran = [p for p in batch if p.key == batch[0].key]
                 deferred = [p for p in batch if p.key != batch[0].key]
         jobs = [p.job for p in ran]
+        if self._execute_jobs is not None:
+            execution = self.workers.run_jobs(self._execute_jobs, context, jobs)
+            return _Outcome(execution, ran, deferred, execution.outputs or [])  # type: ignore[arg-type]
         if cuts is None and self._execute_parts is not None:
             # the engine gathers, runs and splits in one call: all of it counts as compute infer
             execution = self.workers.run_parts(self._execute_parts, context, jobs)

@@ -108,16 +108,18 @@ KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_pad_batch": "the dynamic batcher zero-pads requests of different shapes (model.pad_batch)",
     "kiln_execution_timeout_ms": "how long one execution may run (model.execution_timeout_s)",
     "kiln_warmup_buckets": "bind and capture every batch bucket at load (warmup.warm_up_buckets)",
+    "EXECUTION_ENV_PATH": "a Python model's environment: its stubs run that directory's bin/python "
+                          "(python_model.stub_interpreter)",
 }
 
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value
 # fields as "parameters.string_value"). Notes name the code that reads a field; refused notes end with what to do.
 FIELDS: dict[str, Rule] = {
     "name": honoured("must match the model's directory name (model_config.complete_config)"),
-    "platform": honoured("ONNX platforms (kiln_onnx, onnxruntime_onnx, onnx) and ensemble; others refused at load "
-                         "(model_config._check_platform)"),
-    "backend": honoured("ONNX backends (kiln, onnxruntime, onnx); others refused at load "
-                        "(model_config._check_platform)"),
+    "platform": honoured("ONNX platforms (kiln_onnx, onnxruntime_onnx, onnx) and ensemble (a Python model has "
+                         "none); others refused at load (model_config._check_platform)"),
+    "backend": honoured("ONNX backends (kiln, onnxruntime, onnx) and python (model.py in stub processes, "
+                        "server/core/python_model.py); others refused at load (model_config._check_platform)"),
     "runtime": refused("Kiln runs ONNX models with its own engine and loads no backend library. Remove runtime"),
     "version_policy": honoured("which versions load (repository.select_versions); default latest 1"),
     "version_policy.latest": honoured("the newest num_versions versions (repository.select_versions)"),
@@ -299,17 +301,20 @@ FIELDS: dict[str, Rule] = {
     "instance_group.passive": refused(f"{_NOT_YET} passive instances: every instance takes requests. Remove "
                                       "passive"),
     "instance_group.host_policy": refused(f"{_NOT_YET} host policies (NUMA placement). Remove host_policy"),
-    "default_model_filename": honoured("the file each version loads (model.load_model_version); default "
-                                       "model.onnx"),
+    "default_model_filename": honoured("the file each version loads (model.load_model_version, "
+                                       "python_model.load_python_version); default model.onnx, model.py for a "
+                                       "Python model"),
     "cc_model_filenames": refused("Kiln builds one plan per device from the one ONNX file (plans are cached per "
                                   "target). Remove cc_model_filenames and use default_model_filename"),
     "metric_tags": refused(f"{_NOT_YET} metric tags: /metrics labels series by model and version only. Remove "
                            "metric_tags"),
-    "parameters": honoured(f"per key: {', '.join(KNOWN_PARAMETERS)} (server/core/model.py, warmup.py); other keys "
-                           "are kept and logged as not read (Triton hands them to its backend), an unknown kiln_* "
-                           "key with a warning"),
+    "parameters": honoured(f"per key: {', '.join(KNOWN_PARAMETERS)} (server/core/model.py, warmup.py, "
+                           "python_model.py); other keys are kept and logged as not read (Triton hands them to its "
+                           "backend; a Python model reads them in args['model_config']), an unknown kiln_* key with "
+                           "a warning"),
     "parameters.string_value": honoured("the value of a known key, checked when the model loads"),
-    "model_warmup": honoured("samples run on every instance before READY (warmup.run_model_warmup)"),
+    "model_warmup": honoured("samples run on every instance before READY (warmup.run_model_warmup; a Python model's "
+                             "as requests to its stubs: python_model.PythonVersion.warm_up)"),
     "model_warmup.name": honoured("names the sample in logs and errors (warmup.run_model_warmup)"),
     "model_warmup.batch_size": honoured("warmup.sample_inputs"),
     "model_warmup.inputs": honoured("warmup.sample_inputs"),

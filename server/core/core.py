@@ -31,6 +31,7 @@ from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
 from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config_json, parse_config_text
+from .python_model import load_python_versions, python_stubs_stopped, runs_python
 from .response_cache import CacheConfig, InsertResult, Lookup, ResponseCache
 from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
@@ -177,6 +178,7 @@ class ServerCore:
         for entry in self.models.values():
             for version in entry.versions.values():
                 version.close()
+        await python_stubs_stopped()  # Python models' finalize() runs before the server exits, as in Triton
         self.system_shm.close()
         self.repository.close()
 
@@ -311,9 +313,11 @@ class ServerCore:
                  requested: list[RequestedOutput]) -> tuple[Job, dict[str, kiln.DeviceView]]:
         """The checked request turned into a job, and the outputs the engine writes straight into CUDA shared
         memory."""
-        model.traffic.record(inputs)  # a group once: its members' shapes are alike
+        if isinstance(model, ModelVersion):  # a Python model (python_model.py) has no plan to fit to traffic
+            model.traffic.record(inputs)  # a group once: its members' shapes are alike
         destinations = self._output_views(model, requested, inputs)
-        return Job(inputs, batch, parameters=request.parameters, destinations=destinations), destinations
+        return Job(inputs, batch, parameters=request.parameters, destinations=destinations, request_id=request.id,
+                   outputs=tuple(o.name for o in requested)), destinations
 
     def _checked(self, model: ServedModel, request: InferRequest
                  ) -> tuple[dict[str, Any], int, list[RequestedOutput]]:
@@ -701,6 +705,8 @@ class ServerCore:
         if is_ensemble(config):  # no model file: its version directories may be empty, as in Triton
             return await self._build_ensemble(source, config)
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
+        if runs_python(config, source):  # model.py in stub processes of its own (server/core/python_model.py)
+            return await load_python_versions(source, config, self.infer)
         wanted = select_versions(config.version_policy, list(source.versions))
         builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
                   for v in wanted]

@@ -23,6 +23,7 @@ ModelConfig = model_config_pb2.ModelConfig
 ACCEPTED_PLATFORMS = {"", "kiln_onnx", "onnxruntime_onnx", "onnx"}
 ACCEPTED_BACKENDS = {"", "kiln", "onnxruntime", "onnx"}
 ENSEMBLE_PLATFORM = "ensemble"  # Triton's: runs other models (server/core/ensemble.py), has no model file
+PYTHON_BACKEND = "python"  # Triton's Python backend: model.py in stub processes (server/core/python_model.py)
 DEFAULT_PLATFORM = "kiln_onnx"
 DEFAULT_BACKEND = "kiln"
 DEFAULT_MODEL_FILENAME = "model.onnx"
@@ -88,7 +89,8 @@ def is_ensemble(config: ModelConfig) -> bool:
 
 
 def _check_platform(config: ModelConfig) -> None:
-    """Kiln builds ONNX models and runs ensembles (platform "ensemble", no backend: Triton's rule)."""
+    """Kiln builds ONNX models, runs ensembles (platform "ensemble", no backend: Triton's rule) and Python models
+    (backend "python", no platform)."""
     if config.platform == ENSEMBLE_PLATFORM:
         if config.backend:
             raise invalid(f"model '{config.name}': an ensemble has no backend (platform 'ensemble', backend "
@@ -97,10 +99,13 @@ def _check_platform(config: ModelConfig) -> None:
     if config.HasField("ensemble_scheduling"):  # Triton's text (model_config_utils.cc)
         raise invalid(f"ensemble scheduling cannot be set for model '{config.name}' whose platform is not "
                       f"{ENSEMBLE_PLATFORM}")
+    if config.backend == PYTHON_BACKEND and not config.platform:
+        return
     if config.platform not in ACCEPTED_PLATFORMS or config.backend not in ACCEPTED_BACKENDS:
         raise invalid(f"model '{config.name}': platform '{config.platform}' / backend '{config.backend}' is not "
                       f"served by Kiln (ONNX models: platform {sorted(ACCEPTED_PLATFORMS - {''})}, "
-                      f"backend {sorted(ACCEPTED_BACKENDS - {''})}; or platform '{ENSEMBLE_PLATFORM}')")
+                      f"backend {sorted(ACCEPTED_BACKENDS - {''})}; or platform '{ENSEMBLE_PLATFORM}'; or backend "
+                      f"'{PYTHON_BACKEND}')")
 
 
 def _supports_batching(model: onnx.ModelProto) -> bool:

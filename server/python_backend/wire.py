@@ -1,0 +1,80 @@
+"""Messages between the server and a Python stub: remote.py's frame layout, pickle protocol 5, stdlib only.
+
+A frame is `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload, the buffers:
+the layout of server/core/remote.py, so the server reads a stub's frames with its `FrameDecoder`. Contiguous numpy
+arrays travel as out-of-band buffers through numpy's own pickling (no Kiln class is pickled: a stub may run in an
+environment without Kiln's packages). Sending joins nothing: the frame's parts go to the socket as they are.
+
+A message is `(kind, call_id, body)`. The server calls the stub with AUTO_COMPLETE, INITIALIZE, EXECUTE and
+FINALIZE; the stub calls the server with INFER (a BLS request); either side answers a call with
+`(REPLY, call_id, (value, error))`, where error is None or `(code, message)` with a TritonError code name
+("INTERNAL", "INVALID_ARG", ...). LOG `(level, text)` needs no answer.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+from typing import Any
+
+AUTO_COMPLETE = "auto_complete"
+INITIALIZE = "initialize"
+EXECUTE = "execute"
+FINALIZE = "finalize"
+INFER = "infer"
+LOG = "log"
+REPLY = "reply"
+
+_HEAD = struct.Struct("!II")
+
+
+def encode(message: Any) -> list[bytes | memoryview]:
+    """`message` as one frame's parts (arrays' memory is referenced, not copied)."""
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    sizes = struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws))
+    return [_HEAD.pack(len(payload), len(raws)) + sizes, payload, *raws]
+
+
+def send(sock: socket.socket, message: Any) -> None:
+    """Write one message to a blocking socket (callers serialize their sends)."""
+    for part in encode(message):
+        sock.sendall(part)
+
+
+def receive(sock: socket.socket) -> Any:
+    """Read one message from a blocking socket; None when the peer closed it. The frame is read into one buffer
+    of its own, which the message's arrays then use (writable, no further copy)."""
+    head = _read_exactly(sock, _HEAD.size)
+    if head is None:
+        return None
+    length, count = _HEAD.unpack(head)
+    raw_sizes = _read_exactly(sock, 8 * count) if count else b""
+    if raw_sizes is None:
+        return None
+    sizes = struct.unpack(f"!{count}Q", raw_sizes)
+    body = bytearray(length + sum(sizes))
+    view = memoryview(body)
+    filled = 0
+    while filled < len(body):
+        got = sock.recv_into(view[filled:])
+        if not got:
+            return None
+        filled += got
+    buffers, offset = [], length
+    for size in sizes:
+        buffers.append(view[offset:offset + size])
+        offset += size
+    return pickle.loads(view[:length], buffers=buffers)
+
+
+def _read_exactly(sock: socket.socket, count: int) -> bytes | None:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
