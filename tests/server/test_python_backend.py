@@ -32,6 +32,7 @@ from server.python_backend import triton_python_backend_utils as pb_utils
 from .conftest import examples, require_grpc, run_server
 
 TRITON_EXAMPLES = Path(__file__).parent / "python_models"  # from triton-inference-server/python_backend examples/
+KILN_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "python_models"
 
 BATCHED = '''
 import numpy as np
@@ -158,8 +159,37 @@ TEXT_CONFIG = ('backend: "python"\ninput [ { name: "TEXT" data_type: TYPE_STRING
                'output [ { name: "UPPER" data_type: TYPE_STRING dims: [ -1 ] },'
                ' { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
 
+DECOUPLED_AUTO = '''
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.set_model_transaction_policy({"decoupled": True})
+        return config
+
+    def execute(self, requests):
+        return None
+'''
+WARMUP = 'model_warmup [ {{ name: "{kind}" batch_size: 1 inputs {{ key: "X" value {{ data_type: TYPE_FP32 dims: [ 4 ] ' \
+         '{kind}: true }} }} }} ]\n'
+# Python models whose load fails, and a text the failure must contain.
+REFUSED = {
+    "py_decoupled": (FAILING, FP32_4 + "model_transaction_policy { decoupled: true }\n",
+                     "'model_transaction_policy.decoupled' (True) is refused"),
+    "py_decoupled_auto": (DECOUPLED_AUTO, FP32_4, "'model_transaction_policy.decoupled' (True) is refused"),
+    "py_sequence": (FAILING, FP32_4 + "sequence_batching { }\n", "Kiln does not yet run Python models with the "
+                                                                 "sequence batcher"),
+    "py_precision": (FAILING, FP32_4 + 'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n',
+                     "parameter kiln_precision is about the plan Kiln builds for an ONNX model"),
+    "py_no_type": (FAILING, 'backend: "python"\ninput [ { name: "X" dims: [ 4 ] } ]\n', "input 'X' has no data_type"),
+    "py_no_file": (None, FP32_4, "'model.py' is missing in"),
+    "py_no_class": ("X = 1\n", FP32_4, "defines no class TritonPythonModel"),
+    "py_warmup_fails": (FAILING, FP32_4 + WARMUP.format(kind="zero_data"),
+                        "warmup sample 'zero_data' failed: all zeros is not a valid input"),
+}
+
 STARTUP = ["add_sub", "add_sub_onnx", "pytorch", "bls_sync", "bls_async", "batch_auto_complete",
-           "nobatch_auto_complete", "batched", "failing", "crashy", "slow", "text", "in_env"]
+           "nobatch_auto_complete", "batched", "failing", "crashy", "slow", "text", "in_env", "simple_cnn",
+           "classify_image"]
 
 
 def add_sub_4() -> onnx.ModelProto:
@@ -189,12 +219,12 @@ def _triton_example(repo: Path, name: str, model: str, config: str | None) -> No
                        (TRITON_EXAMPLES / config).read_text() if config else None)
 
 
-def _python_env(directory: Path) -> None:
+def _python_env(directory: Path, options: str = "") -> None:
     """A Python environment as EXECUTION_ENV_PATH wants one (a directory with bin/python): here a wrapper around
     this interpreter that marks the environment, so the model can tell which Python runs it."""
     python = directory / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nexport KILN_TEST_ENV=wrapped\nexec "{sys.executable}" "$@"\n')
+    python.write_text(f'#!/bin/sh\nexport KILN_TEST_ENV=wrapped\nexec "{sys.executable}" {options} "$@"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
 
 
@@ -211,6 +241,9 @@ def server(tmp_path_factory):
     examples.write_model(repo, "add_sub_onnx", add_sub_4(), f'name: "add_sub_onnx"\n{onnx_config}')
     examples.write_model(repo, "pytorch", add_sub_4(), f'name: "pytorch"\n{onnx_config}')  # BLS async calls it
     write_python_model(repo, "batched", BATCHED, BATCHED_CONFIG)
+    examples.write_model(repo, "simple_cnn", examples.cnn_model(), examples.CNN_CONFIG,
+                         {"labels.txt": "\n".join(examples.CNN_LABELS) + "\n"})
+    shutil.copytree(KILN_EXAMPLES / "classify_image", repo / "classify_image")
     write_python_model(repo, "failing", FAILING, FP32_4)
     write_python_model(repo, "crashy", CRASHY, CRASHY_CONFIG)
     write_python_model(repo, "slow", SLOW, SLOW_CONFIG)
@@ -222,6 +255,12 @@ def server(tmp_path_factory):
     packed = write_python_model(repo, "packed_env", TEXT, TEXT_CONFIG + env_param.replace("/env", "/env.tar.gz"))
     (packed / "env.tar.gz").write_bytes(b"")
     write_python_model(repo, "no_env", TEXT, TEXT_CONFIG + env_param.replace("/env", "/missing"))
+    _python_env(write_python_model(repo, "no_numpy", TEXT, TEXT_CONFIG + env_param) / "env", "-S")  # no site-packages
+    write_python_model(repo, "warm", FAILING, FP32_4 + WARMUP.format(kind="random_data"))
+    for name, (source, config, _) in REFUSED.items():
+        directory = write_python_model(repo, name, source or "", config)
+        if source is None:
+            (directory / "1" / "model.py").unlink()
     with run_server(repo, base / "server.log", STARTUP) as running:
         yield running
 
@@ -329,6 +368,21 @@ def _http_inputs(arrays: dict[str, np.ndarray], protocol=httpclient) -> list:
         inputs.append(protocol.InferInput(name, list(array.shape), "FP32"))
         inputs[-1].set_data_from_numpy(array)
     return inputs
+
+
+def test_the_preprocessing_example_in_front_of_simple_cnn(client):
+    """examples/python_models/classify_image: uint8 images, normalized in Python, classified by the ONNX simple_cnn
+    through BLS; the same as preprocessing them with numpy and asking simple_cnn directly."""
+    images = np.random.default_rng(7).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    tensor = httpclient.InferInput("IMAGE", list(images.shape), "UINT8")
+    tensor.set_data_from_numpy(images)
+    result = client.infer("classify_image", [tensor])
+    normalized = ((images.astype(np.float32) / 255.0 - 0.5) / 0.25).transpose(0, 3, 1, 2)
+    probabilities = client.infer("simple_cnn", _http_inputs({"INPUT": np.ascontiguousarray(normalized)})) \
+        .as_numpy("PROBABILITIES")
+    top = probabilities.argmax(axis=1)
+    assert [label.decode() for label in result.as_numpy("LABEL")[:, 0]] == [examples.CNN_LABELS[i] for i in top]
+    np.testing.assert_allclose(result.as_numpy("SCORE")[:, 0], probabilities.max(axis=1), rtol=1e-6)
 
 
 # -- batching, requests, tensors ------------------------------------------------------------------------------------
@@ -448,6 +502,22 @@ def test_initialize_raising_fails_the_load_with_its_traceback(client):
     assert client.is_server_ready() and client.is_model_ready("add_sub")
 
 
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_python_config_kiln_cannot_serve_fails_the_load_with_the_reason(client, name):
+    with pytest.raises(InferenceServerException) as failure:
+        client.load_model(name)
+    assert f"load failed for model '{name}'" in str(failure.value) and REFUSED[name][2] in str(failure.value)
+    assert client.is_server_ready()
+
+
+def test_model_warmup_runs_before_the_model_is_ready(client):
+    client.load_model("warm")
+    stats = client.get_inference_statistics("warm")["model_stats"][0]
+    assert stats["inference_count"] == 0  # warm-up is not counted, as in Triton
+    x = np.full(4, 2, np.float32)
+    np.testing.assert_array_equal(client.infer("warm", _http_inputs({"X": x})).as_numpy("Y"), x + 1)
+
+
 # -- environments, unloading ----------------------------------------------------------------------------------------
 def test_execution_env_path_runs_the_stub_with_that_python(server):
     info = json.loads(_infer(httpclient, server, "in_env", {"TEXT": np.array([b"x"], dtype=object)})
@@ -455,11 +525,17 @@ def test_execution_env_path_runs_the_stub_with_that_python(server):
     assert info["env"] == "wrapped"
 
 
-@pytest.mark.parametrize(("name", "text"), [("packed_env", "is a packed environment"), ("no_env", "has no bin/python")])
-def test_execution_env_path_that_cannot_run_fails_the_load(client, name, text):
+@pytest.mark.parametrize(("name", "text"), [
+    ("packed_env", "EXECUTION_ENV_PATH '{models}/packed_env/env.tar.gz' is a packed environment"),
+    ("no_env", "EXECUTION_ENV_PATH '{models}/no_env/missing' has no bin/python"),
+    ("no_numpy", "the stub could not import triton_python_backend_utils with {python}"),
+])
+def test_execution_env_path_that_cannot_run_fails_the_load(server, client, name, text):
     with pytest.raises(InferenceServerException) as failure:
         client.load_model(name)
-    assert text in str(failure.value) and "EXECUTION_ENV_PATH" in str(failure.value)
+    assert text.format(models=server.repository.resolve(), python=sys.executable) in str(failure.value)
+    if name == "no_numpy":
+        assert "No module named 'numpy'" in str(failure.value)
 
 
 def test_unload_runs_finalize_and_stops_the_stubs(server, client):
