@@ -10,13 +10,9 @@
     outputs = context.infer({"x": x})
 """
 
-from engine_core.builder import (
-    Builder,
-    BuilderConfig,
-    OptimizationProfile,
-    available_backends,
-    build_plan,
-)
+from engine_core.backends.registry import available_backends
+from engine_core.builder import Builder, build_plan
+from engine_core.builder_config import BuilderConfig, OptimizationProfile
 from engine_core.calibration import (
     CalibrationAlgoType,
     IInt8Calibrator,

@@ -33,7 +33,7 @@ from engine_core.ir import Graph, has_subgraph, subgraph_reads
 from engine_core.version import __version__
 
 if TYPE_CHECKING:
-    from engine_core.builder import BuilderConfig
+    from engine_core.builder_config import BuilderConfig
 
 #: int8 symmetric range used for implicit quantization: [-127, 127] (the reference's)
 INT8_MAX = 127.0

@@ -25,9 +25,8 @@ import numpy as np
 import engine_core as kiln
 from engine_core.compat import check_plan_compatibility, device_arch
 from engine_core.errors import KilnError
-from engine_core.inspector import add_build_arguments, apply_build_arguments, dump_layer_info
+from engine_core.inspector import add_build_arguments, apply_build_arguments, engine_summary
 from engine_core.plan import deserialize_plan
-from engine_core.runtime import engine_summary
 
 PRECISION_FLAGS = {
     "fp16": kiln.BuilderFlag.FP16,
@@ -107,6 +106,12 @@ def io_table(summary: dict) -> str:
     rows = [[t["mode"].lower(), t["name"], t["dtype"], str(t["shape"]), t.get("format", "LINEAR")]
             for t in summary["io"]]
     return _table(rows, ["mode", "tensor", "dtype", "shape", "format"])
+
+
+def dump_layer_info(plan: bytes) -> str:
+    """What `kiln build --dump-layer-info` prints: the inspector's JSON engine information."""
+    engine = kiln.Runtime().load(plan)
+    return engine.create_engine_inspector().get_engine_information(kiln.LayerInformationFormat.JSON)
 
 
 # -- commands -------------------------------------------------------------------------------------

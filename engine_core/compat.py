@@ -32,6 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine_core.backends import registry
+from engine_core.cuda.driver import compute_capability
+from engine_core.errors import BuildError
 from engine_core.types import BuilderFlag, HardwareCompatibilityLevel
 
 #: build_info key of the compatibility record
@@ -126,13 +129,9 @@ def code_loadable(plan_arch: str, device: tuple[int, int]) -> bool:
 def build_record(config: Any) -> dict[str, Any]:
     """The ``build_info["compatibility"]`` entry for a build with ``config``; raises BuildError for
     a combination the backend cannot honour (so no plan claims more than it can do)."""
-    from engine_core.errors import BuildError
-
     level = HardwareCompatibilityLevel(getattr(config, "hardware_compatibility_level", 0))
     if getattr(config, "backend", "cpu") == "cuda" and level == HardwareCompatibilityLevel.AMPERE_PLUS:
-        from engine_core.backends import cuda
-
-        if not getattr(cuda, "AMPERE_PLUS_ARCH", None):
+        if not registry.CUDA_AMPERE_PLUS_ARCH:
             raise BuildError("hardware_compatibility_level AMPERE_PLUS needs code every GPU of compute capability "
                              ">= 8.0 can load (PTX for compute_80); the CUDA backend emits CUBINs for the build "
                              "GPU only, so build with level NONE or SAME_COMPUTE_CAPABILITY")
@@ -224,11 +223,7 @@ def check_plan_compatibility(plan_meta: Mapping[str, Any], device_arch: str | No
 
 def device_arch() -> str | None:
     """This machine's GPU 0 as "sm_XY", or None without a usable CUDA backend."""
-    from engine_core.builder import available_backends
-
-    if "cuda" not in available_backends():
+    if "cuda" not in registry.available_backends():
         return None
-    from engine_core.cuda.driver import compute_capability
-
     major, minor = compute_capability()
     return f"sm_{major}{minor}"

@@ -19,14 +19,20 @@ import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner, LayerTimer
+from engine_core.compat import COMPAT_KEY, build_record, requirements
 from engine_core.errors import ExecutionError
 from engine_core.ir import Graph, Value
+from engine_core.plan import Plan
+from engine_core.plugins import BUILD_INFO_KEY as PLUGINS_KEY
+from engine_core.plugins import plugins_used
+from engine_core.refittable import unfolded_weights
 from engine_core.types import (
+    BuilderFlag,
     HardwareCompatibilityLevel,
     LayerInformationFormat,
     ProfilingVerbosity,
@@ -35,9 +41,27 @@ from engine_core.types import (
 )
 
 if TYPE_CHECKING:
-    from engine_core.builder import BuilderConfig
+    from engine_core.builder_config import BuilderConfig
     from engine_core.network import NetworkDefinition
-    from engine_core.runtime import CudaEngine, ExecutionContext
+
+
+class InspectedEngine(Protocol):
+    """What the inspector reads of an engine: the runtime's CudaEngine, which hands itself to these hooks (the
+    runtime imports this module, so this module describes what it uses instead of importing the runtime)."""
+
+    plan: Plan
+    runner: GraphRunner  # the CPU backend's runner of the plan's graph
+
+
+class InspectedContext(Protocol):
+    """What the inspector reads of an execution context (the runtime's ExecutionContext)."""
+
+    engine: InspectedEngine
+    profiler: Any  # IProfiler | None
+    _inferred: dict[str, Any] | None  # every tensor's info at the current input shapes, once inferred
+
+    def infer_shapes(self) -> list[str]: ...
+
 
 _NAMES_ONLY_KEYS = ("name", "type", "tactic")
 DEBUG_KEY = "debug_tensors"
@@ -54,11 +78,6 @@ def build_extras(graph: Graph, network: NetworkDefinition, config: BuilderConfig
 
     Yields a dict that holds, once the block ends, the entries to add to ``Plan.build_info``.
     """
-    from engine_core.compat import COMPAT_KEY, build_record
-    from engine_core.plugins import BUILD_INFO_KEY as PLUGINS_KEY
-    from engine_core.plugins import plugins_used
-    from engine_core.refit import unfolded_weights
-
     info: dict[str, Any] = {VERBOSITY_KEY: ProfilingVerbosity(config.profiling_verbosity).name,
                             COMPAT_KEY: build_record(config)}
     with ExitStack() as stack:
@@ -86,15 +105,32 @@ def kept_debug_tensors(graph: Graph, names: Any) -> Iterator[dict[str, Any]]:
             info[DEBUG_KEY] = sorted(names)
 
 
-def network_tensor_names(graph: Graph) -> set[str]:
-    """Every tensor name a network has: inputs, constants, node outputs."""
-    return set(graph.input_names) | set(graph.constants) | {o for n in graph.nodes for o in n.outputs if o}
-
-
 # -- inspector ----------------------------------------------------------------------------------
 
 
-def engine_verbosity(engine: CudaEngine) -> ProfilingVerbosity:
+def engine_summary(plan: Plan) -> dict[str, Any]:
+    """JSON-ready description of a plan: requirements, I/O, profiles, layers (`kiln inspect` too)."""
+    try:
+        needs: dict[str, Any] = requirements(plan.compat_meta()).as_dict()
+    except ValueError as e:
+        needs = {"error": str(e)}
+    return {
+        "name": plan.name,
+        "engine_version": plan.engine_version,
+        "backend": plan.backend,
+        "arch": plan.arch,
+        "requirements": needs,
+        "device_memory_size": plan.device_memory_size,
+        "io": [{"name": t.name, "mode": t.mode.name, "dtype": datatype_of(t.dtype).name, "shape": list(t.shape),
+                "format": t.format} for t in plan.io],
+        "profiles": [{k: {"min": list(v[0]), "opt": list(v[1]), "max": list(v[2])} for k, v in p.items()}
+                     for p in plan.profiles],
+        "layers": plan.layers,
+        "build_info": plan.build_info,
+    }
+
+
+def engine_verbosity(engine: InspectedEngine) -> ProfilingVerbosity:
     """The verbosity the plan was built with (plans from before it was recorded: LAYER_NAMES_ONLY)."""
     return ProfilingVerbosity[engine.plan.build_info.get(VERBOSITY_KEY, "LAYER_NAMES_ONLY")]
 
@@ -102,9 +138,9 @@ def engine_verbosity(engine: CudaEngine) -> ProfilingVerbosity:
 class EngineInspector:
     """Layer information of an engine (IEngineInspector), limited by the build's ProfilingVerbosity."""
 
-    def __init__(self, engine: CudaEngine) -> None:
+    def __init__(self, engine: InspectedEngine) -> None:
         self.engine = engine
-        self.execution_context: ExecutionContext | None = None
+        self.execution_context: InspectedContext | None = None
         self.error_recorder = getattr(engine, "error_recorder", None)
 
     @property
@@ -139,8 +175,6 @@ class EngineInspector:
         return _one_line(record)
 
     def get_engine_information(self, format: LayerInformationFormat) -> str:
-        from engine_core.runtime import engine_summary
-
         records = [self._record(i) for i in range(len(self.engine.plan.layers))]
         if format == LayerInformationFormat.JSON:
             summary = engine_summary(self.engine.plan)
@@ -176,7 +210,7 @@ class IDebugListener:
 class DebugState:
     """One context's debug listener and per-tensor debug switches."""
 
-    def __init__(self, engine: CudaEngine) -> None:
+    def __init__(self, engine: InspectedEngine) -> None:
         self.engine = engine
         self.listener: IDebugListener | None = None
         self.enabled: set[str] = set()
@@ -200,7 +234,7 @@ class DebugState:
         return self.listener is not None and bool(self.enabled)
 
 
-def debug_state(ctx: ExecutionContext) -> DebugState:
+def debug_state(ctx: InspectedContext) -> DebugState:
     """The context's DebugState, created on first use."""
     state = ctx.__dict__.get("_debug_state")
     if state is None:
@@ -208,7 +242,7 @@ def debug_state(ctx: ExecutionContext) -> DebugState:
     return state
 
 
-def run_with_debug(ctx: ExecutionContext, feeds: Mapping[str, np.ndarray],
+def run_with_debug(ctx: InspectedContext, feeds: Mapping[str, np.ndarray],
                    timer: LayerTimer | None) -> dict[str, np.ndarray]:
     """Run the engine's graph; with a listener and enabled debug tensors, report them in layer order."""
     timer = deferred_timer(ctx, timer)
@@ -224,7 +258,7 @@ def run_with_debug(ctx: ExecutionContext, feeds: Mapping[str, np.ndarray],
     return {name: results[name] for name in graph.output_names}
 
 
-def _debug_runner(engine: CudaEngine, names: tuple[str, ...]) -> GraphRunner:
+def _debug_runner(engine: InspectedEngine, names: tuple[str, ...]) -> GraphRunner:
     """A runner whose graph also returns ``names`` (the plan's graph, constants shared: refit-safe)."""
     cache = engine.__dict__.setdefault("_debug_runners", {})
     if names not in cache:
@@ -250,7 +284,7 @@ def _report(listener: IDebugListener, name: str, value: Any) -> None:
 # -- profiler: enqueue_emits_profile / report_to_profiler ---------------------------------------
 
 
-def deferred_timer(ctx: ExecutionContext, timer: LayerTimer | None) -> LayerTimer | None:
+def deferred_timer(ctx: InspectedContext, timer: LayerTimer | None) -> LayerTimer | None:
     """With ``ctx.enqueue_emits_profile`` False, a run's layer times wait for ``report_to_profiler``."""
     if timer is None or getattr(ctx, "enqueue_emits_profile", True):
         return timer
@@ -270,7 +304,7 @@ class _DeferredProfiler:
         self.report_layer_time = timer
 
 
-def profiler_for(ctx: ExecutionContext) -> Any:
+def profiler_for(ctx: InspectedContext) -> Any:
     """The profiler a backend should report to: the context's, or a deferring one (see deferred_timer)."""
     if ctx.profiler is None:
         return None
@@ -278,7 +312,7 @@ def profiler_for(ctx: ExecutionContext) -> Any:
     return ctx.profiler if timer == ctx.profiler.report_layer_time else _DeferredProfiler(timer)
 
 
-def report_to_profiler(ctx: ExecutionContext) -> bool:
+def report_to_profiler(ctx: InspectedContext) -> bool:
     """Hand the latest run's deferred layer times to the context's profiler (False without one)."""
     if ctx.profiler is None:
         return False
@@ -310,19 +344,9 @@ def add_build_arguments(parser: Any) -> None:
 
 
 def apply_build_arguments(config: BuilderConfig, args: Any) -> None:
-    from engine_core.types import BuilderFlag
-
     config.profiling_verbosity = ProfilingVerbosity[args.profiling_verbosity.upper()]
     config.hardware_compatibility_level = HardwareCompatibilityLevel[args.hardware_compatibility_level.upper()]
     for switch, flag in (("refit", BuilderFlag.REFIT), ("version_compatible", BuilderFlag.VERSION_COMPATIBLE),
                          ("weight_streaming", BuilderFlag.WEIGHT_STREAMING)):
         if getattr(args, switch):
             config.set_flag(flag)
-
-
-def dump_layer_info(plan: bytes) -> str:
-    """What `kiln build --dump-layer-info` prints: the inspector's JSON engine information."""
-    from engine_core.runtime import Runtime
-
-    engine = Runtime().load(plan)
-    return engine.create_engine_inspector().get_engine_information(LayerInformationFormat.JSON)

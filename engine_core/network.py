@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.inspector import network_tensor_names
 from engine_core.ir import Dim, Graph, Node, Value
 from engine_core.types import DataType, TensorFormat, datatype_of, nptype
+
+
+def network_tensor_names(graph: Graph) -> set[str]:
+    """Every tensor name a network has: inputs, constants, node outputs."""
+    return set(graph.input_names) | set(graph.constants) | {o for n in graph.nodes for o in n.outputs if o}
 
 
 class NetworkTensor:

@@ -80,6 +80,11 @@ class Plan:
     kernels: dict[str, bytes] = field(default_factory=dict)
     engine_version: str = __version__
 
+    def compat_meta(self) -> dict[str, Any]:
+        """The metadata keys engine_core.compat reads (as ``read_plan_metadata`` returns them)."""
+        return {"engine_version": self.engine_version, "backend": self.backend, "arch": self.arch,
+                "build_info": self.build_info}
+
 
 class _Blob:
     """Collects aligned binary sections while metadata is written."""

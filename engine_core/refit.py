@@ -1,10 +1,6 @@
 """Refit: replace a built engine's named weights without rebuilding it (IRefitter).
 
-A plan built with ``BuilderFlag.REFIT`` keeps every floating-point ONNX initializer / network
-constant as its own, named constant: graph passes that would consume one (constant folding,
-Conv+BN folding) are kept from seeing it, because a folded result could not be recomputed from a
-new value of only one of its inputs. Integer constants stay foldable: they feed shape
-computations, and changing them would change the engine's structure, not its weights.
+Which weights a plan can refit, and how the build keeps them unfolded: engine_core.refittable.
 
 Refitting while execution contexts exist follows the reference: contexts keep working and see
 the new weights from their next run on; a run in flight during ``refit_cuda_engine`` is undefined.
@@ -12,65 +8,23 @@ the new weights from their next run on; a run in flight during ``refit_cuda_engi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine_core.error_recorder import ErrorCode, report_error
-from engine_core.ir import Graph, subgraph_reads
 from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.plan import serialize_plan
-from engine_core.types import BuilderFlag
+from engine_core.refittable import BUILD_INFO_KEY, plan_refittable
 
 if TYPE_CHECKING:
-    from engine_core.builder import BuilderConfig
     from engine_core.runtime import CudaEngine
-
-#: build_info key listing the names of the refittable weights of a plan.
-BUILD_INFO_KEY = "refittable_weights"
-
-
-def refittable_names(graph: Graph) -> list[str]:
-    """Weights a refit may replace: the graph's floating-point constants, by name."""
-    return sorted(name for name, value in graph.constants.items()
-                  if isinstance(value, np.ndarray) and value.dtype.kind in "fc")
-
-
-@contextmanager
-def unfolded_weights(graph: Graph, config: BuilderConfig) -> Iterator[dict[str, Any]]:
-    """While the graph passes run, hide refittable weights from ``graph.constants`` (REFIT only).
-
-    Passes only fold what they find in ``graph.constants``, so a hidden weight is never folded
-    into another constant; afterwards the weights still in use come back under their names.
-    Yields the build_info entries to record (empty without REFIT).
-    """
-    info: dict[str, Any] = {}
-    if not config.get_flag(BuilderFlag.REFIT):
-        yield info
-        return
-    hidden = {name: graph.constants.pop(name) for name in refittable_names(graph)}
-    try:
-        yield info
-    finally:
-        used = {i for node in graph.nodes for i in (*node.inputs, *subgraph_reads(node))} | set(graph.output_names)
-        for name, value in hidden.items():
-            if name in used:
-                graph.constants[name] = value
-        info[BUILD_INFO_KEY] = sorted(n for n in hidden if n in graph.constants)
-
-
-def engine_refittable(engine: CudaEngine) -> bool:
-    """True when the plan was built with REFIT (``engine.refittable``)."""
-    return "REFIT" in engine.plan.build_info.get("flags", [])
-
 
 class Refitter:
     """Updates the weights of a refittable engine (IRefitter)."""
 
     def __init__(self, engine: CudaEngine, logger: Logger | None = None) -> None:
-        if not engine_refittable(engine):
+        if not plan_refittable(engine.plan):
             raise ValueError(f"engine '{engine.name}' was not built with BuilderFlag.REFIT and cannot be refit")
         self.engine = engine
         self.logger = logger or DEFAULT_LOGGER

@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner
+from engine_core.backends.registry import available_backends
 from engine_core.batching import Span, gather_rows, row_spans, split_outputs
 from engine_core.compat import check_plan_compatibility, device_arch, requirements
+from engine_core.cuda.driver import memory_info
 from engine_core.cuda.view import DeviceView
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
@@ -38,12 +40,13 @@ from engine_core.inspector import (  # inspector / debug-tensor hooks
     report_to_profiler,
     run_with_debug,
 )
+from engine_core.inspector import engine_summary as engine_summary  # re-exported: it was defined here
 from engine_core.logger import DEFAULT_LOGGER, Logger
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import IOTensor, Plan, deserialize_plan
 from engine_core.plugins import PluginRegistry, check_plan_plugins, get_plugin_registry
-from engine_core.refit import engine_refittable, refittable_names
+from engine_core.refittable import plan_refittable, refittable_names
 from engine_core.types import (
     DataType,
     EngineCapability,
@@ -117,11 +120,8 @@ class Runtime:
         if hasattr(serialized_engine, "read"):  # IStreamReader-style: a file or any reader
             serialized_engine = serialized_engine.read()
         plan = deserialize_plan(serialized_engine)
-        if plan.backend != "cpu":
-            from engine_core.builder import available_backends
-
-            if plan.backend not in available_backends():
-                raise PlanFormatError(f"plan was built for the '{plan.backend}' backend, which this machine lacks")
+        if plan.backend != "cpu" and plan.backend not in available_backends():
+            raise PlanFormatError(f"plan was built for the '{plan.backend}' backend, which this machine lacks")
         check_plan_plugins(plan.build_info)  # plugin hook: refuse plans whose plugins are missing
         engine = CudaEngine(plan, bytes(serialized_engine), self.logger)
         engine.error_recorder = self.error_recorder  # engines start with their runtime's recorder
@@ -198,7 +198,7 @@ class CudaEngine:
 
     @property
     def hardware_compatibility_level(self) -> HardwareCompatibilityLevel:
-        return requirements(_plan_meta(self.plan)).level
+        return requirements(self.plan.compat_meta()).level
 
     # -- weight streaming (engine_core.weight_streaming) ----------------------------------------
     @property
@@ -251,12 +251,7 @@ class CudaEngine:
         """A budget that fits this device's free memory (CPU backend: weights are in host memory, so all)."""
         if self.plan.backend != "cuda":
             return self.streamable_weights_size
-        from cuda.bindings import driver
-
-        from engine_core.cuda.driver import check, primary_context
-
-        primary_context()
-        free, _total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+        free, _total = memory_info()
         return automatic_budget(self._streaming_layers, int(free), self.device_memory_size)
 
     @property
@@ -275,7 +270,7 @@ class CudaEngine:
 
     @property
     def refittable(self) -> bool:
-        return engine_refittable(self)
+        return plan_refittable(self.plan)
 
     def is_debug_tensor(self, name: str) -> bool:
         return name in self.plan.build_info.get(DEBUG_KEY, [])
@@ -372,7 +367,7 @@ def _cuda_engine_state(plan: Plan) -> Any:
     """
     if plan.backend != "cuda":
         return None
-    reason = check_plan_compatibility(_plan_meta(plan), device_arch(), __version__)
+    reason = check_plan_compatibility(plan.compat_meta(), device_arch(), __version__)
     if reason:
         raise PlanFormatError(reason)
     from engine_core.backends.cuda import engine_state
@@ -397,12 +392,6 @@ def _shapes_need_values(plan: Plan, feeds: Mapping[str, np.ndarray]) -> bool:
     except ShapeError:  # an op needs a value to say its shape
         return True
     return any(inferred.get(name) is None or inferred[name].shape is None for name in graph.output_names)
-
-
-def _plan_meta(plan: Plan) -> dict[str, Any]:
-    """The metadata keys engine_core.compat reads, from a deserialized plan."""
-    return {"engine_version": plan.engine_version, "backend": plan.backend, "arch": plan.arch,
-            "build_info": plan.build_info}
 
 
 def _streamable_weights_per_layer(plan: Plan) -> list[LayerWeights]:
@@ -491,28 +480,6 @@ def runtime_file(runtime: Runtime, data: bytes, name: str = "kiln") -> Iterator[
         yield path
     finally:
         os.unlink(path)
-
-
-def engine_summary(plan: Plan) -> dict[str, Any]:
-    """JSON-ready description of a plan: requirements, I/O, profiles, layers (`kiln inspect` too)."""
-    try:
-        needs: dict[str, Any] = requirements(_plan_meta(plan)).as_dict()
-    except ValueError as e:
-        needs = {"error": str(e)}
-    return {
-        "name": plan.name,
-        "engine_version": plan.engine_version,
-        "backend": plan.backend,
-        "arch": plan.arch,
-        "requirements": needs,
-        "device_memory_size": plan.device_memory_size,
-        "io": [{"name": t.name, "mode": t.mode.name, "dtype": datatype_of(t.dtype).name, "shape": list(t.shape),
-                "format": t.format} for t in plan.io],
-        "profiles": [{k: {"min": list(v[0]), "opt": list(v[1]), "max": list(v[2])} for k, v in p.items()}
-                     for p in plan.profiles],
-        "layers": plan.layers,
-        "build_info": plan.build_info,
-    }
 
 
 def _host_array(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

@@ -109,6 +109,25 @@ def multiprocessor_count(ordinal: int = 0) -> int:
     return _attribute("MULTIPROCESSOR_COUNT", ordinal)
 
 
+def device_name(ordinal: int = 0) -> str:
+    """The device's name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3")."""
+    from cuda.bindings import driver
+
+    _init()
+    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    name = check(driver.cuDeviceGetName(256, device), "cuDeviceGetName")
+    return name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+
+
+def memory_info(ordinal: int = 0) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory, as the driver reports them in its primary context."""
+    from cuda.bindings import driver
+
+    primary_context(ordinal)
+    free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+    return int(free), int(total)
+
+
 #: Held around work that must not overlap a CUDA graph capture in another thread: captures and every run that
 #: is not a graph replay (a library's first use allocates and copies on the legacy stream), and synchronous
 #: copies, memsets and frees. Such a legacy-stream operation while a blocking stream captures elsewhere fails
@@ -204,3 +223,64 @@ def synchronize() -> None:
     from cuda.bindings import driver
 
     check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+class Stream:
+    """A stream of its own in the primary context (non-blocking by default: it does not wait for the legacy
+    stream), destroyed with the object; ``handle`` is what ``execute_async_v3`` and launches take."""
+
+    def __init__(self, non_blocking: bool = True) -> None:
+        from cuda.bindings import driver
+
+        primary_context()
+        kinds = driver.CUstream_flags
+        flags = kinds.CU_STREAM_NON_BLOCKING if non_blocking else kinds.CU_STREAM_DEFAULT
+        self.handle = int(check(driver.cuStreamCreate(int(flags)), "cuStreamCreate"))
+
+    def synchronize(self) -> None:
+        from cuda.bindings import driver
+
+        check(driver.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuStreamDestroy(self.handle)
+        except Exception:
+            pass
+
+
+class EventTimer:
+    """Device time of the work enqueued on ``stream`` between ``start()`` and ``stop()``, measured with two CUDA
+    events (gaps between the host's launches included)."""
+
+    def __init__(self, stream: int) -> None:
+        from cuda.bindings import driver
+
+        primary_context()
+        self.stream = int(stream)
+        self._start = check(driver.cuEventCreate(0), "cuEventCreate")
+        self._stop = check(driver.cuEventCreate(0), "cuEventCreate")
+
+    def start(self) -> None:
+        from cuda.bindings import driver
+
+        check(driver.cuEventRecord(self._start, self.stream), "cuEventRecord")
+
+    def stop(self) -> float:
+        """Milliseconds since ``start()``, once the work enqueued in between has finished."""
+        from cuda.bindings import driver
+
+        check(driver.cuEventRecord(self._stop, self.stream), "cuEventRecord")
+        check(driver.cuEventSynchronize(self._stop), "cuEventSynchronize")
+        return float(check(driver.cuEventElapsedTime(self._start, self._stop), "cuEventElapsedTime"))
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuEventDestroy(self._start)
+            driver.cuEventDestroy(self._stop)
+        except Exception:
+            pass

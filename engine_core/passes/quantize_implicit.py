@@ -38,7 +38,7 @@ from engine_core.passes.fuse_qdq_conv import INT8_CHANNEL_MULTIPLE
 from engine_core.types import BuilderFlag
 
 if TYPE_CHECKING:
-    from engine_core.builder import BuilderConfig
+    from engine_core.builder_config import BuilderConfig
     from engine_core.network import NetworkDefinition
 
 #: Layers the reference runs in INT8 in implicit mode (the guide's weighted operations).

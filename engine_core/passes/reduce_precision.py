@@ -54,7 +54,7 @@ from engine_core.types import (
 )
 
 if TYPE_CHECKING:
-    from engine_core.builder import BuilderConfig
+    from engine_core.builder_config import BuilderConfig
     from engine_core.network import NetworkDefinition
 
 FLOAT32 = np.dtype(np.float32)

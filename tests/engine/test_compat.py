@@ -154,11 +154,10 @@ def test_version_compatible_plan_runs_on_a_later_kiln_and_others_are_refused(mon
 def test_runtime_checks_the_gpu_arch_before_creating_cuda_state(monkeypatch):
     """A CUDA plan built on sm_90, loaded on a (fake) sm_86: refused with the reason, no driver call."""
     import engine_core.backends.cuda as cuda_backend
-    import engine_core.builder as builder_module
     import engine_core.runtime as runtime_module
 
     cuda_plan = resign(build(), lambda m: m.update(backend="cuda", arch="sm_90"))
-    monkeypatch.setattr(builder_module, "available_backends", lambda: ["cuda", "cpu"])
+    monkeypatch.setattr(runtime_module, "available_backends", lambda: ["cuda", "cpu"])
     monkeypatch.setattr(runtime_module, "device_arch", lambda: "sm_86")
     monkeypatch.setattr(cuda_backend, "engine_state", lambda plan: pytest.fail("engine state created"))
     runtime = kiln.Runtime()

@@ -1,7 +1,8 @@
 """The CUDA backend (v0): memory planner, lowering to kernels/cuBLAS/copies, tactic choice, runner.
 
-``is_available()`` is what ``engine_core.builder.available_backends`` asks; ``prepare_plan`` is the
-build step (tactics, CUBINs, arena size); ``CudaEngineState`` runs plans with ``backend == "cuda"``.
+``prepare_plan`` is the build step (tactics, CUBINs, arena size); ``CudaEngineState`` runs plans with
+``backend == "cuda"``. Whether this machine can use the backend at all is ``engine_core.backends.registry``'s
+answer (``is_available`` here is the same function).
 """
 
 from __future__ import annotations
@@ -24,27 +25,13 @@ from engine_core.backends.cuda.lowering_context import KERNEL_FILES, ON_DEMAND_K
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
 from engine_core.backends.cuda.pointwise import POINTWISE_OPTIONS, pointwise_source
 from engine_core.backends.cuda.tactics import Timer, choose_tactic
+from engine_core.backends.registry import cuda_available as is_available
 from engine_core.ir import Graph
 from engine_core.ops import TensorInfo
 from engine_core.timing_cache import TimingCache
 
 #: layers whose GEMM tactic is timed (attention's GEMMs and non-fp32 GEMMs always use cuBLAS)
 TIMED_GEMM_LAYERS = frozenset({"MatMul", "Gemm", "FusedMatMul"})
-
-
-def is_available() -> bool:
-    """True when a CUDA device and NVRTC are usable here (then builds default to "cuda")."""
-    from engine_core.cuda import is_available as device_available
-
-    if not device_available():
-        return False
-    try:
-        from engine_core.cuda.nvrtc import nvrtc_version
-
-        nvrtc_version()
-        return True
-    except Exception:
-        return False
 
 
 @dataclass

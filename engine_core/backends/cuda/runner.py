@@ -62,7 +62,7 @@ from engine_core.logger import DEFAULT_LOGGER, Severity
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import Plan
-from engine_core.refit import refittable_names
+from engine_core.refittable import refittable_names
 from engine_core.types import TensorLocation, datatype_of
 from engine_core.weight_streaming import LayerWeights, StreamingPlan, plan_streaming
 
