@@ -180,6 +180,8 @@ class Instance:
 
     async def ready(self) -> Stub:
         """The running stub, restarting it first if it died (one restart at a time, shared by every caller)."""
+        if self._starting is not None and not self._starting.done():
+            await asyncio.shield(self._starting)  # a restart under way (raises what failed it)
         if self._stub is not None and self._stub.alive:
             return self._stub
         if self.closed:

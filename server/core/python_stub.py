@@ -93,6 +93,7 @@ class Stub:
         self._calls: dict[int, asyncio.Future] = {}
         self._bls: set[asyncio.Future] = set()
         self._ended: asyncio.Future | None = None  # the process's exit description, once it exited
+        self._killed = False
         self.exit_reason = ""
 
     @classmethod
@@ -103,7 +104,8 @@ class Stub:
 
     @property
     def alive(self) -> bool:
-        return self._ended is not None and not self._ended.done()
+        """Started, not ended and not being killed: a stub that can take calls."""
+        return self._ended is not None and not self._ended.done() and not self._killed
 
     @property
     def pid(self) -> int | None:
@@ -172,6 +174,7 @@ class Stub:
             await asyncio.shield(self._ended)
 
     def kill(self) -> None:
+        self._killed = True
         if self._process is not None and self._process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
@@ -196,6 +199,12 @@ class Stub:
 
     # -- messages from the stub -----------------------------------------------------------------------------------
     def received(self, message: Any) -> None:
+        try:
+            self._dispatch(message)
+        except Exception:  # noqa: BLE001 - one bad message must not take the connection (and the stub) down
+            log.exception("'%s': could not handle a message from the stub", self.launch.label)
+
+    def _dispatch(self, message: Any) -> None:
         kind, call_id, body = message
         if kind == wire.REPLY:
             future = self._calls.get(call_id)
