@@ -47,6 +47,7 @@ from .model_config import (
 )
 from .python_stub import BlsRunner, Stub, StubCallError, StubFailure, StubLaunch, server_python
 from .scheduler import Job, JobResult, Workers
+from .statistics import ExecutionTimes
 from .types import datatype_of_numpy
 
 log = logging.getLogger("kiln.server.python")
@@ -170,7 +171,8 @@ class Instance:
         try:
             await stub.call(wire.INITIALIZE, {**self._model(), "args": self.args})
         except (StubCallError, StubFailure) as e:
-            await stub.stop(grace_s=1.0)
+            stub.kill()  # no finalize(): the model never finished initializing
+            await stub.ended()
             raise invalid(f"model '{self.args['model_name']}' version {self.args['model_version']}: initialize of "
                           f"instance '{self.label}' failed: {_message(e)}") from None
         self._stub = stub
@@ -200,7 +202,8 @@ class Instance:
         log.warning("model instance '%s': its stub %s; restarting it", self.label, reason)
         await self.start()
         self.restarts += 1
-        log.info("model instance '%s': stub restarted (pid %s)", self.label, self._stub.pid if self._stub else "?")
+        log.info("model instance '%s': stub restarted (pid %s; restart %d)", self.label,
+                 self._stub.pid if self._stub else "?", self.restarts)
 
     async def execute(self, requests: list[dict]) -> list[dict]:
         stub = await self.ready()
@@ -256,16 +259,12 @@ class PythonVersion(ServedModel):
         batcher.workers.label = f"model '{name}'"
         self.scheduler = PythonScheduler(batcher, self._stop_instances)
 
-    def _record_execution(self, batch_size: int, times) -> None:
+    def _record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
         self.statistics.record_execution(batch_size, times)
 
     @property
     def workers(self) -> Workers:
         return self.scheduler.workers
-
-    @property
-    def stub_restarts(self) -> int:
-        return sum(instance.restarts for instance in self.instances)
 
     def request_body(self, job: Job) -> dict[str, Any]:
         """A job as the stub builds its pb_utils.InferenceRequest: Triton's reserved parameters become the request's

@@ -237,7 +237,7 @@ def _result(pb: ModuleType, request: Any, response: Any) -> dict:
 def _wire_array(array: Any) -> Any:
     """What the server takes: BYTES as an object array of bytes (text encoded as UTF-8, other objects as their
     str(), as Triton serializes them); every other array as it is."""
-    import numpy as np
+    import numpy as np  # here, not at the top: without numpy the stub must still start and say what is missing
 
     if array.dtype.kind not in "OSU":
         return array

@@ -11,7 +11,9 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import stat
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from server.python_backend import triton_python_backend_utils as pb_utils
+from server.python_backend import wire
 
 from .conftest import examples, require_grpc, run_server
 
@@ -652,11 +655,6 @@ def test_the_stub_side_imports_nothing_of_kiln():
 
 def test_stub_process_round_trip_without_a_server(tmp_path):
     """The stub end to end over a socket pair, driven by hand: initialize, execute, finalize."""
-    import socket
-    import subprocess
-
-    from server.python_backend import wire
-
     model = write_python_model(tmp_path, "m", (TRITON_EXAMPLES / "add_sub_model.py").read_text()) / "1" / "model.py"
     ours, theirs = socket.socketpair()
     stub = subprocess.Popen([sys.executable, str(Path(wire.__file__).parent / "stub.py"), str(theirs.fileno())],
