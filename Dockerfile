@@ -20,6 +20,7 @@ COPY engine_core ./engine_core
 COPY server ./server
 COPY cuda_kernels ./cuda_kernels
 COPY load_tests ./load_tests
+COPY kiln_cli.py ./
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 # ---- runtime ----

@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine_core server tests load_tests examples tools
+	$(BIN)/ruff check engine_core server tests load_tests examples tools kiln_cli.py
 
 conformance: $(STAMP)
 	$(BIN)/kiln conformance --backend cpu --markdown docs/conformance.md

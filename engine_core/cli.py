@@ -6,9 +6,10 @@
     kiln run model.plan [--input x=x.npy] [--iterations 10] [--profile] [--save-outputs DIR]
              [--weight-streaming-budget BYTES|auto]
     kiln inspect model.plan [--json]     # also what the plan needs: backend, arch, compat level, Kiln versions
-    kiln serve --model-repository DIR [--http-port 8000]
     kiln conformance [--backend cpu] [--op Conv] [-v] [--markdown docs/conformance.md]
-    kiln perf -m MODEL [--protocol grpc] [--concurrency-range 1:64:x2] [-f results.json]
+
+`kiln serve` and `kiln perf` belong to the server and the load tests, which build on the engine: the `kiln`
+console script (kiln_cli.py) hands them to ``main`` as extra commands, so the engine never imports them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -359,18 +361,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from server.cli import run_serve
-
-    return run_serve(args)
-
-
-def cmd_perf(args: argparse.Namespace) -> int:
-    from load_tests.perf import main as perf_main
-
-    return perf_main(args.perf_args)
-
-
 def cmd_conformance(args: argparse.Namespace) -> int:
     from engine_core.conformance import run_from_args
 
@@ -384,7 +374,9 @@ def _add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shapes", action="append", help="profile maximum shapes")
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.ArgumentParser:
+    """The `kiln` parser: build, run, inspect, then ``commands`` (each adds its subparsers to the one it is given,
+    with ``func`` as the default that runs it), then conformance."""
     ap = argparse.ArgumentParser(prog="kiln", description="Kiln inference engine and server")
     ap.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -431,19 +423,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("serve", help="serve a model repository over HTTP/gRPC")
-    try:
-        from server.cli import add_serve_arguments
-
-        add_serve_arguments(p)
-    except ImportError:
-        p.add_argument("--model-repository", required=True)
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("perf", help="load-test a running server (like perf_analyzer); see `kiln perf --help`",
-                       add_help=False)
-    p.add_argument("perf_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_perf)
+    for add_command in commands:  # e.g. `serve` and `perf` (kiln_cli.py)
+        add_command(sub)
 
     p = sub.add_parser("conformance", help="run onnx's node test cases and report pass rates")
     from engine_core.conformance import add_arguments
@@ -453,11 +434,10 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: Sequence[Callable[[Any], None]] = ()) -> int:
+    """Run the command ``argv`` names; ``commands`` add commands from outside the engine (see make_parser)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["perf"]:  # `kiln perf` owns all its flags (argparse REMAINDER drops leading options)
-        return cmd_perf(argparse.Namespace(perf_args=argv[1:]))
-    args = make_parser().parse_args(argv)
+    args = make_parser(commands).parse_args(argv)
     return int(args.func(args) or 0)
 
 

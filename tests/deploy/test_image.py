@@ -57,9 +57,11 @@ def test_stages_and_base_image(dockerfile):
 
 
 def test_builder_copies_every_package(dockerfile):
-    """The wheel must carry every package setuptools is told to include, and .dockerignore must let them in."""
+    """The wheel must carry every package and module setuptools is told to include, and .dockerignore must let
+    them in."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages |= {f"{m}.py" for m in pyproject["tool"]["setuptools"].get("py-modules", [])}
     copied = {src for inst in dockerfile.stage("builder").all("COPY") for src in inst.args.split()[:-1]}
     assert packages | {"pyproject.toml", "README.md"} <= copied
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
