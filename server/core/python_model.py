@@ -176,6 +176,14 @@ class Instance:
             raise invalid(f"model '{self.args['model_name']}' version {self.args['model_version']}: initialize of "
                           f"instance '{self.label}' failed: {_message(e)}") from None
         self._stub = stub
+        stub.on_exit = self._stub_exited
+
+    def _stub_exited(self, stub: Stub) -> None:
+        """The stub ended (a crash, the OOM killer, a kill past its timeout): start it again now, not at the next
+        request, so no request waits for it that need not."""
+        if stub is self._stub and not self.closed and (self._starting is None or self._starting.done()):
+            self._starting = asyncio.ensure_future(self._restart())
+            self._starting.add_done_callback(self._restarted)
 
     def _model(self) -> dict[str, Any]:
         return {"model_file": str(self.model_file), "model_name": self.args["model_name"]}
@@ -206,15 +214,9 @@ class Instance:
                  self._stub.pid if self._stub else "?", self.restarts)
 
     async def execute(self, requests: list[dict]) -> list[dict]:
+        """One EXECUTE call; StubFailure when the stub dies or is killed meanwhile (`_stub_exited` restarts it)."""
         stub = await self.ready()
-        try:
-            return await stub.call(wire.EXECUTE, requests, self.timeout_s)
-        except StubFailure:
-            if not self.closed and (self._starting is None or self._starting.done()):
-                # restart now, not on the next request: the next batch should not wait for it
-                self._starting = asyncio.ensure_future(self._restart())
-                self._starting.add_done_callback(self._restarted)
-            raise
+        return await stub.call(wire.EXECUTE, requests, self.timeout_s)
 
     def _restarted(self, done: asyncio.Future) -> None:
         """A background restart's failure is logged here (the next request retries it and hears the reason)."""

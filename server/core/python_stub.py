@@ -95,6 +95,8 @@ class Stub:
         self._ended: asyncio.Future | None = None  # the process's exit description, once it exited
         self._killed = False
         self.exit_reason = ""
+        #: told once the process has exited and its calls have failed (python_model.Instance restarts it)
+        self.on_exit: Callable[[Stub], None] | None = None
 
     @classmethod
     async def start(cls, launch: StubLaunch, infer: BlsRunner) -> Stub:
@@ -146,6 +148,8 @@ class Stub:
         for task in self._bls:
             task.cancel()
         self._ended.set_result(self.exit_reason)
+        if self.on_exit is not None:
+            self.on_exit(self)
 
     async def call(self, kind: str, body: Any, timeout_s: float | None = None) -> Any:
         """Call the stub and wait for its answer: StubCallError for the model's error, StubFailure if the process

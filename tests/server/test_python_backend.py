@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -509,6 +510,17 @@ def test_a_stub_that_dies_fails_its_requests_and_is_restarted(server, trigger, h
     assert _infer(httpclient, server, "add_sub", dict(zip(("INPUT0", "INPUT1"), _pair()))).as_numpy("OUTPUT0") \
         is not None
     assert f"model instance 'crashy_0': its stub {how}" in server.log()
+
+
+def test_a_stub_that_dies_while_idle_is_restarted_before_the_next_request(server):
+    """Killed between requests (as the OOM killer would): restarted at once, and the next request succeeds."""
+    first = _pid(server)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while "its stub was killed by SIGKILL" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "model instance 'crashy_0': its stub was killed by SIGKILL (signal 9); restarting it" in server.log()
+    assert _pid(server) != first
 
 
 def test_an_execution_past_its_timeout_kills_the_stub_and_the_next_one_runs(server):
