@@ -66,31 +66,28 @@ def build_engine(model: bytes, dim: int, batch: int) -> Any:
 
 def measure(engine: Any, budget: int, x: np.ndarray, iters: int) -> tuple[dict[str, Any], np.ndarray]:
     """One budget: a fresh context, eager + captured runs, then ``iters`` timed replays."""
-    from cuda.bindings import driver
-
-    from engine_core.cuda.driver import DeviceBuffer, check
+    from engine_core.cuda.driver import DeviceBuffer, EventTimer, Stream
 
     engine.weight_streaming_budget_v2 = budget
     plan = engine.weight_streaming_plan
     started = time.perf_counter()
     context = engine.create_execution_context()
     placed_s = time.perf_counter() - started
-    stream = int(check(driver.cuStreamCreate(1), "cuStreamCreate"))
+    owned_stream = Stream(non_blocking=True)
+    stream = owned_stream.handle
     dx, dy = DeviceBuffer.from_array(x), DeviceBuffer(x.nbytes)
     context.set_input_shape("x", x.shape)
     context.set_tensor_address("x", dx.ptr)
     context.set_tensor_address("y", dy.ptr)
-    start, stop = (check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+    timer = EventTimer(stream)
     for _ in range(2):  # eager, then captured into a CUDA graph (uploads included)
         assert context.execute_async_v3(stream)
-    check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    owned_stream.synchronize()
     times = []
     for _ in range(iters):
-        check(driver.cuEventRecord(start, stream), "cuEventRecord")
+        timer.start()
         assert context.execute_async_v3(stream)
-        check(driver.cuEventRecord(stop, stream), "cuEventRecord")
-        check(driver.cuEventSynchronize(stop), "cuEventSynchronize")
-        times.append(float(check(driver.cuEventElapsedTime(start, stop), "cuEventElapsedTime")))
+        times.append(timer.stop())
     out = dy.to_array(x.dtype, x.shape)
     ms = statistics.median(times)
     streamed = plan.streamed_bytes_per_run
@@ -98,25 +95,16 @@ def measure(engine: Any, budget: int, x: np.ndarray, iters: int) -> tuple[dict[s
            "scratch_bytes": plan.scratch_bytes, "median_ms": ms, "min_ms": min(times),
            "inferences_per_s": x.shape[0] * 1000.0 / ms, "upload_gb_per_s": streamed / ms / 1e6 if streamed else None,
            "context_setup_s": placed_s, "replayed": any(b.graphs for b in context._cuda._bindings.values())}
-    for event in (start, stop):
-        driver.cuEventDestroy(event)
-    driver.cuStreamDestroy(stream)
-    del context
+    del timer, owned_stream, context
     gc.collect()
     return row, out
 
 
 def device_info() -> dict[str, Any]:
-    from cuda.bindings import driver
+    from engine_core.cuda.driver import device_name, memory_info
 
-    from engine_core.cuda.driver import check, primary_context
-
-    primary_context()
-    device = check(driver.cuDeviceGet(0), "cuDeviceGet")
-    name = check(driver.cuDeviceGetName(256, device), "cuDeviceGetName")
-    free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
-    text = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
-    return {"name": text, "free_bytes": int(free), "total_bytes": int(total)}
+    free, total = memory_info()
+    return {"name": device_name(), "free_bytes": free, "total_bytes": total}
 
 
 def main(argv: list[str] | None = None) -> int:

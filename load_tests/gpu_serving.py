@@ -351,25 +351,17 @@ class _CudaClock:
     """A created stream and two CUDA events around the runs: device time, host enqueue gaps included."""
 
     def __init__(self) -> None:
-        from cuda.bindings import driver
+        from engine_core.cuda.driver import EventTimer, Stream
 
-        from engine_core.cuda.driver import check, primary_context
-
-        primary_context()
-        self._driver, self._check = driver, check
-        self._stream = check(driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
-        self.stream = int(self._stream)
-        self._start = check(driver.cuEventCreate(0), "cuEventCreate")
-        self._stop = check(driver.cuEventCreate(0), "cuEventCreate")
+        self._stream = Stream(non_blocking=True)
+        self.stream = self._stream.handle
+        self._timer = EventTimer(self.stream)
 
     def elapsed_s(self, run: Callable[[int], None], iterations: int) -> float:
-        d, check = self._driver, self._check
-        check(d.cuEventRecord(self._start, self._stream), "cuEventRecord")
+        self._timer.start()
         for _ in range(iterations):
             run(self.stream)
-        check(d.cuEventRecord(self._stop, self._stream), "cuEventRecord")
-        check(d.cuEventSynchronize(self._stop), "cuEventSynchronize")
-        return float(check(d.cuEventElapsedTime(self._start, self._stop), "cuEventElapsedTime")) / 1e3
+        return self._timer.stop() / 1e3
 
 
 class _Buffers:
