@@ -22,7 +22,8 @@ from engine_core.types import np_to_onnx
 def chain_ops() -> tuple[frozenset[str], int]:
     """(ops a chain may contain, most inputs of one chain): what the CUDA backend generates code for.
 
-    Imported on first use, so importing the passes does not load the CUDA backend.
+    Imported on first use, so importing the passes does not load the CUDA backend. A pass importing a backend
+    goes up the layers: tools/import_graph.py allows this one (UPWARD), since the op set is the generator's own.
     """
     from engine_core.backends.cuda.pointwise import MAX_INPUTS, POINTWISE_OPS
 
