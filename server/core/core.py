@@ -11,41 +11,34 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc
+from . import cuda_ipc, request_io
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
 from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
-from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented
+from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented, unknown_model
 from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
 from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config_json, parse_config_text
 from .python_model import load_python_versions, python_stubs_stopped, runs_python
-from .response_cache import CacheConfig, InsertResult, Lookup, ResponseCache
+from .response_cache import CacheConfig, Lookup, make_cache, store_outputs
 from .scheduler import Job
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
 from .shared_memory import SharedMemory
 from .statistics import ExecutionTimes
-from .tensors import from_raw, raw_size, to_raw
 from .types import (
-    InferInput,
-    InferOutput,
     InferRequest,
     InferResponse,
     RequestedOutput,
     datatype_of_numpy,
-    numpy_dtype,
 )
 
 log = logging.getLogger("kiln.server")
@@ -122,7 +115,7 @@ class ServerCore:
         self.logging = LogSettings(options.log_verbose, options.log_file, options.log_format)
         self.trace = TraceSettings()
         self.config_fields = ConfigFieldCheck(options.lenient_config)
-        self.response_cache = _make_cache(options.response_cache)
+        self.response_cache = make_cache(options.response_cache)
         self._startup: list[asyncio.Task] = []
         self._startup_names: list[str] = []
         self._started = False
@@ -315,7 +308,7 @@ class ServerCore:
         memory."""
         if isinstance(model, ModelVersion):  # a Python model (python_model.py) has no plan to fit to traffic
             model.traffic.record(inputs)  # a group once: its members' shapes are alike
-        destinations = self._output_views(model, requested, inputs)
+        destinations = request_io.output_views(self.system_shm, model, requested, inputs)
         return Job(inputs, batch, parameters=request.parameters, destinations=destinations, request_id=request.id,
                    outputs=tuple(o.name for o in requested)), destinations
 
@@ -326,13 +319,13 @@ class ServerCore:
         arrays = {}
         datatypes = {}
         if request.raw_input is not None:
-            request.inputs = [self._raw_input(model, request.raw_input)]
+            request.inputs = [request_io.raw_input(model, request.raw_input)]
         for tensor in request.inputs:
             if tensor.name in arrays:  # Triton (core/src/infer_request.cc AddOriginalInput) says exactly this
                 raise invalid(f"input '{tensor.name}' already exists in request (given more than once)")
-            arrays[tensor.name] = self._input_array(tensor, model)
+            arrays[tensor.name] = request_io.input_array(self.system_shm, tensor, model)
             datatypes[tensor.name] = tensor.datatype
-        _check_unique_outputs(request.outputs)
+        request_io.check_unique_outputs(request.outputs)
         requested = request.outputs or [RequestedOutput(name) for name in model.outputs]
         model.check_outputs([o.name for o in requested])
         inputs, batch = model.check_inputs(arrays, datatypes)
@@ -378,7 +371,7 @@ class ServerCore:
                 trace.mark("COMPUTE_END")
             t0 = time.perf_counter_ns()
             times.compute_infer_ns = t0 - started - times.compute_input_ns
-            outputs = [self._output(model, o, arrays[o.name]) for o in requested]
+            outputs = [request_io.output(self.system_shm, model, o, arrays[o.name]) for o in requested]
             times.compute_output_ns = time.perf_counter_ns() - t0
         except Exception as e:  # noqa: BLE001 - the caller hears it
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
@@ -404,7 +397,7 @@ class ServerCore:
             try:
                 result = done.result()
             except Exception as e:  # noqa: BLE001 - the engine refusing the request's data is the client's error
-                raise _execution_error(model, e) from None
+                raise request_io.execution_error(model, e) from None
             if trace:
                 trace.mark("COMPUTE_END")
                 times = result.times
@@ -414,8 +407,8 @@ class ServerCore:
                                                                 result.outputs[o.name])
                                                                for o in requested if o.name in result.outputs])
             t0 = time.perf_counter_ns()
-            outputs = [self._output_on_device(o, destinations[o.name]) if o.name in destinations
-                       else self._output(model, o, result.outputs[o.name]) for o in requested]
+            outputs = [request_io.output_on_device(o, destinations[o.name]) if o.name in destinations
+                       else request_io.output(self.system_shm, model, o, result.outputs[o.name]) for o in requested]
             result.times.compute_output_ns = time.perf_counter_ns() - t0
         except Exception as e:  # noqa: BLE001 - the caller hears it
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
@@ -440,16 +433,11 @@ class ServerCore:
         tensor is in CUDA shared memory (Triton caches host memory only), the request is a step of a sequence (an
         ensemble with a stateful step: its answer depends on more than its inputs), or a frontend's group (its
         members go one by one for cached models: `submit_infer_group`)."""
-        if (requests != 1 or not self.caches_responses(model) or self._uses_device_memory(request, requested)
+        if (requests != 1 or not self.caches_responses(model) or request_io.uses_cuda_memory(self.system_shm, request, requested)
                 or any(request.parameters.get(p) for p in SEQUENCE_PARAMETERS)):
             return None
         return self.response_cache.lookup(model.name, model.version, inputs,  # type: ignore[union-attr]
                                           [o.name for o in requested])
-
-    def _uses_device_memory(self, request: InferRequest, requested: list[RequestedOutput]) -> bool:
-        tensors = [*(t.parameters for t in request.inputs), *(o.parameters for o in requested)]
-        return any(self.system_shm.is_cuda(str(p["shared_memory_region"]))
-                   for p in tensors if "shared_memory_region" in p)
 
     def _answer_cached(self, model: ServedModel, request: InferRequest, requested: list[RequestedOutput],
                        cached: Lookup, trace, started: int, reply: Answer) -> None:
@@ -457,7 +445,7 @@ class ServerCore:
         and answered without running the model; statistics as Triton counts a hit (success, queue, cache_hit;
         no inference or execution)."""
         try:
-            outputs = [self._output(model, o, cached.outputs[o.name]) for o in requested]  # type: ignore[index]
+            outputs = [request_io.output(self.system_shm, model, o, cached.outputs[o.name]) for o in requested]  # type: ignore[index]
         except Exception as e:  # noqa: BLE001 - the caller hears it
             model.statistics.record_failure(time.perf_counter_ns() - started)
             reply(None, e)
@@ -470,140 +458,15 @@ class ServerCore:
 
     def _store(self, model: ServedModel, cached: Lookup | None, arrays: dict[str, Any],
                requested: list[RequestedOutput]) -> None:
-        """After a miss, the model's outputs go into the cache; the miss is counted with the time of the lookup
-        and the insertion, unless another request stored the same key first (Triton's ALREADY_EXISTS)."""
+        """After a miss: the outputs go into the cache (`store_outputs`), unless the model was reloaded meanwhile."""
         entry = self.models.get(model.name)
-        if (cached is None or entry is None or entry.versions.get(model.version) is not model  # reloaded meanwhile
-                or any(not isinstance(arrays.get(o.name), np.ndarray) for o in requested)):
-            return
-        t0 = time.perf_counter_ns()
-        stored = self.response_cache.insert(cached.key, {o.name: arrays[o.name] for o in requested},  # type: ignore[union-attr]
-                                            model.name)
-        if stored != InsertResult.EXISTS:
-            model.statistics.record_cache_miss(cached.lookup_ns + time.perf_counter_ns() - t0)
+        if cached is not None and entry is not None and entry.versions.get(model.version) is model:  # not reloaded
+            store_outputs(self.response_cache, model, cached, arrays, [o.name for o in requested])  # type: ignore[arg-type]
 
     def _forget_responses(self, name: str) -> None:
         """A model loaded again (maybe from other files) or unloaded: its cached responses go."""
         if self.response_cache is not None:
             self.response_cache.forget(name)
-
-    @staticmethod
-    def _raw_input(model: ServedModel, data: bytes | memoryview) -> InferInput:
-        """The one input of Triton's raw binary request (HTTP `Inference-Header-Content-Length: 0`), its name,
-        datatype and shape taken from the model: batch 1 when the model batches, the one variable dim (if any)
-        from the byte count, a BYTES input must have shape [1] and gets the whole body as its element.
-        Triton's rules and texts: core/src/infer_request.cc InferenceRequest::Normalize."""
-        if len(model.inputs) != 1:
-            raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got {len(model.inputs)} "
-                          f"inputs in '{model.name}' model configuration")
-        spec = next(iter(model.inputs.values()))
-        dims = list(spec.dims)
-        if dims.count(-1) > 1:
-            raise invalid(f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
-                          "than one variable-sized dimension")
-        batch = [1] if model.max_batch_size > 0 else []
-        if spec.datatype == "BYTES":
-            if dims.count(-1) or math.prod(dims) != 1:
-                raise invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
-            array = np.empty(1, dtype=np.object_)
-            array[0] = bytes(data)
-            shape = tuple(batch + dims)
-            return InferInput(spec.name, spec.datatype, shape, array.reshape(shape))
-        if -1 in dims:
-            per_step = math.prod(d for d in dims if d != -1) * numpy_dtype(spec.datatype).itemsize
-            dims[dims.index(-1)] = len(data) // per_step if per_step else 0
-        shape = tuple(batch + dims)
-        return InferInput(spec.name, spec.datatype, shape, from_raw(data, spec.datatype, shape))
-
-    def _input_array(self, tensor: InferInput, model: ServedModel) -> np.ndarray | kiln.DeviceView:
-        """The input's data, read from its shared-memory region when it names one; shape checked. An input in
-        CUDA shared memory for a CUDA model that batches stays where it is: the engine reads it on the device."""
-        region = tensor.parameters.get("shared_memory_region")
-        if region is not None:
-            if tensor.data is not None:
-                raise invalid(f"input '{tensor.name}' has both data and a shared memory region")
-            offset = int(tensor.parameters.get("shared_memory_offset", 0))
-            size = tensor.parameters.get("shared_memory_byte_size")
-            if size is None:
-                raise invalid(f"input '{tensor.name}': shared_memory_byte_size is required with a region")
-            if _device_io(model) and tensor.datatype != "BYTES":
-                dtype = numpy_dtype(tensor.datatype)
-                if int(np.prod(tensor.shape, dtype=np.int64)) * dtype.itemsize != int(size):
-                    raise invalid(f"input '{tensor.name}': shared_memory_byte_size {size} does not match shape "
-                                  f"{list(tensor.shape)} of {tensor.datatype}")
-                view = self.system_shm.device_view(str(region), offset, int(size), tensor.shape, dtype)
-                if view is not None:
-                    return view
-            raw = self.system_shm.read(str(region), offset, int(size))
-            return from_raw(raw, tensor.datatype, tensor.shape)
-        if tensor.data is None:
-            raise invalid(f"input '{tensor.name}' has no data")
-        numpy_dtype(tensor.datatype)
-        if tuple(tensor.data.shape) != tuple(tensor.shape):
-            raise invalid(f"input '{tensor.name}': data has {tensor.data.size} elements, shape "
-                          f"{list(tensor.shape)} needs {int(np.prod(tensor.shape, dtype=np.int64))}")
-        return tensor.data
-
-    def _output_views(self, model: ModelVersion, requested: list[RequestedOutput],
-                      inputs: dict[str, Any]) -> dict[str, kiln.DeviceView]:
-        """Outputs the engine can write straight into the client's CUDA shared memory: a CUDA model that batches,
-        a CUDA region, no classification, and the engine's own dtype and shape (no conversion or reshape)."""
-        if not _device_io(model):
-            return {}
-        views: dict[str, kiln.DeviceView] = {}
-        shapes = None
-        for output in requested:
-            params, spec = output.parameters, model.outputs[output.name]
-            region = params.get("shared_memory_region")
-            if region is None or params.get("classification") not in (None, False) or spec.model_dims != spec.dims:
-                continue
-            dtype = numpy_dtype(spec.datatype)
-            if spec.datatype == "BYTES" or model.engine_output_dtype(output.name) != dtype:
-                continue
-            if shapes is None:
-                shapes = model.output_shapes({name: tuple(a.shape) for name, a in inputs.items()})
-            if shapes is None:
-                return {}  # shapes the engine cannot tell before running: the host path writes them afterwards
-            size = params.get("shared_memory_byte_size")
-            if size is None:
-                raise invalid(f"output '{output.name}': shared_memory_byte_size is required with a region")
-            shape = shapes[output.name]
-            needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if needed > int(size):
-                raise invalid(f"shared memory size specified with the request for output '{output.name}' "
-                              f"({size} bytes) should be at least {needed} bytes to hold the results")
-            view = self.system_shm.device_view(str(region), int(params.get("shared_memory_offset", 0)), int(size),
-                                               shape, dtype)
-            if view is not None:
-                views[output.name] = view
-        return views
-
-    def _output_on_device(self, requested: RequestedOutput, view: kiln.DeviceView) -> InferOutput:
-        """An output the engine already wrote into CUDA shared memory: only its description goes back."""
-        params = dict(requested.parameters)
-        params["shared_memory_byte_size"] = view.nbytes
-        return InferOutput(requested.name, datatype_of_numpy(view.dtype), view.shape, None, params)
-
-    def _output(self, model: ServedModel, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
-        """One output: converted to the config's datatype, classified if asked, written to shm if asked."""
-        params = dict(requested.parameters)
-        array = model.shape_output(requested.name, array)
-        datatype = model.outputs[requested.name].datatype
-        k = params.pop("classification", None)
-        if k is not None and k is not False:
-            array = model.classify(requested.name, array, _int_param(k, "classification"))
-            datatype = "BYTES"
-        region = params.get("shared_memory_region")
-        if region is not None:
-            offset = int(params.get("shared_memory_offset", 0))
-            size = params.get("shared_memory_byte_size")
-            if size is None:
-                raise invalid(f"output '{requested.name}': shared_memory_byte_size is required with a region")
-            data = to_raw(array, datatype)
-            self.system_shm.write(str(region), offset, int(size), data)
-            params["shared_memory_byte_size"] = raw_size(array, datatype)
-            return InferOutput(requested.name, datatype, tuple(array.shape), None, params)
-        return InferOutput(requested.name, datatype, tuple(array.shape), array, params)
 
     # -- repository -----------------------------------------------------------------------------------------
     async def repository_index(self, ready: bool = False) -> list[dict[str, Any]]:
@@ -930,51 +793,3 @@ class ServerCore:
         if updates:
             return self.logging.update(updates)
         return self.logging.current()
-
-
-def _make_cache(config: CacheConfig | None) -> ResponseCache | None:
-    if config is None:
-        return None
-    log.info("Response Cache is created with size %d (--cache-config %s,size=%d)", config.size, config.name,
-             config.size)
-    return ResponseCache(config.size)
-
-
-def _execution_error(model: ModelVersion, error: Exception) -> Exception:
-    """What the caller hears for `error`: server errors as they are; the engine refusing the request's data as
-    INVALID_ARGUMENT naming the model; anything else unchanged (an internal error)."""
-    if isinstance(error, (kiln.KilnError, TypeError, ValueError)):
-        return invalid(f"inference failed for model '{model.name}': {error}")
-    return error
-
-
-def _device_io(model: ServedModel) -> bool:
-    """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
-    models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch).
-    Ensembles and sequence models (whose batcher stacks rows with their controls and state) read and write them
-    through the host for now."""
-    return (isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
-            and model.sequence is None)
-
-
-def unknown_model(name: str) -> str:
-    """Triton's text for a model the server does not know (model_repository_manager.cc FindModelIdentifier)."""
-    return f"Request for unknown model: '{name}' is not found"
-
-
-def _check_unique_outputs(outputs: list[RequestedOutput]) -> None:
-    """An output asked for twice is refused, as Triton does (core/src/infer_request.cc AddOriginalRequestedOutput)."""
-    seen: set[str] = set()
-    for output in outputs:
-        if output.name in seen:
-            raise invalid(f"output '{output.name}' already exists in request")
-        seen.add(output.name)
-
-
-def _int_param(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise invalid(f"parameter '{name}' must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except ValueError:
-        raise invalid(f"parameter '{name}' must be an integer, got {value!r}") from None

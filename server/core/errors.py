@@ -55,3 +55,8 @@ def unavailable(message: str) -> ServerError:
 
 def unimplemented(message: str) -> ServerError:
     return ServerError(ErrorKind.UNIMPLEMENTED, message)
+
+
+def unknown_model(name: str) -> str:
+    """Triton's text for a model the server does not know (model_repository_manager.cc FindModelIdentifier)."""
+    return f"Request for unknown model: '{name}' is not found"

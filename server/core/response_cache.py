@@ -230,6 +230,27 @@ class ResponseCache:
                     "not cached (a larger --cache-config local,size=<bytes> would hold it)", model, nbytes, self.size)
 
 
+def make_cache(config: CacheConfig | None) -> ResponseCache | None:
+    """The server's cache for `--cache-config` (None: no cache)."""
+    if config is None:
+        return None
+    log.info("Response Cache is created with size %d (--cache-config %s,size=%d)", config.size, config.name,
+             config.size)
+    return ResponseCache(config.size)
+
+
+def store_outputs(cache: ResponseCache, model: Any, cached: Lookup, arrays: Mapping[str, Any],
+                  names: list[str]) -> None:
+    """After a miss, `model`'s outputs go into the cache; the miss is counted with the time of the lookup and the
+    insertion, unless another request stored the same key first (Triton's ALREADY_EXISTS). Outputs that are not
+    host arrays (left in device memory) are not stored."""
+    if any(not isinstance(arrays.get(name), np.ndarray) for name in names):
+        return
+    started = time.perf_counter_ns()
+    if cache.insert(cached.key, {name: arrays[name] for name in names}, model.name) != InsertResult.EXISTS:
+        model.statistics.record_cache_miss(cached.lookup_ns + time.perf_counter_ns() - started)
+
+
 def _frozen_copy(array: np.ndarray) -> np.ndarray:
     """A C-contiguous copy that owns its data (not a view keeping a batch's whole output alive), read-only."""
     copy = np.array(array, copy=True, order="C")
