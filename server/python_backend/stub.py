@@ -7,6 +7,8 @@ The server (server/core/python_stub.py) starts one per model instance with one e
 does, make the instance, call `initialize(args)`), EXECUTE (a batch of requests -> one `execute()` call ->
 one response per request), FINALIZE. Calls run one at a time on the main thread; a reader thread takes the server's
 messages, so BLS replies reach a model that waits for them in `exec()` or awaits them in `async def execute`.
+A decoupled model's execute() returns None; its response senders send each response to the server at once, from
+whatever thread the model sends it (RESPONSE messages), before or after execute() returns.
 When the server goes away (the socket closes) the process exits.
 
 Only the standard library and numpy: the interpreter may be a model's own environment (EXECUTION_ENV_PATH).
@@ -56,6 +58,7 @@ class StubRuntime:
         self._ids = itertools.count(1)
         self._waiting: dict[int, Any] = {}  # our BLS calls: call id -> callable taking (value, error)
         self._waiting_lock = threading.Lock()
+        self._cancelled: set[int] = set()  # decoupled requests whose client gave up (CANCEL from the server)
 
     # -- the connection -------------------------------------------------------------------------------------------
     def send(self, message: Any) -> None:
@@ -70,7 +73,9 @@ class StubRuntime:
             if message is None:
                 os._exit(0)
             kind, call_id, body = message
-            if kind == self.wire.REPLY:
+            if kind == self.wire.CANCEL:
+                self._cancelled.add(call_id)
+            elif kind == self.wire.REPLY:
                 with self._waiting_lock:
                     deliver = self._waiting.pop(call_id, None)
                 if deliver is not None:
@@ -106,6 +111,16 @@ class StubRuntime:
 
     def log(self, level: int, message: str) -> None:
         self.send((self.wire.LOG, 0, (level, message)))
+
+    def send_response(self, stream: int, response: Any, flags: int, requested: list[str]) -> None:
+        """A decoupled request's response (or bare final flag), sent now from the caller's thread."""
+        result = None if response is None else _result(self.pb_utils, requested, response)
+        self.send((self.wire.RESPONSE, stream, (result, flags)))
+        if flags & self.wire.FINAL:
+            self._cancelled.discard(stream)
+
+    def is_cancelled(self, stream: int) -> bool:
+        return stream in self._cancelled
 
     def _call_server(self, request: Any, deliver: Any) -> None:
         call_id = next(self._ids)
@@ -177,11 +192,13 @@ class ModelHost:
         if hasattr(self.instance, "initialize"):
             self.instance.initialize(body["args"])
 
-    def execute(self, requests: list[dict]) -> list[dict]:
+    def execute(self, requests: list[dict]) -> list[dict] | None:
         """One execute() call for the batch; per request its outputs (only the requested ones, as Triton prunes
         them) or its response's error. An exception fails the whole batch (the caller answers it)."""
         pb = self.pb_utils
         batch = [_request(pb, self.name, body) for body in requests]
+        if any("stream" in body for body in requests):
+            return self._execute_decoupled(batch)
         returned = self.instance.execute(batch)
         if asyncio.iscoroutine(returned):
             returned = asyncio.run_coroutine_threadsafe(returned, self._event_loop()).result()
@@ -192,7 +209,24 @@ class ModelHost:
             raise pb.TritonModelException("Number of InferenceResponse objects do not match the number of "
                                           f"InferenceRequest objects. InferenceRequest(s) size is:{len(batch)}, and "
                                           f"InferenceResponse(s) size is:{len(returned)}\n")
-        return [_result(pb, request, response) for request, response in zip(batch, returned)]
+        return [_result(pb, request.requested_output_names(), response) for request, response in zip(batch, returned)]
+
+    def _execute_decoupled(self, batch: list[Any]) -> None:
+        """execute() of a decoupled model: it must return None (an `async def` one runs on in the background, as in
+        Triton). When it raises, every sender is closed: the server fails the requests not yet finished."""
+        pb = self.pb_utils
+        try:
+            returned = self.instance.execute(batch)
+            if asyncio.iscoroutine(returned):
+                asyncio.run_coroutine_threadsafe(returned, self._event_loop())
+            elif returned is not None:
+                raise pb.TritonModelException(f"Python model '{self.name}' is using the decoupled mode and the "
+                                              "execute function must return None.")
+        except BaseException:
+            for request in batch:
+                request.get_response_sender()._close()
+            raise
+        return None
 
     def finalize(self) -> None:
         if self._loop is not None:
@@ -216,10 +250,12 @@ def _request(pb: ModuleType, model_name: str, body: dict) -> Any:
         requested_output_names=body["outputs"], model_name=model_name, model_version=body["model_version"],
         flags=body["flags"])
     request._parameters = body["parameters"]  # the client's JSON as it came (any value types)
+    if "stream" in body:  # a decoupled model's request
+        request._response_sender = pb.InferenceResponseSender(body["stream"], body["outputs"])
     return request
 
 
-def _result(pb: ModuleType, request: Any, response: Any) -> dict:
+def _result(pb: ModuleType, requested: list[str], response: Any) -> dict:
     if response is None:
         raise pb.TritonModelException("Expected an 'InferenceResponse' object in the execute function return list, "
                                       "found type '<class 'NoneType'>' (Kiln answers every request)")
@@ -229,7 +265,7 @@ def _result(pb: ModuleType, request: Any, response: Any) -> dict:
     if response.has_error():
         error = response.error()
         return {"error": (pb._CODE_NAMES.get(error.code(), "INTERNAL"), error.message())}
-    wanted = set(request.requested_output_names())
+    wanted = set(requested)
     return {"outputs": [(t.name(), _wire_array(t.as_numpy())) for t in response.output_tensors()
                         if t.name() in wanted]}
 

@@ -4,8 +4,9 @@ pb_utils`), with Triton's names, signatures and messages, for Kiln's stub (serve
 In Triton part of this module is Python (the helpers and `ModelConfig`) and part comes from its C++ stub (`Tensor`,
 `InferenceRequest`, `InferenceResponse`, `TritonError`, `TritonModelException`, `Logger`, ...). Here all of it is
 Python, and tensors are numpy arrays in host memory. What needs the server (BLS `exec`/`async_exec`, logging,
-`get_model_dir`) goes through the stub that runs the model (`_runtime`). Not supported yet, and said so when used:
-decoupled models (response senders, `exec(decoupled=True)`), GPU tensors, custom metrics (`MetricFamily`),
+`get_model_dir`, a decoupled model's response senders) goes through the stub that runs the model (`_runtime`). Not
+supported yet, and said so when used: `exec(decoupled=True)`, response senders of models that are not decoupled,
+GPU tensors, custom metrics (`MetricFamily`),
 model control from a model (`load_model`, `unload_model`, `is_model_ready`), request rescheduling.
 """
 
@@ -60,6 +61,11 @@ class _Runtime(Protocol):
     def async_exec(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
 
     def log(self, level: int, message: str) -> None: ...
+
+    def send_response(self, stream: int, response: InferenceResponse | None, flags: int,
+                      requested: list[str]) -> None: ...
+
+    def is_cancelled(self, stream: int) -> bool: ...
 
 
 #: set by the stub before model.py is imported; None when the module is used outside a stub
@@ -243,6 +249,7 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
         self._trace = trace or InferenceTrace()
         self._parameters = _parameters_json(parameters or {})
+        self._response_sender: InferenceResponseSender | None = None  # set by the stub for a decoupled model
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -273,10 +280,14 @@ class InferenceRequest:
         return self._requested_output_names
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client gave up on this request (decoupled models only; always False otherwise)."""
+        return self._response_sender is not None and self._response_sender.is_cancelled()
 
-    def get_response_sender(self) -> Any:
-        raise _unsupported("decoupled mode (get_response_sender)")
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender of this request's responses (a decoupled model's; every call returns the same one)."""
+        if self._response_sender is None:
+            raise _unsupported("a response sender for a model that is not decoupled (get_response_sender)")
+        return self._response_sender
 
     def set_release_flags(self, flags: int) -> None:
         raise _unsupported("request rescheduling (set_release_flags)")
@@ -326,6 +337,40 @@ class InferenceResponse:
         if self._error is not None:
             return f"InferenceResponse(error={self._error!r})"
         return f"InferenceResponse(output_tensors={[t.name() for t in self._output_tensors]})"
+
+
+class InferenceResponseSender:
+    """Sends a decoupled request's responses, any number of them, from any thread, each to the client as it is
+    sent; the one with `flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL` (with or without a response) ends the request,
+    and the sender is closed after it (Triton's text when used again)."""
+
+    def __init__(self, stream: int, requested_output_names: list[str]) -> None:
+        self._stream = stream
+        self._requested = requested_output_names
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Triton's checks and texts: flags 0 or final, a response with flags 0, nothing after the final one."""
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException("Inference Response object must be provided when the response flags is set "
+                                       "to zero.")
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TypeError(f"send(): response must be a pb_utils.InferenceResponse, got {type(response).__name__}")
+        if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self._closed = True
+        _stub().send_response(self._stream, response, int(flags), self._requested)
+
+    def is_cancelled(self) -> bool:
+        """Whether the client gave up on the request (its stream or connection closed): stop sending."""
+        return _runtime is not None and _runtime.is_cancelled(self._stream)
+
+    def _close(self) -> None:
+        """The request failed (execute() raised): nothing more may be sent, as in Triton."""
+        self._closed = True
 
 
 def _tensors(tensors: Iterable[Any], what: str) -> list[Tensor]:

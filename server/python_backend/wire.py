@@ -9,6 +9,11 @@ A message is `(kind, call_id, body)`. The server calls the stub with AUTO_COMPLE
 FINALIZE; the stub calls the server with INFER (a BLS request); either side answers a call with
 `(REPLY, call_id, (value, error))`, where error is None or `(code, message)` with a TritonError code name
 ("INTERNAL", "INVALID_ARG", ...). LOG `(level, text)` needs no answer.
+
+Decoupled models: each request of an EXECUTE call carries a `stream` id; the stub sends its responses as they are
+sent, from any thread, as `(RESPONSE, stream, (result, flags))` (result None for a bare final flag, else
+`{"outputs": [...]}` or `{"error": (code, message)}`; flags 1 = final), and the server tells the stub that a
+stream's client went away with `(CANCEL, stream, None)` (the sender's `is_cancelled()`). Neither is answered.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ FINALIZE = "finalize"
 INFER = "infer"
 LOG = "log"
 REPLY = "reply"
+RESPONSE = "response"
+CANCEL = "cancel"
+FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 _HEAD = struct.Struct("!II")
 
