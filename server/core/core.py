@@ -18,7 +18,7 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, request_io
+from . import cuda_ipc, decoupled, request_io
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
@@ -252,8 +252,8 @@ class ServerCore:
         (creation, scheduling, two steps) was a large share of its time per request (docs/performance.md).
         `requests`: how many client requests this one stands for (a frontend's group), for the statistics."""
         started = time.perf_counter_ns()
-        try:
-            model = self._version(request.model_name, request.model_version)
+        try:  # a decoupled model's requests take submit_stream: one response per call is refused (decoupled.py)
+            model = decoupled.single_response(self._version(request.model_name, request.model_version))
         except ServerError as e:
             reply(None, e)
             return None
@@ -283,6 +283,10 @@ class ServerCore:
         future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size, requested,
                                                            destinations, trace, started, reply, requests, cached))
         return future
+
+    def submit_stream(self, request: InferRequest, on_part: decoupled.OnPart) -> Any:
+        """A request answered by zero or more responses, then a final flag (decoupled.py): gRPC and HTTP streams."""
+        return decoupled.submit_stream(self, request, on_part)
 
     def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer) -> list[asyncio.Future]:
         """Start a frontend's group of alike requests (server/core/grouping.py): `request` holds their inputs

@@ -14,6 +14,11 @@ each batch's jobs as they are to `PythonVersion._execute_jobs`: one EXECUTE call
 stub, one response per request (a response may fail its own request). Without `dynamic_batching` every batch is one
 request, as Triton runs them. A batch whose execute() raises fails its requests with the model's message; a stub that
 dies fails the requests it was running, with how it ended, and is restarted (`Instance`); the others serve on.
+
+A decoupled model (`model_transaction_policy { decoupled: true }`) answers through each request's response sender
+instead: every request of an EXECUTE call gets a stream on the stub, whose responses go to the job's
+`ResponseStream` as the model sends them, also after execute() returned (the batch's job is done then, and the
+instance takes the next batch, as in Triton).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from .model_config import (
     config_to_dict,
     parse_config_json,
 )
-from .python_stub import BlsRunner, Stub, StubCallError, StubFailure, StubLaunch, server_python
+from .python_stub import BlsRunner, StreamSink, Stub, StubCallError, StubFailure, StubLaunch, server_python
 from .scheduler import Job, JobResult, Workers
 from .statistics import ExecutionTimes
 from .types import datatype_of_numpy
@@ -108,6 +113,8 @@ def complete_python_config(config: ModelConfig, name: str) -> ModelConfig:
         if key in config.parameters:
             raise invalid(f"model '{name}': parameter {key} is about the plan Kiln builds for an ONNX model; a Python "
                           "model has none. Remove it")
+    if config.model_transaction_policy.decoupled and config.model_warmup:
+        raise invalid(f"model '{name}': Kiln does not yet warm up decoupled models. Remove model_warmup")
     found = refusals(config)  # auto_complete_config may have set what the table refuses (e.g. decoupled)
     if found:
         raise invalid(f"model '{name}': " + "; ".join(r.describe() for r in found))
@@ -213,10 +220,25 @@ class Instance:
         log.info("model instance '%s': stub restarted (pid %s; restart %d)", self.label,
                  self._stub.pid if self._stub else "?", self.restarts)
 
-    async def execute(self, requests: list[dict]) -> list[dict]:
-        """One EXECUTE call; StubFailure when the stub dies or is killed meanwhile (`_stub_exited` restarts it)."""
+    async def execute(self, requests: list[dict], sinks: list[StreamSink] | None = None) -> list[dict]:
+        """One EXECUTE call; StubFailure when the stub dies or is killed meanwhile (`_stub_exited` restarts it).
+        With `sinks` (a decoupled model) each request gets a stream whose responses go to its sink; when the call
+        fails, its streams end here quietly (the batch's error answers them)."""
         stub = await self.ready()
-        return await stub.call(wire.EXECUTE, requests, self.timeout_s)
+        streams = [stub.open_stream(sink) for sink in sinks or ()]
+        for body, stream in zip(requests, streams):
+            body["stream"] = stream
+        try:
+            return await stub.call(wire.EXECUTE, requests, self.timeout_s)
+        except BaseException:
+            for stream in streams:
+                stub.close_stream(stream, notify=False)
+            raise
+
+    def cancel(self, stream: int) -> None:
+        """A decoupled request's client gave up: the model's sender tells it."""
+        if self._stub is not None:
+            self._stub.cancel_stream(stream)
 
     def _restarted(self, done: asyncio.Future) -> None:
         """A background restart's failure is logged here (the next request retries it and hears the reason)."""
@@ -251,6 +273,7 @@ class PythonVersion(ServedModel):
                  instances: list[Instance]) -> None:
         super().__init__(name, version, config, labels)
         self.instances = instances
+        self.decoupled = config.model_transaction_policy.decoupled
         self._loop = asyncio.get_running_loop()
         if config.HasField("dynamic_batching") and config.max_batch_size > 0:
             settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, name)
@@ -283,8 +306,9 @@ class PythonVersion(ServedModel):
         raised: a failure answers the batch's requests (the stub restarts itself), so the worker serves on."""
         bodies = [self.request_body(job) for job in jobs]
         prefix = f"Failed to process the request(s) for model instance '{instance.label}', message: "
+        sinks = [self._sink(instance, body, job) for body, job in zip(bodies, jobs)] if self.decoupled else None
         try:
-            results = asyncio.run_coroutine_threadsafe(instance.execute(bodies), self._loop).result()
+            results = asyncio.run_coroutine_threadsafe(instance.execute(bodies, sinks), self._loop).result()
         except StubCallError as e:  # execute() raised: every request of the batch fails with its message
             return [e.as_server_error(prefix) for _ in jobs]
         except StubFailure as e:
@@ -296,15 +320,35 @@ class PythonVersion(ServedModel):
                     for _ in jobs]
         except Exception as e:  # noqa: BLE001 - e.g. the event loop closing under a stopping server
             return [ServerError(ErrorKind.INTERNAL, f"{prefix}{type(e).__name__}: {e}") for _ in jobs]
+        if self.decoupled:  # execute() returned: the responses come (or came) through the jobs' streams
+            return [{} for _ in jobs]
         return [self._outputs(job, result) for job, result in zip(jobs, results)]
 
-    def _outputs(self, job: Job, result: dict) -> dict[str, np.ndarray] | BaseException:
-        """One response: its error, or the outputs the request asked for, each of the config's data type."""
+    def _sink(self, instance: Instance, body: dict, job: Job) -> StreamSink:
+        """Where the stub's responses to a decoupled request go: checked like any response, to the job's stream."""
+        stream = job.responses
+        assert stream is not None, "a decoupled model's job comes with its ResponseStream"
+        stream.on_cancel = lambda: instance.cancel(body["stream"])
+
+        def deliver(result: dict | None, final: bool) -> None:
+            outcome = None if result is None else self._outputs(job, result, partial=True)
+            if isinstance(outcome, BaseException):
+                stream.deliver(None, outcome, final)
+            else:
+                stream.deliver(outcome, None, final)
+
+        return deliver
+
+    def _outputs(self, job: Job, result: dict, partial: bool = False) -> dict[str, np.ndarray] | BaseException:
+        """One response: its error, or the outputs the request asked for, each of the config's data type. A
+        decoupled model's response (`partial`) may carry some of them only."""
         if "error" in result:
             return StubCallError(*result["error"]).as_server_error()
         returned = dict(result["outputs"])
         outputs = {}
         for name in job.outputs or self.outputs:
+            if partial and name not in returned:
+                continue
             if name not in returned:
                 return ServerError(ErrorKind.INTERNAL, f"model '{self.name}': execute() returned no output '{name}' "
                                                        f"for a request that asked for it (returned: {sorted(returned)})")

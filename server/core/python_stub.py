@@ -9,7 +9,8 @@ server's) with one end of a socket pair; messages are server/python_backend/wire
 as an ensemble's steps do) and its response goes back on the same connection.
 
 The process exiting is the one sign of death (`_watch`): its pending calls fail with `StubFailure`, naming how it
-ended. Who restarts it is the caller's choice (python_model.Instance restarts it).
+ended, and so do its open streams (a decoupled model's requests still sending). Who restarts it is the caller's
+choice (python_model.Instance restarts it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ STUB_SCRIPT = Path(wire.__file__).resolve().parent / "stub.py"
 
 #: how a BLS request runs: the core's inference entry point (ServerCore.infer)
 BlsRunner = Callable[[InferRequest], Awaitable[InferResponse]]
+#: where a decoupled request's responses go, on the event loop: (result, final) with result None for a bare final
+#: flag, else the stub's `{"outputs": ...}` or `{"error": (code, message)}`
+StreamSink = Callable[[dict | None, bool], None]
 
 # TritonError code names (pb_utils) <-> the core's error kinds
 _KIND_OF_CODE = {"UNKNOWN": ErrorKind.INTERNAL, "INTERNAL": ErrorKind.INTERNAL, "NOT_FOUND": ErrorKind.NOT_FOUND,
@@ -92,6 +96,7 @@ class Stub:
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._bls: set[asyncio.Future] = set()
+        self._streams: dict[int, StreamSink] = {}  # decoupled requests sent to the stub and not yet final
         self._ended: asyncio.Future | None = None  # the process's exit description, once it exited
         self._killed = False
         self.exit_reason = ""
@@ -145,6 +150,8 @@ class Stub:
             if not future.done():
                 future.set_exception(failure)
         self._calls.clear()
+        for stream in list(self._streams):
+            self.close_stream(stream, {"error": ("INTERNAL", str(failure))})
         for task in self._bls:
             task.cancel()
         self._ended.set_result(self.exit_reason)
@@ -171,6 +178,24 @@ class Stub:
         if error is not None:
             raise StubCallError(*error)
         return value
+
+    def open_stream(self, sink: StreamSink) -> int:
+        """A decoupled request's id for the stub (its sender's): its responses go to `sink` until the final one."""
+        stream = next(self._ids)
+        self._streams[stream] = sink
+        return stream
+
+    def close_stream(self, stream: int, result: dict | None = None, notify: bool = True) -> None:
+        """End a stream from this side (execute() failed, the stub died): later responses from the stub are
+        dropped, and with `notify` its sink gets `result` and the final flag."""
+        sink = self._streams.pop(stream, None)
+        if sink is not None and notify:
+            sink(result, True)
+
+    def cancel_stream(self, stream: int) -> None:
+        """The request's client gave up: the model's sender says so (`is_cancelled()`); its responses still come."""
+        if stream in self._streams and self._protocol is not None and self.alive:
+            self._protocol.send((wire.CANCEL, stream, None))
 
     async def ended(self) -> None:
         """Wait until the process has exited (and its calls have failed)."""
@@ -214,6 +239,12 @@ class Stub:
             future = self._calls.get(call_id)
             if future is not None and not future.done():
                 future.set_result(body)
+        elif kind == wire.RESPONSE:
+            result, flags = body
+            final = bool(flags & wire.FINAL)
+            sink = self._streams.pop(call_id, None) if final else self._streams.get(call_id)
+            if sink is not None:
+                sink(result, final)
         elif kind == wire.INFER:
             self._run_bls(call_id, body)
         elif kind == wire.LOG:

@@ -14,6 +14,10 @@ A caller that gives up (a client disconnect) sends `(call_id, CANCEL, (), {})`: 
 too, so a queued request leaves the batcher's queue as it does in one process. `--max-inflight-requests` is
 enforced here, for all frontends together, with the same error as in one process.
 
+A stream (`submit_stream`: a decoupled model's responses, server/core/decoupled.py) is one `STREAM` call answered
+by several replies `(call_id, StreamPart, None)`, one per response, the last with `final` set; the caller's CANCEL
+withdraws it as any call. It counts once against `--max-inflight-requests`, until its final part.
+
 Inference takes a faster road on both ends. `RemoteCore.infer` holds a request until the end of the event-loop
 turn and sends the alike ones of that turn as one `INFER_GROUP` call (server/core/grouping.py). The core starts
 each call with `ServerCore.submit_infer`/`submit_infer_group` and answers it from the job's completion callback,
@@ -42,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .decoupled import OnPart, StreamPart
 from .errors import ErrorKind, ServerError, unavailable
 from .grouping import (
     Answer,
@@ -69,6 +74,7 @@ CORE_METHODS = frozenset({
 _HEAD = struct.Struct("!II")
 CANCEL = "__cancel__"
 INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/core/grouping.py)
+STREAM = "__stream__"  # a request answered by several replies (server/core/decoupled.py)
 # Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
 _HIGH_WATER = 4 << 20
 
@@ -368,6 +374,29 @@ def _as_server_error(method: str, error: BaseException) -> ServerError:
     return ServerError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+class _StreamCall:
+    """A stream served to a frontend: ended by its final part or by the frontend's CANCEL, once either way (its
+    in-flight slot is given back then)."""
+
+    def __init__(self, connection: _ServedConnection, call_id: int) -> None:
+        self.connection = connection
+        self.call_id = call_id
+        self.handle: Any = None  # what submit_stream returned: cancel() withdraws the request
+        self.ended = False
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.connection.calls.pop(self.call_id, None)
+            self.connection.service.limiter.release()
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.end()
+            if self.handle is not None:
+                self.handle.cancel()
+
+
 class _ServedConnection(FramedConnection):
     """One frontend process's connection. An inference call is started with `ServerCore.submit_infer` and answered
     from its completion callback (no task per request: the core's event loop serves every frontend); any other
@@ -392,10 +421,12 @@ class _ServedConnection(FramedConnection):
             if running is not None:
                 running.cancel()
             return
-        if method in ("infer", INFER_GROUP):
+        if method in ("infer", INFER_GROUP, STREAM):
             try:
                 if method == "infer":
                     self._infer(call_id, *args, **kwargs)
+                elif method == STREAM:
+                    self._stream(call_id, *args)
                 else:
                     self._infer_group(call_id, *args)
             except Exception as e:  # noqa: BLE001 - a bug must not leave the caller waiting forever
@@ -442,6 +473,26 @@ class _ServedConnection(FramedConnection):
             jobs = self.service.core.submit_infer_group(request, sizes, released)
         if any(not job.done() for job in jobs):
             self.calls[call_id] = _Withdrawal(jobs)
+
+    def _stream(self, call_id: int, request: InferRequest) -> None:
+        """`ServerCore.submit_stream`: each part is a reply of its own, the final one ends the call."""
+        try:
+            self.service.limiter.acquire()
+        except ServerError as e:
+            self._reply(call_id, StreamPart(error=e, final=True))
+            return
+        call = _StreamCall(self, call_id)
+
+        def on_part(part: StreamPart) -> None:
+            if part.final:
+                call.end()
+            if part.error is not None:
+                part.error = _as_server_error("submit_stream", part.error)
+            self._reply(call_id, part)
+
+        call.handle = self.service.core.submit_stream(request, on_part)
+        if not call.ended:
+            self.calls[call_id] = call
 
     def _answer(self, call_id: int, value: Any, error: BaseException | None) -> None:
         """An inference call's reply: a response (a group's with every member's rows), the error (for every
@@ -492,6 +543,7 @@ class RemoteCore:
         self._lost: ServerError | None = None
         self._draining = False
         self._groups: dict[Any, list[_Member]] = {}  # requests of this loop turn, by group key
+        self._streams: dict[int, OnPart] = {}  # STREAM calls not yet final: where their parts go
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
 
@@ -548,6 +600,21 @@ class RemoteCore:
 
         member.answer.add_done_callback(answered)
         return member.answer
+
+    def submit_stream(self, request: InferRequest, on_part: OnPart) -> _RemoteStream:
+        """`ServerCore.submit_stream` from a frontend process: the parts come as the core sends them."""
+        connection = self._connection
+        if self._lost is not None or connection is None:
+            on_part(StreamPart(error=self._lost or unavailable("the server core is not connected"), final=True))
+            return _RemoteStream(self, -1)
+        call_id = next(self._ids)
+        self._streams[call_id] = on_part
+        try:
+            connection.send((call_id, STREAM, (request,), {}))
+        except ConnectionError:
+            self._streams.pop(call_id, None)
+            on_part(StreamPart(error=self._lost or unavailable("the server core connection closed"), final=True))
+        return _RemoteStream(self, call_id)
 
     def _join_group(self, request: InferRequest) -> _Member | None:
         """`request` as a member of this loop turn's group for its key (sent by `_send_groups`); None when it
@@ -643,6 +710,13 @@ class RemoteCore:
 
     def _replied(self, message: Any) -> None:
         call_id, value, error = message
+        on_part = self._streams.get(call_id)
+        if on_part is not None:
+            part = value if error is None else StreamPart(error=error, final=True)
+            if part.final:
+                del self._streams[call_id]
+            on_part(part)
+            return
         reply = self._pending.pop(call_id, None)
         if reply is not None:  # else the caller gave up (client disconnect)
             settle(reply, value, error)
@@ -658,5 +732,20 @@ class RemoteCore:
         for reply in self._pending.values():
             if not reply.done():
                 reply.set_exception(self._lost)
+        streams, self._streams = self._streams, {}
+        for on_part in streams.values():
+            on_part(StreamPart(error=self._lost, final=True))
         if self.on_lost is not None:
             self.on_lost()
+
+
+class _RemoteStream:
+    """What a frontend cancels to withdraw a stream from the core (its parts stop at once)."""
+
+    def __init__(self, core: RemoteCore, call_id: int) -> None:
+        self._core = core
+        self._call_id = call_id
+
+    def cancel(self) -> None:
+        if self._core._streams.pop(self._call_id, None) is not None:
+            self._core._cancel(self._call_id)

@@ -42,6 +42,15 @@ PartsExecutor = Callable[[object, list[dict[str, Any]], list[dict[str, Any]] | N
 ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
 
+class ResponseStream(Protocol):
+    """Where a decoupled model's responses to one request go, on the event loop: zero or more, then the final flag
+    (alone or with the last). The model sets `on_cancel` to hear that the client gave up."""
+
+    on_cancel: Callable[[], None] | None
+
+    def deliver(self, outputs: dict[str, np.ndarray] | None, error: BaseException | None, final: bool) -> None: ...
+
+
 @dataclass
 class Job:
     """One request's inputs, ready for the engine (dtype, batch dim and reshape already applied)."""
@@ -57,6 +66,8 @@ class Job:
     #: the request's id and the outputs it asks for, for models that see requests as they are (Python models)
     request_id: str = ""
     outputs: tuple[str, ...] = ()
+    #: a decoupled model's request: where each of its responses goes (core/decoupled.py), as the model sends it
+    responses: ResponseStream | None = None
 
     @property
     def on_device(self) -> bool:
