@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server.core.decoupled import GRPC_REFUSAL, HTTP_REFUSAL, StreamPart, stream_parts
 from server.core.errors import ServerError
 from server.core.grouping import Answer, outcome
 from server.core.limits import check_load_request
@@ -70,7 +71,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             # is wrong with the request (model_metadata raises exactly that; asked only on this error path)
             await self._core.model_metadata(request.model_name, request.model_version)
             raise
-        response = await self._core.infer(converted)
+        try:
+            response = await self._core.infer(converted)
+        except ServerError as e:
+            raise _grpc_wording(e) from None
         return convert.infer_response(response)
 
     @translate_errors
@@ -95,6 +99,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             return task
 
         def converted_reply(response: Any, error: BaseException | None) -> None:
+            if isinstance(error, ServerError):
+                error = _grpc_wording(error)
             if error is None:
                 try:
                     response = convert.infer_response(response)
@@ -108,23 +114,28 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Many requests in flight per stream; responses in completion order, matched by `id`.
 
-        A failed request yields a message with `error_message` set (and its id) while the stream goes on.
-        At most `max_stream_inflight` requests per stream are running or waiting to be sent; beyond that the
-        server stops reading the stream (backpressure on a client that sends faster than it reads).
+        A failed request yields a message with `error_message` set (and its id) while the stream goes on. A
+        decoupled model's request yields one message per response it sends (zero or more); every response carries
+        the parameter `triton_final_response` (true on a request's last), and a final flag sent without a response
+        becomes an empty response only when the request asks with `triton_enable_empty_final_response`, as in
+        Triton (grpc/stream_infer_handler.cc). At most `max_stream_inflight` requests per stream are running or
+        waiting to be sent; beyond that the server stops reading the stream (backpressure on a client that sends
+        faster than it reads).
         """
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        responses: asyncio.Queue[Any] = asyncio.Queue()  # messages, _DONE after each request's last, None at the end
         slots = asyncio.Semaphore(self._options.max_stream_inflight)
         running: set[asyncio.Task] = set()
 
         async def answer(request: pb.ModelInferRequest) -> None:
+            empty_final = _asks_empty_final(request)
             try:
-                message = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+                async for part in self._stream_parts(request):
+                    message = _stream_message(request, part, empty_final)
+                    if message is not None:
+                        await responses.put(message)
             except Exception as error:  # noqa: BLE001 - reported in-band; bugs are logged by status_of
-                message = pb.ModelStreamInferResponse(
-                    error_message=status_of(error)[1],
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name, model_version=request.model_version, id=request.id))
-            await responses.put(message)
+                await responses.put(_stream_message(request, StreamPart(error=error, final=True), empty_final))
+            await responses.put(_DONE)
 
         async def read_requests() -> None:
             try:
@@ -141,13 +152,26 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read_requests())
         try:
             while (message := await responses.get()) is not None:
+                if message is _DONE:
+                    slots.release()  # a slot covers a request from read until its last response is sent
+                    continue
                 yield message
-                slots.release()  # a slot covers a request from read until its response is sent
             await reader  # surfaces a failure of the request stream itself
         finally:
             reader.cancel()
             for task in list(running):
                 task.cancel()
+
+    async def _stream_parts(self, request: pb.ModelInferRequest) -> AsyncIterator[StreamPart]:
+        """One stream request's parts from the core (`submit_stream`); a request that does not convert fails as
+        ModelInfer's does (NOT_FOUND first for an unknown model)."""
+        try:
+            converted = convert.infer_request(request)
+        except ServerError:
+            await self._core.model_metadata(request.model_name, request.model_version)
+            raise
+        async for part in stream_parts(self._core.submit_stream, converted):
+            yield part
 
     # -- repository -----------------------------------------------------------------------------------------
     @translate_errors
@@ -227,6 +251,41 @@ def add_to_server(core, options: GrpcOptions, server) -> None:
     servicer = InferenceServicer(core, options)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     server.add_submitter("/inference.GRPCInferenceService/ModelInfer", servicer.submit_infer)
+
+
+_DONE = object()  # a stream request's last message was queued: its in-flight slot frees once that is sent
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
+FINAL_PARAMETER = "triton_final_response"
+
+
+def _grpc_wording(error: ServerError) -> ServerError:
+    """The core refuses a decoupled model with HTTP's text; ModelInfer says Triton's gRPC one."""
+    return ServerError(error.kind, GRPC_REFUSAL) if error.message == HTTP_REFUSAL else error
+
+
+def _asks_empty_final(request: pb.ModelInferRequest) -> bool:
+    parameter = request.parameters.get(EMPTY_FINAL_PARAMETER)
+    return parameter is not None and parameter.bool_param
+
+
+def _stream_message(request: pb.ModelInferRequest, part: StreamPart,
+                    empty_final: bool) -> pb.ModelStreamInferResponse | None:
+    """One part as Triton's stream message: the response, or its error (id, model and version kept), or the empty
+    final response (only when asked for); every one says whether it is the request's last."""
+    if part.response is not None:
+        try:
+            message = pb.ModelStreamInferResponse(infer_response=convert.infer_response(part.response))
+        except Exception as error:  # noqa: BLE001 - this response fails in-band
+            return _stream_message(request, StreamPart(error=error, final=part.final), empty_final)
+    elif part.error is not None or empty_final:
+        message = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id))
+        if part.error is not None:
+            message.error_message = status_of(part.error)[1]
+    else:
+        return None
+    message.infer_response.parameters[FINAL_PARAMETER].bool_param = part.final
+    return message
 
 
 def _traceparent(context: Any) -> str:
