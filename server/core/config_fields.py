@@ -328,9 +328,14 @@ FIELDS: dict[str, Rule] = {
     "model_operations.op_library_filename": refused("Kiln loads no operation libraries; custom ops are Kiln plugins "
                                                     "(examples/plugins). Remove model_operations"),
     "model_transaction_policy": container(),
-    "model_transaction_policy.decoupled": refused(f"{_NOT_YET} decoupled models (zero or many responses per "
-                                                  "request): every request gets exactly one response. Remove "
-                                                  "decoupled or set it to false"),
+    "model_transaction_policy.decoupled": partly("decoupled: true honoured for Python models (backend: "
+                                                 "\"python\"): zero, one or many responses per request through its "
+                                                 "response sender, over gRPC ModelStreamInfer and HTTP generate / "
+                                                 "generate_stream (server/core/decoupled.py); refused for other models",
+                                                 lambda _, config: config.backend == "python",
+                                                 "Only a Python model (backend: \"python\") can send zero or many "
+                                                 "responses per request; an ONNX model answers each request once. "
+                                                 "Remove decoupled or set it to false"),
     "model_repository_agents": container(),
     "model_repository_agents.agents": refused(f"{_NOT_YET} repository agents (e.g. checksum, decryption). Remove "
                                               "model_repository_agents", whole=True),
