@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from load_tests import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -66,25 +67,16 @@ def start_server(repository: Path, http_port: int, log_path: Path, blas_threads:
     """The server, with OpenBLAS limited to `blas_threads` per call: on a small shared CPU box, several
     multi-threaded GEMMs at once thrash (a batch-2 GEMM measured 23 ms instead of 0.5 ms on 2 loaded cores)."""
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads)}
-    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
-               "--http-port", str(http_port), "--grpc-port", str(http_port + 1), "--metrics-port",
-               str(http_port + 2), "--plan-cache-dir", "", "--drain-delay", "0"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    import httpx
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.terminate()
-    raise RuntimeError("server not ready in 120 s")
+    command = harness.kiln_command(repository, [http_port, http_port + 1, http_port + 2], "--plan-cache-dir", "",
+                                   "--drain-delay", "0")
+    process = harness.start(command, log_path, env=env)
+    try:
+        harness.wait_ready(process, harness.http_ready(f"http://127.0.0.1:{http_port}/v2/health/ready"), log_path,
+                           timeout_s=120, interval_s=0.2)
+    except RuntimeError:
+        process.terminate()
+        raise
+    return process
 
 
 def counts(port: int, model: str) -> tuple[int, int]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from load_tests import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["add_sub", "add_sub_fp32", "simple_cnn", "identity"]
 HOSTILE = ["", "..", "%2e%2e", "nope", "a" * 300, "é", "0", "-1", "1e9", "99999999999999999999", "%00", "stats",
@@ -244,48 +246,21 @@ def run_fuzz(base_url: str, requests: int, seed: int = 0, headers: dict[str, str
 
 
 # -- a server to fuzz -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def example_server(extra_args: list[str] | None = None, log_path: Path | None = None) -> Iterator[tuple[str, int]]:
     """`python -m server` on a fresh example repository (explicit mode, all models); yields (base URL, pid)."""
     with tempfile.TemporaryDirectory(prefix="kiln-fuzz-") as tmp:
         subprocess.run([sys.executable, str(ROOT / "examples" / "make_example_repository.py"), f"{tmp}/models"],
                        check=True, cwd=ROOT, capture_output=True)
-        port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-        command = [sys.executable, "-m", "server", "--model-repository", f"{tmp}/models", "--host", "127.0.0.1",
-                   "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-                   "--model-control-mode", "explicit", "--load-model", "*", *(extra_args or [])]
+        ports = harness.free_ports(3)
+        command = harness.kiln_command(f"{tmp}/models", ports, "--model-control-mode", "explicit", "--load-model",
+                                       "*", *(extra_args or []))
         log_path = log_path or Path(tmp) / "server.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.2)
-            else:
-                raise RuntimeError("server not ready after 120 s")
+        url = f"http://127.0.0.1:{ports[0]}"
+        with harness.serving(command, log_path, harness.http_ready(url + "/v2/health/ready"), cwd=tmp,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout_s=120, interval_s=0.2,
+                             stop_timeout_s=15) as process:
             yield url, process.pid
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

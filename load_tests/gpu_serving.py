@@ -34,12 +34,9 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -53,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script (python load_tests/gpu_serving.
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
-from load_tests import perf  # noqa: E402
+from load_tests import harness, perf  # noqa: E402
 from server.core.execution import batch_buckets, bucket_for  # noqa: E402  (the buckets the server runs)
 
 READY_TIMEOUT_S = 420.0  # a first model build on the GPU (tactic timing) dominates this
@@ -217,25 +214,8 @@ def spec_of(setup: Setup, model: str) -> ModelSpec:
 
 # ----------------------------------------------------------------------------------------------- server
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(method: str, url: str, timeout: float = 5.0) -> int:
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
 def _server_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return harness.python_path_env()
 
 
 def server_flags() -> str:
@@ -267,42 +247,21 @@ def kiln_server(repo: Path, plans: Path | None, log: Path, first_model: str,
                 extra: list[str]) -> Iterator[ServerHandle]:
     """`python -m server` (what `kiln serve` runs) in explicit mode with one model loaded; stopped afterwards.
     `plans`: the plan cache directory (None: the server's default)."""
-    ports = [_free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(repo), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               *(["--plan-cache-dir", str(plans)] if plans is not None else []),
-               "--model-control-mode", "explicit", "--load-model", first_model,
-               "--allow-client-shm", "true", *extra]  # the shared-memory transports register regions
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_server_env())
-    handle = ServerHandle(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", log, process.pid)
-    try:
-        _wait(process, f"http://{handle.http}/v2/models/{first_model}/ready", log)
-        yield handle
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}; log: {log}")
-        if _http("GET", url, 1.0) == 200:
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f} s ({url}); log: {log}")
+    ports = harness.free_ports(3)
+    command = harness.kiln_command(repo, ports, *(["--plan-cache-dir", str(plans)] if plans is not None else []),
+                                   "--model-control-mode", "explicit", "--load-model", first_model,
+                                   "--allow-client-shm", "true", *extra)  # the shared-memory transports register regions
+    http = f"127.0.0.1:{ports[0]}"
+    with harness.serving(command, log, harness.http_ready(f"http://{http}/v2/models/{first_model}/ready"),
+                         env=_server_env(), timeout_s=READY_TIMEOUT_S, interval_s=0.3, stop_timeout_s=30,
+                         show_log=False) as process:
+        yield ServerHandle(http, f"127.0.0.1:{ports[1]}", log, process.pid)
 
 
 def load_model(server: ServerHandle, name: str) -> float:
     """Load `name` through the repository API (explicit mode); returns the seconds it took."""
     started = time.monotonic()
-    status = _http("POST", f"http://{server.http}/v2/repository/models/{name}/load", READY_TIMEOUT_S)
+    status = harness.http_status(f"http://{server.http}/v2/repository/models/{name}/load", "POST", READY_TIMEOUT_S)
     if status != 200:
         raise RuntimeError(f"loading '{name}' answered HTTP {status}; log: {server.log}")
     return time.monotonic() - started

@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,11 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import onnx
 from onnx import TensorProto, helper
 
-from load_tests import perf
+from load_tests import harness, perf
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIMES = Path(__file__).resolve().parent / "peer_runtimes"
@@ -174,12 +172,6 @@ def write_add_sub(directory: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- servers
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
     """A server subprocess on 127.0.0.1 with its ports; `running()` starts it and stops it afterwards."""
@@ -194,38 +186,16 @@ class Server:
 
     @contextmanager
     def running(self) -> Iterator[Server]:
-        with open(self.log_path, "wb") as log:
-            process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                       env={**os.environ, **self.env})
-        try:
-            self._wait_ready(process)
+        with harness.serving(self.command, self.log_path,
+                             harness.http_ready(f"http://127.0.0.1:{self.http_port}/v2/health/ready"),
+                             env={**os.environ, **self.env}, timeout_s=READY_TIMEOUT_S, interval_s=0.3,
+                             stop_timeout_s=20, name=self.name, show_log=False):
             yield self
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def _wait_ready(self, process: subprocess.Popen) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {process.returncode}; log: {self.log_path}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready after {READY_TIMEOUT_S:.0f} s; log: {self.log_path}")
 
 
 def kiln_server(repo: Path, logs: Path) -> Server:
-    ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(repo / "kiln"), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    ports = harness.free_ports(3)
+    command = harness.kiln_command(repo / "kiln", ports)
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return Server("kiln", command, ports[0], ports[1], logs / "kiln.log", env, _kiln_version())
 
@@ -240,7 +210,7 @@ def _kiln_version() -> str:
 
 def mlserver_server(repo: Path, logs: Path, venv: Path = MLSERVER_VENV) -> Server:
     """MLServer 1.x with its defaults (one parallel inference worker process), ports in settings.json."""
-    ports = [free_port() for _ in range(3)]
+    ports = harness.free_ports(3)
     settings = {"host": "127.0.0.1", "http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2],
                 "debug": False}
     (repo / "mlserver" / "settings.json").write_text(json.dumps(settings, indent=2))
@@ -255,7 +225,7 @@ def mlserver_server(repo: Path, logs: Path, venv: Path = MLSERVER_VENV) -> Serve
 def kserve_server(repo: Path, logs: Path, venv: Path = KSERVE_VENV) -> Server:
     """KServe's Python model server (`kserve.ModelServer`) with its defaults: one HTTP worker (uvicorn + uvloop),
     gRPC on, access log and per-request latency logging on."""
-    ports = [free_port() for _ in range(2)]
+    ports = harness.free_ports(2)
     command = [str(venv / "bin" / "python"), str(RUNTIMES / "kserve_onnx.py"), "--model_dir", str(repo / "kserve"),
                "--http_port", str(ports[0]), "--grpc_port", str(ports[1])]
     version = subprocess.run([str(venv / "bin" / "python"), "-c", "from importlib.metadata import version as v; "
@@ -267,7 +237,7 @@ def kserve_server(repo: Path, logs: Path, venv: Path = KSERVE_VENV) -> Server:
 def triton_server(repo: Path, logs: Path, venv: Path = TRITON_VENV) -> Server:
     """tritonserver from the nvidia-pytriton wheel via serve.sh: add_sub (Python backend, KIND_CPU), dynamic
     batching max batch 8 / 100 us; its own repository, so `repo` is unused."""
-    ports = [free_port() for _ in range(3)]
+    ports = harness.free_ports(3)
     version = subprocess.run([str(venv / "bin" / "python"), "-c", "from importlib.metadata import version as v; "
                               "print(f'tritonserver from nvidia-pytriton {v(\"nvidia-pytriton\")}')"],
                              capture_output=True, text=True).stdout.strip()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,8 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
+from load_tests import harness
 from tests.deploy.models import slow_expected, write_slow_repository
-from tests.server.conftest import free_port
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIP_COUNT = 15000  # ~0.5 s of compute per request (0.1 s per 3000 trips on the CI machine); 4 on 2 instances queue up
@@ -31,19 +30,6 @@ def _infer_body(x: float, n: int) -> dict:
                        {"name": "N", "shape": [1], "datatype": "INT64", "data": [n]}]}
 
 
-def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"server exited early:\n{log_path.read_text()}"
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"server not ready:\n{log_path.read_text()}")
-
-
 def test_sigterm_drains_in_flight_requests(tmp_path: Path):
     repo = write_slow_repository(tmp_path / "models")
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
@@ -51,13 +37,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
            "KILN_DRAIN_DELAY_S": str(DRAIN_DELAY_S)}
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model-repository", str(repo), "--host", "127.0.0.1",
-             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
-            cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    process = harness.start(harness.kiln_command(repo, [http_port, grpc_port, metrics_port]), log_path, env=env)
     try:
-        _wait_ready(url, process, log_path)
+        harness.wait_ready(process, harness.http_ready(f"{url}/v2/health/ready"), log_path)
         results: list[object] = [None] * REQUESTS
 
         def call(i: int) -> None:

@@ -16,14 +16,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from load_tests import harness
 from tests.deploy.dockerfile import ROOT, parse
-from tests.server.conftest import free_port
+from tests.support.ports import free_port
 
 DOCKER_RUN_GPU = "docker run --gpus all -p8000:8000 -p8001:8001 -p8002:8002 -v $PWD/models:/models kiln"
 DOCKER_RUN_CPU = "docker run -p8000:8000 -p8001:8001 -p8002:8002 -v $PWD/models:/models kiln:cpu"
@@ -144,16 +144,12 @@ def test_entrypoint_in_fresh_venv(dockerfile, tmp_path: Path):
     argv = [str(models) if a == "/models" else a for a in entrypoint.exec_form()]
     argv += ["--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = harness.start(argv, log_path, cwd=tmp_path, env=env)
     try:
         assert shutil.which("kiln", path=env["PATH"]) == str(venv / "bin" / "kiln")  # the venv's, not ours
         probe = _healthcheck_command(dockerfile, venv / "bin" / "python")
-        deadline = time.monotonic() + 60
-        while subprocess.run(probe, env=env, capture_output=True).returncode != 0:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, f"HEALTHCHECK never passed:\n{log_path.read_text()}"
-            time.sleep(0.5)
+        harness.wait_ready(process, lambda: subprocess.run(probe, env=env, capture_output=True).returncode == 0,
+                           log_path, timeout_s=60, interval_s=0.5, name="server (HEALTHCHECK)")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log_path.read_text()
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 
 import grpc
@@ -26,6 +25,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from server.frontends.grpc import GrpcOptions  # noqa: E402
 from server.protos import health_pb2, health_pb2_grpc  # noqa: E402
 from tests.server.conftest import require_grpc  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,12 +41,6 @@ def grpc_server(kiln_server):
 @pytest.fixture(scope="module")
 def url(grpc_server) -> str:
     return grpc_server.grpc_url
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_bytes(server, name: str) -> bytes:

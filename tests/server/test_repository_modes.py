@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +17,9 @@ from onnx import TensorProto, helper
 
 import engine_core as kiln
 from server.plan_cache import PLAN_SUFFIX, PlanCache, build_description, cache_key
-from tests.server.conftest import ROOT, ServerProcess, _wait_ready, examples, free_port
+from tests.server.conftest import examples
+from tests.support.servers import ServerProcess
+from tests.support.servers import start_server as support_start_server
 
 CONFIG = ('max_batch_size: 8\ninput [{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }]\n'
           'output [{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }]\ninstance_group [{ count: 2 kind: KIND_CPU }]\n'
@@ -38,15 +38,7 @@ def scale_model(factor: float) -> onnx.ModelProto:
 
 
 def start_server(repository: Path, log_path: Path, *flags: str) -> ServerProcess:
-    ports = [free_port() for _ in range(3)]
-    command = [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
-               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-               "--allow-grpc", "false", "--drain-delay", "0", *flags]
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    server = ServerProcess(process, repository, log_path, *ports, grpc_available=False)
-    _wait_ready(server)
-    return server
+    return support_start_server(repository, log_path, "--allow-grpc", "false", "--drain-delay", "0", *flags)
 
 
 def stop_server(server: ServerProcess) -> None:
