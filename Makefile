@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint conformance models clean
+.PHONY: serve test lint typecheck conformance models clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +18,15 @@ models: $(STAMP)
 serve: models
 	$(BIN)/kiln serve --model-repository examples/model_repository --http-port $${KILN_HTTP_PORT:-8000}
 
-test: $(STAMP)
+# CI (.ci/run) runs this target: lint and type errors fail it before the tests run
+test: lint typecheck
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine_core server tests load_tests examples tools kiln_cli.py
+	$(BIN)/ruff check engine_core server tests load_tests examples tools bench kiln_cli.py
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 conformance: $(STAMP)
 	$(BIN)/kiln conformance --backend cpu --markdown docs/conformance.md

@@ -13,7 +13,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -46,7 +46,7 @@ class ModelSource:
 class ModelRepository:
     """One or more repository directories, searched in order; a model name must be unique across them."""
 
-    def __init__(self, paths: list[str | Path]) -> None:
+    def __init__(self, paths: Sequence[str | Path]) -> None:
         self.paths = [Path(p).resolve() for p in paths]
         for path in self.paths:
             if not path.is_dir():

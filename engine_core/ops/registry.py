@@ -154,8 +154,8 @@ def broadcast_infer(out_dtype: np.dtype | None = None) -> InferFn:
 
     def infer(node: Node, *inputs: TensorInfo | None) -> TensorInfo:
         present = [i for i in inputs if i is not None]
-        shapes = [i.shape for i in present]
-        shape = None if any(s is None for s in shapes) else broadcast_shapes(*shapes)
+        known = [i.shape for i in present if i.shape is not None]
+        shape = broadcast_shapes(*known) if len(known) == len(present) else None
         return TensorInfo(out_dtype if out_dtype is not None else present[0].dtype, shape)
 
     return infer

@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -255,7 +256,7 @@ def plugin_modules() -> list[str]:
 
 
 def _child_main(sender: Connection, model_path: str, config: kiln.BuilderConfig, address_limit: int | None,
-                cpu_limit: int | None, plugins: list[str] = ()) -> None:
+                cpu_limit: int | None, plugins: Sequence[str] = ()) -> None:
     """Entry of the build process: set its limits, build, send ("ok", size) + bytes or (kind, message)."""
     import importlib
 

@@ -271,7 +271,8 @@ class ServerCore:
             if cached is not None and cached.outputs is not None:
                 self._answer_cached(model, request, requested, cached, trace, started, reply)
                 return None
-            job, destinations = self._prepare(model, request, inputs, batch, requested)
+            # not an ensemble: a ModelVersion, or a PythonVersion, which _prepare/_finish serve alike
+            job, destinations = self._prepare(model, request, inputs, batch, requested)  # type: ignore[arg-type]
             job.requests = requests
             if trace:
                 trace.mark("QUEUE_START")
@@ -280,8 +281,8 @@ class ServerCore:
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)
             reply(None, e)
             return None
-        future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size, requested,
-                                                           destinations, trace, started, reply, requests, cached))
+        future.add_done_callback(lambda done: self._finish(done, model, request, job.batch_size,  # type: ignore[arg-type]
+                                                           requested, destinations, trace, started, reply, requests, cached))
         return future
 
     def submit_stream(self, request: InferRequest, on_part: decoupled.OnPart) -> Any:
@@ -584,7 +585,7 @@ class ServerCore:
                 if isinstance(r, ModelVersion):
                     r.close()
             raise errors[0]
-        return {v.version: v for v in results}  # type: ignore[union-attr]
+        return {v.version: v for v in results if isinstance(v, ModelVersion)}  # all of them: no errors
 
     async def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> dict[int, ServedModel]:
         """An ensemble's versions, checked against its composing models, which are loaded with it when they are
@@ -622,7 +623,7 @@ class ServerCore:
         busy = startup is not None or (entry is not None and entry.lock.locked())
         if startup is not None:
             await asyncio.shield(startup)  # its start-up load is under way: wait rather than build it twice
-        elif busy:
+        elif entry is not None and busy:
             async with entry.lock:  # a load (or unload) of it is under way
                 pass
         entry = self.models.get(name)

@@ -227,12 +227,12 @@ def check_composing(config: ModelConfig, steps: list[EnsembleStep], models: dict
             _meet(known, mapped[model_input], _TensorType(step.model_name, model_batching,
                                                           _config_type(spec.datatype), spec.dims), name)
         for model_output, tensor in step.outputs:
-            spec = model.outputs.get(model_output)
-            if spec is None:
+            output_spec = model.outputs.get(model_output)
+            if output_spec is None:
                 raise invalid(f"in ensemble {name}, ensemble tensor {tensor} is mapped from non-existing output "
                               f"{model_output} in model {step.model_name}")
-            _meet(known, tensor, _TensorType(step.model_name, model_batching, _config_type(spec.datatype),
-                                             spec.dims), name)
+            _meet(known, tensor, _TensorType(step.model_name, model_batching, _config_type(output_spec.datatype),
+                                             output_spec.dims), name)
 
 
 def _meet(known: dict[str, _TensorType], tensor: str, side: _TensorType, ensemble: str) -> None:

@@ -19,6 +19,7 @@ have. The group is one entry in the batcher's queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -132,8 +133,7 @@ def run_members(group: InferRequest, sizes: list[int],
     jobs = []
     start = 0
     for index, size in enumerate(sizes):
-        job = submit(member_request(group, start, start + size),
-                     lambda response, error, i=index: answered(i, response, error))
+        job = submit(member_request(group, start, start + size), functools.partial(answered, index))
         start += size
         if job is not None:
             jobs.append(job)

@@ -84,7 +84,10 @@ class ServedModel:
         self.max_batch_size = config.max_batch_size
         self.statistics = ModelStatistics(name, str(version))
 
-    def check_inputs(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
+    #: runs its jobs: set by the versions that run them (ModelVersion, PythonVersion); an ensemble has none
+    scheduler: Scheduler
+
+    def check_inputs(self, arrays: dict[str, Any], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
         """Validate request inputs against the config; returns engine-ready arrays and the batch size.
 
         Every error names the input and says what was expected, in the config's terms.
@@ -190,7 +193,7 @@ class ModelVersion(ServedModel):
         self.output_shapes = ShapeOracle(engine).output_shapes
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
-        contexts = [engine.create_execution_context() for _ in range(count)]
+        contexts: list[object] = [engine.create_execution_context() for _ in range(count)]
         #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
         self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
         self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,

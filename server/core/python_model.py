@@ -279,8 +279,9 @@ class PythonVersion(ServedModel):
             settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, name)
         else:  # one request per execute(), as Triton runs a model without a batcher
             settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, name)
-        batcher = DynamicBatcher(instances, _not_used, f"kiln-{name}-{version}", settings,
-                                 self._record_execution, execute_jobs=self._execute_jobs)
+        # the batcher's contexts are this version's Instances (typed `object` there): both arguments say so
+        batcher = DynamicBatcher(instances, _not_used, f"kiln-{name}-{version}", settings,  # type: ignore[arg-type]
+                                 self._record_execution, execute_jobs=self._execute_jobs)  # type: ignore[arg-type]
         batcher.workers.label = f"model '{name}'"
         self.scheduler = PythonScheduler(batcher, self._stop_instances)
 
@@ -289,7 +290,7 @@ class PythonVersion(ServedModel):
 
     @property
     def workers(self) -> Workers:
-        return self.scheduler.workers
+        return self.scheduler.workers  # type: ignore[attr-defined]  # a DynamicBatcher (above)
 
     def request_body(self, job: Job) -> dict[str, Any]:
         """A job as the stub builds its pb_utils.InferenceRequest: Triton's reserved parameters become the request's
@@ -458,7 +459,7 @@ async def load_python_versions(source: ModelSource, config: ModelConfig, infer: 
             if isinstance(result, PythonVersion):
                 result.close()
         raise errors[0]
-    return {v.version: v for v in results}  # type: ignore[union-attr]
+    return {v.version: v for v in results if isinstance(v, PythonVersion)}  # all of them: no errors
 
 
 async def load_python_version(source: ModelSource, version: int, config: ModelConfig,

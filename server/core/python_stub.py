@@ -171,7 +171,8 @@ class Stub:
             value, error = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
             self.kill()
-            raise StubFailure(f"Stub process '{self.launch.label}' ran {kind} longer than {timeout_s * 1000:g} ms "
+            limit_ms = (timeout_s or 0) * 1000  # only a set timeout times out
+            raise StubFailure(f"Stub process '{self.launch.label}' ran {kind} longer than {limit_ms:g} ms "
                               "(kiln_execution_timeout_ms) and was killed") from None
         finally:
             self._calls.pop(call_id, None)

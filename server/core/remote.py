@@ -85,8 +85,8 @@ def _reduce_array(array: np.ndarray) -> tuple:
     only 'V2') arrays keep numpy's."""
     code = array.dtype.str
     if not array.flags.c_contiguous or type(array) is not np.ndarray or code[1] not in _BUILTIN_KINDS:
-        return array.__reduce_ex__(5)
-    return _array, (pickle.PickleBuffer(array), code, array.shape)
+        return array.__reduce_ex__(5)  # type: ignore[return-value]  # an ndarray reduces to a tuple
+    return _array, (pickle.PickleBuffer(array), code, array.shape)  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 _BUILTIN_KINDS = frozenset("biuf")  # bool, signed, unsigned, float: a dtype string says all of these
@@ -348,6 +348,7 @@ def _distribute(reply: asyncio.Future, members: list[_Member], sizes: list[int])
     """A group's reply to its members: each its own response (its rows, its id) or the error."""
     if reply.cancelled():
         return  # every member gave up
+    results: list[tuple[Any, BaseException | None]]
     try:
         value = reply.result()
         if len(members) == 1:
@@ -433,7 +434,7 @@ class _ServedConnection(FramedConnection):
                 self._reply(call_id, None, _as_server_error(method, e))
             return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
-        task.add_done_callback(lambda _, done=call_id: self.calls.pop(done, None))
+        task.add_done_callback(lambda _: self.calls.pop(call_id, None))
 
     def _infer(self, call_id: int, request: InferRequest) -> None:
         job = self._submit_admitted(request, functools.partial(self._answer, call_id))
@@ -653,7 +654,7 @@ class RemoteCore:
             sent = _SentGroup(call_id, len(members))
             for member in members:
                 member.sent = sent
-            reply.add_done_callback(lambda done, m=members, n=sizes: _distribute(done, m, n))
+            reply.add_done_callback(functools.partial(_distribute, members=members, sizes=sizes))
 
     def _withdraw(self, member: _Member) -> None:
         """A member's caller gave up: once every member of its group has, the core stops the group too."""

@@ -107,8 +107,8 @@ def request_key(model: str, version: int, inputs: Mapping[str, Any], outputs: It
         if not isinstance(array, np.ndarray):
             return None
         digest.update(repr((name, str(array.dtype), tuple(array.shape))).encode())
-        digest.update(serialize_bytes(array) if array.dtype == object
-                      else np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        digest.update(serialize_bytes(array) if array.dtype == object  # type: ignore[arg-type]  # ndarray is a
+                      else np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # buffer; numpy's stubs say so on 3.12+
     return digest.digest()
 
 

@@ -372,6 +372,7 @@ class DirectScheduler:
             if result.error is not None:
                 raise result.error
             outputs = result.outputs[0] if isinstance(result.outputs, list) else result.outputs
+            assert outputs is not None, "an execution without an error has outputs"
             compute_input_ns, compute_infer_ns = result.compute_input_ns, result.compute_infer_ns
         finally:
             self._active -= 1

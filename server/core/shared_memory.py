@@ -166,7 +166,7 @@ class SharedMemory:
             if nbytes > byte_size:
                 raise invalid(f"shared memory region '{name}': {byte_size} bytes at offset {offset} cannot hold "
                               f"the {nbytes} bytes of a {np.dtype(dtype)} tensor of shape {list(shape)}")
-            return region.ipc.view(offset, shape, dtype)  # type: ignore[union-attr]
+            return region.ipc.view(offset, shape, dtype)  # type: ignore[attr-defined]  # kind CUDA: a CudaRegion
 
     def is_cuda(self, name: str) -> bool:
         """Whether `name` is a registered CUDA region: device memory, which the response cache leaves alone."""
