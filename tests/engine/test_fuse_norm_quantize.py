@@ -60,12 +60,12 @@ def test_what_must_stay_unfused_stays(case):
 @pytest.mark.parametrize("warp_limit, launches", [(1024, ["skip_layer_norm_q_warp_f32"]),
                                                   (8, ["skip_layer_norm_f32", "pw"])], ids=["warp", "wide-rows"])
 def test_cuda_lowering_emulated_equals_the_cpu_backend(tmp_path, monkeypatch, warp_limit, launches):
-    from engine_core.backends.cuda import lowering
+    from engine_core.backends.cuda.lower_rules import norm
     from engine_core.cuda.nvrtc import compile_kernel_file
     from tests.cuda.emulate import Emulator
     from tests.cuda.models import lowered_at, optimized_graph
 
-    monkeypatch.setattr(lowering, "WARP_ROW_LIMIT", warp_limit)
+    monkeypatch.setattr(norm, "WARP_ROW_LIMIT", warp_limit)  # read by the norm rules
     feeds = _feeds()
     graph = optimized_graph(_model(), feeds)
     lowered = lowered_at(graph, feeds)

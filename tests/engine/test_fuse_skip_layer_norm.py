@@ -75,12 +75,13 @@ def test_what_must_stay_unfused_stays(case):
 def test_cuda_lowering_emulated_equals_the_cpu_backend(tmp_path, monkeypatch, skip_shape, warp_limit, launches):
     """Rows up to WARP_ROW_LIMIT run a warp per row (here 16 <= 1024), longer ones a block per row (the limit set
     to 8)."""
-    from engine_core.backends.cuda import KERNEL_FILES, lowering
+    from engine_core.backends.cuda import KERNEL_FILES
+    from engine_core.backends.cuda.lower_rules import norm
     from engine_core.cuda.nvrtc import compile_kernel_file
     from tests.cuda.emulate import Emulator
     from tests.cuda.models import lowered_at, optimized_graph
 
-    monkeypatch.setattr(lowering, "WARP_ROW_LIMIT", warp_limit)
+    monkeypatch.setattr(norm, "WARP_ROW_LIMIT", warp_limit)  # read by the norm rules
     feeds = _feeds(skip_shape)
     graph = optimized_graph(_model(skip_shape), feeds)
     lowered = lowered_at(graph, feeds)

@@ -40,6 +40,7 @@ from engine_core.backends.cuda.lowering_context import (
     Ref,
     copy_launch,
     launch_program,
+    lowering_rule,
     nhwc_strides,
     optional_input,
 )
@@ -271,6 +272,7 @@ def _check(node: Node, ctx: LoweringContext) -> None:
         raise Unsupported(f"QConv writing {out.dtype} ({'with' if y_scale else 'without'} an output scale)")
 
 
+@lowering_rule("QConv")
 def lower_qconv(node: Node, ctx: LoweringContext) -> list:
     """``kiln.QConv`` -> [im2col copies (when needed), Int8GemmRequant writing the int8 output] when
     ``_requant_gemm`` applies, else [..., Int8Gemm into a step-local int32 buffer, the epilogue]."""

@@ -53,6 +53,7 @@ from engine_core.backends.cuda.lowering_context import (
     LoweringContext,
     Ref,
     launch_program,
+    lowering_rule,
     optional_input,
 )
 from engine_core.backends.cuda.pointwise import FLOATS, PwNode, Unsupported, broadcast_strides, program_kernel
@@ -237,6 +238,7 @@ def _host_requantize(node: Node, ctx: LoweringContext, acc: str) -> list:
     return [_dequant_epilogue(node, ctx, acc, buffer.tensor), Host(quantize)]
 
 
+@lowering_rule("QMatMul")
 def lower_qmatmul(node: Node, ctx: LoweringContext) -> list:
     """``kiln.QMatMul`` -> Kiln's sm_90 INT8 GEMM with the epilogue in registers (``qgemm.lower``) where it
     applies, else [Int8Gemm / Fp8Gemm into a step-local int32 / float32 buffer, the dequantizing epilogue];

@@ -1,15 +1,16 @@
 """What the CUDA lowering produces and what its rules share: the step types (kernel launches, GEMMs,
 convolutions, copies, host fallbacks), the build options, the lowering context the rules read and extend,
-and the small helpers every rule uses (launch geometry, layouts, generated copies).
+and the small helpers every rule uses (launch geometry, layouts, generated copies), and the registry of lowering
+rules (``LOWERING_RULES``, filled by ``lowering_rule``).
 
-lowering.py (the driver and the rules for most ops) and the INT8 rules (int8_gemm.py, int8_conv.py, qgemm.py)
-all build on this module, so the driver can import the INT8 rules without those importing it back.
+lowering.py (the driver), the rules by family (lower_rules/*.py) and the INT8 rules (int8_gemm.py, int8_conv.py,
+qgemm.py) all build on this module, so the driver can import every rule module without those importing it back.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -356,3 +357,25 @@ def copy_launch(ctx: LoweringContext, dtype: np.dtype, dst: Ref, src: Ref, shape
 def optional_input(node: Node, index: int) -> str:
     """The name of the node's input ``index``, or "" when the node omits it (absent or empty)."""
     return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else ""
+
+
+#: a lowering rule: one layer -> its device ops (raises Unsupported for what it does not take: the layer then runs on
+#: the host)
+LoweringRule = Callable[[Node, LoweringContext], list]
+#: op type -> its lowering rule. The rules register themselves (``lowering_rule``) in the modules of their family
+#: (lower_rules/*.py, int8_gemm.py, int8_conv.py); lowering.py imports those modules, so it sees them all
+LOWERING_RULES: dict[str, LoweringRule] = {}
+
+
+def lowering_rule(*op_types: str) -> Callable[[LoweringRule], LoweringRule]:
+    """Decorator: register the function as the lowering rule of ``op_types`` (one rule per op type)."""
+
+    def register(rule: LoweringRule) -> LoweringRule:
+        for op_type in op_types:
+            if LOWERING_RULES.get(op_type, rule) is not rule:
+                raise ValueError(f"two CUDA lowering rules for {op_type}: {LOWERING_RULES[op_type].__qualname__} "
+                                 f"and {rule.__qualname__}")
+            LOWERING_RULES[op_type] = rule
+        return rule
+
+    return register
