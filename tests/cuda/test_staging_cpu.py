@@ -16,7 +16,7 @@ import pytest
 
 import engine_core as kiln
 from engine_core.backends.cpu import GraphRunner
-from engine_core.backends.cuda import runner
+from engine_core.backends.cuda import runner, runner_staging
 from engine_core.cuda import driver as kiln_driver
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
@@ -103,6 +103,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda.bindings, "driver", fake, raising=False)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
     monkeypatch.setattr(runner, "primary_context", lambda ordinal=0: None)
+    monkeypatch.setattr(runner_staging, "primary_context", lambda ordinal=0: None)  # PinnedBuffer's
     monkeypatch.setattr(kiln_driver, "primary_context", lambda ordinal=0: None)
     return fake
 

@@ -1,0 +1,180 @@
+"""CUDA graph capture and replay of a binding's runs: the eager first run, the capture, the once-per-binding check
+that a replay reproduces a layer-by-layer run, and the captured graphs kept per I/O addresses (``GraphsMixin``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine_core.backends.cuda.runner_binding import Shapes, _Binding
+from engine_core.backends.cuda.runner_schedule import RunSchedule
+from engine_core.backends.cuda.runner_staging import StagedCopies
+from engine_core.cuda.driver import (
+    check,
+    launch_graph,
+)
+from engine_core.logger import DEFAULT_LOGGER, Severity
+
+#: captured graphs kept per input-shape binding (one per distinct set of I/O addresses)
+MAX_GRAPHS_PER_SHAPE = 4
+
+
+class _Graph:
+    """An instantiated CUDA graph (and the graph it came from), destroyed with the object."""
+
+    def __init__(self, graph: Any, exec_: Any) -> None:
+        self.graph, self.exec = graph, exec_
+
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            driver.cuGraphExecDestroy(self.exec)
+            driver.cuGraphDestroy(self.graph)
+        except Exception:
+            pass
+
+
+class GraphsMixin:
+    """CudaContextState's runs through captured CUDA graphs."""
+
+    def _execute_locked(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
+                        values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
+                        consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
+        """Launch every step on ``stream`` (never a default stream); host syncs happen only around
+        host-fallback layers.
+
+        Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
+        second run with the same shapes and I/O addresses is captured into a graph; later runs with
+        those addresses replay it with one launch. Plans with host-fallback
+        layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
+        ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
+        Streamed weights' uploads (copy stream) are part of the capture. ``debug``: (IDebugListener,
+        tensor names): runs launch layer by layer (no replay) and report each tensor after its layer.
+        ``consumed_event``: a CUevent recorded once no later step reads an input (captured as an
+        external event node, so replays record it too). ``staged``: host <-> device copies of the I/O
+        (``infer``'s pinned mirrors) enqueued before and after the run, and captured with it: a replay is then
+        one launch for copies and run together (each driver call releases the interpreter lock, and with
+        other threads busy getting it back costs up to a switch interval).
+        """
+        binding = self.bind(shapes, values)
+        names = tuple(sorted(debug[1])) if debug is not None else ()
+        schedule = binding.schedule(bool(consumed_event), names)
+        self._ensure_slots(schedule)
+        listener = debug[0] if names else None
+        if profiler is not None:
+            self._launch_profiled(binding, schedule, addresses, stream, profiler, consumed_event, listener, staged)
+            return
+        if listener is not None:
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, listener=listener,
+                             staged=staged)
+            return
+        if not self.graphs_possible(binding):
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+            return
+        key = graph_key(addresses, consumed_event, staged)
+        graph = binding.graphs.get(key)
+        if graph is None:
+            binding.runs += 1
+            if binding.runs < 2:  # first run eagerly: library initialisation must not be captured
+                self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+                return
+            graph = self._capture(binding, schedule, addresses, stream, consumed_event, staged)
+            if graph is None:
+                return
+            if not binding.verified:
+                if self._replay_matches(binding, graph, schedule, addresses, stream, consumed_event, staged):
+                    binding.verified = True
+                elif not binding.conv_bias_only and binding.has_conv_epilogues:
+                    binding.conv_bias_only = True  # next runs: capture again with cuDNN doing conv + bias only
+                    binding.runs = 0
+                    # the replay was wrong
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+                    return
+                else:
+                    binding.verified = binding.graph_failed = True
+                    DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}': a captured CUDA graph "
+                                       "did not reproduce the layer-by-layer results for these shapes; they run "
+                                       "without graph replay")
+                    # the replay was wrong
+                    self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+                    return
+            if len(binding.graphs) >= MAX_GRAPHS_PER_SHAPE:
+                binding.graphs.pop(next(iter(binding.graphs)))
+            binding.graphs[key] = graph
+        self._replay(graph, stream)
+
+    def _replay(self, graph: _Graph, stream: int) -> None:
+        """One launch of a captured run (counted in ``graph_replays``), keeping the interpreter lock."""
+        launch_graph(graph.exec, stream)
+        self.graph_replays += 1
+
+    def graphs_possible(self, binding: _Binding) -> bool:
+        """Whether runs of ``binding`` may be captured and replayed (host-fallback layers synchronize; a
+        capture that failed or did not reproduce stays off; KILN_CUDA_GRAPHS=0)."""
+        return self.use_graphs and not binding.has_host and not binding.graph_failed
+
+    def _replay_matches(self, binding: _Binding, graph: _Graph, schedule: Any, addresses: Mapping[str, int],
+                        stream: int, consumed_event: Any, staged: StagedCopies | None = None) -> bool:
+        """Once per binding: run layer by layer, then replay the captured graph on the same inputs, and compare
+        the outputs. Why: a library call that is not capture-safe (host-side argument staging, say) would
+        otherwise replay wrong results silently; such bindings keep launching layer by layer."""
+        from cuda.bindings import driver
+
+        outputs = [(name, binding.lowered.infos[name]) for name in self.engine.plan.graph.output_names
+                   if name in addresses and binding.lowered.infos.get(name) is not None]
+
+        def fetch() -> list[np.ndarray]:
+            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            arrays = []
+            for name, info in outputs:
+                out = np.empty(info.shape, info.dtype)
+                if out.nbytes:
+                    check(driver.cuMemcpyDtoH(out.ctypes.data, addresses[name], out.nbytes), "cuMemcpyDtoH")
+                arrays.append(out)
+            return arrays
+
+        self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+        want = fetch()
+        check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
+        got = fetch()
+        for a, b in zip(want, got):
+            if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
+                a64, b64 = a.astype(np.float64), b.astype(np.float64)
+                scale = max(1.0, float(np.nanmax(np.abs(a64)))) if a64.size else 1.0
+                if a64.size and (not np.array_equal(np.isnan(a64), np.isnan(b64))
+                                 or float(np.nanmax(np.abs(a64 - b64))) > 1e-3 * scale):
+                    return False
+            elif not np.array_equal(a, b):
+                return False
+        return True
+
+    def _capture(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
+                 consumed_event: Any, staged: StagedCopies | None = None) -> _Graph | None:
+        """Capture one run into an instantiated graph; on failure, run eagerly and stop trying."""
+        from cuda.bindings import driver
+
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, capturing=True, staged=staged)
+        except Exception:
+            driver.cuStreamEndCapture(stream)
+            binding.graph_failed = True
+            raise
+        graph = check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        try:
+            return _Graph(graph, check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
+        except Exception:
+            binding.graph_failed = True
+            self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
+            return None
+
+
+def graph_key(addresses: Mapping[str, int], consumed_event: Any, staged: StagedCopies | None = None) -> tuple:
+    """What a captured graph depends on beyond its binding: the I/O addresses, the input-consumed event and the
+    staged copies captured with it."""
+    return (*sorted(addresses.items()), ("#consumed", int(consumed_event or 0)), ("#staged", staged))
