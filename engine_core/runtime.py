@@ -12,7 +12,6 @@ places weights by it when a context is made and streams the others every run.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 import weakref
@@ -24,10 +23,8 @@ import numpy as np
 
 from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.registry import available_backends
-from engine_core.batching import Span, gather_rows, row_spans, split_outputs
 from engine_core.compat import check_plan_compatibility, device_arch, requirements
 from engine_core.cuda.driver import memory_info
-from engine_core.cuda.view import DeviceView
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
 from engine_core.inspector import (  # inspector / debug-tensor hooks
@@ -46,7 +43,17 @@ from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import IOTensor, Plan, deserialize_plan
 from engine_core.plugins import PluginRegistry, check_plan_plugins, get_plugin_registry
-from engine_core.refittable import plan_refittable, refittable_names
+from engine_core.refittable import plan_refittable
+from engine_core.runtime_batch import BatchExecution  # ExecutionContext.infer_batch and its checks
+from engine_core.runtime_helpers import (  # moved from here; format_description is public
+    _VECTORIZED,
+    _active_debug,
+    _host_array,
+    _profile_device_memory,
+    _shapes_need_values,
+    _streamable_weights_per_layer,
+    format_description,
+)
 from engine_core.types import (
     DataType,
     EngineCapability,
@@ -59,7 +66,7 @@ from engine_core.types import (
     datatype_of,
 )
 from engine_core.version import __version__
-from engine_core.weight_streaming import LayerWeights, StreamingPlan, automatic_budget, plan_streaming
+from engine_core.weight_streaming import StreamingPlan, automatic_budget, plan_streaming
 
 #: the reference's default: in-memory and named temporary files both allowed
 DEFAULT_TEMPFILE_FLAGS = (1 << TempfileControlFlag.ALLOW_IN_MEMORY_FILES) | (1 << TempfileControlFlag.ALLOW_TEMPORARY_FILES)
@@ -375,82 +382,6 @@ def _cuda_engine_state(plan: Plan) -> Any:
     return engine_state(plan)
 
 
-def _active_debug(ctx: ExecutionContext) -> tuple[IDebugListener, tuple[str, ...]] | None:
-    """The context's debug listener and enabled debug tensors, when both exist (CUDA backend hook)."""
-    state = ctx.__dict__.get("_debug_state")
-    if state is None or not state.active:
-        return None
-    return state.listener, tuple(sorted(state.enabled))
-
-
-def _shapes_need_values(plan: Plan, feeds: Mapping[str, np.ndarray]) -> bool:
-    """Whether some output's shape depends on input values, not only on the feeds' shapes."""
-    graph = plan.graph
-    infos = {v.name: TensorInfo(v.dtype, tuple(feeds[v.name].shape)) for v in graph.inputs}
-    try:
-        inferred = infer_shapes(graph, infos, values=True)
-    except ShapeError:  # an op needs a value to say its shape
-        return True
-    return any(inferred.get(name) is None or inferred[name].shape is None for name in graph.output_names)
-
-
-def _streamable_weights_per_layer(plan: Plan) -> list[LayerWeights]:
-    """Each layer's streamable weights (floating-point constants) in run order; [] without WEIGHT_STREAMING."""
-    if "WEIGHT_STREAMING" not in plan.build_info.get("flags", []):
-        return []
-    from engine_core.ir import subgraph_reads
-
-    graph = plan.graph
-    names = set(refittable_names(graph))
-    return [(node.name, [(n, int(graph.constants[n].nbytes))
-                         for n in dict.fromkeys((*node.inputs, *subgraph_reads(node))) if n in names])
-            for node in graph.nodes]
-
-
-def _profile_device_memory(plan: Plan, profile_index: int) -> int:
-    """Activation memory of one profile. CUDA plans: the per-profile arena sizes the build records
-    (``build_info["cuda"]["device_memory_per_profile"]``), else the engine-wide size, an upper bound.
-    CPU plans: the build's own estimate (live-tensor peak) at the profile's max shapes."""
-    if plan.backend != "cpu":
-        cuda_info = plan.build_info.get("cuda") or {}
-        recorded = cuda_info.get("device_memory_per_profile") if isinstance(cuda_info, dict) else None
-        if isinstance(recorded, list) and len(recorded) == len(plan.profiles):
-            return int(recorded[profile_index])
-        return plan.device_memory_size
-    from engine_core.builder import _activation_peak_bytes, _infos_for
-
-    graph = plan.graph
-    values = plan.profile_values[profile_index] if plan.profile_values else {}
-    infos = _infos_for(graph, {k: v[2] for k, v in plan.profiles[profile_index].items()},
-                       {k: v[2] for k, v in values.items()})
-    return _activation_peak_bytes(graph, infer_shapes(graph, infos))
-
-
-#: vectorized formats: (scalars per vector, position of the channel dim counted from the end)
-_VECTORIZED = {
-    TensorFormat.CHW2: (2, 3), TensorFormat.CHW4: (4, 3), TensorFormat.CHW16: (16, 3), TensorFormat.CHW32: (32, 3),
-    TensorFormat.HWC8: (8, 3), TensorFormat.HWC16: (16, 3), TensorFormat.DLA_HWC4: (4, 3),
-    TensorFormat.DHWC8: (8, 4), TensorFormat.CDHW32: (32, 4),
-}
-_WIDTH_WORDS = {2: "Two", 4: "Four", 16: "Sixteen", 32: "Thirty-two"}
-_DTYPE_WORDS = {DataType.FLOAT: "FP32", DataType.HALF: "FP16", DataType.DOUBLE: "FP64"}
-
-
-def format_description(fmt: TensorFormat, dtype: DataType) -> str:
-    """The reference's human-readable format text, e.g. "Row major linear FP32 format"."""
-    dt = _DTYPE_WORDS.get(dtype, dtype.name)
-    width = _VECTORIZED.get(fmt, (1, 0))[0]
-    if fmt == TensorFormat.LINEAR:
-        return f"Row major linear {dt} format"
-    if fmt == TensorFormat.DLA_LINEAR:
-        return f"DLA row major linear {dt} format"
-    if fmt in (TensorFormat.HWC, TensorFormat.DHWC):
-        return f"Channel major {dt} format"
-    if fmt in (TensorFormat.HWC8, TensorFormat.HWC16, TensorFormat.DHWC8, TensorFormat.DLA_HWC4):
-        return f"Channel major {dt} format where C % {width} == 0"
-    return f"{_WIDTH_WORDS[width]} wide channel vectorized row major {dt} format"
-
-
 @contextmanager
 def runtime_file(runtime: Runtime, data: bytes, name: str = "kiln") -> Iterator[str]:
     """A path holding ``data``, for code that can only be loaded from a file, created as the
@@ -482,16 +413,7 @@ def runtime_file(runtime: Runtime, data: bytes, name: str = "kiln") -> Iterator[
         os.unlink(path)
 
 
-def _host_array(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A numpy view of host memory at ``address`` (CPU-backend tensor addresses)."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(shape, dtype)
-    buf = (ctypes.c_char * nbytes).from_address(address)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
-class ExecutionContext:
+class ExecutionContext(BatchExecution):
     """Per-request state over a shared engine (IExecutionContext): shapes, addresses, profile."""
 
     error_recorder = RecorderSlot("engine")  # IErrorRecorder hook: defaults to the engine's
@@ -806,123 +728,6 @@ class ExecutionContext:
         outputs = self._run(arrays)
         return {name: outputs[name] if self.engine._tensor(name).kind != "tensor" else np.asarray(outputs[name])
                 for name in self._output_names}
-
-    def infer_batch(self, parts: Sequence[Mapping[str, np.ndarray | DeviceView]], pad_to: int | None = None,
-                    destinations: Sequence[Mapping[str, DeviceView]] | None = None) -> list[dict[str, np.ndarray]]:
-        """Run several requests' feeds as one batch and hand each its share of the outputs.
-
-        ``parts``: per request, every input as a numpy array or a ``DeviceView`` (CUDA backend), all with a
-        leading batch dim and the same dims after it. Each input's parts are gathered along axis 0 straight
-        into the run's input buffer (CUDA: host parts through its pinned mirror, device parts device to
-        device), rows up to ``pad_to`` (None: no padding) are zero, and the batch runs once. Part i gets its
-        rows of every output whose leading dim is the total batch, every other output whole (a copy).
-        ``destinations`` (CUDA backend): per part, output name -> DeviceView; that part's piece of the output
-        is copied there on the device (complete when this returns) and left out of its dict.
-        Why: no concatenation or padding copies on the host, and at a padded total batch the run uses the
-        same buffers, so the same CUDA graph, as ``infer`` and ``warm_up`` at that batch.
-        Raises ShapeError / TypeError naming the input (as ``infer``) or the output and part (destinations).
-        """
-        parts = list(parts)
-        if not parts:
-            return []
-        inputs, rows = self._batch_inputs(parts)
-        used = sum(rows)
-        total = used if pad_to is None else int(pad_to)
-        if total < used:
-            raise ValueError(f"pad_to {pad_to} is below the {used} rows of the parts")
-        targets = self._batch_destinations(destinations, len(parts))
-        for name, values in inputs.items():
-            self._input_shapes[name] = self.check_input_shape(name, (total, *values[0].shape[1:]))
-        self._inferred = None
-        spans = row_spans(rows)
-        if self._cuda is not None:
-            return self._cuda.infer_batch(inputs, spans, total, targets, profiler_for(self), _active_debug(self))
-        return self._infer_batch_on_host(inputs, spans, total, targets)
-
-    def _batch_inputs(self, parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[int]]:
-        """Each input's parts in order and each part's rows, checked as ``infer`` checks one feed. A part that
-        is a numpy array of the engine's dtype takes the short path: batches of many one-row requests spend
-        a few checks per part, not a conversion."""
-        names = self._input_names
-        expected = set(names)
-        dtypes = {name: self.engine._tensor(name).dtype for name in names}
-        inputs: dict[str, list[Any]] = {name: [] for name in names}
-        tails: dict[str, tuple[int, ...]] = {}
-        rows = []
-        for index, part in enumerate(parts):
-            if part.keys() != expected:
-                unknown = set(part) - expected
-                if unknown:
-                    raise ShapeError(f"part {index}: unknown inputs {sorted(unknown)}; this engine takes {names}")
-                raise ShapeError(f"part {index}: missing inputs {[n for n in names if n not in part]}")
-            count = -1
-            for name in names:
-                value = part[name]
-                if type(value) is not np.ndarray or value.dtype != dtypes[name] or not value.ndim or index == 0:
-                    value = self._batch_part(name, index, value)
-                shape = tuple(value.shape)
-                tail = tails.setdefault(name, shape[1:])
-                if shape[1:] != tail:
-                    raise ShapeError(f"input '{name}': part {index} has shape {list(shape)} and part 0 "
-                                     f"{list(inputs[name][0].shape)}; the dims after the batch dim must agree")
-                if count not in (-1, shape[0]):
-                    raise ShapeError(f"part {index}: its inputs have different batch sizes "
-                                     f"{sorted({count, shape[0]})}")
-                count = shape[0]
-                inputs[name].append(value)
-            rows.append(max(count, 0))
-        return inputs, rows
-
-    def _batch_part(self, name: str, index: int, value: Any) -> np.ndarray | DeviceView:
-        """One part of input ``name``: a tensor of the engine's dtype with a batch dim."""
-        tensor = self.engine._tensor(name)
-        if tensor.kind != "tensor" or self.engine.is_shape_inference_io(name):
-            raise TypeError(f"input '{name}' is a {'shape input' if tensor.kind == 'tensor' else tensor.kind}: "
-                            "infer_batch stacks tensors along their batch dim; run such engines with infer")
-        if not isinstance(value, DeviceView):
-            value = np.asarray(value)
-            if value.dtype.kind in "OSU" and tensor.dtype.kind == "O":
-                value = value.astype(object)
-        if value.dtype != tensor.dtype:
-            raise TypeError(f"input '{name}' of part {index} has dtype {value.dtype}, the engine expects {tensor.dtype}")
-        if not value.shape:
-            raise ShapeError(f"input '{name}' of part {index} is a scalar; infer_batch needs a leading batch dim")
-        return value
-
-    def _batch_destinations(self, destinations: Sequence[Mapping[str, DeviceView]] | None,
-                            count: int) -> list[Mapping[str, DeviceView]]:
-        """One (possibly empty) output name -> DeviceView mapping per part, names and dtypes checked."""
-        if destinations is None:
-            return [{} for _ in range(count)]
-        targets = list(destinations)
-        if len(targets) != count:
-            raise ValueError(f"destinations has {len(targets)} entries for {count} parts")
-        for index, target in enumerate(targets):
-            for name, view in target.items():
-                if name not in self._output_names:
-                    raise ShapeError(f"destination for part {index}: '{name}' is not an output of this engine "
-                                     f"(outputs: {self._output_names})")
-                if not isinstance(view, DeviceView):
-                    raise TypeError(f"destination of output '{name}' for part {index} is a {type(view).__name__}, "
-                                    "not a DeviceView")
-                dtype = self.engine._tensor(name).dtype
-                if view.dtype != dtype:
-                    raise TypeError(f"destination of output '{name}' for part {index} has dtype {view.dtype}, "
-                                    f"the engine's output is {dtype}")
-        return targets
-
-    def _infer_batch_on_host(self, inputs: Mapping[str, list[Any]], spans: Sequence[Span], total: int,
-                             targets: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
-        """CPU backend: numpy gathers, runs through ``infer`` and splits."""
-        for name, values in inputs.items():
-            if any(isinstance(v, DeviceView) for v in values):
-                raise TypeError(f"input '{name}' is given as a DeviceView, which needs a CUDA engine; "
-                                f"engine '{self.engine.name}' runs on the CPU backend")
-        if any(targets):
-            raise TypeError(f"destinations are DeviceViews, which need a CUDA engine; engine '{self.engine.name}' "
-                            "runs on the CPU backend")
-        outputs = self.infer({name: gather_rows(values, total) for name, values in inputs.items()})
-        return split_outputs(outputs, spans, total)
 
     def warm_up(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Pay a shape's first-run costs before live requests: CUDA backend: bind these input shapes and run

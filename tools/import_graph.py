@@ -49,7 +49,7 @@ PACKAGE = "engine_core"
 #:   plan     - the plan file and what reads it without running it: refittable weights, inspection, streaming
 #:   backends - the CUDA backend (lowering, tactics, runner): turns plans into device work
 #:   build    - the builder and INT8 calibration: passes + backends -> plan
-#:   runtime  - Runtime, CudaEngine, ExecutionContext
+#:   runtime  - Runtime, CudaEngine, ExecutionContext (its batch path and helpers in runtime_batch, runtime_helpers)
 #:   api      - the public package, the Refitter (it refits a runtime engine), the CLI and adapters
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["engine_core.version", "engine_core.errors", "engine_core.types", "engine_core.logger",
@@ -66,7 +66,7 @@ LAYERS: list[tuple[str, list[str]]] = [
               "engine_core.batching"]),
     ("backends", ["engine_core.backends", "engine_core.backends.*"]),
     ("build", ["engine_core.calibration", "engine_core.builder"]),
-    ("runtime", ["engine_core.runtime"]),
+    ("runtime", ["engine_core.runtime", "engine_core.runtime_batch", "engine_core.runtime_helpers"]),
     ("api", ["engine_core", "engine_core.refit", "engine_core.cli", "engine_core.conformance",
              "engine_core.onnx_backend"]),
 ]

@@ -1,0 +1,155 @@
+"""``ExecutionContext.infer_batch``: several requests' feeds run as one batch (see ``infer_batch``).
+
+``BatchExecution`` is a mixin that ``engine_core.runtime.ExecutionContext`` inherits; it reads the context's
+engine, I/O names, input shapes and CUDA runner, and runs through its ``infer`` (CPU backend). This module does
+not import the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_core.batching import Span, gather_rows, row_spans, split_outputs
+from engine_core.cuda.view import DeviceView
+from engine_core.errors import ShapeError
+from engine_core.inspector import profiler_for
+from engine_core.runtime_helpers import _active_debug
+
+
+class BatchExecution:
+    """The batch path of ``ExecutionContext`` (``infer_batch`` and its checks)."""
+
+    if TYPE_CHECKING:  # what the batch path reads of the context (ExecutionContext sets these)
+        engine: Any  # CudaEngine
+        profiler: Any  # IProfiler | None
+        _cuda: Any  # the CUDA backend's context state, None on the CPU backend
+        _inferred: dict[str, Any] | None
+        _input_names: list[str]
+        _output_names: list[str]
+        _input_shapes: dict[str, tuple[int, ...]]
+
+        def check_input_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]: ...
+
+        def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+
+        def infer_shapes(self) -> list[str]: ...
+
+    def infer_batch(self, parts: Sequence[Mapping[str, np.ndarray | DeviceView]], pad_to: int | None = None,
+                    destinations: Sequence[Mapping[str, DeviceView]] | None = None) -> list[dict[str, np.ndarray]]:
+        """Run several requests' feeds as one batch and hand each its share of the outputs.
+
+        ``parts``: per request, every input as a numpy array or a ``DeviceView`` (CUDA backend), all with a
+        leading batch dim and the same dims after it. Each input's parts are gathered along axis 0 straight
+        into the run's input buffer (CUDA: host parts through its pinned mirror, device parts device to
+        device), rows up to ``pad_to`` (None: no padding) are zero, and the batch runs once. Part i gets its
+        rows of every output whose leading dim is the total batch, every other output whole (a copy).
+        ``destinations`` (CUDA backend): per part, output name -> DeviceView; that part's piece of the output
+        is copied there on the device (complete when this returns) and left out of its dict.
+        Why: no concatenation or padding copies on the host, and at a padded total batch the run uses the
+        same buffers, so the same CUDA graph, as ``infer`` and ``warm_up`` at that batch.
+        Raises ShapeError / TypeError naming the input (as ``infer``) or the output and part (destinations).
+        """
+        parts = list(parts)
+        if not parts:
+            return []
+        inputs, rows = self._batch_inputs(parts)
+        used = sum(rows)
+        total = used if pad_to is None else int(pad_to)
+        if total < used:
+            raise ValueError(f"pad_to {pad_to} is below the {used} rows of the parts")
+        targets = self._batch_destinations(destinations, len(parts))
+        for name, values in inputs.items():
+            self._input_shapes[name] = self.check_input_shape(name, (total, *values[0].shape[1:]))
+        self._inferred = None
+        spans = row_spans(rows)
+        if self._cuda is not None:
+            return self._cuda.infer_batch(inputs, spans, total, targets, profiler_for(self), _active_debug(self))
+        return self._infer_batch_on_host(inputs, spans, total, targets)
+
+    def _batch_inputs(self, parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[int]]:
+        """Each input's parts in order and each part's rows, checked as ``infer`` checks one feed. A part that
+        is a numpy array of the engine's dtype takes the short path: batches of many one-row requests spend
+        a few checks per part, not a conversion."""
+        names = self._input_names
+        expected = set(names)
+        dtypes = {name: self.engine._tensor(name).dtype for name in names}
+        inputs: dict[str, list[Any]] = {name: [] for name in names}
+        tails: dict[str, tuple[int, ...]] = {}
+        rows = []
+        for index, part in enumerate(parts):
+            if part.keys() != expected:
+                unknown = set(part) - expected
+                if unknown:
+                    raise ShapeError(f"part {index}: unknown inputs {sorted(unknown)}; this engine takes {names}")
+                raise ShapeError(f"part {index}: missing inputs {[n for n in names if n not in part]}")
+            count = -1
+            for name in names:
+                value = part[name]
+                if type(value) is not np.ndarray or value.dtype != dtypes[name] or not value.ndim or index == 0:
+                    value = self._batch_part(name, index, value)
+                shape = tuple(value.shape)
+                tail = tails.setdefault(name, shape[1:])
+                if shape[1:] != tail:
+                    raise ShapeError(f"input '{name}': part {index} has shape {list(shape)} and part 0 "
+                                     f"{list(inputs[name][0].shape)}; the dims after the batch dim must agree")
+                if count not in (-1, shape[0]):
+                    raise ShapeError(f"part {index}: its inputs have different batch sizes "
+                                     f"{sorted({count, shape[0]})}")
+                count = shape[0]
+                inputs[name].append(value)
+            rows.append(max(count, 0))
+        return inputs, rows
+
+    def _batch_part(self, name: str, index: int, value: Any) -> np.ndarray | DeviceView:
+        """One part of input ``name``: a tensor of the engine's dtype with a batch dim."""
+        tensor = self.engine._tensor(name)
+        if tensor.kind != "tensor" or self.engine.is_shape_inference_io(name):
+            raise TypeError(f"input '{name}' is a {'shape input' if tensor.kind == 'tensor' else tensor.kind}: "
+                            "infer_batch stacks tensors along their batch dim; run such engines with infer")
+        if not isinstance(value, DeviceView):
+            value = np.asarray(value)
+            if value.dtype.kind in "OSU" and tensor.dtype.kind == "O":
+                value = value.astype(object)
+        if value.dtype != tensor.dtype:
+            raise TypeError(f"input '{name}' of part {index} has dtype {value.dtype}, the engine expects {tensor.dtype}")
+        if not value.shape:
+            raise ShapeError(f"input '{name}' of part {index} is a scalar; infer_batch needs a leading batch dim")
+        return value
+
+    def _batch_destinations(self, destinations: Sequence[Mapping[str, DeviceView]] | None,
+                            count: int) -> list[Mapping[str, DeviceView]]:
+        """One (possibly empty) output name -> DeviceView mapping per part, names and dtypes checked."""
+        if destinations is None:
+            return [{} for _ in range(count)]
+        targets = list(destinations)
+        if len(targets) != count:
+            raise ValueError(f"destinations has {len(targets)} entries for {count} parts")
+        for index, target in enumerate(targets):
+            for name, view in target.items():
+                if name not in self._output_names:
+                    raise ShapeError(f"destination for part {index}: '{name}' is not an output of this engine "
+                                     f"(outputs: {self._output_names})")
+                if not isinstance(view, DeviceView):
+                    raise TypeError(f"destination of output '{name}' for part {index} is a {type(view).__name__}, "
+                                    "not a DeviceView")
+                dtype = self.engine._tensor(name).dtype
+                if view.dtype != dtype:
+                    raise TypeError(f"destination of output '{name}' for part {index} has dtype {view.dtype}, "
+                                    f"the engine's output is {dtype}")
+        return targets
+
+    def _infer_batch_on_host(self, inputs: Mapping[str, list[Any]], spans: Sequence[Span], total: int,
+                             targets: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
+        """CPU backend: numpy gathers, runs through ``infer`` and splits."""
+        for name, values in inputs.items():
+            if any(isinstance(v, DeviceView) for v in values):
+                raise TypeError(f"input '{name}' is given as a DeviceView, which needs a CUDA engine; "
+                                f"engine '{self.engine.name}' runs on the CPU backend")
+        if any(targets):
+            raise TypeError(f"destinations are DeviceViews, which need a CUDA engine; engine '{self.engine.name}' "
+                            "runs on the CPU backend")
+        outputs = self.infer({name: gather_rows(values, total) for name, values in inputs.items()})
+        return split_outputs(outputs, spans, total)
