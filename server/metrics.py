@@ -4,7 +4,8 @@ Served on their own port (default 8002) at `/metrics`. A collector turns `ModelS
 families, so the numbers are the same ones /stats reports. Counter names carry no `_total` suffix, exactly as
 Triton exposes them (dashboards written for Triton keep working), so the text is rendered here rather than by
 prometheus_client's `generate_latest`, which would rename them. Kiln's own families (`kiln_*`: worker restarts,
-live workers, adaptive-profile rebuilds, queue depth per priority level) follow Prometheus naming instead.
+live workers, adaptive-profile rebuilds, queue depth per priority level, plan build time, plan-cache hits and
+misses, the executed batch sizes as a histogram) follow Prometheus naming instead.
 Gauges as Triton has them: `nv_inference_pending_request_count` (what autoscalers read) and the host's
 `nv_cpu_utilization` / `nv_cpu_memory_*` (from /proc; left out where there is none). With a response cache
 (`--cache-config`): Triton's per-model `nv_cache_*_per_model` counters for the models that use it, and the
@@ -28,6 +29,7 @@ from server.core.model import ModelVersion
 from server.gpu_metrics import NvmlGpus, Sampled
 from server.metrics_flags import MetricsOptions
 from server.metrics_latency import latency_families
+from server.plan_cache import server_lookups
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,7 +100,42 @@ _KILN_FAMILIES = {
                                     "counter", lambda v: v.profile_rebuilds),
     "kiln_optimization_profiles": ("Optimization profiles in the plan serving this version", "gauge",
                                    lambda v: v.engine.num_optimization_profiles),
+    "kiln_model_build_seconds": ("Seconds building the plan serving this version took; 0 when it was loaded from "
+                                 "the plan cache", "gauge", lambda v: v.build_seconds),
 }
+
+#: upper bounds of kiln_batch_size's buckets (+Inf follows)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def batch_size_family(stats: list[dict]) -> Metric:
+    """`kiln_batch_size`: a histogram of executed batch sizes per version, made at scrape time from the
+    statistics' per-batch-size execution counts (`batch_stats`), so nothing more is recorded per request."""
+    name = "kiln_batch_size"
+    family = Metric(name, "Batch sizes (items per model execution) executed", "histogram")
+    for stat in stats:
+        labels = {"model": stat["name"], "version": stat["version"]}
+        counts = {b["batch_size"]: b["compute_infer"]["count"] for b in stat["batch_stats"]}
+        for bound in BATCH_SIZE_BUCKETS:
+            family.add_sample(f"{name}_bucket", {**labels, "le": str(bound)},
+                              float(sum(c for size, c in counts.items() if size <= bound)))
+        family.add_sample(f"{name}_bucket", {**labels, "le": "+Inf"}, float(sum(counts.values())))
+        family.add_sample(f"{name}_count", labels, float(sum(counts.values())))
+        family.add_sample(f"{name}_sum", labels, float(sum(size * c for size, c in counts.items())))
+    return family
+
+
+def plan_cache_families() -> Iterable[Metric]:
+    """Plan-cache hits and misses by model since the server started (models unloaded since included)."""
+    hits, misses = server_lookups()
+    for name, help_text, counts in (
+            ("kiln_plan_cache_hits_total", "Model loads whose plan came from the plan cache", hits),
+            ("kiln_plan_cache_misses_total", "Model loads that built their plan (no usable plan-cache entry, or "
+                                             "the cache disabled)", misses)):
+        family = Metric(name, help_text, "counter")
+        for model, count in sorted(counts.items()):
+            family.add_sample(name, {"model": model}, float(count))
+        yield family
 
 
 class HostCpu:
@@ -176,6 +213,8 @@ class InferenceMetricsCollector:
                                   float(read_version(version)))
             yield family
         yield from self._queues(versions)
+        yield batch_size_family(stats)  # every version, as /stats reports its batch_stats
+        yield from plan_cache_families()
         yield from latency_families(config, loaded, self._core.caches_responses)
         for host in self._host:
             yield from host.families()

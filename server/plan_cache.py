@@ -17,7 +17,9 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +94,12 @@ def cache_key(model_digest: str, description: dict[str, Any], arch: str) -> str:
 
 @dataclass
 class CachedBuild:
-    """A loaded engine and how it was obtained: "cache hit", "built", or "rebuilt (...)" with the reason."""
+    """A loaded engine and how it was obtained: "cache hit", "built", or "rebuilt (...)" with the reason;
+    `build_s`: seconds the build took (0.0 for a cache hit)."""
 
     engine: kiln.CudaEngine
     origin: str
+    build_s: float = 0.0
 
 
 class PlanCache:
@@ -103,6 +107,11 @@ class PlanCache:
 
     def __init__(self, directory: str | Path | None) -> None:
         self.directory = Path(directory).expanduser() if directory else None
+        #: loads answered from the cache / built (with the cache disabled every load is a miss), by model name;
+        #: read by /metrics as kiln_plan_cache_hits_total / kiln_plan_cache_misses_total
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self._lock = threading.Lock()
         self.remove_stale_temporaries()
 
     def remove_stale_temporaries(self, older_than_s: float = STALE_TEMPORARY_S) -> int:
@@ -158,8 +167,20 @@ class PlanCache:
         if self.directory is not None:
             self.path(key).unlink(missing_ok=True)
 
-    def load_or_build(self, key: str, build: Callable[[], bytes], label: str) -> CachedBuild:
-        """The engine for `key`: from the cache when a valid entry exists, else built (and stored)."""
+    def lookups(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(hits, misses) by model name, copies."""
+        with self._lock:
+            return dict(self.hits), dict(self.misses)
+
+    def _count(self, counter: Counter[str], model: str | None) -> None:
+        if model is not None:
+            with self._lock:
+                counter[model] += 1
+
+    def load_or_build(self, key: str, build: Callable[[], bytes], label: str,
+                      model: str | None = None) -> CachedBuild:
+        """The engine for `key`: from the cache when a valid entry exists, else built (and stored). `model`
+        names the model a hit or miss is counted for (none: not counted)."""
         runtime = kiln.Runtime()
         origin = "built"
         data = self.read(key)
@@ -167,12 +188,16 @@ class PlanCache:
             try:
                 engine = runtime.load(data)
                 log.info("%s: plan cache hit (%s), no rebuild", label, self.path(key))
+                self._count(self.hits, model)
                 return CachedBuild(engine, "cache hit")
             except kiln.PlanFormatError as e:
                 log.warning("%s: plan cache entry %s is unusable (%s); rebuilding", label, self.path(key), e)
                 self.remove(key)
                 origin = f"rebuilt (cache entry unusable: {e})"
+        self._count(self.misses, model)
+        started = time.perf_counter()
         plan = build()
+        build_s = time.perf_counter() - started
         engine = runtime.load(plan)
         try:
             self.write(key, plan)
@@ -181,7 +206,7 @@ class PlanCache:
         else:
             if self.directory is not None:
                 log.info("%s: plan %s, stored in the plan cache (%s)", label, origin, self.path(key))
-        return CachedBuild(engine, origin)
+        return CachedBuild(engine, origin, build_s)
 
 
 _default: PlanCache | None = None
@@ -192,6 +217,11 @@ def configure(directory: str | Path | None) -> PlanCache:
     global _default
     _default = PlanCache(default_directory() if directory is None else (directory or None))
     return _default
+
+
+def server_lookups() -> tuple[dict[str, int], dict[str, int]]:
+    """The server's plan cache (hits, misses) by model; empty before any model was built through it."""
+    return _default.lookups() if _default is not None else ({}, {})
 
 
 def server_cache() -> PlanCache:

@@ -350,8 +350,10 @@ FIELDS: dict[str, Rule] = {
                                     "does --lenient-config). Remove response_cache or set enable: false",
                                     lenient=False),
     "model_metrics": container(),
-    "model_metrics.metric_control": refused(f"{_NOT_YET} per-model metric control (histogram buckets): Kiln serves "
-                                            "no latency histograms yet. Remove model_metrics", whole=True),
+    "model_metrics.metric_control": refused(f"{_NOT_YET} per-model metric control (histogram buckets): "
+                                            "nv_inference_first_response_histogram_ms (--metrics-config "
+                                            "histogram_latencies=true) uses Triton's default buckets for every "
+                                            "model. Remove model_metrics", whole=True),
 }
 
 LENIENT_FLAG = "--lenient-config"

@@ -183,6 +183,7 @@ class ModelVersion(ServedModel):
         self.engine = engine
         self.sequence = sequence  # the sequence batcher's settings (None: not a sequence model)
         self.plan_origin = "built"  # or "cache hit" / "rebuilt (...)": how the plan was obtained
+        self.build_seconds = 0.0  # how long building the plan took; 0.0 when it came from the plan cache
         self.source: ModelSource | None = None  # what it was built from, so it can be rebuilt (adaptive profiles)
         self.requested_config: ModelConfig | None = None
         self.profile_rebuilds = 0  # plans swapped in by adaptive profiles since the version was loaded
@@ -519,7 +520,8 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         builder_config.add_optimization_profile(profile)
     key = cache_key(files_digest(path.parent), build_description(builder_config), target_arch(builder_config.backend))
     label = f"model '{source.name}' version {version}"
-    cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label)
+    cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label,
+                                          source.name)
     engine = cached.engine
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
@@ -530,6 +532,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         model.close()
         raise
     model.plan_origin = cached.origin
+    model.build_seconds = cached.build_s
     model.source, model.requested_config = source, requested_config
     return model
 
