@@ -36,7 +36,17 @@ import numpy as np
 from server.protos import model_config_pb2
 
 from .errors import ErrorKind, ServerError, invalid, unavailable
-from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, JobsExecutor, PartsExecutor, Workers
+from .scheduler import (
+    DispatchOnce,
+    Execution,
+    ExecutionRecorder,
+    Executor,
+    Job,
+    JobResult,
+    JobsExecutor,
+    PartsExecutor,
+    Workers,
+)
 from .statistics import ExecutionTimes
 
 log = logging.getLogger("kiln.server.batcher")
@@ -249,8 +259,7 @@ class DynamicBatcher:
         self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
         self._queues: dict[int, collections.deque[_Pending]] = {
             level: collections.deque() for level in settings.policies}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dispatch_soon = False  # a _dispatch is queued on the loop
+        self._schedule = DispatchOnce(self._dispatch)  # `_dispatch` once on the next loop turn
         self._timer: asyncio.TimerHandle | None = None  # the next _dispatch for a queue delay or deadline
         self._deadlines = 0  # at least the queued requests with a timeout (recounted by _expire; 0: none queued)
         self._running: set[asyncio.Task] = set()
@@ -310,21 +319,13 @@ class DynamicBatcher:
             raise invalid(f"priority {priority} is out of range: this model has priority levels 1..{levels}")
         return priority
 
-    def _schedule(self) -> None:
-        """Run `_dispatch` once, soon, however many arrivals and returns ask for it during this loop turn."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        if not self._dispatch_soon:
-            self._dispatch_soon = True
-            self._loop.call_soon(self._dispatch)
-
     # -- dispatch -------------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Form and start batches while contexts are free; then wait (a timer) for the first queue delay or
         deadline to run out. Runs on the event loop, only when something changed: an arrival that a free context
         or a deadline cares about, a context coming back, a timer. Why not a task waiting on an event: that woke
         for every arrival while every context was busy, and cost the event loop more than the arrival itself."""
-        self._dispatch_soon = False
+        self._schedule.queued = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -359,8 +360,8 @@ class DynamicBatcher:
             timeouts += [p.deadline_ns - now for q in self._queues.values() for p in q
                          if p.deadline_ns and not p.delayed]
         if timeouts:
-            assert self._loop is not None
-            self._timer = self._loop.call_later(max(min(timeouts), 0) / 1e9, self._schedule)
+            assert self._schedule.loop is not None
+            self._timer = self._schedule.loop.call_later(max(min(timeouts), 0) / 1e9, self._schedule)
 
     def _expire(self, now: int) -> None:
         """Answer REJECT requests past their deadline; DELAY ones move behind the rest. Drop cancelled ones."""

@@ -274,6 +274,24 @@ class Workers:
             raise self.abandon(execution) from None
 
 
+class DispatchOnce:
+    """Runs a scheduler's `dispatch` once, on the event loop's next turn, however many arrivals, returns and timers
+    ask for it during this turn. Why: batches are formed once per turn; a task woken per arrival while every
+    context was busy cost the event loop more than the arrival itself. `dispatch` clears `queued` when it starts."""
+
+    def __init__(self, dispatch: Callable[[], None]) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's loop, once something asked
+        self.queued = False
+        self._dispatch = dispatch
+
+    def __call__(self) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if not self.queued:
+            self.queued = True
+            self.loop.call_soon(self._dispatch)
+
+
 class Scheduler(Protocol):
     async def submit(self, job: Job) -> JobResult:
         """Run `job` and return its outputs; raises what the execution raised."""

@@ -45,7 +45,7 @@ from server.protos import model_config_pb2
 
 from .batcher import BatchingSettings, DynamicBatcher, split_outputs
 from .errors import ServerError, invalid, unavailable
-from .scheduler import Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
+from .scheduler import DispatchOnce, Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
 from .sequence_config import CorrelationId, SequenceRequest, SequenceSettings, check_corrid_type, request_of
 from .statistics import ExecutionTimes
 
@@ -99,8 +99,7 @@ class SequenceBatcher:
         self._holders: dict[_Slot, _Sequence] = {}
         self._backlog: collections.deque[_Sequence] = collections.deque()
         self._retired: set[int] = set()  # instances that faulted and could not be replaced: their slots are gone
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dispatch_soon = False
+        self._schedule = DispatchOnce(self._dispatch)  # `_dispatch` once on the next loop turn
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -204,18 +203,10 @@ class SequenceBatcher:
             sequence.state = {s.input_name: outputs[s.output_name] for s in self.settings.states}
 
     # -- dispatch -------------------------------------------------------------------------------------------
-    def _schedule(self) -> None:
-        """Run `_dispatch` once, soon, however many events ask for it during this loop turn."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        if not self._dispatch_soon:
-            self._dispatch_soon = True
-            self._loop.call_soon(self._dispatch)
-
     def _dispatch(self) -> None:
         """Drop cancelled sequences, release idle ones, run what is ready; then wait (a timer) for the next queue
         delay or idle timeout. Runs on the event loop, only when something changed or a timer fires."""
-        self._dispatch_soon = False
+        self._schedule.queued = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -234,8 +225,8 @@ class SequenceBatcher:
         if wait_ns is not None:
             deadlines.append(wait_ns)
         if deadlines:
-            assert self._loop is not None
-            self._timer = self._loop.call_later(max(min(deadlines), 0) / 1e9, self._schedule)
+            assert self._schedule.loop is not None
+            self._timer = self._schedule.loop.call_later(max(min(deadlines), 0) / 1e9, self._schedule)
 
     def _run_ready(self, now: int) -> int | None:
         """Start what is ready; return how long (ns) to wait before trying again, None for no reason to."""
