@@ -94,7 +94,10 @@ def test_pointwise_family_compiles_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     f32, i64, b = np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.bool_)
     kernels = [pointwise_kernel(op, f32, [f32]) for op in ("Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt",
-                                                           "Neg", "Abs", "Reciprocal", "Floor", "Ceil")]
+                                                           "Neg", "Abs", "Reciprocal", "Floor", "Ceil", "Softsign",
+                                                           "ThresholdedRelu", "Mish", "Tan", "Asin", "Acos", "Atan",
+                                                           "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")]
+    kernels += [pointwise_kernel(op, np.dtype(np.float16), [np.dtype(np.float16)]) for op in ("Mish", "Softsign")]
     kernels += [pointwise_kernel(op, f32, [f32, f32]) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")]
     kernels += [pointwise_kernel("Add", i64, [i64, i64]), pointwise_kernel("Less", b, [i64, i64]),
                 pointwise_kernel("Where", f32, [b, f32, f32]), pointwise_kernel("Cast", b, [f32]),
@@ -147,6 +150,25 @@ def test_lowered_mlp_matches_onnxruntime():
     assert [s.node.op_type for s in lowered.steps] == ["FusedMatMul", "FusedMatMul", "Softmax"]
     assert [len(s.ops) for s in lowered.steps] == [2, 2, 1]
     assert lowered.memory.size <= lowered.memory.total_unshared  # two intermediates, both live at fc2
+
+
+def test_activations_and_trigonometry_run_as_generated_kernels():
+    """Softsign, Mish, ThresholdedRelu and the trigonometric/hyperbolic ops lower to generated pointwise kernels (no
+    host fallback) and match onnxruntime; each op feeds an output of its own, on inputs inside its domain."""
+    h = onnx.helper
+    ops = [("Softsign", "x", {}), ("Mish", "x", {}), ("ThresholdedRelu", "x", {"alpha": 0.25}), ("Tan", "x", {}),
+           ("Asin", "x", {}), ("Acos", "x", {}), ("Atan", "x", {}), ("Sinh", "x", {}), ("Cosh", "x", {}),
+           ("Asinh", "x", {}), ("Atanh", "x", {}), ("Acosh", "x_ge1", {})]
+    nodes = [h.make_node("Abs", ["x"], ["x_abs"], name="abs"), h.make_node("Add", ["x_abs", "one"], ["x_ge1"], name="ge1")]
+    nodes += [h.make_node(op, [source], [f"y_{op}"], name=op.lower(), **attrs) for op, source, attrs in ops]
+    graph = h.make_graph(nodes, "activations", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 64])],
+                         [h.make_tensor_value_info(f"y_{op}", onnx.TensorProto.FLOAT, [4, 64]) for op, _, _ in ops],
+                         [onnx.numpy_helper.from_array(np.array(1.1, np.float32), "one")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    model.ir_version = 8
+    x = np.random.default_rng(0).uniform(-0.9, 0.9, (4, 64)).astype(np.float32)
+    tactics = _emulate_vs_ort(model, {"x": x}).tactics()
+    assert all(tactics[op.lower()].startswith("pointwise") for op, _, _ in ops), tactics
 
 
 def test_lowered_op_mix_matches_onnxruntime_with_visible_host_fallback():

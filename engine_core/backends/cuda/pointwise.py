@@ -68,6 +68,11 @@ _FLOAT_UNARY = {
     "HardSigmoid": "fmax{f}(({F})0, fmin{f}(({F})1, ({F}){alpha} * {a} + ({F}){beta}))",
     "HardSwish": "{a} * fmax{f}(({F})0, fmin{f}(({F})1, {a} / ({F})6 + ({F})0.5))",
     "IsNaN": "isnan({a})",
+    "Softsign": "{a} / (({F})1 + fabs{f}({a}))", "ThresholdedRelu": "({a} > ({F}){alpha} ? {a} : ({F})0)",
+    "Mish": "{a} * tanh{f}({a} > ({F})20 ? {a} : log1p{f}(exp{f}({a})))",  # x * tanh(softplus(x)), softplus as above
+    "Tan": "tan{f}({a})", "Asin": "asin{f}({a})", "Acos": "acos{f}({a})", "Atan": "atan{f}({a})",
+    "Sinh": "sinh{f}({a})", "Cosh": "cosh{f}({a})", "Asinh": "asinh{f}({a})", "Acosh": "acosh{f}({a})",
+    "Atanh": "atanh{f}({a})",
 }
 _ANY_UNARY = {"Relu": "({a} > 0 ? {a} : 0)", "Neg": "-{a}", "Abs": "({a} < 0 ? -{a} : {a})", "Identity": "{a}",
               "Sign": "(({a} > 0) - ({a} < 0))"}
@@ -89,7 +94,8 @@ def compute_of(dtype: np.dtype) -> str:
 
 
 #: float attributes the expressions read, with the ONNX defaults
-_ATTR_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}}
+_ATTR_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "Elu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5},
+                  "ThresholdedRelu": {"alpha": 1.0}}
 
 #: ops lowered to a generated pointwise kernel (Cast, Clip, Where and variadic ones are special-cased)
 POINTWISE_OPS = frozenset(_FLOAT_UNARY) - {"GeluTanh"} | set(_ANY_UNARY) | set(_ARITH) | set(_FLOAT_BINARY) \
