@@ -31,15 +31,11 @@ from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config
 from .python_model import load_python_versions, python_stubs_stopped, runs_python
 from .response_cache import CacheConfig, Lookup, make_cache, store_outputs
 from .scheduler import Job
+from .sequence_config import SEQUENCE_PARAMETERS
 from .settings import AdaptiveSettings, LogSettings, TraceSettings
 from .shared_memory import SharedMemory
 from .statistics import ExecutionTimes
-from .types import (
-    InferRequest,
-    InferResponse,
-    RequestedOutput,
-    datatype_of_numpy,
-)
+from .types import InferRequest, InferResponse, RequestedOutput, datatype_of_numpy
 
 log = logging.getLogger("kiln.server")
 
@@ -48,8 +44,6 @@ CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with 
                        "enable.")
 
 SERVER_NAME = "kiln"
-#: request parameters that make a request a step of a sequence (Triton's names), which the response cache bypasses
-SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 EXTENSIONS = [
     "classification", "model_configuration", "model_repository", "model_repository(unload_dependents)",
     "schedule_policy", "statistics", "system_shared_memory", "binary_tensor_data", "parameters", "trace",
@@ -464,8 +458,10 @@ class ServerCore:
     def _store(self, model: ServedModel, cached: Lookup | None, arrays: dict[str, Any],
                requested: list[RequestedOutput]) -> None:
         """After a miss: the outputs go into the cache (`store_outputs`), unless the model was reloaded meanwhile."""
+        if cached is None:
+            return
         entry = self.models.get(model.name)
-        if cached is not None and entry is not None and entry.versions.get(model.version) is model:  # not reloaded
+        if entry is not None and entry.versions.get(model.version) is model:  # not reloaded meanwhile
             store_outputs(self.response_cache, model, cached, arrays, [o.name for o in requested])  # type: ignore[arg-type]
 
     def _forget_responses(self, name: str) -> None:

@@ -52,6 +52,7 @@ from .model_config import (
 )
 from .python_stub import BlsRunner, StreamSink, Stub, StubCallError, StubFailure, StubLaunch, server_python
 from .scheduler import Job, JobResult, Workers
+from .sequence_config import SEQUENCE_PARAMETERS
 from .statistics import ExecutionTimes
 from .types import datatype_of_numpy
 
@@ -63,7 +64,7 @@ DEFAULT_PYTHON_FILENAME = "model.py"
 EXECUTION_ENV_PATH = "EXECUTION_ENV_PATH"
 MODEL_DIRECTORY_KEYWORD = "$$TRITON_MODEL_DIRECTORY"
 #: request parameters Triton keeps for itself rather than handing them to the model (request.parameters())
-RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+RESERVED_PARAMETERS = frozenset({*SEQUENCE_PARAMETERS, "priority", "timeout",
                                  "binary_data_output"})
 #: Kiln parameters about building a plan: a Python model has none
 _PLAN_PARAMETERS = (PRECISION, PROFILE_BATCH_SIZES, PAD_BATCH, warmup.WARMUP_BUCKETS)

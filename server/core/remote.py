@@ -711,16 +711,17 @@ class RemoteCore:
 
     def _replied(self, message: Any) -> None:
         call_id, value, error = message
-        on_part = self._streams.get(call_id)
+        reply = self._pending.pop(call_id, None)
+        if reply is not None:
+            settle(reply, value, error)
+            return
+        on_part = self._streams.get(call_id)  # a stream's part (stream calls are never pending)
         if on_part is not None:
             part = value if error is None else StreamPart(error=error, final=True)
             if part.final:
                 del self._streams[call_id]
             on_part(part)
-            return
-        reply = self._pending.pop(call_id, None)
-        if reply is not None:  # else the caller gave up (client disconnect)
-            settle(reply, value, error)
+        # else the caller gave up (client disconnect)
 
     def _unsent(self, message: Any, error: Exception) -> None:
         """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""

@@ -193,11 +193,13 @@ class Workers:
 
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
-            on_loop = threading.get_ident() == self._loop_thread
-            clock = time.perf_counter_ns if on_loop else time.thread_time_ns
-            started = clock()
-            outputs, input_ns, infer_ns = go()
-            if self.inline_below_ns:
+            if not self.inline_below_ns:  # no inline decision to make (CUDA models): nothing to time here
+                outputs, input_ns, infer_ns = go()
+            else:
+                on_loop = threading.get_ident() == self._loop_thread
+                clock = time.perf_counter_ns if on_loop else time.thread_time_ns
+                started = clock()
+                outputs, input_ns, infer_ns = go()
                 self.timed(clock() - started, on_loop)
         except REQUEST_ERRORS as e:
             return Execution(context, error=e)

@@ -45,6 +45,7 @@ from server.protos import model_config_pb2
 
 from .batcher import BatchingSettings, DynamicBatcher, split_outputs
 from .errors import ServerError, invalid, unavailable
+from .grouping import outcome
 from .scheduler import DispatchOnce, Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
 from .sequence_config import CorrelationId, SequenceRequest, SequenceSettings, check_corrid_type, request_of
 from .statistics import ExecutionTimes
@@ -532,7 +533,7 @@ class OldestSequenceBatcher(SequenceBatcher):
         except Exception as e:  # noqa: BLE001 - the caller hears it
             self._completed(sequence, request, None, e)
             return
-        future.add_done_callback(lambda done: self._completed(sequence, request, *_outcome(done)))
+        future.add_done_callback(lambda done: self._completed(sequence, request, *outcome(done)))
 
     def _completed(self, sequence: _Sequence, request: _Request, result: JobResult | None,
                    error: BaseException | None) -> None:
@@ -548,13 +549,6 @@ class OldestSequenceBatcher(SequenceBatcher):
 
     def _shut_down(self) -> None:
         self._batcher.close()
-
-
-def _outcome(done: asyncio.Future) -> tuple[JobResult | None, BaseException | None]:
-    if done.cancelled():
-        return None, asyncio.CancelledError()
-    error = done.exception()
-    return (None, error) if error is not None else (done.result(), None)
 
 
 def sequence_batcher(contexts: list[object], execute: Executor, thread_name: str, settings: SequenceSettings,

@@ -143,6 +143,10 @@ class SequenceRequest:
     end: bool
 
 
+#: the request parameters that make a request a step of a sequence (Triton's names)
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
 def request_of(parameters: dict[str, Any]) -> SequenceRequest:
     """A request's `sequence_id`, `sequence_start`, `sequence_end` parameters (KServe JSON; gRPC int64_param /
     string_param / bool_param). A negative integer ID is the uint64 it stands for (gRPC carries uint64 IDs as
