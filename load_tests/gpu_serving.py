@@ -214,14 +214,10 @@ def spec_of(setup: Setup, model: str) -> ModelSpec:
 
 # ----------------------------------------------------------------------------------------------- server
 
-def _server_env() -> dict[str, str]:
-    return harness.python_path_env()
-
-
 def server_flags() -> str:
     """The server's --help text: which optional flags this checkout's server has (asked at run time)."""
     answer = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, cwd=ROOT,
-                            env=_server_env(), timeout=120)
+                            env=harness.python_path_env(), timeout=120)
     return answer.stdout
 
 
@@ -253,7 +249,7 @@ def kiln_server(repo: Path, plans: Path | None, log: Path, first_model: str,
                                    "--allow-client-shm", "true", *extra)  # the shared-memory transports register regions
     http = f"127.0.0.1:{ports[0]}"
     with harness.serving(command, log, harness.http_ready(f"http://{http}/v2/models/{first_model}/ready"),
-                         env=_server_env(), timeout_s=READY_TIMEOUT_S, interval_s=0.3, stop_timeout_s=30,
+                         env=harness.python_path_env(), timeout_s=READY_TIMEOUT_S, interval_s=0.3, stop_timeout_s=30,
                          show_log=False) as process:
         yield ServerHandle(http, f"127.0.0.1:{ports[1]}", log, process.pid)
 
