@@ -97,7 +97,11 @@ def test_smoke_run(tmp_path):
         for c in (1, 4)}
     for row in rows:
         assert row["errors"] == 0 and row["infer_per_s"] > 0 and row["efficiency"] > 0
-    assert all(r["server_avg_batch"] == 1.0 for r in rows if r["variant"] == "direct")  # no batcher: one by one
+    # no batcher: one by one. Not exactly 1.0: the statistics snapshots that bound a window are taken under load,
+    # and a request counted in inference_count whose execution is not yet in execution_count (or the reverse)
+    # moves the ratio by about 1/executions; batching at concurrency 4 would move it towards 2.
+    direct = [r["server_avg_batch"] for r in rows if r["variant"] == "direct"]
+    assert all(abs(avg - 1.0) < 0.05 for avg in direct), direct
     assert all(r["server_avg_batch"] >= 1.0 for r in rows if r["variant"] == "batched")
     assert {r["comparison"] for r in doc["ratios"]} == {"batched / direct", "system / grpc"}
     for model in doc["models"].values():
