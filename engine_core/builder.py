@@ -16,7 +16,15 @@ from functools import partial
 import numpy as np
 
 from engine_core.backends.registry import available_backends
-from engine_core.builder_config import BuilderConfig, OptimizationProfile, ShapeTriple
+from engine_core.builder_config import (
+    KNOB_ENVIRONMENT,
+    KNOBS_KEY,
+    BuilderConfig,
+    BuildKnobs,
+    OptimizationProfile,
+    ShapeTriple,
+    building_with,
+)
 from engine_core.builder_config import ProgressMonitor as ProgressMonitor  # re-exported: the config classes lived here
 from engine_core.calibration import calibrate
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
@@ -189,17 +197,37 @@ def _activation_peak_bytes(graph: Graph, infos: dict[str, TensorInfo]) -> int:
     return peak
 
 
-#: environment variables that change what a build produces (the server's plan cache keys on those set)
-BUILD_ENVIRONMENT = ("KILN_INT8_CONV", "KILN_INT8_GEMM", "KILN_MAX_CONSTANT_BYTES", "KILN_QGEMM")
+#: environment variables that give the defaults of the build knobs (BuilderConfig.int8_gemm and the others)
+BUILD_ENVIRONMENT = tuple(sorted(KNOB_ENVIRONMENT.values()))
 
 
-def build_environment() -> dict[str, str]:
-    """The BUILD_ENVIRONMENT variables set now, by name."""
-    return {name: os.environ[name] for name in BUILD_ENVIRONMENT if name in os.environ}
+def build_environment(config: BuilderConfig) -> dict[str, str]:
+    """The config's build knobs that change its plan, as text by environment-variable name (the server's plan
+    cache keys on them): each knob that differs from its built-in default, or whose variable is set now, with
+    the config's value ("1" / "0" for switches). With every knob at its default and no variable set it is
+    empty, so plan-cache keys stay those of before the knobs. A variable set now counts even where the config
+    was made before it was set: the ONNX parser, which has no config, still reads KILN_MAX_CONSTANT_BYTES."""
+    knobs = config.knobs()
+    changed = knobs.changed()
+    return {variable: _knob_text(getattr(knobs, name)) for name, variable in sorted(KNOB_ENVIRONMENT.items())
+            if name in changed or variable in os.environ}
+
+
+def _knob_text(value: object) -> str:
+    """A knob's value as its environment variable would say it."""
+    if value is None:
+        return ""
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
 
 
 def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger | None = None) -> bytes:
-    """Build ``network`` with ``config`` into plan bytes; raises BuildError with the reason."""
+    """Build ``network`` with ``config`` into plan bytes; raises BuildError with the reason. The passes and the
+    backend read the config's Kiln build knobs (``BuilderConfig.knobs``) for the whole build."""
+    with building_with(config.knobs()) as knobs:
+        return _build_plan(network, config, logger, knobs)
+
+
+def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger | None, knobs: BuildKnobs) -> bytes:
     logger = logger or DEFAULT_LOGGER
     started = time.perf_counter()
     if config.backend not in available_backends():
@@ -335,6 +363,8 @@ def build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logger
             **({"int8": {"mode": int8.mode, "calibrated_tensors": len(ranges), "warnings": int8.warnings}}
                if int8 is not None else {}),
             "build_seconds": round(time.perf_counter() - started, 4),
+            # Kiln build knobs off their defaults (the CUDA runner reads cuda_graphs, cudnn_heuristic_conv_plans)
+            **({KNOBS_KEY: changed} if (changed := knobs.changed()) else {}),
             **extra_info,
             **({"cuda": cuda_info} if cuda_info else {}),
         },

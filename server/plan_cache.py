@@ -72,7 +72,7 @@ def build_description(config: kiln.BuilderConfig) -> dict[str, Any]:
                     for profile in config.profiles]
     description = {"backend": config.backend, "flags": plan_flags(config), "level": config.builder_optimization_level,
                    "profiles": profiles, "shape_inputs": shape_inputs}
-    environment = build_environment()
+    environment = build_environment(config)
     return description | ({"environment": environment} if environment else {})  # unset: the keys of before
 
 

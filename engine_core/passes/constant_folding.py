@@ -4,16 +4,17 @@ Ops that are not deterministic (random) are kept; so are folds whose result woul
 than their inputs (an Expand or Tile of a small constant is cheaper to run than to store).
 Each fold's output size is predicted by the op's (cheap) shape inference before anything runs, so a
 hostile ConstantOfShape/Expand/Tile never allocates its output here; one whose constant output would
-exceed `max_constant_bytes()` fails the build, since every run of the plan would have to allocate it.
+exceed `max_constant_bytes()` (``BuilderConfig.max_constant_bytes``) fails the build, since every run of the
+plan would have to allocate it.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from engine_core.backends.cpu import run_node
+from engine_core.builder_config import MAX_CONSTANT_BYTES as MAX_CONSTANT_BYTES  # re-exported: it lived here
+from engine_core.builder_config import build_knobs
 from engine_core.errors import BuildError
 from engine_core.ir import Graph, Node, has_subgraph
 from engine_core.ops import TensorInfo, get_op
@@ -24,14 +25,12 @@ from engine_core.passes.shape_inference import VALUE_LIMIT
 
 #: Never store a folded result larger than this many bytes unless its inputs were as large.
 GROWTH_LIMIT_BYTES = 1 << 20
-#: Default bound on one constant tensor (imported or computed from constants): 16 GiB.
-MAX_CONSTANT_BYTES = 1 << 34
 
 
 def max_constant_bytes() -> int:
-    """The bound on one constant tensor: `KILN_MAX_CONSTANT_BYTES` if set, else MAX_CONSTANT_BYTES."""
-    text = os.environ.get("KILN_MAX_CONSTANT_BYTES", "")
-    return int(text) if text.strip().isdigit() else MAX_CONSTANT_BYTES
+    """The bound on one constant tensor: the build's ``BuilderConfig.max_constant_bytes``; outside a build
+    `KILN_MAX_CONSTANT_BYTES` if set, else MAX_CONSTANT_BYTES."""
+    return build_knobs().max_constant_bytes
 
 
 def fold_constants(graph: Graph) -> int:
@@ -40,6 +39,7 @@ def fold_constants(graph: Graph) -> int:
     folded = 0
     kept = []
     uses = Uses(graph)
+    limit = max_constant_bytes()
     for node in graph.nodes:
         op = get_op(node.op_type, node.domain)
         present = [i for i in node.inputs if i]
@@ -57,9 +57,10 @@ def fold_constants(graph: Graph) -> int:
             continue
         in_bytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray) and a.strides != (0,) * a.ndim)
         predicted = _predicted_bytes(node, args)
-        if predicted is not None and predicted > max_constant_bytes():
+        if predicted is not None and predicted > limit:
             raise BuildError(f"layer {node}: its output, computed from constants only, would take {predicted} "
-                             f"bytes, over the limit of {max_constant_bytes()} (KILN_MAX_CONSTANT_BYTES)")
+                             f"bytes, over the limit of {limit} (BuilderConfig.max_constant_bytes, "
+                             "KILN_MAX_CONSTANT_BYTES)")
         # a type conversion (DequantizeLinear int8 -> fp32 weights, Cast) grows bytes, not elements: fold it
         elements = max((a.size for a in args if isinstance(a, np.ndarray) and a.strides != (0,) * a.ndim), default=0)
         growth_limit = max(GROWTH_LIMIT_BYTES, 2 * in_bytes, 8 * elements)

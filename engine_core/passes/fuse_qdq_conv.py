@@ -19,10 +19,11 @@ Only symmetric int8 fuses (a zero point would need correction terms); grouped an
 as they are.
 
 **On for CUDA builds whose cuDNN builds INT8 graphs** (the builder probes it, ``int8_convolutions``), off for
-the CPU backend; ``KILN_INT8_CONV=1`` / ``0`` forces it either way. On the H100 (2026-11-23, bench/int8.py,
-ResNet-50 made Q/DQ at batch 128) float convolutions of the dequantized weights ran 9.47 ms, the QConv path
-(52 cuDNN INT8 graphs, engine_core/backends/cuda/cudnn_conv.py) 5.97 ms with the RGB stem still padded into
-INT8 (2.6 ms of it; now it stays float, ``INT8_CHANNEL_MULTIPLE``); Kiln's fp16 build of the float model 4.64 ms.
+the CPU backend; ``BuilderConfig.int8_conv = True`` / ``False`` (default from ``KILN_INT8_CONV=1`` / ``0``)
+forces it either way. On the H100 (2026-11-23, bench/int8.py, ResNet-50 made Q/DQ at batch 128) float
+convolutions of the dequantized weights ran 9.47 ms, the QConv path (52 cuDNN INT8 graphs,
+engine_core/backends/cuda/cudnn_conv.py) 5.97 ms with the RGB stem still padded into INT8 (2.6 ms of it; now it
+stays float, ``INT8_CHANNEL_MULTIPLE``); Kiln's fp16 build of the float model 4.64 ms.
 ``fold_constants`` must leave the weight's DequantizeLinear in place for this pass to see the int8
 weight: ``keeps_int8_conv_weight`` says which ones (it mirrors this pass's conditions, so a kept weight is
 always fused rather than dequantized at run time).
@@ -30,13 +31,13 @@ always fused rather than dequantized at run time).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import numpy as np
 
+from engine_core.builder_config import build_knobs
 from engine_core.ir import Graph, Node
 from engine_core.passes.fuse_qdq_matmul import (
     INT8,
@@ -200,15 +201,16 @@ _BUILD_CHOICE: ContextVar[bool] = ContextVar("int8_convolutions", default=False)
 
 
 def enabled() -> bool:
-    """Whether Q/DQ convolutions become QConv: ``KILN_INT8_CONV=1`` / ``0`` forces it, else the build's choice
-    (on for CUDA builds with cuDNN INT8, off otherwise: see the module docstring)."""
-    forced = os.environ.get("KILN_INT8_CONV", "")
-    return forced == "1" if forced in ("0", "1") else _BUILD_CHOICE.get()
+    """Whether Q/DQ convolutions become QConv: the build's ``BuilderConfig.int8_conv`` (outside a build
+    ``KILN_INT8_CONV=1`` / ``0``) forces it, else the build's choice (on for CUDA builds with cuDNN INT8, off
+    otherwise: see the module docstring)."""
+    forced = build_knobs().int8_conv
+    return forced if forced is not None else _BUILD_CHOICE.get()
 
 
 @contextmanager
 def int8_convolutions(on: bool) -> Iterator[None]:
-    """Within the block, ``enabled()`` is ``on`` unless KILN_INT8_CONV forces it (the builder sets it per build:
+    """Within the block, ``enabled()`` is ``on`` unless ``int8_conv`` forces it (the builder sets it per build:
     constant folding and this pass must agree on which weights stay int8)."""
     token = _BUILD_CHOICE.set(on)
     try:

@@ -26,10 +26,10 @@ computes in float32 with the exact scales.
 ``fold_constants`` must leave the weight's DequantizeLinear in place (``keeps_int8_weight``): folded, the
 weight would be a float constant and its int8 form lost.
 
-``KILN_INT8_GEMM=0`` turns the pass off (and ``keeps_int8_weight`` with it): the Q/DQ pairs then run as
-fake-quantizing pointwise kernels and the MatMuls as float GEMMs of the dequantized (folded) weights -- the
-same values up to float rounding, for comparing the INT8 GEMM path against (``bench.int8`` variant
-``int8_explicit_floatgemm``).
+``BuilderConfig.int8_gemm = False`` (default from ``KILN_INT8_GEMM=0``) turns the pass off (and
+``keeps_int8_weight`` with it): the Q/DQ pairs then run as fake-quantizing pointwise kernels and the MatMuls
+as float GEMMs of the dequantized (folded) weights -- the same values up to float rounding, for comparing the
+INT8 GEMM path against (``bench.int8`` variant ``int8_explicit_floatgemm``).
 
 FP8 (E4M3): the same pattern over ``float8e4m3fn`` tensors (opset 19+) fuses into a QMatMul with fp8
 operands whose accumulator is float32 (Hopper's FP8 tensor cores through cuBLASLt). x and W must share the
@@ -42,10 +42,9 @@ is the requantizing epilogue as for int8. E5M2 and the "fnuz" types stay unfused
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from engine_core.builder_config import build_knobs
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import INT8, QMATMUL_OPERANDS
 from engine_core.passes.pattern import Uses, fuse_matches, is_op, known_rank, other_input
@@ -232,8 +231,9 @@ def _match(graph: Graph, uses: Uses, mm: Node, requantize: bool) -> tuple[Node, 
 
 
 def enabled() -> bool:
-    """Whether Q/DQ MatMuls become QMatMul (unless ``KILN_INT8_GEMM=0``)."""
-    return os.environ.get("KILN_INT8_GEMM", "") != "0"
+    """Whether Q/DQ MatMuls become QMatMul: the build's ``BuilderConfig.int8_gemm``; outside a build, unless
+    ``KILN_INT8_GEMM=0``."""
+    return build_knobs().int8_gemm
 
 
 def fuse_qdq_matmul(graph: Graph, *, requantize: bool = True) -> int:

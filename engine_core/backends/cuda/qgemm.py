@@ -16,7 +16,6 @@ than its GEMMs did (docs/cuda-backend.md, "Session 6"). The kernel needs the sca
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from engine_core.backends.cuda.lowering_context import F16, F32, INT8, Launch, LoweringContext, Ref, TensorMap
 from engine_core.backends.cuda.pointwise import BF16, contiguous_strides
+from engine_core.builder_config import build_knobs
 from engine_core.ir import Node
 from engine_core.ops.fused import qmatmul_float_dtype
 
@@ -93,9 +93,9 @@ MIN_TILES = 48
 
 
 def available() -> bool:
-    """Whether builds here use the kernel: an sm_90 GPU (wgmma is sm_90a code), unless ``KILN_QGEMM=0`` (then
-    the cuBLASLt path)."""
-    if os.environ.get("KILN_QGEMM", "1") == "0":
+    """Whether builds here use the kernel: an sm_90 GPU (wgmma is sm_90a code), unless the build's
+    ``BuilderConfig.qgemm`` is False (outside a build: ``KILN_QGEMM=0``; then the cuBLASLt path)."""
+    if not build_knobs().qgemm:
         return False
     from engine_core.cuda.driver import compute_capability
 

@@ -22,7 +22,6 @@ whole-graph host fallback) and re-exports the names that lived here.
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -48,7 +47,6 @@ from engine_core.backends.cuda.runner_binding import _PreparedLaunch as _Prepare
 from engine_core.backends.cuda.runner_graphs import MAX_GRAPHS_PER_SHAPE as MAX_GRAPHS_PER_SHAPE
 from engine_core.backends.cuda.runner_graphs import GraphsMixin, graph_key
 from engine_core.backends.cuda.runner_graphs import _Graph as _Graph
-from engine_core.backends.cuda.runner_launch import HEURISTIC_CONV_PLANS as HEURISTIC_CONV_PLANS
 from engine_core.backends.cuda.runner_launch import LaunchMixin
 from engine_core.backends.cuda.runner_schedule import COMPUTE as COMPUTE
 from engine_core.backends.cuda.runner_schedule import COPY as COPY
@@ -72,6 +70,7 @@ from engine_core.backends.cuda.runner_staging import _memcpy_dtod as _memcpy_dto
 from engine_core.backends.cuda.runner_staging import _read_view as _read_view
 from engine_core.backends.cuda.runner_staging import _Stage as _Stage
 from engine_core.batching import Span, check_destination, part_shape
+from engine_core.builder_config import recorded_knob
 from engine_core.cuda.driver import (
     DEVICE_LOCK,
     DeviceBuffer,
@@ -255,7 +254,12 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
         self._copy_stream: int | None = None
         #: the two weight-streaming scratch slots (device), sized for the largest binding's schedule
         self._slots: list[DeviceBuffer | None] = [None, None]
-        self.use_graphs = os.environ.get("KILN_CUDA_GRAPHS", "1") != "0"
+        build_info = engine.plan.build_info if engine.plan is not None else None
+        #: capture and replay CUDA graphs: BuilderConfig.cuda_graphs, recorded in the plan (KILN_CUDA_GRAPHS overrides)
+        self.use_graphs: bool = recorded_knob(build_info, "cuda_graphs")
+        #: cuDNN's first heuristic plan for every convolution, not the autotuned one: the plan's
+        #: BuilderConfig.cudnn_heuristic_conv_plans (KILN_CUDNN_HEURISTIC overrides)
+        self.heuristic_conv_plans: bool = recorded_knob(build_info, "cudnn_heuristic_conv_plans")
         #: "fork" / "join": order runs given a default stream against the context's own stream
         self._events = _Events()
         #: CUDA graph launches of live runs (verification replays excluded): what tests and benchmarks observe

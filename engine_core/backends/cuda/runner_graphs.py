@@ -49,9 +49,9 @@ class GraphsMixin:
 
         Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
         second run with the same shapes and I/O addresses is captured into a graph; later runs with
-        those addresses replay it with one launch. Plans with host-fallback
-        layers (they synchronize) and KILN_CUDA_GRAPHS=0 always launch layer by layer; with a
-        ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
+        those addresses replay it with one launch. Plans with host-fallback layers (they synchronize) and plans
+        built with ``BuilderConfig.cuda_graphs = False`` (or run under KILN_CUDA_GRAPHS=0) always launch layer by
+        layer; with a ``profiler`` (IProfiler) each layer is timed with CUDA events and reported after the run.
         Streamed weights' uploads (copy stream) are part of the capture. ``debug``: (IDebugListener,
         tensor names): runs launch layer by layer (no replay) and report each tensor after its layer.
         ``consumed_event``: a CUevent recorded once no later step reads an input (captured as an
@@ -114,7 +114,7 @@ class GraphsMixin:
 
     def graphs_possible(self, binding: _Binding) -> bool:
         """Whether runs of ``binding`` may be captured and replayed (host-fallback layers synchronize; a
-        capture that failed or did not reproduce stays off; KILN_CUDA_GRAPHS=0)."""
+        capture that failed or did not reproduce stays off; BuilderConfig.cuda_graphs / KILN_CUDA_GRAPHS=0)."""
         return self.use_graphs and not binding.has_host and not binding.graph_failed
 
     def _replay_matches(self, binding: _Binding, graph: _Graph, schedule: Any, addresses: Mapping[str, int],

@@ -5,7 +5,6 @@ profiled runs (CUDA events per layer), weight-streaming uploads and debug tensor
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,10 +33,6 @@ from engine_core.errors import ExecutionError
 from engine_core.ir.graph import has_subgraph, subgraph_reads
 from engine_core.ops import TensorInfo
 from engine_core.types import TensorLocation, datatype_of
-
-#: KILN_CUDNN_HEURISTIC=1: run every convolution with cuDNN's first heuristic plan (ignore the autotuned
-#: choice): for telling a tuning problem from a kernel problem
-HEURISTIC_CONV_PLANS = os.environ.get("KILN_CUDNN_HEURISTIC", "0") == "1"
 
 
 class LaunchMixin:
@@ -229,7 +224,9 @@ class LaunchMixin:
         from engine_core.backends.cuda.cudnn_conv import signature
 
         before = self._convs.workspace_generation
-        index = 0 if HEURISTIC_CONV_PLANS else self.engine.conv_plans.get(signature(op), 0)
+        # heuristic_conv_plans (BuilderConfig.cudnn_heuristic_conv_plans, KILN_CUDNN_HEURISTIC=1): cuDNN's first
+        # heuristic plan, ignoring the autotuned choice -- for telling a tuning problem from a kernel problem
+        index = 0 if self.heuristic_conv_plans else self.engine.conv_plans.get(signature(op), 0)
         remaining = self._convs.run(op, resolve, stream, index, bias_only)
         if self._convs.workspace_generation != before:  # a new workspace: graphs captured the old one
             for binding in self._bindings.values():
