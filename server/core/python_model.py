@@ -52,7 +52,8 @@ from .model_config import (
 )
 from .python_stub import BlsRunner, StreamSink, Stub, StubCallError, StubFailure, StubLaunch, server_python
 from .scheduler import Job, JobResult, Workers
-from .sequence_config import SEQUENCE_PARAMETERS
+from .sequence import SequenceBatcher, sequence_batcher
+from .sequence_config import SEQUENCE_PARAMETERS, sequence_settings
 from .statistics import ExecutionTimes
 from .types import datatype_of_numpy
 
@@ -107,9 +108,11 @@ def complete_python_config(config: ModelConfig, name: str) -> ModelConfig:
             if tensor.data_type == model_config_pb2.TYPE_BF16:
                 raise invalid(f"model '{name}': {role} '{tensor.name}' is TYPE_BF16, which Kiln does not yet pass to "
                               "Python models (numpy has no bfloat16)")
-    if config.HasField("sequence_batching"):
-        raise invalid(f"model '{name}': Kiln does not yet run Python models with the sequence batcher. Remove "
-                      "sequence_batching")
+    if config.sequence_batching.state:
+        raise invalid(f"model '{name}': Kiln does not yet keep implicit state for Python models (keep it in the "
+                      "model, by request.correlation_id()). Remove sequence_batching's state")
+    if config.HasField("sequence_batching") and config.model_transaction_policy.decoupled:
+        raise invalid(f"model '{name}': sequence batching of decoupled models is not supported")
     for key in _PLAN_PARAMETERS:
         if key in config.parameters:
             raise invalid(f"model '{name}': parameter {key} is about the plan Kiln builds for an ONNX model; a Python "
@@ -271,18 +274,26 @@ class PythonVersion(ServedModel):
     """A loaded Python model version: its instances (stubs) and the batcher that runs requests on them."""
 
     def __init__(self, name: str, version: int, config: ModelConfig, labels: dict[str, list[str]],
-                 instances: list[Instance]) -> None:
+                 instances: list[Instance], directory: Path | None = None) -> None:
         super().__init__(name, version, config, labels)
         self.instances = instances
         self.decoupled = config.model_transaction_policy.decoupled
         self._loop = asyncio.get_running_loop()
-        if config.HasField("dynamic_batching") and config.max_batch_size > 0:
-            settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, name)
-        else:  # one request per execute(), as Triton runs a model without a batcher
-            settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, name)
-        # the batcher's contexts are this version's Instances (typed `object` there): both arguments say so
-        batcher = DynamicBatcher(instances, _not_used, f"kiln-{name}-{version}", settings,  # type: ignore[arg-type]
-                                 self._record_execution, execute_jobs=self._execute_jobs)  # type: ignore[arg-type]
+        # the batchers' contexts are this version's Instances (typed `object` there): the arguments say so
+        sequence = sequence_settings(config, None, directory) if directory is not None else None
+        batcher: DynamicBatcher | SequenceBatcher
+        if sequence is not None:  # requests as they are, each with its control inputs (sequence.sequence_batcher)
+            batcher = sequence_batcher(instances, _not_used, f"kiln-{name}-{version}",  # type: ignore[arg-type]
+                                       sequence, self._record_execution,
+                                       execute_jobs=self._execute_jobs)  # type: ignore[arg-type]
+        else:
+            if config.HasField("dynamic_batching") and config.max_batch_size > 0:
+                settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, name)
+            else:  # one request per execute(), as Triton runs a model without a batcher
+                settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, name)
+            batcher = DynamicBatcher(instances, _not_used, f"kiln-{name}-{version}",  # type: ignore[arg-type]
+                                     settings, self._record_execution,
+                                     execute_jobs=self._execute_jobs)  # type: ignore[arg-type]
         batcher.workers.label = f"model '{name}'"
         self.scheduler = PythonScheduler(batcher, self._stop_instances)
 
@@ -402,7 +413,7 @@ class PythonScheduler:
     """The `Scheduler` of a Python model: its dynamic batcher, and the stubs stopped once it is closed and the
     last admitted request is answered (a hot swap or an unload fails nothing that was accepted)."""
 
-    def __init__(self, batcher: DynamicBatcher, stop: Callable[[], Any]) -> None:
+    def __init__(self, batcher: DynamicBatcher | SequenceBatcher, stop: Callable[[], Any]) -> None:
         self.batcher = batcher
         self._stop = stop
         self._active = 0
@@ -483,7 +494,7 @@ async def load_python_version(source: ModelSource, version: int, config: ModelCo
         instances = _instances(config, source, version, model_file, python, environment, infer)
         await instances[0].start(first)
         await asyncio.gather(*(instance.start() for instance in instances[1:]))
-        model = PythonVersion(name, version, config, _read_labels(source, config), instances)
+        model = PythonVersion(name, version, config, _read_labels(source, config), instances, source.directory)
         await model.warm_up(source.directory)
     except BaseException:
         await asyncio.gather(*(instance.stop() for instance in instances), return_exceptions=True)

@@ -46,7 +46,17 @@ from server.protos import model_config_pb2
 from .batcher import BatchingSettings, DynamicBatcher, split_outputs
 from .errors import ServerError, invalid, unavailable
 from .grouping import outcome
-from .scheduler import DispatchOnce, Execution, ExecutionRecorder, Executor, Job, JobResult, PartsExecutor, Workers
+from .scheduler import (
+    DispatchOnce,
+    Execution,
+    ExecutionRecorder,
+    Executor,
+    Job,
+    JobResult,
+    JobsExecutor,
+    PartsExecutor,
+    Workers,
+)
 from .sequence_config import CorrelationId, SequenceRequest, SequenceSettings, check_corrid_type, request_of
 from .statistics import ExecutionTimes
 
@@ -501,13 +511,14 @@ class OldestSequenceBatcher(SequenceBatcher):
     def __init__(self, contexts: list[object], execute: Executor, thread_name: str, settings: SequenceSettings,
                  record_execution: ExecutionRecorder | None = None, clock: Callable[[], int] = time.perf_counter_ns,
                  create_context: Callable[[], object] | None = None,
-                 execute_parts: PartsExecutor | None = None) -> None:
+                 execute_parts: PartsExecutor | None = None, execute_jobs: JobsExecutor | None = None) -> None:
         super().__init__(settings, len(contexts), clock)
         config = model_config_pb2.ModelDynamicBatching(preferred_batch_size=list(settings.preferred_sizes),
                                                        max_queue_delay_microseconds=settings.max_queue_delay_ns // 1000)
         batching = BatchingSettings.from_config(config, max(1, settings.max_batch_size), settings.model)
         self._batcher = DynamicBatcher(contexts, execute, thread_name, batching, record_execution, clock=clock,
-                                       create_context=create_context, execute_parts=execute_parts)
+                                       create_context=create_context, execute_parts=execute_parts,
+                                       execute_jobs=execute_jobs)
         self.workers = self._batcher.workers
 
     def pending(self) -> dict[int, int]:
@@ -529,7 +540,10 @@ class OldestSequenceBatcher(SequenceBatcher):
         if flags.end:
             self._release(sequence)
         try:
-            future = self._batcher.enqueue(Job(inputs, request.job.batch_size, enqueued_ns=request.job.enqueued_ns))
+            job = request.job  # its id, outputs and sequence parameters go along (a Python model reads them)
+            future = self._batcher.enqueue(Job(inputs, job.batch_size, enqueued_ns=job.enqueued_ns,
+                                               parameters=_without_batching(job.parameters),
+                                               request_id=job.request_id, outputs=job.outputs))
         except Exception as e:  # noqa: BLE001 - the caller hears it
             self._completed(sequence, request, None, e)
             return
@@ -551,13 +565,26 @@ class OldestSequenceBatcher(SequenceBatcher):
         self._batcher.close()
 
 
+def _without_batching(parameters: dict) -> dict:
+    """A sequence request's parameters for the batcher behind the oldest strategy: `priority` and `timeout` are
+    left out (the sequence batcher ignores them, as documented), the rest goes to the model."""
+    if "priority" not in parameters and "timeout" not in parameters:
+        return parameters
+    return {k: v for k, v in parameters.items() if k not in ("priority", "timeout")}
+
+
 def sequence_batcher(contexts: list[object], execute: Executor, thread_name: str, settings: SequenceSettings,
                      record_execution: ExecutionRecorder | None = None,
                      create_context: Callable[[], object] | None = None,
-                     execute_parts: PartsExecutor | None = None) -> SequenceBatcher:
-    """The sequence batcher of the config's strategy."""
-    if settings.oldest:
+                     execute_parts: PartsExecutor | None = None,
+                     execute_jobs: JobsExecutor | None = None) -> SequenceBatcher:
+    """The sequence batcher of the config's strategy. A Python model (`execute_jobs`: its execute() takes the
+    requests as they are, each with its own control inputs, so rows are never stacked) runs either strategy as
+    the oldest one: each sequence's next request joins its batcher once the previous one has finished, and no row
+    without a request is sent (Triton's direct strategy sends those as null requests with READY false)."""
+    if settings.oldest or execute_jobs is not None:
         return OldestSequenceBatcher(contexts, execute, thread_name, settings, record_execution,
-                                     create_context=create_context, execute_parts=execute_parts)
+                                     create_context=create_context, execute_parts=execute_parts,
+                                     execute_jobs=execute_jobs)
     return DirectSequenceBatcher(contexts, execute, thread_name, settings, record_execution,
                                  create_context=create_context)

@@ -211,9 +211,10 @@ def _control_config_type(control: Control) -> str:
 
 
 # -- reading and checking a config --------------------------------------------------------------------------
-def sequence_settings(config: ModelConfig, model: onnx.ModelProto, directory: Path) -> SequenceSettings | None:
+def sequence_settings(config: ModelConfig, model: onnx.ModelProto | None, directory: Path) -> SequenceSettings | None:
     """The settings of a completed config with `sequence_batching` (None without it), checked against the config
-    and the ONNX graph; INVALID_ARGUMENT with Triton's text (or Kiln's, for the graph) when they disagree."""
+    and the ONNX graph (`model`; None for a Python model, which has none); INVALID_ARGUMENT with Triton's text (or
+    Kiln's, for the graph) when they disagree."""
     if not config.HasField("sequence_batching"):
         return None
     batching, name = config.sequence_batching, config.name
@@ -224,7 +225,8 @@ def sequence_settings(config: ModelConfig, model: onnx.ModelProto, directory: Pa
                                 idle_ns=int(batching.max_sequence_idle_microseconds or SEQUENCE_IDLE_DEFAULT_US) * 1000,
                                 start=controls[Control.CONTROL_SEQUENCE_START], end=controls[Control.CONTROL_SEQUENCE_END],
                                 ready=controls[Control.CONTROL_SEQUENCE_READY], corrid=corrid, states=states)
-    _check_against_graph(settings, config, model)
+    if model is not None:
+        _check_against_graph(settings, config, model)
     return settings
 
 

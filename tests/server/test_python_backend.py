@@ -183,8 +183,9 @@ WARMUP = 'model_warmup [ {{ name: "{kind}" batch_size: 1 inputs {{ key: "X" valu
 REFUSED = {
     "py_decoupled_warmup": (DECOUPLED_AUTO, FP32_4 + WARMUP.format(kind="zero_data"),
                             "Kiln does not yet warm up decoupled models"),
-    "py_sequence": (FAILING, FP32_4 + "sequence_batching { }\n", "Kiln does not yet run Python models with the "
-                                                                 "sequence batcher"),
+    "py_sequence_state": (FAILING, FP32_4 + 'sequence_batching { state [ { input_name: "S" output_name: "T" '
+                                            'data_type: TYPE_INT32 dims: [ 1 ] } ] }\n',
+                          "Kiln does not yet keep implicit state for Python models"),
     "py_precision": (FAILING, FP32_4 + 'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n',
                      "parameter kiln_precision is about the plan Kiln builds for an ONNX model"),
     "py_no_type": (FAILING, 'backend: "python"\ninput [ { name: "X" dims: [ 4 ] } ]\n', "input 'X' has no data_type"),
