@@ -16,6 +16,7 @@ from functools import partial
 import numpy as np
 
 from engine_core.backends.registry import available_backends
+from engine_core.build_extras import build_extras
 from engine_core.builder_config import (
     KNOB_ENVIRONMENT,
     KNOBS_KEY,
@@ -29,7 +30,6 @@ from engine_core.builder_config import ProgressMonitor as ProgressMonitor  # re-
 from engine_core.calibration import calibrate
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
 from engine_core.errors import BuildError, KilnError
-from engine_core.inspector import build_extras
 from engine_core.ir import Graph
 from engine_core.logger import DEFAULT_LOGGER, Logger, Severity
 from engine_core.network import NetworkDefinition

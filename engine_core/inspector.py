@@ -9,7 +9,7 @@ plan; the inspector never shows more than it allows:
   point — and, with ``inspector.execution_context`` set, the shapes at that context's input shapes.
 
 Debug tensors: ``network.mark_debug(name)`` keeps an intermediate tensor alive through the graph
-passes and records it in the plan; a context then reports each one whose debug state is on to its
+passes and records it in the plan (the build side: engine_core/build_extras.py); a context then reports each one whose debug state is on to its
 ``IDebugListener`` after the layer producing it ran (CPU backend).
 """
 
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from engine_core.backends.cpu import GraphRunner, LayerTimer
-from engine_core.compat import COMPAT_KEY, build_record, requirements
+from engine_core.compat import requirements
 from engine_core.errors import ExecutionError
 from engine_core.ir import Graph, Value
 from engine_core.plan import Plan
-from engine_core.plugins import BUILD_INFO_KEY as PLUGINS_KEY
-from engine_core.plugins import plugins_used
-from engine_core.refittable import unfolded_weights
 from engine_core.types import (
     BuilderFlag,
     HardwareCompatibilityLevel,
@@ -42,7 +38,6 @@ from engine_core.types import (
 
 if TYPE_CHECKING:
     from engine_core.builder_config import BuilderConfig
-    from engine_core.network import NetworkDefinition
 
 
 class InspectedEngine(Protocol):
@@ -66,43 +61,6 @@ class InspectedContext(Protocol):
 _NAMES_ONLY_KEYS = ("name", "type", "tactic")
 DEBUG_KEY = "debug_tensors"
 VERBOSITY_KEY = "profiling_verbosity"
-
-
-# -- build side ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def build_extras(graph: Graph, network: NetworkDefinition, config: BuilderConfig) -> Iterator[dict[str, Any]]:
-    """Wrap the builder's graph passes: refit, debug tensors, plugins, profiling verbosity,
-    compatibility (hardware level, VERSION_COMPATIBLE; refused here if the backend cannot honour it).
-
-    Yields a dict that holds, once the block ends, the entries to add to ``Plan.build_info``.
-    """
-    info: dict[str, Any] = {VERBOSITY_KEY: ProfilingVerbosity(config.profiling_verbosity).name,
-                            COMPAT_KEY: build_record(config)}
-    with ExitStack() as stack:
-        refit_info = stack.enter_context(unfolded_weights(graph, config))
-        debug_info = stack.enter_context(kept_debug_tensors(graph, getattr(network, "debug_tensors", ())))
-        yield info
-    info.update(refit_info)
-    info.update(debug_info)
-    used = plugins_used(graph)
-    if used:
-        info[PLUGINS_KEY] = used
-
-
-@contextmanager
-def kept_debug_tensors(graph: Graph, names: Any) -> Iterator[dict[str, Any]]:
-    """Debug tensors are graph outputs while the passes run, so none is fused away or removed."""
-    info: dict[str, Any] = {}
-    extra = [n for n in sorted(names) if n not in set(graph.output_names)]
-    graph.outputs.extend(Value(n, np.dtype(np.float32), None) for n in extra)
-    try:
-        yield info
-    finally:
-        graph.outputs = [v for v in graph.outputs if v.name not in set(extra)]
-        if names:
-            info[DEBUG_KEY] = sorted(names)
 
 
 # -- inspector ----------------------------------------------------------------------------------

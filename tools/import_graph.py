@@ -48,7 +48,8 @@ PACKAGE = "engine_core"
 #:   onnx     - the ONNX importer (it bounds constants as constant folding does)
 #:   plan     - the plan file and what reads it without running it: refittable weights, inspection, streaming
 #:   backends - the CUDA backend (lowering, tactics, runner): turns plans into device work
-#:   build    - the builder and INT8 calibration: passes + backends -> plan
+#:   build    - the builder, what it records beside the passes (build_extras) and INT8 calibration: passes + backends
+#:              -> plan
 #:   runtime  - Runtime, CudaEngine, ExecutionContext (its batch path and helpers in runtime_batch, runtime_helpers)
 #:   api      - the public package, the Refitter (it refits a runtime engine), the CLI and adapters
 LAYERS: list[tuple[str, list[str]]] = [
@@ -65,7 +66,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["engine_core.plan", "engine_core.refittable", "engine_core.inspector", "engine_core.weight_streaming",
               "engine_core.batching"]),
     ("backends", ["engine_core.backends", "engine_core.backends.*"]),
-    ("build", ["engine_core.calibration", "engine_core.builder"]),
+    ("build", ["engine_core.calibration", "engine_core.builder", "engine_core.build_extras"]),
     ("runtime", ["engine_core.runtime", "engine_core.runtime_batch", "engine_core.runtime_helpers"]),
     ("api", ["engine_core", "engine_core.refit", "engine_core.cli", "engine_core.conformance",
              "engine_core.onnx_backend"]),
