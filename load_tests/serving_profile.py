@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from load_tests.gpu_serving import _server_env, kiln_server  # noqa: E402
+from load_tests import harness  # noqa: E402
+from load_tests.gpu_serving import kiln_server  # noqa: E402
 
 
 def summarize(folded: Path, top: int = 25) -> dict:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
                 "--concurrency-range", f"{args.concurrency}:{args.concurrency}:1", "-p", "1000", "-r",
                 str(int(args.seconds) + 6), "--warmup", "1", "--input-data", args.input_data, "-q",
                 "--json-file", str(out / "perf.json"), *sum((["--shape", s] for s in args.shape), [])]
-        load = subprocess.Popen(perf, cwd=ROOT, env=_server_env(), stdout=subprocess.DEVNULL,
+        load = subprocess.Popen(perf, cwd=ROOT, env=harness.python_path_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         time.sleep(3.0)
         targets = {"core": server.pid}
