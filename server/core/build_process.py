@@ -12,12 +12,17 @@ or the build error's message. Limits:
 The reason a build failed (its BuildError, the limit it hit, the signal that ended it) becomes the model's
 UNAVAILABLE reason. Nothing here touches the plan cache: the parent stores a plan only once it has all of it.
 
+The same machinery reads a model file's graph inputs and outputs for the server (`run_bounded`, used by
+server/core/model_description.py), so the server process never parses an ONNX file itself. A child answers in
+bytes only (a JSON header, then the payload): the parent unpickles nothing a child that parsed a hostile file sends.
+
 Processes: CPU builds fork from a forkserver that imported the engine once (fast: tens of ms per build, not an
 interpreter start). CUDA builds use `spawn`: a fresh interpreter, so no CUDA state is ever inherited.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -26,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -41,7 +46,26 @@ DEFAULT_TIMEOUT_S = 600.0
 #: How often the parent checks the child's memory and the clock.
 _WATCH_INTERVAL_S = 0.1
 #: Modules the forkserver imports once, so forked builds start without importing numpy/onnx/the engine.
-_PRELOAD = ["server.core.build_process"]
+_PRELOAD = ["server.core.build_process", "server.core.model_description"]
+#: The most a child's header (kind + message) may take; longer error texts are cut in the child.
+_HEADER_MAX_BYTES = 1 << 20
+_MESSAGE_MAX_CHARS = 64 << 10
+
+
+class TaskFailed(kiln.BuildError):
+    """The child's own error: the model's build error, or why its file cannot be read; not a limit it ran into."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """How messages name one kind of child work: "the build ran past its time limit", "the build process ..."."""
+
+    what: str
+    process: str
+
+
+BUILD = Task("the build", "the build process")
+READ = Task("reading the model file", "the process reading the model file")
 
 
 @dataclass(frozen=True)
@@ -134,23 +158,34 @@ def build_plan(model_path: str | Path, config: kiln.BuilderConfig, label: str,
                limits: BuildLimits | None = None) -> bytes:
     """Parse `model_path` and build it with `config`; plan bytes, or BuildError naming the reason
     (the model's own error, or the memory/time limit it ran into). Blocking: call from a worker thread."""
+    return run_bounded(parse_and_build, (str(model_path), config), f"kiln-build {label}", BUILD,
+                       backend=config.backend, limits=limits, plugins=plugin_modules())
+
+
+def run_bounded(target: Callable[..., bytes], args: tuple, name: str, task: Task, *, backend: str = "cpu",
+                limits: BuildLimits | None = None, plugins: Sequence[str] = (),
+                max_result_bytes: int | None = None) -> bytes:
+    """`target(*args)` (a module-level function returning bytes) in a child process under `limits`: its bytes,
+    TaskFailed with the message of the KilnError it raised, or BuildError naming the limit it ran into or how it
+    ended. `backend` "cpu" forks from the forkserver (RLIMIT_AS bounds it), anything else spawns a fresh
+    interpreter (resident-memory watchdog only). Blocking: call from a worker thread."""
     limits = limits or current_limits()
-    context = _context(config.backend)
+    context = _context(backend)
     receiver, sender = context.Pipe(duplex=False)
     # RLIMIT_AS breaks CUDA (the driver reserves address space far beyond what it uses): watchdog only.
-    address_limit = limits.memory_bytes if config.backend == "cpu" else None
+    address_limit = limits.memory_bytes if backend == "cpu" else None
     cpu_limit = int(limits.timeout_s) + 30 if limits.timeout_s else None
-    process = context.Process(target=_child_main, args=(sender, str(model_path), config, address_limit, cpu_limit,
-                                                        plugin_modules()),
-                              name=f"kiln-build {label}", daemon=True)
+    process = context.Process(target=_child_main, args=(sender, target, args, task.what, address_limit, cpu_limit,
+                                                        list(plugins)),
+                              name=name, daemon=True)
     with _active_lock:
         if _stopping:
-            raise kiln.BuildError("the server is shutting down; build not started")
+            raise kiln.BuildError(f"the server is shutting down; {task.what} was not started")
         process.start()
         _active.add(process)
     sender.close()
     try:
-        return _collect(process, receiver, limits)
+        return _collect(process, receiver, limits, task, max_result_bytes)
     finally:
         if process.is_alive():
             process.kill()
@@ -168,14 +203,15 @@ def _context(backend: str):
     return context
 
 
-def _collect(process: multiprocessing.process.BaseProcess, receiver: Connection, limits: BuildLimits) -> bytes:
+def _collect(process: multiprocessing.process.BaseProcess, receiver: Connection, limits: BuildLimits, task: Task,
+             max_result_bytes: int | None) -> bytes:
     """Wait for the child's answer, enforcing the time and resident-memory limits."""
     deadline = time.monotonic() + limits.timeout_s if limits.timeout_s else None
     while True:
         ready = wait([receiver, process.sentinel], timeout=_WATCH_INTERVAL_S)
         if receiver in ready:
             try:
-                return _receive(receiver, limits)
+                return _receive(receiver, limits, task, max_result_bytes)
             except EOFError:  # the child ended without a word: its exit status says how
                 break
         elif ready:  # exited; read whatever it sent before it went
@@ -184,41 +220,50 @@ def _collect(process: multiprocessing.process.BaseProcess, receiver: Connection,
             break
         if deadline is not None and time.monotonic() > deadline:
             process.kill()
-            raise kiln.BuildError(f"the build ran past its time limit of {limits.timeout_s:g} s "
+            raise kiln.BuildError(f"{task.what} ran past its time limit of {limits.timeout_s:g} s "
                                   f"(--build-timeout-secs) and was stopped")
         rss = _resident_bytes(process.pid)
         if limits.memory_bytes is not None and rss is not None and rss > limits.memory_bytes:
             process.kill()
-            raise kiln.BuildError(f"the build used {format_size(rss)} of memory, over its limit of "
+            raise kiln.BuildError(f"{task.what} used {format_size(rss)} of memory, over its limit of "
                                   f"{format_size(limits.memory_bytes)} (--build-memory-limit), and was stopped")
     process.join(timeout=5)
-    raise kiln.BuildError(_exit_reason(process.exitcode, limits))
+    raise kiln.BuildError(_exit_reason(process.exitcode, limits, task))
 
 
-def _receive(receiver: Connection, limits: BuildLimits) -> bytes:
-    kind, message = receiver.recv()
+def _receive(receiver: Connection, limits: BuildLimits, task: Task, max_result_bytes: int | None) -> bytes:
+    """The child's answer: a JSON header [kind, message], and for "ok" the payload. Bytes and JSON only."""
+    try:
+        kind, message = json.loads(receiver.recv_bytes(_HEADER_MAX_BYTES))
+        kind, message = str(kind), str(message)
+    except (ValueError, TypeError, OSError) as e:  # OSError: longer than the header may be
+        raise kiln.BuildError(f"{task.process} sent an unreadable answer ({e})") from None
     if kind == "ok":
-        return receiver.recv_bytes()
+        try:
+            return receiver.recv_bytes(max_result_bytes)
+        except OSError as e:  # "bad message length": more than max_result_bytes
+            raise kiln.BuildError(f"{task.process} sent back more than {format_size(max_result_bytes or 0)} "
+                                  f"({e})") from None
     if kind == "memory":
         limit = format_size(limits.memory_bytes) if limits.memory_bytes else "this machine's memory"
-        raise kiln.BuildError(f"the build ran out of memory: it needs more than its limit of {limit} "
+        raise kiln.BuildError(f"{task.what} ran out of memory: it needs more than its limit of {limit} "
                               f"(--build-memory-limit){': ' + message if message else ''}")
-    raise kiln.BuildError(message)
+    raise TaskFailed(message)
 
 
-def _exit_reason(code: int | None, limits: BuildLimits) -> str:
+def _exit_reason(code: int | None, limits: BuildLimits, task: Task) -> str:
     if _stopping:
-        return "the build was stopped: the server is shutting down"
+        return f"{task.what} was stopped: the server is shutting down"
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         hint = ""
         if name in ("SIGKILL", "SIGABRT", "SIGSEGV") and limits.memory_bytes:
-            hint = (f" (a build that reaches its memory limit of {format_size(limits.memory_bytes)} "
+            hint = (f" (a child process that reaches its memory limit of {format_size(limits.memory_bytes)} "
                     f"ends this way; --build-memory-limit)")
         elif name == "SIGXCPU":
             hint = " (it used more CPU time than its limit)"
-        return f"the build process was killed by {name}{hint}"
-    return f"the build process exited with status {code} without a result"
+        return f"{task.process} was killed by {name}{hint}"
+    return f"{task.process} exited with status {code} without a result"
 
 
 def _resident_bytes(pid: int | None) -> int | None:
@@ -255,36 +300,50 @@ def plugin_modules() -> list[str]:
     return sorted(n for n in names if n and n != "__main__")
 
 
-def _child_main(sender: Connection, model_path: str, config: kiln.BuilderConfig, address_limit: int | None,
-                cpu_limit: int | None, plugins: Sequence[str] = ()) -> None:
-    """Entry of the build process: set its limits, build, send ("ok", size) + bytes or (kind, message)."""
+def _child_main(sender: Connection, target: Callable[..., bytes], args: tuple, what: str,
+                address_limit: int | None, cpu_limit: int | None, plugins: Sequence[str] = ()) -> None:
+    """Entry of a child: set its limits, run `target`, send ("ok", size) + bytes or (kind, message)."""
     import importlib
 
     for module in plugins:
         importlib.import_module(module)
     if address_limit is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+        _lower_limit(resource.RLIMIT_AS, address_limit, address_limit)
     if cpu_limit is not None:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 5))
+        _lower_limit(resource.RLIMIT_CPU, cpu_limit, cpu_limit + 5)
     try:
-        plan = parse_and_build(model_path, config)
+        result = target(*args)
     except MemoryError as e:
-        _send(sender, ("memory", str(e)))
+        _send(sender, "memory", str(e))
     except kiln.KilnError as e:
-        _send(sender, ("error", str(e)))
+        _send(sender, "error", str(e))
     except RecursionError:
-        _send(sender, ("error", "the model nests too deeply to import (recursion limit reached)"))
+        _send(sender, "error", "the model nests too deeply to import (recursion limit reached)")
     except Exception as e:  # noqa: BLE001 - whatever a hostile model provokes becomes the load's reason
-        log.exception("build of %s failed unexpectedly", model_path)
-        _send(sender, ("error", f"the build failed: {type(e).__name__}: {e}"))
+        log.exception("%s of %s failed unexpectedly", what, args[:1])
+        _send(sender, "error", f"{what} failed: {type(e).__name__}: {e}")
     else:
-        _send(sender, ("ok", len(plan)))
-        sender.send_bytes(plan)
+        if _send(sender, "ok", len(result)):
+            try:
+                sender.send_bytes(result)
+            except OSError:  # parent gone
+                pass
     sender.close()
 
 
-def _send(sender: Connection, message: tuple[str, object]) -> None:
+def _lower_limit(kind: int, soft: int, hard: int) -> None:
+    """Set a resource limit, never above the hard limit the server itself runs under (raising it is refused)."""
+    _, current = resource.getrlimit(kind)
+    if current != resource.RLIM_INFINITY:
+        soft, hard = min(soft, current), min(hard, current)
+    resource.setrlimit(kind, (soft, hard))
+
+
+def _send(sender: Connection, kind: str, message: object) -> bool:
+    """The header, as JSON bytes; False when it could not be sent."""
+    text = message[:_MESSAGE_MAX_CHARS] if isinstance(message, str) else message
     try:
-        sender.send(message)
+        sender.send_bytes(json.dumps([kind, text]).encode())
     except (OSError, MemoryError):  # parent gone, or no memory left even for the message: the exit code speaks
-        pass
+        return False
+    return True

@@ -1,8 +1,9 @@
 """One loaded model version: build from ONNX + config, check requests against its config, run, classify.
 
-Loading (`load_model_version`) is blocking and runs in a background thread: ONNX -> completed config ->
-optimization profile (batch 1..max_batch_size, other dims from the config) -> plan -> engine -> one execution
-context per instance. Requests are checked against the completed config, so the client sees Triton's
+Loading (`load_model_version`) is blocking and runs in a background thread: the ONNX graph's inputs and outputs
+(read by a bounded child process, server/core/model_description.py) -> completed config -> optimization profile
+(batch 1..max_batch_size, other dims from the config) -> plan (built by a bounded child) -> engine -> one execution
+context per instance. The server process itself never parses the model file. Requests are checked against the completed config, so the client sees Triton's
 messages about shapes and datatypes, not engine internals.
 """
 
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 import engine_core as kiln
 from engine_core.ops import TensorInfo
@@ -24,7 +24,7 @@ from server.plan_cache import build_description, cache_key, files_digest, server
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
-from . import build_process, execution, warmup
+from . import build_process, execution, model_description, warmup
 from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
 from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
@@ -503,13 +503,16 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         raise invalid(f"model '{source.name}' version {version}: '{filename}' resolves outside the model directory")
     if not path.is_file():
         raise invalid(f"model '{source.name}' version {version}: '{filename}' is missing in {path.parent}")
-    data = path.read_bytes()
-    try:
-        proto = onnx.load_model_from_string(data)
-    except Exception as e:  # noqa: BLE001 - protobuf raises several types for a corrupt file
+    digest = files_digest(path.parent)  # keys the description here and the plan below
+    label = f"model '{source.name}' version {version}"
+    try:  # parsed in a child process under the build limits; cached by digest (memory and the plan cache dir)
+        description = model_description.describe(path, digest, label, server_cache().directory)
+    except build_process.TaskFailed as e:
         raise invalid(f"model '{source.name}' version {version}: {filename} is not a valid ONNX model: {e}") from None
-    config = complete_config(config, proto, source.name, default_max_batch_size)
-    sequence = sequence_settings(config, proto, source.directory)
+    except kiln.BuildError as e:  # a limit it ran into, or how the child ended
+        raise invalid(f"model '{source.name}' version {version}: {filename} cannot be read: {e}") from None
+    config = complete_config(config, description, source.name, default_max_batch_size)
+    sequence = sequence_settings(config, description, source.directory)
     builder = kiln.Builder()  # the ONNX import itself runs in the build process (bounded memory and time)
     builder_config = kiln.BuilderConfig(_backend_for(config))
     apply_precision(config, builder_config)
@@ -518,8 +521,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         for name, (low, opt, high) in ranges.items():
             profile.set_shape(name, low, opt, high)
         builder_config.add_optimization_profile(profile)
-    key = cache_key(files_digest(path.parent), build_description(builder_config), target_arch(builder_config.backend))
-    label = f"model '{source.name}' version {version}"
+    key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend))
     cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label,
                                           source.name)
     engine = cached.engine

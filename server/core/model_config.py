@@ -2,20 +2,23 @@
 
 Configs are `inference.ModelConfig` messages (server/protos/model_config_pb2.py), so field names, enums and
 defaults are exactly Triton's. Completion follows Triton's `--strict-model-config=false`: whatever the
-config leaves out (inputs, outputs, dims, max_batch_size, version policy, instance group) comes from the model.
+config leaves out (inputs, outputs, dims, max_batch_size, version policy, instance group) comes from the model,
+as a child process read it (server/core/model_description.py: the server never parses a model file).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx
 from google.protobuf import json_format, text_format
 
 from server.protos import model_config_pb2
 
 from .errors import invalid
 from .types import CONFIG_TYPE_OF_DATATYPE, DATATYPE_OF_CONFIG_TYPE, datatype_of_numpy
+
+if TYPE_CHECKING:
+    from .model_description import ModelDescription, TensorDescription
 
 ModelConfig = model_config_pb2.ModelConfig
 
@@ -61,25 +64,13 @@ def datatype_of(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutp
     return DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(tensor.data_type), "INVALID")
 
 
-def _onnx_dims(value: onnx.ValueInfoProto) -> list[int]:
-    """Dims of an ONNX graph input/output; symbolic or unknown dims are -1."""
-    shape = value.type.tensor_type.shape
-    return [d.dim_value if d.HasField("dim_value") else -1 for d in shape.dim]
-
-
-def _onnx_config_type(value: onnx.ValueInfoProto, model_name: str) -> int:
-    if not value.type.HasField("tensor_type"):
+def _onnx_config_type(value: TensorDescription, model_name: str) -> int:
+    if value.elem_type is None:
         raise invalid(f"model '{model_name}': I/O '{value.name}' is not a tensor; the server serves tensors only")
     from engine_core.types import onnx_to_np
 
-    datatype = datatype_of_numpy(onnx_to_np(value.type.tensor_type.elem_type))
+    datatype = datatype_of_numpy(onnx_to_np(value.elem_type))
     return model_config_pb2.DataType.Value(CONFIG_TYPE_OF_DATATYPE[datatype])
-
-
-def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    """The graph inputs that are real inputs (initializers listed as inputs are weights)."""
-    weights = {t.name for t in model.graph.initializer}
-    return [v for v in model.graph.input if v.name not in weights]
 
 
 def is_ensemble(config: ModelConfig) -> bool:
@@ -108,15 +99,15 @@ def _check_platform(config: ModelConfig) -> None:
                       f"'{PYTHON_BACKEND}')")
 
 
-def _supports_batching(model: onnx.ModelProto) -> bool:
+def _supports_batching(model: ModelDescription) -> bool:
     """Every input and output has a first dim that is not fixed: the model takes a batch dimension."""
-    values = [*graph_inputs(model), *model.graph.output]
-    return bool(values) and all(_onnx_dims(v)[:1] in ([-1], []) and len(_onnx_dims(v)) >= 1 for v in values)
+    values = [*model.inputs, *model.outputs]
+    return bool(values) and all(v.shape[:1] in ([-1], []) and len(v.shape) >= 1 for v in values)
 
 
-def complete_config(config: ModelConfig, model: onnx.ModelProto, name: str,
+def complete_config(config: ModelConfig, model: ModelDescription, name: str,
                     default_max_batch_size: int) -> ModelConfig:
-    """A completed copy of `config` for the ONNX `model`; INVALID_ARGUMENT when they disagree.
+    """A completed copy of `config` for the ONNX model `model` describes; INVALID_ARGUMENT when they disagree.
 
     Output dims that ONNX leaves unknown stay -1 here; `complete_outputs_from_engine` fills them after the build.
     """
@@ -139,9 +130,9 @@ def complete_config(config: ModelConfig, model: onnx.ModelProto, name: str,
         if tensor.name in server_inputs:
             raise invalid(f"model '{name}': '{tensor.name}' is a sequence batching control or state input, which the "
                           "server fills; remove it from the config's input list")
-    _complete_tensors(config.input, [v for v in graph_inputs(model) if v.name not in server_inputs], config,
+    _complete_tensors(config.input, [v for v in model.inputs if v.name not in server_inputs], config,
                       "input", add_missing=True)
-    _complete_tensors(config.output, list(model.graph.output), config, "output", add_missing=False)
+    _complete_tensors(config.output, list(model.outputs), config, "output", add_missing=False)
     _complete_sequence_batching(config)
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
@@ -178,7 +169,7 @@ def _complete_sequence_batching(config: ModelConfig) -> None:
         batching.oldest.preferred_batch_size.append(config.max_batch_size)
 
 
-def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: ModelConfig, role: str,
+def _complete_tensors(declared, values: list[TensorDescription], config: ModelConfig, role: str,
                       add_missing: bool) -> None:
     """Check the declared inputs/outputs against the graph and (for inputs) add the ones left out.
 
@@ -198,7 +189,7 @@ def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: Model
             raise invalid(f"model '{config.name}': {role} '{tensor.name}' is "
                           f"{model_config_pb2.DataType.Name(expected)} in the model, the config says "
                           f"{model_config_pb2.DataType.Name(tensor.data_type)}")
-        dims = _onnx_dims(value)
+        dims = value.shape
         if batched and dims and dims[0] not in (-1,) and dims[0] < config.max_batch_size:
             raise invalid(f"model '{config.name}': {role} '{tensor.name}' has a fixed first dim {dims[0]}, "
                           f"which cannot hold max_batch_size {config.max_batch_size}")
@@ -211,7 +202,7 @@ def _complete_tensors(declared, values: list[onnx.ValueInfoProto], config: Model
         tensor = declared.add()
         tensor.name = value.name
         tensor.data_type = _onnx_config_type(value, config.name)
-        dims = _onnx_dims(value)
+        dims = value.shape
         tensor.dims.extend(dims[1:] if batched else dims)
 
 

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from engine_core.types import onnx_to_np
 from server.protos import model_config_pb2
 
 from .errors import invalid
-from .model_config import SEQUENCE_IDLE_DEFAULT_US, ModelConfig, graph_inputs
+from .model_config import SEQUENCE_IDLE_DEFAULT_US, ModelConfig
 from .tensors import from_raw
 from .types import DATATYPE_OF_CONFIG_TYPE, datatype_of_numpy, numpy_dtype
+
+if TYPE_CHECKING:
+    from .model_description import ModelDescription, TensorDescription
 
 SequenceBatching = model_config_pb2.ModelSequenceBatching
 Control = SequenceBatching.Control
@@ -211,7 +213,7 @@ def _control_config_type(control: Control) -> str:
 
 
 # -- reading and checking a config --------------------------------------------------------------------------
-def sequence_settings(config: ModelConfig, model: onnx.ModelProto | None, directory: Path) -> SequenceSettings | None:
+def sequence_settings(config: ModelConfig, model: ModelDescription | None, directory: Path) -> SequenceSettings | None:
     """The settings of a completed config with `sequence_batching` (None without it), checked against the config
     and the ONNX graph (`model`; None for a Python model, which has none); INVALID_ARGUMENT with Triton's text (or
     Kiln's, for the graph) when they disagree."""
@@ -383,11 +385,11 @@ def _initial_value(state: SequenceBatching.State, initial: SequenceBatching.Init
     raise invalid(f"initial_state setting expects state'{name}' to have state_data set")
 
 
-def _check_against_graph(settings: SequenceSettings, config: ModelConfig, model: onnx.ModelProto) -> None:
+def _check_against_graph(settings: SequenceSettings, config: ModelConfig, model: ModelDescription) -> None:
     """Every control and state input is a graph input, every state output a graph output, of the data type the
     config gives it (model_config.complete_config has made sure none is a client input too)."""
-    inputs = {v.name: v for v in graph_inputs(model)}
-    outputs = {v.name: v for v in model.graph.output}
+    inputs = {v.name: v for v in model.inputs}
+    outputs = {v.name: v for v in model.outputs}
     expected = [(c.name, c.datatype, "control input") for c in (settings.start, settings.end, settings.ready,
                                                                  settings.corrid) if c is not None]
     expected += [(s.input_name, s.datatype, "state input") for s in settings.states]
@@ -400,12 +402,11 @@ def _check_against_graph(settings: SequenceSettings, config: ModelConfig, model:
         _check_graph_tensor(config.name, outputs, state.output_name, state.datatype, "state output", "output")
 
 
-def _check_control_shape(config: ModelConfig, value: onnx.ValueInfoProto) -> None:
+def _check_control_shape(config: ModelConfig, value: TensorDescription) -> None:
     """A control input takes one element per request: [batch, 1], or [1] for a model without a batch dim."""
-    tensor_type = value.type.tensor_type
-    if not tensor_type.HasField("shape"):
+    if value.dims is None:
         return
-    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
+    dims = list(value.dims)
     rank = 2 if config.max_batch_size > 0 else 1
     if len(dims) != rank or dims[-1] not in (1, -1):
         expected = "[batch, 1]" if rank == 2 else "[1]"
@@ -413,13 +414,13 @@ def _check_control_shape(config: ModelConfig, value: onnx.ValueInfoProto) -> Non
                       f"the model; the server feeds it {expected}, one element per request")
 
 
-def _check_graph_tensor(model: str, values: dict[str, onnx.ValueInfoProto], name: str, datatype: str, role: str,
+def _check_graph_tensor(model: str, values: dict[str, TensorDescription], name: str, datatype: str, role: str,
                         kind: str) -> None:
     value = values.get(name)
     if value is None:
         raise invalid(f"model '{model}': sequence batching {role} '{name}' is not an {kind} of the ONNX graph "
                       f"({kind}s: {sorted(values)})")
-    actual = datatype_of_numpy(onnx_to_np(value.type.tensor_type.elem_type))
+    actual = datatype_of_numpy(onnx_to_np(value.elem_type or 0))  # 0: not a tensor, as the graph had it
     if actual != datatype:
         raise invalid(f"model '{model}': sequence batching {role} '{name}' is {datatype} in the config, but "
                       f"{actual} in the model")
