@@ -265,6 +265,14 @@ class DynamicBatcher:
         self._running: set[asyncio.Task] = set()
         self._closed = False
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this batcher serves, looked up once: `asyncio.get_running_loop()` makes a getpid system call
+        per call on Python 3.11 (one per request here, and system calls are dear on virtual machines)."""
+        loop = self._schedule.loop
+        if loop is None:
+            loop = self._schedule.loop = asyncio.get_running_loop()
+        return loop
+
     # -- submission -----------------------------------------------------------------------------------------
     async def submit(self, job: Job) -> JobResult:
         return await self.enqueue(job)
@@ -299,7 +307,7 @@ class DynamicBatcher:
             timeout_us = requested
         job.enqueued_ns = job.enqueued_ns or self._clock()
         deadline = job.enqueued_ns + timeout_us * 1000 if timeout_us else 0
-        future = asyncio.get_running_loop().create_future()
+        future = self._event_loop().create_future()
         pending = _Pending(job, future, level, shape_key(job.inputs), deadline, policy.reject_on_timeout)
         self._deadlines += bool(deadline)
         if self.padding is not None:
@@ -463,7 +471,7 @@ class DynamicBatcher:
 
     def _start(self, batch: list[_Pending]) -> None:
         context = self._free.pop()
-        task = asyncio.get_running_loop().create_task(self._run_batch(context, batch))
+        task = self._event_loop().create_task(self._run_batch(context, batch))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -471,7 +479,7 @@ class DynamicBatcher:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
         started = self._clock()
         give_back: object | None = context
-        execution = asyncio.get_running_loop().run_in_executor(self._pool, self._execute_batch, context, batch)
+        execution = self._event_loop().run_in_executor(self._pool, self._execute_batch, context, batch)
         try:
             outcome = await self.workers.wait(execution)
         except ServerError as e:  # abandoned past kiln_execution_timeout_ms: the context returns with the thread

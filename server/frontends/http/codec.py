@@ -120,7 +120,7 @@ def _no_constants(name: str) -> Any:
 
 # Made once: `json.loads`/`json.dumps` with options build a decoder/encoder per call (~2 us each per request).
 _DECODER = json.JSONDecoder(parse_constant=_no_constants)
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
 def parse_header(header: bytes) -> InferRequestBody:
@@ -210,18 +210,21 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> np
     """
     dtype = numpy_dtype(datatype)
     count = element_count(shape)
-    check_nesting(data)
     if datatype == "BYTES":
+        check_nesting(data)
         flat = _flatten_strings(data, name)
         if len(flat) != count:
             raise invalid(f"input '{name}': shape {list(shape)} needs {count} elements, data has {len(flat)}")
         array = np.empty(count, dtype=object)
         array[:] = flat
         return array.reshape(shape)
-    try:
+    try:  # numpy types the data first (no recursion of ours over it); nesting too deep fails here or is `object`
         values = np.asarray(data)
     except ValueError:
+        check_nesting(data)  # Triton's words for data nested 100 deep or more
         raise invalid(f"input '{name}': data is not a rectangular array of numbers") from None
+    if values.dtype.kind == "O":
+        check_nesting(data)
     if values.size != count:
         raise invalid(f"input '{name}': shape {list(shape)} needs {count} elements, data has {values.size}")
     if count == 0:
@@ -251,9 +254,10 @@ def _wide_integers(values: np.ndarray, dtype: np.dtype, datatype: str, name: str
 
 
 # -- responses --------------------------------------------------------------------------------------------------
-def _json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
+def _json_data(array: np.ndarray, datatype: str, check_finite: bool) -> list[Any] | None:
     """Flat JSON list of an output's elements, or None if it cannot be JSON (BYTES that are not UTF-8,
-    NaN or infinities, which `json.dumps` would write as tokens no JSON parser accepts)."""
+    NaN or infinities, which `json.dumps` would write as tokens no JSON parser accepts). Without
+    `check_finite`, non-finite floats are left for the encoder to refuse (it looks at every float anyway)."""
     flat = array.reshape(-1)
     if datatype == "BYTES":
         try:
@@ -262,7 +266,7 @@ def _json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
             return None
     if datatype in ("FP16", "BF16"):
         flat = flat.astype(np.float32)
-    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+    if check_finite and flat.dtype.kind == "f" and not np.isfinite(flat).all():
         return None
     return flat.tolist()
 
@@ -276,16 +280,24 @@ def encode_response(response: InferResponse, binary_default: bool) -> tuple[byte
     """The response body and, when binary outputs follow the JSON, the JSON header's length.
 
     An output is binary when its `binary_data` parameter says so, else when the request's
-    `binary_data_output` does; BYTES outputs that are not valid UTF-8 are sent binary either way.
+    `binary_data_output` does; BYTES outputs that are not valid UTF-8, and float outputs with NaN or
+    infinities, are sent binary either way.
     """
+    try:  # the encoder refuses non-finite floats: only then is each output checked (rare, and costs a pass)
+        return _encode_response(response, binary_default, check_finite=False)
+    except ValueError:
+        return _encode_response(response, binary_default, check_finite=True)
+
+
+def _encode_response(response: InferResponse, binary_default: bool, check_finite: bool) -> tuple[bytes, int | None]:
     outputs = []
     chunks: list[bytes] = []
     for output in response.outputs:
         parameters = {k: v for k, v in output.parameters.items() if k not in ("binary_data", "binary_data_size")}
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype, "shape": list(output.shape)}
         if output.data is not None:
-            data = None if _wants_binary(output.parameters, binary_default) else _json_data(output.data,
-                                                                                          output.datatype)
+            data = None if _wants_binary(output.parameters, binary_default) else _json_data(
+                output.data, output.datatype, check_finite)
             if data is None:
                 raw = to_raw(output.data, output.datatype)
                 chunks.append(raw)

@@ -233,6 +233,20 @@ class KilnHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.exchange: _Exchange | None = None  # the request on the inference road, while it is in flight
 
+    def on_message_begin(self) -> None:
+        """uvicorn's, less the ASGI scope (a dict and a copy of the app state per request): only a request that
+        takes the ASGI road needs one, and `on_headers_complete` makes it then."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _asgi_scope(self) -> None:
+        """The scope uvicorn's `on_message_begin` makes, over the URL and headers parsed so far."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
+
     def on_headers_complete(self) -> None:
         if self.parser.get_method() == b"POST" and not self.expect_100_continue and (
                 self.cycle is None or self.cycle.response_complete):
@@ -240,6 +254,7 @@ class KilnHttpProtocol(HttpToolsProtocol):
             if match is not None and self.url.isascii() and not self.parser.should_upgrade():
                 self._start_exchange(match)
                 return
+        self._asgi_scope()
         super().on_headers_complete()
 
     def _start_exchange(self, match: re.Match) -> None:
