@@ -86,9 +86,11 @@ def plan_flags(config: kiln.BuilderConfig) -> int:
     return flags
 
 
-def cache_key(model_digest: str, description: dict[str, Any], arch: str) -> str:
-    parts = {"model": model_digest, "build": description, "arch": arch, "kiln": kiln.__version__,
-             "plan_format": PLAN_FORMAT_VERSION}
+def cache_key(model_digest: str, description: dict[str, Any], arch: str, model_file: str = "model.onnx") -> str:
+    """`model_digest` covers the whole version directory, so the file that is built (`default_model_filename`)
+    is part of the key too: two ONNX files in one directory never share a plan."""
+    parts = {"model": model_digest, "file": model_file, "build": description, "arch": arch,
+             "kiln": kiln.__version__, "plan_format": PLAN_FORMAT_VERSION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

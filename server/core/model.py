@@ -521,7 +521,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         for name, (low, opt, high) in ranges.items():
             profile.set_shape(name, low, opt, high)
         builder_config.add_optimization_profile(profile)
-    key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend))
+    key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend), path.name)
     cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label,
                                           source.name)
     engine = cached.engine

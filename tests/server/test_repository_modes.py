@@ -102,7 +102,7 @@ def test_plan_cache_builds_once_hits_after_and_rebuilds_a_corrupt_entry(tmp_path
     assert kiln.Runtime().load(path.read_bytes()).num_io_tensors == 2  # the entry was replaced by a good plan
 
 
-def test_cache_key_covers_model_profiles_flags_arch_and_version(monkeypatch):
+def test_cache_key_covers_model_file_profiles_flags_arch_and_version(monkeypatch):
     monkeypatch.delenv("KILN_INT8_GEMM", raising=False)
     _, config = _network_and_config(scale_model(1.0))
     _, other_profile = _network_and_config(scale_model(1.0), max_batch=4)
@@ -111,6 +111,7 @@ def test_cache_key_covers_model_profiles_flags_arch_and_version(monkeypatch):
     assert base != cache_key("b", build_description(config), "cpu")
     assert base != cache_key("a", build_description(other_profile), "cpu")
     assert base != cache_key("a", build_description(config), "sm_90")
+    assert base != cache_key("a", build_description(config), "cpu", "other.onnx")  # default_model_filename
     monkeypatch.setenv("KILN_INT8_GEMM", "0")  # a build switch in the environment
     assert base != cache_key("a", build_description(config), "cpu")
     monkeypatch.delenv("KILN_INT8_GEMM")
