@@ -348,7 +348,20 @@ class EnsembleVersion(ServedModel):
         running: dict[asyncio.Future, tuple[_StepPlan, int]] = {}
         try:
             while waiting or running:
-                for plan in [p for p in waiting if all(t in tensors for _, t in p.step.inputs)]:
+                ready = [p for p in waiting if all(t in tensors for _, t in p.step.inputs)]
+                if len(ready) == 1 and not running:  # the only step that can run: awaited here, no task of its own
+                    plan = ready[0]
+                    waiting.remove(plan)
+                    step_request, step_batch = plan.request(tensors, request)
+                    self._release(plan, tensors, readers, requested)
+                    try:
+                        response = await infer(step_request)
+                    except ServerError as e:
+                        raise ServerError(e.kind, f"in ensemble '{self.name}', {e.message} ({plan.step.label})") \
+                            from None
+                    plan.take(response, tensors, step_batch)
+                    continue
+                for plan in ready:
                     waiting.remove(plan)
                     step_request, step_batch = plan.request(tensors, request)
                     running[asyncio.ensure_future(infer(step_request))] = (plan, step_batch)
