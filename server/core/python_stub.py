@@ -323,7 +323,12 @@ class _StubProtocol(asyncio.BufferedProtocol):
 
     def send(self, message: Any) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(wire.encode(message))
+            parts = wire.encode(message)
+            frame = wire.joined(parts)  # a small frame: one write, not one per part
+            if frame is not None:
+                self.transport.write(frame)
+            else:
+                self.transport.writelines(parts)
 
     def close(self) -> None:
         if self.transport is not None:

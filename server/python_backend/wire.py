@@ -3,7 +3,8 @@
 A frame is `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload, the buffers:
 the layout of server/core/remote.py, so the server reads a stub's frames with its `FrameDecoder`. Contiguous numpy
 arrays travel as out-of-band buffers through numpy's own pickling (no Kiln class is pickled: a stub may run in an
-environment without Kiln's packages). Sending joins nothing: the frame's parts go to the socket as they are.
+environment without Kiln's packages). A frame below JOIN_BELOW (64 KiB) is joined and
+written at once; a larger one goes part by part, its arrays never copied.
 
 A message is `(kind, call_id, body)`. The server calls the stub with AUTO_COMPLETE, INITIALIZE, EXECUTE and
 FINALIZE; the stub calls the server with INFER (a BLS request); either side answers a call with
@@ -46,9 +47,26 @@ def encode(message: Any) -> list[bytes | memoryview]:
     return [_HEAD.pack(len(payload), len(raws)) + sizes, payload, *raws]
 
 
+#: frames up to this size are joined and written with one system call (a copy of a few KiB costs less than a
+#: write per part); larger ones go part by part, their arrays never copied
+JOIN_BELOW = 1 << 16
+
+
+def joined(parts: list[bytes | memoryview]) -> bytes | None:
+    """The frame's parts as one bytes object when the frame is small (JOIN_BELOW), else None."""
+    if sum(memoryview(p).nbytes for p in parts) < JOIN_BELOW:
+        return b"".join(parts)
+    return None
+
+
 def send(sock: socket.socket, message: Any) -> None:
     """Write one message to a blocking socket (callers serialize their sends)."""
-    for part in encode(message):
+    parts = encode(message)
+    frame = joined(parts)
+    if frame is not None:
+        sock.sendall(frame)
+        return
+    for part in parts:
         sock.sendall(part)
 
 
