@@ -1,7 +1,8 @@
 """Triton's latency summaries and first-response histogram as metric families (`--metrics-config`).
 
 The numbers are recorded by each version's `LatencyRecorder` (server/core/latency.py); this module only names
-them as Triton's core does (core/src/metrics.cc), including its help texts, so dashboards carry over.
+them as Triton's core does (core/src/metrics.cc), including its help texts, so dashboards carry over. Each
+version's histogram has its own buckets: the server-wide ones, or its config's `model_metrics` override.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from server.core.latency import MetricsConfig
+from server.core.latency import FIRST_RESPONSE, MetricsConfig
 
 # recorder key -> (family, help): Triton's summary families
 _SUMMARIES = {
@@ -33,7 +34,6 @@ _SUMMARIES = {
                             "Summary of cache miss counts/durations per model, in microseconds."),
 }
 _CACHE_ONLY = ("cache_hit_duration", "cache_miss_duration")
-FIRST_RESPONSE = "nv_inference_first_response_histogram_ms"
 
 
 def _label_number(value: float) -> str:

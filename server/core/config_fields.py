@@ -30,6 +30,7 @@ from google.protobuf.message import Message
 from server.protos import model_config_pb2
 
 from .errors import invalid
+from .latency import HISTOGRAM_FAMILIES, valid_buckets
 
 log = logging.getLogger("kiln.server.config")
 
@@ -83,6 +84,7 @@ def container() -> Rule:
 
 
 _NOT_YET = "Kiln does not yet support"
+_HISTOGRAMS = ", ".join(HISTOGRAM_FAMILIES)
 _CUDA_BACKEND = "Kiln's CUDA backend"
 
 
@@ -350,10 +352,28 @@ FIELDS: dict[str, Rule] = {
                                     "does --lenient-config). Remove response_cache or set enable: false",
                                     lenient=False),
     "model_metrics": container(),
-    "model_metrics.metric_control": refused(f"{_NOT_YET} per-model metric control (histogram buckets): "
-                                            "nv_inference_first_response_histogram_ms (--metrics-config "
-                                            "histogram_latencies=true) uses Triton's default buckets for every "
-                                            "model. Remove model_metrics", whole=True),
+    "model_metrics.metric_control": partly("per-model histogram buckets, as in Triton 2.5x: each control's "
+                                           "histogram_options.buckets replace --metrics-config's for that model's "
+                                           "versions (server/core/latency.py model_buckets; a later control for the "
+                                           "same family wins); they take effect with --metrics-config "
+                                           "histogram_latencies=true, without it nothing is exported",
+                                           lambda value, _: all(c.metric_identifier.family for c in value),
+                                           "A metric_control without metric_identifier { family: ... } customises "
+                                           f"nothing. Use family: \"{_HISTOGRAMS}\" or remove it"),
+    "model_metrics.metric_control.metric_identifier": container(),
+    "model_metrics.metric_control.metric_identifier.family": partly(
+        f"the histogram families Kiln exports ({_HISTOGRAMS}) honoured; others refused",
+        lambda value, _: value in HISTOGRAM_FAMILIES,
+        f"model_metrics applies only to the histogram families Kiln exports: {_HISTOGRAMS} (Triton customises only "
+        "its histograms and ignores any other family). Remove this metric_control or name one of those families"),
+    "model_metrics.metric_control.histogram_options": honoured(
+        "its buckets replace the family's for this model; present without buckets (or a control without "
+        "histogram_options) leaves only the +Inf bucket, as in Triton"),
+    "model_metrics.metric_control.histogram_options.buckets": partly(
+        "finite, strictly increasing upper bounds in milliseconds honoured (+Inf is always added)",
+        lambda value, _: valid_buckets(value),
+        "Histogram buckets must be finite and strictly increasing (Triton's prometheus-cpp refuses unsorted "
+        "ones). Remove the bad bounds or sort them"),
 }
 
 LENIENT_FLAG = "--lenient-config"

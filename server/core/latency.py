@@ -10,6 +10,13 @@ prometheus_client's Summary exports no quantiles, so `WindowQuantiles` keeps the
 `MAX_AGE_S` seconds (Triton's prometheus-cpp default window) in a bounded ring and computes exact quantiles at
 scrape time; the `error` of each quantile is accepted for compatibility and unused (the estimate is exact over the
 ring). The process-wide settings are set once at start-up (`configure`), like the plan cache's.
+
+A model config's `model_metrics` (Triton's per-model metric control) overrides the buckets of a histogram family
+for that model's versions, as Triton 2.5x's MetricReporterConfig does: for each `metric_control` naming a
+histogram family Kiln exports (`HISTOGRAM_FAMILIES`), its `histogram_options.buckets` replace the server-wide ones
+(a later control for the same family wins; one without histogram_options leaves only +Inf, as in Triton). The
+load check (server/core/config_fields.py) refuses other families and buckets that are not finite and strictly
+increasing. Like Triton, the override only matters while `histogram_latencies=true`: otherwise no histogram exists.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 #: prometheus-cpp's Summary default max_age, which Triton keeps
 MAX_AGE_S = 60.0
@@ -28,6 +36,9 @@ MAX_OBSERVATIONS = 8192
 DEFAULT_QUANTILES: tuple[tuple[float, float], ...] = ((0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001),
                                                       (0.999, 0.001))
 DEFAULT_BUCKETS_MS: tuple[float, ...] = (100.0, 500.0, 2000.0, 5000.0)
+FIRST_RESPONSE = "nv_inference_first_response_histogram_ms"
+#: the histogram families Kiln exports, the ones a model config's model_metrics may set buckets for
+HISTOGRAM_FAMILIES: tuple[str, ...] = (FIRST_RESPONSE,)
 #: the summaries of a model version: Triton's reporter keys
 SUMMARIES = ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
              "compute_output_duration", "cache_hit_duration", "cache_miss_duration")
@@ -146,11 +157,32 @@ class Histogram:
         return cumulative
 
 
+def valid_buckets(buckets: Any) -> bool:
+    """Bucket bounds a histogram can have: finite and strictly increasing (prometheus-cpp, and so Triton, throws
+    on unsorted ones; equal ones would give two samples with the same `le`). None or empty: only +Inf."""
+    bounds = list(buckets)
+    return all(math.isfinite(b) for b in bounds) and all(a < b for a, b in zip(bounds, bounds[1:]))
+
+
+def model_buckets(model_metrics: Any) -> dict[str, tuple[float, ...]]:
+    """Histogram family -> the buckets a model config's `model_metrics` (a `ModelMetrics` message) sets for it.
+    Controls naming a family Kiln does not export as a histogram, or with buckets a histogram cannot have, are
+    left out (the load check refuses them; with --lenient-config the family keeps the server-wide buckets)."""
+    chosen: dict[str, tuple[float, ...]] = {}
+    for control in model_metrics.metric_control:
+        family, buckets = control.metric_identifier.family, tuple(control.histogram_options.buckets)
+        if family in HISTOGRAM_FAMILIES and valid_buckets(buckets):
+            chosen[family] = buckets  # a later control for the same family wins, as in Triton
+    return chosen
+
+
 @dataclass
 class LatencyRecorder:
-    """A model version's summaries and first-response histogram, fed by its `ModelStatistics`."""
+    """A model version's summaries and first-response histogram, fed by its `ModelStatistics`.
+    `buckets`: per-family bucket overrides (the model's `model_metrics`, `model_buckets`)."""
 
     config: MetricsConfig
+    buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
     summaries: dict[str, WindowQuantiles] = field(default_factory=dict)
     first_response_ms: Histogram | None = None
 
@@ -158,7 +190,7 @@ class LatencyRecorder:
         if self.config.summary_latencies:
             self.summaries = {name: WindowQuantiles() for name in SUMMARIES}
         if self.config.histogram_latencies:
-            self.first_response_ms = Histogram(self.config.buckets_ms)
+            self.first_response_ms = Histogram(self.buckets.get(FIRST_RESPONSE, self.config.buckets_ms))
 
     def observe(self, name: str, ns: int, weight: int = 1) -> None:
         summary = self.summaries.get(name)
@@ -184,6 +216,10 @@ def current() -> MetricsConfig:
     return _config
 
 
-def new_recorder() -> LatencyRecorder | None:
-    """A recorder for a newly loaded version, or None when neither summaries nor histograms are on."""
-    return LatencyRecorder(_config) if _config.summary_latencies or _config.histogram_latencies else None
+def new_recorder(model_metrics: Any = None) -> LatencyRecorder | None:
+    """A recorder for a newly loaded version, or None when neither summaries nor histograms are on.
+    `model_metrics`: its config's `ModelMetrics` (per-model histogram buckets), if any."""
+    if not (_config.summary_latencies or _config.histogram_latencies):
+        return None
+    buckets = model_buckets(model_metrics) if model_metrics is not None and _config.histogram_latencies else {}
+    return LatencyRecorder(_config, buckets)

@@ -28,6 +28,7 @@ from . import build_process, execution, model_description, warmup
 from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
 from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
+from .latency import new_recorder
 from .model_config import (
     ModelConfig,
     bool_parameter,
@@ -82,7 +83,8 @@ class ServedModel:
         self.inputs = _specs(config.input)
         self.outputs = _specs(config.output)
         self.max_batch_size = config.max_batch_size
-        self.statistics = ModelStatistics(name, str(version))
+        # its model_metrics sets the buckets of its histograms (server/core/latency.py)
+        self.statistics = ModelStatistics(name, str(version), latencies=new_recorder(config.model_metrics))
 
     #: runs its jobs: set by the versions that run them (ModelVersion, PythonVersion); an ensemble has none
     scheduler: Scheduler

@@ -82,8 +82,13 @@ REFUSED_EXAMPLES = {
     "model_transaction_policy.decoupled": "model_transaction_policy { decoupled: true }",
     "model_repository_agents.agents": 'model_repository_agents { agents [{ name: "checksum" }] }',
     "response_cache.enable": "response_cache { enable: true }\nmodel_transaction_policy { decoupled: true }",
-    "model_metrics.metric_control": 'model_metrics { metric_control [{ metric_identifier { family: '
-                                    '"nv_inference_request_duration" } histogram_options { buckets: [1, 10] } }] }',
+    "model_metrics.metric_control": "model_metrics { metric_control [{ histogram_options { buckets: [1, 10] } }] }",
+    "model_metrics.metric_control.metric_identifier.family":
+        'model_metrics { metric_control [{ metric_identifier { family: "nv_inference_request_duration" } '
+        "histogram_options { buckets: [1, 10] } }] }",
+    "model_metrics.metric_control.histogram_options.buckets":
+        'model_metrics { metric_control [{ metric_identifier { family: "nv_inference_first_response_histogram_ms" } '
+        "histogram_options { buckets: [10, 1] } }] }",
 }
 
 # Every field Kiln refuses, at its default (or an honoured value): what a config copied from Triton's /config
@@ -252,6 +257,8 @@ def test_the_refusal_shows_the_value_and_lists_every_refused_field():
     "optimization { input_pinned_memory { enable: true } output_pinned_memory { enable: true } }",
     'platform: "ensemble"\nensemble_scheduling { step [{ model_name: "add_sub" model_version: -1 }] }',
     "instance_group [{ rate_limiter { } }]\nmodel_repository_agents { }\nmodel_metrics { }\nresponse_cache { }",
+    'model_metrics { metric_control [{ metric_identifier { family: "nv_inference_first_response_histogram_ms" } '
+    "histogram_options { buckets: [1, 10.5] } }] }",
 ])
 def test_honoured_values_of_partly_refused_fields_and_empty_containers_pass(text: str):
     assert refusals(parse_config_text(text, "m")) == []
