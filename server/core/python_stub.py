@@ -168,7 +168,10 @@ class Stub:
         self._calls[call_id] = future
         self._protocol.send((kind, call_id, body))
         try:
-            value, error = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            if timeout_s is None:  # no timer: the future itself (wait_for and shield cost two more per call)
+                value, error = await future
+            else:
+                value, error = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
             self.kill()
             limit_ms = (timeout_s or 0) * 1000  # only a set timeout times out

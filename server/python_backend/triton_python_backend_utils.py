@@ -197,12 +197,20 @@ class _Capsule:
         return _DLPACK_CPU, 0
 
 
+_TRITON_TYPE_OF_DTYPE: dict[np.dtype, int | None] = {}  # _triton_type's answers (numpy's dtypes are few)
+
+
 def _triton_type(dtype: np.dtype) -> int | None:
     """TRITONSERVER_DataType of a numpy dtype; text and object arrays are BYTES."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "OSU":
-        return _BYTES
-    return numpy_to_triton_type(dtype.type)
+    try:
+        return _TRITON_TYPE_OF_DTYPE[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable as given
+        pass
+    found = np.dtype(dtype)
+    number = _BYTES if found.kind in "OSU" else numpy_to_triton_type(found.type)
+    if isinstance(dtype, np.dtype):
+        _TRITON_TYPE_OF_DTYPE[dtype] = number
+    return number
 
 
 class PreferredMemory:
@@ -383,6 +391,8 @@ def _tensors(tensors: Iterable[Any], what: str) -> list[Tensor]:
 
 def _parameters_json(parameters: dict[str, Any]) -> str:
     """Triton's check of request/response parameters: string keys, values str, int or bool."""
+    if not parameters and isinstance(parameters, dict):  # the usual case, for every request and response
+        return "{}"
     if not isinstance(parameters, dict):
         raise TritonModelException(f"Expect parameters to be a dict, found type {type(parameters).__name__}")
     for key, value in parameters.items():
