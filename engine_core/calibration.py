@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_core.backends.cpu import run_node, run_scoped
 from engine_core.errors import BuildError, KilnError
+from engine_core.interpret import run_node, run_scoped
 from engine_core.ir import Graph, has_subgraph, subgraph_reads
 from engine_core.version import __version__
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine_core.backends.cpu import GraphRunner, LayerTimer
 from engine_core.compat import requirements
 from engine_core.errors import ExecutionError
+from engine_core.interpret import GraphRunner, LayerTimer
 from engine_core.ir import Graph, Value
 from engine_core.plan import Plan
 from engine_core.types import (

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.registry import available_backends
 from engine_core.compat import check_plan_compatibility, device_arch, requirements
 from engine_core.cuda.driver import memory_info
@@ -38,6 +37,7 @@ from engine_core.inspector import (  # inspector / debug-tensor hooks
     run_with_debug,
 )
 from engine_core.inspector import engine_summary as engine_summary  # re-exported: it was defined here
+from engine_core.interpret import GraphRunner
 from engine_core.logger import DEFAULT_LOGGER, Logger
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes

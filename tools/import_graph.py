@@ -41,13 +41,16 @@ PACKAGE = "engine_core"
 #:   base     - errors, types, logging: no engine imports at all
 #:   ir       - the graph
 #:   cuda     - the driver, NVRTC and IPC wrappers: no graphs; everything that runs on a GPU builds on them
-#:   ops      - the op registry, the ops, and the two interpreters over the registry that the control-flow and fused
-#:              ops run their bodies with: the numpy one (backends.cpu) and shape inference
+#:   ops      - the op registry and the ops; ops with bodies (control flow, fused chains) are handed what runs their
+#:              bodies (the interpreter, shape inference) as arguments
+#:   interpret - the reference interpreter (numpy) over the op registry: folding, shape inference, calibration, the
+#:              CPU backend and the CUDA host fallback run layers with it
 #:   config   - what a build is asked for: the network, the builder config, which backends exist, compatibility
 #:   passes   - graph passes (they read the network and the config)
 #:   onnx     - the ONNX importer (it bounds constants as constant folding does)
 #:   plan     - the plan file and what reads it without running it: refittable weights, inspection, streaming
-#:   backends - the CUDA backend (lowering, tactics, runner): turns plans into device work
+#:   backends - the CPU backend (a plan through the interpreter) and the CUDA backend (lowering, tactics, runner):
+#:              turn plans into host or device work
 #:   build    - the builder, what it records beside the passes (build_extras) and INT8 calibration: passes + backends
 #:              -> plan
 #:   runtime  - Runtime, CudaEngine, ExecutionContext (its batch path and helpers in runtime_batch, runtime_helpers)
@@ -57,8 +60,8 @@ LAYERS: list[tuple[str, list[str]]] = [
               "engine_core.error_recorder"]),
     ("ir", ["engine_core.ir", "engine_core.ir.*"]),
     ("cuda", ["engine_core.cuda", "engine_core.cuda.*"]),
-    ("ops", ["engine_core.ops", "engine_core.ops.*", "engine_core.plugins", "engine_core.backends.cpu",
-             "engine_core.passes.shape_inference"]),
+    ("ops", ["engine_core.ops", "engine_core.ops.*", "engine_core.plugins"]),
+    ("interpret", ["engine_core.interpret", "engine_core.interpret.*"]),
     ("config", ["engine_core.backends.registry", "engine_core.compat", "engine_core.timing_cache",
                 "engine_core.builder_config", "engine_core.network"]),
     ("passes", ["engine_core.passes", "engine_core.passes.*"]),

@@ -1,8 +1,9 @@
 """Control flow (If, Loop, Scan): bodies run as subgraphs with access to the enclosing scope.
 
-Bodies are ``Graph`` attributes. The CPU backend calls these implementations with ``scope=`` (the
-enclosing tensors), which each body run sees as its outer scope, so bodies may read any tensor of
-the graphs around them. Values crossing a body boundary may be tensors, sequences (python lists)
+Bodies are ``Graph`` attributes. The interpreter (engine_core.interpret) calls these implementations with
+``scope=`` (the enclosing tensors), which each body run sees as its outer scope, so bodies may read any tensor of
+the graphs around them, and with ``interpreter=`` (what runs a body); shape inference calls the infer rules with
+``scope=`` and ``infer_graph=`` (itself). Values crossing a body boundary may be tensors, sequences (python lists)
 or empty optionals (None); they pass through untouched.
 
 Shapes: outputs are usually data-dependent (trip counts, branch choice). ``infer`` reports the
@@ -18,7 +19,15 @@ import numpy as np
 
 from engine_core.errors import ExecutionError, KilnError
 from engine_core.ir import Graph, Node, Value
-from engine_core.ops.registry import ShapeInferenceError, TensorInfo, normalize_axis, register_op
+from engine_core.ops.registry import (
+    BodyRunner,
+    GraphInference,
+    Interpreter,
+    ShapeInferenceError,
+    TensorInfo,
+    normalize_axis,
+    register_op,
+)
 
 Scope = Mapping[str, Any] | None
 Shape = tuple[int, ...]
@@ -27,22 +36,20 @@ Shape = tuple[int, ...]
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def run_body(body: Graph, feeds: Mapping[str, Any], scope: Scope, runner: Any = None) -> list[Any]:
-    """Run a body once and return its outputs in declared order.
-
-    ``runner`` lets loops build the body's GraphRunner (its liveness tables) once, not per
-    iteration. The import is local: the CPU backend imports the op registry, which imports us.
-    """
-    if runner is None:
-        runner = body_runner(body)
+def run_body(body: Graph, feeds: Mapping[str, Any], scope: Scope, runner: BodyRunner) -> list[Any]:
+    """Run a body once with ``runner`` (from ``body_runner``: loops build it, and its liveness tables, once, not per
+    iteration) and return its outputs in declared order."""
     results = runner.run(feeds, outer=scope)
     return [results[name] for name in body.output_names]
 
 
-def body_runner(body: Graph) -> Any:
-    from engine_core.backends.cpu import GraphRunner  # on use: loading it loads engine_core.ops first
-
-    return GraphRunner(body)
+def body_runner(body: Graph, interpreter: Interpreter | None) -> BodyRunner:
+    """The runner of ``body``, built by the interpreter the op was called with (it passes itself: the op registry
+    sits below it, so ops do not import it)."""
+    if interpreter is None:
+        raise ExecutionError("an op with a body runs under the interpreter (engine_core.interpret), "
+                             "which passes itself as interpreter=")
+    return interpreter(body)
 
 
 def static_shape(value: Value) -> Shape | None:
@@ -57,21 +64,20 @@ def declared_info(value: Value) -> TensorInfo:
     return TensorInfo(value.dtype, static_shape(value))
 
 
-def infer_body(body: Graph, inputs: Sequence[TensorInfo], scope: Mapping[str, TensorInfo] | None
-               ) -> list[TensorInfo] | None:
-    """Infos of a body's outputs by shape inference over the body, with the enclosing graphs' infos
-    as its outer scope; None when there is no scope (a caller that passes none) or it fails.
+def infer_body(body: Graph, inputs: Sequence[TensorInfo], scope: Mapping[str, TensorInfo] | None,
+               infer_graph: GraphInference | None) -> list[TensorInfo] | None:
+    """Infos of a body's outputs by shape inference over the body (``infer_graph``, passed by shape inference),
+    with the enclosing graphs' infos as its outer scope; None when there is no scope or no ``infer_graph`` (a caller
+    that passes none) or it fails.
 
     Bodies inlined from function expansions often declare no output types, so this is the only
     reliable source of their dtypes.
     """
-    if scope is None:
+    if scope is None or infer_graph is None:
         return None
-    from engine_core.passes.shape_inference import infer_shapes  # on use: engine_core.passes loads all passes
-
     feeds = {**scope, **{v.name: info for v, info in zip(body.inputs, inputs)}}  # inner names shadow outer ones
     try:
-        infos = infer_shapes(body, feeds)
+        infos = infer_graph(body, feeds)
     except KilnError:
         return None
     found = [infos.get(name) for name in body.output_names]
@@ -107,7 +113,8 @@ def empty_scan_output(value: Value) -> np.ndarray:
 # -- If -----------------------------------------------------------------------------------------
 
 
-def _if_infer(node: Node, cond: TensorInfo, scope: Mapping[str, TensorInfo] | None = None) -> list[TensorInfo]:
+def _if_infer(node: Node, cond: TensorInfo, scope: Mapping[str, TensorInfo] | None = None,
+              infer_graph: GraphInference | None = None) -> list[TensorInfo]:
     """A known condition gives the chosen branch's infos (values too); otherwise shapes on which
     both branches agree. Branch inference needs ``scope``; without it, the declarations speak."""
     then_b: Graph = node.attr("then_branch")
@@ -116,15 +123,15 @@ def _if_infer(node: Node, cond: TensorInfo, scope: Mapping[str, TensorInfo] | No
         raise ShapeInferenceError(f"If branches have {len(then_b.outputs)} and {len(else_b.outputs)} outputs")
     if cond.value is not None:
         chosen = then_b if truth(cond.value, "If condition") else else_b
-        return infer_body(chosen, [], scope) or [declared_info(v) for v in chosen.outputs]
-    then_i = infer_body(then_b, [], scope) or [declared_info(v) for v in then_b.outputs]
-    else_i = infer_body(else_b, [], scope) or [declared_info(v) for v in else_b.outputs]
+        return infer_body(chosen, [], scope, infer_graph) or [declared_info(v) for v in chosen.outputs]
+    then_i = infer_body(then_b, [], scope, infer_graph) or [declared_info(v) for v in then_b.outputs]
+    else_i = infer_body(else_b, [], scope, infer_graph) or [declared_info(v) for v in else_b.outputs]
     return [TensorInfo(t.dtype, t.shape if t.shape == e.shape else None) for t, e in zip(then_i, else_i)]
 
 
-def _if_cpu(node: Node, cond: np.ndarray, scope: Scope = None) -> list[Any]:
+def _if_cpu(node: Node, cond: np.ndarray, scope: Scope = None, interpreter: Interpreter | None = None) -> list[Any]:
     branch = node.attr("then_branch") if truth(cond, "If condition") else node.attr("else_branch")
-    return run_body(branch, {}, scope)
+    return run_body(branch, {}, scope, body_runner(branch, interpreter))
 
 
 register_op("If", infer=_if_infer, cpu=_if_cpu, doc="runs then_branch or else_branch; both see the outer scope")
@@ -134,14 +141,14 @@ register_op("If", infer=_if_infer, cpu=_if_cpu, doc="runs then_branch or else_br
 
 
 def _loop_infer(node: Node, trip: TensorInfo | None, cond: TensorInfo | None, *carried: TensorInfo | None,
-                scope: Mapping[str, TensorInfo] | None = None) -> list:
+                scope: Mapping[str, TensorInfo] | None = None, infer_graph: GraphInference | None = None) -> list:
     """Carried values keep their shape when one body pass maps it to itself; scan outputs get
     (trip count, *per-iteration shape) only when the count is known and no condition can stop early."""
     body: Graph = node.attr("body")
     n = len(carried)
     states = [loop_state(c) for c in carried]
     inputs = [TensorInfo(np.int64, ()), TensorInfo(np.bool_, ()), *states]
-    outs = infer_body(body, inputs, scope) or [declared_info(v) for v in body.outputs]
+    outs = infer_body(body, inputs, scope, infer_graph) or [declared_info(v) for v in body.outputs]
     infos: list[TensorInfo] = []
     for init, out in zip(carried, outs[1 : n + 1]):
         if init is None or init.dtype == object:  # optionals and sequences: what the body gives
@@ -167,7 +174,7 @@ def _may_stop(body: Graph) -> bool:
 
 
 def _loop_cpu(node: Node, trip: np.ndarray | None, cond: np.ndarray | None, *carried: Any,
-              scope: Scope = None) -> list[Any]:
+              scope: Scope = None, interpreter: Interpreter | None = None) -> list[Any]:
     """ONNX Loop: ``for i in range(M) while cond``; M and cond are each optional.
 
     Like onnxruntime (and the onnx reference), the body's condition output ends the loop even when
@@ -180,7 +187,7 @@ def _loop_cpu(node: Node, trip: np.ndarray | None, cond: np.ndarray | None, *car
                              f"with {n} loop-carried values it must take {n + 2} and give at least {n + 1}")
     limit = None if trip is None else int(np.asarray(trip).reshape(-1)[0])
     keep_going = True if cond is None else truth(cond, "Loop condition")
-    runner = body_runner(body)
+    runner = body_runner(body, interpreter)
     names = body.input_names
     values = list(carried)
     scans: list[list[Any]] = [[] for _ in body.outputs[n + 1:]]
@@ -225,7 +232,7 @@ def _scan_layout(node: Node, n_scan_in: int, n_scan_out: int) -> tuple[list[int]
 
 
 def scan_steps(body: Graph, states: list[Any], scans: list[np.ndarray], layout: tuple[list[int], ...],
-               scope: Scope, runner: Any) -> list[Any]:
+               scope: Scope, runner: BodyRunner) -> list[Any]:
     """One Scan over its scan inputs (no batch axis): final states, then stacked scan outputs."""
     in_axes, in_dirs, out_axes, out_dirs = layout
     slices = []
@@ -252,15 +259,17 @@ def scan_steps(body: Graph, states: list[Any], scans: list[np.ndarray], layout: 
     return results
 
 
-def _scan9_cpu(node: Node, args: Sequence[Any], scope: Scope) -> list[Any]:
+def _scan9_cpu(node: Node, args: Sequence[Any], scope: Scope, interpreter: Interpreter | None) -> list[Any]:
     body: Graph = node.attr("body")
     n_scan_in = int(node.attr("num_scan_inputs"))
     n_state = len(args) - n_scan_in
     layout = _scan_layout(node, n_scan_in, len(body.outputs) - n_state)
-    return scan_steps(body, list(args[:n_state]), list(args[n_state:]), layout, scope, body_runner(body))
+    return scan_steps(body, list(args[:n_state]), list(args[n_state:]), layout, scope,
+                      body_runner(body, interpreter))
 
 
-def _scan8_cpu(node: Node, lens: np.ndarray | None, args: Sequence[Any], scope: Scope) -> list[Any]:
+def _scan8_cpu(node: Node, lens: np.ndarray | None, args: Sequence[Any], scope: Scope,
+               interpreter: Interpreter | None) -> list[Any]:
     """Opset 8: every input has a batch axis 0 (scan inputs iterate over axis 1); each batch entry
     runs separately over its first ``sequence_lens[b]`` steps, and scan outputs are zero-padded."""
     body: Graph = node.attr("body")
@@ -270,7 +279,7 @@ def _scan8_cpu(node: Node, lens: np.ndarray | None, args: Sequence[Any], scope: 
     batch = np.shape(args[0])[0]
     full = np.shape(args[n_state])[1]
     steps = np.full(batch, full, dtype=np.int64) if lens is None else np.asarray(lens, dtype=np.int64).reshape(-1)
-    runner = body_runner(body)
+    runner = body_runner(body, interpreter)
     per_batch = []
     for b in range(batch):
         scans = [x[b, : steps[b]] for x in args[n_state:]]
@@ -283,10 +292,10 @@ def _scan8_cpu(node: Node, lens: np.ndarray | None, args: Sequence[Any], scope: 
     return results
 
 
-def _scan_cpu(node: Node, *args: Any, scope: Scope = None) -> list[Any]:
+def _scan_cpu(node: Node, *args: Any, scope: Scope = None, interpreter: Interpreter | None = None) -> list[Any]:
     if node.opset < 9:
-        return _scan8_cpu(node, args[0], args[1:], scope)
-    return _scan9_cpu(node, args, scope)
+        return _scan8_cpu(node, args[0], args[1:], scope, interpreter)
+    return _scan9_cpu(node, args, scope, interpreter)
 
 
 def _scan_slice(info: TensorInfo | None, axis: int, batched: bool) -> TensorInfo:
@@ -299,8 +308,8 @@ def _scan_slice(info: TensorInfo | None, axis: int, batched: bool) -> TensorInfo
     return TensorInfo(info.dtype, info.shape[:axis] + info.shape[axis + 1:])
 
 
-def _scan_infer(node: Node, *args: TensorInfo | None, scope: Mapping[str, TensorInfo] | None = None
-                ) -> list[TensorInfo]:
+def _scan_infer(node: Node, *args: TensorInfo | None, scope: Mapping[str, TensorInfo] | None = None,
+                infer_graph: GraphInference | None = None) -> list[TensorInfo]:
     body: Graph = node.attr("body")
     n_scan_in = int(node.attr("num_scan_inputs"))
     batched = node.opset < 9
@@ -311,7 +320,7 @@ def _scan_infer(node: Node, *args: TensorInfo | None, scope: Mapping[str, Tensor
     states = [loop_state(a) for a in args[:n_state]]
     steps = [_scan_slice(a, axis, batched) for a, axis in zip(args[n_state:], in_axes)]
     body_states = [TensorInfo(s.dtype, s.shape[1:] if batched and s.shape else s.shape) for s in states]
-    outs = infer_body(body, [*body_states, *steps], scope) or [declared_info(v) for v in body.outputs]
+    outs = infer_body(body, [*body_states, *steps], scope, infer_graph) or [declared_info(v) for v in body.outputs]
     first = args[n_state]
     length = batch = None
     if first is not None and first.shape is not None:

@@ -29,8 +29,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from engine_core.errors import ExecutionError
 from engine_core.ir import Node
-from engine_core.ops.registry import ShapeInferenceError, TensorInfo, broadcast_shapes, get_op, register_op
+from engine_core.ops.registry import (
+    GraphInference,
+    Interpreter,
+    ShapeInferenceError,
+    TensorInfo,
+    broadcast_shapes,
+    get_op,
+    register_op,
+)
 
 DOMAIN = "kiln"
 #: activation name -> (ONNX op, opset, attributes from the fused node's alpha/beta)
@@ -132,20 +141,25 @@ register_op("FusedMatMul", infer=_fused_matmul_infer, cpu=_fused_matmul_cpu, dom
             doc="act(alpha * A' @ B' + bias): a GEMM with its bias and activation")
 
 
-def _chain_infer(node: Node, *inputs: TensorInfo, scope: Any = None) -> TensorInfo:
-    """The body's output info for these inputs (the body reads only its own inputs: ``scope`` is unused)."""
-    from engine_core.passes.shape_inference import infer_shapes  # on use: engine_core.passes loads all passes
-
+def _chain_infer(node: Node, *inputs: TensorInfo, scope: Any = None,
+                 infer_graph: GraphInference | None = None) -> TensorInfo:
+    """The body's output info for these inputs, by shape inference over the body (``infer_graph``: shape inference
+    passes itself); the body reads only its own inputs: ``scope`` is unused."""
+    if infer_graph is None:
+        raise ShapeInferenceError("PointwiseChain's body is inferred by shape inference, which passes itself as "
+                                  "infer_graph=")
     body = node.attr("body")
-    infos = infer_shapes(body, {v.name: info for v, info in zip(body.inputs, inputs)}, values=False)
+    infos = infer_graph(body, {v.name: info for v, info in zip(body.inputs, inputs)}, values=False)
     return infos[body.outputs[0].name]
 
 
-def _chain_cpu(node: Node, *inputs: np.ndarray, scope: Any = None) -> np.ndarray:
-    from engine_core.backends.cpu import GraphRunner  # on use: loading it loads engine_core.ops first
-
+def _chain_cpu(node: Node, *inputs: np.ndarray, scope: Any = None, interpreter: Interpreter | None = None
+               ) -> np.ndarray:
+    if interpreter is None:
+        raise ExecutionError("PointwiseChain runs under the interpreter (engine_core.interpret), which passes itself "
+                             "as interpreter=")
     body = node.attr("body")
-    out = GraphRunner(body).run({v.name: x for v, x in zip(body.inputs, inputs)})
+    out = interpreter(body).run({v.name: x for v, x in zip(body.inputs, inputs)})
     return out[body.outputs[0].name]
 
 

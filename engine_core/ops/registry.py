@@ -3,7 +3,8 @@
 Each ``OpDef`` says, for one ``(domain, op_type)``:
 - ``infer``: output dtypes/shapes from input ``TensorInfo``s (shape inference, needed at build time
   and by ``ExecutionContext.infer_shapes``). Must be cheap: no tensor math on full-size data.
-- ``cpu``: the numpy implementation used by the CPU backend (vectorized; no per-element Python loops).
+- ``cpu``: the numpy implementation run by the reference interpreter (engine_core.interpret; vectorized, no
+  per-element Python loops).
 - ``normalize`` (optional): the import rule, turning older-opset forms into the canonical form the
   other two functions expect (e.g. Squeeze's ``axes`` attribute (opset < 13) into an input).
 
@@ -14,6 +15,14 @@ Signatures (``node`` is an ``engine_core.ir.Node``; ``node.attr(key, default)`` 
     cpu(node, *inputs: np.ndarray | None) -> np.ndarray | Sequence[np.ndarray]
     normalize(node, graph) -> None          # may edit node in place, add constants to graph
 
+Ops whose node carries a ``Graph`` attribute (a body: If, Loop, Scan, SequenceMap, PointwiseChain) are also given
+what runs that body, so that no op imports the interpreters back (they import this registry)::
+
+    infer(node, *inputs, scope=infos, infer_graph=engine_core.passes.shape_inference.infer_shapes)
+    cpu(node, *inputs, scope=env, interpreter=engine_core.interpret.GraphRunner)
+
+``scope`` holds the enclosing graphs' tensors (infos); shape inference and the interpreter pass themselves.
+
 An omitted optional input arrives as None. ``TensorInfo.value`` holds the tensor's value when it is
 known at build time (constants, shape computations); ops that need an input's value to know their
 output shape (Reshape, Expand, Slice, ...) read it from there, and report ``shape=None`` when it is
@@ -23,14 +32,14 @@ unknown — then shapes are found at run time (data-dependent). Infer functions 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from engine_core.errors import KilnError
-from engine_core.ir import Node
+from engine_core.ir import Graph, Node
 
 Shape = tuple[int, ...]
 
@@ -66,6 +75,19 @@ class TensorInfo:
 InferFn = Callable[..., "TensorInfo | Sequence[TensorInfo]"]
 CpuFn = Callable[..., "np.ndarray | Sequence[np.ndarray]"]
 NormalizeFn = Callable[[Node, Any], None]
+
+
+class BodyRunner(Protocol):
+    """Runs one body graph (engine_core.interpret.GraphRunner)."""
+
+    def run(self, feeds: Mapping[str, Any], outer: Mapping[str, Any] | None = None) -> dict[str, Any]: ...
+
+
+#: What ops with bodies get as ``interpreter=``: builds a body's runner (the class engine_core.interpret.GraphRunner).
+Interpreter = Callable[[Graph], BodyRunner]
+#: What infer rules of ops with bodies get as ``infer_graph=``: engine_core.passes.shape_inference.infer_shapes
+#: (called as ``infer_graph(graph, infos, values=...)``).
+GraphInference = Callable[..., "dict[str, TensorInfo]"]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,14 @@ import numpy as np
 from engine_core.errors import ExecutionError
 from engine_core.ir import Graph, Node
 from engine_core.ops.control_flow import body_runner, declared_info, infer_body, run_body
-from engine_core.ops.registry import ShapeInferenceError, TensorInfo, normalize_axis, register_op
+from engine_core.ops.registry import (
+    GraphInference,
+    Interpreter,
+    ShapeInferenceError,
+    TensorInfo,
+    normalize_axis,
+    register_op,
+)
 from engine_core.types import onnx_to_np
 
 OBJECT = np.dtype(object)
@@ -233,23 +240,25 @@ register_op("SplitToSequence", infer=_split_infer, cpu=_split_cpu, min_opset=11)
 # -- SequenceMap --------------------------------------------------------------------------------
 
 
-def _map_infer(node: Node, *inputs: TensorInfo | None, scope: Any = None) -> list[SequenceInfo]:
+def _map_infer(node: Node, *inputs: TensorInfo | None, scope: Any = None,
+               infer_graph: GraphInference | None = None) -> list[SequenceInfo]:
     """Element infos from the body run on the inputs' element infos (given the enclosing scope)."""
     body: Graph = node.attr("body")
     length = inputs[0].length if isinstance(inputs[0], SequenceInfo) else None
     elems = [(elem_of(i) or TensorInfo(OBJECT, None)) if i is None or i.dtype == OBJECT else i for i in inputs]
-    outs = infer_body(body, elems, scope) or [declared_info(v) for v in body.outputs]
+    outs = infer_body(body, elems, scope, infer_graph) or [declared_info(v) for v in body.outputs]
     return [sequence_info(TensorInfo(o.dtype, o.shape), length) for o in outs]
 
 
-def _map_cpu(node: Node, seq: list, *extra: Any, scope: Any = None) -> list[list]:
+def _map_cpu(node: Node, seq: list, *extra: Any, scope: Any = None,
+             interpreter: Interpreter | None = None) -> list[list]:
     """Run the body once per element; sequence arguments give their i-th element, tensors all of them."""
     body: Graph = node.attr("body")
     seq = as_sequence(seq, "SequenceMap")
     for other in extra:
         if isinstance(other, list) and len(other) != len(seq):
             raise ExecutionError(f"SequenceMap sequences have different lengths {len(seq)} and {len(other)}")
-    runner = body_runner(body)
+    runner = body_runner(body, interpreter)
     outputs: list[list] = [[] for _ in body.outputs]
     for i, item in enumerate(seq):
         args = [item, *(a[i] if isinstance(a, list) else a for a in extra)]

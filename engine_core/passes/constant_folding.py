@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.backends.cpu import run_node
 from engine_core.builder_config import MAX_CONSTANT_BYTES as MAX_CONSTANT_BYTES  # re-exported: it lived here
 from engine_core.builder_config import build_knobs
 from engine_core.errors import BuildError
+from engine_core.interpret import run_node
 from engine_core.ir import Graph, Node, has_subgraph
 from engine_core.ops import TensorInfo, get_op
 from engine_core.passes.fuse_qdq_conv import keeps_int8_conv_weight

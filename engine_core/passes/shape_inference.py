@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from engine_core.backends.cpu import run_node
 from engine_core.errors import ShapeError
+from engine_core.interpret import run_node
 from engine_core.ir import Graph, has_subgraph
 from engine_core.ops.registry import ShapeInferenceError, TensorInfo, get_op
 
@@ -39,8 +39,9 @@ def infer_shapes(graph: Graph, inputs: Mapping[str, TensorInfo], *, values: bool
         missing = [n for n, a in zip(node.inputs, args) if n and a is None]
         if missing:
             raise ShapeError(f"layer {node}: inputs {missing} are unknown")
-        try:  # ops with bodies see the enclosing infos, as their CPU implementations see the scope
-            result = op.infer(node, *args, scope=infos) if has_subgraph(node) else op.infer(node, *args)
+        try:  # ops with bodies see the enclosing infos, as their CPU implementations see the scope, and infer them here
+            result = (op.infer(node, *args, scope=infos, infer_graph=infer_shapes) if has_subgraph(node)
+                      else op.infer(node, *args))
         except ShapeInferenceError as e:
             raise ShapeError(f"layer {node}: {e}") from None
         except Exception as e:

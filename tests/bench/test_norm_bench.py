@@ -8,7 +8,7 @@ import pytest
 
 from bench import norm
 from bench.engine import layer_engine
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from tests.engine.util import parsed_graph
 
 

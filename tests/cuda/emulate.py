@@ -8,11 +8,11 @@ import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from engine_core.backends.cpu import run_node
 from engine_core.backends.cuda import qgemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, Lowered, Ref, transform_weight
 from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
+from engine_core.interpret import run_node
 from engine_core.ir import Graph, Node
 from engine_core.ops.fused import activate
 from tools.fit_gelu import gelu_fp32, gelu_sigmoid_fp32

@@ -11,7 +11,6 @@ import onnxruntime as ort
 import pytest
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import KERNEL_FILES, prepare_plan, select_gemm_tactics
 from engine_core.backends.cuda.lowering import lower_graph
 from engine_core.backends.cuda.memory import ALIGNMENT, Interval, liveness, plan_memory
@@ -23,6 +22,7 @@ from engine_core.backends.cuda.pointwise import (
 )
 from engine_core.backends.cuda.tactics import choose_tactic
 from engine_core.cuda import compile_cubin
+from engine_core.interpret import GraphRunner
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from tests.cuda.emulate import Emulator

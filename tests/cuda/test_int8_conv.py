@@ -15,12 +15,12 @@ import onnx
 import pytest
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import lowering
 from engine_core.backends.cuda.int8_conv import lower_qconv
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering import Launch
 from engine_core.backends.cuda.pointwise import Unsupported
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE

@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import lowering
 from engine_core.backends.cuda.int8_gemm import Fp8Gemm, Int8Gemm, lower_qmatmul
 from engine_core.backends.cuda.pointwise import PointwiseKernel, PwNode, Unsupported
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE

@@ -15,10 +15,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import lowering, qgemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm, lower_qmatmul
 from engine_core.backends.cuda.lowering import Launch, LoweringOptions
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from tests.cuda.emulate import Emulator

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import runner, runner_staging
 from engine_core.cuda import driver as kiln_driver
+from engine_core.interpret import GraphRunner
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from tests.engine.test_infer_batch import SHAPES, batch_model

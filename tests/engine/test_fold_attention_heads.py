@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
 import engine_core.builder as builder_module
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.passes import FUSION_PASSES, PIPELINE, fold_attention_heads, fuse_attention
 from engine_core.passes.fold_attention_heads import symbolic_shapes

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.passes import fuse_attention_quantize
 from tests.engine.util import build, parsed_graph
 

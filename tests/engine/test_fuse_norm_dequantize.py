@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.passes import eliminate_dead_code, fuse_norm_dequantize, fuse_norm_quantize, fuse_skip_layer_norm
 from tests.engine.util import float_model, parsed_graph
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.passes import fuse_norm_quantize, fuse_skip_layer_norm
 from tests.engine.util import float_model, parsed_graph
 

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import ShapeInferenceError, TensorInfo, get_op
 from engine_core.passes import PIPELINE, eliminate_dead_code, fold_constants

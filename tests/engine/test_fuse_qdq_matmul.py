@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph
 from engine_core.ops import ShapeInferenceError, TensorInfo, get_op
 from engine_core.passes import FUSION_PASSES, eliminate_dead_code, fuse_gelu

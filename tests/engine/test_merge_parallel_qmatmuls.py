@@ -11,9 +11,9 @@ import pytest
 
 import engine_core as kiln
 from engine_core import builder
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda import qgemm
 from engine_core.backends.cuda.lowering import LoweringOptions
+from engine_core.interpret import GraphRunner
 from engine_core.passes import FUSION_PASSES, merge_parallel_qmatmuls
 from engine_core.passes.merge_parallel_qmatmuls import WIDTH_MULTIPLE
 from tests.cuda.emulate import Emulator

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import engine_core as kiln
-from engine_core.backends.cpu import GraphRunner
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph
 from engine_core.ops import TensorInfo, get_op
 from engine_core.passes import infer_shapes
@@ -161,7 +161,7 @@ def test_if_infers_untyped_branches_from_the_scope() -> None:
     kiln.OnnxParser(network).parse(_untyped_if_model())
     (node,) = [n for n in network.graph.nodes if n.op_type == "If"]
     scope = {"x": TensorInfo(np.float32, (2,)), "c": TensorInfo(np.bool_, ())}
-    (info,) = get_op("If").infer(node, scope["c"], scope=scope)
+    (info,) = get_op("If").infer(node, scope["c"], scope=scope, infer_graph=infer_shapes)
     assert (info.dtype, info.shape) == (np.int64, (2,))  # both branches give int64 [2]
 
 

@@ -203,7 +203,7 @@ def test_matches_reference(name: str) -> None:
 
 def test_identity_passes_sequences_and_empty_optionals() -> None:
     """Sequence and optional values are Python lists / None in the CPU backend; Identity keeps them."""
-    from engine_core.backends.cpu import run_node
+    from engine_core.interpret import run_node
     from engine_core.ir import Node
 
     node = Node("Identity", ["x"], ["y"])

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cpu import GraphRunner
 from engine_core.backends.cuda.lowering_context import (
     ON_DEMAND_KERNEL_FILES,
     LoweringOptions,
@@ -80,6 +79,7 @@ from engine_core.cuda.driver import (
 )
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
+from engine_core.interpret import GraphRunner
 from engine_core.ir import Value
 from engine_core.logger import DEFAULT_LOGGER, Severity
 from engine_core.plan import Plan

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cpu import run_node, run_scoped
 from engine_core.backends.cuda.gemm import run_kiln_gemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering_context import (
@@ -30,6 +29,7 @@ from engine_core.cuda.driver import (
     check,
 )
 from engine_core.errors import ExecutionError
+from engine_core.interpret import run_node, run_scoped
 from engine_core.ir.graph import has_subgraph, subgraph_reads
 from engine_core.ops import TensorInfo
 from engine_core.types import TensorLocation, datatype_of

@@ -1,9 +1,11 @@
-"""CPU backend: runs plan layers with the numpy implementations in the op registry.
+"""The reference interpreter: runs a graph's layers with the numpy implementations in the op registry.
 
-It needs the registry only (the ops' modules import it to run their bodies: If, Loop, Scan, fused layers);
-importing ``engine_core`` registers every op (``engine_core.ops``).
+Constant folding, shape inference (small values), INT8 calibration, the CPU backend and the CUDA backend's host
+fallback all run layers through here. It needs the op registry only; importing ``engine_core`` registers every op
+(``engine_core.ops``). Ops with bodies (If, Loop, Scan, SequenceMap, fused chains) do not import it back: they are
+called with ``interpreter=GraphRunner`` and build their bodies' runners with it.
 
-A plan's layers run in order; every intermediate array is dropped right after its last reader
+A graph's layers run in order; every intermediate array is dropped right after its last reader
 (liveness computed once per graph), so peak memory stays close to the planner's estimate.
 """
 
@@ -34,7 +36,8 @@ def run_node(node: Node, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray
     op = get_op(node.op_type, node.domain)
     if op is None:
         raise ExecutionError(f"layer {node}: no CPU implementation for {node.op_type}")
-    outputs = as_outputs(op.cpu(node, *inputs))
+    result = op.cpu(node, *inputs, interpreter=GraphRunner) if has_subgraph(node) else op.cpu(node, *inputs)
+    outputs = as_outputs(result)
     return [o if o is None or isinstance(o, list) else np.asarray(o) for o in outputs]
 
 
@@ -90,7 +93,8 @@ class GraphRunner:
 
 
 def run_scoped(node: Node, args: list, env: Mapping[str, np.ndarray | None]) -> list[np.ndarray]:
-    """Control-flow ops see enclosing tensors: they take the environment as a keyword."""
+    """Ops with bodies see enclosing tensors: they take the environment as a keyword, and the interpreter that
+    runs their bodies as another."""
     op = get_op(node.op_type, node.domain)
     assert op is not None
-    return as_outputs(op.cpu(node, *args, scope=env))
+    return as_outputs(op.cpu(node, *args, scope=env, interpreter=GraphRunner))
