@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.backends.cpu import plan_runner
 from engine_core.backends.registry import available_backends
 from engine_core.compat import check_plan_compatibility, device_arch, requirements
 from engine_core.cuda.driver import memory_info
@@ -37,7 +38,6 @@ from engine_core.inspector import (  # inspector / debug-tensor hooks
     run_with_debug,
 )
 from engine_core.inspector import engine_summary as engine_summary  # re-exported: it was defined here
-from engine_core.interpret import GraphRunner
 from engine_core.logger import DEFAULT_LOGGER, Logger
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
@@ -157,7 +157,7 @@ class CudaEngine:
         self._profile_memory: dict[int, int] = {}
         self._streaming_layers = _streamable_weights_per_layer(plan)
         self._budget = self.streamable_weights_size  # reference default: streaming off
-        self.runner = GraphRunner(plan.graph)
+        self.runner = plan_runner(plan)
         self.cuda = _cuda_engine_state(plan)
 
     # -- I/O description ------------------------------------------------------------------------
