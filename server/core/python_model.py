@@ -279,6 +279,8 @@ class PythonVersion(ServedModel):
         super().__init__(name, version, config, labels)
         self.instances = instances
         self.decoupled = config.model_transaction_policy.decoupled
+        self._all_outputs = list(self.outputs)  # what a request that names no output gets
+        self._dtypes_ok: dict[str, set[np.dtype]] = {}  # per output, the dtypes seen to match its config's type
         self._loop = asyncio.get_running_loop()
         # the batchers' contexts are this version's Instances (typed `object` there): the arguments say so
         sequence = sequence_settings(config, None, directory) if directory is not None else None
@@ -313,7 +315,7 @@ class PythonVersion(ServedModel):
         flags = (1 if parameters.get("sequence_start") else 0) | (2 if parameters.get("sequence_end") else 0)
         extra = {k: v for k, v in parameters.items() if k not in RESERVED_PARAMETERS} if parameters else None
         return {"request_id": job.request_id, "correlation_id": parameters.get("sequence_id", 0) or 0,
-                "inputs": list(job.inputs.items()), "outputs": list(job.outputs or self.outputs),
+                "inputs": list(job.inputs.items()), "outputs": list(job.outputs) if job.outputs else self._all_outputs,
                 "model_version": self.version, "flags": flags,
                 "parameters": json.dumps(extra) if extra else "{}"}
 
@@ -374,8 +376,14 @@ class PythonVersion(ServedModel):
                 return ServerError(ErrorKind.INTERNAL, f"model '{self.name}': execute() returned no output '{name}' "
                                                        f"for a request that asked for it (returned: {sorted(returned)})")
             array = returned[name]
-            datatype, expected = datatype_of_numpy(array.dtype), self.outputs[name].datatype
-            if datatype != expected:
+            dtype = array.dtype
+            if dtype in self._dtypes_ok.get(name, ()):  # a dtype this output has had before: nothing to look up
+                outputs[name] = array
+                continue
+            datatype, expected = datatype_of_numpy(dtype), self.outputs[name].datatype
+            if datatype == expected:
+                self._dtypes_ok.setdefault(name, set()).add(dtype)
+            else:
                 return ServerError(ErrorKind.INTERNAL, f"model '{self.name}': output '{name}' is {datatype}, the "
                                                        f"config says {expected} (convert it in model.py, e.g. with "
                                                        "pb_utils.triton_string_to_numpy)")
