@@ -19,7 +19,9 @@ from typing import Any
 import uvicorn
 
 from server.auth import restrictions_from_args
+from server.core import ServerCore
 from server.core.limits import InflightLimiter, limits_from_args
+from server.core.turn_groups import TurnGroups
 from server.lifecycle import Lifecycle
 from server.tls import TlsSettings, tls_from_args
 
@@ -116,14 +118,16 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
     http_restricted, grpc_restricted = restrictions_from_args(args)
     grpc_tls, http_tls, _ = tls_from_args(args)
     listeners = Listeners()
+    # the inference roads submit each loop turn's alike requests as groups (a RemoteCore groups them itself)
+    inference = TurnGroups(core) if isinstance(core, ServerCore) else core
     if args.allow_http:
         app = create_app(core, limits, limiter, http_restricted)
         server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s,
-                              http_tls, protocol_for(InferRoute(core, app, lifecycle)))
+                              http_tls, protocol_for(InferRoute(inference, app, lifecycle)))
         sockets = [reuse_port_socket(args.host, args.http_port)] if reuse_port else None
         listeners.servers.append(server)
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
     if args.allow_grpc:
-        listeners.grpc_server = await start_grpc(core, args.host, args.grpc_port, limiter=limiter,
+        listeners.grpc_server = await start_grpc(inference, args.host, args.grpc_port, limiter=limiter,
                                                  restricted=grpc_restricted, reuse_port=reuse_port, tls=grpc_tls)
     return listeners

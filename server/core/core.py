@@ -290,16 +290,20 @@ class ServerCore:
         frontend cuts it up) or the error for all; otherwise (a model that caches responses too: each member is
         looked up on its own) each member runs as its own request and `reply` gets their `MemberResults`. Returns
         the futures to cancel to withdraw the group."""
-        try:
-            model = self._version(request.model_name, request.model_version)
-        except ServerError as e:
-            reply(None, e)
-            return []
-        if (not isinstance(model, ModelVersion) or not isinstance(model.scheduler, DynamicBatcher)
-                or not 0 < sum(sizes) <= model.max_batch_size or self.trace.active or self.caches_responses(model)):
+        if not 0 < sum(sizes) <= self.group_rows(request):  # an unknown model too: each member hears it
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
+
+    def group_rows(self, request: InferRequest) -> int:
+        """The most rows a group of requests alike `request` runs as one job (its model's max_batch_size); 0 when
+        such a group runs member by member (no dynamic batcher, tracing on, a response cache, an unknown model)."""
+        with contextlib.suppress(ServerError):
+            model = self._version(request.model_name, request.model_version)
+            if (isinstance(model, ModelVersion) and isinstance(model.scheduler, DynamicBatcher)
+                    and not self.trace.active and not self.caches_responses(model)):
+                return model.max_batch_size
+        return 0
 
     def _prepare(self, model: ModelVersion, request: InferRequest, inputs: dict[str, Any], batch: int,
                  requested: list[RequestedOutput]) -> tuple[Job, dict[str, kiln.DeviceView]]:

@@ -1,4 +1,5 @@
-"""A frontend process's alike requests go to the core as one message (server/core/grouping.py).
+"""A frontend process's alike requests go to the core as one message (server/core/grouping.py), and so do those
+that reach the server process's own frontends in one turn of its event loop (server/core/turn_groups.py).
 
 The rules first (which requests may group, cutting a group's response back), then a real `ServerCore` served by
 `CoreService` and called through `RemoteCore` on one event loop, as a frontend process calls it: concurrent
@@ -10,6 +11,7 @@ member on its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +20,10 @@ from onnx import TensorProto
 
 from server.core import CoreOptions, ServerCore
 from server.core.errors import ErrorKind, ServerError
-from server.core.grouping import concatenate, group_key, split_response
+from server.core.grouping import concatenate, group_key, settle, split_response
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
+from server.core.turn_groups import TurnGroups
 from server.core.types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
 from .conftest import examples
@@ -192,3 +195,90 @@ def test_errors_reach_every_member_and_withdrawn_groups_leave_the_queue(reposito
         assert service.limiter.count == 0 and stats["execution_count"] == 0  # withdrawn, never run
 
     _serve(repository, tmp_path, scenario)
+
+
+# -- the server process's own frontends: TurnGroups (server/core/turn_groups.py) ---------------------------------
+
+def _in_process(repository: Path, scenario):
+    """Run `scenario(core, turns)` with a real core and the grouping the server process's frontends submit through."""
+
+    async def go():
+        core = ServerCore(CoreOptions([str(repository)], model_control_mode="explicit",
+                                      startup_models=["batched", "unbatched"]))
+        await core.start()
+        await core.wait_for_startup()
+        try:
+            return await scenario(core, TurnGroups(core))
+        finally:
+            await core.stop()
+
+    return asyncio.run(go())
+
+
+def _submit(turns: TurnGroups, request: InferRequest) -> tuple[asyncio.Future, object]:
+    answer = asyncio.get_running_loop().create_future()
+    return answer, turns.submit_infer(request, functools.partial(settle, answer))
+
+
+async def _answers(turns: TurnGroups, requests: list[InferRequest]) -> list:
+    futures = [_submit(turns, r)[0] for r in requests]
+    return await asyncio.gather(*futures, return_exceptions=True)
+
+
+def test_one_turns_alike_requests_run_as_one_job_cut_to_the_max_batch(repository: Path):
+    requests = [_request(float(i), rows=1 + i % 2, request_id=f"r{i}") for i in range(5)]  # 7 rows: one job
+    big = [_request(float(i), rows=3, request_id=f"b{i}") for i in range(4)]  # 12 rows: runs of <= 8
+
+    async def scenario(core, turns):
+        _check(await _answers(turns, requests), requests)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 5 and stats["inference_count"] == 7
+        assert stats["execution_count"] == 1
+        _check(await _answers(turns, big), big)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_count"] == 7 + 12 and stats["execution_count"] == 1 + 2
+        unbatched = [_request(float(i), request_id=f"u{i}", model="unbatched") for i in range(3)]
+        _check(await _answers(turns, unbatched), unbatched)  # no dynamic batcher: one by one, as before
+        stats = (await core.model_statistics("unbatched"))["model_stats"][0]
+        assert stats["execution_count"] == 3
+
+    _in_process(repository, scenario)
+
+
+def test_a_refused_group_gives_each_request_its_own_words(repository: Path):
+    def wrong(rows: int, request_id: str) -> InferRequest:
+        data = np.zeros((rows, 17), np.float32)  # 17 columns where the model takes 16
+        return InferRequest("batched", [InferInput("INPUT0", "FP32", data.shape, data),
+                                        InferInput("INPUT1", "FP32", data.shape, data)], id=request_id)
+
+    async def scenario(core, turns):
+        alone = []
+        for rows in (1, 2):
+            answer = asyncio.get_running_loop().create_future()
+            core.submit_infer(wrong(rows, "x"), functools.partial(settle, answer))
+            alone.append(str(await asyncio.gather(answer, return_exceptions=True)))
+        grouped = await _answers(turns, [wrong(1, "a"), wrong(2, "b")])
+        assert [str([g]) for g in grouped] == alone  # [1, 17] and [2, 17], not the group's [3, 17]
+        assert "1, 17" in alone[0] and "2, 17" in alone[1], alone
+
+    _in_process(repository, scenario)
+
+
+def test_withdrawn_members_hear_cancelled_and_a_withdrawn_group_never_runs(repository: Path):
+    async def scenario(core, turns):
+        answers = [_submit(turns, _request(float(i), request_id=f"r{i}")) for i in range(3)]
+        assert answers[0][1].cancel()  # before the turn ends: it never reaches the core
+        results = await asyncio.gather(*(a for a, _ in answers), return_exceptions=True)
+        assert isinstance(results[0], asyncio.CancelledError)
+        _check(results[1:], [_request(float(i), request_id=f"r{i}") for i in (1, 2)])
+        queued = [_submit(turns, _request(float(i))) for i in range(3)]
+        while core.models["batched"].latest().scheduler.pending()[1] == 0:  # the group waits its 2 ms delay
+            await asyncio.sleep(0)
+        for _, handle in queued:
+            handle.cancel()
+        await asyncio.sleep(0.02)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["execution_count"] == 1  # the first group's; the withdrawn one never ran
+        assert all(a.cancelled() or isinstance(a.exception(), asyncio.CancelledError) for a, _ in queued)
+
+    _in_process(repository, scenario)
