@@ -32,7 +32,7 @@ python3 -m pip install -q --no-index --no-deps --find-links wheels nvidia-cudnn-
   pydantic-core typing-inspection annotated-types uvicorn h11 click anyio sniffio python-rapidjson prometheus-client \
   tritonclient==2.73.0 httpx httpcore idna certifi gevent geventhttpclient greenlet zope.event zope.interface brotli \
   urllib3 six protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 watchfiles opentelemetry-api \
-  importlib-metadata uvloop httptools 2>&1 | tail -2
+  importlib-metadata uvloop httptools orjson 2>&1 | tail -2
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 
 quiet() { grep -v -e Warning -e "warnings.warn" -e "^  " -e "^$"; }

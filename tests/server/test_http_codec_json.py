@@ -1,0 +1,85 @@
+"""The HTTP codec's JSON: orjson (the fast path) and the standard library (the reference, and the fallback) must
+read every request and write every response alike, so which one ran never shows to a client."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from server.core import InferResponse
+from server.core.types import InferOutput
+from server.frontends.http import codec
+
+pytest.importorskip("orjson")
+
+HEADERS = [
+    b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[0.1,0.2,1e-7,1.7976931348623157e308,-0,3]}]}',
+    b'{"id":"caf\\u00e9","inputs":[{"name":"x","shape":[2],"datatype":"BYTES","data":["\xc3\xa9t\xc3\xa9","\\u2028"]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"UINT64","data":[18446744073709551615]}]}',
+    b'{"inputs":[{"name":"x","shape":[1180591620717411303424],"datatype":"INT32","data":[1]}]}',  # beyond 64 bits
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP64","data":[0.30000001192092895508]}]}',  # 20 digits
+    b'{"a":1,"a":2,"inputs":[]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[[[[[[[[[[1]]]]]]]]]]}]}',
+]
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_requests_read_as_the_standard_library_reads_them(header: bytes) -> None:
+    assert codec._load(header) == json.loads(header)
+
+
+def _outcome(header: bytes) -> object:
+    try:
+        return codec._load(header)
+    except Exception as e:  # noqa: BLE001 - the refusal and its words are what is compared
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("header", [b'{"a":NaN}', b'{"a":Infinity}', b'\xef\xbb\xbf{"inputs":[]}', b'{"a":1e400}',
+                                    b'[1,', '{"inputs":[]}'.encode("utf-16")])
+def test_what_orjson_refuses_gets_the_standard_librarys_answer(header: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = _outcome(header)
+    monkeypatch.setattr(codec, "_orjson", None)
+    assert fast == _outcome(header)
+
+
+def _response(*outputs: InferOutput, parameters: dict | None = None) -> InferResponse:
+    return InferResponse("m", "1", list(outputs), id="r1", parameters=parameters or {})
+
+
+def _both(response: InferResponse, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple, tuple]:
+    fast = codec.encode_response(response, False)
+    monkeypatch.setattr(codec, "_orjson", None)
+    reference = codec.encode_response(response, False)
+    monkeypatch.undo()
+    return fast, reference
+
+
+def test_float_responses_are_byte_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = (np.random.default_rng(0).random((4, 16), dtype=np.float32) * 100).astype(np.float32)
+    response = _response(InferOutput("OUTPUT0", "FP32", (4, 16), data),
+                         InferOutput("I", "INT64", (2,), np.array([-(2**62), 7])),
+                         InferOutput("B", "BOOL", (2,), np.array([True, False])))
+    fast, reference = _both(response, monkeypatch)
+    assert fast == reference
+    assert np.array_equal(np.array(json.loads(fast[0])["outputs"][0]["data"], dtype=np.float32), data.reshape(-1))
+
+
+def test_non_finite_floats_still_go_binary_and_nulls_stay_nulls(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = np.array([1.0, np.nan, np.inf], dtype=np.float32)
+    response = _response(InferOutput("X", "FP32", (3,), values), parameters={"note": None})
+    fast, reference = _both(response, monkeypatch)
+    assert fast == reference
+    body, length = fast
+    header = json.loads(body[:length])
+    assert header["parameters"] == {"note": None}
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == 12
+    assert np.array_equal(np.frombuffer(body[length:], dtype=np.float32), values, equal_nan=True)
+
+
+def test_text_outputs_read_back_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    response = _response(InferOutput("S", "BYTES", (2,), np.array([b"\xc3\xa9t\xc3\xa9", b"plain"], dtype=object)))
+    fast, reference = _both(response, monkeypatch)
+    assert json.loads(fast[0]) == json.loads(reference[0])  # UTF-8 against \\u escapes: the same text
