@@ -15,31 +15,37 @@ from server.frontends.http import codec
 pytest.importorskip("orjson")
 
 HEADERS = [
-    b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[0.1,0.2,1e-7,1.7976931348623157e308,-0,3]}]}',
+    b'{"inputs":[{"name":"INPUT0","shape":[1,6],"datatype":"FP32","data":[0.1,0.2,1e-7,3e38,-0,3]}]}',
     b'{"id":"caf\\u00e9","inputs":[{"name":"x","shape":[2],"datatype":"BYTES","data":["\xc3\xa9t\xc3\xa9","\\u2028"]}]}',
     b'{"inputs":[{"name":"x","shape":[1],"datatype":"UINT64","data":[18446744073709551615]}]}',
-    b'{"inputs":[{"name":"x","shape":[1180591620717411303424],"datatype":"INT32","data":[1]}]}',  # beyond 64 bits
-    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP64","data":[0.30000001192092895508]}]}',  # 20 digits
-    b'{"a":1,"a":2,"inputs":[]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"UINT64","data":[18446744073709551616]}]}',  # beyond 64 bits
+    b'{"inputs":[{"name":"x","shape":[1180591620717411303424],"datatype":"INT32","data":[1]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP64","data":[0.30000001192092895508]}]}',
+    b'{"a":1,"a":2,"inputs":[],"parameters":{"sequence_id":12345678901234567890}}',
     b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[[[[[[[[[[1]]]]]]]]]]}]}',
+    b'{"inputs":[{"name":"x","shape":[2],"datatype":"INT8","data":[1,300]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[NaN]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[Infinity]}]}',
+    b'\xef\xbb\xbf{"inputs":[]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP64","data":[1e400]}]}',
+    b'[1,',
+    b'[1]',
+    '{"inputs":[]}'.encode("utf-16"),
 ]
 
 
-@pytest.mark.parametrize("header", HEADERS)
-def test_requests_read_as_the_standard_library_reads_them(header: bytes) -> None:
-    assert codec._load(header) == json.loads(header)
-
-
 def _outcome(header: bytes) -> object:
+    """What `decode_request` makes of `header`: the request's contents, or the refusal in its words."""
     try:
-        return codec._load(header)
+        request = codec.decode_request(header, None, "m", "1")
     except Exception as e:  # noqa: BLE001 - the refusal and its words are what is compared
         return f"{type(e).__name__}: {e}"
+    return (request.id, request.parameters, [(t.name, t.datatype, t.shape, t.data.dtype.str, t.data.tolist())
+                                             for t in request.inputs])
 
 
-@pytest.mark.parametrize("header", [b'{"a":NaN}', b'{"a":Infinity}', b'\xef\xbb\xbf{"inputs":[]}', b'{"a":1e400}',
-                                    b'[1,', '{"inputs":[]}'.encode("utf-16")])
-def test_what_orjson_refuses_gets_the_standard_librarys_answer(header: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("header", HEADERS)
+def test_requests_read_and_refused_as_the_standard_library_does(header: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _outcome(header)
     monkeypatch.setattr(codec, "_orjson", None)
     assert fast == _outcome(header)
