@@ -1,5 +1,6 @@
-"""The HTTP codec's JSON: orjson (the fast path) and the standard library (the reference, and the fallback) must
-read every request and write every response alike, so which one ran never shows to a client."""
+"""The HTTP codec's JSON: orjson and the plain field check (the fast path) and the standard library with pydantic
+(the reference, and the fallback) must read every request and write every response alike, so which one ran never
+shows to a client."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ HEADERS = [
     b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP64","data":[1e400]}]}',
     b'[1,',
     b'[1]',
+    # what pydantic coerces or refuses, read without it only when every field has exactly its type
+    b'{"inputs":[{"name":"x","shape":[true,1.0,"1"],"datatype":"FP32","data":[1]}]}',
+    b'{"id":1,"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"parameters":[]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":{"name":"y"}}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"name":"y","parameters":'
+    b'{"binary_data":true}}],"parameters":{"binary_data_output":false}}',
+    b'{"inputs":[{"name":"x","datatype":"FP32","data":[1]}]}',
+    b'{"inputs":{}}',
     '{"inputs":[]}'.encode("utf-16"),
 ]
 
@@ -40,14 +50,16 @@ def _outcome(header: bytes) -> object:
         request = codec.decode_request(header, None, "m", "1")
     except Exception as e:  # noqa: BLE001 - the refusal and its words are what is compared
         return f"{type(e).__name__}: {e}"
-    return (request.id, request.parameters, [(t.name, t.datatype, t.shape, t.data.dtype.str, t.data.tolist())
-                                             for t in request.inputs])
+    return (request.id, request.parameters, [(t.name, t.datatype, t.shape, t.data.dtype.str, t.data.tolist(),
+                                              t.parameters) for t in request.inputs],
+            [(o.name, o.parameters) for o in request.outputs])
 
 
 @pytest.mark.parametrize("header", HEADERS)
 def test_requests_read_and_refused_as_the_standard_library_does(header: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _outcome(header)
     monkeypatch.setattr(codec, "_orjson", None)
+    monkeypatch.setattr(codec, "_plain", lambda document: None)  # every document through pydantic
     assert fast == _outcome(header)
 
 
