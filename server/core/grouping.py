@@ -89,9 +89,9 @@ def group_key(request: InferRequest) -> Hashable | None:
     for output in request.outputs:
         if output.parameters and not GROUPABLE_OUTPUT_PARAMETERS.issuperset(output.parameters):
             return None
-        outputs.append((output.name, tuple(sorted(output.parameters.items()))))
+        outputs.append((output.name, tuple(sorted(output.parameters.items())) if output.parameters else ()))
     return (request.model_name, request.model_version, tuple(signature), tuple(outputs),
-            tuple(sorted(request.parameters.items())))
+            tuple(sorted(request.parameters.items())) if request.parameters else ())
 
 
 def rows(request: InferRequest) -> int:
@@ -152,7 +152,7 @@ def split_response(response: InferResponse, sizes: list[int], ids: list[str]) ->
     start = 0
     for size, request_id in zip(sizes, ids):
         outputs = [InferOutput(o.name, o.datatype, (size, *o.shape[1:]), o.data[start:start + size],  # type: ignore[index]
-                               dict(o.parameters)) for o in response.outputs]
+                               dict(o.parameters) if o.parameters else {}) for o in response.outputs]
         members.append(InferResponse(response.model_name, response.model_version, outputs, request_id,
                                      dict(response.parameters)))
         start += size
