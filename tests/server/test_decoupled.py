@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from server.python_backend import triton_python_backend_utils as pb_utils
 
 from .conftest import require_grpc, run_server
-from .test_python_backend import TRITON_EXAMPLES, write_python_model
+from .test_python_backend import triton_example, write_python_model
 
 # One response, an error response, then the last response with the final flag; a negative input raises in execute().
 ERRORS = '''
@@ -59,8 +59,7 @@ def server(tmp_path_factory):
     base = tmp_path_factory.mktemp("decoupled")
     repo = base / "models"
     for name, stem in (("repeat_int32", "repeat"), ("square_int32", "square")):
-        write_python_model(repo, name, (TRITON_EXAMPLES / f"{stem}_model.py").read_text(),
-                           (TRITON_EXAMPLES / f"{stem}_config.pbtxt").read_text())
+        write_python_model(repo, name, *triton_example(stem))
     write_python_model(repo, "errors", ERRORS, ERRORS_CONFIG)
     write_python_model(repo, "auto_decoupled", AUTO, AUTO_CONFIG)
     with run_server(repo, base / "server.log", MODELS) as running:

@@ -37,6 +37,19 @@ from .conftest import examples, require_grpc, run_server
 
 TRITON_EXAMPLES = Path(__file__).parent / "python_models"  # from triton-inference-server/python_backend examples/
 KILN_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "python_models"
+#: Triton's examples that Kiln ships as a model repository: read from there, not kept twice
+SHIPPED = {"add_sub": "add_sub", "bls_sync": "bls_sync", "repeat": "repeat_int32"}
+SHIPPED_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "triton_examples"
+
+
+def triton_example(stem: str) -> tuple[str, str | None]:
+    """Triton's example `stem` (add_sub, bls_sync, repeat, square, ...): its model.py and config.pbtxt (None
+    where the example has none)."""
+    if stem in SHIPPED:
+        directory = SHIPPED_REPOSITORY / SHIPPED[stem]
+        return (directory / "1" / "model.py").read_text(), (directory / "config.pbtxt").read_text()
+    config = TRITON_EXAMPLES / f"{stem}_config.pbtxt"
+    return (TRITON_EXAMPLES / f"{stem}_model.py").read_text(), config.read_text() if config.is_file() else None
 #: what server/python_backend may import (the standard library's modules it uses, and numpy)
 STUB_IMPORTS = {"__future__", "asyncio", "collections", "enum", "importlib", "itertools", "json", "numpy", "os",
                 "pathlib", "pickle", "queue", "signal", "socket", "struct", "sys", "threading", "traceback", "types",
@@ -235,9 +248,8 @@ def write_python_model(repo: Path, name: str, source: str, config: str | None = 
     return directory
 
 
-def _triton_example(repo: Path, name: str, model: str, config: str | None) -> None:
-    write_python_model(repo, name, (TRITON_EXAMPLES / model).read_text(),
-                       (TRITON_EXAMPLES / config).read_text() if config else None)
+def _triton_example(repo: Path, name: str, stem: str) -> None:
+    write_python_model(repo, name, *triton_example(stem))
 
 
 def _python_env(directory: Path, options: str = "") -> None:
@@ -253,11 +265,11 @@ def _python_env(directory: Path, options: str = "") -> None:
 def server(tmp_path_factory):
     base = tmp_path_factory.mktemp("python_backend")
     repo = base / "models"
-    _triton_example(repo, "add_sub", "add_sub_model.py", "add_sub_config.pbtxt")
-    _triton_example(repo, "bls_sync", "bls_sync_model.py", "bls_sync_config.pbtxt")
-    _triton_example(repo, "bls_async", "bls_async_model.py", "bls_async_config.pbtxt")
-    _triton_example(repo, "batch_auto_complete", "auto_complete_batch_model.py", None)  # no config.pbtxt at all
-    _triton_example(repo, "nobatch_auto_complete", "auto_complete_nobatch_model.py", None)
+    _triton_example(repo, "add_sub", "add_sub")
+    _triton_example(repo, "bls_sync", "bls_sync")
+    _triton_example(repo, "bls_async", "bls_async")
+    _triton_example(repo, "batch_auto_complete", "auto_complete_batch")  # no config.pbtxt at all
+    _triton_example(repo, "nobatch_auto_complete", "auto_complete_nobatch")
     onnx_config = 'max_batch_size: 0\ninstance_group [ { kind: KIND_CPU } ]\n'
     examples.write_model(repo, "add_sub_onnx", add_sub_4(), f'name: "add_sub_onnx"\n{onnx_config}')
     examples.write_model(repo, "pytorch", add_sub_4(), f'name: "pytorch"\n{onnx_config}')  # BLS async calls it
@@ -667,7 +679,7 @@ def test_the_stub_side_imports_nothing_of_kiln():
 
 def test_stub_process_round_trip_without_a_server(tmp_path):
     """The stub end to end over a socket pair, driven by hand: initialize, execute, finalize."""
-    model = write_python_model(tmp_path, "m", (TRITON_EXAMPLES / "add_sub_model.py").read_text()) / "1" / "model.py"
+    model = write_python_model(tmp_path, "m", triton_example("add_sub")[0]) / "1" / "model.py"
     ours, theirs = socket.socketpair()
     stub = subprocess.Popen([sys.executable, str(Path(wire.__file__).parent / "stub.py"), str(theirs.fileno())],
                             pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": ""})
