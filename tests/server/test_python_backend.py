@@ -1,6 +1,6 @@
 """Python models (Triton's Python backend: server/core/python_model.py, python_stub.py, server/python_backend/): a
-real server runs Triton's own examples (add_sub, BLS sync and async, auto_complete; their files in python_models/,
-unmodified) and test models, driven by the stock tritonclient over HTTP and gRPC and checked against numpy. Dynamic
+real server runs Triton's own examples (add_sub, BLS sync and async, auto_complete; unmodified, in python_models/
+or, for those Kiln ships, examples/triton_examples) and test models, driven by the stock tritonclient over HTTP and gRPC and checked against numpy. Dynamic
 batching hands execute() several requests; a model that raises, answers an error, dies (exit, segfault) or hangs
 fails only its own requests and its stub is restarted; a failing initialize fails the load with its traceback;
 EXECUTION_ENV_PATH runs the stub with another interpreter. pb_utils itself is checked in-process."""
