@@ -138,11 +138,12 @@ def complete_config(config: ModelConfig, model: ModelDescription, name: str,
         config.version_policy.latest.num_versions = 1
     if not config.instance_group:
         group = config.instance_group.add()
-        group.name, group.kind, group.count = name, model_config_pb2.ModelInstanceGroup.KIND_AUTO, 1
+        group.kind, group.count = model_config_pb2.ModelInstanceGroup.KIND_AUTO, 1
     kinds = {group.kind for group in config.instance_group}
     if len(kinds) > 1:
         raise invalid(f"model '{name}': instance groups of different kinds are not supported")
-    for group in config.instance_group:
+    for index, group in enumerate(config.instance_group):
+        group.name = group.name or f"{name}_{index}"  # Triton's name for an unnamed group: <model>_<group index>
         group.count = group.count or 1
     return config
 

@@ -127,9 +127,9 @@ def complete_python_config(config: ModelConfig, name: str) -> ModelConfig:
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if not config.instance_group:
-        config.instance_group.add(name=name, kind=_KIND.KIND_AUTO)
+        config.instance_group.add(kind=_KIND.KIND_AUTO)
     for index, group in enumerate(config.instance_group):
-        group.name = group.name or (name if index == 0 else f"{name}_{index}")
+        group.name = group.name or f"{name}_{index}"  # Triton's: <model>_<group index>; instances <group>_<index>
         group.count = group.count or 1
         if group.kind == _KIND.KIND_AUTO:  # Triton's choice: the GPU when there is one
             group.kind = _KIND.KIND_GPU if "cuda" in kiln.available_backends() else _KIND.KIND_CPU
@@ -328,7 +328,7 @@ class PythonVersion(ServedModel):
         """On the event loop: one execute() for the batch on `instance`, its results per job. Nothing is raised: a
         failure answers the batch's requests (the stub restarts itself), so the instance serves on."""
         bodies = [self.request_body(job) for job in jobs]
-        prefix = f"Failed to process the request(s) for model instance '{instance.label}', message: "
+        prefix = f"Failed to process the request(s) for model '{instance.label}', message: "  # Triton 2.51's words
         sinks = [self._sink(instance, body, job) for body, job in zip(bodies, jobs)] if self.decoupled else None
         try:
             results = await instance.execute(bodies, sinks)
@@ -528,7 +528,7 @@ async def load_python_version(source: ModelSource, version: int, config: ModelCo
     python, environment = stub_interpreter(config, source.directory)
     requested = ModelConfig.FromString(config.SerializeToString())
     requested.name, requested.backend = name, PYTHON_BACKEND  # as Triton hands it to auto_complete_config
-    first = await _start_stub(StubLaunch(python, f"{name}_0", name, environment), infer)
+    first = await _start_stub(StubLaunch(python, f"{name}_0_0", name, environment), infer)  # instance 0 of group 0
     instances: list[Instance] = []
     try:
         config = await _auto_complete(first, requested, model_file, version)

@@ -151,7 +151,7 @@ def test_an_error_response_mid_stream_and_the_stream_goes_on(server):
 def test_execute_raising_fails_the_request_with_tritons_text(server):
     got = _stream(server, "errors", {"IN": np.array([-1], np.int32)}, empty_final=True)
     assert got[0][0] is None
-    assert ("Failed to process the request(s) for model instance 'errors_0', message: ValueError: negative input"
+    assert ("Failed to process the request(s) for model 'errors_0_0', message: ValueError: negative input"
             in str(got[0][1]))
 
 

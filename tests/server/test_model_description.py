@@ -18,7 +18,7 @@ from server.core import build_process, model_description
 from server.core.build_process import BuildLimits
 from server.core.errors import ServerError
 from server.core.model import load_model_version
-from server.core.model_config import ModelConfig, parse_config_text
+from server.core.model_config import ModelConfig, complete_config, parse_config_text
 from server.core.model_description import ModelDescription, TensorDescription, describe_file
 from server.repository import read_source
 
@@ -216,3 +216,13 @@ def test_hostile_files_fail_through_the_server_which_keeps_serving(kiln_server):
         inputs[0].set_data_from_numpy(a)
         inputs[1].set_data_from_numpy(a)
         np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + a)
+
+
+def test_unnamed_instance_groups_get_tritons_names():
+    """Triton names an unnamed group <model>_<group index> (its /config shows add_sub_0); named ones keep theirs."""
+    description = ModelDescription([TensorDescription("x", TensorProto.FLOAT, [-1, 4])],
+                                   [TensorDescription("y", TensorProto.FLOAT, [-1, 4])])
+    for text, names in (("", ["m_0"]), ('instance_group [{ kind: KIND_CPU }, { name: "b" kind: KIND_CPU }]',
+                                         ["m_0", "b"])):
+        config = complete_config(parse_config_text(text, "m"), description, "m", 8)
+        assert [group.name for group in config.instance_group] == names

@@ -367,7 +367,7 @@ def test_bls_error_comes_back_on_the_response(server):
         _infer(httpclient, server, "bls_sync", {"MODEL_NAME": np.array([b"missing"], dtype=object),
                                                 "INPUT0": a, "INPUT1": b})
     message = str(failure.value)
-    assert "Failed to process the request(s) for model instance 'bls_sync_0'" in message
+    assert "Failed to process the request(s) for model 'bls_sync_0_0'" in message
     assert "Request for unknown model: 'missing' is not found" in message and "TritonModelException" in message
 
 
@@ -452,7 +452,7 @@ def test_bytes_request_id_parameters_and_requested_outputs(server, protocol):
     assert info["id"] == "r-17" and info["parameters"] == {"answer": 42}
     assert info["requested"] == ["UPPER", "INFO"] and info["correlation_id"] == 0
     assert info["args"]["model_name"] == "text" and info["args"]["model_version"] == "1"
-    assert info["args"]["model_instance_kind"] == "CPU" and info["args"]["model_instance_name"] == "text_0"
+    assert info["args"]["model_instance_kind"] == "CPU" and info["args"]["model_instance_name"] == "text_0_0"  # Triton: <model>_<group>_<n>
     assert info["args"]["model_instance_device_id"] == "0" and info["config_name"] == "text"
     assert info["args"]["model_repository"].endswith("/text") and info["model_dir"].endswith("/text/1")
     only = _infer(protocol, server, "text", {"TEXT": text}, outputs=["UPPER"])
@@ -462,9 +462,9 @@ def test_bytes_request_id_parameters_and_requested_outputs(server, protocol):
 def test_logger_lines_reach_the_server_log(server):
     _infer(httpclient, server, "text", {"TEXT": np.array([b"log me"], dtype=object)}, request_id="logged-1")
     deadline = time.monotonic() + 5
-    while "text_0: text model answered request logged-1" not in server.log() and time.monotonic() < deadline:
+    while "text_0_0: text model answered request logged-1" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "text_0: text model answered request logged-1" in server.log()
+    assert "text_0_0: text model answered request logged-1" in server.log()
 
 
 def test_statistics_and_metrics_count_python_models(server, client):
@@ -487,7 +487,7 @@ def test_exception_in_execute_fails_that_request_and_the_server_serves_on(server
     with pytest.raises(InferenceServerException) as failure:
         _infer(protocol, server, "failing", {"X": -np.ones(4, np.float32)})
     message = str(failure.value)
-    assert "Failed to process the request(s) for model instance 'failing_0', message: ValueError: negative input" \
+    assert "Failed to process the request(s) for model 'failing_0_0', message: ValueError: negative input" \
            in message
     assert "model.py" in message and "execute" in message  # the traceback's frames, as Triton gives them
     x = np.arange(4, dtype=np.float32) + 1
@@ -514,14 +514,14 @@ def test_a_stub_that_dies_fails_its_requests_and_is_restarted(server, trigger, h
     with pytest.raises(InferenceServerException) as failure:
         _infer(httpclient, server, "crashy", {"X": np.array([trigger], np.int32)})
     message = str(failure.value)
-    assert f"Stub process 'crashy_0' is not healthy: it {how}" in message and "restarted" in message
+    assert f"Stub process 'crashy_0_0' is not healthy: it {how}" in message and "restarted" in message
     second = _pid(server)  # waits for the restart if it is still under way
     assert second != first
     outputs = {o["name"]: o["data"] for o in pending.result(timeout=30).json()["outputs"]}
     assert outputs["Y"] == [2, 2, 2, 2]
     assert _infer(httpclient, server, "add_sub", dict(zip(("INPUT0", "INPUT1"), _pair()))).as_numpy("OUTPUT0") \
         is not None
-    assert f"model instance 'crashy_0': its stub {how}" in server.log()
+    assert f"model instance 'crashy_0_0': its stub {how}" in server.log()
 
 
 def test_a_stub_that_dies_while_idle_is_restarted_before_the_next_request(server):
@@ -531,7 +531,7 @@ def test_a_stub_that_dies_while_idle_is_restarted_before_the_next_request(server
     deadline = time.monotonic() + 10
     while "its stub was killed by SIGKILL" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "model instance 'crashy_0': its stub was killed by SIGKILL (signal 9); restarting it" in server.log()
+    assert "model instance 'crashy_0_0': its stub was killed by SIGKILL (signal 9); restarting it" in server.log()
     assert _pid(server) != first
 
 
@@ -549,7 +549,7 @@ def test_initialize_raising_fails_the_load_with_its_traceback(client):
     with pytest.raises(InferenceServerException) as failure:
         client.load_model("init_fails")
     message = str(failure.value)
-    assert "load failed for model 'init_fails'" in message and "initialize of instance 'init_fails_0' failed" in message
+    assert "load failed for model 'init_fails'" in message and "initialize of instance 'init_fails_0_0' failed" in message
     assert "ValueError: cannot find the weights in " in message and "model.py(4): initialize" in message
     entry = next(m for m in client.get_model_repository_index() if m["name"] == "init_fails")
     assert entry["state"] == "UNAVAILABLE" and "ValueError: cannot find the weights" in entry["reason"]
@@ -600,7 +600,7 @@ def test_unload_runs_finalize_and_stops_the_stubs(server, client):
     deadline = time.monotonic() + 15
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert marker.read_text() == "final_0"
+    assert marker.read_text() == "final_0_0"
 
 
 def _text_input(text: str) -> httpclient.InferInput:

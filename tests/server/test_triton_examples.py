@@ -123,10 +123,9 @@ def test_bls_sync_calls_the_model_it_is_named(server, protocol):
     with pytest.raises(InferenceServerException) as failure:
         _infer(protocol, server, "bls_sync", {"MODEL_NAME": np.array([b"undefined_model"], dtype=object),
                                               "INPUT0": a, "INPUT1": b}, ["OUTPUT0", "OUTPUT1"])
-    # Triton 2.51 names the instance 'bls_sync_0_0' ("for model 'bls_sync_0_0', message: ..."), Kiln 'bls_sync_0'
-    # ("for model instance 'bls_sync_0', message: ...", older Tritons' text): the part they share
+    # Triton 2.51 names the instance of an unnamed group '<model>_<group>_<index>' and says so
     message = failure.value.message()
-    assert message.startswith("Failed to process the request(s) for model ") and "bls_sync_0" in message
+    assert message.startswith("Failed to process the request(s) for model 'bls_sync_0_0', message: "), message
     assert "TritonModelException" in message and "undefined_model" in message
 
 
