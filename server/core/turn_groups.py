@@ -24,6 +24,11 @@ from .grouping import Answer, MemberResults, concatenate, group_key, rows, split
 from .types import InferRequest
 
 
+def _answered(value: Any, error: BaseException | None) -> None:
+    """What an answered member's reply becomes: its caller's callback (which holds the caller, which holds the
+    member) is dropped, so the request's objects go with reference counting, not with a garbage collection."""
+
+
 class _Member:
     """One request of a turn's group, and what its caller cancels to withdraw it (`done()` / `cancel()`, as the
     future `ServerCore.submit_infer` returns)."""
@@ -40,7 +45,8 @@ class _Member:
     def answer(self, value: Any, error: BaseException | None) -> None:
         if not self.answered:
             self.answered = True
-            self.reply(value, error)
+            reply, self.reply, self.group = self.reply, _answered, None  # no cycles left for the collector
+            reply(value, error)
 
     def done(self) -> bool:
         return self.answered
@@ -50,11 +56,12 @@ class _Member:
         no member of its group waits any more."""
         if self.answered:
             return False
+        group = self.group
         self.answer(None, asyncio.CancelledError())
         if self.job is not None:
             self.job.cancel()
-        elif self.group is not None:
-            self.group.withdrawn()
+        elif group is not None:
+            group.withdrawn()
         return True
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +283,21 @@ def test_withdrawn_members_hear_cancelled_and_a_withdrawn_group_never_runs(repos
         assert all(a.cancelled() or isinstance(a.exception(), asyncio.CancelledError) for a, _ in queued)
 
     _in_process(repository, scenario)
+
+
+def test_answered_requests_leave_no_cycles_for_the_collector(repository: Path):
+    """A request's objects (its member, group, caller's callback) go with reference counting once it is answered:
+    cyclic garbage per request made the collector run every few hundred requests, pausing the event loop."""
+    async def scenario(core, turns):
+        requests = [_request(float(i), request_id=f"r{i}") for i in range(6)]
+        _check(await _answers(turns, requests), requests)  # warm: lazily made objects exist from here on
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                _check(await _answers(turns, requests), requests)
+            return gc.collect()
+        finally:
+            gc.enable()
+
+    assert _in_process(repository, scenario) == 0

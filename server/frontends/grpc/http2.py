@@ -570,6 +570,7 @@ class Http2Connection(asyncio.Protocol):
     def _forget_if_done(self, stream: Stream) -> None:
         if stream.closed_local and stream.closed_remote and not stream.pending:
             self.streams.pop(stream.id, None)
+            stream.on_data = stream.on_end = stream.on_reset = None  # the call's objects go with reference counting
             self._maybe_close()
 
     # -- shutdown ---------------------------------------------------------------------------------------------------
