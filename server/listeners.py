@@ -43,8 +43,10 @@ def make_uvicorn(app, host: str, port: int, name: str, graceful_s: float,
     ssl_options = {} if tls is None else {
         "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.root,
         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE}
+    # no `server: uvicorn` header: Triton sends none, and it named a library, not the server (Date stays: RFC 9110)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(int(graceful_s), 1), http=protocol or "auto", **ssl_options)
+                            timeout_graceful_shutdown=max(int(graceful_s), 1), http=protocol or "auto",
+                            server_header=False, **ssl_options)
     server = UvicornServer(config)
     server.name = name  # type: ignore[attr-defined]
     server.tls = tls  # type: ignore[attr-defined]
