@@ -157,6 +157,8 @@ def _dump(document: dict[str, Any]) -> bytes | None:
 
 
 class _Tensor:
+    """What `_decode` reads of an `InferInputBody` (`_plain`'s result; `_Output` and `_Body` likewise)."""
+
     __slots__ = ("name", "shape", "datatype", "parameters", "data")
 
     def __init__(self, name: str, shape: list[int], datatype: str, parameters: dict | None, data: Any) -> None:
