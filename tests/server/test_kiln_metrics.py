@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import BATCH_SIZE_BUCKETS, batch_size_family
 from tests.server.conftest import examples, run_server
+from tests.support.servers import infer_add_sub_int32
 
 ARGS = ["--allow-grpc", "false"]
 
@@ -24,19 +25,12 @@ def _value(families: dict, family: str, sample: str, **labels: str) -> float:
     return values[0]
 
 
-def _infer(url: str, rows: int) -> None:
-    data = list(range(16 * rows))
-    body = {"inputs": [{"name": name, "shape": [rows, 16], "datatype": "INT32", "data": data}
-                       for name in ("INPUT0", "INPUT1")]}
-    assert httpx.post(f"http://{url}/v2/models/add_sub/infer", json=body, timeout=30).status_code == 200
-
-
 def test_build_time_plan_cache_lookups_and_batch_sizes_on_a_real_server(tmp_path):
     repository = examples.make_repository(tmp_path / "models")
     args = [*ARGS, "--plan-cache-dir", str(tmp_path / "plans")]
     with run_server(repository, tmp_path / "first.log", ["add_sub"], args) as server:
         for rows in (1, 2, 2, 3, 1):
-            _infer(server.http_url, rows)
+            infer_add_sub_int32(server.http_url, rows)
         families = _families(server.metrics_url)
         stats = httpx.get(f"http://{server.http_url}/v2/models/add_sub/stats", timeout=5).json()
     labels = {"model": "add_sub", "version": "1"}

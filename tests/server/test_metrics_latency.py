@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.core.latency import Histogram, MetricsConfig, WindowQuantiles, parse_metrics_config
 from server.gpu_metrics import NvmlGpus, Sampled
 from tests.server.conftest import examples, run_server
+from tests.support.servers import infer_add_sub_int32
 
 
 # -- the estimator and the flag ---------------------------------------------------------------------------------
@@ -63,20 +64,13 @@ def test_metrics_config_parses_tritons_settings_and_refuses_others():
 
 
 # -- a real server ----------------------------------------------------------------------------------------------
-def _infer(url: str, rows: int) -> None:
-    data = list(range(16 * rows))
-    body = {"inputs": [{"name": name, "shape": [rows, 16], "datatype": "INT32", "data": data}
-                       for name in ("INPUT0", "INPUT1")]}
-    assert httpx.post(f"http://{url}/v2/models/add_sub/infer", json=body, timeout=30).status_code == 200
-
-
 def test_summaries_and_histogram_on_a_real_server(tmp_path):
     repository = examples.make_repository(tmp_path / "models")
     args = ["--metrics-config", "summary_latencies=true", "--metrics-config", "histogram_latencies=true",
             "--metrics-config", "summary_quantiles=0.5:0.05,0.9:0.01,0.99:0.001", "--allow-grpc", "false"]
     with run_server(repository, tmp_path / "server.log", ["add_sub"], args) as server:
         for i in range(30):
-            _infer(server.http_url, 1 + i % 2)
+            infer_add_sub_int32(server.http_url, 1 + i % 2)
         text = httpx.get(server.metrics_url, timeout=5).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
 

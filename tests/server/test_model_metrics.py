@@ -18,6 +18,7 @@ from server.core.config_fields import ConfigFieldCheck, refusals
 from server.core.errors import ServerError
 from server.core.latency import DEFAULT_BUCKETS_MS, FIRST_RESPONSE, LatencyRecorder, MetricsConfig, model_buckets
 from server.core.model_config import parse_config_text
+from tests.support.servers import infer_add_sub_int32
 
 from .conftest import examples, run_server
 
@@ -94,13 +95,6 @@ def _repository(root: Path) -> Path:
     return root
 
 
-def _infer(url: str, model: str, rows: int) -> None:
-    data = list(range(16 * rows))
-    body = {"inputs": [{"name": name, "shape": [rows, 16], "datatype": "INT32", "data": data}
-                       for name in ("INPUT0", "INPUT1")]}
-    assert httpx.post(f"http://{url}/v2/models/{model}/infer", json=body, timeout=30).status_code == 200
-
-
 def _histogram(text: str, model: str) -> tuple[list[tuple[float, float]], float, float]:
     """([(le, cumulative count)], _count, _sum) of `model`'s first-response histogram."""
     family = next(f for f in text_string_to_metric_families(text) if f.name == FIRST_RESPONSE)
@@ -118,9 +112,9 @@ def test_per_model_buckets_on_a_real_server(tmp_path: Path):
             "--plan-cache-dir", str(tmp_path / "plans")]
     with run_server(repository, tmp_path / "server.log", ["custom", "plain"], args) as server:
         for i in range(12):
-            _infer(server.http_url, "custom", 1 + i % 2)
+            infer_add_sub_int32(server.http_url, 1 + i % 2, "custom")
         for _ in range(5):
-            _infer(server.http_url, "plain", 1)
+            infer_add_sub_int32(server.http_url, 1, "plain")
         text = httpx.get(server.metrics_url, timeout=5).text
         failed = httpx.post(f"http://{server.http_url}/v2/repository/models/unknown_family/load", timeout=60)
         index = httpx.post(f"http://{server.http_url}/v2/repository/index", json={}, timeout=10).json()
@@ -149,7 +143,7 @@ def test_histograms_off_the_section_is_accepted_and_nothing_is_exported(tmp_path
     with run_server(repository, tmp_path / "server.log", ["custom"], args) as server:
         assert httpx.get(f"http://{server.http_url}/v2/models/custom/ready", timeout=5).status_code == 200
         for _ in range(3):
-            _infer(server.http_url, "custom", 1)
+            infer_add_sub_int32(server.http_url, 1, "custom")
         text = httpx.get(server.metrics_url, timeout=5).text
     assert 'nv_inference_request_success{model="custom",version="1"} 3' in text
     assert FIRST_RESPONSE not in text and "histogram_ms" not in text

@@ -123,3 +123,12 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
         yield server
     finally:
         harness.stop(process)
+
+
+def infer_add_sub_int32(url: str, rows: int, model: str = "add_sub") -> None:
+    """One JSON request of `rows` INT32 rows to an add_sub-shaped model (INPUT0/INPUT1 [-1, 16]) at `url`
+    (host:port); asserts it succeeds. The metrics tests count these."""
+    data = list(range(16 * rows))
+    body = {"inputs": [{"name": name, "shape": [rows, 16], "datatype": "INT32", "data": data}
+                       for name in ("INPUT0", "INPUT1")]}
+    assert httpx.post(f"http://{url}/v2/models/{model}/infer", json=body, timeout=30).status_code == 200
