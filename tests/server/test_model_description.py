@@ -21,6 +21,7 @@ from server.core.model import load_model_version
 from server.core.model_config import ModelConfig, complete_config, parse_config_text
 from server.core.model_description import ModelDescription, TensorDescription, describe_file
 from server.repository import read_source
+from tests.reliability.test_hostile_models import nested_past_protobuf  # If bodies nested past protobuf
 
 
 def _model(inputs, outputs, nodes, initializers=()) -> onnx.ModelProto:
@@ -37,31 +38,6 @@ def scale_model() -> onnx.ModelProto:
                    helper.make_tensor_value_info("k", TensorProto.FLOAT, [])],
                   [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["n", 4])],
                   [helper.make_node("Mul", ["X", "k"], ["Y"])], [k])
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """One length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def nesting_bomb(depth: int) -> bytes:
-    """An ONNX file whose graph has an If whose then-branch has an If whose ... `depth` graphs deep: more nesting
-    than protobuf parses (written by hand: onnx.helper cannot build it, it parses what it nests)."""
-    graph = b""
-    for _ in range(depth):
-        attribute = _field(1, b"then_branch") + _varint(20 << 3) + _varint(5) + _field(6, graph)  # type GRAPH
-        graph = _field(1, _field(4, b"If") + _field(5, attribute))  # GraphProto.node: op_type, attribute
-    opset = _varint(2 << 3) + _varint(17)  # OperatorSetIdProto.version
-    return _varint(1 << 3) + _varint(8) + _field(8, opset) + _field(7, graph)  # ir_version, opset_import, graph
 
 
 def _repository(tmp_path: Path, name: str, data: bytes, config: str = "") -> Path:
@@ -171,7 +147,7 @@ def test_a_corrupt_file_fails_with_protobufs_text(tmp_path: Path):
 
 
 def test_a_nesting_bomb_fails_in_the_child(tmp_path: Path):
-    directory = _repository(tmp_path, "nested", nesting_bomb(200))
+    directory = _repository(tmp_path, "nested", nested_past_protobuf(200))
     with pytest.raises(ServerError, match="model 'nested' version 1: model.onnx is not a valid ONNX model"):
         _load(directory)
 
@@ -204,7 +180,7 @@ def test_a_file_too_big_for_the_memory_limit_fails_reading_with_the_limit_named(
 
 def test_hostile_files_fail_through_the_server_which_keeps_serving(kiln_server):
     with httpclient.InferenceServerClient(kiln_server.http_url) as client:
-        for name, data in (("nesting_bomb", nesting_bomb(200)),
+        for name, data in (("nesting_bomb", nested_past_protobuf(200)),
                            ("garbage", b"\x0a\xff\xff\xff\xff\x0f not a length that fits")):
             with pytest.raises(InferenceServerException, match="not a valid ONNX model") as failure:
                 client.load_model(name, config="{}", files={"file:1/model.onnx": data})
