@@ -79,6 +79,21 @@ class Http2Settings:
     max_ping_strikes: int = 2  # strikes beyond this: GOAWAY ENHANCE_YOUR_CALM (0: no limit)
 
 
+def _release(stream: Stream) -> None:
+    """A stream that ended drops its application's callbacks (stream -> call -> stream): the call's objects then go
+    with reference counting, leaving no cycle for the garbage collector to pause the event loop over."""
+    stream.on_data = stream.on_end = stream.on_reset = None
+
+
+def _reset(stream: Stream) -> None:
+    """A stream reset by either side: closed both ways, its application told, then released."""
+    stream.closed_local = stream.closed_remote = True
+    on_reset = stream.on_reset
+    _release(stream)
+    if on_reset is not None:
+        on_reset()
+
+
 class StreamHandler(Protocol):
     """The application: told of each new stream once its header block is complete."""
 
@@ -280,9 +295,7 @@ class Http2Connection(asyncio.Protocol):
             stream = self.streams.pop(stream_id, None)
             self._blocked.pop(stream_id, None)
             if stream is not None:
-                stream.closed_local = stream.closed_remote = True
-                if stream.on_reset is not None:
-                    stream.on_reset()
+                _reset(stream)
         elif kind == GOAWAY:
             self.going_away = True
             self._maybe_close()
@@ -561,16 +574,14 @@ class Http2Connection(asyncio.Protocol):
             del self.streams[stream.id]
             self._blocked.pop(stream.id, None)
             stream.pending.clear()
-            stream.closed_local = stream.closed_remote = True
             self._write(frame(RST_STREAM, 0, stream.id, _U32.pack(code)))
-            if stream.on_reset is not None:
-                stream.on_reset()
+            _reset(stream)
             self._maybe_close()
 
     def _forget_if_done(self, stream: Stream) -> None:
         if stream.closed_local and stream.closed_remote and not stream.pending:
             self.streams.pop(stream.id, None)
-            stream.on_data = stream.on_end = stream.on_reset = None  # the call's objects go with reference counting
+            _release(stream)
             self._maybe_close()
 
     # -- shutdown ---------------------------------------------------------------------------------------------------
