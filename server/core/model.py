@@ -3,8 +3,8 @@
 Loading (`load_model_version`) is blocking and runs in a background thread: the ONNX graph's inputs and outputs
 (read by a bounded child process, server/core/model_description.py) -> completed config -> optimization profile
 (batch 1..max_batch_size, other dims from the config) -> plan (built by a bounded child) -> engine -> one execution
-context per instance. The server process itself never parses the model file. Requests are checked against the completed config, so the client sees Triton's
-messages about shapes and datatypes, not engine internals.
+context per instance. The server process itself never parses the model file. Requests are checked against the
+completed config, so the client sees Triton's messages about shapes and datatypes, not engine internals.
 """
 
 from __future__ import annotations
