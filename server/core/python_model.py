@@ -27,8 +27,7 @@ import asyncio
 import json
 import logging
 import os
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from server.python_backend import wire
 from server.repository import ModelSource, select_versions
 
 from . import warmup
-from .batcher import BatchingSettings, DynamicBatcher, _Outcome, _Pending
+from .batcher import BatchingSettings, DynamicBatcher
 from .config_fields import refusals
 from .errors import ErrorKind, ServerError, invalid
 from .model import PAD_BATCH, PRECISION, PROFILE_BATCH_SIZES, ServedModel, _read_labels, execution_timeout_s
@@ -52,7 +51,7 @@ from .model_config import (
     parse_config_json,
 )
 from .python_stub import BlsRunner, StreamSink, Stub, StubCallError, StubFailure, StubLaunch, server_python
-from .scheduler import Execution, Job, JobResult, Workers
+from .scheduler import Job, JobResult, Workers
 from .sequence import SequenceBatcher, sequence_batcher
 from .sequence_config import SEQUENCE_PARAMETERS, sequence_settings
 from .statistics import ExecutionTimes
@@ -294,10 +293,9 @@ class PythonVersion(ServedModel):
                 settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, name)
             else:  # one request per execute(), as Triton runs a model without a batcher
                 settings = BatchingSettings.from_config(model_config_pb2.ModelDynamicBatching(), 1, name)
-            batcher = _LoopBatcher(instances, _not_used, f"kiln-{name}-{version}",  # type: ignore[arg-type]
-                                   settings, self._record_execution,
-                                   execute_jobs=self._execute_jobs)  # type: ignore[arg-type]
-            batcher.execute_async = self._execute_jobs_async
+            batcher = DynamicBatcher(instances, _not_used, f"kiln-{name}-{version}",  # type: ignore[arg-type]
+                                     settings, self._record_execution,
+                                     execute_jobs_async=self._execute_jobs_async)  # type: ignore[arg-type]
         batcher.workers.label = f"model '{name}'"
         self.scheduler = PythonScheduler(batcher, self._stop_instances)
 
@@ -419,31 +417,6 @@ class PythonVersion(ServedModel):
     def close(self) -> None:
         """Take no new requests; once those admitted are answered, finalize() runs and the stubs end."""
         self.scheduler.close()
-
-
-class _LoopBatcher(DynamicBatcher):
-    """The dynamic batcher of a Python model, its batches run as coroutines on the event loop: an execute() is a
-    message to the instance's stub process and its answer, so a worker thread would only wait, and handing each
-    batch to one and back cost two thread switches (and the interpreter lock) per step. Queues, priorities,
-    policies, statistics and the split by shapes are the DynamicBatcher's."""
-
-    execute_async: Callable[[Any, list[Job]], Awaitable[list[dict[str, np.ndarray] | BaseException]]]
-
-    async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
-        started = self._clock()
-        key = batch[0].key  # requests whose non-batch shapes differ wait for a call of their own
-        ran = [p for p in batch if p.key == key]
-        deferred = [p for p in batch if p.key != key] if len(ran) < len(batch) else []
-        t0 = time.perf_counter_ns()
-        try:
-            parts = await self.execute_async(context, [p.job for p in ran])
-        except Exception as e:  # noqa: BLE001 - every member must hear about the failure
-            parts = [e for _ in ran]
-        execution = Execution(context, parts, 0, time.perf_counter_ns() - t0)  # type: ignore[arg-type]
-        outcome = _Outcome(execution, ran, deferred, parts)  # type: ignore[arg-type]
-        self._take_back(outcome)
-        self._dispatch()
-        self._answer(outcome, started)
 
 
 def _not_used(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -79,6 +79,8 @@ class Job:
 # Runs several jobs as one execution, handed over as they are: (context, jobs) -> per job its outputs or its own
 # error (a Python model answers each request of a batch separately, and one may fail alone).
 JobsExecutor = Callable[[object, list[Job]], list[dict[str, np.ndarray] | BaseException]]
+# The same as a coroutine on the event loop (a Python model's execute() is a message to its stub and the answer).
+AsyncJobsExecutor = Callable[[object, list[Job]], Awaitable[list[dict[str, np.ndarray] | BaseException]]]
 
 
 @dataclass
