@@ -94,6 +94,22 @@ def cache_key(model_digest: str, description: dict[str, Any], arch: str, model_f
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def write_atomically(target: Path, data: bytes, prefix: str) -> None:
+    """`data` at `target` without a reader ever seeing half a file: a temporary file in the same directory (named
+    `.<prefix>-...TEMPORARY_SUFFIX`, which PlanCache removes when stale), synced, then renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{prefix}-", suffix=TEMPORARY_SUFFIX, dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 @dataclass
 class CachedBuild:
     """A loaded engine and how it was obtained: "cache hit", "built", or "rebuilt (...)" with the reason;
@@ -149,21 +165,9 @@ class PlanCache:
             return None
 
     def write(self, key: str, plan: bytes) -> None:
-        """Atomically store `plan`: a temporary file in the same directory, then a rename."""
-        if self.directory is None:
-            return
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=TEMPORARY_SUFFIX, dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(plan)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        """Atomically store `plan` (`write_atomically`)."""
+        if self.directory is not None:
+            write_atomically(self.path(key), plan, key[:16])
 
     def remove(self, key: str) -> None:
         if self.directory is not None:

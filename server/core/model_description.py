@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_core as kiln
-from server.plan_cache import TEMPORARY_SUFFIX
+from server.plan_cache import write_atomically
 
 from . import build_process
 
@@ -183,14 +181,6 @@ def _write_entry(entry: Path, description: ModelDescription) -> None:
     """Atomically, as plans are written (a temporary file renamed into place; PlanCache removes stale temporary
     files of this folder too); failures only cost a later read."""
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{entry.stem[:16]}-", suffix=TEMPORARY_SUFFIX, dir=entry.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(description.to_json())
-            os.replace(temporary, entry)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        write_atomically(entry, description.to_json(), entry.stem[:16])
     except OSError as e:  # a full or read-only cache must not stop the model from loading
         log.warning("cannot write model description %s: %s", entry, e)
