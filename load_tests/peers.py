@@ -194,8 +194,13 @@ class Server:
 
 
 def kiln_server(repo: Path, logs: Path) -> Server:
+    return kiln_server_on(repo / "kiln", logs)
+
+
+def kiln_server_on(repository: Path, logs: Path) -> Server:
+    """`python -m server` of this checkout on `repository` (a Kiln/Triton model repository), on free ports."""
     ports = harness.free_ports(3)
-    command = harness.kiln_command(repo / "kiln", ports)
+    command = harness.kiln_command(repository, ports)
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return Server("kiln", command, ports[0], ports[1], logs / "kiln.log", env, _kiln_version())
 

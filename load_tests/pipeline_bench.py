@@ -163,13 +163,6 @@ def reference(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------------------------- servers
 
-def kiln_server(repo: Path, logs: Path) -> peers.Server:
-    ports = harness.free_ports(3)
-    env = {"PYTHONPATH": str(harness.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return peers.Server("kiln", harness.kiln_command(repo, ports), ports[0], ports[1], logs / "kiln.log", env,
-                        peers._kiln_version())
-
-
 def triton_server(repo: Path, logs: Path) -> peers.Server:
     """serve.sh on `repo` (its fourth argument); the version from the wheel's metadata, as load_tests.peers reads it."""
     server = peers.triton_server(repo, logs)
@@ -177,7 +170,7 @@ def triton_server(repo: Path, logs: Path) -> peers.Server:
     return server
 
 
-FACTORIES = {"kiln": kiln_server, "triton": triton_server}
+FACTORIES = {"kiln": peers.kiln_server_on, "triton": triton_server}
 
 
 def available(name: str) -> str:
