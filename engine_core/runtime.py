@@ -700,6 +700,16 @@ class ExecutionContext(BatchExecution):
         if value.nbytes:
             np.copyto(_host_array(address, value.dtype, value.shape), value)
 
+    @property
+    def concurrent_runs(self) -> int:
+        """How many threads may call ``infer`` / ``infer_batch`` on this context at once (a Kiln extension): two
+        on the CUDA backend, each run with pinned staging of its own, so one thread's gathering and copying out
+        overlaps another's run on the device (backends/cuda/runner_staging.py); one on the CPU backend and with
+        several optimization profiles (the active profile is the context's, and each run may switch it)."""
+        if self._cuda is None or self.engine.num_optimization_profiles > 1:
+            return 1
+        return self._cuda._io_slots.count
+
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run on numpy inputs and return numpy outputs (sets shapes; validates dtype and profile).
 

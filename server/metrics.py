@@ -92,8 +92,8 @@ _CACHE_GAUGES = {
 _KILN_FAMILIES = {
     "kiln_worker_restarts_total": ("Execution contexts (workers) replaced after their execution failed",
                                    "counter", lambda v: v.worker_restarts),
-    "kiln_workers": ("Execution contexts (workers) serving; fewer than configured when a replacement failed or "
-                     "an execution outlived kiln_execution_timeout_ms", "gauge", lambda v: v.workers.alive - v.workers.hung),
+    "kiln_workers": ("Workers serving (one per instance; two on the GPU, where one gathers a batch while the other's "
+                     "runs); fewer when a replacement failed or an execution outlived kiln_execution_timeout_ms", "gauge", lambda v: v.workers.alive - v.workers.hung),
     "kiln_execution_timeouts_total": ("Executions abandoned after running longer than kiln_execution_timeout_ms",
                                       "counter", lambda v: v.workers.hangs),
     "kiln_profile_rebuilds_total": ("Plans rebuilt with optimization profiles fitted to traffic and swapped in",

@@ -205,7 +205,7 @@ class ModelVersion(ServedModel):
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
         (blocking: part of loading). Raises ServerError naming a sample that does not fit the model."""
-        contexts = list(self.workers.initial)
+        contexts = list(dict.fromkeys(self.workers.initial))  # a pipelined context is in the pool twice
         warmup.warm_up_buckets(self.config, contexts, self.engine)
         warmup.run_model_warmup(self, contexts, directory)
 
@@ -270,17 +270,25 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     elif config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(output_shapes, _bucket(engine)) if pad else None
-        scheduler = DynamicBatcher(contexts, execute, thread_name, settings, record,
+        scheduler = DynamicBatcher(_lanes(contexts), execute, thread_name, settings, record,
                                    create_context=engine.create_execution_context, padding=padding,
                                    execute_parts=execute_parts)
     else:
-        scheduler = DirectScheduler(contexts, execute, thread_name, record,
+        scheduler = DirectScheduler(_lanes(contexts), execute, thread_name, record,
                                     create_context=engine.create_execution_context, execute_parts=execute_parts)
     workers = scheduler.workers  # type: ignore[attr-defined]
     workers.label, workers.timeout_s = label, timeout_s
     if engine.backend == "cpu" and timeout_s is None:  # an inline execution could not be abandoned
         workers.inline_below_ns = INLINE_BELOW_NS
     return scheduler
+
+
+def _lanes(contexts: list[object]) -> list[object]:
+    """The scheduler's workers: each instance's context as many times as it runs at once. A CUDA context runs
+    two (`ExecutionContext.concurrent_runs`): one worker gathers the next batch and copies out the last while
+    the other's run is on the device, as Triton's TensorRT backend overlaps an instance's batches. The sequence
+    batcher keeps one worker per context (a sequence's state lives in its slot of one context's batch)."""
+    return [context for context in contexts for _ in range(getattr(context, "concurrent_runs", 1))]
 
 
 def _bucketed(config: ModelConfig, engine: kiln.CudaEngine) -> bool:

@@ -39,8 +39,9 @@ def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_every_bucket_is_captured_at_load_and_live_batches_only_replay(model):
-    contexts = model.workers.initial
+    contexts = list(dict.fromkeys(model.workers.initial))
     assert model.engine.backend == "cuda" and len(contexts) == 2
+    assert len(model.workers.initial) == 4  # two workers (lanes) per CUDA context: one gathers while one runs
     buckets = execution.batch_buckets(16)
     for context in contexts:
         state = _state(context)
@@ -61,7 +62,7 @@ def test_every_bucket_is_captured_at_load_and_live_batches_only_replay(model):
 
 
 def test_jobs_of_a_batch_are_gathered_by_the_engine(model):
-    context = model.workers.initial[1]
+    context = list(dict.fromkeys(model.workers.initial))[1]
     rng = np.random.default_rng(1)
     parts = [{"x": rng.standard_normal((n, 64)).astype(np.float32)} for n in (2, 1, 3)]
     before = _state(context).graph_replays

@@ -3,10 +3,13 @@ and still replay CUDA graphs; ``infer`` stages through pinned host memory and re
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 import engine_core as kiln
+from engine_core.backends.cuda.runner import STAGING_SLOTS
 from tests.cuda.models import build_engine, mlp
 
 pytestmark = pytest.mark.gpu
@@ -130,11 +133,11 @@ def test_warm_up_captures_so_the_first_request_replays():
     context = gpu.create_execution_context()
     context.warm_up({"x": (8, 64)})
     binding = _binding(context)
-    assert len(binding.graphs) == 1 and binding.verified and not binding.graph_failed
+    assert len(binding.graphs) == STAGING_SLOTS and binding.verified and not binding.graph_failed  # one per slot
     runs, replays = binding.runs, _replays(context)
     x = _x(30, 8)
     y = context.infer({"x": x})["y"]
-    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == 1
+    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == STAGING_SLOTS
     np.testing.assert_allclose(y, cpu.create_execution_context().infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
 
 
@@ -146,12 +149,42 @@ def test_infer_batch_after_warm_up_replays_the_graph_infer_uses():
     context.warm_up({"x": (8, 64)})
     binding, replays = _binding(context), _replays(context)
     results = context.infer_batch([{"x": p} for p in parts], pad_to=8)
-    assert _replays(context) == replays + 1 and len(context._cuda._bindings) == 1 and len(binding.graphs) == 1
+    assert _replays(context) == replays + 1 and len(context._cuda._bindings) == 1
     want = context.infer({"x": padded})["y"]
-    assert _replays(context) == replays + 2 and len(binding.graphs) == 1  # the same buffers: the same graph
+    assert _replays(context) == replays + 2 and len(binding.graphs) == STAGING_SLOTS  # the same buffers and graphs
     for (start, stop), result in zip(((0, 2), (2, 5), (5, 6)), results):
         assert list(result) == ["y"]
         np.testing.assert_array_equal(result["y"], want[start:stop])
+
+
+def test_two_threads_on_one_context_overlap_and_each_gets_its_rows():
+    """A server runs two workers per CUDA context (ExecutionContext.concurrent_runs): their batches interleave
+    on the context's stream, each in its own staging slot, and every part still gets its own rows."""
+    gpu, cpu = build_engine(mlp(), "cuda", PROFILE), build_engine(mlp(), "cpu", PROFILE)
+    context, reference = gpu.create_execution_context(), cpu.create_execution_context()
+    assert context.concurrent_runs == STAGING_SLOTS == 2
+    for batch in (8, 16):
+        context.warm_up({"x": (batch, 64)})
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for step in range(60):
+            sizes = [int(n) for n in rng.integers(1, 5, int(rng.integers(1, 4)))]
+            parts = [_x(seed * 1000 + step * 10 + i, n) for i, n in enumerate(sizes)]
+            got = context.infer_batch([{"x": p} for p in parts], pad_to=8 if sum(sizes) <= 8 else 16)
+            for part, result in zip(parts, got):
+                want = reference.infer({"x": part})["y"]
+                if not np.allclose(result["y"], want, rtol=1e-4, atol=1e-5):
+                    failures.append(f"worker {seed} step {step}: rows of another batch or slot")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures[:3]
+    assert sum(len(b.graphs) for b in context._cuda._bindings.values()) == 2 * STAGING_SLOTS  # warmed: no capture
 
 
 def test_infer_batch_reads_and_writes_device_views():

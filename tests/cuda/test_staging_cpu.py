@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -63,6 +65,21 @@ class FakeDriver:
             return self._copy(kinds[name])
         raise AttributeError(name)
 
+    CUmemcpyAttributes = types.SimpleNamespace
+    CUmemcpySrcAccessOrder = types.SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM=1)
+
+    @staticmethod
+    def CUdeviceptr(value):  # noqa: N802
+        return int(value)
+
+    def cuMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream):  # noqa: N802
+        assert len(dsts) == len(srcs) == len(sizes) == count and attrs_idxs == [0] and num_attrs == 1
+        assert attrs[0].srcAccessOrder == 1  # sources read in stream order (after the uploads before them)
+        self.calls.append(f"DtoD x{count}")
+        for dst, src, nbytes in zip(dsts, srcs, sizes):
+            ctypes.memmove(int(dst), int(src), int(nbytes))
+        return (0,)
+
     def cuMemsetD8Async(self, dst, value, nbytes, stream):  # noqa: N802
         self.calls.append("memset")
         ctypes.memset(int(dst), int(value), int(nbytes))
@@ -89,6 +106,16 @@ class FakeDriver:
         self.calls.append(f"{stream:#x} waits {event}")
         return (0,)
 
+    def cuEventSynchronize(self, event):  # noqa: N802
+        self.calls.append("wait")
+        return (0,)
+
+
+def _io(calls: list[str]) -> list[str]:
+    """The driver calls of runs, each slot event's recording on the context stream as "done" (made once: left out)."""
+    return ["done" if call.startswith("record ") and call.endswith(" on 0x5000") else call
+            for call in calls if call != "event"]
+
 
 def _host(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -105,6 +132,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(runner, "primary_context", lambda ordinal=0: None)
     monkeypatch.setattr(runner_staging, "primary_context", lambda ordinal=0: None)  # PinnedBuffer's
     monkeypatch.setattr(kiln_driver, "primary_context", lambda ordinal=0: None)
+    monkeypatch.setattr(runner_staging._BatchCopies, "usable", True)
     return fake
 
 
@@ -122,7 +150,7 @@ def setup(fake):
             infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs})
             state._bindings[key] = types.SimpleNamespace(lowered=types.SimpleNamespace(infos=infos), stages={},
                                                          graphs={}, has_host=False, graph_failed=False, runs=0,
-                                                         staged=None)
+                                                         staged=None, twins={})
         return state._bindings[key]
 
     def execute(shapes, addresses, stream, profiler=None, values=None, debug=None, consumed_event=None, staged=None):
@@ -162,7 +190,7 @@ def test_infer_goes_through_pinned_mirrors_with_one_sync(setup) -> None:
     reference, context, fake = setup
     part = _part(0, 4)
     first = context.infer(part)
-    assert fake.calls == ["HtoD", "HtoD", "run", "DtoH", "DtoH", "DtoH", "sync"]
+    assert _io(fake.calls) == ["HtoD", "HtoD", "run", "DtoH", "DtoH", "DtoH", "done", "wait"]
     second = context.infer(_part(1, 4))
     for name, value in reference.infer(part).items():
         np.testing.assert_array_equal(first[name], value)  # not overwritten by the second run's staging
@@ -192,8 +220,8 @@ def test_host_parts_gather_in_the_mirrors_and_run_with_their_copies(setup) -> No
         parts = [_part(10 + i, n) for i, n in enumerate(rows)]
         fake.calls.clear()
         got = context.infer_batch(parts, pad_to=8)
-        # the uploads of whole mirrors, the run and the downloads (one graph once captured), one sync
-        assert fake.calls == ["HtoD", "HtoD", "run", "DtoH", "DtoH", "DtoH", "sync"]
+        # the uploads of whole mirrors, the run and the downloads (one graph once captured), one wait
+        assert _io(fake.calls) == ["HtoD", "HtoD", "run", "DtoH", "DtoH", "DtoH", "done", "wait"]
         for g, w in zip(got, reference.infer_batch(parts, pad_to=8)):
             for name in w:
                 np.testing.assert_array_equal(g[name], w[name], err_msg=name)
@@ -209,9 +237,11 @@ def test_infer_batch_gathers_pads_splits_and_writes_destinations(setup) -> None:
     s_out = _device(fake, np.zeros(3, np.float32))
     fake.calls.clear()
     got = context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": y_out}, {}, {"s": s_out}])
-    # x: part 0 host, part 1 device, parts 2-3 host (one upload), padding; ids: parts 0-2 host, part 3 device
-    assert fake.calls[:8] == ["HtoD", "DtoD", "HtoD", "memset", "HtoD", "DtoD", "memset", "run"]
-    assert fake.calls[-1] == "sync" and fake.calls.count("sync") == 1
+    # x: part 0 host, part 1 device, parts 2-3 host (one upload), padding; ids: parts 0-2 host, part 3 device;
+    # the device parts' copies as one batch; after the run the destinations' copies as one batch
+    calls = _io(fake.calls)
+    assert calls[:7] == ["HtoD", "HtoD", "memset", "HtoD", "memset", "DtoD x2", "run"]
+    assert "DtoD x2" in calls[7:] and calls[-2:] == ["done", "wait"] and "sync" not in calls
     assert [list(g) for g in got] == [["y", "k", "s"], ["k", "s"], ["y", "k", "s"], ["y", "k"]]
     for g, w in zip(got, want):
         for name in g:
@@ -222,16 +252,71 @@ def test_infer_batch_gathers_pads_splits_and_writes_destinations(setup) -> None:
         context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": s_out}, {}, {}])
 
 
+def test_device_copies_go_one_call_each_where_the_driver_has_no_batch_copy(fake, monkeypatch, caplog) -> None:
+    monkeypatch.delattr(FakeDriver, "cuMemcpyBatchAsync")
+    src, dst = (fake.cuMemAlloc(16)[1] for _ in range(2))
+    ctypes.memmove(src, b"0123456789abcdef", 16)
+    runner_staging.memcpy_dtod_batch([(dst, src, 8), (dst + 8, src + 8, 8), (dst, src, 0)], 0x5000)
+    runner_staging.memcpy_dtod_batch([(dst, src, 4), (dst + 4, src, 4)], 0x5000)
+    assert fake.calls == ["DtoD"] * 4 and ctypes.string_at(dst, 8) == b"01230123"
+    assert runner_staging._BatchCopies.usable is False
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records)) == 1  # said once
+
+
 def test_infer_batch_at_a_padded_total_shares_infer_buffers_and_warm_up_stops_once_captured(setup) -> None:
     reference, context, fake = setup
     context.warm_up({"x": (8, 3), "ids": (8, 2)})
-    assert fake.calls.count("run") == 2  # eager, then "captured"
+    assert fake.calls.count("run") == 3  # eager, then "captured" in slot 0; captured at once in slot 1
     (binding,) = context._cuda._bindings.values()
     addresses = {name: stage.device.ptr for name, stage in binding.stages.items()}
     context.infer_batch([_part(5, 3), _part(6, 4)], pad_to=8)
     context.infer(_part(7, 8))
-    assert len(context._cuda._bindings) == 1 and len(binding.graphs) == 1
+    assert len(context._cuda._bindings) == 1 and len(binding.graphs) == runner.STAGING_SLOTS  # no new captures
     assert {name: stage.device.ptr for name, stage in binding.stages.items()} == addresses
+    (twin, _), = binding.twins.values()  # slot 1: the same device buffers, mirrors of its own
+    assert {name: stage.device.ptr for name, stage in twin.items()} == addresses
+    assert not {stage.host.ptr for stage in twin.values()} & {stage.host.ptr for stage in binding.stages.values()}
+
+
+def test_a_second_thread_gathers_and_runs_while_the_first_waits_for_its_run(setup, monkeypatch) -> None:
+    """Two threads on one context (a server's pipelined worker): the second fills its own slot's mirrors and
+    enqueues its run while the first still waits for its run's event; both get their own rows back."""
+    reference, context, fake = setup
+    second_enqueued = threading.Event()
+    recorded: list[str] = []
+
+    def record(event, stream):
+        recorded.append(event)
+        if len(recorded) == 2:
+            second_enqueued.set()
+        return (0,)
+
+    def wait(event):
+        if event == recorded[0]:  # the first run "completes" only once the second run was enqueued beside it
+            assert second_enqueued.wait(5), "the second run could not start while the first was in flight"
+        return (0,)
+
+    monkeypatch.setattr(fake, "cuEventRecord", record, raising=False)
+    monkeypatch.setattr(fake, "cuEventSynchronize", wait, raising=False)
+    batches = [[_part(20, 3), _part(21, 2)], [_part(22, 1), _part(23, 4), _part(24, 1)]]
+    results: dict[int, list] = {}
+
+    def run(index: int) -> None:
+        results[index] = context.infer_batch(batches[index], pad_to=8)
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    while not recorded:
+        time.sleep(0.001)
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert len(recorded) == 2 and recorded[0] != recorded[1]  # one event per slot
+    for index, parts in enumerate(batches):
+        for got, want in zip(results[index], reference.infer_batch(parts, pad_to=8)):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_a_default_stream_run_forks_onto_the_context_stream_and_joins_back(fake, monkeypatch) -> None:

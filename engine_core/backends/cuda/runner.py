@@ -22,6 +22,7 @@ whole-graph host fallback) and re-exports the names that lived here.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -57,11 +58,15 @@ from engine_core.backends.cuda.runner_schedule import run_schedule as run_schedu
 from engine_core.backends.cuda.runner_schedule import step_reads as step_reads
 from engine_core.backends.cuda.runner_schedule import streamed_reads as streamed_reads
 from engine_core.backends.cuda.runner_staging import (
+    STAGING_SLOTS,
+    IoSlots,
     PinnedBuffer,
     StagingMixin,
     _gather,
     _synchronize,
     _synchronized_on_error,
+    _wait,
+    memcpy_dtod_batch,
 )
 from engine_core.backends.cuda.runner_staging import StagedCopies as StagedCopies
 from engine_core.backends.cuda.runner_staging import _copy_out as _copy_out
@@ -260,8 +265,13 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
         #: cuDNN's first heuristic plan for every convolution, not the autotuned one: the plan's
         #: BuilderConfig.cudnn_heuristic_conv_plans (KILN_CUDNN_HEURISTIC overrides)
         self.heuristic_conv_plans: bool = recorded_knob(build_info, "cudnn_heuristic_conv_plans")
-        #: "fork" / "join": order runs given a default stream against the context's own stream
+        #: "fork" / "join": order runs given a default stream against the context's own stream; "slot<i>": the
+        #: end of the run in staging slot i
         self._events = _Events()
+        #: runs in flight at once, each with pinned mirrors of its own (runner_staging says why)
+        self._io_slots = IoSlots(STAGING_SLOTS)
+        #: held while a run enqueues on the context's stream (bind, copies, launches or capture, its event)
+        self._run_lock = threading.RLock()
         #: CUDA graph launches of live runs (verification replays excluded): what tests and benchmarks observe
         self.graph_replays = 0
 
@@ -281,6 +291,12 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
         """
         primary_context()
         caller = int(stream)
+        with self._run_lock:
+            self._execute_forked(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
+
+    def _execute_forked(self, shapes: Shapes, addresses: Mapping[str, int], caller: int, profiler: Any,
+                        values: Mapping[str, np.ndarray] | None, debug: tuple[Any, Sequence[str]] | None,
+                        consumed_event: Any, staged: StagedCopies | None) -> None:
         if caller not in DEFAULT_STREAMS:
             self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
             return
@@ -352,54 +368,71 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
     def infer(self, feeds: Mapping[str, np.ndarray], profiler: Any = None,
               debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
         """Host numpy in/out: inputs through pinned mirrors to device buffers, run on the context's stream,
-        outputs back through pinned mirrors, one stream synchronization; returns fresh arrays (the mirrors
-        are reused by the next run). ``debug``: (IDebugListener, tensor names) as in ``execute``."""
+        outputs back through pinned mirrors, one wait; returns fresh arrays (the mirrors are reused by later
+        runs). ``debug``: (IDebugListener, tensor names) as in ``execute``. Two threads may call it (or
+        ``infer_batch``) at once: each takes a staging slot (runner_staging says why)."""
         primary_context()
+        with self._io_slots.take() as slot:
+            return self._infer_in(slot, feeds, profiler, debug)
+
+    def _infer_in(self, slot: int, feeds: Mapping[str, np.ndarray], profiler: Any = None,
+                  debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
         reason = self._host_only()
         if reason:
             return self._on_host(feeds, reason, debug)
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         values = None
-        try:
-            binding = self.bind(shapes)
-        except ShapesNeedValues:
-            values = {name: np.asarray(v) for name, v in feeds.items()
-                      if np.asarray(v).dtype.kind in "iub" and np.asarray(v).size <= MAX_SHAPE_VALUES}
+        with self._run_lock:
             try:
-                binding = self.bind(shapes, values)
-            except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
-                return self._on_host(feeds, str(e), debug)
+                binding = self.bind(shapes)
+            except ShapesNeedValues:
+                values = {name: np.asarray(v) for name, v in feeds.items()
+                          if np.asarray(v).dtype.kind in "iub" and np.asarray(v).size <= MAX_SHAPE_VALUES}
+                try:
+                    binding = self.bind(shapes, values)
+                except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
+                    return self._on_host(feeds, str(e), debug)
+            stages, staged = self._staging(binding, shapes, slot)
         stream = self.stream()
-        stages = self._staging(binding, shapes)
         addresses = {name: stage.device.ptr for name, stage in stages.items()}
         with _synchronized_on_error(stream):
             for name, value in feeds.items():
                 stages[name].fill([np.asarray(value)])
-            try:
-                self.execute(shapes, addresses, stream, profiler, values, debug, staged=binding.staged)
-            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
-                _synchronize(stream)
-                return self._on_host(feeds, str(e), debug)
-            _synchronize(stream)
+            with self._run_lock:
+                try:
+                    self.execute(shapes, addresses, stream, profiler, values, debug, staged=staged)
+                except HostValueNotTensor as e:  # a host layer produced a sequence/optional: not for the device
+                    _synchronize(stream)
+                    return self._on_host(feeds, str(e), debug)
+                done = self._run_done(slot, stream)
+            _wait(done)
         return {name: stages[name].array.copy() for name in self.engine.plan.graph.output_names}
 
     def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
-        """Run ``feeds`` through ``infer`` until the CUDA graph for its staging buffers at these shapes is
-        captured and verified (eager run, capture and verification, a second capture if cuDNN's fused
-        epilogue did not reproduce): the next ``infer`` / ``infer_batch`` at these shapes replays it. Plans
-        that run on the host, shapes that need input values and bindings without graphs run at most once."""
+        """Run ``feeds`` through ``infer`` in every staging slot until the CUDA graph for the slot's buffers at
+        these shapes is captured and verified (eager run, capture and verification, a second capture if cuDNN's
+        fused epilogue did not reproduce): the next ``infer`` / ``infer_batch`` at these shapes replays it, in
+        whichever slot it takes. Plans that run on the host, shapes that need input values and bindings without
+        graphs run at most once."""
         primary_context()
         if self._host_only():
             return
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         try:
-            binding = self.bind(shapes)
+            with self._run_lock:
+                binding = self.bind(shapes)
         except ShapesNeedValues:
             return
-        for _ in range(MAX_WARM_UP_RUNS):
-            self.infer(feeds)
-            addresses = {name: stage.device.ptr for name, stage in self._staging(binding, shapes).items()}
-            if not self.graphs_possible(binding) or graph_key(addresses, None, binding.staged) in binding.graphs:
+        for slot in range(self._io_slots.count):
+            with self._io_slots.take(slot):
+                for _ in range(MAX_WARM_UP_RUNS):
+                    self._infer_in(slot, feeds)
+                    with self._run_lock:
+                        stages, staged = self._staging(binding, shapes, slot)
+                    addresses = {name: stage.device.ptr for name, stage in stages.items()}
+                    if not self.graphs_possible(binding) or graph_key(addresses, None, staged) in binding.graphs:
+                        break
+            if not self.graphs_possible(binding):
                 return
 
     def infer_batch(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]], spans: Sequence[Span],
@@ -409,7 +442,8 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
         gathered into its staging buffers of the binding at ``total`` rows (the ones ``infer`` uses), padding
         zeroed on the device, one run, then each part's rows go to its destination (device to device) or
         through the pinned mirror to a fresh host array. Plans the device cannot run as a whole, or whose
-        shapes need input values, gather on the host and go through ``infer``'s fallbacks."""
+        shapes need input values, gather on the host and go through ``infer``'s fallbacks. Two threads may
+        call it at once, as ``infer``."""
         primary_context()
         shapes = {name: (total, *values[0].shape[1:]) for name, values in inputs.items()}
         reason = self._host_only()
@@ -417,29 +451,38 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
             outputs = self._on_host(self._gathered_on_host(inputs, total), reason, debug)
             return self._scatter(outputs, spans, total, destinations)
         try:
-            binding = self.bind(shapes)
+            with self._run_lock:
+                binding = self.bind(shapes)
         except ShapesNeedValues:  # integer inputs decide shapes: infer binds on their values, or runs on the host
             outputs = self.infer(self._gathered_on_host(inputs, total), profiler, debug)
             return self._scatter(outputs, spans, total, destinations)
         stream = self.stream()
-        stages = self._staging(binding, shapes)
-        for index, (span, targets) in enumerate(zip(spans, destinations)):
-            for name, view in targets.items():
-                stage = stages[name]
-                check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
-        addresses = {name: stage.device.ptr for name, stage in stages.items()}
-        if not any(destinations) and not any(isinstance(v, DeviceView) for values in inputs.values() for v in values):
-            return self._infer_staged(binding, stages, inputs, spans, total, addresses, stream, profiler, debug)
-        with _synchronized_on_error(stream):
-            for name, values in inputs.items():
-                _gather(stages[name], values, total, stream)
-            try:
-                self.execute(shapes, addresses, stream, profiler, None, debug)
-            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
-                _synchronize(stream)
-                outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
-                return self._scatter(outputs, spans, total, destinations)
-            return self._deliver(stages, spans, total, destinations, stream)
+        with self._io_slots.take() as slot:
+            with self._run_lock:
+                stages, staged = self._staging(binding, shapes, slot)
+            for index, (span, targets) in enumerate(zip(spans, destinations)):
+                for name, view in targets.items():
+                    stage = stages[name]
+                    check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
+            if not any(destinations) and not any(isinstance(v, DeviceView) for vs in inputs.values() for v in vs):
+                return self._infer_staged(slot, stages, staged, inputs, spans, total, stream, profiler, debug)
+            addresses = {name: stage.device.ptr for name, stage in stages.items()}
+            with _synchronized_on_error(stream):
+                with self._run_lock:  # the gathers must not interleave with another run's copies
+                    copies: list[tuple[int, int, int]] = []
+                    for name, values in inputs.items():
+                        _gather(stages[name], values, total, stream, copies)
+                    memcpy_dtod_batch(copies, stream)
+                    try:
+                        self.execute(shapes, addresses, stream, profiler, None, debug)
+                    except HostValueNotTensor as e:  # a host layer produced a sequence/optional
+                        _synchronize(stream)
+                        outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
+                        return self._scatter(outputs, spans, total, destinations)
+                    on_host = self._deliver(stages, spans, total, destinations, stream)
+                    done = self._run_done(slot, stream)
+                _wait(done)
+            return self._collect(on_host, spans)
 
 
 def lowering_options(plan: Plan) -> LoweringOptions:

@@ -126,6 +126,8 @@ class _Binding:
         self.stages: dict[str, Any] = {}  # runner_staging._Stage
         #: the whole-mirror uploads of the inputs and downloads of the outputs, captured with the run
         self.staged: Any = None  # runner_staging.StagedCopies
+        #: the same per staging slot above 0: (stages over the same device buffers, their copies)
+        self.twins: dict[int, tuple[dict[str, Any], Any]] = {}
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
         self.has_conv_epilogues = any(isinstance(op, Conv) and op.rest for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, Any] = {}  # runner_graphs._Graph by graph_key

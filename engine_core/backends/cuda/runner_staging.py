@@ -1,15 +1,23 @@
 """The runner's host side of I/O: page-locked host memory (``PinnedBuffer``: streamed weights, I/O mirrors), each I/O
 tensor's device buffer and pinned mirror (``_Stage``), the copies captured with a run (``StagedCopies``), and how
 ``infer_batch`` gathers parts into the staging buffers and delivers each part's outputs (``StagingMixin``).
+
+Two runs of one context may be in flight at once (``STAGING_SLOTS``): each takes a staging slot, whose pinned
+mirrors it fills and reads back without any lock, while everything it enqueues on the context's stream (copies,
+the run, the event that says it is done) happens under the context's run lock. Why: a server worker thread then
+gathers and copies out one batch while the device runs the other, instead of the device idling through the host
+work of every batch (on an H100 BERT-base's worker spent about half its time in host work; docs/performance.md).
+Device buffers stay one per binding: the stream orders the runs that share them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +31,10 @@ from engine_core.cuda.driver import (
 )
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
+from engine_core.logger import DEFAULT_LOGGER, Severity
+
+#: runs of one context that may be in flight at once, each with pinned mirrors of its own (``IoSlots``)
+STAGING_SLOTS = 2
 
 
 class PinnedBuffer:
@@ -76,16 +88,20 @@ class _Stage:
     synchronously through the driver; from page-locked memory it is a DMA queued on the stream. Both are
     made once per binding, so every run of these shapes uses the same device addresses (its CUDA graph)."""
 
-    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], device: DeviceBuffer | None = None) -> None:
         self.dtype, self.shape = np.dtype(dtype), tuple(int(d) for d in shape)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.device = DeviceBuffer(self.nbytes)
+        self.device = device if device is not None else DeviceBuffer(self.nbytes)
         self.host = PinnedBuffer(self.nbytes)
         self.array = self.host.view(self.dtype, self.shape)
         #: bytes of one row along the leading dim (the whole tensor for scalars)
         self.row_bytes = self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
         #: leading rows of the host mirror that may hold data; rows past it are zero (padding needs no clearing)
         self.written = self.shape[0] if self.shape else 0
+
+    def twin(self) -> _Stage:
+        """The same device buffer with a pinned mirror of its own: this tensor in another staging slot."""
+        return _Stage(self.dtype, self.shape, self.device)
 
     def fill(self, values: Sequence[np.ndarray]) -> None:
         """Host parts one after another into the mirror, the rows after them zero (cleared only where an
@@ -140,14 +156,53 @@ class StagedCopies:
             check(driver.cuMemcpyDtoHAsync(host, device, nbytes, stream), "cuMemcpyDtoHAsync")
 
 
+def _whole_copies(graph: Any, stages: Mapping[str, _Stage]) -> StagedCopies:
+    """Uploads of every input's whole mirror and downloads of every output's, for runs through ``stages``."""
+    return StagedCopies(
+        tuple((stages[v.name].device.ptr, stages[v.name].host.ptr, stages[v.name].nbytes)
+              for v in graph.inputs if stages[v.name].nbytes),
+        tuple((stages[n].host.ptr, stages[n].device.ptr, stages[n].nbytes)
+              for n in graph.output_names if stages[n].nbytes))
+
+
+class IoSlots:
+    """The staging slots of one context: a run takes one (the lowest free, or the one asked for) for its whole life,
+    waiting while all are taken."""
+
+    def __init__(self, count: int = STAGING_SLOTS) -> None:
+        self.count = count
+        self._free = set(range(count))
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def take(self, slot: int | None = None) -> Iterator[int]:
+        with self._changed:
+            while not self._free or (slot is not None and slot not in self._free):
+                self._changed.wait()
+            taken = min(self._free) if slot is None else slot
+            self._free.remove(taken)
+        try:
+            yield taken
+        finally:
+            with self._changed:
+                self._free.add(taken)
+                self._changed.notify_all()
+
+
 class StagingMixin:
-    """CudaContextState's staging: per-binding I/O buffers and mirrors, gathering a batch's parts,
+    """CudaContextState's staging: per-binding I/O buffers and per-slot mirrors, gathering a batch's parts,
     delivering each part's rows."""
 
-    def _staging(self, binding: _Binding, shapes: Shapes) -> dict[str, _Stage]:
-        """``binding``'s staging per I/O tensor (inputs at ``shapes``, outputs as inferred), made once, and
-        the copies of whole mirrors that runs through them enqueue (``binding.staged``)."""
-        graph, infos = self.engine.plan.graph, binding.lowered.infos
+    if TYPE_CHECKING:  # set by CudaContextState
+        _io_slots: IoSlots
+        _run_lock: threading.RLock
+        _events: Any  # runner_binding._Events
+
+    def _staging(self, binding: _Binding, shapes: Shapes, slot: int = 0) -> tuple[dict[str, _Stage], StagedCopies]:
+        """``binding``'s staging per I/O tensor in staging slot ``slot`` (inputs at ``shapes``, outputs as
+        inferred), made once, and the copies of whole mirrors that runs through them enqueue. Slot 0 is
+        ``binding.stages`` / ``binding.staged``; other slots share its device buffers (``binding.twins``)."""
+        graph, infos = self.engine.plan.graph, binding.lowered.infos  # type: ignore[attr-defined]
         for value in graph.inputs:
             if value.name not in binding.stages:
                 binding.stages[value.name] = _Stage(value.dtype, shapes[value.name])
@@ -155,33 +210,48 @@ class StagingMixin:
             if name not in binding.stages:
                 binding.stages[name] = _Stage(infos[name].dtype, infos[name].shape)
         if binding.staged is None:
-            stages = binding.stages
-            binding.staged = StagedCopies(
-                tuple((stages[v.name].device.ptr, stages[v.name].host.ptr, stages[v.name].nbytes)
-                      for v in graph.inputs if stages[v.name].nbytes),
-                tuple((stages[n].host.ptr, stages[n].device.ptr, stages[n].nbytes)
-                      for n in graph.output_names if stages[n].nbytes))
-        return binding.stages
+            binding.staged = _whole_copies(graph, binding.stages)
+        if slot == 0:
+            return binding.stages, binding.staged
+        twin = binding.twins.get(slot)
+        if twin is None:
+            stages = {name: stage.twin() for name, stage in binding.stages.items()}
+            twin = binding.twins[slot] = (stages, _whole_copies(graph, stages))
+        return twin
 
-    def _infer_staged(self, binding: _Binding, stages: Mapping[str, _Stage],
-                      inputs: Mapping[str, Sequence[np.ndarray]], spans: Sequence[Span], total: int,
-                      addresses: Mapping[str, int], stream: int, profiler: Any,
-                      debug: tuple[Any, Sequence[str]] | None) -> list[dict[str, np.ndarray]]:
-        """Host parts only: gathered into the pinned mirrors (padding zero there), then copies and run as one
-        replayed graph, one sync, each part's rows copied out of the output mirrors. Two driver calls a run."""
+    def _run_done(self, slot: int, stream: int) -> Any:
+        """The event of ``slot``'s run, recorded on ``stream`` after what this thread enqueued (under the run
+        lock: nothing of another run's may come between)."""
+        from cuda.bindings import driver
+
+        event = self._events[f"slot{slot}"]
+        check(driver.cuEventRecord(event, stream), "cuEventRecord(slot)")
+        return event
+
+    def _infer_staged(self, slot: int, stages: Mapping[str, _Stage], staged: StagedCopies,
+                      inputs: Mapping[str, Sequence[np.ndarray]], spans: Sequence[Span], total: int, stream: int,
+                      profiler: Any, debug: tuple[Any, Sequence[str]] | None) -> list[dict[str, np.ndarray]]:
+        """Host parts only: gathered into the slot's pinned mirrors (padding zero there) without a lock, then
+        copies and run as one replayed graph under the run lock, a wait for the slot's event, each part's rows
+        copied out of the output mirrors. Three driver calls a run."""
         shapes = {name: stage.shape for name, stage in stages.items() if name in inputs}
+        addresses = {name: stage.device.ptr for name, stage in stages.items()}
         with _synchronized_on_error(stream):
             for name, values in inputs.items():
                 stages[name].fill(values)  # type: ignore[arg-type]
-            try:
-                self.execute(shapes, addresses, stream, profiler, None, debug, staged=binding.staged)
-            except HostValueNotTensor as e:  # a host layer produced a sequence/optional: the device cannot hold it
-                _synchronize(stream)
-                outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
-                return self._scatter(outputs, spans, total, [{} for _ in spans])
-            _synchronize(stream)
+            with self._run_lock:
+                try:
+                    self.execute(shapes, addresses, stream, profiler, None, debug,  # type: ignore[attr-defined]
+                                 staged=staged)
+                except HostValueNotTensor as e:  # a host layer produced a sequence/optional: not for the device
+                    _synchronize(stream)
+                    outputs = self._on_host(self._gathered_on_host(inputs, total), str(e),  # type: ignore[attr-defined]
+                                            debug)
+                    return self._scatter(outputs, spans, total, [{} for _ in spans])
+                done = self._run_done(slot, stream)
+            _wait(done)
         results: list[dict[str, np.ndarray]] = [{} for _ in spans]
-        for name in self.engine.plan.graph.output_names:
+        for name in self.engine.plan.graph.output_names:  # type: ignore[attr-defined]
             stage = stages[name]
             whole = _copy_out(stage.array)  # one copy out of the mirror; the parts get views of it
             batched = is_batched(stage.shape, total)
@@ -190,12 +260,12 @@ class StagingMixin:
         return results
 
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
-                 destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[dict[str, np.ndarray]]:
-        """Each part's piece of every output: device to device into its destination, else one download of
-        the rows parts want on the host (from the first such part's to the last's), then one sync."""
-        results: list[dict[str, np.ndarray]] = [{} for _ in spans]
-        on_host = []
-        for name in self.engine.plan.graph.output_names:
+                 destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[tuple[str, _Stage, bool, list[int]]]:
+        """Enqueue each part's piece of every output (under the run lock): device to device into its destination,
+        else one download of the rows parts want on the host (from the first such part's to the last's).
+        Returns what ``_collect`` reads once the run is done."""
+        on_host, copies = [], []
+        for name in self.engine.plan.graph.output_names:  # type: ignore[attr-defined]
             stage = stages[name]
             batched = is_batched(stage.shape, total)
             wanted = []
@@ -205,11 +275,18 @@ class StagingMixin:
                 if view is None:
                     wanted.append((index, begin, end))
                 else:
-                    _memcpy_dtod(view.ptr, stage.device.ptr + begin, end - begin, stream)
+                    copies.append((view.ptr, stage.device.ptr + begin, end - begin))
             if wanted:
                 stage.download(wanted[0][1], wanted[-1][2], stream)
                 on_host.append((name, stage, batched, [index for index, _, _ in wanted]))
-        _synchronize(stream)
+        memcpy_dtod_batch(copies, stream)
+        return on_host
+
+    @staticmethod
+    def _collect(on_host: Sequence[tuple[str, _Stage, bool, list[int]]], spans: Sequence[Span]
+                 ) -> list[dict[str, np.ndarray]]:
+        """The downloaded pieces ``_deliver`` enqueued, as fresh arrays per part (after the run's event)."""
+        results: list[dict[str, np.ndarray]] = [{} for _ in spans]
         for name, stage, batched, indices in on_host:
             for index in indices:
                 start, stop = spans[index]
@@ -240,9 +317,11 @@ class StagingMixin:
         return parts
 
 
-def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int, stream: int) -> None:
+def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int, stream: int,
+            copies: list[tuple[int, int, int]]) -> None:
     """One input's parts into its device buffer in order: host parts into the pinned mirror (one upload per
-    run of consecutive host parts), device parts device to device, rows past the parts zeroed."""
+    run of consecutive host parts), rows past the parts zeroed; device parts' copies are added to ``copies``
+    (dst, src, nbytes), for the caller to enqueue as one batch (``memcpy_dtod_batch``)."""
     from cuda.bindings import driver
 
     row, pending = 0, None  # pending: first row of host parts not uploaded yet
@@ -253,7 +332,7 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
             if pending is not None:
                 stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
                 pending = None
-            _memcpy_dtod(stage.device.ptr + row * stage.row_bytes, value.ptr, count * stage.row_bytes, stream)
+            copies.append((stage.device.ptr + row * stage.row_bytes, value.ptr, count * stage.row_bytes))
         else:
             np.copyto(stage.array[row:row + count], value)
             pending = row if pending is None else pending
@@ -302,10 +381,48 @@ def _copy_out(array: np.ndarray) -> np.ndarray:
     return np.frombuffer(bytearray(array.data), array.dtype).reshape(array.shape)
 
 
+def _wait(event: Any) -> None:
+    """Until ``event`` has happened (the interpreter lock is released meanwhile)."""
+    from cuda.bindings import driver
+
+    check(driver.cuEventSynchronize(event), "cuEventSynchronize")
+
+
 def _synchronize(stream: int) -> None:
     from cuda.bindings import driver
 
     check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+class _BatchCopies:
+    """Whether cuMemcpyBatchAsync works here (CUDA 12.8+ drivers; cleared, and logged, at its first failure)."""
+
+    usable = True
+
+
+def memcpy_dtod_batch(copies: Sequence[tuple[int, int, int]], stream: int) -> None:
+    """Device-to-device copies (dst, src, nbytes), unordered among themselves, in stream order as a whole: one
+    cuMemcpyBatchAsync where the driver has it, else one cuMemcpyDtoDAsync each. Why: a batch from CUDA shared
+    memory has a copy per request and input (and output); each driver call releases the interpreter lock, and
+    in a worker thread beside a busy event loop getting it back costs up to a switch interval per call."""
+    copies = [copy for copy in copies if copy[2]]
+    if len(copies) > 1 and _BatchCopies.usable:
+        from cuda.bindings import driver
+
+        try:
+            attributes = driver.CUmemcpyAttributes()
+            attributes.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            check(driver.cuMemcpyBatchAsync([driver.CUdeviceptr(d) for d, _, _ in copies],
+                                            [driver.CUdeviceptr(s) for _, s, _ in copies],
+                                            [n for _, _, n in copies], len(copies), [attributes], [0], 1, stream),
+                  "cuMemcpyBatchAsync")
+            return
+        except Exception as e:  # noqa: BLE001 - an older driver or binding: one copy per call still works
+            _BatchCopies.usable = False
+            DEFAULT_LOGGER.log(Severity.WARNING, f"cuMemcpyBatchAsync unavailable ({type(e).__name__}: {e}); "
+                                                 "device-to-device copies go one call each")
+    for dst, src, nbytes in copies:
+        _memcpy_dtod(dst, src, nbytes, stream)
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
