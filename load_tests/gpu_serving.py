@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,7 +51,7 @@ if str(ROOT) not in sys.path:  # run as a script (python load_tests/gpu_serving.
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
-from load_tests import harness, perf  # noqa: E402
+from load_tests import harness, perf, process_cpu  # noqa: E402
 from server.core.execution import batch_buckets, bucket_for  # noqa: E402  (the buckets the server runs)
 
 READY_TIMEOUT_S = 420.0  # a first model build on the GPU (tactic timing) dominates this
@@ -165,6 +166,7 @@ class Setup:
     max_batch: int
     precision: str
     window_s: float
+    profile_s: float  # process CPU (and py-spy) of the server during each sweep's first level; 0: off
     max_trials: int
     warmup_s: float
     processes: int
@@ -196,6 +198,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         max_batch=args.max_batch or (4 if smoke else 128),
         precision=args.precision,
         window_s=args.window_s or (0.3 if smoke else 1.0),
+        profile_s=args.profile_s,
         max_trials=args.max_trials or (3 if smoke else 4),
         warmup_s=0.2 if smoke else args.warmup_s,
         processes=args.processes or (1 if smoke else max(1, min(8, (os.cpu_count() or 2) // 2))),
@@ -276,11 +279,35 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
     protocol, shared = TRANSPORTS[transport]
     path = out / f"perf_{name}_{transport}.json"
     url = server.grpc if protocol == "grpc" else server.http
+    profiler = None
+    if setup.profile_s:  # during the first level's windows, after its warm-up
+        profiler = threading.Thread(target=profile_server, args=(server.pid, setup.warmup_s + 0.5, setup.profile_s,
+                                                                 out / f"profile_{name}_{transport}"), daemon=True)
+        profiler.start()
     perf.main(["-m", name, "-i", protocol, "-u", url, "--shared-memory", shared, "--input-data", spec.input_data,
                "--concurrency-range", ",".join(map(str, setup.concurrency)), "-p", str(int(setup.window_s * 1000)),
                "-r", str(setup.max_trials), "--warmup", str(setup.warmup_s), "--processes", str(setup.processes),
                "--label", f"{name} {transport}", "--json-file", str(path), "-q"])
+    if profiler is not None:
+        profiler.join()
     return json.loads(path.read_text())
+
+
+def profile_server(pid: int, delay_s: float, seconds: float, stem: Path) -> None:
+    """CPU per process and thread of the server's tree (`process_cpu`) over `seconds`, and py-spy's raw stacks of
+    the server process meanwhile when py-spy is installed: STEM.txt / STEM.json / STEM.pyspy.txt."""
+    time.sleep(delay_s)
+    spy = None
+    if shutil.which("py-spy"):
+        spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "100",
+                                "--nonblocking", "--threads", "-f", "raw", "-o", f"{stem}.pyspy.txt"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = process_cpu.measure(pid, seconds)
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    stem.with_suffix(".txt").write_text(process_cpu.table(rows) + "\n")
+    print(f"server CPU during {stem.name}:\n{process_cpu.table(rows)}", flush=True)
+    if spy is not None:
+        spy.wait(timeout=seconds + 30)
 
 
 # ----------------------------------------------------------------------------------------------- raw engine
@@ -617,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="plans (DIR/plans, the server's plan cache) and generated ONNX files, reused between "
                         "runs (default $KILN_CACHE_DIR, else <out>/work)")
+    p.add_argument("--profile-s", type=float, default=0.0,
+                   help="during each sweep's first level: CPU per process and thread of the server and its frontends "
+                        "for this long, and py-spy of the server process when installed (profile_*.txt in --out)")
     p.add_argument("--smoke", action="store_true", help="tiny models, short windows: a check that runs anywhere")
     return p
 
