@@ -236,6 +236,7 @@ def set_torch_precision(precision: str) -> None:
     tf32 = precision != "fp32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = True  # the peer at its best: cuDNN's algorithms timed per shape, as Kiln's are
 
 
 def profile_by_op(engine, ctx) -> dict[str, float]:
