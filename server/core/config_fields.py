@@ -283,7 +283,9 @@ FIELDS: dict[str, Rule] = {
                                   "KIND_MODEL refused", lambda value, _: value != InstanceGroup.KIND_MODEL,
                                   f"{_NOT_YET} KIND_MODEL (models that place themselves). Use KIND_GPU, KIND_CPU or "
                                   "KIND_AUTO"),
-    "instance_group.count": honoured("execution contexts serving requests concurrently (model.ModelVersion)"),
+    "instance_group.count": honoured("execution contexts serving requests concurrently (model.ModelVersion); on "
+                                     "the GPU two worker lanes each, one gathering while the other's run is on "
+                                     "the device (kiln_workers counts lanes), except under the sequence batcher"),
     "instance_group.rate_limiter": container(),
     "instance_group.rate_limiter.resources": refused(
         f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
