@@ -12,6 +12,7 @@ INVALID_ARGUMENT naming the reason. No driver calls here: the engine owns them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ class IpcMapping:
 
     def view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView:
         """The tensor at `offset` in place, for the engine (zero-copy inputs and outputs)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         self._check_span(offset, nbytes)
         with _as_invalid():
             return self.mapping.view(offset, shape, dtype)

@@ -10,6 +10,7 @@ completed config, so the client sees Triton's messages about shapes and datatype
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -437,12 +438,12 @@ def _reshaped(array, shape: tuple[int, ...]):
 
 def _resolve_reshape(target: tuple[int, ...], item_shape: tuple[int, ...], name: str) -> tuple[int, ...]:
     """A reshape target with its -1 dims (at most one) resolved against the item's element count."""
-    count = int(np.prod(item_shape, dtype=np.int64))
+    count = math.prod(item_shape)
     if target.count(-1) > 1:
         raise invalid(f"tensor '{name}': reshape {list(target)} has more than one variable dim")
-    known = int(np.prod([d for d in target if d != -1], dtype=np.int64))
+    known = math.prod([d for d in target if d != -1])
     resolved = tuple(count // known if d == -1 and known else d for d in target)
-    if int(np.prod(resolved, dtype=np.int64)) != count:
+    if math.prod(resolved) != count:
         raise invalid(f"tensor '{name}' with shape {list(item_shape)} cannot be reshaped to {list(target)}")
     return resolved
 

@@ -61,7 +61,7 @@ def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np
             raise invalid(f"input '{tensor.name}': shared_memory_byte_size is required with a region")
         if device_io(model) and tensor.datatype != "BYTES":
             dtype = numpy_dtype(tensor.datatype)
-            if int(np.prod(tensor.shape, dtype=np.int64)) * dtype.itemsize != int(size):
+            if math.prod(tensor.shape) * dtype.itemsize != int(size):
                 raise invalid(f"input '{tensor.name}': shared_memory_byte_size {size} does not match shape "
                               f"{list(tensor.shape)} of {tensor.datatype}")
             view = shm.device_view(str(region), offset, int(size), tensor.shape, dtype)
@@ -74,7 +74,7 @@ def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np
     numpy_dtype(tensor.datatype)
     if tuple(tensor.data.shape) != tuple(tensor.shape):
         raise invalid(f"input '{tensor.name}': data has {tensor.data.size} elements, shape "
-                      f"{list(tensor.shape)} needs {int(np.prod(tensor.shape, dtype=np.int64))}")
+                      f"{list(tensor.shape)} needs {math.prod(tensor.shape)}")
     return tensor.data
 
 def output_views(shm: SharedMemory, model: ModelVersion, requested: list[RequestedOutput],
@@ -101,7 +101,7 @@ def output_views(shm: SharedMemory, model: ModelVersion, requested: list[Request
         if size is None:
             raise invalid(f"output '{output.name}': shared_memory_byte_size is required with a region")
         shape = shapes[output.name]
-        needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        needed = math.prod(shape) * dtype.itemsize
         if needed > int(size):
             raise invalid(f"shared memory size specified with the request for output '{output.name}' "
                           f"({size} bytes) should be at least {needed} bytes to hold the results")

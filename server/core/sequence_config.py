@@ -14,6 +14,7 @@ batch gets every control false and CORRID 0 (or "" for a string CORRID), as in T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -377,7 +378,7 @@ def _initial_value(state: SequenceBatching.State, initial: SequenceBatching.Init
             raise invalid(f"initial_state data file '{initial.data_file}' of state input '{name}' is not a file in "
                           f"{folder}")
         data = path.read_bytes()
-        needed = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(datatype).itemsize
+        needed = math.prod(shape) * numpy_dtype(datatype).itemsize
         if datatype != "BYTES" and len(data) < needed:
             raise invalid(f"initial_state setting expects {needed} bytes, but the data provided from "
                           f"{initial.data_file}only has {len(data)} bytes.")

@@ -11,6 +11,7 @@ and outputs written to `[offset, offset + byte_size)` of a region whatever its k
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -158,7 +159,7 @@ class SharedMemory:
         """The tensor at `offset` of CUDA region `name` in place (None for a system region): the engine reads
         inputs from it and writes outputs into it on the device, with no copy through the host.
         INVALID_ARGUMENT when the span is outside the region or smaller than the tensor."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         with self._lock:
             region = self._span(name, offset, byte_size)
             if region.kind != CUDA:
