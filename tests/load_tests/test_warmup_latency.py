@@ -1,0 +1,18 @@
+"""load_tests/warmup_latency.py end to end on the CPU (`--smoke`): a real `kiln serve`, the stock tritonclient, the
+first request's latency against the steady median. The ratio itself is a benchmark figure (GPU), not asserted."""
+
+from __future__ import annotations
+
+import json
+
+from load_tests import warmup_latency
+
+
+def test_smoke_run_times_the_first_request_and_the_steady_ones(tmp_path):
+    warmup_latency.main(["--smoke", "--models", "bert", "--requests", "12", "--out", str(tmp_path)])
+    document = json.loads((tmp_path / "warmup_latency.json").read_text())
+    (row,) = document["rows"]
+    assert row["model"] == "bert_tiny" and len(row["latencies_ms"]) == 12 and all(v > 0 for v in row["latencies_ms"])
+    assert row["first_ms"] == row["latencies_ms"][0] and row["hundredth_ms"] is None  # fewer than 100 requests
+    assert abs(row["first_over_steady"] - row["first_ms"] / row["median_90_110_ms"]) < 0.01
+    assert document["bound"] == warmup_latency.BOUND and row["ready_s"] > 0
