@@ -209,6 +209,7 @@ class ModelVersion(ServedModel):
         contexts = list(dict.fromkeys(self.workers.initial))  # a pipelined context is in the pool twice
         warmup.warm_up_buckets(self.config, contexts, self.engine)
         warmup.run_model_warmup(self, contexts, directory)
+        warmup.prime_inline(self, contexts)
 
     def _record_execution(self, batch_size: int, times: ExecutionTimes) -> None:
         """Executions go to whatever statistics this version has now (a rebuilt plan adopts its predecessor's)."""

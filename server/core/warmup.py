@@ -8,6 +8,8 @@
 - **`model_warmup`** (Triton's config field): each sample runs `count` times (once when 0) on every instance,
   with zero, random or file data; files are read from `<model>/warmup/` as raw tensor bytes (BYTES elements
   length-prefixed), as Triton reads them. A sample that does not fit the model fails the load, naming it.
+- **Inline priming** (CPU models): fast models run their batches on the event loop once the scheduler has timed
+  enough fast executions; `prime_inline` makes those at load, so the first live requests skip the thread hand-offs.
 Warm-up executions are not counted in the model's statistics (as in Triton).
 """
 
@@ -24,6 +26,7 @@ from server.protos import model_config_pb2
 from . import execution
 from .errors import ServerError, invalid
 from .model_config import ModelConfig, bool_parameter, model_shape
+from .scheduler import INLINE_AFTER
 from .sequence_config import server_filled_inputs
 from .tensors import element_count, from_raw
 from .types import DATATYPE_OF_CONFIG_TYPE, numpy_dtype
@@ -54,6 +57,41 @@ def warm_up_buckets(config: ModelConfig, contexts: list, engine) -> int:
     log.info("model '%s': batch buckets %s bound and captured on %d instance(s) in %.1f s", config.name, buckets,
              len(contexts), time.perf_counter() - started)
     return len(buckets) * len(contexts)
+
+
+def prime_inline(model, contexts: list) -> int:
+    """CPU models whose executions are fast run them on the event loop once the scheduler has timed `INLINE_AFTER`
+    fast ones in a row (`scheduler.Workers.runs_inline`); before that each batch goes to a worker thread and back.
+    So that the first live requests are not those slower hand-offs, run that many executions on zeros (batch 1)
+    at load and hand the workers their times. Stops at the first slow run (such a model never runs inline), where
+    zeros cannot stand for a request (strings, variable dims, sequence models) and at any error (live requests
+    will say what is wrong). Returns the executions made; they are not counted in the statistics."""
+    workers = model.workers
+    if not workers.inline_below_ns or model.sequence is not None or not contexts:
+        return 0
+    config = model.config
+    arrays, datatypes = {}, {}
+    for tensor in config.input:
+        datatype = DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(tensor.data_type))
+        dims = tuple(model_shape(tensor))
+        if datatype in (None, "BYTES") or any(d < 0 for d in dims):
+            return 0
+        arrays[tensor.name] = np.zeros(((1,) if config.max_batch_size > 0 else ()) + dims, numpy_dtype(datatype))
+        datatypes[tensor.name] = datatype
+    runs = 0
+    try:
+        feeds = _feeds(model, arrays, datatypes)
+        for _ in range(INLINE_AFTER):
+            started = time.thread_time_ns()
+            model.execute(contexts[0], feeds)
+            elapsed = time.thread_time_ns() - started
+            workers.timed(elapsed)
+            runs += 1
+            if elapsed >= workers.inline_below_ns:
+                break
+    except Exception as e:  # noqa: BLE001 - a model zeros do not suit: it just starts in worker threads
+        log.debug("model '%s': no inline priming on zeros (%s: %s)", model.name, type(e).__name__, e)
+    return runs
 
 
 def run_model_warmup(model, contexts: list, directory: Path) -> None:

@@ -15,6 +15,7 @@ from server import plan_cache
 from server.core.errors import ServerError
 from server.core.model import load_model_version
 from server.core.model_config import parse_config_text
+from server.core.scheduler import INLINE_AFTER
 from server.core.warmup import warm_up_buckets
 from server.repository import read_source
 
@@ -87,9 +88,10 @@ def test_samples_run_count_times_on_every_instance_with_their_data(load):
                      'random_data: true } } }\n]')
     model, contexts = load(config, {"row.bin": row.tobytes()})
     assert len(contexts) == 2
-    for context in contexts:
+    for index, context in enumerate(contexts):
         shapes = [seen["X"].shape for seen in context.seen]
-        assert shapes == [(2, 4)] * 3 + [(1, 4), (4, 4)]
+        primed = INLINE_AFTER if index == 0 else 0  # prime_inline's zero rows, on the first instance only
+        assert shapes == [(2, 4)] * 3 + [(1, 4), (4, 4)] + [(1, 4)] * primed
         assert not context.seen[0]["X"].any()
         np.testing.assert_array_equal(context.seen[3]["X"], row[None])
         assert context.seen[4]["X"].std() > 0  # random, not zeros
@@ -117,8 +119,27 @@ def test_a_sample_that_does_not_fit_fails_the_load_naming_it(load, sample: str, 
 
 def test_bucket_warmup_is_for_cuda_models_and_checks_its_parameter(load):
     model, contexts = load(_config(""))
+    seen = [len(c.seen) for c in contexts]
     assert warm_up_buckets(model.config, contexts, model.engine) == 0  # CPU plans run numpy on actual shapes
-    assert all(not c.seen for c in contexts)
+    assert [len(c.seen) for c in contexts] == seen
     model.close()
     with pytest.raises(ServerError, match="kiln_warmup_buckets must be 'true' or 'false'"):
         load(_config('parameters { key: "kiln_warmup_buckets" value { string_value: "sometimes" } }'))
+
+
+def test_a_fast_cpu_model_is_primed_to_run_inline_from_its_first_request(load):
+    """The scheduler runs a fast CPU model's batches on the event loop after INLINE_AFTER fast executions; the load
+    makes them on zeros, so live requests start there. Not traffic: the statistics stay empty."""
+    model, contexts = load(_config(""))
+    assert model.workers.runs_inline()
+    first = [seen["X"] for seen in contexts[0].seen]
+    assert len(first) == INLINE_AFTER and all(x.shape == (1, 4) and not x.any() for x in first)
+    assert not contexts[1].seen and model.statistics.as_dict()["execution_count"] == 0
+    model.close()
+
+
+def test_priming_stops_at_a_slow_execution(load, monkeypatch):
+    monkeypatch.setattr("server.core.warmup.time.thread_time_ns", iter(range(0, 10**12, 5 * 10**6)).__next__)
+    model, contexts = load(_config(""))  # every execution "takes" 5 ms of CPU: slower than inline allows
+    assert len(contexts[0].seen) == 1 and not model.workers.runs_inline()
+    model.close()
