@@ -2,8 +2,9 @@
 
 Why: a request's protocol work (HTTP/gRPC parsing, JSON and binary decoding, response encoding) is most of its
 CPU, and in one process it holds the interpreter lock that the execution workers need between CUDA calls. The
-children parse in parallel on other cores and call the core through `server.core.remote` (one Unix socket each);
-the kernel spreads connections over them (SO_REUSEPORT). The server process keeps the models, the batcher, the
+children parse in parallel on other cores and call the core through `server.core.remote` (one Unix socket each).
+HTTP connections reach them through SO_REUSEPORT; gRPC connections are accepted here and handed to them in turn
+(server/connection_handoff.py says why). The server process keeps the models, the batcher, the
 metrics endpoint and model control, so statistics, metrics and repository state stay in one place.
 
 Lifecycle: the server process reserves the ports (port 0 resolves here, once), starts the children and waits for
@@ -26,11 +27,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from server.connection_handoff import Handoff, channel_pair
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.lifecycle import Lifecycle, drain_settings
-from server.listeners import reload_certificates, reuse_port_socket, start_listeners
+from server.listeners import listening_socket, reload_certificates, reuse_port_socket, start_listeners
 
 log = logging.getLogger("kiln.server.frontends")
 
@@ -73,6 +75,7 @@ class FrontendPool:
         self.count = count
         self._args = copy.copy(args)
         self._held: list[socket.socket] = []
+        self._handoff: Handoff | None = None  # gRPC: accepted here, handed to the children in turn
         self._directory = tempfile.mkdtemp(prefix="kiln-core-")
         # --max-inflight-requests counts all frontends' inference requests together, in the core
         self._service = CoreService(core, os.path.join(self._directory, "core.sock"),
@@ -86,11 +89,14 @@ class FrontendPool:
     async def start(self) -> None:
         """Serve the core, reserve the ports and start every child; raises OSError when one cannot listen."""
         await self._service.start()
-        for flag, allowed in (("http_port", self._args.allow_http), ("grpc_port", self._args.allow_grpc)):
-            if allowed:  # held (bound, not listening) so port 0 resolves once and no other program takes it
-                held = reuse_port_socket(self._args.host, getattr(self._args, flag), listen=False)
-                self._held.append(held)
-                setattr(self._args, flag, held.getsockname()[1])
+        if self._args.allow_http:  # held (bound, not listening) so port 0 resolves once and no other program takes it
+            held = reuse_port_socket(self._args.host, self._args.http_port, listen=False)
+            self._held.append(held)
+            self._args.http_port = held.getsockname()[1]
+        if self._args.allow_grpc:
+            self._handoff = Handoff(listening_socket(self._args.host, self._args.grpc_port))
+            self._args.grpc_port = self._handoff.listener.getsockname()[1]
+            self._handoff.start()
         await asyncio.gather(*(self._start_child(i) for i in range(self.count)))
         self._watch = asyncio.create_task(self._watch_children())
         log.info("%d frontend processes serve HTTP %s and gRPC %s", self.count,
@@ -103,9 +109,15 @@ class FrontendPool:
 
     async def _start_child(self, index: int) -> None:
         listening = _SPAWN.Event()
-        process = _SPAWN.Process(target=frontend_main, args=(self._args, self._service.path, listening),
+        channel = None
+        if self._handoff is not None:
+            ours, channel = channel_pair()
+            self._handoff.attach(index, ours)
+        process = _SPAWN.Process(target=frontend_main, args=(self._args, self._service.path, listening, channel),
                                  name=f"kiln-frontend-{index}", daemon=True)
         process.start()
+        if channel is not None:
+            channel.close()  # the child has its own copy
         self._children[index] = _Child(index, process, listening)
         started = await asyncio.to_thread(_wait_listening, process, listening, _START_TIMEOUT_S)
         if not started:
@@ -140,6 +152,8 @@ class FrontendPool:
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        if self._handoff is not None:
+            self._handoff.close()  # no new gRPC connections while the children drain
         for child in self._children.values():
             if child.process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -168,16 +182,18 @@ def _wait_listening(process, listening, timeout_s: float) -> bool:
     return False
 
 
-def frontend_main(args: argparse.Namespace, core_path: str, listening) -> None:
-    """A frontend process: connect to the core, listen on the shared ports, serve until SIGTERM or the core goes."""
+def frontend_main(args: argparse.Namespace, core_path: str, listening, channel: socket.socket | None = None) -> None:
+    """A frontend process: connect to the core, listen on the shared HTTP port and take the gRPC connections handed
+    over `channel`, serve until SIGTERM or the core goes."""
     logging.basicConfig(level=logging.INFO if args.log_verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
     from server.cli import run_event_loop
 
-    sys.exit(run_event_loop(serve_frontend(args, core_path, listening)))
+    sys.exit(run_event_loop(serve_frontend(args, core_path, listening, channel)))
 
 
-async def serve_frontend(args: argparse.Namespace, core_path: str, listening) -> int:
+async def serve_frontend(args: argparse.Namespace, core_path: str, listening,
+                         channel: socket.socket | None = None) -> int:
     core = RemoteCore(core_path)
     await core.connect()
     lifecycle = Lifecycle(drain_settings(args))
@@ -191,7 +207,7 @@ async def serve_frontend(args: argparse.Namespace, core_path: str, listening) ->
     core.on_lost = begin_shutdown
     limiter = InflightLimiter(args.max_inflight_requests)
     try:
-        listeners = await start_listeners(core, args, lifecycle, limiter, reuse_port=True)
+        listeners = await start_listeners(core, args, lifecycle, limiter, reuse_port=True, grpc_handoff=channel)
     except OSError as e:
         log.error("cannot listen: %s", e)
         return 1

@@ -1,7 +1,8 @@
 """The HTTP and gRPC listeners of one process, over a core (the `ServerCore` itself or a `RemoteCore`).
 
 `kiln serve` runs them in its own process, or (`--frontend-processes N`) in N frontend processes that share the
-ports through SO_REUSEPORT: the kernel spreads connections over them.
+HTTP port through SO_REUSEPORT (the kernel spreads connections over them) and serve the gRPC connections the
+server process accepts and hands to them in turn (server/connection_handoff.py).
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socke
     return sock
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one), for connections this process accepts itself."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"gRPC: cannot listen on {host}:{port}: {e}") from None
+    return sock
+
+
 async def start_grpc(core, host: str, port: int, **guard):
     try:
         from server.frontends.grpc import start_grpc_server
@@ -110,9 +125,10 @@ class Listeners:
 
 
 async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, limiter: InflightLimiter,
-                          reuse_port: bool = False) -> Listeners:
+                          reuse_port: bool = False, grpc_handoff: socket.socket | None = None) -> Listeners:
     """HTTP (when allowed) and gRPC (when allowed) over `core`; raises OSError when a port cannot be had.
-    `reuse_port`: listen with SO_REUSEPORT (frontend processes sharing the ports)."""
+    `reuse_port`: listen with SO_REUSEPORT (frontend processes sharing the ports); `grpc_handoff`: gRPC serves the
+    connections the server process hands over this channel instead of listening (server/connection_handoff.py)."""
     from server.frontends.http import create_app
     from server.frontends.http.protocol import InferRoute, protocol_for
 
@@ -131,5 +147,6 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
     if args.allow_grpc:
         listeners.grpc_server = await start_grpc(inference, args.host, args.grpc_port, limiter=limiter,
-                                                 restricted=grpc_restricted, reuse_port=reuse_port, tls=grpc_tls)
+                                                 restricted=grpc_restricted, reuse_port=reuse_port, tls=grpc_tls,
+                                                 handoff=grpc_handoff)
     return listeners

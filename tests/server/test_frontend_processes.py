@@ -8,6 +8,7 @@ errors, shared memory, statistics, a killed frontend and SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -230,6 +231,44 @@ def test_both_protocols_serve_through_frontend_processes(two_frontends):
     assert grpc.is_server_ready() and http.is_server_live()
     stats = http.get_inference_statistics("add_sub")["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] == 9  # one core counts both protocols and all frontends
+
+
+def _grpc_connections(pid: int, port: int) -> int:
+    """Established TCP connections on the server's gRPC `port` that process `pid` holds (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes:
+                count += 1
+    return count
+
+
+def test_grpc_connections_are_handed_to_the_frontends_in_turn(two_frontends):
+    """The server process accepts gRPC connections and hands them round robin (server/connection_handoff.py): a
+    few long-lived client connections do not pile onto one frontend, as SO_REUSEPORT's hash let them."""
+    port = int(two_frontends.grpc_url.rsplit(":", 1)[1])
+    frontends = _frontends(two_frontends.process.pid)
+    before = [_grpc_connections(pid, port) for pid in frontends]
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    # each client its own connection (grpc shares one between alike channels unless told not to), kept open
+    clients = [grpcclient.InferenceServerClient(two_frontends.grpc_url,
+                                                channel_args=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(4)]
+    for client in clients:
+        np.testing.assert_array_equal(client.infer("add_sub", _add_sub_inputs(grpcclient, a, a)).as_numpy("OUTPUT0"),
+                                      2 * a)
+    after = [_grpc_connections(pid, port) for pid in frontends]
+    assert [n - m for n, m in zip(after, before)] == [2, 2], (before, after)
+    assert _grpc_connections(two_frontends.process.pid, port) == 0  # the server process keeps none of them
+    for client in clients:
+        client.close()
 
 
 def test_errors_keep_their_status_and_text_across_the_process_boundary(two_frontends):

@@ -115,12 +115,13 @@ def _server_serial(port: int, pki: dict) -> int:
         return x509.load_der_x509_certificate(s.getpeercert(binary_form=True)).serial_number
 
 
-def test_grpc_and_http_over_tls_refuse_plaintext(tmp_path: Path, pki: dict) -> None:
+@pytest.mark.parametrize("frontends", ["0", "2"])  # 2: gRPC connections handed over by the server process
+def test_grpc_and_http_over_tls_refuse_plaintext(tmp_path: Path, pki: dict, frontends: str) -> None:
     repository = examples.make_repository(tmp_path / "models")
     probe = {"verify": _client_context(pki, False)}
     with run_server(repository, tmp_path / "server.log", ["add_sub"],
-                    [*_flags(pki, "grpc", False), *_flags(pki, "http", False), "--metrics-use-ssl", "true"],
-                    http_client=probe) as server:
+                    [*_flags(pki, "grpc", False), *_flags(pki, "http", False), "--metrics-use-ssl", "true",
+                     "--frontend-processes", frontends], http_client=probe) as server:
         with _grpc_client(server, pki, with_cert=False) as client:
             assert client.is_server_ready()
             np.testing.assert_array_equal(_add_sub(grpcclient, client), 2 * np.arange(16).reshape(1, 16))

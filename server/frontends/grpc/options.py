@@ -7,6 +7,7 @@ for Triton behave the same here.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 
 from server.tls import TlsSettings
@@ -40,6 +41,9 @@ class GrpcOptions:
     reflection: bool = True
     # Share the port with the other frontend processes of this server (kiln serve --frontend-processes).
     reuse_port: bool = False
+    # Serve the connections the server process accepts and hands over this Unix channel instead of listening
+    # (server/connection_handoff.py: frontend processes); None: listen on the port.
+    handoff: socket.socket | None = None
     # TLS (Triton's --grpc-use-ssl, --grpc-use-ssl-mutual and their files); None: cleartext HTTP/2
     tls: TlsSettings | None = None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from collections import namedtuple
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 
 from server.auth import RestrictedApi, grpc_group
+from server.connection_handoff import Receiver
 from server.core.errors import ServerError
 from server.core.limits import InflightLimiter
 from server.protos import grpc_service_pb2, health_pb2, health_pb2_grpc
@@ -68,6 +70,7 @@ class GrpcServer:
         self._active = 0
         self._idle = asyncio.Event()
         self._ssl: ssl.SSLContext | None = None
+        self._receiver: Receiver | None = None  # connections handed over by the server process
         self.port = 0
 
     # -- the grpc.aio.Server registration API that generated code calls ------------------------------------------
@@ -107,6 +110,16 @@ class GrpcServer:
         self.port = server.sockets[0].getsockname()[1]
         return self.port
 
+    def serve_handed(self, channel: socket.socket) -> None:
+        """Serve the connections the server process accepts and hands over `channel` (frontend processes:
+        server/connection_handoff.py) instead of listening."""
+        tls = self.options.tls
+        self._ssl = tls.context(alpn=["h2"]) if tls is not None else None
+        self._receiver = Receiver(channel, self._adopt)
+
+    async def _adopt(self, connection: socket.socket) -> None:
+        await asyncio.get_running_loop().connect_accepted_socket(self._connection, connection, ssl=self._ssl)
+
     def reload_certificates(self) -> None:
         """SIGHUP: re-read the certificate and key; handshakes from now on use them, open connections stay."""
         if self.options.tls is not None and self._ssl is not None:
@@ -121,6 +134,8 @@ class GrpcServer:
         """Refuse new connections and calls (GOAWAY), let calls in flight finish for `grace` seconds, then close."""
         for server in self._servers:
             server.close()
+        if self._receiver is not None:
+            self._receiver.close()
         for connection in list(self._connections):
             connection.go_away()
         if self._active and grace:
@@ -285,7 +300,11 @@ async def start_grpc_server(core, host: str, port: int, *, limiter: InflightLimi
         services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     if settings.reflection:
         _enable_reflection(server, services)
-    bound = await server.start(host, port, settings.reuse_port)
+    if settings.handoff is not None:
+        server.serve_handed(settings.handoff)
+        bound = server.port = port
+    else:
+        bound = await server.start(host, port, settings.reuse_port)
     log.info("gRPC inference service listening on %s:%s%s", host, bound,
              "" if settings.tls is None else " (TLS" + (", client certificates required)" if settings.tls.mutual
                                                       else ")"))
