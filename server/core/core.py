@@ -574,7 +574,7 @@ class ServerCore:
             return await self._build_ensemble(source, config)
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
         if runs_python(config, source):  # model.py in stub processes of its own (server/core/python_model.py)
-            return await load_python_versions(source, config, self.infer)
+            return await load_python_versions(source, config, self)
         wanted = select_versions(config.version_policy, list(source.versions))
         builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
                   for v in wanted]

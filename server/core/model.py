@@ -76,6 +76,9 @@ class ServedModel:
     server/core/ensemble.py): the completed config, I/O specs and statistics, and the request checks and output
     shaping in the config's terms, so both answer malformed requests with the same messages."""
 
+    #: outputs are converted to the config's data type (a Python model's go out as the model made them, as Triton)
+    casts_outputs = True
+
     def __init__(self, name: str, version: int, config: ModelConfig, labels: dict[str, list[str]]) -> None:
         self.name = name
         self.version = version
@@ -138,14 +141,15 @@ class ServedModel:
                           f"(outputs: {sorted(self.outputs)})")
 
     def shape_output(self, name: str, array: np.ndarray) -> np.ndarray:
-        """The engine's output in the config's terms: dtype of its datatype, reshape undone."""
+        """The engine's output in the config's terms: dtype of its datatype (unless `casts_outputs` is off), reshape
+        undone."""
         spec = self.outputs[name]
         array = np.asarray(array)
         if spec.model_dims != spec.dims:
             lead = array.shape[:1] if self.max_batch_size > 0 else ()
             array = array.reshape(lead + _resolve_reshape(spec.dims, array.shape[len(lead):], name))
         dtype = numpy_dtype(spec.datatype)
-        return array if array.dtype == dtype else array.astype(dtype)
+        return array if array.dtype == dtype or not self.casts_outputs else array.astype(dtype)
 
     def classify(self, name: str, array: np.ndarray, k: int) -> np.ndarray:
         """Top-k classes per batch item as BYTES "score:index[:label]" (Triton's classification extension)."""

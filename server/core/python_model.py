@@ -159,7 +159,7 @@ def stub_interpreter(config: ModelConfig, directory: Path) -> tuple[str, dict[st
 class Instance:
     """One model instance: its stub (restarted after it dies), and how it is started (Triton's initialize args)."""
 
-    def __init__(self, launch: StubLaunch, args: dict[str, str], model_file: Path, infer: BlsRunner,
+    def __init__(self, launch: StubLaunch, args: dict[str, str], model_file: Path, core: BlsRunner,
                  timeout_s: float | None) -> None:
         self.launch = launch
         self.args = args
@@ -167,7 +167,7 @@ class Instance:
         self.timeout_s = timeout_s  # kiln_execution_timeout_ms: past it the stub is killed (and restarted)
         self.restarts = 0
         self.closed = False
-        self._infer = infer
+        self._core = core
         self._stub: Stub | None = None
         self._starting: asyncio.Future | None = None
 
@@ -177,7 +177,7 @@ class Instance:
 
     async def start(self, stub: Stub | None = None) -> None:
         """Start (or adopt) the stub and initialize the model on it; ServerError with the model's message."""
-        stub = stub or await _start_stub(self.launch, self._infer)
+        stub = stub or await _start_stub(self.launch, self._core)
         stub.launch = self.launch  # instance 0's stub was started before the config named its instance
         try:
             await stub.call(wire.INITIALIZE, {**self._model(), "args": self.args})
@@ -258,9 +258,9 @@ class Instance:
             await self._stub.stop(STOP_GRACE_S)
 
 
-async def _start_stub(launch: StubLaunch, infer: BlsRunner) -> Stub:
+async def _start_stub(launch: StubLaunch, core: BlsRunner) -> Stub:
     try:
-        return await Stub.start(launch, infer)
+        return await Stub.start(launch, core)
     except StubFailure as e:
         raise invalid(f"model '{launch.model_name}': {e}") from None
 
@@ -273,13 +273,16 @@ def _message(error: BaseException) -> str:
 class PythonVersion(ServedModel):
     """A loaded Python model version: its instances (stubs) and the batcher that runs requests on them."""
 
+    #: outputs go out in the data type the model made them, whatever the config says (Triton's Python backend)
+    casts_outputs = False
+
     def __init__(self, name: str, version: int, config: ModelConfig, labels: dict[str, list[str]],
                  instances: list[Instance], directory: Path | None = None) -> None:
         super().__init__(name, version, config, labels)
         self.instances = instances
         self.decoupled = config.model_transaction_policy.decoupled
         self._all_outputs = list(self.outputs)  # what a request that names no output gets
-        self._dtypes_ok: dict[str, set[np.dtype]] = {}  # per output, the dtypes seen to match its config's type
+        self._dtypes_ok: dict[str, set[np.dtype]] = {}  # per output, the dtypes seen (a mismatch is logged once)
         self._loop = asyncio.get_running_loop()
         # the batchers' contexts are this version's Instances (typed `object` there): the arguments say so
         sequence = sequence_settings(config, None, directory) if directory is not None else None
@@ -379,12 +382,10 @@ class PythonVersion(ServedModel):
                 outputs[name] = array
                 continue
             datatype, expected = datatype_of_numpy(dtype), self.outputs[name].datatype
-            if datatype == expected:
-                self._dtypes_ok.setdefault(name, set()).add(dtype)
-            else:
-                return ServerError(ErrorKind.INTERNAL, f"model '{self.name}': output '{name}' is {datatype}, the "
-                                                       f"config says {expected} (convert it in model.py, e.g. with "
-                                                       "pb_utils.triton_string_to_numpy)")
+            if datatype != expected:  # Triton sends it as the model made it (its own bls_decoupled example does)
+                log.warning("model '%s': output '%s' is %s, the config says %s; sent as %s, as Triton does",
+                            self.name, name, datatype, expected, datatype)
+            self._dtypes_ok.setdefault(name, set()).add(dtype)  # said once per dtype
             outputs[name] = array
         return outputs
 
@@ -474,10 +475,10 @@ async def python_stubs_stopped() -> None:
 
 
 # -- loading --------------------------------------------------------------------------------------------------------
-async def load_python_versions(source: ModelSource, config: ModelConfig, infer: BlsRunner) -> dict[int, ServedModel]:
+async def load_python_versions(source: ModelSource, config: ModelConfig, core: BlsRunner) -> dict[int, ServedModel]:
     """Every version the policy selects, loaded together; if one fails, those loaded are stopped again."""
     wanted = select_versions(config.version_policy, list(source.versions))
-    results = await asyncio.gather(*(load_python_version(source, v, config, infer) for v in wanted),
+    results = await asyncio.gather(*(load_python_version(source, v, config, core) for v in wanted),
                                    return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
@@ -489,7 +490,7 @@ async def load_python_versions(source: ModelSource, config: ModelConfig, infer: 
 
 
 async def load_python_version(source: ModelSource, version: int, config: ModelConfig,
-                              infer: BlsRunner) -> PythonVersion:
+                              core: BlsRunner) -> PythonVersion:
     """Start, complete, initialize and warm up one version (see the module docstring)."""
     name = source.name
     filename = config.default_model_filename or DEFAULT_PYTHON_FILENAME
@@ -501,11 +502,11 @@ async def load_python_version(source: ModelSource, version: int, config: ModelCo
     python, environment = stub_interpreter(config, source.directory)
     requested = ModelConfig.FromString(config.SerializeToString())
     requested.name, requested.backend = name, PYTHON_BACKEND  # as Triton hands it to auto_complete_config
-    first = await _start_stub(StubLaunch(python, f"{name}_0_0", name, environment), infer)  # instance 0 of group 0
+    first = await _start_stub(StubLaunch(python, f"{name}_0_0", name, environment), core)  # instance 0 of group 0
     instances: list[Instance] = []
     try:
         config = await _auto_complete(first, requested, model_file, version)
-        instances = _instances(config, source, version, model_file, python, environment, infer)
+        instances = _instances(config, source, version, model_file, python, environment, core)
         await instances[0].start(first)
         await asyncio.gather(*(instance.start() for instance in instances[1:]))
         model = PythonVersion(name, version, config, _read_labels(source, config), instances, source.directory)
@@ -531,7 +532,7 @@ async def _auto_complete(stub: Stub, config: ModelConfig, model_file: Path, vers
 
 
 def _instances(config: ModelConfig, source: ModelSource, version: int, model_file: Path, python: str,
-               environment: dict[str, str], infer: BlsRunner) -> list[Instance]:
+               environment: dict[str, str], core: BlsRunner) -> list[Instance]:
     """One Instance per instance_group count, with Triton's initialize args (the completed config as JSON)."""
     timeout_s = execution_timeout_s(config)
     config_json = json.dumps(config_to_dict(config))
@@ -544,7 +545,7 @@ def _instances(config: ModelConfig, source: ModelSource, version: int, model_fil
                     "model_instance_name": label, "model_instance_device_id": str(device),
                     "model_repository": str(source.directory), "model_version": str(version),
                     "model_name": config.name}
-            instances.append(Instance(StubLaunch(python, label, config.name, environment), args, model_file, infer,
+            instances.append(Instance(StubLaunch(python, label, config.name, environment), args, model_file, core,
                                       timeout_s))
     return instances
 

@@ -23,13 +23,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from server.python_backend import wire
 
+from .decoupled import StreamPart
 from .errors import ErrorKind, ServerError
 from .remote import FrameDecoder
 from .types import InferInput, InferRequest, InferResponse, RequestedOutput, datatype_of_numpy
@@ -38,8 +39,12 @@ log = logging.getLogger("kiln.server.python")
 
 STUB_SCRIPT = Path(wire.__file__).resolve().parent / "stub.py"
 
-#: how a BLS request runs: the core's inference entry point (ServerCore.infer)
-BlsRunner = Callable[[InferRequest], Awaitable[InferResponse]]
+class BlsRunner(Protocol):
+    """How BLS requests run: the core's own entry points (`ServerCore`), as an ensemble's steps do."""
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def submit_stream(self, request: InferRequest, on_part: Callable[[StreamPart], None]) -> Any: ...
 #: where a decoupled request's responses go, on the event loop: (result, final) with result None for a bare final
 #: flag, else the stub's `{"outputs": ...}` or `{"error": (code, message)}`
 StreamSink = Callable[[dict | None, bool], None]
@@ -86,16 +91,17 @@ class StubLaunch:
 
 
 class Stub:
-    """A running stub process and its connection. Create with `await Stub.start(launch, infer)`."""
+    """A running stub process and its connection. Create with `await Stub.start(launch, core)`."""
 
-    def __init__(self, launch: StubLaunch, infer: BlsRunner) -> None:
+    def __init__(self, launch: StubLaunch, core: BlsRunner) -> None:
         self.launch = launch
-        self._infer = infer
+        self._core = core
         self._process: asyncio.subprocess.Process | None = None
         self._protocol: _StubProtocol | None = None
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._bls: set[asyncio.Future] = set()
+        self._bls_streams: dict[int, Any] = {}  # the model's decoupled BLS calls (exec(decoupled=True)) not yet final
         self._streams: dict[int, StreamSink] = {}  # decoupled requests sent to the stub and not yet final
         self._ended: asyncio.Future | None = None  # the process's exit description, once it exited
         self._killed = False
@@ -104,8 +110,8 @@ class Stub:
         self.on_exit: Callable[[Stub], None] | None = None
 
     @classmethod
-    async def start(cls, launch: StubLaunch, infer: BlsRunner) -> Stub:
-        stub = cls(launch, infer)
+    async def start(cls, launch: StubLaunch, core: BlsRunner) -> Stub:
+        stub = cls(launch, core)
         await stub._spawn()
         return stub
 
@@ -154,6 +160,9 @@ class Stub:
             self.close_stream(stream, {"error": ("INTERNAL", str(failure))})
         for task in self._bls:
             task.cancel()
+        for handle in list(self._bls_streams.values()):
+            handle.cancel()
+        self._bls_streams.clear()
         self._ended.set_result(self.exit_reason)
         if self.on_exit is not None:
             self.on_exit(self)
@@ -250,7 +259,16 @@ class Stub:
             if sink is not None:
                 sink(result, final)
         elif kind == wire.INFER:
-            self._run_bls(call_id, body)
+            if body.get("decoupled"):
+                self._run_bls_stream(call_id, body)
+            else:
+                self._run_bls(call_id, body)
+        elif kind == wire.CANCEL:  # the model cancelled a decoupled BLS call's response iterator
+            handle = self._bls_streams.pop(call_id, None)
+            if handle is not None:
+                handle.cancel()  # a withdrawn stream says nothing more: its iterator ends here
+                if self._protocol is not None and self.alive:
+                    self._protocol.send((wire.PART, call_id, (None, ("CANCELLED", "request cancelled"), True)))
         elif kind == wire.LOG:
             level, text = body
             log.log(_LOG_LEVELS.get(level, logging.INFO), "%s: %s", self.launch.label, text)
@@ -258,12 +276,39 @@ class Stub:
     def _run_bls(self, call_id: int, body: dict) -> None:
         """A model's BLS request, run through the core; the answer (or the error) goes back to the stub."""
         try:
-            task = asyncio.ensure_future(self._infer(bls_request(body)))
+            task = asyncio.ensure_future(self._core.infer(bls_request(body)))
         except ServerError as e:
             self._reply(call_id, None, (_CODE_OF_KIND.get(e.kind, "INTERNAL"), e.message))
             return
         self._bls.add(task)
         task.add_done_callback(lambda done: self._bls_done(call_id, done))
+
+    def _run_bls_stream(self, call_id: int, body: dict) -> None:
+        """A model's `exec(decoupled=True)`: the request runs as a stream (the core's `submit_stream`, for decoupled
+        and ordinary models alike) and each response goes back to the stub as it comes, as a PART message; the
+        last one carries the final flag (alone, for a bare final flag: the model sees an empty response)."""
+        finished = False
+
+        def on_part(part: StreamPart) -> None:
+            nonlocal finished
+            error = None
+            if part.error is not None:
+                error = (_CODE_OF_KIND.get(part.error.kind, "INTERNAL"), part.error.message) \
+                    if isinstance(part.error, ServerError) else ("INTERNAL", f"{type(part.error).__name__}: {part.error}")
+            value = None if part.response is None else {"outputs": [(o.name, o.data) for o in part.response.outputs]}
+            if part.final:
+                finished = True
+                self._bls_streams.pop(call_id, None)
+            if self._protocol is not None and self.alive:
+                self._protocol.send((wire.PART, call_id, (value, error, part.final)))
+
+        try:
+            handle = self._core.submit_stream(bls_request(body), on_part)
+        except ServerError as e:
+            on_part(StreamPart(error=e, final=True))
+            return
+        if handle is not None and not finished:
+            self._bls_streams[call_id] = handle
 
     def _bls_done(self, call_id: int, done: asyncio.Future) -> None:
         self._bls.discard(done)

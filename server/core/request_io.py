@@ -128,6 +128,8 @@ def output(shm: SharedMemory, model: ServedModel, requested: RequestedOutput, ar
     params = dict(requested.parameters)
     array = model.shape_output(requested.name, array)
     datatype = model.outputs[requested.name].datatype
+    if not model.casts_outputs and array.dtype != object and array.dtype != numpy_dtype(datatype):
+        datatype = datatype_of_numpy(array.dtype)  # a Python model's output as the model made it (Triton)
     k = params.pop("classification", None)
     if k is not None and k is not False:
         array = model.classify(requested.name, array, int_param(k, "classification"))

@@ -80,6 +80,11 @@ class StubRuntime:
                     deliver = self._waiting.pop(call_id, None)
                 if deliver is not None:
                     deliver(*body)
+            elif kind == self.wire.PART:  # a response of a decoupled BLS call; the final one ends it
+                with self._waiting_lock:
+                    deliver = self._waiting.pop(call_id, None) if body[2] else self._waiting.get(call_id)
+                if deliver is not None:
+                    deliver(*body)
             else:
                 self.calls.put((kind, call_id, body))
 
@@ -109,6 +114,23 @@ class StubRuntime:
         self._call_server(request, deliver)
         return future
 
+    def exec_decoupled(self, request: Any) -> Any:
+        """A BLS request whose responses come as they are sent (`exec(decoupled=True)`): a ResponseIterator."""
+        iterator = self.pb_utils.ResponseIterator()
+
+        def deliver(value: Any, error: Any, final: bool) -> None:
+            iterator._put(self._response(value, error), final)
+
+        call_id = self._call_server(request, deliver, decoupled=True)
+        iterator._cancel = lambda: self.send((self.wire.CANCEL, call_id, None))
+        return iterator
+
+    def async_exec_decoupled(self, request: Any) -> asyncio.Future:
+        """`async_exec(decoupled=True)`: a future of the ResponseIterator (its responses arrive as they are sent)."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.exec_decoupled(request))
+        return future
+
     def log(self, level: int, message: str) -> None:
         self.send((self.wire.LOG, 0, (level, message)))
 
@@ -122,7 +144,7 @@ class StubRuntime:
     def is_cancelled(self, stream: int) -> bool:
         return stream in self._cancelled
 
-    def _call_server(self, request: Any, deliver: Any) -> None:
+    def _call_server(self, request: Any, deliver: Any, decoupled: bool = False) -> int:
         call_id = next(self._ids)
         with self._waiting_lock:
             self._waiting[call_id] = deliver
@@ -133,18 +155,23 @@ class StubRuntime:
             "outputs": request.requested_output_names(), "flags": request.flags(), "timeout": request.timeout(),
             "parameters": json.loads(request.parameters()),
         }
+        if decoupled:
+            body["decoupled"] = True
         try:
             self.send((self.wire.INFER, call_id, body))
         except Exception:
             with self._waiting_lock:
                 self._waiting.pop(call_id, None)
             raise
+        return call_id
 
     def _response(self, value: Any, error: Any) -> Any:
         pb = self.pb_utils
         if error is not None:
             code, message = error
             return pb.InferenceResponse(error=pb.TritonError(message, pb._error_code(code)))
+        if value is None:  # a decoupled call's bare final flag: Triton's empty last response
+            return pb.InferenceResponse()
         return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in value["outputs"]])
 
 

@@ -5,7 +5,7 @@ In Triton part of this module is Python (the helpers and `ModelConfig`) and part
 `InferenceRequest`, `InferenceResponse`, `TritonError`, `TritonModelException`, `Logger`, ...). Here all of it is
 Python, and tensors are numpy arrays in host memory. What needs the server (BLS `exec`/`async_exec`, logging,
 `get_model_dir`, a decoupled model's response senders) goes through the stub that runs the model (`_runtime`). Not
-supported yet, and said so when used: `exec(decoupled=True)`, response senders of models that are not decoupled,
+supported yet, and said so when used: response senders of models that are not decoupled,
 GPU tensors, custom metrics (`MetricFamily`),
 model control from a model (`load_model`, `unload_model`, `is_model_ready`), request rescheduling.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import queue
 import struct
 import sys
 from collections.abc import Awaitable, Iterable
@@ -59,6 +60,10 @@ class _Runtime(Protocol):
     def exec(self, request: InferenceRequest) -> InferenceResponse: ...
 
     def async_exec(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
+
+    def exec_decoupled(self, request: InferenceRequest) -> ResponseIterator: ...
+
+    def async_exec_decoupled(self, request: InferenceRequest) -> Awaitable[ResponseIterator]: ...
 
     def log(self, level: int, message: str) -> None: ...
 
@@ -300,22 +305,51 @@ class InferenceRequest:
     def set_release_flags(self, flags: int) -> None:
         raise _unsupported("request rescheduling (set_release_flags)")
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
+    def exec(self, decoupled: bool = False) -> Any:
         """Run this request on the model it names and wait for the response; errors come back on the response
-        (`has_error()`), not raised."""
+        (`has_error()`), not raised. `decoupled=True`: a `ResponseIterator` of the responses as the model sends
+        them (any number, for decoupled and ordinary models alike; the last may be empty: a bare final flag)."""
         if decoupled:
-            raise _unsupported("BLS with decoupled models (exec(decoupled=True))")
+            return _stub().exec_decoupled(self)
         return _stub().exec(self)
 
-    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
+    def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
         """Like `exec`, as an awaitable of the running event loop (in an `async def execute`)."""
         if decoupled:
-            raise _unsupported("BLS with decoupled models (async_exec(decoupled=True))")
+            return _stub().async_exec_decoupled(self)
         return _stub().async_exec(self)
 
     def __repr__(self) -> str:
         return (f"InferenceRequest(model_name={self._model_name!r}, request_id={self._request_id!r}, "
                 f"inputs={[t.name() for t in self._inputs]})")
+
+
+class ResponseIterator:
+    """The responses of `InferenceRequest.exec(decoupled=True)` as they arrive (iterating waits for the next); it
+    ends after the final one, which is empty when the model sent a bare final flag. `cancel()` asks the server to
+    stop the request: the iterator then ends with a CANCELLED error response."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._done = False
+        self._cancel: Any = None  # set by the stub once the request is sent
+
+    def _put(self, response: InferenceResponse, final: bool) -> None:
+        self._queue.put((response, final))
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        response, final = self._queue.get()
+        self._done = final
+        return response
+
+    def cancel(self) -> None:
+        if not self._done and self._cancel is not None:
+            self._cancel()
 
 
 class InferenceResponse:

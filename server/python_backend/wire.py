@@ -15,6 +15,10 @@ Decoupled models: each request of an EXECUTE call carries a `stream` id; the stu
 sent, from any thread, as `(RESPONSE, stream, (result, flags))` (result None for a bare final flag, else
 `{"outputs": [...]}` or `{"error": (code, message)}`; flags 1 = final), and the server tells the stub that a
 stream's client went away with `(CANCEL, stream, None)` (the sender's `is_cancelled()`). Neither is answered.
+
+BLS with decoupled models: an INFER whose body says `"decoupled": True` is answered by `(PART, call_id, (value,
+error, final))` messages, one per response as the target model sends it (value None for a bare final flag), the
+last with final True; the stub sends `(CANCEL, call_id, None)` when the model cancels the response iterator.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ LOG = "log"
 REPLY = "reply"
 RESPONSE = "response"
 CANCEL = "cancel"
+PART = "part"
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 _HEAD = struct.Struct("!II")

@@ -51,7 +51,49 @@ AUTO = ERRORS.replace("class TritonPythonModel:", '''class TritonPythonModel:
         return config
 ''')
 AUTO_CONFIG = ERRORS_CONFIG.replace("model_transaction_policy { decoupled: true }\n", "")
-MODELS = ["repeat_int32", "square_int32", "errors", "auto_decoupled"]
+# BLS with decoupled models (exec(decoupled=True)): what the iterator yields for MODE 0: the "errors" model (an
+# output, an error, the final output), 1: repeat_int32 sending 5 responses 100 ms apart, cancelled after two, 2: an
+# unknown model
+BLS_PROBE = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def describe(response):
+    if response.has_error():
+        return "error: " + response.error().message()
+    tensors = response.output_tensors()
+    return [int(t.as_numpy()[0]) for t in tensors] if tensors else "empty"
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            mode = int(pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0])
+            target = {0: "errors", 1: "repeat_int32", 2: "missing"}[mode]
+            inputs = [pb_utils.Tensor("IN", np.array([1], np.int32))]
+            if mode == 1:
+                inputs = [pb_utils.Tensor("IN", np.arange(5, dtype=np.int32) + 5),
+                          pb_utils.Tensor("DELAY", np.full(5, 100, np.uint32)),
+                          pb_utils.Tensor("WAIT", np.array([0], np.uint32))]
+            bls = pb_utils.InferenceRequest(model_name=target, requested_output_names=["OUT"], inputs=inputs)
+            seen = []
+            iterator = bls.exec(decoupled=True)
+            for response in iterator:
+                seen.append(describe(response))
+                if mode == 1 and len(seen) == 2:
+                    iterator.cancel()
+            text = np.array([json.dumps(seen).encode()], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", text)]))
+        return responses
+'''
+BLS_PROBE_CONFIG = ('backend: "python"\nmax_batch_size: 0\n'
+                    'input [ { name: "MODE" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                    'output [ { name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
+MODELS = ["repeat_int32", "square_int32", "errors", "auto_decoupled", "bls_probe"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +104,7 @@ def server(tmp_path_factory):
         write_python_model(repo, name, *triton_example(stem))
     write_python_model(repo, "errors", ERRORS, ERRORS_CONFIG)
     write_python_model(repo, "auto_decoupled", AUTO, AUTO_CONFIG)
+    write_python_model(repo, "bls_probe", BLS_PROBE, BLS_PROBE_CONFIG)
     with run_server(repo, base / "server.log", MODELS) as running:
         yield running
 
@@ -249,4 +292,25 @@ def test_response_sender_checks_as_triton(monkeypatch):
     request = pb_utils.InferenceRequest(inputs=[], requested_output_names=[], model_name="m")
     with pytest.raises(pb_utils.TritonModelException, match="not decoupled"):
         request.get_response_sender()
+
+
+def _probe(server, mode: int) -> list:
+    client = httpclient.InferenceServerClient(server.http_url)
+    tensor = httpclient.InferInput("MODE", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([mode], np.int32))
+    return json.loads(client.infer("bls_probe", [tensor]).as_numpy("SEEN")[0])
+
+
+def test_bls_exec_decoupled_yields_each_response_and_errors_as_they_come(server):
+    """An error response does not end the iteration (as on a gRPC stream); the final response ends it."""
+    assert _probe(server, 0) == [[1], "error: second response failed", [3]]
+
+
+def test_bls_exec_decoupled_cancel_ends_the_iteration(server):
+    """cancel() withdraws the request: the responses already sent, then one CANCELLED error, then the end."""
+    assert _probe(server, 1) == [[5], [6], "error: request cancelled"]
+
+
+def test_bls_exec_decoupled_to_an_unknown_model_is_one_error_response(server):
+    assert _probe(server, 2) == ["error: Request for unknown model: 'missing' is not found"]
 

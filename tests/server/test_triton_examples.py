@@ -1,5 +1,6 @@
 """Triton's own examples (examples/triton_examples: the Python-backend add_sub, an ensemble of it, the sync BLS
-example, the sequence batcher's simple_sequence accumulator and the decoupled repeat model) served by a real Kiln
+example, the sequence batcher's simple_sequence accumulator, the decoupled repeat and square models and BLS with
+decoupled models, sync and async) served by a real Kiln
 server and driven by the stock tritonclient the way Triton's example clients drive them, asserting Triton's
 answers. Where the real Triton (../shared/tools/triton-peer/serve.sh, the nvidia-pytriton wheel) can run, the very
 same tests run against it too, on the very same repository: the answers are Triton's own, not recalled ones.
@@ -23,7 +24,8 @@ from load_tests import harness, peers
 from tests.support.servers import run_server
 
 REPOSITORY = harness.ROOT / "examples" / "triton_examples"
-MODELS = ["add_sub", "ensemble_add_sub", "bls_sync", "accumulator", "repeat_int32"]
+MODELS = ["add_sub", "ensemble_add_sub", "bls_sync", "accumulator", "repeat_int32", "square_int32",
+          "bls_decoupled_sync", "bls_decoupled_async"]
 # Triton's example clients: simple_{http,grpc}_sequence_*_client.py send these to two sequences (the second one
 # negated, after a first request of 0 and 100), the decoupled repeat_client.py these IN / DELAY / WAIT
 SEQUENCE_VALUES = [11, 7, 5, 3, 2, 0, 1]
@@ -248,3 +250,16 @@ def test_repeat_interleaves_requests_and_answers_an_empty_one_with_the_final_fla
         {"IN": np.array([], np.int32), "DELAY": np.array([], np.uint32), "WAIT": np.array([0], np.uint32)},
     ])
     assert got == [[(int(v), i) for i, v in enumerate(REPEAT_IN)], [(int(v), i) for i, v in enumerate(second)], []]
+
+
+@PROTOCOLS
+@pytest.mark.parametrize("model", ["bls_decoupled_sync", "bls_decoupled_async"])
+def test_bls_with_a_decoupled_model_sums_its_responses(server, protocol, model):
+    """python_backend examples/bls_decoupled: `exec(decoupled=True)` (sync) and `async_exec(decoupled=True)` (two
+    requests at once) iterate square_int32's responses, IN of them each carrying IN, and an empty final one."""
+    calls = 2 if model.endswith("async") else 1
+    for value in (0, 1, 4):
+        got = _infer(protocol, server, model, {"IN": np.array([value], dtype=np.int32)}, ["SUM"])["SUM"]
+        assert got.tolist() == [calls * value * value], (model, value, got)
+        assert got.dtype == np.int64  # the model's np.array([0]), sent as made although the config says INT32
+
