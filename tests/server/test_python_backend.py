@@ -38,7 +38,7 @@ from .conftest import examples, require_grpc, run_server
 TRITON_EXAMPLES = Path(__file__).parent / "python_models"  # from triton-inference-server/python_backend examples/
 KILN_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "python_models"
 #: Triton's examples that Kiln ships as a model repository: read from there, not kept twice
-SHIPPED = {"add_sub": "add_sub", "bls_sync": "bls_sync", "repeat": "repeat_int32"}
+SHIPPED = {"add_sub": "add_sub", "bls_sync": "bls_sync", "repeat": "repeat_int32", "square": "square_int32"}
 SHIPPED_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "triton_examples"
 
 
