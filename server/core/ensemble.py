@@ -24,7 +24,8 @@ import numpy as np
 
 from server.protos import model_config_pb2
 
-from .errors import ServerError, invalid
+from .decoupled import is_decoupled
+from .errors import ServerError, invalid, unimplemented
 from .model import ServedModel
 from .model_config import ModelConfig
 from .types import CONFIG_TYPE_OF_DATATYPE, InferInput, InferRequest, InferResponse, RequestedOutput
@@ -211,6 +212,11 @@ def check_composing(config: ModelConfig, steps: list[EnsembleStep], models: dict
         known[tensor.name] = _TensorType(name, batching, model_config_pb2.DataType.Name(tensor.data_type), dims)
     for step in steps:
         model = models[step.index]
+        if is_decoupled(model):  # Triton streams such a step's responses through the ensemble (a decoupled ensemble)
+            raise unimplemented(f"in ensemble {name}, {step.label} is a decoupled model; "
+                                "Kiln does not yet support decoupled models in ensembles (Triton makes such an "
+                                "ensemble decoupled and runs the later steps once per response). Call the "
+                                "decoupled model from a Python model with BLS (exec(decoupled=True)) instead")
         if 0 < model.max_batch_size < config.max_batch_size:
             raise invalid(f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it contains model "
                           f"{step.model_name} which only allows maximum batch size to be {model.max_batch_size}")

@@ -25,6 +25,7 @@ from server.core.types import InferInput, InferOutput, InferRequest, InferRespon
 from server.protos import model_config_pb2
 
 from .conftest import examples, require_grpc, run_server
+from .test_python_backend import triton_example, write_python_model
 
 STARTUP = ["ens_chain", "ens_diamond", "ens_loose"]
 
@@ -85,6 +86,11 @@ INVALID = {
     "bad_shape": (ensemble_config("bad_shape", ADD_ONLY, outputs=_tensors(["S", "D"], dims="8")),
                   "in ensemble bad_shape, ensemble tensor S: inconsistent shape: [-1, 8] is inferred from model "
                   "bad_shape while [-1, 16] is inferred from model add_sub"),
+    "bad_decoupled_step": (ensemble_config("bad_decoupled_step", [_step("square_int32", {"IN": "A"}, {"OUT": "S"})],
+                                           inputs=_tensors(["A"], dims="1"), outputs=_tensors(["S"], dims="1"),
+                                           max_batch_size=0),
+                           "in ensemble bad_decoupled_step, step 0, model 'square_int32' is a decoupled model; Kiln "
+                           "does not yet support decoupled models in ensembles"),
     "bad_input_name": (ensemble_config("bad_input_name", [
         _step("add_sub", {"INPUT0": "A", "INPUTX": "B"}, {"OUTPUT0": "S", "OUTPUT1": "D"})]),
         "in ensemble bad_input_name, ensemble tensor B is mapping to non-existing input INPUTX in model add_sub"),
@@ -115,6 +121,7 @@ def server(tmp_path_factory):
     add_sub = examples.add_sub_model(TensorProto.INT32)
     examples.write_model(repo, "add_sub", add_sub, examples.ADD_SUB_CONFIG)
     examples.write_model(repo, "add_sub_solo", add_sub, examples.ADD_SUB_CONFIG.replace('"add_sub"', '"add_sub_solo"'))
+    write_python_model(repo, "square_int32", *triton_example("square"))  # decoupled: ensembles refuse it (for now)
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
     _ensemble(repo, "ens_chain", ensemble_config("ens_chain", CHAIN))
