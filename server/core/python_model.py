@@ -117,8 +117,6 @@ def complete_python_config(config: ModelConfig, name: str) -> ModelConfig:
         if key in config.parameters:
             raise invalid(f"model '{name}': parameter {key} is about the plan Kiln builds for an ONNX model; a Python "
                           "model has none. Remove it")
-    if config.model_transaction_policy.decoupled and config.model_warmup:
-        raise invalid(f"model '{name}': Kiln does not yet warm up decoupled models. Remove model_warmup")
     found = refusals(config)  # auto_complete_config may have set what the table refuses (e.g. decoupled)
     if found:
         raise invalid(f"model '{name}': " + "; ".join(r.describe() for r in found))
@@ -401,6 +399,9 @@ class PythonVersion(ServedModel):
                 body = self.request_body(Job(inputs, batch))
                 for instance in self.instances:
                     for _ in range(max(sample.count, 1)):
+                        if self.decoupled:
+                            await self._warm_up_stream(instance, dict(body), Job(inputs, batch))
+                            continue
                         result = (await instance.execute([body]))[0]
                         outcome = self._outputs(Job(inputs, batch), result)
                         if isinstance(outcome, BaseException):
@@ -409,7 +410,27 @@ class PythonVersion(ServedModel):
                 raise invalid(e.message if e.message.startswith(label) else f"{label} failed: {e.message}") from None
             except (StubCallError, StubFailure) as e:
                 raise invalid(f"{label} failed: {_message(e)}") from None
+            except TimeoutError:
+                raise invalid(f"{label} failed: no final response within {WARMUP_STREAM_TIMEOUT_S:g} s") from None
             log.info("%s ran %d time(s) on %d instance(s)", label, max(sample.count, 1), len(self.instances))
+
+    async def _warm_up_stream(self, instance: Instance, body: dict, job: Job) -> None:
+        """One warm-up request of a decoupled model: execute(), then its responses until the final flag (Triton
+        warms decoupled models too); the first error response fails the sample."""
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        failure: list[BaseException] = []
+
+        def sink(result: dict | None, final: bool) -> None:
+            outcome = None if result is None else self._outputs(job, result, partial=True)
+            if isinstance(outcome, BaseException) and not failure:
+                failure.append(outcome)
+            if final and not ended.done():
+                ended.set_result(None)
+
+        await instance.execute([body], [sink])
+        await asyncio.wait_for(ended, WARMUP_STREAM_TIMEOUT_S)
+        if failure:
+            raise failure[0]
 
     async def _stop_instances(self) -> None:
         await asyncio.gather(*(instance.stop() for instance in self.instances), return_exceptions=True)
@@ -418,6 +439,10 @@ class PythonVersion(ServedModel):
     def close(self) -> None:
         """Take no new requests; once those admitted are answered, finalize() runs and the stubs end."""
         self.scheduler.close()
+
+
+#: how long a decoupled model's warm-up request may take to send its final response
+WARMUP_STREAM_TIMEOUT_S = 60.0
 
 
 def _not_used(context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -105,6 +105,14 @@ def server(tmp_path_factory):
     write_python_model(repo, "errors", ERRORS, ERRORS_CONFIG)
     write_python_model(repo, "auto_decoupled", AUTO, AUTO_CONFIG)
     write_python_model(repo, "bls_probe", BLS_PROBE, BLS_PROBE_CONFIG)
+    model, config = triton_example("square")
+    warm = 'model_warmup [ { name: "three" batch_size: 0 count: 2 inputs { key: "IN" value { data_type: TYPE_INT32 ' \
+           'dims: [ 1 ] input_data_file: "three" } } } ]\n'
+    directory = write_python_model(repo, "square_warm", model, config.replace('"square_int32"', '"square_warm"') + warm)
+    (directory / "warmup").mkdir()
+    (directory / "warmup" / "three").write_bytes(np.array([3], np.int32).tobytes())
+    write_python_model(repo, "errors_warm", ERRORS, ERRORS_CONFIG + warm.replace('input_data_file: "three"',
+                                                                               "zero_data: true"))
     with run_server(repo, base / "server.log", MODELS) as running:
         yield running
 
@@ -313,4 +321,22 @@ def test_bls_exec_decoupled_cancel_ends_the_iteration(server):
 
 def test_bls_exec_decoupled_to_an_unknown_model_is_one_error_response(server):
     assert _probe(server, 2) == ["error: Request for unknown model: 'missing' is not found"]
+
+
+def test_a_decoupled_model_warms_up_through_its_responses(server):
+    """model_warmup on a decoupled model (Triton 2.51 loads it too): each sample's responses are read to the final
+    flag before READY; warm-up requests are not in the statistics, and the model then serves."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    client.load_model("square_warm")
+    assert client.is_model_ready("square_warm")
+    assert client.get_inference_statistics("square_warm")["model_stats"][0]["inference_stats"]["success"]["count"] == 0
+    got = _stream(server, "square_warm", {"IN": np.array([2], np.int32)}, empty_final=True)
+    assert [r.as_numpy("OUT").tolist() for r, _ in got if r is not None and not _final(r)] == [[2], [2]]
+
+
+def test_a_decoupled_warm_up_whose_response_is_an_error_fails_the_load(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException) as failure:
+        client.load_model("errors_warm")
+    assert "warmup sample 'three' failed: second response failed" in failure.value.message()
 

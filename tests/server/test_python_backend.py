@@ -180,22 +180,10 @@ TEXT_CONFIG = ('backend: "python"\ninput [ { name: "TEXT" data_type: TYPE_STRING
                'output [ { name: "UPPER" data_type: TYPE_STRING dims: [ -1 ] },'
                ' { name: "INFO" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
 
-DECOUPLED_AUTO = '''
-class TritonPythonModel:
-    @staticmethod
-    def auto_complete_config(config):
-        config.set_model_transaction_policy({"decoupled": True})
-        return config
-
-    def execute(self, requests):
-        return None
-'''
 WARMUP = 'model_warmup [ {{ name: "{kind}" batch_size: 1 inputs {{ key: "X" value {{ data_type: TYPE_FP32 dims: [ 4 ] ' \
          '{kind}: true }} }} }} ]\n'
 # Python models whose load fails, and a text the failure must contain.
 REFUSED = {
-    "py_decoupled_warmup": (DECOUPLED_AUTO, FP32_4 + WARMUP.format(kind="zero_data"),
-                            "Kiln does not yet warm up decoupled models"),
     "py_sequence_state": (FAILING, FP32_4 + 'sequence_batching { state [ { input_name: "S" output_name: "T" '
                                             'data_type: TYPE_INT32 dims: [ 1 ] } ] }\n',
                           "Kiln does not yet keep implicit state for Python models"),
