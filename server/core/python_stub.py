@@ -23,7 +23,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +45,12 @@ class BlsRunner(Protocol):
     async def infer(self, request: InferRequest) -> InferResponse: ...
 
     def submit_stream(self, request: InferRequest, on_part: Callable[[StreamPart], None]) -> Any: ...
+
+    async def load_model(self, name: str, config: str | None = None, files: dict[str, bytes] | None = None) -> None: ...
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
+
+    async def model_ready(self, name: str, version: str = "") -> bool: ...
 #: where a decoupled request's responses go, on the event loop: (result, final) with result None for a bare final
 #: flag, else the stub's `{"outputs": ...}` or `{"error": (code, message)}`
 StreamSink = Callable[[dict | None, bool], None]
@@ -263,6 +269,8 @@ class Stub:
                 self._run_bls_stream(call_id, body)
             else:
                 self._run_bls(call_id, body)
+        elif kind == wire.CONTROL:
+            self._run_control(call_id, body)
         elif kind == wire.CANCEL:  # the model cancelled a decoupled BLS call's response iterator
             handle = self._bls_streams.pop(call_id, None)
             if handle is not None:
@@ -310,12 +318,31 @@ class Stub:
         if handle is not None and not finished:
             self._bls_streams[call_id] = handle
 
-    def _bls_done(self, call_id: int, done: asyncio.Future) -> None:
+    def _run_control(self, call_id: int, body: dict) -> None:
+        """`pb_utils.load_model` / `unload_model` / `is_model_ready`: the core's repository API (explicit mode only,
+        as in Triton); the answer or the error goes back to the stub."""
+        op, name = body.get("op"), str(body.get("name", ""))
+        if op == "load":
+            work: Awaitable[Any] = self._core.load_model(name, body.get("config"), body.get("files") or None)
+        elif op == "unload":
+            work = self._core.unload_model(name, bool(body.get("unload_dependents")))
+        elif op == "ready":
+            work = self._core.model_ready(name, str(body.get("version", "")))
+        else:
+            self._reply(call_id, None, ("INVALID_ARG", f"unknown model control operation {op!r}"))
+            return
+        task = asyncio.ensure_future(work)
+        self._bls.add(task)
+        task.add_done_callback(lambda done: self._bls_done(call_id, done, plain=True))
+
+    def _bls_done(self, call_id: int, done: asyncio.Future, plain: bool = False) -> None:
         self._bls.discard(done)
         if done.cancelled():
             return
         error = done.exception()
-        if error is None:
+        if error is None and plain:  # a model-control answer: the value as it is
+            self._reply(call_id, done.result(), None)
+        elif error is None:
             outputs = [(o.name, o.data) for o in done.result().outputs]
             self._reply(call_id, {"outputs": outputs}, None)
         elif isinstance(error, ServerError):

@@ -131,6 +131,26 @@ class StubRuntime:
         future.set_result(self.exec_decoupled(request))
         return future
 
+    def control(self, op: str, **arguments: Any) -> Any:
+        """Model control through the server (load, unload, ready), waited for on this thread; the server's error
+        is raised as TritonModelException with its message."""
+        done = threading.Event()
+        result: list[Any] = []
+
+        def deliver(value: Any, error: Any) -> None:
+            result.append((value, error))
+            done.set()
+
+        call_id = next(self._ids)
+        with self._waiting_lock:
+            self._waiting[call_id] = deliver
+        self.send((self.wire.CONTROL, call_id, {"op": op, **arguments}))
+        done.wait()
+        value, error = result[0]
+        if error is not None:
+            raise self.pb_utils.TritonModelException(error[1])
+        return value
+
     def log(self, level: int, message: str) -> None:
         self.send((self.wire.LOG, 0, (level, message)))
 

@@ -6,8 +6,7 @@ In Triton part of this module is Python (the helpers and `ModelConfig`) and part
 Python, and tensors are numpy arrays in host memory. What needs the server (BLS `exec`/`async_exec`, logging,
 `get_model_dir`, a decoupled model's response senders) goes through the stub that runs the model (`_runtime`). Not
 supported yet, and said so when used: response senders of models that are not decoupled,
-GPU tensors, custom metrics (`MetricFamily`),
-model control from a model (`load_model`, `unload_model`, `is_model_ready`), request rescheduling.
+GPU tensors, custom metrics (`MetricFamily`), request rescheduling.
 """
 
 from __future__ import annotations
@@ -62,6 +61,8 @@ class _Runtime(Protocol):
     def async_exec(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
 
     def exec_decoupled(self, request: InferenceRequest) -> ResponseIterator: ...
+
+    def control(self, op: str, **arguments: Any) -> Any: ...
 
     def async_exec_decoupled(self, request: InferenceRequest) -> Awaitable[ResponseIterator]: ...
 
@@ -492,15 +493,20 @@ class MetricFamily:
 
 
 def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
-    raise _unsupported("model control from a model (pb_utils.load_model)")
+    """Load (or reload) `model_name` on the server, optionally with a JSON config and files ("file:<path>" ->
+    bytes) that override the repository's; returns once it is ready. Needs the server in explicit model control
+    mode, as in Triton; a failure raises TritonModelException with the server's message."""
+    _stub().control("load", name=model_name, config=config or None, files=dict(files or {}))
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    raise _unsupported("model control from a model (pb_utils.unload_model)")
+    """Unload `model_name` (and, with `unload_dependents`, the composing models loaded for it)."""
+    _stub().control("unload", name=model_name, unload_dependents=bool(unload_dependents))
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
-    raise _unsupported("model control from a model (pb_utils.is_model_ready)")
+    """Whether `model_name` (a given version, or any) is loaded and ready."""
+    return bool(_stub().control("ready", name=model_name, version=str(model_version)))
 
 
 # -- Triton's Python helpers ----------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ stream's client went away with `(CANCEL, stream, None)` (the sender's `is_cancel
 BLS with decoupled models: an INFER whose body says `"decoupled": True` is answered by `(PART, call_id, (value,
 error, final))` messages, one per response as the target model sends it (value None for a bare final flag), the
 last with final True; the stub sends `(CANCEL, call_id, None)` when the model cancels the response iterator.
+
+Model control from a model (`pb_utils.load_model`, `unload_model`, `is_model_ready`): `(CONTROL, call_id, {"op":
+"load" | "unload" | "ready", ...})`, answered with a REPLY.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ REPLY = "reply"
 RESPONSE = "response"
 CANCEL = "cancel"
 PART = "part"
+CONTROL = "control"
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 _HEAD = struct.Struct("!II")
