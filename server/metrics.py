@@ -216,6 +216,7 @@ class InferenceMetricsCollector:
         yield batch_size_family(stats)  # every version, as /stats reports its batch_stats
         yield from plan_cache_families()
         yield from latency_families(config, loaded, self._core.caches_responses)
+        yield from self._core.custom_metrics.families()  # Python models' pb_utils.MetricFamily
         for host in self._host:
             yield from host.families()
 

@@ -22,6 +22,7 @@ from . import cuda_ipc, decoupled, request_io
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
+from .custom_metrics import CustomMetrics
 from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented, unknown_model
 from .grouping import Answer, run_members, settle
@@ -100,8 +101,7 @@ class ServerCore:
 
     def __init__(self, options: CoreOptions) -> None:
         if options.model_control_mode not in ("none", "explicit", "poll"):
-            raise ValueError(f"model control mode must be 'none', 'explicit' or 'poll', "
-                             f"got '{options.model_control_mode}'")
+            raise ValueError(f"model control mode must be 'none', 'explicit' or 'poll', got '{options.model_control_mode}'")
         self.options = options
         self.repository = ModelRepository(options.model_repositories)
         self.models: dict[str, ModelEntry] = {}
@@ -110,6 +110,7 @@ class ServerCore:
         self.trace = TraceSettings()
         self.config_fields = ConfigFieldCheck(options.lenient_config)
         self.response_cache = make_cache(options.response_cache)
+        self.custom_metrics = CustomMetrics()  # Python models' pb_utils.MetricFamily, exported on /metrics
         self._startup: list[asyncio.Task] = []
         self._startup_names: list[str] = []
         self._started = False
@@ -498,8 +499,7 @@ class ServerCore:
                               f"mode is '{self.options.model_control_mode}'; start the server with "
                               "--model-control-mode explicit)")
 
-    async def load_model(self, name: str, config: str | None = None,
-                         files: dict[str, bytes] | None = None) -> None:
+    async def load_model(self, name: str, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
         """Load (or reload) `name`; returns when it is ready. `config` is a JSON model config that overrides
         config.pbtxt; `files` (paths like "1/model.onnx" -> content) replace the model's directory and need
         `config`. Fails with the build error if the model cannot be loaded."""

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from server.python_backend import wire
 
+from .custom_metrics import CustomMetrics
 from .decoupled import StreamPart
 from .errors import ErrorKind, ServerError
 from .remote import FrameDecoder
@@ -51,6 +52,9 @@ class BlsRunner(Protocol):
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
 
     async def model_ready(self, name: str, version: str = "") -> bool: ...
+
+    @property
+    def custom_metrics(self) -> CustomMetrics: ...
 #: where a decoupled request's responses go, on the event loop: (result, final) with result None for a bare final
 #: flag, else the stub's `{"outputs": ...}` or `{"error": (code, message)}`
 StreamSink = Callable[[dict | None, bool], None]
@@ -169,6 +173,7 @@ class Stub:
         for handle in list(self._bls_streams.values()):
             handle.cancel()
         self._bls_streams.clear()
+        self._core.custom_metrics.release(id(self))  # its metrics go with it, as Triton's go with the objects
         self._ended.set_result(self.exit_reason)
         if self.on_exit is not None:
             self.on_exit(self)
@@ -271,6 +276,8 @@ class Stub:
                 self._run_bls(call_id, body)
         elif kind == wire.CONTROL:
             self._run_control(call_id, body)
+        elif kind == wire.METRIC:
+            self._metric(call_id, body)
         elif kind == wire.CANCEL:  # the model cancelled a decoupled BLS call's response iterator
             handle = self._bls_streams.pop(call_id, None)
             if handle is not None:
@@ -317,6 +324,30 @@ class Stub:
             return
         if handle is not None and not finished:
             self._bls_streams[call_id] = handle
+
+    def _metric(self, call_id: int, body: dict) -> None:
+        """A custom-metric operation (pb_utils.MetricFamily / Metric) on the core's registry; created and read
+        values are answered, a failed update (the stub checks them first) is logged."""
+        metrics, owner = self._core.custom_metrics, id(self)
+        try:
+            op = body["op"]
+            value: Any = None
+            if op == "family":
+                metrics.family(owner, str(body["name"]), str(body["description"]), str(body["kind"]))
+            elif op == "metric":
+                value = metrics.metric(owner, str(body["name"]), dict(body["labels"]), body.get("buckets"))
+            elif op == "value":
+                value = metrics.value(int(body["id"]))
+            else:
+                metrics.update(int(body["id"]), op, float(body["value"]))
+        except (ValueError, KeyError, TypeError) as e:
+            if call_id:
+                self._reply(call_id, None, ("INVALID_ARG", str(e)))
+            else:
+                log.warning("'%s': custom metric update refused: %s", self.launch.label, e)
+            return
+        if call_id:
+            self._reply(call_id, value, None)
 
     def _run_control(self, call_id: int, body: dict) -> None:
         """`pb_utils.load_model` / `unload_model` / `is_model_ready`: the core's repository API (explicit mode only,

@@ -134,6 +134,16 @@ class StubRuntime:
     def control(self, op: str, **arguments: Any) -> Any:
         """Model control through the server (load, unload, ready), waited for on this thread; the server's error
         is raised as TritonModelException with its message."""
+        return self._ask(self.wire.CONTROL, {"op": op, **arguments})
+
+    def metric(self, op: str, wait: bool, **arguments: Any) -> Any:
+        """A custom-metric operation on the server: waited for (create, read) or sent (updates, in order)."""
+        if not wait:
+            self.send((self.wire.METRIC, 0, {"op": op, **arguments}))
+            return None
+        return self._ask(self.wire.METRIC, {"op": op, **arguments})
+
+    def _ask(self, kind: str, body: dict) -> Any:
         done = threading.Event()
         result: list[Any] = []
 
@@ -144,7 +154,7 @@ class StubRuntime:
         call_id = next(self._ids)
         with self._waiting_lock:
             self._waiting[call_id] = deliver
-        self.send((self.wire.CONTROL, call_id, {"op": op, **arguments}))
+        self.send((kind, call_id, body))
         done.wait()
         value, error = result[0]
         if error is not None:

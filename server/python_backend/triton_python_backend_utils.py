@@ -6,7 +6,7 @@ In Triton part of this module is Python (the helpers and `ModelConfig`) and part
 Python, and tensors are numpy arrays in host memory. What needs the server (BLS `exec`/`async_exec`, logging,
 `get_model_dir`, a decoupled model's response senders) goes through the stub that runs the model (`_runtime`). Not
 supported yet, and said so when used: response senders of models that are not decoupled,
-GPU tensors, custom metrics (`MetricFamily`), request rescheduling.
+GPU tensors, request rescheduling.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class _Runtime(Protocol):
     def exec_decoupled(self, request: InferenceRequest) -> ResponseIterator: ...
 
     def control(self, op: str, **arguments: Any) -> Any: ...
+
+    def metric(self, op: str, wait: bool, **arguments: Any) -> Any: ...
 
     def async_exec_decoupled(self, request: InferenceRequest) -> Awaitable[ResponseIterator]: ...
 
@@ -484,12 +486,51 @@ def get_model_dir() -> str:
 
 
 class MetricFamily:
-    """Custom metrics: not supported yet (constructing one raises)."""
+    """A custom metric family (`COUNTER`, `GAUGE` or `HISTOGRAM`) on the server's /metrics; its `Metric`s hold the
+    values, one per label set. The family lives as long as the model's instance (its stub) does."""
 
     COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+    _KINDS = {COUNTER: "counter", GAUGE: "gauge", HISTOGRAM: "histogram"}
 
     def __init__(self, name: str, description: str, kind: int) -> None:
-        raise _unsupported("custom metrics (pb_utils.MetricFamily)")
+        if kind not in self._KINDS:
+            raise TritonModelException("MetricFamily kind must be COUNTER, GAUGE or HISTOGRAM")
+        self.name, self.description, self.kind = name, description, kind
+        _stub().metric("family", True, name=name, description=description, kind=self._KINDS[kind])
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
+        return Metric(self, labels or {}, buckets)
+
+
+class Metric:
+    """One metric of a family: `increment` (counter, gauge), `set` (gauge), `observe` (histogram), `value`."""
+
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None = None) -> None:
+        if family.kind == MetricFamily.HISTOGRAM and not buckets:
+            raise TritonModelException("a histogram metric needs buckets")
+        self.family = family
+        self._id = _stub().metric("metric", True, name=family.name, labels={str(k): str(v) for k, v in labels.items()},
+                                  buckets=[float(b) for b in buckets] if buckets else None)
+
+    def increment(self, value: float) -> None:
+        if self.family.kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("increment is not supported for a histogram; use observe")
+        if self.family.kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException("a counter cannot be incremented by a negative value")
+        _stub().metric("increment", False, id=self._id, value=float(value))
+
+    def set(self, value: float) -> None:
+        if self.family.kind != MetricFamily.GAUGE:
+            raise TritonModelException("set is only supported for a gauge")
+        _stub().metric("set", False, id=self._id, value=float(value))
+
+    def observe(self, value: float) -> None:
+        if self.family.kind != MetricFamily.HISTOGRAM:
+            raise TritonModelException("observe is only supported for a histogram")
+        _stub().metric("observe", False, id=self._id, value=float(value))
+
+    def value(self) -> float:
+        return float(_stub().metric("value", True, id=self._id))
 
 
 def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:

@@ -21,7 +21,9 @@ error, final))` messages, one per response as the target model sends it (value N
 last with final True; the stub sends `(CANCEL, call_id, None)` when the model cancels the response iterator.
 
 Model control from a model (`pb_utils.load_model`, `unload_model`, `is_model_ready`): `(CONTROL, call_id, {"op":
-"load" | "unload" | "ready", ...})`, answered with a REPLY.
+"load" | "unload" | "ready", ...})`, answered with a REPLY. Custom metrics (`pb_utils.MetricFamily`, `Metric`):
+`(METRIC, call_id, {"op": "family" | "metric" | "value" | "increment" | "set" | "observe", ...})`; a call_id of 0
+(the updates) is not answered.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ RESPONSE = "response"
 CANCEL = "cancel"
 PART = "part"
 CONTROL = "control"
+METRIC = "metric"
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 _HEAD = struct.Struct("!II")

@@ -35,29 +35,31 @@ REPEAT_WAIT = np.array([5], dtype=np.uint32)
 
 
 class Urls:
-    def __init__(self, name: str, http_port: int, grpc_port: int) -> None:
+    def __init__(self, name: str, http_port: int, grpc_port: int, metrics_port: int = 0) -> None:
         self.name = name
         self.http = f"127.0.0.1:{http_port}"
         self.grpc = f"127.0.0.1:{grpc_port}"
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
 
 
-def _triton(tmp: Path) -> Iterator[Urls]:
+def triton_server(tmp: Path, repository: Path = REPOSITORY) -> Iterator[Urls]:
+    """The real Triton (../shared/tools/triton-peer) serving `repository`; the test is skipped where it is missing."""
     why = peers.available("triton")
     if why:
         pytest.skip(f"no Triton here: {why}")
     ports = harness.free_ports(3)
-    command = ["bash", str(peers.TRITON_SERVE), *map(str, ports), str(REPOSITORY)]
+    command = ["bash", str(peers.TRITON_SERVE), *map(str, ports), str(repository)]
     with harness.serving(command, tmp / "triton.log", harness.http_ready(f"http://127.0.0.1:{ports[0]}/v2/health/ready"),
                          env={**os.environ, "PYTRITON_VENV": str(peers.TRITON_VENV)}, timeout_s=120,
                          interval_s=0.3, stop_timeout_s=20, name="tritonserver"):
-        yield Urls("triton", ports[0], ports[1])
+        yield Urls("triton", *ports)
 
 
 @pytest.fixture(scope="module", params=["kiln", "triton"])
 def server(request, tmp_path_factory) -> Iterator[Urls]:
     tmp = tmp_path_factory.mktemp(f"triton_examples_{request.param}")
     if request.param == "triton":
-        yield from _triton(tmp)
+        yield from triton_server(tmp)
         return
     with run_server(REPOSITORY, tmp / "kiln.log", MODELS) as kiln:
         yield Urls("kiln", kiln.http_port, kiln.grpc_port)

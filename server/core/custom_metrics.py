@@ -1,0 +1,142 @@
+"""Custom metrics of Python models (`pb_utils.MetricFamily` / `Metric`, Triton's Python backend since 23.05).
+
+A model's stub asks the server to create families (counter, gauge or histogram) and metrics under them (one per
+label set), updates them and reads them back (python_stub.py forwards its METRIC messages here); `/metrics` exports
+them beside Triton's own families (server/metrics.py), as Triton does: `# HELP`, `# TYPE`, then each metric with its
+labels in name order. A stub's metrics go when it ends (the model unloaded or restarted), and a family with them
+once no stub holds it, as Triton drops them with the Python objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.metrics_core import Metric
+
+KINDS = ("counter", "gauge", "histogram")
+
+
+@dataclass
+class _Value:
+    family: str
+    labels: tuple[tuple[str, str], ...]
+    value: float = 0.0
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds (+Inf implied)
+    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative)
+    total: float = 0.0
+    observations: int = 0
+
+
+@dataclass
+class _Family:
+    description: str
+    kind: str
+    holders: set[int] = field(default_factory=set)  # owners (stubs) that created it
+    metrics: dict[tuple[tuple[str, str], ...], int] = field(default_factory=dict)  # labels -> metric id
+
+
+class CustomMetrics:
+    """Every custom family and metric of this server, keyed by name and by the ids their creators hold."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, _Family] = {}
+        self._values: dict[int, _Value] = {}
+        self._owned: dict[int, set[int]] = {}  # owner -> metric ids it created
+        self._ids = itertools.count(1)
+
+    def family(self, owner: int, name: str, description: str, kind: str) -> None:
+        """Create family `name`, or join it when it exists with the same kind (another instance of the model)."""
+        if kind not in KINDS:
+            raise ValueError(f"metric family '{name}': kind must be one of {list(KINDS)}, got {kind!r}")
+        if not name or not (name[0].isalpha() or name[0] in "_:") or not all(c.isalnum() or c in "_:" for c in name):
+            raise ValueError(f"metric family name '{name}' is not a valid Prometheus metric name")
+        existing = self._families.get(name)
+        if existing is not None and existing.kind != kind:
+            raise ValueError(f"metric family '{name}' already exists as a {existing.kind}, not a {kind}")
+        if existing is None:
+            existing = self._families[name] = _Family(description, kind)
+        existing.holders.add(owner)
+
+    def metric(self, owner: int, name: str, labels: dict[str, str], buckets: list[float] | None = None) -> int:
+        """A metric of family `name` for `labels` (the existing one for the same labels); its id."""
+        family = self._families.get(name)
+        if family is None:
+            raise ValueError(f"metric family '{name}' does not exist")
+        if family.kind == "histogram":
+            if not buckets or any(not math.isfinite(b) for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"histogram '{name}' needs buckets: finite, strictly increasing upper bounds")
+        elif buckets:
+            raise ValueError(f"metric family '{name}' is a {family.kind}: buckets are for histograms")
+        key = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+        metric_id = family.metrics.get(key)
+        if metric_id is None:
+            metric_id = family.metrics[key] = next(self._ids)
+            bounds = tuple(float(b) for b in buckets or ())
+            self._values[metric_id] = _Value(name, key, buckets=bounds, counts=[0] * (len(bounds) + 1))
+        self._owned.setdefault(owner, set()).add(metric_id)
+        return metric_id
+
+    def update(self, metric_id: int, op: str, amount: float) -> None:
+        """increment (counter, gauge), set (gauge) or observe (histogram)."""
+        value = self._value(metric_id)
+        kind = self._families[value.family].kind
+        if op == "increment" and kind in ("counter", "gauge"):
+            if kind == "counter" and amount < 0:
+                raise ValueError(f"counter '{value.family}' cannot be incremented by a negative value ({amount})")
+            value.value += amount
+        elif op == "set" and kind == "gauge":
+            value.value = amount
+        elif op == "observe" and kind == "histogram":
+            index = next((i for i, bound in enumerate(value.buckets) if amount <= bound), len(value.buckets))
+            value.counts[index] += 1
+            value.total += amount
+            value.observations += 1
+        else:
+            raise ValueError(f"'{op}' is not an operation of a {kind} ('{value.family}')")
+
+    def value(self, metric_id: int) -> float:
+        """A counter's or gauge's value (a histogram's sum of observations)."""
+        value = self._value(metric_id)
+        return value.total if value.buckets else value.value
+
+    def release(self, owner: int) -> None:
+        """`owner` (a stub) ended: its metrics go, and the families no one holds any more."""
+        for metric_id in self._owned.pop(owner, set()):
+            value = self._values.pop(metric_id, None)
+            if value is not None and value.family in self._families:
+                self._families[value.family].metrics.pop(value.labels, None)
+        for name in [n for n, f in self._families.items() if owner in f.holders]:
+            family = self._families[name]
+            family.holders.discard(owner)
+            if not family.holders:
+                for metric_id in family.metrics.values():
+                    self._values.pop(metric_id, None)
+                del self._families[name]
+
+    def families(self) -> Iterable[Metric]:
+        """Every family with its metrics, for /metrics (histograms as _bucket / _sum / _count samples)."""
+        for name, family in self._families.items():
+            metric = Metric(name, family.description, family.kind)
+            for metric_id in family.metrics.values():
+                value = self._values[metric_id]
+                labels = dict(value.labels)
+                if family.kind != "histogram":
+                    metric.add_sample(name, labels, value.value)
+                    continue
+                running = 0
+                for bound, count in zip([*value.buckets, math.inf], value.counts):
+                    running += count
+                    le = "+Inf" if bound == math.inf else repr(bound)
+                    metric.add_sample(f"{name}_bucket", {**labels, "le": le}, running)
+                metric.add_sample(f"{name}_sum", labels, value.total)
+                metric.add_sample(f"{name}_count", labels, value.observations)
+            yield metric
+
+    def _value(self, metric_id: int) -> _Value:
+        value = self._values.get(metric_id)
+        if value is None:
+            raise ValueError(f"metric {metric_id} does not exist (its family was deleted)")
+        return value
