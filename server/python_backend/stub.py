@@ -259,6 +259,8 @@ class ModelHost:
         returned = self.instance.execute(batch)
         if asyncio.iscoroutine(returned):
             returned = asyncio.run_coroutine_threadsafe(returned, self._event_loop()).result()
+        if returned is None:  # the model answered through the requests' response senders (Triton 24.06+)
+            returned = [None] * len(batch)
         if not isinstance(returned, list):
             raise pb.TritonModelException(f"Expected a list in the execute return, found type "
                                           f"'{type(returned)}'.")
@@ -266,7 +268,8 @@ class ModelHost:
             raise pb.TritonModelException("Number of InferenceResponse objects do not match the number of "
                                           f"InferenceRequest objects. InferenceRequest(s) size is:{len(batch)}, and "
                                           f"InferenceResponse(s) size is:{len(returned)}\n")
-        return [_result(pb, request.requested_output_names(), response) for request, response in zip(batch, returned)]
+        return [_result(pb, request.requested_output_names(), _answer(pb, request, response))
+                for request, response in zip(batch, returned)]
 
     def _execute_decoupled(self, batch: list[Any]) -> None:
         """execute() of a decoupled model: it must return None (an `async def` one runs on in the background, as in
@@ -310,6 +313,20 @@ def _request(pb: ModuleType, model_name: str, body: dict) -> Any:
     if "stream" in body:  # a decoupled model's request
         request._response_sender = pb.InferenceResponseSender(body["stream"], body["outputs"])
     return request
+
+
+def _answer(pb: ModuleType, request: Any, returned: Any) -> Any:
+    """A default-mode request's response: the one execute() returned for it, or the one the model sent through
+    the request's response sender (waited for until the final flag), not both."""
+    sender = request._response_sender
+    if returned is not None:
+        if sender is not None and sender._sent:
+            return pb.InferenceResponse(error=pb.TritonError("Unable to send response. Non-decoupled model cannot "
+                                                             "send more than one response."))
+        return returned
+    if sender is None:
+        return None  # neither returned nor sent: _result says so
+    return sender._wait()
 
 
 def _result(pb: ModuleType, requested: list[str], response: Any) -> dict:

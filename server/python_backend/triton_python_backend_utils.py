@@ -5,8 +5,7 @@ In Triton part of this module is Python (the helpers and `ModelConfig`) and part
 `InferenceRequest`, `InferenceResponse`, `TritonError`, `TritonModelException`, `Logger`, ...). Here all of it is
 Python, and tensors are numpy arrays in host memory. What needs the server (BLS `exec`/`async_exec`, logging,
 `get_model_dir`, a decoupled model's response senders) goes through the stub that runs the model (`_runtime`). Not
-supported yet, and said so when used: response senders of models that are not decoupled,
-GPU tensors, request rescheduling.
+supported yet, and said so when used: GPU tensors, request rescheduling.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import json
 import queue
 import struct
 import sys
+import threading
 from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol
 
@@ -300,9 +300,11 @@ class InferenceRequest:
         return self._response_sender is not None and self._response_sender.is_cancelled()
 
     def get_response_sender(self) -> InferenceResponseSender:
-        """The sender of this request's responses (a decoupled model's; every call returns the same one)."""
+        """The sender of this request's responses (every call returns the same one). A model in the default mode
+        may answer through it too (Triton 24.06+): exactly one response, with the final flag or before a bare
+        final flag, and execute() then returns None (or None in that request's place)."""
         if self._response_sender is None:
-            raise _unsupported("a response sender for a model that is not decoupled (get_response_sender)")
+            self._response_sender = _DefaultModeSender()
         return self._response_sender
 
     def set_release_flags(self, flags: int) -> None:
@@ -416,6 +418,48 @@ class InferenceResponseSender:
     def _close(self) -> None:
         """The request failed (execute() raised): nothing more may be sent, as in Triton."""
         self._closed = True
+
+
+class _DefaultModeSender(InferenceResponseSender):
+    """The response sender of a request to a model in the default mode: it keeps the one response the model sends
+    (Triton's checks and texts) for the stub, which answers the request with it once the final flag came."""
+
+    def __init__(self) -> None:
+        super().__init__(0, [])
+        self._response: InferenceResponse | None = None
+        self._sent = 0
+        self._final = threading.Event()
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException("Inference Response object must be provided when the response flags is set "
+                                       "to zero.")
+        if response is not None and self._sent:
+            raise TritonModelException("Unable to send response. Non-decoupled model cannot send more than one "
+                                       "response.")
+        if response is None and self._sent == 0:
+            raise TritonModelException("Unable to send response. Non-decoupled model cannot send complete final "
+                                       "before sending a response.")
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TypeError(f"send(): response must be a pb_utils.InferenceResponse, got {type(response).__name__}")
+        self._sent += 1
+        if response is not None:
+            self._response = response
+        if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self._closed = True
+            self._final.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def _wait(self) -> InferenceResponse | None:
+        """The response, once the final flag was sent (from any thread)."""
+        self._final.wait()
+        return self._response
 
 
 def _tensors(tensors: Iterable[Any], what: str) -> list[Tensor]:

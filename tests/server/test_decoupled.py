@@ -298,8 +298,8 @@ def test_response_sender_checks_as_triton(monkeypatch):
     assert [(s, f) for s, _, f in runtime.sent] == [(7, 0), (7, 1)]
     assert not sender.is_cancelled() and pb_utils.InferenceResponseSender(9, []).is_cancelled()
     request = pb_utils.InferenceRequest(inputs=[], requested_output_names=[], model_name="m")
-    with pytest.raises(pb_utils.TritonModelException, match="not decoupled"):
-        request.get_response_sender()
+    default = request.get_response_sender()  # a default-mode request's (test_python_default_sender.py)
+    assert isinstance(default, pb_utils._DefaultModeSender) and request.get_response_sender() is default
 
 
 def _probe(server, mode: int) -> list:
