@@ -287,29 +287,25 @@ class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
         back, as the reference runtime does: an event recorded on the caller's stream is waited for by
         the context's stream, the run (graph replay, capture, profiled or debug launches) goes there, and
         an event recorded after it is waited for by the caller's stream. The input-consumed event is then
-        recorded on the context's stream; it still fires once no later layer reads an input.
+        recorded on the context's stream; it still fires once no later layer reads an input. The whole run is
+        enqueued under the context's run lock: nothing of another thread's run may come between its launches.
         """
         primary_context()
         caller = int(stream)
         with self._run_lock:
-            self._execute_forked(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
+            if caller not in DEFAULT_STREAMS:
+                self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
+                return
+            from cuda.bindings import driver
 
-    def _execute_forked(self, shapes: Shapes, addresses: Mapping[str, int], caller: int, profiler: Any,
-                        values: Mapping[str, np.ndarray] | None, debug: tuple[Any, Sequence[str]] | None,
-                        consumed_event: Any, staged: StagedCopies | None) -> None:
-        if caller not in DEFAULT_STREAMS:
-            self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
-            return
-        from cuda.bindings import driver
-
-        own = self.stream()
-        check(driver.cuEventRecord(self._events["fork"], caller), "cuEventRecord(fork)")
-        check(driver.cuStreamWaitEvent(own, self._events["fork"], 0), "cuStreamWaitEvent(fork)")
-        try:
-            self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event, staged)
-        finally:  # whatever was enqueued, the caller's stream orders after it
-            check(driver.cuEventRecord(self._events["join"], own), "cuEventRecord(join)")
-            check(driver.cuStreamWaitEvent(caller, self._events["join"], 0), "cuStreamWaitEvent(join)")
+            own = self.stream()
+            check(driver.cuEventRecord(self._events["fork"], caller), "cuEventRecord(fork)")
+            check(driver.cuStreamWaitEvent(own, self._events["fork"], 0), "cuStreamWaitEvent(fork)")
+            try:
+                self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event, staged)
+            finally:  # whatever was enqueued, the caller's stream orders after it
+                check(driver.cuEventRecord(self._events["join"], own), "cuEventRecord(join)")
+                check(driver.cuStreamWaitEvent(caller, self._events["join"], 0), "cuStreamWaitEvent(join)")
 
     def _execute_on(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                     values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
