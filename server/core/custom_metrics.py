@@ -3,8 +3,8 @@
 A model's stub asks the server to create families (counter, gauge or histogram) and metrics under them (one per
 label set), updates them and reads them back (python_stub.py forwards its METRIC messages here); `/metrics` exports
 them beside Triton's own families (server/metrics.py), as Triton does: `# HELP`, `# TYPE`, then each metric with its
-labels in name order. A stub's metrics go when it ends (the model unloaded or restarted), and a family with them
-once no stub holds it, as Triton drops them with the Python objects.
+labels in name order. A stub's metrics go when it ends (the model unloaded or restarted) unless another stub holds
+them too, and a family once no stub holds it, as Triton drops them with the Python objects.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class _Value:
     counts: list[int] = field(default_factory=list)  # per bucket (not cumulative)
     total: float = 0.0
     observations: int = 0
+    owners: set[int] = field(default_factory=set)  # the stubs that created it (instances of one model share it)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class CustomMetrics:
             metric_id = family.metrics[key] = next(self._ids)
             bounds = tuple(float(b) for b in buckets or ())
             self._values[metric_id] = _Value(name, key, buckets=bounds, counts=[0] * (len(bounds) + 1))
+        self._values[metric_id].owners.add(owner)
         self._owned.setdefault(owner, set()).add(metric_id)
         return metric_id
 
@@ -103,11 +105,17 @@ class CustomMetrics:
         return value.total if value.buckets else value.value
 
     def release(self, owner: int) -> None:
-        """`owner` (a stub) ended: its metrics go, and the families no one holds any more."""
+        """`owner` (a stub) ended: the metrics only it held go, and the families no one holds any more (another
+        instance of the model that created the same metric keeps it, with its value)."""
         for metric_id in self._owned.pop(owner, set()):
-            value = self._values.pop(metric_id, None)
-            if value is not None and value.family in self._families:
-                self._families[value.family].metrics.pop(value.labels, None)
+            value = self._values.get(metric_id)
+            if value is None:
+                continue
+            value.owners.discard(owner)
+            if not value.owners:
+                del self._values[metric_id]
+                if value.family in self._families:
+                    self._families[value.family].metrics.pop(value.labels, None)
         for name in [n for n, f in self._families.items() if owner in f.holders]:
             family = self._families[name]
             family.holders.discard(owner)

@@ -126,3 +126,22 @@ def test_a_models_metrics_go_when_it_is_unloaded(server, tmp_path: Path):
     assert _family(server, "timing_ms") == []
     client.load_model("timing")
     assert _family(server, "timing_ms")[:2] == ["# HELP timing_ms Observed values", "# TYPE timing_ms histogram"]
+
+
+def test_a_metric_two_instances_share_stays_until_both_are_gone():
+    """Two instances of one model create the same family and labels: one metric, kept (with its value) while
+    either instance's stub lives."""
+    from server.core.custom_metrics import CustomMetrics
+
+    metrics = CustomMetrics()
+    for owner in (1, 2):
+        metrics.family(owner, "shared_total", "Shared", "counter")
+    first, second = (metrics.metric(owner, "shared_total", {"model": "m"}) for owner in (1, 2))
+    assert first == second
+    metrics.update(first, "increment", 2)
+    metrics.release(1)
+    metrics.update(second, "increment", 1)
+    assert metrics.value(second) == 3
+    assert [s.value for f in metrics.families() for s in f.samples] == [3]
+    metrics.release(2)
+    assert list(metrics.families()) == []
