@@ -293,7 +293,7 @@ class Stub:
         try:
             task = asyncio.ensure_future(self._core.infer(bls_request(body)))
         except ServerError as e:
-            self._reply(call_id, None, (_CODE_OF_KIND.get(e.kind, "INTERNAL"), e.message))
+            self._reply(call_id, None, _error_code(e))
             return
         self._bls.add(task)
         task.add_done_callback(lambda done: self._bls_done(call_id, done))
@@ -306,11 +306,8 @@ class Stub:
 
         def on_part(part: StreamPart) -> None:
             nonlocal finished
-            error = None
-            if part.error is not None:
-                error = (_CODE_OF_KIND.get(part.error.kind, "INTERNAL"), part.error.message) \
-                    if isinstance(part.error, ServerError) else ("INTERNAL", f"{type(part.error).__name__}: {part.error}")
-            value = None if part.response is None else {"outputs": [(o.name, o.data) for o in part.response.outputs]}
+            error = None if part.error is None else _error_code(part.error)
+            value = None if part.response is None else _outputs_of(part.response)
             if part.final:
                 finished = True
                 self._bls_streams.pop(call_id, None)
@@ -374,17 +371,27 @@ class Stub:
         if error is None and plain:  # a model-control answer: the value as it is
             self._reply(call_id, done.result(), None)
         elif error is None:
-            outputs = [(o.name, o.data) for o in done.result().outputs]
-            self._reply(call_id, {"outputs": outputs}, None)
-        elif isinstance(error, ServerError):
-            self._reply(call_id, None, (_CODE_OF_KIND.get(error.kind, "INTERNAL"), error.message))
+            self._reply(call_id, _outputs_of(done.result()), None)
         else:
-            log.error("'%s': BLS request failed", self.launch.label, exc_info=error)
-            self._reply(call_id, None, ("INTERNAL", f"{type(error).__name__}: {error}"))
+            if not isinstance(error, ServerError):
+                log.error("'%s': BLS request failed", self.launch.label, exc_info=error)
+            self._reply(call_id, None, _error_code(error))
 
     def _reply(self, call_id: int, value: Any, error: tuple[str, str] | None) -> None:
         if self._protocol is not None and self.alive:
             self._protocol.send((wire.REPLY, call_id, (value, error)))
+
+
+def _error_code(error: BaseException) -> tuple[str, str]:
+    """An error as the stub takes it: (TritonError code name, message)."""
+    if isinstance(error, ServerError):
+        return _CODE_OF_KIND.get(error.kind, "INTERNAL"), error.message
+    return "INTERNAL", f"{type(error).__name__}: {error}"
+
+
+def _outputs_of(response: InferResponse) -> dict:
+    """A response's outputs as the stub takes them."""
+    return {"outputs": [(o.name, o.data) for o in response.outputs]}
 
 
 def bls_request(body: dict) -> InferRequest:

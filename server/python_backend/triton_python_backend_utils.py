@@ -403,13 +403,21 @@ class InferenceResponseSender:
         if flags == 0 and response is None:
             raise TritonModelException("Inference Response object must be provided when the response flags is set "
                                        "to zero.")
+        self._check_mode(response)
         if self._closed:
             raise TritonModelException("Unable to send response. Response sender has been closed.")
         if response is not None and not isinstance(response, InferenceResponse):
             raise TypeError(f"send(): response must be a pb_utils.InferenceResponse, got {type(response).__name__}")
         if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
             self._closed = True
-        _stub().send_response(self._stream, response, int(flags), self._requested)
+        self._deliver(response, int(flags))
+
+    def _check_mode(self, response: InferenceResponse | None) -> None:
+        """What the model's mode refuses beyond the arguments: nothing for a decoupled model (any number)."""
+
+    def _deliver(self, response: InferenceResponse | None, flags: int) -> None:
+        """To the client now, through the stub."""
+        _stub().send_response(self._stream, response, flags, self._requested)
 
     def is_cancelled(self) -> bool:
         """Whether the client gave up on the request (its stream or connection closed): stop sending."""
@@ -430,27 +438,20 @@ class _DefaultModeSender(InferenceResponseSender):
         self._sent = 0
         self._final = threading.Event()
 
-    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
-        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
-            raise TritonModelException("Unable to send response. Unsupported flag provided.")
-        if flags == 0 and response is None:
-            raise TritonModelException("Inference Response object must be provided when the response flags is set "
-                                       "to zero.")
+    def _check_mode(self, response: InferenceResponse | None) -> None:
         if response is not None and self._sent:
             raise TritonModelException("Unable to send response. Non-decoupled model cannot send more than one "
                                        "response.")
         if response is None and self._sent == 0:
             raise TritonModelException("Unable to send response. Non-decoupled model cannot send complete final "
                                        "before sending a response.")
-        if self._closed:
-            raise TritonModelException("Unable to send response. Response sender has been closed.")
-        if response is not None and not isinstance(response, InferenceResponse):
-            raise TypeError(f"send(): response must be a pb_utils.InferenceResponse, got {type(response).__name__}")
+
+    def _deliver(self, response: InferenceResponse | None, flags: int) -> None:
+        """Kept for the stub, which answers the request with it once the final flag came."""
         self._sent += 1
         if response is not None:
             self._response = response
         if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
-            self._closed = True
             self._final.set()
 
     def is_cancelled(self) -> bool:
