@@ -32,7 +32,6 @@ class Handoff:
         self.listener = listener
         self._channels: dict[int, socket.socket] = {}  # frontend index -> its channel
         self._next = 0
-        self.handed: dict[int, int] = {}  # frontend index -> connections handed to it (tests, logs)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -46,7 +45,6 @@ class Handoff:
             old.close()
         channel.setblocking(False)
         self._channels[index] = channel
-        self.handed.setdefault(index, 0)
 
     def _accept(self) -> None:
         while True:
@@ -70,7 +68,6 @@ class Handoff:
             except OSError:  # the frontend is gone (its restart attaches a new channel) or its queue is full
                 continue
             self._next = (order.index(index) + 1) % len(order)
-            self.handed[index] += 1
             return
         log.warning("gRPC: no frontend process took a connection; it is closed")
 

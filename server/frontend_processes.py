@@ -32,7 +32,7 @@ from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.lifecycle import Lifecycle, drain_settings
-from server.listeners import listening_socket, reload_certificates, reuse_port_socket, start_listeners
+from server.listeners import reload_certificates, start_listeners, tcp_socket
 
 log = logging.getLogger("kiln.server.frontends")
 
@@ -90,11 +90,15 @@ class FrontendPool:
         """Serve the core, reserve the ports and start every child; raises OSError when one cannot listen."""
         await self._service.start()
         if self._args.allow_http:  # held (bound, not listening) so port 0 resolves once and no other program takes it
-            held = reuse_port_socket(self._args.host, self._args.http_port, listen=False)
+            held = tcp_socket(self._args.host, self._args.http_port, listen=False)
             self._held.append(held)
             self._args.http_port = held.getsockname()[1]
         if self._args.allow_grpc:
-            self._handoff = Handoff(listening_socket(self._args.host, self._args.grpc_port))
+            try:
+                listener = tcp_socket(self._args.host, self._args.grpc_port, reuse_port=False)
+            except OSError as e:
+                raise OSError(f"gRPC: cannot listen on {self._args.host}:{self._args.grpc_port}: {e}") from None
+            self._handoff = Handoff(listener)
             self._args.grpc_port = self._handoff.listener.getsockname()[1]
             self._handoff.start()
         await asyncio.gather(*(self._start_child(i) for i in range(self.count)))

@@ -73,15 +73,17 @@ async def serve_listener(server: UvicornServer, sockets: list[socket.socket] | N
         log.error("the %s listener could not start on port %s", server.name, server.config.port)  # type: ignore[attr-defined]
 
 
-def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socket:
-    """A TCP socket on host:port with SO_REUSEPORT, so frontend processes can each listen on the same port.
-    `listen=False` only holds the port (the server process resolves port 0 and keeps the port for its frontends):
-    a socket that does not listen gets no connections."""
+def tcp_socket(host: str, port: int, *, reuse_port: bool = True, listen: bool = True) -> socket.socket:
+    """A TCP socket on host:port (port 0: any free one), non-blocking once it listens. `reuse_port`: SO_REUSEPORT,
+    so frontend processes can each listen on the same port (off: one process accepts them all and hands them on,
+    server/connection_handoff.py). `listen=False` only holds the port (the server process resolves port 0 and keeps
+    the port for its frontends): a socket that does not listen gets no connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         if listen:
             sock.listen(2048)
@@ -89,20 +91,6 @@ def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socke
     except OSError:
         sock.close()
         raise
-    return sock
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free one), for connections this process accepts itself."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"gRPC: cannot listen on {host}:{port}: {e}") from None
     return sock
 
 
@@ -142,7 +130,7 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
         app = create_app(core, limits, limiter, http_restricted)
         server = make_uvicorn(lifecycle.wrap_asgi(app), args.host, args.http_port, "HTTP", lifecycle.settings.timeout_s,
                               http_tls, protocol_for(InferRoute(inference, app, lifecycle)))
-        sockets = [reuse_port_socket(args.host, args.http_port)] if reuse_port else None
+        sockets = [tcp_socket(args.host, args.http_port)] if reuse_port else None
         listeners.servers.append(server)
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
     if args.allow_grpc:
