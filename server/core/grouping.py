@@ -140,6 +140,18 @@ def run_members(group: InferRequest, sizes: list[int],
     return jobs
 
 
+def member_answers(value: Any, ids: list[str], sizes: list[int]) -> list[tuple[Any, BaseException | None]]:
+    """A group's reply as each member's (response, error), in member order: the core's `MemberResults`, each
+    response given its member's id (the core ran them as requests without one), or the group's response cut per
+    member (`split_response`, whose ValueError this raises)."""
+    if isinstance(value, MemberResults):
+        for request_id, (response, _) in zip(ids, value.results):
+            if response is not None:
+                response.id = request_id
+        return value.results
+    return [(response, None) for response in split_response(value, sizes, ids)]
+
+
 def split_response(response: InferResponse, sizes: list[int], ids: list[str]) -> list[InferResponse]:
     """The group's response cut back into one response per member (views of its rows). Every output of a model
     that batches starts with the batch dim; an output that does not (it cannot be cut) raises ValueError."""

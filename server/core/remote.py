@@ -53,11 +53,11 @@ from .grouping import (
     MemberResults,
     concatenate,
     group_key,
+    member_answers,
     outcome,
     rows,
     run_members,
     settle,
-    split_response,
 )
 from .limits import InflightLimiter
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
@@ -353,13 +353,8 @@ def _distribute(reply: asyncio.Future, members: list[_Member], sizes: list[int])
         value = reply.result()
         if len(members) == 1:
             results = [(value, None)]
-        elif isinstance(value, MemberResults):  # the core ran them one by one: their responses carry no id
-            results = value.results
-            for member, (response, error) in zip(members, results):
-                if error is None:
-                    response.id = member.request.id
         else:
-            results = [(r, None) for r in split_response(value, sizes, [m.request.id for m in members])]
+            results = member_answers(value, [m.request.id for m in members], sizes)
     except Exception as e:  # noqa: BLE001 - every member raises it
         results = [(None, e)] * len(members)
     for member, (response, error) in zip(members, results):

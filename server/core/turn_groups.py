@@ -20,7 +20,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .errors import ErrorKind, ServerError
-from .grouping import Answer, MemberResults, concatenate, group_key, rows, split_response
+from .grouping import Answer, concatenate, group_key, member_answers, rows
 from .types import InferRequest
 
 
@@ -96,20 +96,12 @@ class _Group:
             for member in members:
                 member.answer(None, error)
             return
-        if isinstance(value, MemberResults):  # the core ran them one by one: their responses carry no id
-            for member, (response, failure) in zip(members, value.results):
-                if response is not None:
-                    response.id = member.request.id
-                member.answer(response, failure)
-            return
         try:
-            responses = split_response(value, self.sizes, [m.request.id for m in members])
+            answers = member_answers(value, [m.request.id for m in members], self.sizes)
         except ValueError as e:
-            for member in members:
-                member.answer(None, ServerError(ErrorKind.INTERNAL, str(e)))
-            return
-        for member, response in zip(members, responses):
-            member.answer(response, None)
+            answers = [(None, ServerError(ErrorKind.INTERNAL, str(e)))] * len(members)
+        for member, (response, failure) in zip(members, answers):
+            member.answer(response, failure)
 
 
 class TurnGroups:
