@@ -91,16 +91,7 @@ class StubRuntime:
     # -- what pb_utils asks -----------------------------------------------------------------------------------------
     def exec(self, request: Any) -> Any:
         """A BLS request, waited for on this thread."""
-        done = threading.Event()
-        result: list[Any] = []
-
-        def deliver(value: Any, error: Any) -> None:
-            result.append(self._response(value, error))
-            done.set()
-
-        self._call_server(request, deliver)
-        done.wait()
-        return result[0]
+        return self._response(*self._wait_for(self.wire.INFER, _bls_body(request)))
 
     def async_exec(self, request: Any) -> asyncio.Future:
         """A BLS request as a future of the running event loop (the one `async def execute` runs on)."""
@@ -111,7 +102,7 @@ class StubRuntime:
             response = self._response(value, error)
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(response))
 
-        self._call_server(request, deliver)
+        self._call(self.wire.INFER, _bls_body(request), deliver)
         return future
 
     def exec_decoupled(self, request: Any) -> Any:
@@ -121,7 +112,7 @@ class StubRuntime:
         def deliver(value: Any, error: Any, final: bool) -> None:
             iterator._put(self._response(value, error), final)
 
-        call_id = self._call_server(request, deliver, decoupled=True)
+        call_id = self._call(self.wire.INFER, {**_bls_body(request), "decoupled": True}, deliver)
         iterator._cancel = lambda: self.send((self.wire.CANCEL, call_id, None))
         return iterator
 
@@ -144,22 +135,37 @@ class StubRuntime:
         return self._ask(self.wire.METRIC, {"op": op, **arguments})
 
     def _ask(self, kind: str, body: dict) -> Any:
+        """A call answered with a value, waited for on this thread; its error raised as TritonModelException."""
+        value, error = self._wait_for(kind, body)
+        if error is not None:
+            raise self.pb_utils.TritonModelException(error[1])
+        return value
+
+    def _wait_for(self, kind: str, body: dict) -> tuple[Any, Any]:
+        """Call the server and wait on this thread for the (value, error) of its REPLY."""
         done = threading.Event()
-        result: list[Any] = []
+        result: list[tuple[Any, Any]] = []
 
         def deliver(value: Any, error: Any) -> None:
             result.append((value, error))
             done.set()
 
+        self._call(kind, body, deliver)
+        done.wait()
+        return result[0]
+
+    def _call(self, kind: str, body: dict, deliver: Any) -> int:
+        """Send a call whose REPLY (or PARTs) the reader thread hands to `deliver`; its call id."""
         call_id = next(self._ids)
         with self._waiting_lock:
             self._waiting[call_id] = deliver
-        self.send((kind, call_id, body))
-        done.wait()
-        value, error = result[0]
-        if error is not None:
-            raise self.pb_utils.TritonModelException(error[1])
-        return value
+        try:
+            self.send((kind, call_id, body))
+        except Exception:
+            with self._waiting_lock:
+                self._waiting.pop(call_id, None)
+            raise
+        return call_id
 
     def log(self, level: int, message: str) -> None:
         self.send((self.wire.LOG, 0, (level, message)))
@@ -173,27 +179,6 @@ class StubRuntime:
 
     def is_cancelled(self, stream: int) -> bool:
         return stream in self._cancelled
-
-    def _call_server(self, request: Any, deliver: Any, decoupled: bool = False) -> int:
-        call_id = next(self._ids)
-        with self._waiting_lock:
-            self._waiting[call_id] = deliver
-        body = {
-            "model_name": request._model_name, "model_version": request._model_version,
-            "request_id": request.request_id(), "correlation_id": request.correlation_id(),
-            "inputs": [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()],
-            "outputs": request.requested_output_names(), "flags": request.flags(), "timeout": request.timeout(),
-            "parameters": json.loads(request.parameters()),
-        }
-        if decoupled:
-            body["decoupled"] = True
-        try:
-            self.send((self.wire.INFER, call_id, body))
-        except Exception:
-            with self._waiting_lock:
-                self._waiting.pop(call_id, None)
-            raise
-        return call_id
 
     def _response(self, value: Any, error: Any) -> Any:
         pb = self.pb_utils
@@ -327,6 +312,17 @@ def _answer(pb: ModuleType, request: Any, returned: Any) -> Any:
     if sender is None:
         return None  # neither returned nor sent: _result says so
     return sender._wait()
+
+
+def _bls_body(request: Any) -> dict:
+    """A BLS request (pb_utils.InferenceRequest) as the server takes it (server/core/python_stub.bls_request)."""
+    return {
+        "model_name": request._model_name, "model_version": request._model_version,
+        "request_id": request.request_id(), "correlation_id": request.correlation_id(),
+        "inputs": [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()],
+        "outputs": request.requested_output_names(), "flags": request.flags(), "timeout": request.timeout(),
+        "parameters": json.loads(request.parameters()),
+    }
 
 
 def _result(pb: ModuleType, requested: list[str], response: Any) -> dict:
