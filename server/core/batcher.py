@@ -620,6 +620,12 @@ class DynamicBatcher:
             self.padding = None
         return cuts
 
+    @property
+    def gathers_parts(self) -> bool:
+        """Whether the engine gathers this model's batches from their jobs' own arrays (a job may then be a group
+        of parts: core/part_groups.py); not with padding, which pads each job's arrays on the host."""
+        return self._execute_parts is not None and self._execute_jobs is None and self.padding is None
+
     def close(self) -> None:
         """Take no new jobs; the queued and running ones still finish (a hot swap fails no request)."""
         self._closed = True

@@ -18,7 +18,7 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, decoupled, request_io
+from . import cuda_ipc, decoupled, part_groups, request_io
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
@@ -295,6 +295,10 @@ class ServerCore:
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
+
+    def submit_infer_parts(self, requests: list[InferRequest], reply: Answer) -> list[asyncio.Future]:
+        """A frontend's group of alike requests in shared memory, as one job of parts (part_groups.py)."""
+        return part_groups.submit_parts(self, requests, reply)
 
     def group_rows(self, request: InferRequest) -> int:
         """The most rows a group of requests alike `request` runs as one job (its model's max_batch_size); 0 when
@@ -789,12 +793,8 @@ class ServerCore:
         """Current trace settings (global or for a model), after applying `updates` if given."""
         if model_name and model_name not in self.models and model_name not in self.repository.names():
             raise not_found(unknown_model(model_name))
-        if updates:
-            return self.trace.update(model_name, updates)
-        return self.trace.current(model_name)
+        return self.trace.update(model_name, updates) if updates else self.trace.current(model_name)
 
     async def log_settings(self, updates: dict[str, Any] | None = None) -> dict[str, Any]:
         """Current log settings after applying `updates` (they take effect on Python logging at once)."""
-        if updates:
-            return self.logging.update(updates)
-        return self.logging.current()
+        return self.logging.update(updates) if updates else self.logging.current()

@@ -14,6 +14,10 @@ members are looked up one by one): it runs each member as its own request and an
 What it shares: members are validated together (they are alike, so they pass or fail alike) and run in the same
 execution (as the dynamic batcher would have run them), so an execution error reaches all of them, as it would
 have. The group is one entry in the batcher's queue.
+
+Requests whose tensors are in shared memory group too, by reference: their data is not in the message, so the
+frontend sends the members as they are (`by_reference`), and the core resolves each member's regions and runs
+them as one job of parts (server/core/part_groups.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from .types import InferInput, InferOutput, InferRequest, InferResponse
 GROUPABLE_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
 #: requested-output parameters a group may carry (all members equal)
 GROUPABLE_OUTPUT_PARAMETERS = frozenset({"binary_data"})
+#: tensor parameters that name where a tensor is in shared memory: per member, so such requests group by reference
+SHARED_MEMORY_PARAMETERS = frozenset({"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"})
 
 
 #: how a request (or a group, or a core call) is answered: (value, None) or (None, error)
@@ -66,37 +72,59 @@ class MemberResults:
 
 def group_key(request: InferRequest) -> Hashable | None:
     """What requests must share to be sent as one (None: this one goes alone). Only plain requests group: numeric
-    tensors in the message, a batch dim of at least 1 that every input agrees on, and no per-request option the
-    core acts on (priority, timeout, shared memory, classification, raw binary input, a client's trace)."""
+    tensors in the message or in shared memory, a batch dim of at least 1 that every input agrees on, and no
+    per-request option the core acts on (priority, timeout, classification, raw binary input, a client's trace).
+    A key's first item says whether its group goes by reference (`by_reference`)."""
     if request.raw_input is not None or not request.inputs or request.traceparent:
         return None  # a request continuing a client's trace gets spans of its own
     if request.parameters and not GROUPABLE_REQUEST_PARAMETERS.issuperset(request.parameters):
         return None
     rows = None
     signature = []
+    referenced = False
     for tensor in request.inputs:
-        data = tensor.data
-        if tensor.parameters or type(data) is not np.ndarray or data.dtype.kind not in "biuf" or not data.ndim:
+        data, shape = tensor.data, tuple(tensor.shape)
+        if tensor.parameters:  # in shared memory: checked against its region by the core, member by member
+            if (data is not None or "shared_memory_region" not in tensor.parameters
+                    or not SHARED_MEMORY_PARAMETERS.issuperset(tensor.parameters)):
+                return None
+            referenced = True
+            kind = "shm"
+        elif type(data) is not np.ndarray or data.dtype.kind not in "biuf" or data.shape != shape:
+            return None
+        else:
+            kind = data.dtype.str
+        if not shape:
             return None
         if rows is None:
-            rows = data.shape[0]
-        if data.shape[0] != rows or tuple(tensor.shape) != data.shape:
+            rows = shape[0]
+        if shape[0] != rows:
             return None
-        signature.append((tensor.name, tensor.datatype, data.shape[1:], data.dtype.str))
+        signature.append((tensor.name, tensor.datatype, shape[1:], kind))
     if not rows:
         return None
     outputs = []
     for output in request.outputs:
-        if output.parameters and not GROUPABLE_OUTPUT_PARAMETERS.issuperset(output.parameters):
+        params = output.parameters
+        in_region = bool(params) and "shared_memory_region" in params
+        if in_region:
+            params = {k: v for k, v in params.items() if k not in SHARED_MEMORY_PARAMETERS}
+            referenced = True
+        if params and not GROUPABLE_OUTPUT_PARAMETERS.issuperset(params):
             return None
-        outputs.append((output.name, tuple(sorted(output.parameters.items())) if output.parameters else ()))
-    return (request.model_name, request.model_version, tuple(signature), tuple(outputs),
+        outputs.append((output.name, in_region, tuple(sorted(params.items())) if params else ()))
+    return (referenced, request.model_name, request.model_version, tuple(signature), tuple(outputs),
             tuple(sorted(request.parameters.items())) if request.parameters else ())
+
+
+def by_reference(key: Hashable) -> bool:
+    """Whether a group of this key holds tensors in shared memory: its members go as they are, not concatenated."""
+    return key[0]  # type: ignore[index,no-any-return]  # group_key's tuple
 
 
 def rows(request: InferRequest) -> int:
     """A groupable request's batch size (its inputs agree on it: `group_key`)."""
-    return int(request.inputs[0].data.shape[0])  # type: ignore[union-attr]
+    return int(request.inputs[0].shape[0])
 
 
 def concatenate(requests: list[InferRequest]) -> InferRequest:
@@ -121,8 +149,16 @@ def run_members(group: InferRequest, sizes: list[int],
                 reply: Callable[[MemberResults], None]) -> list[asyncio.Future]:
     """Each member of `group` as a request of its own through `submit(request, answer)` (which answers at once
     when it refuses one); `reply` gets every member's result once all are answered. Returns the members' jobs."""
-    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(sizes)
-    left = [len(sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return run_requests([member_request(group, start, start + size) for start, size in zip(starts, sizes)],
+                        submit, reply)
+
+
+def run_requests(requests: list[InferRequest], submit: Callable[[InferRequest, Answer], asyncio.Future | None],
+                 reply: Callable[[MemberResults], None]) -> list[asyncio.Future]:
+    """`run_members` for members given as requests (a group by reference)."""
+    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(requests)
+    left = [len(requests)]
 
     def answered(index: int, response: Any, error: BaseException | None) -> None:
         results[index] = (response, error)
@@ -131,10 +167,8 @@ def run_members(group: InferRequest, sizes: list[int],
             reply(MemberResults(results))
 
     jobs = []
-    start = 0
-    for index, size in enumerate(sizes):
-        job = submit(member_request(group, start, start + size), functools.partial(answered, index))
-        start += size
+    for index, request in enumerate(requests):
+        job = submit(request, functools.partial(answered, index))
         if job is not None:
             jobs.append(job)
     return jobs

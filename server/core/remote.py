@@ -51,12 +51,14 @@ from .errors import ErrorKind, ServerError, unavailable
 from .grouping import (
     Answer,
     MemberResults,
+    by_reference,
     concatenate,
     group_key,
     member_answers,
     outcome,
     rows,
     run_members,
+    run_requests,
     settle,
 )
 from .limits import InflightLimiter
@@ -74,6 +76,7 @@ CORE_METHODS = frozenset({
 _HEAD = struct.Struct("!II")
 CANCEL = "__cancel__"
 INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/core/grouping.py)
+INFER_PARTS = "__infer_parts__"  # the same for requests in shared memory, as a list (server/core/part_groups.py)
 STREAM = "__stream__"  # a request answered by several replies (server/core/decoupled.py)
 # Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
 _HIGH_WATER = 4 << 20
@@ -417,12 +420,14 @@ class _ServedConnection(FramedConnection):
             if running is not None:
                 running.cancel()
             return
-        if method in ("infer", INFER_GROUP, STREAM):
+        if method in ("infer", INFER_GROUP, INFER_PARTS, STREAM):
             try:
                 if method == "infer":
                     self._infer(call_id, *args, **kwargs)
                 elif method == STREAM:
                     self._stream(call_id, *args)
+                elif method == INFER_PARTS:
+                    self._infer_parts(call_id, *args)
                 else:
                     self._infer_group(call_id, *args)
             except Exception as e:  # noqa: BLE001 - a bug must not leave the caller waiting forever
@@ -455,18 +460,33 @@ class _ServedConnection(FramedConnection):
     def _infer_group(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
         """A frontend's group of alike requests (server/core/grouping.py). Within the in-flight limit it counts
         as its members; near the limit the members are admitted (or refused) one by one, as single requests."""
+        self._admit_group(call_id, len(sizes), lambda: run_members(request, sizes, self._submit_admitted, self._results(call_id)),
+                          lambda answer: self.service.core.submit_infer_group(request, sizes, answer))
+
+    def _infer_parts(self, call_id: int, requests: list[InferRequest]) -> None:
+        """A frontend's group of alike requests in shared memory (server/core/part_groups.py), admitted as
+        `_infer_group`'s."""
+        self._admit_group(call_id, len(requests), lambda: run_requests(requests, self._submit_admitted, self._results(call_id)),
+                          lambda answer: self.service.core.submit_infer_parts(requests, answer))
+
+    def _results(self, call_id: int) -> Callable[[MemberResults], None]:
+        return lambda results: self._answer(call_id, results, None)
+
+    def _admit_group(self, call_id: int, members: int, one_by_one: Callable[[], list[asyncio.Future]],
+                     together: Callable[[Answer], list[asyncio.Future]]) -> None:
+        """A group of `members` requests within the in-flight limit (every frontend's together): all admitted and
+        run `together`, or near the limit `one_by_one`, each admitted or refused as a single request."""
         limiter = self.service.limiter
-        if not limiter.fits(len(sizes)):
-            jobs = run_members(request, sizes, self._submit_admitted,
-                               lambda results: self._answer(call_id, results, None))
+        if not limiter.fits(members):
+            jobs = one_by_one()
         else:
-            limiter.acquire(len(sizes))
+            limiter.acquire(members)
 
             def released(value: Any, error: BaseException | None) -> None:
-                limiter.release(len(sizes))
+                limiter.release(members)
                 self._answer(call_id, value, error)
 
-            jobs = self.service.core.submit_infer_group(request, sizes, released)
+            jobs = together(released)
         if any(not job.done() for job in jobs):
             self.calls[call_id] = _Withdrawal(jobs)
 
@@ -631,7 +651,7 @@ class RemoteCore:
         """Every group gathered during the last turn of the event loop to the core: one call per group (a group
         of one as a plain request), answered from the reply's callback (no task per group)."""
         groups, self._groups = self._groups, {}
-        for members in groups.values():
+        for key, members in groups.items():
             members = [m for m in members if not m.answer.done()]  # callers that gave up meanwhile
             if not members:
                 continue
@@ -640,6 +660,8 @@ class RemoteCore:
             try:
                 if len(members) == 1:
                     call_id, reply = self._start("infer", (requests[0],), {})
+                elif by_reference(key):
+                    call_id, reply = self._start(INFER_PARTS, (requests,), {})
                 else:
                     call_id, reply = self._start(INFER_GROUP, (concatenate(requests), sizes), {})
             except Exception as e:  # noqa: BLE001 - e.g. the connection is gone: every member raises it

@@ -68,12 +68,16 @@ class Job:
     outputs: tuple[str, ...] = ()
     #: a decoupled model's request: where each of its responses goes (core/decoupled.py), as the model sends it
     responses: ResponseStream | None = None
+    #: a group of requests in shared memory (core/part_groups.py): each member's (inputs, destinations), gathered
+    #: by the engine like the jobs of a batch; the job's result is then one outputs dict per member
+    parts: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
 
     @property
     def on_device(self) -> bool:
-        """Whether an input or output of this job lives in device memory: only the engine's gathering path
-        (`PartsExecutor`) can run it."""
-        return bool(self.destinations) or any(not isinstance(a, np.ndarray) for a in self.inputs.values())
+        """Whether an input or output of this job lives in device memory (or it is a group of parts): only the
+        engine's gathering path (`PartsExecutor`) can run it."""
+        return (self.parts is not None or bool(self.destinations)
+                or any(not isinstance(a, np.ndarray) for a in self.inputs.values()))
 
 
 # Runs several jobs as one execution, handed over as they are: (context, jobs) -> per job its outputs or its own
@@ -172,12 +176,30 @@ class Workers:
         return self._guarded(context, lambda: run_on_context(execute, context, inputs))
 
     def run_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
-        """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job."""
+        """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job (for a job of
+        parts, a list of them: one per member)."""
+        if any(job.parts is not None for job in jobs):
+            return self._run_grouped_parts(execute_parts, context, jobs)
         destinations = [job.destinations for job in jobs] if any(job.destinations for job in jobs) else None
 
         def go() -> tuple[Any, int, int]:
             started = time.perf_counter_ns()
             outputs = execute_parts(context, [job.inputs for job in jobs], destinations)
+            return outputs, 0, time.perf_counter_ns() - started
+
+        return self._guarded(context, go)
+
+    def _run_grouped_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
+        """`run_parts` where some jobs are groups of parts: every member is one part of the execution, and a
+        group's outputs come back as the list of its members'."""
+        parts = [part for job in jobs for part in (job.parts if job.parts is not None else
+                                                    [(job.inputs, job.destinations)])]
+        destinations = [d for _, d in parts] if any(d for _, d in parts) else None
+
+        def go() -> tuple[Any, int, int]:
+            started = time.perf_counter_ns()
+            flat = iter(execute_parts(context, [inputs for inputs, _ in parts], destinations))
+            outputs = [[next(flat) for _ in job.parts] if job.parts is not None else next(flat) for job in jobs]
             return outputs, 0, time.perf_counter_ns() - started
 
         return self._guarded(context, go)

@@ -20,7 +20,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .errors import ErrorKind, ServerError
-from .grouping import Answer, concatenate, group_key, member_answers, rows
+from .grouping import Answer, by_reference, concatenate, group_key, member_answers, rows
 from .types import InferRequest
 
 
@@ -119,7 +119,7 @@ class TurnGroups:
     def submit_infer(self, request: InferRequest, reply: Answer) -> Any:
         """As `ServerCore.submit_infer`: `reply` is called once, on the event loop; returns what to cancel."""
         key = group_key(request)
-        if key is None:
+        if key is None or by_reference(key):  # tensors in shared memory: the core reads them where they are
             return self._core.submit_infer(request, reply)
         member = _Member(request, reply)
         members = self._groups.get(key)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from onnx import TensorProto
 
 from server.core import CoreOptions, ServerCore
 from server.core.errors import ErrorKind, ServerError
-from server.core.grouping import concatenate, group_key, settle, split_response
+from server.core.grouping import by_reference, concatenate, group_key, settle, split_response
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.core.turn_groups import TurnGroups
@@ -59,7 +60,6 @@ def test_only_plain_alike_requests_share_a_key():
     assert group_key(_request(1.0, parameters={"binary_data_output": True})) not in (None, key)
     for request in (_request(1.0, parameters={"priority": 1}), _request(1.0, parameters={"timeout": 5}),
                     _request(1.0, outputs=[RequestedOutput("OUTPUT0", {"classification": 2})]),
-                    _request(1.0, outputs=[RequestedOutput("OUTPUT0", {"shared_memory_region": "r"})]),
                     InferRequest("batched", [], raw_input=b"1234")):
         assert group_key(request) is None
     disagreeing = _request(1.0)
@@ -67,6 +67,33 @@ def test_only_plain_alike_requests_share_a_key():
     assert group_key(disagreeing) is None  # inputs that disagree on the batch size get their own error
     strings = InferRequest("batched", [InferInput("S", "BYTES", (1,), np.array([b"x"], dtype=object))])
     assert group_key(strings) is None
+
+
+def _in_region(index: int, rows: int = 1, region: str = "r", output: bool = True) -> InferRequest:
+    """Member `index` of a group whose inputs (and outputs) are in shared memory: its own slice of `region`."""
+    size, slot = rows * 16 * 4, 2 * 16 * 4  # a slot of up to 2 rows per tensor
+    inputs = [InferInput(name, "FP32", (rows, 16), None, {"shared_memory_region": region,
+                                                           "shared_memory_offset": (4 * index + k) * slot,
+                                                           "shared_memory_byte_size": size})
+              for k, name in enumerate(("INPUT0", "INPUT1"))]
+    outputs = [RequestedOutput(name, {"shared_memory_region": region, "shared_memory_offset": (4 * index + 2 + k) * slot,
+                                      "shared_memory_byte_size": size})
+               for k, name in enumerate(("OUTPUT0", "OUTPUT1"))] if output else []
+    return InferRequest("batched", inputs, id=f"m{index}", outputs=outputs)
+
+
+def test_requests_in_shared_memory_group_by_reference():
+    key = group_key(_in_region(0))
+    assert key is not None and by_reference(key) and not by_reference(group_key(_request(1.0)))
+    assert group_key(_in_region(1)) == key and group_key(_in_region(1, region="other")) == key  # regions are per member
+    assert group_key(_in_region(1, rows=2)) == key
+    assert group_key(_in_region(1, output=False)) not in (None, key)  # outputs in the response: another group
+    odd = _in_region(0)
+    odd.inputs[0].parameters["shared_memory_extra"] = 1
+    assert group_key(odd) is None
+    both = _in_region(0)
+    both.inputs[0].data = np.zeros((1, 16), np.float32)
+    assert group_key(both) is None  # data and a region: the core's error, for this request alone
 
 
 def test_a_group_response_is_cut_back_per_member():
@@ -100,7 +127,7 @@ def _serve(repository: Path, tmp_path: Path, scenario, limit: int = 0):
 
     async def go():
         core = ServerCore(CoreOptions([str(repository)], model_control_mode="explicit",
-                                      startup_models=["batched", "unbatched"]))
+                                      startup_models=["batched", "unbatched"], allow_client_shm=True))
         await core.start()
         await core.wait_for_startup()
         service = CoreService(core, str(tmp_path / "core.sock"), InflightLimiter(limit))
@@ -301,3 +328,72 @@ def test_answered_requests_leave_no_cycles_for_the_collector(repository: Path):
             gc.enable()
 
     assert _in_process(repository, scenario) == 0
+
+
+@pytest.fixture
+def region():
+    """A system shared-memory segment of 8 members' inputs and outputs (4 tensors of up to 2 rows each)."""
+    segment = shared_memory.SharedMemory(create=True, size=8 * 4 * 2 * 16 * 4)
+    try:
+        yield segment
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def _fill(segment, request: InferRequest) -> tuple[np.ndarray, np.ndarray]:
+    a, b = (np.random.default_rng(len(request.id) + int(request.id[1:])).random(t.shape, np.float32)
+            for t in request.inputs)
+    for tensor, data in zip(request.inputs, (a, b)):
+        offset = tensor.parameters["shared_memory_offset"]
+        segment.buf[offset:offset + data.nbytes] = data.tobytes()
+    return a, b
+
+
+def _read(segment, output: RequestedOutput, shape) -> np.ndarray:
+    offset = output.parameters["shared_memory_offset"]
+    return np.frombuffer(segment.buf, np.float32, int(np.prod(shape)), offset).reshape(shape).copy()
+
+
+def test_a_group_in_shared_memory_runs_as_one_job_and_each_member_reads_its_own_region(
+        repository: Path, tmp_path: Path, region):
+    members = [_in_region(i, rows=1 + i % 2) for i in range(5)]  # 7 rows: one batch
+    data = [_fill(region, m) for m in members]
+    broken = _in_region(5)
+    broken.inputs[1].parameters["shared_memory_region"] = "unregistered"
+
+    async def scenario(core, remote, service):
+        await core.register_system_shared_memory("r", f"/{region.name}", 0, region.size)
+        responses = await asyncio.gather(*(remote.infer(m) for m in [*members, broken]), return_exceptions=True)
+        error = responses.pop()
+        assert isinstance(error, ServerError) and "unregistered" in str(error)  # that member's own error
+        for response, member, (a, b) in zip(responses, members, data):
+            assert response.id == member.id
+            outputs = {o.name: o for o in response.outputs}
+            assert outputs["OUTPUT0"].data is None and tuple(outputs["OUTPUT0"].shape) == a.shape
+            assert outputs["OUTPUT0"].parameters["shared_memory_region"] == "r"
+            np.testing.assert_array_equal(_read(region, member.outputs[0], a.shape), a + b)
+            np.testing.assert_array_equal(_read(region, member.outputs[1], a.shape), a - b)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 5 and stats["inference_count"] == 7
+        assert stats["inference_stats"]["fail"]["count"] == 1
+        assert stats["execution_count"] == 1  # one message, one job of parts, one execution
+        assert service.limiter.count == 0
+
+    _serve(repository, tmp_path, scenario)
+
+
+def test_a_group_in_shared_memory_over_max_batch_runs_member_by_member(repository: Path, tmp_path: Path, region):
+    members = [_in_region(i, rows=2) for i in range(5)]  # 10 rows > max batch 8
+    data = [_fill(region, m) for m in members]
+
+    async def scenario(core, remote, service):
+        await core.register_system_shared_memory("r", f"/{region.name}", 0, region.size)
+        responses = await asyncio.gather(*(remote.infer(m) for m in members))
+        for response, member, (a, b) in zip(responses, members, data):
+            assert response.id == member.id
+            np.testing.assert_array_equal(_read(region, member.outputs[0], a.shape), a + b)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 5 and stats["inference_count"] == 10
+
+    _serve(repository, tmp_path, scenario)

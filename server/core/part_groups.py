@@ -1,0 +1,131 @@
+"""A frontend's group of alike requests whose tensors are in shared memory, run as one job of parts.
+
+Why: a request whose inputs or outputs are in a shared-memory region cannot be concatenated by the frontend (its
+data is not in the message), so each one used to be a core message and a batcher job of its own, and paid the
+core's whole cost per request: CUDA and system shared memory served fewer requests a second than plain gRPC on the
+GPU (docs/performance.md). Now the frontend sends the alike ones of a loop turn as one message (grouping.py
+`by_reference`); the core checks each member and resolves its regions, then queues them as one job whose parts the
+engine gathers straight from each member's region (`ExecutionContext.infer_batch`), as it gathers a batch's jobs.
+Each member gets its own response, and its own error when its check fails (a region unregistered or too small is
+that member's fault alone); an execution error reaches every member, as it would have in one batch.
+
+Groups run as one job only where a batch's jobs are gathered by the engine (a CUDA model that batches
+dynamically, no padding switch, no tracing, no response cache) and the rows fit max_batch_size; otherwise each
+member runs as its own request, still answered in one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import decoupled, request_io
+from .batcher import DynamicBatcher
+from .grouping import Answer, MemberResults, run_requests
+from .model import ModelVersion
+from .scheduler import Job, JobResult
+from .types import InferRequest, InferResponse, RequestedOutput
+
+
+@dataclass
+class _Checked:
+    """A member that passed its checks: where its answer goes in the group's results, and what it asks for."""
+
+    index: int
+    request: InferRequest
+    inputs: dict[str, Any]
+    batch: int
+    requested: list[RequestedOutput]
+    destinations: dict[str, Any]
+
+
+def submit_parts(core: Any, requests: list[InferRequest], reply: Answer) -> list[asyncio.Future]:
+    """`ServerCore.submit_infer_parts`: `reply(MemberResults, None)` once every member is answered. Returns the
+    futures to cancel to withdraw the group."""
+    model = _runs_as_parts(core, requests)
+    if model is None:
+        return run_requests(requests, core.submit_infer, lambda results: reply(results, None))
+    started = time.perf_counter_ns()
+    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(requests)
+    members: list[_Checked] = []
+    for index, request in enumerate(requests):
+        try:
+            inputs, batch, requested = core._checked(model, request)
+            destinations = request_io.output_views(core.system_shm, model, requested, inputs)
+        except Exception as e:  # noqa: BLE001 - this member's own error; the others still run
+            model.statistics.record_failure(time.perf_counter_ns() - started)
+            results[index] = (None, e)
+            continue
+        members.append(_Checked(index, request, inputs, batch, requested, destinations))
+    if not members:
+        reply(MemberResults(results), None)
+        return []
+    model.traffic.record(members[0].inputs)  # once: the members' shapes are alike
+    job = Job(members[0].inputs, sum(m.batch for m in members), requests=len(members),
+              parts=[(m.inputs, m.destinations) for m in members])
+    try:
+        future = model.scheduler.enqueue(job)
+    except Exception as e:  # noqa: BLE001 - e.g. the queue is full: every checked member hears it
+        model.statistics.record_failure(time.perf_counter_ns() - started, len(members))
+        for member in members:
+            results[member.index] = (None, e)
+        reply(MemberResults(results), None)
+        return []
+    future.add_done_callback(functools.partial(_finish, core=core, model=model, members=members, results=results,
+                                               started=started, reply=reply))
+    return [future]
+
+
+def _runs_as_parts(core: Any, requests: list[InferRequest]) -> ModelVersion | None:
+    """The model when the group can run as one job of parts, else None (then member by member)."""
+    first = requests[0]
+    rows = sum(int(r.inputs[0].shape[0]) for r in requests)
+    if not 0 < rows <= core.group_rows(first):  # a dynamic batcher, no tracing, no response cache
+        return None
+    model = core._version(first.model_name, first.model_version)
+    try:
+        decoupled.single_response(model)
+    except Exception:  # noqa: BLE001 - each member hears the refusal on its own
+        return None
+    scheduler = model.scheduler
+    if not isinstance(model, ModelVersion) or not isinstance(scheduler, DynamicBatcher) or not scheduler.gathers_parts:
+        return None
+    return model
+
+
+def _finish(done: asyncio.Future, *, core: Any, model: ModelVersion, members: list[_Checked],
+            results: list[tuple[Any, BaseException | None]], started: int, reply: Answer) -> None:
+    """The group's job is done: each member's outputs (already in its CUDA region, or written to its region
+    now) into its response, statistics recorded, the group answered."""
+    if done.cancelled():
+        reply(None, asyncio.CancelledError())
+        return
+    try:
+        result: JobResult = done.result()
+    except Exception as e:  # noqa: BLE001 - the engine refusing the data is the clients' error, all of them
+        error = request_io.execution_error(model, e)
+        model.statistics.record_failure(time.perf_counter_ns() - started, len(members))
+        for member in members:
+            results[member.index] = (None, error)
+        reply(MemberResults(results), None)
+        return
+    t0 = time.perf_counter_ns()
+    succeeded = rows = 0
+    for member, outputs in zip(members, result.outputs):  # type: ignore[call-overload]  # a list for a job of parts
+        try:
+            answer = [request_io.output_on_device(o, member.destinations[o.name]) if o.name in member.destinations
+                      else request_io.output(core.system_shm, model, o, outputs[o.name]) for o in member.requested]
+        except Exception as e:  # noqa: BLE001 - e.g. its output region went away: this member's error
+            model.statistics.record_failure(time.perf_counter_ns() - started)
+            results[member.index] = (None, e)
+            continue
+        results[member.index] = (InferResponse(model.name, str(model.version), answer, id=member.request.id), None)
+        succeeded += 1
+        rows += member.batch
+    result.times.compute_output_ns = time.perf_counter_ns() - t0
+    if succeeded:
+        model.statistics.record_success(rows, time.perf_counter_ns() - started, result.times, succeeded)
+    reply(MemberResults(results), None)
