@@ -94,7 +94,7 @@ def measure(engine: Any, budget: int, x: np.ndarray, iters: int) -> tuple[dict[s
     row = {"budget_bytes": budget, "resident_bytes": plan.resident_bytes, "streamed_bytes_per_run": streamed,
            "scratch_bytes": plan.scratch_bytes, "median_ms": ms, "min_ms": min(times),
            "inferences_per_s": x.shape[0] * 1000.0 / ms, "upload_gb_per_s": streamed / ms / 1e6 if streamed else None,
-           "context_setup_s": placed_s, "replayed": any(b.graphs for b in context._cuda._bindings.values())}
+           "context_setup_s": placed_s, "replayed": any(b.graphs for b in context._backend_context._bindings.values())}
     del timer, owned_stream, context
     gc.collect()
     return row, out

@@ -15,7 +15,8 @@ from functools import partial
 
 import numpy as np
 
-from engine_core.backends.registry import available_backends
+from engine_core.backends.base import Backend
+from engine_core.backends.registry import available_backends, get_backend
 from engine_core.build_extras import build_extras
 from engine_core.builder_config import (
     KNOB_ENVIRONMENT,
@@ -233,6 +234,7 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
     if config.backend not in available_backends():
         raise BuildError(f"backend '{config.backend}' is not available on this machine "
                          f"(available: {', '.join(available_backends())})")
+    backend: Backend = get_backend(config.backend)  # the build step after the passes (engine_core.backends.base)
     graph = copy.deepcopy(network.graph)
     if not graph.outputs:
         raise BuildError("network has no outputs")
@@ -251,7 +253,7 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
     pass_counts: dict[str, int] = {}
     # refit, debug tensors, plugins, verbosity; whether Q/DQ convolutions (explicit or calibrated) run in INT8
     with build_extras(graph, network, config) as extra_info, \
-            int8_convolutions(_int8_convolutions(graph, config, calibrated=bool(ranges))):
+            int8_convolutions(_int8_convolutions(graph, config, calibrated=bool(ranges), backend=backend)):
         for index, graph_pass in enumerate(stages):  # folding, precision (reformat layers), fusions, DCE
             name = getattr(graph_pass, "__name__", None) or graph_pass.func.__name__
             pass_counts[name] = graph_pass(graph)
@@ -300,7 +302,7 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
                              "no request could run")
     memory = max(_activation_peak_bytes(graph, inferred[(p, 2)]) for p in range(len(profiles)))
     limit = config.get_memory_pool_limit(MemoryPoolType.WORKSPACE)
-    if memory > limit and config.backend != "cpu":
+    if memory > limit and backend.workspace_limited:
         raise BuildError(f"the plan needs {memory} bytes of activation memory, over the workspace limit of {limit}")
 
     opt = inferred[(0, 1)]
@@ -318,31 +320,13 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
         }
         for n in graph.nodes
     ]
-    kernels: dict[str, bytes] = {}
-    arch, cuda_info = "any", {}
-    if config.backend == "cuda":  # CUDA backend hook: tactics, CUBINs and the planned arena size
-        from engine_core.backends.cuda import prepare_plan
-        from engine_core.backends.cuda.cublaslt import available as cublaslt_available
-        from engine_core.backends.cuda.cudnn_conv import available as cudnn_available
-        from engine_core.backends.cuda.cudnn_conv import int8_unsupported
-        from engine_core.backends.cuda.int8_gemm import requant_unsupported
-        from engine_core.backends.cuda.lowering import LoweringOptions
-        from engine_core.backends.cuda.qgemm import available as qgemm_available
-
-        requant_reason = requant_unsupported() if cublaslt_available() else "no cuBLASLt"
-        cudnn_int8_reason = int8_unsupported() if any(n.op_type == "QConv" for n in graph.nodes) \
-            else "no kiln.QConv layer"
-        options = LoweringOptions(tf32=config.get_flag(BuilderFlag.TF32), cudnn=cudnn_available(),
-                                  cublaslt=cublaslt_available(), int8_requant=not requant_reason,
-                                  cudnn_int8=not cudnn_int8_reason, qgemm_sm90=qgemm_available(),
-                                  strict_fp32_nchw=True)
-        cache = _timing_cache_for(config)
-        cuda_build = prepare_plan(graph, inferred, options=options, cache=cache)
-        for layer in layers:
-            layer["tactic"] = cuda_build.tactics.get(layer["name"], "shape")  # "shape": computed on the host
-        kernels, arch, memory, cuda_info = cuda_build.kernels, cuda_build.arch, cuda_build.device_memory_size, cuda_build.info
-        cuda_info["int8_requant_unsupported"] = requant_reason
-        cuda_info["cudnn_int8_unsupported"] = cudnn_int8_reason
+    # the backend's tactics, kernels (CUBINs) and planned arena size; the timing cache only for a backend that times
+    built = backend.compile(graph, inferred, config, _timing_cache_for(config) if backend.uses_timing_cache else None)
+    for layer in layers:
+        layer["tactic"] = built.tactics.get(layer["name"], layer["tactic"])
+    kernels, arch = built.kernels, built.arch
+    if built.device_memory_size is not None:
+        memory = built.device_memory_size
     kernels.update(plugin_kernels(graph, config.backend, arch))  # plugin hook: their CUDA source, via NVRTC
     plan = Plan(
         name=network.name,
@@ -366,21 +350,19 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
             # Kiln build knobs off their defaults (the CUDA runner reads cuda_graphs, cudnn_heuristic_conv_plans)
             **({KNOBS_KEY: changed} if (changed := knobs.changed()) else {}),
             **extra_info,
-            **({"cuda": cuda_info} if cuda_info else {}),
+            **({backend.name: built.info} if built.info else {}),
         },
     )
     return serialize_plan(plan)
 
 
-def _int8_convolutions(graph: Graph, config: BuilderConfig, calibrated: bool) -> bool:
-    """Whether this build runs Q/DQ convolutions in INT8 (fuse_qdq_conv): a CUDA build of a graph with
-    DequantizeLinear layers (or Q/DQ from calibration), when cuDNN builds INT8 graphs here (faster than float
-    convolutions of the dequantized weights: see fuse_qdq_conv)."""
-    if config.backend != "cuda" or not (calibrated or any(n.op_type == "DequantizeLinear" for n in graph.nodes)):
+def _int8_convolutions(graph: Graph, config: BuilderConfig, calibrated: bool, backend: Backend | None = None) -> bool:
+    """Whether this build runs Q/DQ convolutions in INT8 (fuse_qdq_conv): a build of a graph with DequantizeLinear
+    layers (or Q/DQ from calibration) for a backend that runs them in INT8 here (CUDA: when cuDNN builds INT8
+    graphs, faster than float convolutions of the dequantized weights: see fuse_qdq_conv)."""
+    if not (calibrated or any(n.op_type == "DequantizeLinear" for n in graph.nodes)):
         return False
-    from engine_core.backends.cuda.cudnn_conv import int8_unsupported
-
-    return not int8_unsupported()
+    return (backend or get_backend(config.backend)).int8_convolutions()
 
 
 def _largest_tensor(graph: Graph, infos: dict[str, TensorInfo]) -> tuple[int, str, tuple[int, ...]]:

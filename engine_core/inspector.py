@@ -45,7 +45,6 @@ class InspectedEngine(Protocol):
     runtime imports this module, so this module describes what it uses instead of importing the runtime)."""
 
     plan: Plan
-    runner: GraphRunner  # the CPU backend's runner of the plan's graph
 
 
 class InspectedContext(Protocol):
@@ -200,13 +199,22 @@ def debug_state(ctx: InspectedContext) -> DebugState:
     return state
 
 
+def active_debug(ctx: InspectedContext) -> tuple[IDebugListener, tuple[str, ...]] | None:
+    """The context's debug listener and enabled debug tensors, when both exist (what the CUDA backend reports to)."""
+    state = ctx.__dict__.get("_debug_state")
+    if state is None or not state.active:
+        return None
+    return state.listener, tuple(sorted(state.enabled))
+
+
 def run_with_debug(ctx: InspectedContext, feeds: Mapping[str, np.ndarray],
-                   timer: LayerTimer | None) -> dict[str, np.ndarray]:
-    """Run the engine's graph; with a listener and enabled debug tensors, report them in layer order."""
+                   timer: LayerTimer | None, runner: GraphRunner) -> dict[str, np.ndarray]:
+    """Run the engine's graph with ``runner`` (the CPU backend's, over the plan's graph); with a listener and
+    enabled debug tensors, report them in layer order."""
     timer = deferred_timer(ctx, timer)
     state = ctx.__dict__.get("_debug_state")
     if state is None or not state.active:
-        return ctx.engine.runner.run(feeds, timer=timer)
+        return runner.run(feeds, timer=timer)
     graph = ctx.engine.plan.graph
     wanted = sorted(state.enabled)
     runner = _debug_runner(ctx.engine, tuple(wanted))

@@ -8,7 +8,7 @@ the new weights from their next run on; a run in flight during ``refit_cuda_engi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -86,18 +86,6 @@ def apply_weights(engine: CudaEngine, weights: dict[str, np.ndarray]) -> None:
         return
     engine.plan.graph.constants.update(weights)
     engine._serialized = serialize_plan(engine.plan)
-    if engine.cuda is not None:
-        _refit_device_weights(engine.cuda, weights)
-
-
-def _refit_device_weights(state: Any, weights: dict[str, np.ndarray]) -> None:
-    """CUDA engines: overwrite the device copies in place, so every context (and every captured
-    CUDA graph, which holds their addresses) reads the new values from its next launch on."""
-    refit = getattr(state, "refit", None)
-    if refit is not None:  # the backend's own hook, when it has one (it may also drop cached bindings)
-        refit(weights)
-        return
-    for name, value in weights.items():
-        buffer = state.weights.get(name)
-        if buffer is not None:
-            buffer.copy_from(value)
+    # the backend's copies: the CUDA backend overwrites its device copies in place, so every context (and every
+    # captured CUDA graph, which holds their addresses) reads the new values from its next launch on
+    engine.backend_state.refit(weights)

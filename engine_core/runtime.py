@@ -8,6 +8,10 @@ reason logged and recorded) when this Kiln version or this GPU may not run it. W
 (``engine_core.weight_streaming``): the engine keeps the budget and the schedule; on the CPU
 backend weights always live in host memory, so the numbers are bookkeeping only; the CUDA runner
 places weights by it when a context is made and streams the others every run.
+
+Backends (``engine_core.backends.base``): the engine loads its plan with the backend registered under the plan's
+``backend`` (``backend_state``), each context makes that backend's context state (``_backend_context``) and hands
+every run to it; nothing here depends on which backend it is.
 """
 
 from __future__ import annotations
@@ -21,21 +25,20 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cpu import plan_runner
-from engine_core.backends.registry import available_backends
-from engine_core.compat import check_plan_compatibility, device_arch, requirements
+from engine_core.backends.base import ContextState, EngineState
+from engine_core.backends.cpu import host_array as _host_array  # shape inputs bound by address are host memory
+from engine_core.backends.registry import available_backends, get_backend
+from engine_core.compat import requirements
 from engine_core.cuda.driver import memory_info
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
-from engine_core.errors import ExecutionError, KilnError, PlanFormatError, ShapeError
+from engine_core.errors import KilnError, PlanFormatError, ShapeError
 from engine_core.inspector import (  # inspector / debug-tensor hooks
     DEBUG_KEY,
     EngineInspector,
     IDebugListener,
     debug_state,
     engine_verbosity,
-    profiler_for,
     report_to_profiler,
-    run_with_debug,
 )
 from engine_core.inspector import engine_summary as engine_summary  # re-exported: it was defined here
 from engine_core.logger import DEFAULT_LOGGER, Logger
@@ -47,8 +50,6 @@ from engine_core.refittable import plan_refittable
 from engine_core.runtime_batch import BatchExecution  # ExecutionContext.infer_batch and its checks
 from engine_core.runtime_helpers import (  # moved from here; format_description is public
     _VECTORIZED,
-    _active_debug,
-    _host_array,
     _profile_device_memory,
     _shapes_need_values,
     _streamable_weights_per_layer,
@@ -65,7 +66,6 @@ from engine_core.types import (
     TensorLocation,
     datatype_of,
 )
-from engine_core.version import __version__
 from engine_core.weight_streaming import StreamingPlan, automatic_budget, plan_streaming
 
 #: the reference's default: in-memory and named temporary files both allowed
@@ -157,8 +157,8 @@ class CudaEngine:
         self._profile_memory: dict[int, int] = {}
         self._streaming_layers = _streamable_weights_per_layer(plan)
         self._budget = self.streamable_weights_size  # reference default: streaming off
-        self.runner = plan_runner(plan)
-        self.cuda = _cuda_engine_state(plan)
+        #: the plan's backend's per-engine state (weights, kernels): its contexts' states come from it
+        self.backend_state: EngineState = get_backend(plan.backend).load(plan)
 
     # -- I/O description ------------------------------------------------------------------------
     @property
@@ -366,22 +366,6 @@ class CudaEngine:
         return EngineInspector(self)
 
 
-def _cuda_engine_state(plan: Plan) -> Any:
-    """CUDA backend hook: per-engine device state (weights, kernels) for plans built for "cuda".
-
-    The plan's compatibility (Kiln version, GPU arch, hardware level) is checked first, so a plan
-    this GPU cannot run is refused with the reason instead of failing inside the driver.
-    """
-    if plan.backend != "cuda":
-        return None
-    reason = check_plan_compatibility(plan.compat_meta(), device_arch(), __version__)
-    if reason:
-        raise PlanFormatError(reason)
-    from engine_core.backends.cuda import engine_state
-
-    return engine_state(plan)
-
-
 @contextmanager
 def runtime_file(runtime: Runtime, data: bytes, name: str = "kiln") -> Iterator[str]:
     """A path holding ``data``, for code that can only be loaded from a file, created as the
@@ -433,8 +417,8 @@ class ExecutionContext(BatchExecution):
         self._shape_values: dict[str, np.ndarray] = {}
         self._device_memory: tuple[int, int] | None = None
         self._input_consumed_event = 0
-        # CUDA backend hook: the budget cannot change while contexts exist, so weights are placed now
-        self._cuda = engine.cuda.create_context(engine._streamed_weights()) if engine.cuda is not None else None
+        # the backend's state of this context: the budget cannot change while contexts exist, so weights are placed now
+        self._backend_context: ContextState = engine.backend_state.create_context(engine._streamed_weights())
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
         for name in self._input_names:  # static inputs need no set_input_shape
@@ -569,19 +553,14 @@ class ExecutionContext(BatchExecution):
 
     # -- execution ------------------------------------------------------------------------------
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self._cuda is not None:  # CUDA backend hook: host arrays in and out
-            return self._cuda.infer(feeds, profiler_for(self), _active_debug(self))
-        timer = self.profiler.report_layer_time if self.profiler is not None else None
-        return run_with_debug(self, feeds, timer)  # debug-tensor hook (plain run without a listener)
+        """One run on host values: the backend's, with the profiler and debug listener (debug-tensor hook)."""
+        return self._backend_context.infer_feeds(self, feeds)
 
     def execute_async_v3(self, stream_handle: int = 0) -> bool:
         """Run with the addresses set by set_tensor_address (CPU backend: synchronously). CUDA backend: a
         default stream (0) forks onto the context's own stream and joins back, so CUDA graphs replay there too."""
         try:
-            if self._cuda is not None:  # CUDA backend hook: device addresses, launches on the stream
-                self._execute_cuda(stream_handle)
-                return True
-            self._execute_bound()
+            self._backend_context.execute_bound(self, stream_handle)
             return True
         except KilnError as e:
             report_error(self, ErrorCode.FAILED_EXECUTION, f"execution failed: {e}")
@@ -628,45 +607,6 @@ class ExecutionContext(BatchExecution):
             self._addresses[name] = int(address)
         return self.execute_async_v3(0)
 
-    def _execute_bound(self) -> None:
-        missing = self.infer_shapes()
-        if missing:
-            raise ShapeError(f"set_input_shape was not called for inputs {missing}")
-        feeds = {}
-        for name in self._input_names:
-            if name not in self._addresses:
-                raise ExecutionError(f"no address set for input '{name}'")
-            tensor = self.engine._tensor(name)
-            feeds[name] = _host_array(self._addresses[name], tensor.dtype, self._input_shapes[name]).copy()
-        outputs = self._run(feeds)
-        for name in self._output_names:
-            self._deliver(name, np.asarray(outputs[name], dtype=self.engine._tensor(name).dtype))
-
-    def _execute_cuda(self, stream_handle: int) -> None:
-        missing = [n for n in self._input_names if n not in self._input_shapes]
-        if missing:
-            raise ShapeError(f"set_input_shape was not called for inputs {missing}")
-        if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and self._device_memory is None:
-            raise ExecutionError("this context's device memory is user-managed: call set_device_memory first")
-        addresses, allocated = dict(self._addresses), []
-        for name in self._output_names:  # output allocators provide device memory for unbound outputs
-            allocator = self._allocators.get(name)
-            if allocator is None:
-                continue
-            shape = self.get_tensor_shape(name)
-            if any(d < 0 for d in shape):
-                raise ExecutionError(f"output '{name}' has a data-dependent shape, which CUDA plans do not support yet")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(self.engine._tensor(name).dtype).itemsize
-            address = allocator.reallocate_output_async(name, addresses.get(name, 0), nbytes, 256, int(stream_handle))
-            if not address and nbytes:
-                raise ExecutionError(f"output allocator returned no memory for '{name}' ({nbytes} bytes)")
-            addresses[name] = int(address or 0)
-            allocated.append((allocator, name, shape))
-        self._cuda.execute(self._input_shapes, addresses, int(stream_handle), profiler_for(self),
-                           debug=_active_debug(self), consumed_event=self._input_consumed_event or None)
-        for allocator, name, shape in allocated:
-            allocator.notify_shape(name, tuple(shape))
-
     # -- user-managed device memory -----------------------------------------------------------
     def set_device_memory(self, memory: int, size: int) -> None:
         """Give the context ``size`` bytes at device address ``memory`` for its activations (needed with
@@ -674,8 +614,7 @@ class ExecutionContext(BatchExecution):
         if size < 0 or (memory == 0 and size):
             raise ValueError("set_device_memory needs an address and a non-negative size")
         self._device_memory = (int(memory), int(size))
-        if self._cuda is not None:
-            self._cuda.use_memory(int(memory), int(size))
+        self._backend_context.use_memory(int(memory), int(size))
 
     @property
     def device_memory(self) -> int:
@@ -686,29 +625,15 @@ class ExecutionContext(BatchExecution):
     def device_memory(self, memory: int) -> None:
         self.set_device_memory(memory, self.engine.device_memory_size)
 
-    def _deliver(self, name: str, value: np.ndarray) -> None:
-        """Copy one output to its bound address, or to memory its output allocator provides."""
-        allocator = self._allocators.get(name)
-        address = self._addresses.get(name)
-        if allocator is not None:
-            address = allocator.reallocate_output_async(name, address or 0, value.nbytes, 256, 0)
-            if address is None or (address == 0 and value.nbytes):
-                raise ExecutionError(f"output allocator returned no memory for '{name}' ({value.nbytes} bytes)")
-            allocator.notify_shape(name, tuple(value.shape))
-        elif address is None:
-            raise ExecutionError(f"no address or output allocator set for output '{name}'")
-        if value.nbytes:
-            np.copyto(_host_array(address, value.dtype, value.shape), value)
-
     @property
     def concurrent_runs(self) -> int:
         """How many threads may call ``infer`` / ``infer_batch`` on this context at once (a Kiln extension): two
         on the CUDA backend, each run with pinned staging of its own, so one thread's gathering and copying out
         overlaps another's run on the device (backends/cuda/runner_staging.py); one on the CPU backend and with
         several optimization profiles (the active profile is the context's, and each run may switch it)."""
-        if self._cuda is None or self.engine.num_optimization_profiles > 1:
+        if self.engine.num_optimization_profiles > 1:
             return 1
-        return self._cuda._io_slots.count
+        return self._backend_context.concurrent_runs
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run on numpy inputs and return numpy outputs (sets shapes; validates dtype and profile).
@@ -765,9 +690,4 @@ class ExecutionContext(BatchExecution):
             zeros[name] = np.full(shape, "", object) if tensor.dtype.kind == "O" else np.zeros(shape, tensor.dtype)
         if _shapes_need_values(self.engine.plan, zeros):
             return
-        if self._cuda is None:
-            self.infer(zeros)
-            return
-        self._input_shapes.update({name: value.shape for name, value in zeros.items()})
-        self._inferred = None
-        self._cuda.warm_up(zeros)
+        self._backend_context.warm_up_feeds(self, zeros)

@@ -1,8 +1,9 @@
 """``ExecutionContext.infer_batch``: several requests' feeds run as one batch (see ``infer_batch``).
 
-``BatchExecution`` is a mixin that ``engine_core.runtime.ExecutionContext`` inherits; it reads the context's
-engine, I/O names, input shapes and CUDA runner, and runs through its ``infer`` (CPU backend). This module does
-not import the runtime.
+``BatchExecution`` is a mixin that ``engine_core.runtime.ExecutionContext`` inherits; it checks the parts against
+the context's engine, I/O names and input shapes and hands the batch to the context's backend state
+(``ContextState.infer_parts``: the CPU backend's gathers and runs through ``infer``). This module does not import the
+runtime.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_core.batching import Span, gather_rows, row_spans, split_outputs
+from engine_core.batching import row_spans
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ShapeError
-from engine_core.inspector import profiler_for
-from engine_core.runtime_helpers import _active_debug
 
 
 class BatchExecution:
@@ -25,7 +24,7 @@ class BatchExecution:
     if TYPE_CHECKING:  # what the batch path reads of the context (ExecutionContext sets these)
         engine: Any  # CudaEngine
         profiler: Any  # IProfiler | None
-        _cuda: Any  # the CUDA backend's context state, None on the CPU backend
+        _backend_context: Any  # the backend's context state (engine_core.backends.base.ContextState)
         _inferred: dict[str, Any] | None
         _input_names: list[str]
         _output_names: list[str]
@@ -64,10 +63,7 @@ class BatchExecution:
         for name, values in inputs.items():
             self._input_shapes[name] = self.check_input_shape(name, (total, *values[0].shape[1:]))
         self._inferred = None
-        spans = row_spans(rows)
-        if self._cuda is not None:
-            return self._cuda.infer_batch(inputs, spans, total, targets, profiler_for(self), _active_debug(self))
-        return self._infer_batch_on_host(inputs, spans, total, targets)
+        return self._backend_context.infer_parts(self, inputs, row_spans(rows), total, targets)
 
     def _batch_inputs(self, parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[int]]:
         """Each input's parts in order and each part's rows, checked as ``infer`` checks one feed. A part that
@@ -140,16 +136,3 @@ class BatchExecution:
                     raise TypeError(f"destination of output '{name}' for part {index} has dtype {view.dtype}, "
                                     f"the engine's output is {dtype}")
         return targets
-
-    def _infer_batch_on_host(self, inputs: Mapping[str, list[Any]], spans: Sequence[Span], total: int,
-                             targets: Sequence[Mapping[str, DeviceView]]) -> list[dict[str, np.ndarray]]:
-        """CPU backend: numpy gathers, runs through ``infer`` and splits."""
-        for name, values in inputs.items():
-            if any(isinstance(v, DeviceView) for v in values):
-                raise TypeError(f"input '{name}' is given as a DeviceView, which needs a CUDA engine; "
-                                f"engine '{self.engine.name}' runs on the CPU backend")
-        if any(targets):
-            raise TypeError(f"destinations are DeviceViews, which need a CUDA engine; engine '{self.engine.name}' "
-                            "runs on the CPU backend")
-        outputs = self.infer({name: gather_rows(values, total) for name, values in inputs.items()})
-        return split_outputs(outputs, spans, total)

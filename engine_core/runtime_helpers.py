@@ -1,32 +1,21 @@
 """Runtime helpers that read a plan or a context without being the runtime's objects: activation memory per
-profile, streamable weights per layer, whether shapes need input values, format descriptions, host views of
-CPU-backend tensor addresses and the CUDA backend's debug hook. ``engine_core.runtime`` uses (and re-exports)
-them; this module does not import the runtime.
+profile, streamable weights per layer, whether shapes need input values, format descriptions.
+``engine_core.runtime`` uses (and re-exports) them; this module does not import the runtime.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 
 import numpy as np
 
 from engine_core.errors import ShapeError
-from engine_core.inspector import IDebugListener, InspectedContext
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from engine_core.plan import Plan
 from engine_core.refittable import refittable_names
 from engine_core.types import DataType, TensorFormat
 from engine_core.weight_streaming import LayerWeights
-
-
-def _active_debug(ctx: InspectedContext) -> tuple[IDebugListener, tuple[str, ...]] | None:
-    """The context's debug listener and enabled debug tensors, when both exist (CUDA backend hook)."""
-    state = ctx.__dict__.get("_debug_state")
-    if state is None or not state.active:
-        return None
-    return state.listener, tuple(sorted(state.enabled))
 
 
 def _shapes_need_values(plan: Plan, feeds: Mapping[str, np.ndarray]) -> bool:
@@ -97,10 +86,3 @@ def format_description(fmt: TensorFormat, dtype: DataType) -> str:
     return f"{_WIDTH_WORDS[width]} wide channel vectorized row major {dt} format"
 
 
-def _host_array(address: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A numpy view of host memory at ``address`` (CPU-backend tensor addresses)."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(shape, dtype)
-    buf = (ctypes.c_char * nbytes).from_address(address)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)

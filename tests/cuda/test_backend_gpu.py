@@ -93,7 +93,7 @@ def test_both_gemm_tactics_compute_the_same(tactic):
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[0, 4, 3], [9, 0, -2]])}
     engine = _build(op_mix(), "cuda")
-    engine.cuda.gemm_choice = {layer["name"]: tactic for layer in engine.plan.layers
+    engine.backend_state.gemm_choice = {layer["name"]: tactic for layer in engine.plan.layers
                                if layer["tactic"].startswith("gemm:")}
     got = engine.create_execution_context().infer(feeds)
     want = _build(op_mix(), "cpu").create_execution_context().infer(feeds)
@@ -123,7 +123,7 @@ def test_execute_async_v3_with_device_pointers_and_two_contexts():
     want = _build(mlp(), "cpu", {"x": ((1, 64), (8, 64), (32, 64))}).create_execution_context()
     stream = int(check(driver.cuStreamCreate(0), "cuStreamCreate"))
     contexts = [engine.create_execution_context() for _ in range(2)]
-    assert contexts[0]._cuda.engine.weights is contexts[1]._cuda.engine.weights  # weights once per engine
+    assert contexts[0]._backend_context.engine.weights is contexts[1]._backend_context.engine.weights  # weights once per engine
     for ctx, batch in zip(contexts, (3, 32)):
         x = rng.standard_normal((batch, 64)).astype(np.float32)
         dx, dy = DeviceBuffer.from_array(x), DeviceBuffer(batch * 32 * 4)
@@ -146,7 +146,7 @@ def test_cuda_graph_replay_reads_new_inputs_each_run():
     for seed in range(4):  # run 1 eager, run 2 captured, runs 3-4 replayed with new data in the same buffers
         feeds = bert_feeds(2, 32, seed=seed)
         _close(gctx.infer(feeds), cctx.infer(feeds), rtol=1e-4, atol=2e-5)
-    (binding,) = gctx._cuda._bindings.values()
+    (binding,) = gctx._backend_context._bindings.values()
     assert len(binding.graphs) == 1 and not binding.graph_failed
 
 
@@ -156,7 +156,7 @@ def test_plans_with_host_layers_never_capture():
     ctx = engine.create_execution_context()
     for _ in range(3):
         ctx.infer({"x": rng.standard_normal((2, 5, 6)).astype(np.float32), "ids": np.array([[1, 2, 3], [9, 0, -1]])})
-    (binding,) = ctx._cuda._bindings.values()
+    (binding,) = ctx._backend_context._bindings.values()
     assert binding.has_host and not binding.graphs
 
 
@@ -285,4 +285,4 @@ def test_user_managed_device_memory_and_output_allocator():
     want = _build(mlp(), "cpu", profiles).create_execution_context().infer({"x": x})["y"]
     assert allocator.shapes["y"] == (5, 32)
     np.testing.assert_allclose(allocator.buffers["y"].to_array(np.float32, (5, 32)), want, rtol=1e-4, atol=1e-6)
-    assert ctx._cuda.arena.ptr == memory.ptr
+    assert ctx._backend_context.arena.ptr == memory.ptr

@@ -107,7 +107,7 @@ def _host_layers(engine: kiln.CudaEngine, context: kiln.ExecutionContext) -> lis
     layers = json.loads(engine.create_engine_inspector().get_engine_information(LayerInformationFormat.JSON))["layers"]
     found = set(engine.plan.build_info["cuda"]["host_layers"])
     found |= {layer["name"] for layer in layers if layer["tactic"] == "host"}
-    found |= {f"whole graph: {reason}" for reason in context._cuda.host_fallback}
+    found |= {f"whole graph: {reason}" for reason in context._backend_context.host_fallback}
     return sorted(found)
 
 
@@ -126,7 +126,7 @@ def test_model_runs_on_the_device_and_matches_the_cpu_backend(name: str, precisi
     if host:
         raise HostLayersFound(f"{name} {precision}: layers on the host: {host}")
     shapes = tuple(sorted((k, v.shape) for k, v in small_model_feeds(name, batch, 0).items()))
-    (binding,) = [b for key, b in context._cuda._bindings.items() if key[:len(shapes)] == shapes]
+    (binding,) = [b for key, b in context._backend_context._bindings.items() if key[:len(shapes)] == shapes]
     assert not binding.has_host and not binding.graph_failed, "the captured CUDA graph did not reproduce"
     assert binding.verified and binding.graphs, "no CUDA graph was captured and replayed"
 
@@ -147,7 +147,7 @@ def test_data_dependent_outputs_fall_back_to_the_host_visibly(name: str, precisi
             if precision == "fp16":  # equal fp16 scores reorder NMS's output: the same boxes, in another order
                 picked, expected = np.unique(picked, axis=0), np.unique(expected, axis=0)
             np.testing.assert_array_equal(picked, expected)
-    (reason,) = context._cuda.host_fallback
+    (reason,) = context._backend_context.host_fallback
     assert "selected_indices" in reason and "depend on input values" in reason
     assert [r for r in caplog.records if "runs on the host" in r.getMessage()], "the host fallback was not logged"
 

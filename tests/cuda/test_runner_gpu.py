@@ -49,7 +49,7 @@ def test_streaming_at_every_budget_equals_the_resident_run():
     assert total > 0
     feeds = [_feeds(seed, batch) for seed, batch in enumerate((5, 5, 5, 5, 32, 1))]
     resident_ctx = engine.create_execution_context()
-    assert resident_ctx._cuda.engine.host_weights == {}
+    assert resident_ctx._backend_context.engine.host_weights == {}
     want = _runs(resident_ctx, feeds)
     del resident_ctx
     gc.collect()
@@ -57,13 +57,13 @@ def test_streaming_at_every_budget_equals_the_resident_run():
         engine.weight_streaming_budget_v2 = budget
         streamed = engine._streamed_weights()
         context = engine.create_execution_context()
-        state = context._cuda.engine
+        state = context._backend_context.engine
         assert set(state.host_weights) >= streamed and not streamed & set(state.weights), budget
         assert bool(streamed) == (budget < total)
         for got, expected in zip(_runs(context, feeds), want):
             np.testing.assert_array_equal(got, expected, err_msg=f"budget {budget}")
         if streamed:
-            binding = next(b for b in context._cuda._bindings.values() if b.graphs)  # the capture included uploads
+            binding = next(b for b in context._backend_context._bindings.values() if b.graphs)  # the capture included uploads
             assert not binding.graph_failed and binding.schedule().uses_copy_stream
         del context
         gc.collect()
@@ -82,7 +82,7 @@ def test_streamed_execute_async_v3_and_refit_update_the_host_copies():
     x = _feeds(7, 8)["x"]
     dx, dy = DeviceBuffer.from_array(x), DeviceBuffer(8 * 32 * 4)
     contexts = [e.create_execution_context() for e in (streamed_engine, resident_engine)]
-    assert contexts[0]._cuda.engine.streamed and not contexts[1]._cuda.engine.streamed
+    assert contexts[0]._backend_context.engine.streamed and not contexts[1]._backend_context.engine.streamed
 
     def run(ctx) -> np.ndarray:
         ctx.set_input_shape("x", x.shape)
@@ -145,7 +145,7 @@ def test_debug_listener_gets_device_pointers_equal_to_cpu_intermediates():
     assert [s[0] for s in clisten.seen] == [s[0] for s in glisten.seen]
     for got, want in zip(glisten.seen, clisten.seen):
         np.testing.assert_allclose(got[4], want[4], rtol=1e-4, atol=1e-5, err_msg=got[0])
-    assert all(not b.graphs for b in gctx._cuda._bindings.values())
+    assert all(not b.graphs for b in gctx._backend_context._bindings.values())
     glisten.seen.clear()
     assert gctx.set_tensor_debug_state("h", False)
     gctx.infer(_feeds(9, 6))
@@ -200,4 +200,4 @@ def test_input_consumed_event_fires_after_the_first_layer_and_inputs_may_be_refi
         # only replays are timed)
         assert 0 <= to_consumed and (run < 2 or to_consumed < 0.5 * total), (run, to_consumed, total)
         np.testing.assert_array_equal(dy.to_array(np.float32, (batch, d)), want)
-    assert any(b.graphs for b in ctx._cuda._bindings.values())
+    assert any(b.graphs for b in ctx._backend_context._bindings.values())

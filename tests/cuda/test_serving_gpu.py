@@ -25,7 +25,7 @@ CONFIG = ('name: "mlp"\nmax_batch_size: 16\ninput [{ name: "x" data_type: TYPE_F
 
 
 def _state(context):
-    return context._cuda
+    return context._backend_context
 
 
 @pytest.fixture

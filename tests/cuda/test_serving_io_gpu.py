@@ -30,11 +30,11 @@ def _x(seed: int, batch: int) -> np.ndarray:
 
 
 def _replays(context) -> int:
-    return context._cuda.graph_replays
+    return context._backend_context.graph_replays
 
 
 def _graphs(context) -> int:
-    return sum(len(b.graphs) for b in context._cuda._bindings.values())
+    return sum(len(b.graphs) for b in context._backend_context._bindings.values())
 
 
 class _Bound:
@@ -112,7 +112,7 @@ def test_infer_stages_through_pinned_memory_and_returns_fresh_arrays():
     for x, y in zip(xs, results):  # earlier results survive later runs: they are not the staging buffers
         np.testing.assert_allclose(y, reference.infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
     assert not any(np.shares_memory(a, b) for i, a in enumerate(results) for b in results[i + 1:])
-    (binding,) = context._cuda._bindings.values()
+    (binding,) = context._backend_context._bindings.values()
     assert set(binding.stages) == {"x", "y"} and _replays(context) >= 2
     before = _replays(context)
     fortran = np.asfortranarray(xs[0])  # a non-contiguous feed is copied into the pinned mirror as it is
@@ -124,7 +124,7 @@ def test_infer_stages_through_pinned_memory_and_returns_fresh_arrays():
 
 
 def _binding(context):
-    (binding,) = context._cuda._bindings.values()
+    (binding,) = context._backend_context._bindings.values()
     return binding
 
 
@@ -149,7 +149,7 @@ def test_infer_batch_after_warm_up_replays_the_graph_infer_uses():
     context.warm_up({"x": (8, 64)})
     binding, replays = _binding(context), _replays(context)
     results = context.infer_batch([{"x": p} for p in parts], pad_to=8)
-    assert _replays(context) == replays + 1 and len(context._cuda._bindings) == 1
+    assert _replays(context) == replays + 1 and len(context._backend_context._bindings) == 1
     want = context.infer({"x": padded})["y"]
     assert _replays(context) == replays + 2 and len(binding.graphs) == STAGING_SLOTS  # the same buffers and graphs
     for (start, stop), result in zip(((0, 2), (2, 5), (5, 6)), results):
@@ -184,7 +184,7 @@ def test_two_threads_on_one_context_overlap_and_each_gets_its_rows():
     for thread in threads:
         thread.join(120)
     assert not failures, failures[:3]
-    assert sum(len(b.graphs) for b in context._cuda._bindings.values()) == 2 * STAGING_SLOTS  # warmed: no capture
+    assert sum(len(b.graphs) for b in context._backend_context._bindings.values()) == 2 * STAGING_SLOTS  # warmed: no capture
 
 
 def test_infer_batch_reads_and_writes_device_views():
@@ -206,7 +206,7 @@ def test_infer_batch_reads_and_writes_device_views():
         np.testing.assert_array_equal(results[0]["y"], want[0:2])
         np.testing.assert_array_equal(out.to_array(np.float32, (3, 32)), want[2:5])
         np.testing.assert_array_equal(results[2]["y"], want[5:6])
-    assert _replays(context) >= 2 and len(context._cuda._bindings) == 1
+    assert _replays(context) >= 2 and len(context._backend_context._bindings) == 1
     with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape \\[2, 32\\]"):
         context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": kiln.DeviceView(out.ptr, (2, 32), np.float32)}, {}])
 

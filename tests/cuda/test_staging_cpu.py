@@ -168,9 +168,9 @@ def setup(fake):
             binding.graphs[runner.graph_key(addresses, consumed_event, staged)] = "captured"
 
     state.bind, state.execute = bind, execute
-    context._cuda = state
+    context._backend_context = state
     yield engine.create_execution_context(), context, fake
-    context._cuda = None  # free the fake buffers while the fake driver is still installed
+    context._backend_context = None  # free the fake buffers while the fake driver is still installed
     state._bindings.clear()
     gc.collect()
 
@@ -195,7 +195,7 @@ def test_infer_goes_through_pinned_mirrors_with_one_sync(setup) -> None:
     for name, value in reference.infer(part).items():
         np.testing.assert_array_equal(first[name], value)  # not overwritten by the second run's staging
     assert not np.shares_memory(first["y"], second["y"])
-    (binding,) = context._cuda._bindings.values()
+    (binding,) = context._backend_context._bindings.values()
     assert set(binding.stages) == {"x", "ids", "y", "k", "s"}
 
 
@@ -267,11 +267,11 @@ def test_infer_batch_at_a_padded_total_shares_infer_buffers_and_warm_up_stops_on
     reference, context, fake = setup
     context.warm_up({"x": (8, 3), "ids": (8, 2)})
     assert fake.calls.count("run") == 3  # eager, then "captured" in slot 0; captured at once in slot 1
-    (binding,) = context._cuda._bindings.values()
+    (binding,) = context._backend_context._bindings.values()
     addresses = {name: stage.device.ptr for name, stage in binding.stages.items()}
     context.infer_batch([_part(5, 3), _part(6, 4)], pad_to=8)
     context.infer(_part(7, 8))
-    assert len(context._cuda._bindings) == 1 and len(binding.graphs) == runner.STAGING_SLOTS  # no new captures
+    assert len(context._backend_context._bindings) == 1 and len(binding.graphs) == runner.STAGING_SLOTS  # no new captures
     assert {name: stage.device.ptr for name, stage in binding.stages.items()} == addresses
     (twin, _), = binding.twins.values()  # slot 1: the same device buffers, mirrors of its own
     assert {name: stage.device.ptr for name, stage in twin.items()} == addresses

@@ -154,19 +154,20 @@ def test_version_compatible_plan_runs_on_a_later_kiln_and_others_are_refused(mon
 def test_runtime_checks_the_gpu_arch_before_creating_cuda_state(monkeypatch):
     """A CUDA plan built on sm_90, loaded on a (fake) sm_86: refused with the reason, no driver call."""
     import engine_core.backends.cuda as cuda_backend
+    import engine_core.backends.cuda.backend as cuda_backend_class  # CudaBackend.load checks the plan
     import engine_core.runtime as runtime_module
 
     cuda_plan = resign(build(), lambda m: m.update(backend="cuda", arch="sm_90"))
     monkeypatch.setattr(runtime_module, "available_backends", lambda: ["cuda", "cpu"])
-    monkeypatch.setattr(runtime_module, "device_arch", lambda: "sm_86")
+    monkeypatch.setattr(cuda_backend_class, "device_arch", lambda: "sm_86")
     monkeypatch.setattr(cuda_backend, "engine_state", lambda plan: pytest.fail("engine state created"))
     runtime = kiln.Runtime()
     runtime.error_recorder = recorder = kiln.ErrorRecorder()
     assert runtime.deserialize_cuda_engine(cuda_plan) is None
     assert "expecting compute 9.0 got compute 8.6" in recorder.get_error_desc(0)
-    monkeypatch.setattr(runtime_module, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(cuda_backend_class, "device_arch", lambda: "sm_90")
     monkeypatch.setattr(cuda_backend, "engine_state", lambda plan: "device state")
-    assert runtime.deserialize_cuda_engine(cuda_plan).cuda == "device state"
+    assert runtime.deserialize_cuda_engine(cuda_plan).backend_state == "device state"
 
 
 def test_kiln_inspect_shows_what_a_plan_needs(tmp_path, capsys):

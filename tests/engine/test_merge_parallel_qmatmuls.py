@@ -99,5 +99,5 @@ def test_merged_qkv_on_the_gpu_matches_the_cpu_backend(monkeypatch):
         got, want = gctx.infer(feeds), cctx.infer(feeds)
         for name, value in want.items():
             assert float(np.abs(got[name] - value).max()) <= 1e-2 * float(np.abs(value).max()), name
-    tactics = {step.node.name: step.tactic for b in gctx._cuda._bindings.values() for step in b.lowered.steps}
+    tactics = {step.node.name: step.tactic for b in gctx._backend_context._bindings.values() for step in b.lowered.steps}
     assert sum(t == "fused:qgemm_split" for t in tactics.values()) == LAYERS, tactics

@@ -14,7 +14,8 @@ places the input-consumed event and the debug-listener callbacks.
 ``CudaContextState`` is composed of units, one module each: runner_binding.py (input shapes -> lowering, folded
 values, prepared launches, arena, pointer resolver), runner_graphs.py (CUDA graph capture, verification and replay),
 runner_launch.py (layer-by-layer launching: eager, profiled, debug tensors, weight uploads), runner_staging.py (pinned
-mirrors, ``_Stage``, gathering a batch and delivering its outputs) and runner_schedule.py (the pure ``RunSchedule``).
+mirrors, ``_Stage``, gathering a batch and delivering its outputs), runner_schedule.py (the pure ``RunSchedule``) and
+runner_context.py (the ExecutionContext's operations, the backend interface's ``ContextState``).
 This module keeps the engine state and the context's entry points (execute, infer, infer_batch, warm_up, the
 whole-graph host fallback) and re-exports the names that lived here.
 """
@@ -44,6 +45,7 @@ from engine_core.backends.cuda.runner_binding import _Binding as _Binding
 from engine_core.backends.cuda.runner_binding import _EncodedMap as _EncodedMap
 from engine_core.backends.cuda.runner_binding import _Events as _Events
 from engine_core.backends.cuda.runner_binding import _PreparedLaunch as _PreparedLaunch
+from engine_core.backends.cuda.runner_context import ContextOpsMixin
 from engine_core.backends.cuda.runner_graphs import MAX_GRAPHS_PER_SHAPE as MAX_GRAPHS_PER_SHAPE
 from engine_core.backends.cuda.runner_graphs import GraphsMixin, graph_key
 from engine_core.backends.cuda.runner_graphs import _Graph as _Graph
@@ -240,8 +242,9 @@ class CudaEngineState:
             ctx._bindings.clear()
 
 
-class CudaContextState(BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
-    """Per execution context: the activation arena and bindings by input shapes."""
+class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, StagingMixin):
+    """Per execution context: the activation arena and bindings by input shapes (the ExecutionContext's operations
+    on it: ``runner_context``)."""
 
     def __init__(self, engine: CudaEngineState) -> None:
         self.engine = engine
