@@ -20,7 +20,9 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from . import decoupled, request_io
 from .batcher import DynamicBatcher
@@ -114,7 +116,8 @@ def _finish(done: asyncio.Future, *, core: Any, model: ModelVersion, members: li
         return
     t0 = time.perf_counter_ns()
     succeeded = rows = 0
-    for member, outputs in zip(members, result.outputs):  # type: ignore[call-overload]  # a list for a job of parts
+    per_member = cast(list[dict[str, np.ndarray]], result.outputs)  # a job of parts: one dict per member
+    for member, outputs in zip(members, per_member):
         try:
             answer = [request_io.output_on_device(o, member.destinations[o.name]) if o.name in member.destinations
                       else request_io.output(core.system_shm, model, o, outputs[o.name]) for o in member.requested]

@@ -71,3 +71,37 @@ def test_jobs_of_a_batch_are_gathered_by_the_engine(model):
     reference = model.engine.create_execution_context()
     for part, out in zip(parts, outs):
         np.testing.assert_allclose(out["y"], reference.infer(part)["y"], rtol=2e-3, atol=2e-3)
+
+
+def test_a_job_of_parts_reads_and_writes_each_members_device_memory(model):
+    """A group of requests in CUDA shared memory is one batcher job of parts (server/core/part_groups.py): the
+    engine gathers each member's rows from its own device memory and writes its outputs back there."""
+    import asyncio
+
+    import engine_core as kiln
+    from engine_core.cuda.driver import DeviceBuffer
+    from server.core.scheduler import Job
+
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((n, 64)).astype(np.float32) for n in (2, 1, 3)]
+    sources = [DeviceBuffer.from_array(x) for x in xs]
+    targets = [DeviceBuffer(x.shape[0] * 32 * 4) for x in xs]
+    parts = [({"x": kiln.DeviceView(s.ptr, x.shape, np.float32)},
+              {"y": kiln.DeviceView(t.ptr, (x.shape[0], 32), np.float32)}) for x, s, t in zip(xs, sources, targets)]
+    parts[1] = (parts[1][0], {})  # this member's output comes back on the host
+    plain = rng.standard_normal((2, 64)).astype(np.float32)
+
+    async def go():
+        group = model.scheduler.enqueue(Job(parts[0][0], 6, requests=3, parts=parts))
+        alone = model.scheduler.enqueue(Job({"x": plain}, 2))
+        return await group, await alone
+
+    group, alone = asyncio.run(go())
+    reference = model.engine.create_execution_context()
+    want = [reference.infer({"x": x})["y"] for x in xs]
+    assert [list(outputs) for outputs in group.outputs] == [[], ["y"], []]
+    np.testing.assert_allclose(group.outputs[1]["y"], want[1], rtol=2e-3, atol=2e-3)
+    for index in (0, 2):
+        got = targets[index].to_array(np.float32, (xs[index].shape[0], 32))
+        np.testing.assert_allclose(got, want[index], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(alone.outputs["y"], reference.infer({"x": plain})["y"], rtol=2e-3, atol=2e-3)
