@@ -61,13 +61,41 @@ def _holding_the_lock() -> Any:
     return ctypes.PyDLL("libcuda.so.1")
 
 
+def _held_call(symbol: str, *args: Any) -> None:
+    """libcuda's ``symbol`` called with the interpreter lock held; raises as ``check`` does on an error."""
+    err = getattr(_holding_the_lock(), symbol)(*args)
+    if err:
+        from cuda.bindings import driver
+
+        check(driver.CUresult(err), symbol)
+
+
 def launch_graph(graph_exec: Any, stream: int) -> None:
     """cuGraphLaunch without releasing the interpreter lock (the launch itself is a few microseconds)."""
-    from cuda.bindings import driver
+    _held_call("cuGraphLaunch", ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream)))
 
-    err = _holding_the_lock().cuGraphLaunch(ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream)))
-    if err:
-        check(driver.CUresult(err), "cuGraphLaunch")
+
+def record_event(event: Any, stream: int) -> None:
+    """cuEventRecord without releasing the interpreter lock (it only enqueues)."""
+    _held_call("cuEventRecord", ctypes.c_void_p(int(event)), ctypes.c_void_p(int(stream)))
+
+
+def memset_d8_async(dst: int, value: int, nbytes: int, stream: int) -> None:
+    """cuMemsetD8Async without releasing the interpreter lock (it only enqueues)."""
+    _held_call("cuMemsetD8Async", ctypes.c_uint64(dst), ctypes.c_ubyte(value), ctypes.c_size_t(nbytes),
+               ctypes.c_void_p(int(stream)))
+
+
+def copy_pinned_async(dst: int, src: int, nbytes: int, stream: int, to_device: bool) -> None:
+    """cuMemcpyHtoDAsync / cuMemcpyDtoHAsync between device memory and *pinned* host memory, without releasing
+    the interpreter lock: from pinned memory the driver only enqueues (from pageable memory it would copy
+    synchronously, so those keep cuda.bindings)."""
+    if to_device:
+        _held_call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                   ctypes.c_void_p(int(stream)))
+    else:
+        _held_call("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes),
+                   ctypes.c_void_p(int(stream)))
 
 
 def primary_context(ordinal: int = 0) -> Any:

@@ -133,6 +133,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(runner_staging, "primary_context", lambda ordinal=0: None)  # PinnedBuffer's
     monkeypatch.setattr(kiln_driver, "primary_context", lambda ordinal=0: None)
     monkeypatch.setattr(runner_staging._BatchCopies, "usable", True)
+    # the calls made with the interpreter lock held go to libcuda through ctypes: here to the fake as well
+    monkeypatch.setattr(runner_staging, "record_event", lambda event, stream: fake.cuEventRecord(event, stream))
+    monkeypatch.setattr(runner_staging, "memset_d8_async", lambda *args: fake.cuMemsetD8Async(*args))
+    monkeypatch.setattr(runner_staging, "copy_pinned_async", lambda dst, src, nbytes, stream, to_device: (
+        fake.cuMemcpyHtoDAsync if to_device else fake.cuMemcpyDtoHAsync)(dst, src, nbytes, stream))
     return fake
 
 

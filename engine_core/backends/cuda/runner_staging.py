@@ -27,7 +27,10 @@ from engine_core.cuda.driver import (
     DEVICE_LOCK,
     DeviceBuffer,
     check,
+    copy_pinned_async,
+    memset_d8_async,
     primary_context,
+    record_event,
 )
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError
@@ -120,19 +123,13 @@ class _Stage:
 
     def upload(self, begin: int, end: int, stream: int) -> None:
         """Host mirror bytes [begin, end) -> the device buffer, queued on ``stream``."""
-        from cuda.bindings import driver
-
         if end > begin:
-            check(driver.cuMemcpyHtoDAsync(self.device.ptr + begin, self.host.ptr + begin, end - begin, stream),
-                  "cuMemcpyHtoDAsync")
+            copy_pinned_async(self.device.ptr + begin, self.host.ptr + begin, end - begin, stream, to_device=True)
 
     def download(self, begin: int, end: int, stream: int) -> None:
         """Device bytes [begin, end) -> the host mirror, queued on ``stream``."""
-        from cuda.bindings import driver
-
         if end > begin:
-            check(driver.cuMemcpyDtoHAsync(self.host.ptr + begin, self.device.ptr + begin, end - begin, stream),
-                  "cuMemcpyDtoHAsync")
+            copy_pinned_async(self.host.ptr + begin, self.device.ptr + begin, end - begin, stream, to_device=False)
 
 
 @dataclass(frozen=True)
@@ -144,16 +141,12 @@ class StagedCopies:
     downloads: tuple[tuple[int, int, int], ...] = ()
 
     def upload(self, stream: int) -> None:
-        from cuda.bindings import driver
-
         for device, host, nbytes in self.uploads:
-            check(driver.cuMemcpyHtoDAsync(device, host, nbytes, stream), "cuMemcpyHtoDAsync")
+            copy_pinned_async(device, host, nbytes, stream, to_device=True)
 
     def download(self, stream: int) -> None:
-        from cuda.bindings import driver
-
         for host, device, nbytes in self.downloads:
-            check(driver.cuMemcpyDtoHAsync(host, device, nbytes, stream), "cuMemcpyDtoHAsync")
+            copy_pinned_async(host, device, nbytes, stream, to_device=False)
 
 
 def _whole_copies(graph: Any, stages: Mapping[str, _Stage]) -> StagedCopies:
@@ -222,10 +215,8 @@ class StagingMixin:
     def _run_done(self, slot: int, stream: int) -> Any:
         """The event of ``slot``'s run, recorded on ``stream`` after what this thread enqueued (under the run
         lock: nothing of another run's may come between)."""
-        from cuda.bindings import driver
-
         event = self._events[f"slot{slot}"]
-        check(driver.cuEventRecord(event, stream), "cuEventRecord(slot)")
+        record_event(event, stream)
         return event
 
     def _infer_staged(self, slot: int, stages: Mapping[str, _Stage], staged: StagedCopies,
@@ -322,7 +313,6 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
     """One input's parts into its device buffer in order: host parts into the pinned mirror (one upload per
     run of consecutive host parts), rows past the parts zeroed; device parts' copies are added to ``copies``
     (dst, src, nbytes), for the caller to enqueue as one batch (``memcpy_dtod_batch``)."""
-    from cuda.bindings import driver
 
     row, pending = 0, None  # pending: first row of host parts not uploaded yet
     stage.written = stage.shape[0] if stage.shape else 0  # padding is zeroed on the device, not in the mirror
@@ -340,8 +330,7 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
     if pending is not None:
         stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
     if row < total:
-        check(driver.cuMemsetD8Async(stage.device.ptr + row * stage.row_bytes, 0, (total - row) * stage.row_bytes,
-                                     stream), "cuMemsetD8Async")
+        memset_d8_async(stage.device.ptr + row * stage.row_bytes, 0, (total - row) * stage.row_bytes, stream)
 
 
 def _read_view(view: DeviceView) -> np.ndarray:
