@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -84,6 +85,36 @@ def memset_d8_async(dst: int, value: int, nbytes: int, stream: int) -> None:
     """cuMemsetD8Async without releasing the interpreter lock (it only enqueues)."""
     _held_call("cuMemsetD8Async", ctypes.c_uint64(dst), ctypes.c_ubyte(value), ctypes.c_size_t(nbytes),
                ctypes.c_void_p(int(stream)))
+
+
+def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """cuMemcpyDtoDAsync without releasing the interpreter lock (it only enqueues)."""
+    _held_call("cuMemcpyDtoDAsync_v2", ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes),
+               ctypes.c_void_p(int(stream)))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes (cuda.h): the source access order, source and destination location hints (type, id:
+    left invalid, they are for managed memory) and flags."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", ctypes.c_int * 2), ("dst_hint", ctypes.c_int * 2),
+                ("flags", ctypes.c_uint)]
+
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order
+
+
+def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: int) -> None:
+    """(dst, src, nbytes) copies as one cuMemcpyBatchAsync (CUDA 13's entry point, ``_v2``), sources read in
+    stream order, without releasing the interpreter lock. Raises AttributeError where libcuda lacks it."""
+    count = len(copies)
+    dsts = (ctypes.c_uint64 * count)(*(dst for dst, _, _ in copies))
+    srcs = (ctypes.c_uint64 * count)(*(src for _, src, _ in copies))
+    sizes = (ctypes.c_size_t * count)(*(nbytes for _, _, nbytes in copies))
+    attributes = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM)
+    first = ctypes.c_size_t(0)  # the attributes apply from copy 0 on
+    _held_call("cuMemcpyBatchAsync_v2", dsts, srcs, sizes, ctypes.c_size_t(count), ctypes.byref(attributes),
+               ctypes.byref(first), ctypes.c_size_t(1), ctypes.c_void_p(int(stream)))
 
 
 def copy_pinned_async(dst: int, src: int, nbytes: int, stream: int, to_device: bool) -> None:

@@ -207,6 +207,9 @@ def test_infer_batch_reads_and_writes_device_views():
         np.testing.assert_array_equal(out.to_array(np.float32, (3, 32)), want[2:5])
         np.testing.assert_array_equal(results[2]["y"], want[5:6])
     assert _replays(context) >= 2 and len(context._backend_context._bindings) == 1
+    from engine_core.backends.cuda import runner_staging
+
+    assert runner_staging._BatchCopies.usable  # the gathers went as one cuMemcpyBatchAsync through ctypes
     with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape \\[2, 32\\]"):
         context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": kiln.DeviceView(out.ptr, (2, 32), np.float32)}, {}])
 

@@ -138,6 +138,10 @@ def fake(monkeypatch):
     monkeypatch.setattr(runner_staging, "memset_d8_async", lambda *args: fake.cuMemsetD8Async(*args))
     monkeypatch.setattr(runner_staging, "copy_pinned_async", lambda dst, src, nbytes, stream, to_device: (
         fake.cuMemcpyHtoDAsync if to_device else fake.cuMemcpyDtoHAsync)(dst, src, nbytes, stream))
+    monkeypatch.setattr(runner_staging, "memcpy_dtod_async", lambda *args: fake.cuMemcpyDtoDAsync(*args))
+    monkeypatch.setattr(runner_staging, "memcpy_batch_async", lambda copies, stream: fake.cuMemcpyBatchAsync(
+        [d for d, _, _ in copies], [s for _, s, _ in copies], [n for _, _, n in copies], len(copies),
+        [types.SimpleNamespace(srcAccessOrder=1)], [0], 1, stream))
     return fake
 
 

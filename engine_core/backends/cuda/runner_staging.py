@@ -28,6 +28,8 @@ from engine_core.cuda.driver import (
     DeviceBuffer,
     check,
     copy_pinned_async,
+    memcpy_batch_async,
+    memcpy_dtod_async,
     memset_d8_async,
     primary_context,
     record_event,
@@ -391,22 +393,15 @@ class _BatchCopies:
 
 def memcpy_dtod_batch(copies: Sequence[tuple[int, int, int]], stream: int) -> None:
     """Device-to-device copies (dst, src, nbytes), unordered among themselves, in stream order as a whole: one
-    cuMemcpyBatchAsync where the driver has it, else one cuMemcpyDtoDAsync each. Why: a batch from CUDA shared
-    memory has a copy per request and input (and output); each driver call releases the interpreter lock, and
-    in a worker thread beside a busy event loop getting it back costs up to a switch interval per call."""
+    cuMemcpyBatchAsync where the driver has it, else one cuMemcpyDtoDAsync each, all with the interpreter lock
+    held. Why: a batch from CUDA shared memory has a copy per request and input (and output); a driver call that
+    releases the interpreter lock in a worker thread beside a busy event loop costs up to a switch interval."""
     copies = [copy for copy in copies if copy[2]]
     if len(copies) > 1 and _BatchCopies.usable:
-        from cuda.bindings import driver
-
         try:
-            attributes = driver.CUmemcpyAttributes()
-            attributes.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-            check(driver.cuMemcpyBatchAsync([driver.CUdeviceptr(d) for d, _, _ in copies],
-                                            [driver.CUdeviceptr(s) for _, s, _ in copies],
-                                            [n for _, _, n in copies], len(copies), [attributes], [0], 1, stream),
-                  "cuMemcpyBatchAsync")
+            memcpy_batch_async(copies, stream)
             return
-        except Exception as e:  # noqa: BLE001 - an older driver or binding: one copy per call still works
+        except Exception as e:  # noqa: BLE001 - an older driver: one copy per call still works
             _BatchCopies.usable = False
             DEFAULT_LOGGER.log(Severity.WARNING, f"cuMemcpyBatchAsync unavailable ({type(e).__name__}: {e}); "
                                                  "device-to-device copies go one call each")
@@ -415,7 +410,5 @@ def memcpy_dtod_batch(copies: Sequence[tuple[int, int, int]], stream: int) -> No
 
 
 def _memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
-    from cuda.bindings import driver
-
     if nbytes:
-        check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+        memcpy_dtod_async(dst, src, nbytes, stream)
