@@ -117,6 +117,15 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: int) -> N
                ctypes.byref(first), ctypes.c_size_t(1), ctypes.c_void_p(int(stream)))
 
 
+def launch_held(function: Any, grid: int, block: int, args: Sequence[Any], stream: int) -> None:
+    """cuLaunchKernel of a 1-D grid without releasing the interpreter lock; ``args`` are ctypes values, in the
+    kernel's parameter order."""
+    params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p) for arg in args))
+    one = ctypes.c_uint(1)
+    _held_call("cuLaunchKernel", ctypes.c_void_p(int(function)), ctypes.c_uint(grid), one, one, ctypes.c_uint(block),
+               one, one, ctypes.c_uint(0), ctypes.c_void_p(int(stream)), params, None)
+
+
 def copy_pinned_async(dst: int, src: int, nbytes: int, stream: int, to_device: bool) -> None:
     """cuMemcpyHtoDAsync / cuMemcpyDtoHAsync between device memory and *pinned* host memory, without releasing
     the interpreter lock: from pinned memory the driver only enqueues (from pageable memory it would copy

@@ -214,6 +214,31 @@ def test_infer_batch_reads_and_writes_device_views():
         context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": kiln.DeviceView(out.ptr, (2, 32), np.float32)}, {}])
 
 
+def test_many_device_parts_go_through_the_segment_kernel():
+    """Ten requests in device memory (CUDA shared memory): one copy_segments launch gathers their rows and one
+    writes each output back; the results are those of a host batch."""
+    from engine_core.backends.cuda import runner_staging
+    from engine_core.cuda.driver import DeviceBuffer
+
+    engine = build_engine(mlp(), "cuda", PROFILE)
+    context = engine.create_execution_context()
+    parts = [_x(40 + i, 1 + i % 3) for i in range(10)]  # 19 rows
+    total = sum(p.shape[0] for p in parts)
+    want = context.infer({"x": np.concatenate(parts + [np.zeros((24 - total, 64), np.float32)])})["y"][:total]
+    assert len(parts) >= runner_staging.SEGMENT_KERNEL_MIN_COPIES
+    sources = [DeviceBuffer.from_array(p) for p in parts]
+    targets = [DeviceBuffer(p.shape[0] * 32 * 4) for p in parts]
+    feeds = [{"x": kiln.DeviceView(s.ptr, p.shape, np.float32)} for s, p in zip(sources, parts)]
+    destinations = [{"y": kiln.DeviceView(t.ptr, (p.shape[0], 32), np.float32)} for t, p in zip(targets, parts)]
+    for _ in range(3):  # both staging slots' tables, then one reused
+        for target, part in zip(targets, parts):
+            target.copy_from(np.full((part.shape[0], 32), np.nan, np.float32))
+        results = context.infer_batch(feeds, pad_to=24, destinations=destinations)
+        assert all(list(r) == [] for r in results)
+        got = np.concatenate([t.to_array(np.float32, (p.shape[0], 32)) for t, p in zip(targets, parts)])
+        np.testing.assert_array_equal(got, want)
+
+
 def test_infer_batch_whole_outputs_match_the_cpu_backend():
     """y and k are split by rows, s (a sum over the batch, padding rows included) goes whole to every part,
     to a destination too."""

@@ -142,6 +142,14 @@ def fake(monkeypatch):
     monkeypatch.setattr(runner_staging, "memcpy_batch_async", lambda copies, stream: fake.cuMemcpyBatchAsync(
         [d for d, _, _ in copies], [s for _, s, _ in copies], [n for _, _, n in copies], len(copies),
         [types.SimpleNamespace(srcAccessOrder=1)], [0], 1, stream))
+
+    def copy_segments(function, grid, block, args, stream):  # the kernel: each (dst, src, nbytes) row of the table
+        table, count = args[0].value, args[1].value
+        fake.calls.append(f"segments x{count}")
+        for dst, src, nbytes in _host(table, np.uint64, (count, 3)):
+            ctypes.memmove(int(dst), int(src), int(nbytes))
+
+    monkeypatch.setattr(runner_staging, "launch_held", copy_segments)
     return fake
 
 
@@ -152,7 +160,7 @@ def setup(fake):
     engine = kiln.Runtime().load(build(batch_model(), SHAPES))
     context = engine.create_execution_context()
     graph = engine.plan.graph
-    state = runner.CudaContextState(types.SimpleNamespace(plan=engine.plan))
+    state = runner.CudaContextState(types.SimpleNamespace(plan=engine.plan, function=lambda module, name: name))
     def bind(shapes, values=None):
         key = tuple(sorted(shapes.items()))
         if key not in state._bindings:
@@ -259,6 +267,27 @@ def test_infer_batch_gathers_pads_splits_and_writes_destinations(setup) -> None:
     np.testing.assert_array_equal(_host(s_out.ptr, np.float32, (3,)), want[3]["s"])
     with pytest.raises(kiln.ShapeError, match="destination of output 'y' for part 1 has shape"):
         context.infer_batch(feeds, pad_to=8, destinations=[{}, {"y": s_out}, {}, {}])
+
+
+def test_many_device_parts_gather_and_deliver_through_one_segment_kernel_each(setup) -> None:
+    """A batch of requests in CUDA shared memory: a copy per request and tensor, so one copy_segments launch
+    gathers them and one delivers the outputs, each reading its slot's table."""
+    reference, context, fake = setup
+    parts = [_part(30 + i, 1 + i % 2) for i in range(5)]  # 7 rows; 10 input copies
+    want = reference.infer_batch(parts, pad_to=8)
+    feeds = [{name: _device(fake, value) for name, value in part.items()} for part in parts]
+    outs = [_device(fake, np.full((p["x"].shape[0], 3), np.nan, np.float32)) for p in parts]
+    keys = [_device(fake, np.zeros((p["x"].shape[0], *want[0]["k"].shape[1:]), want[0]["k"].dtype)) for p in parts]
+    for _ in range(2):  # the second run reuses the tables
+        fake.calls.clear()
+        got = context.infer_batch(feeds, pad_to=8, destinations=[{"y": y, "k": k} for y, k in zip(outs, keys)])
+        calls = _io(fake.calls)
+        assert calls.count("segments x10") == 2 and calls[-2:] == ["done", "wait"]  # gathers, deliveries
+        assert calls.index("segments x10") < calls.index("run") < len(calls) - 1 - calls[::-1].index("segments x10")
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert list(g) == ["s"]
+            np.testing.assert_array_equal(_host(outs[index].ptr, np.float32, w["y"].shape), w["y"])
+            np.testing.assert_array_equal(_host(keys[index].ptr, w["k"].dtype, w["k"].shape), w["k"])
 
 
 def test_device_copies_go_one_call_each_where_the_driver_has_no_batch_copy(fake, monkeypatch, caplog) -> None:

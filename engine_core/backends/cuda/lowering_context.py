@@ -33,8 +33,8 @@ THREADS = 256
 #: one of these, an ON_DEMAND_KERNEL_FILES entry, or "pointwise"
 KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
 #: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
-#: 30-50 s)
-ON_DEMAND_KERNEL_FILES = ("qgemm_sm90",)
+#: 30-50 s), or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory)
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,6 @@ from engine_core.backends.cuda.runner_staging import (
     _synchronize,
     _synchronized_on_error,
     _wait,
-    memcpy_dtod_batch,
 )
 from engine_core.backends.cuda.runner_staging import StagedCopies as StagedCopies
 from engine_core.backends.cuda.runner_staging import _copy_out as _copy_out
@@ -471,14 +470,14 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
                     copies: list[tuple[int, int, int]] = []
                     for name, values in inputs.items():
                         _gather(stages[name], values, total, stream, copies)
-                    memcpy_dtod_batch(copies, stream)
+                    self._copy_on_device(copies, stream, slot, "gather")
                     try:
                         self.execute(shapes, addresses, stream, profiler, None, debug)
                     except HostValueNotTensor as e:  # a host layer produced a sequence/optional
                         _synchronize(stream)
                         outputs = self._on_host(self._gathered_on_host(inputs, total), str(e), debug)
                         return self._scatter(outputs, spans, total, destinations)
-                    on_host = self._deliver(stages, spans, total, destinations, stream)
+                    on_host = self._deliver(stages, spans, total, destinations, stream, slot)
                     done = self._run_done(slot, stream)
                 _wait(done)
             return self._collect(on_host, spans)

@@ -28,6 +28,7 @@ from engine_core.cuda.driver import (
     DeviceBuffer,
     check,
     copy_pinned_async,
+    launch_held,
     memcpy_batch_async,
     memcpy_dtod_async,
     memset_d8_async,
@@ -85,6 +86,34 @@ class PinnedBuffer:
                 driver.cuMemFreeHost(self.ptr)
         except Exception:
             pass
+
+
+#: a run's device-to-device copies at or above this count go as one copy_segments launch (CUDA shared memory:
+#: a copy per request and tensor), fewer through the driver (``memcpy_dtod_batch``)
+SEGMENT_KERNEL_MIN_COPIES = 8
+SEGMENTS_MODULE = "copy_segments"  # cuda_kernels/copy_segments.cu, compiled on first use (ON_DEMAND_KERNEL_FILES)
+
+
+class _CopyTable:
+    """The copy_segments kernel's argument: rows of (dst, src, nbytes) written to pinned memory and uploaded to a
+    device twin on the run's stream. One per staging slot and purpose (gathers, deliveries), so a table is
+    rewritten only after the run that reads it is done (a slot is taken again only then)."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.host: PinnedBuffer | None = None
+        self.device: DeviceBuffer | None = None
+
+    def upload(self, copies: Sequence[tuple[int, int, int]], stream: int) -> int:
+        """``copies`` into the table, queued to the device; the device table's address."""
+        count = len(copies)
+        if count > self.capacity:
+            self.capacity = max(256, 2 * count)
+            self.host, self.device = PinnedBuffer(24 * self.capacity), DeviceBuffer(24 * self.capacity)
+        assert self.host is not None and self.device is not None
+        self.host.view(np.dtype(np.uint64), (count, 3))[...] = copies
+        copy_pinned_async(self.device.ptr, self.host.ptr, 24 * count, stream, to_device=True)
+        return self.device.ptr
 
 
 class _Stage:
@@ -252,8 +281,23 @@ class StagingMixin:
                 result[name] = whole[start:stop] if batched else whole
         return results
 
+    def _copy_on_device(self, copies: Sequence[tuple[int, int, int]], stream: int, slot: int, purpose: str) -> None:
+        """A run's device-to-device copies (a batch's gathers or deliveries, under the run lock): many small ones as
+        one copy_segments launch reading this slot's table, a few through the driver (``memcpy_dtod_batch``)."""
+        copies = [copy for copy in copies if copy[2]]
+        if len(copies) < SEGMENT_KERNEL_MIN_COPIES:
+            memcpy_dtod_batch(copies, stream)
+            return
+        tables: dict[tuple[int, str], _CopyTable] = self.__dict__.setdefault("_copy_tables", {})
+        table = tables.setdefault((slot, purpose), _CopyTable())
+        address = table.upload(copies, stream)
+        function = self.engine.function(SEGMENTS_MODULE, SEGMENTS_MODULE)  # type: ignore[attr-defined]
+        launch_held(function, min(len(copies), 4096), 128, [ctypes.c_uint64(address), ctypes.c_int(len(copies))],
+                    stream)
+
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
-                 destinations: Sequence[Mapping[str, DeviceView]], stream: int) -> list[tuple[str, _Stage, bool, list[int]]]:
+                 destinations: Sequence[Mapping[str, DeviceView]], stream: int,
+                 slot: int = 0) -> list[tuple[str, _Stage, bool, list[int]]]:
         """Enqueue each part's piece of every output (under the run lock): device to device into its destination,
         else one download of the rows parts want on the host (from the first such part's to the last's).
         Returns what ``_collect`` reads once the run is done."""
@@ -272,7 +316,7 @@ class StagingMixin:
             if wanted:
                 stage.download(wanted[0][1], wanted[-1][2], stream)
                 on_host.append((name, stage, batched, [index for index, _, _ in wanted]))
-        memcpy_dtod_batch(copies, stream)
+        self._copy_on_device(copies, stream, slot, "deliver")
         return on_host
 
     @staticmethod
