@@ -53,9 +53,13 @@ def submit_parts(core: Any, requests: list[InferRequest], reply: Answer) -> list
     started = time.perf_counter_ns()
     results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(requests)
     members: list[_Checked] = []
+    alike = not _reshapes(model)  # members after a checked one need only their own checks
     for index, request in enumerate(requests):
         try:
-            inputs, batch, requested = core._checked(model, request)
+            if members and alike:
+                inputs, batch, requested = _alike_member(core, model, members[0], request)
+            else:
+                inputs, batch, requested = core._checked(model, request)
             destinations = request_io.output_views(core.system_shm, model, requested, inputs)
         except Exception as e:  # noqa: BLE001 - this member's own error; the others still run
             model.statistics.record_failure(time.perf_counter_ns() - started)
@@ -79,6 +83,24 @@ def submit_parts(core: Any, requests: list[InferRequest], reply: Answer) -> list
     future.add_done_callback(functools.partial(_finish, core=core, model=model, members=members, results=results,
                                                started=started, reply=reply))
     return [future]
+
+
+def _reshapes(model: ModelVersion) -> bool:
+    """Whether the config reshapes an input (`reshape`): each member's arrays then take the full check."""
+    return any(spec.model_dims != spec.dims for spec in model.inputs.values())
+
+
+def _alike_member(core: Any, model: ModelVersion, first: _Checked, request: InferRequest
+                  ) -> tuple[dict[str, Any], int, list[RequestedOutput]]:
+    """A member after one that passed the full check: alike it in input names, datatypes, shapes past the batch
+    dim and output names (grouping.group_key), so only what is its own is checked: its regions (resolved, their
+    sizes against its shapes) and its batch size. Why: the full check per member was most of the core's time for
+    a group in shared memory (docs/performance.md)."""
+    rows = int(request.inputs[0].shape[0])
+    if not 1 <= rows <= model.max_batch_size:
+        return core._checked(model, request)  # says what is wrong, in the full check's words
+    arrays = {tensor.name: request_io.input_array(core.system_shm, tensor, model) for tensor in request.inputs}
+    return arrays, rows, request.outputs or first.requested
 
 
 def _runs_as_parts(core: Any, requests: list[InferRequest]) -> ModelVersion | None:

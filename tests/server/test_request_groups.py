@@ -397,3 +397,24 @@ def test_a_group_in_shared_memory_over_max_batch_runs_member_by_member(repositor
         assert stats["inference_stats"]["success"]["count"] == 5 and stats["inference_count"] == 10
 
     _serve(repository, tmp_path, scenario)
+
+
+def test_members_after_the_first_are_checked_for_what_is_their_own(repository: Path, tmp_path: Path, region):
+    """A member alike the first that passed its check still has its own region sizes and rows checked."""
+    members = [_in_region(i) for i in range(3)]
+    data = [_fill(region, m) for m in members]
+    members[1].inputs[0].parameters["shared_memory_byte_size"] = 8  # too small for [1, 16] FP32
+    members[2].inputs[1].parameters["shared_memory_offset"] = region.size  # past the region's end
+
+    async def scenario(core, remote, service):
+        await core.register_system_shared_memory("r", f"/{region.name}", 0, region.size)
+        first, small, outside = await asyncio.gather(*(remote.infer(m) for m in members), return_exceptions=True)
+        np.testing.assert_array_equal(_read(region, members[0].outputs[0], data[0][0].shape), data[0][0] + data[0][1])
+        for error in (small, outside):
+            assert isinstance(error, ServerError) and error.kind == ErrorKind.INVALID_ARGUMENT
+        assert "expected 64 bytes for FP32 [1, 16], got 8" in str(small)
+        assert "is outside its" in str(outside)
+        stats = (await core.model_statistics("batched"))["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 1 and stats["inference_stats"]["fail"]["count"] == 2
+
+    _serve(repository, tmp_path, scenario)
