@@ -8,9 +8,12 @@ HTTP (batch 1..8), simple_cnn images with classification, identity with several 
 add_sub and simple_cnn, and fuzzed bad requests (load_tests.fuzz, a third of the traffic). Every good answer is
 checked against numpy; a request is *lost* when it gets no answer at all (HTTP transport error, gRPC
 UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED / UNKNOWN).
-RSS comes from /proc/<pid>/status (psutil is not needed), every `--sample-s`. "Flat" means: over the last 80%
-of the run (the first 20% is warm-up: allocator arenas, caches, first-time imports) the least-squares slope of
-RSS is under `--max-slope-mb-per-min` and the fitted line rises less than `--max-growth-mb` end to end.
+RSS is the server's whole process tree (the server, its frontend processes, Python model stubs, build helpers),
+from /proc (psutil is not needed), every `--sample-s`. Where `nvidia-smi` answers, the device memory the tree's
+processes hold is sampled too (on a GPU machine the example repository's models without an instance kind build
+for CUDA), and must stay flat in the same sense. "Flat" means: over the last 80% of the run (the first 20% is
+warm-up: allocator arenas, caches, first-time imports) the least-squares slope is under `--max-slope-mb-per-min`
+and the fitted line rises less than `--max-growth-mb` end to end.
 Exit code 0 when flat, no request lost, no wrong answer, no unexpected 5xx and no worker restart.
 """
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import random
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -43,6 +47,47 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (frontends, model stubs, build helpers), from /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        pending.extend(children.get(current, []))
+    return tree
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of `pid`'s whole process tree in MiB (a process that exits meanwhile counts 0)."""
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            total += rss_mb(member)
+        except (OSError, RuntimeError):
+            pass
+    return total
+
+
+def device_memory_mb(pid: int) -> float | None:
+    """Device memory (MiB) that `pid`'s process tree holds on every GPU, as `nvidia-smi` reports it per process;
+    None where nvidia-smi is missing or fails (no GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    tree = set(process_tree(pid))
+    return float(sum(int(used) for owner, used in (line.split(",") for line in out.splitlines() if line.strip())
+                     if int(owner) in tree))
+
+
 @dataclass
 class SoakReport:
     minutes: float = 0.0
@@ -62,6 +107,11 @@ class SoakReport:
     rss_max_mb: float = 0.0
     rss_growth_mb: float = 0.0  # the fitted line's rise over the fit window
     rss_slope_mb_per_min: float = 0.0
+    #: device memory of the process tree (nvidia-smi), when there is a GPU; fitted like RSS
+    device_samples_mb: list[float] = field(default_factory=list)
+    device_sample_minutes: list[float] = field(default_factory=list)
+    device_growth_mb: float = 0.0
+    device_slope_mb_per_min: float = 0.0
     max_slope_mb_per_min: float = 0.0
     max_growth_mb: float = 0.0
     flat: bool = False
@@ -247,7 +297,11 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
     while time.monotonic() - started < minutes * 60:
         time.sleep(sample_s)
         report.rss_sample_minutes.append(round((time.monotonic() - started) / 60, 3))
-        report.rss_samples_mb.append(round(rss_mb(pid), 1))
+        report.rss_samples_mb.append(round(tree_rss_mb(pid), 1))
+        device = device_memory_mb(pid)
+        if device is not None:
+            report.device_samples_mb.append(device)
+            report.device_sample_minutes.append(report.rss_sample_minutes[-1])
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
@@ -266,19 +320,38 @@ def worker_restarts(metrics_url: str) -> int:
 
 
 def judge(report: SoakReport, fit_share: float = 0.8) -> None:
-    """Flat RSS: least-squares line over the samples of the last `fit_share` of the run; its slope (MiB/min)
-    and its rise over that window must stay under the report's limits. Sets `flat` and `passed`."""
+    """Flat memory: least-squares line over the samples of the last `fit_share` of the run; its slope (MiB/min)
+    and its rise over that window must stay under the report's limits, for host RSS and (when sampled) device
+    memory alike. Sets `flat` and `passed`."""
     times, samples = report.rss_sample_minutes, report.rss_samples_mb
-    window = [(t, s) for t, s in zip(times, samples) if t >= (1 - fit_share) * report.minutes]
-    if len(window) >= 4:
-        t, s = np.array(window).T
-        slope, intercept = np.polyfit(t, s, 1)
-        report.rss_start_mb, report.rss_end_mb, report.rss_max_mb = float(s[0]), float(s[-1]), float(max(samples))
-        report.rss_slope_mb_per_min = round(float(slope), 3)
-        report.rss_growth_mb = round(float(slope * (t[-1] - t[0])), 1)
-        report.flat = bool(slope < report.max_slope_mb_per_min and report.rss_growth_mb < report.max_growth_mb)
+    fitted = _fit(times, samples, report.minutes * (1 - fit_share))
+    if fitted is not None:
+        (report.rss_start_mb, report.rss_end_mb), report.rss_max_mb = fitted[2], float(max(samples))
+        report.rss_slope_mb_per_min, report.rss_growth_mb = fitted[0], fitted[1]
+        report.flat = report.rss_slope_mb_per_min < report.max_slope_mb_per_min and \
+            report.rss_growth_mb < report.max_growth_mb
+    if report.device_samples_mb:
+        device = _fit(report.device_sample_minutes, report.device_samples_mb, report.minutes * (1 - fit_share))
+        if device is None:
+            report.flat = False  # sampled but too few samples to judge
+        else:
+            report.device_slope_mb_per_min, report.device_growth_mb = device[0], device[1]
+            report.flat = report.flat and device[0] < report.max_slope_mb_per_min and \
+                device[1] < report.max_growth_mb
     report.passed = (report.flat and report.lost == 0 and report.server_errors == 0 and report.wrong_answers == 0
                      and report.worker_restarts == 0)
+
+
+def _fit(times: list[float], samples: list[float], after: float
+         ) -> tuple[float, float, tuple[float, float]] | None:
+    """(slope MiB/min, the fitted line's rise, (first, last sample)) over the samples from minute `after` on; None
+    with fewer than 4 of them."""
+    window = [(t, s) for t, s in zip(times, samples) if t >= after]
+    if len(window) < 4:
+        return None
+    t, s = np.array(window).T
+    slope, _ = np.polyfit(t, s, 1)
+    return round(float(slope), 3), round(float(slope * (t[-1] - t[0])), 1), (float(s[0]), float(s[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         report = soak(url, pid, args.minutes, args.concurrency, grpc_url, args.sample_s, args.seed,
                       args.max_slope_mb_per_min, args.max_growth_mb, _flag_url(pid, b"--metrics-port", "http://{}/metrics"))
-    summary = {k: v for k, v in asdict(report).items() if k not in ("rss_samples_mb", "rss_sample_minutes")}
+    summary = {k: v for k, v in asdict(report).items()
+               if k not in ("rss_samples_mb", "rss_sample_minutes", "device_samples_mb", "device_sample_minutes")}
     print(json.dumps(summary, indent=2))
     path = Path(args.json_file or Path(__file__).resolve().parents[1] / "bench" / "results"
                 / f"soak_{time.strftime('%Y%m%dT%H%M%S')}.json")
