@@ -141,6 +141,9 @@ def submit_stream(core: _Core, request: InferRequest, on_part: OnPart) -> Any:
         return None
     if not is_decoupled(model):
         return core.submit_infer(request, lambda response, error: _answered(on_part, response, error))
+    own = getattr(model, "submit_stream", None)  # a decoupled ensemble runs its steps itself (ensemble.py)
+    if own is not None:
+        return own(core, request, on_part)
     try:
         inputs, batch, requested = core._checked(model, request)
         stream = Stream(core, model, request, requested, on_part)

@@ -11,23 +11,32 @@ not depend on each other run at the same time, and each one is an ordinary reque
 the core's own entry point (`StepRunner`), so that model's checks, scheduler, batcher and statistics apply.
 Intermediates pass between steps as the arrays the steps returned (batch dims added or dropped as views), never
 serialized. Steps whose outputs nobody asked for are not run.
+
+A decoupled composing model makes the ensemble decoupled (`decoupled_steps`, Triton's decouple labels): it is then
+served as a stream (`EnsembleVersion.submit_stream`), each response of a step feeding the steps after it once, as
+Triton's ensemble scheduler does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from server.protos import model_config_pb2
 
-from .decoupled import is_decoupled
-from .errors import ServerError, invalid, unimplemented
+from . import request_io
+from .decoupled import OnPart, StreamPart, is_decoupled
+from .errors import ErrorKind, ServerError, invalid
 from .model import ServedModel
 from .model_config import ModelConfig
+from .statistics import ExecutionTimes
 from .types import CONFIG_TYPE_OF_DATATYPE, InferInput, InferRequest, InferResponse, RequestedOutput
 
 #: how an ensemble runs one step: the core's inference entry point (a request to the composing model)
@@ -212,11 +221,6 @@ def check_composing(config: ModelConfig, steps: list[EnsembleStep], models: dict
         known[tensor.name] = _TensorType(name, batching, model_config_pb2.DataType.Name(tensor.data_type), dims)
     for step in steps:
         model = models[step.index]
-        if is_decoupled(model):  # Triton streams such a step's responses through the ensemble (a decoupled ensemble)
-            raise unimplemented(f"in ensemble {name}, {step.label} is a decoupled model; "
-                                "Kiln does not yet support decoupled models in ensembles (Triton makes such an "
-                                "ensemble decoupled and runs the later steps once per response). Call the "
-                                "decoupled model from a Python model with BLS (exec(decoupled=True)) instead")
         if 0 < model.max_batch_size < config.max_batch_size:
             raise invalid(f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it contains model "
                           f"{step.model_name} which only allows maximum batch size to be {model.max_batch_size}")
@@ -239,6 +243,26 @@ def check_composing(config: ModelConfig, steps: list[EnsembleStep], models: dict
                               f"{model_output} in model {step.model_name}")
             _meet(known, tensor, _TensorType(step.model_name, model_batching, _config_type(output_spec.datatype),
                                              output_spec.dims), name)
+
+
+def decoupled_steps(name: str, steps: list[EnsembleStep], models: dict[int, ServedModel]) -> bool:
+    """Whether a step of the ensemble is decoupled, which makes the ensemble decoupled (its later steps run once per
+    response: ensemble_stream.py). Each decoupled step starts a label its outputs and their readers carry; a step
+    whose inputs come from different labels is refused, with Triton's text (ensemble_utils.cc)."""
+    labels: dict[str, int] = {}  # tensor -> label; ensemble inputs and what only they feed carry 0
+    count = 0
+    for step in steps:  # in dependency order: every input's writer came first
+        seen = {labels.get(tensor, 0) for _, tensor in step.inputs}
+        if len(seen) > 1:
+            raise invalid(f"in ensemble {name}, step of model '{step.model_name}' receives inputs originated from "
+                          "different decoupled models")
+        label = seen.pop() if seen else 0
+        if is_decoupled(models[step.index]):
+            count += 1
+            label = count
+        for _, tensor in step.outputs:
+            labels[tensor] = label
+    return count > 0
 
 
 def _meet(known: dict[str, _TensorType], tensor: str, side: _TensorType, ensemble: str) -> None:
@@ -324,6 +348,9 @@ class EnsembleVersion(ServedModel):
         self.steps = ensemble_steps(config)
         models = {step.index: composing_model(name, step, composing[step.model_name]) for step in self.steps}
         check_composing(config, self.steps, models)
+        #: a decoupled step makes the ensemble decoupled (Triton sets model_transaction_policy, /config shows it)
+        self.decoupled = decoupled_steps(name, self.steps, models)
+        self.config.model_transaction_policy.decoupled = self.decoupled
         self._plans = [_StepPlan(step, models[step.index].max_batch_size > 0,
                                  {n: s.dims for n, s in models[step.index].inputs.items()}) for step in self.steps]
 
@@ -388,6 +415,108 @@ class EnsembleVersion(ServedModel):
             for future in running:
                 future.cancel()
         return {name: tensors[name].array for name in requested}
+
+    # -- a decoupled ensemble (a decoupled step): streamed ------------------------------------------------------
+    def submit_stream(self, core: Any, request: InferRequest, on_part: OnPart) -> asyncio.Future | None:
+        """`decoupled.submit_stream` for a decoupled ensemble: checked like any request, then its steps run as a
+        task that sends a response whenever every requested output has a value of one iteration, and the final
+        flag once no step is left running. Returns what to cancel to withdraw it (None when answered at once)."""
+        started = time.perf_counter_ns()
+        try:
+            inputs, batch, requested = core._checked(self, request)
+        except Exception as e:  # noqa: BLE001 - answered, as a request that never ran
+            self.statistics.record_failure(time.perf_counter_ns() - started)
+            on_part(StreamPart(error=e, final=True))
+            return None
+        task = asyncio.ensure_future(self._stream(core, inputs, batch, request, requested, on_part))
+        task.add_done_callback(functools.partial(self._streamed, on_part=on_part, batch=batch, started=started))
+        return task
+
+    def _streamed(self, done: asyncio.Future, on_part: OnPart, batch: int, started: int) -> None:
+        """The stream's steps are done: the final flag (or the error that ended them) and the statistics."""
+        if done.cancelled():
+            return  # the caller withdrew: it hears nothing more
+        error = done.exception()
+        if error is not None:
+            self.statistics.record_failure(time.perf_counter_ns() - started)
+            on_part(StreamPart(error=error, final=True))
+            return
+        self.statistics.record_success(batch, time.perf_counter_ns() - started, ExecutionTimes())
+        self.statistics.record_execution(batch, ExecutionTimes())
+        if not done.result():  # no answer carried the final flag
+            on_part(StreamPart(final=True))
+
+    async def _stream(self, core: Any, inputs: dict[str, np.ndarray], batch: int, request: InferRequest,
+                      requested: list[RequestedOutput], on_part: OnPart) -> bool:
+        """Triton's decoupled ensemble (ensemble_scheduler.cc): every response of a step gives its output tensors
+        a value of the next iteration (per tensor, counted from 0; the ensemble inputs are iteration 0); a step
+        runs once per iteration all its inputs have; a response of the ensemble goes out for an iteration every
+        requested output has. Steps go through the core's stream entry (a step that is not decoupled answers once).
+        The answer made when no step is left running carries the final flag, as Triton's does; True when one did
+        (else the final flag goes alone)."""
+        carried = batch if self.max_batch_size > 0 else 0
+        values: dict[str, dict[int, _Tensor]] = {
+            name: {0: _Tensor(self.inputs[name].datatype, array, carried)} for name, array in inputs.items()}
+        plans = self._plans_for([o.name for o in requested])
+        readers: dict[str, list[_StepPlan]] = collections.defaultdict(list)
+        for plan in plans:
+            for _, tensor in plan.step.inputs:
+                readers[tensor].append(plan)
+        parts: asyncio.Queue[tuple[_StepPlan, int, StreamPart]] = asyncio.Queue()
+        handles: list[Any] = []
+        running = 0
+
+        def start(plan: _StepPlan, iteration: int) -> None:
+            nonlocal running
+            step_request, step_batch = plan.request({t: values[t][iteration] for _, t in plan.step.inputs}, request)
+            running += 1
+            handles.append(core.submit_stream(step_request, lambda part: parts.put_nowait((plan, step_batch, part))))
+
+        begun: set[tuple[int, int]] = set()  # (step index, iteration): each step runs once per iteration
+        for plan in plans:
+            if all(0 in values.get(tensor, {}) for _, tensor in plan.step.inputs):
+                begun.add((plan.step.index, 0))
+                start(plan, 0)
+        names = [o.name for o in requested]
+        try:
+            while running:
+                plan, step_batch, part = await parts.get()
+                running -= part.final
+                if part.error is not None:
+                    error = part.error if isinstance(part.error, ServerError) else ServerError(
+                        ErrorKind.INTERNAL, f"{type(part.error).__name__}: {part.error}")
+                    raise ServerError(error.kind, f"in ensemble '{self.name}', {error.message} ({plan.step.label})")
+                if part.response is None:
+                    continue  # a decoupled step's final flag alone
+                produced = {output.name: output for output in part.response.outputs}
+                updated = []
+                for model_output, tensor in plan.step.outputs:
+                    output = produced.get(model_output)
+                    if output is not None:  # Triton too goes on when a response leaves an output out
+                        iterations = values.setdefault(tensor, {})
+                        iteration = len(iterations)
+                        iterations[iteration] = _Tensor(output.datatype, output.data, step_batch)  # type: ignore[arg-type]
+                        updated.append((tensor, iteration))
+                for tensor, iteration in updated:
+                    for reader in readers.get(tensor, []):
+                        key = (reader.step.index, iteration)
+                        if key not in begun and all(iteration in values.get(t, {}) for _, t in reader.step.inputs):
+                            begun.add(key)
+                            start(reader, iteration)
+                answers = [InferResponse(self.name, str(self.version),
+                                         [request_io.output(core.system_shm, self, o, values[o.name][iteration].array)
+                                          for o in requested], id=request.id)
+                           for iteration in sorted({i for t, i in updated if t in names})
+                           if all(iteration in values.get(name, {}) for name in names)]
+                for index, answer in enumerate(answers):  # the last step's last answer carries the final flag
+                    on_part(StreamPart(answer, final=not running and index == len(answers) - 1))
+                if answers and not running:
+                    return True
+            return False
+        finally:
+            for handle in handles:
+                if handle is not None:
+                    handle.cancel()
 
     @staticmethod
     def _release(plan: _StepPlan, tensors: dict[str, _Tensor], readers: collections.Counter,

@@ -86,11 +86,6 @@ INVALID = {
     "bad_shape": (ensemble_config("bad_shape", ADD_ONLY, outputs=_tensors(["S", "D"], dims="8")),
                   "in ensemble bad_shape, ensemble tensor S: inconsistent shape: [-1, 8] is inferred from model "
                   "bad_shape while [-1, 16] is inferred from model add_sub"),
-    "bad_decoupled_step": (ensemble_config("bad_decoupled_step", [_step("square_int32", {"IN": "A"}, {"OUT": "S"})],
-                                           inputs=_tensors(["A"], dims="1"), outputs=_tensors(["S"], dims="1"),
-                                           max_batch_size=0),
-                           "in ensemble bad_decoupled_step, step 0, model 'square_int32' is a decoupled model; Kiln "
-                           "does not yet support decoupled models in ensembles"),
     "bad_input_name": (ensemble_config("bad_input_name", [
         _step("add_sub", {"INPUT0": "A", "INPUTX": "B"}, {"OUTPUT0": "S", "OUTPUT1": "D"})]),
         "in ensemble bad_input_name, ensemble tensor B is mapping to non-existing input INPUTX in model add_sub"),
