@@ -455,33 +455,55 @@ class EnsembleVersion(ServedModel):
         The answer made when no step is left running carries the final flag, as Triton's does; True when one did
         (else the final flag goes alone)."""
         carried = batch if self.max_batch_size > 0 else 0
-        values: dict[str, dict[int, _Tensor]] = {
-            name: {0: _Tensor(self.inputs[name].datatype, array, carried)} for name, array in inputs.items()}
         plans = self._plans_for([o.name for o in requested])
+        names = [o.name for o in requested]
         readers: dict[str, list[_StepPlan]] = collections.defaultdict(list)
         for plan in plans:
             for _, tensor in plan.step.inputs:
                 readers[tensor].append(plan)
-        parts: asyncio.Queue[tuple[_StepPlan, int, StreamPart]] = asyncio.Queue()
-        handles: list[Any] = []
-        running = 0
+        values: dict[str, dict[int, _Tensor]] = collections.defaultdict(dict)
+        unread: dict[tuple[str, int], int] = {}  # (tensor, iteration) -> readers still to take it (then dropped)
+
+        def put(tensor: str, value: _Tensor) -> int:
+            iteration = next_iteration[tensor]
+            next_iteration[tensor] += 1
+            values[tensor][iteration] = value
+            unread[(tensor, iteration)] = len(readers.get(tensor, ())) + (tensor in names)
+            return iteration
+
+        def taken(tensor: str, iteration: int) -> None:
+            key = (tensor, iteration)
+            unread[key] -= 1
+            if not unread[key]:  # every reader took it: a long stream keeps only what is still to be read
+                del unread[key], values[tensor][iteration]
+
+        next_iteration: collections.Counter[str] = collections.Counter()
+        for name, array in inputs.items():
+            put(name, _Tensor(self.inputs[name].datatype, array, carried))
+        parts: asyncio.Queue[tuple[int, _StepPlan, int, StreamPart]] = asyncio.Queue()
+        handles: dict[int, Any] = {}  # the steps still running, to cancel when the stream ends early
+        began: set[tuple[int, int]] = set()  # (step index, iteration): each step runs once per iteration
 
         def start(plan: _StepPlan, iteration: int) -> None:
-            nonlocal running
+            began.add((plan.step.index, iteration))
             step_request, step_batch = plan.request({t: values[t][iteration] for _, t in plan.step.inputs}, request)
-            running += 1
-            handles.append(core.submit_stream(step_request, lambda part: parts.put_nowait((plan, step_batch, part))))
+            for _, tensor in plan.step.inputs:
+                taken(tensor, iteration)
+            key = len(began)  # its parts come back with it (a final one ends the step)
+            handles[key] = core.submit_stream(step_request, lambda part: parts.put_nowait((key, plan, step_batch, part)))
 
-        begun: set[tuple[int, int]] = set()  # (step index, iteration): each step runs once per iteration
+        def ready(plan: _StepPlan, iteration: int) -> bool:
+            return ((plan.step.index, iteration) not in began
+                    and all(iteration in values.get(t, {}) for _, t in plan.step.inputs))
+
         for plan in plans:
-            if all(0 in values.get(tensor, {}) for _, tensor in plan.step.inputs):
-                begun.add((plan.step.index, 0))
+            if ready(plan, 0):
                 start(plan, 0)
-        names = [o.name for o in requested]
         try:
-            while running:
-                plan, step_batch, part = await parts.get()
-                running -= part.final
+            while handles:
+                key, plan, step_batch, part = await parts.get()
+                if part.final:
+                    handles.pop(key, None)
                 if part.error is not None:
                     error = part.error if isinstance(part.error, ServerError) else ServerError(
                         ErrorKind.INTERNAL, f"{type(part.error).__name__}: {part.error}")
@@ -489,32 +511,30 @@ class EnsembleVersion(ServedModel):
                 if part.response is None:
                     continue  # a decoupled step's final flag alone
                 produced = {output.name: output for output in part.response.outputs}
-                updated = []
-                for model_output, tensor in plan.step.outputs:
-                    output = produced.get(model_output)
-                    if output is not None:  # Triton too goes on when a response leaves an output out
-                        iterations = values.setdefault(tensor, {})
-                        iteration = len(iterations)
-                        iterations[iteration] = _Tensor(output.datatype, output.data, step_batch)  # type: ignore[arg-type]
-                        updated.append((tensor, iteration))
+                updated = [(tensor, put(tensor, _Tensor(produced[model_output].datatype,
+                                                        produced[model_output].data,  # type: ignore[arg-type]
+                                                        step_batch)))
+                           for model_output, tensor in plan.step.outputs
+                           if model_output in produced]  # Triton too goes on when a response leaves one out
                 for tensor, iteration in updated:
                     for reader in readers.get(tensor, []):
-                        key = (reader.step.index, iteration)
-                        if key not in begun and all(iteration in values.get(t, {}) for _, t in reader.step.inputs):
-                            begun.add(key)
+                        if ready(reader, iteration):
                             start(reader, iteration)
-                answers = [InferResponse(self.name, str(self.version),
-                                         [request_io.output(core.system_shm, self, o, values[o.name][iteration].array)
-                                          for o in requested], id=request.id)
-                           for iteration in sorted({i for t, i in updated if t in names})
-                           if all(iteration in values.get(name, {}) for name in names)]
-                for index, answer in enumerate(answers):  # the last step's last answer carries the final flag
-                    on_part(StreamPart(answer, final=not running and index == len(answers) - 1))
-                if answers and not running:
-                    return True
+                complete = sorted({i for t, i in updated if t in names
+                                   and all(i in values.get(name, {}) for name in names)})
+                for index, iteration in enumerate(complete):  # the last answer carries the final flag when it can
+                    outputs = [request_io.output(core.system_shm, self, o, values[o.name][iteration].array)
+                               for o in requested]
+                    for name in names:
+                        taken(name, iteration)
+                    final = not handles and index == len(complete) - 1
+                    on_part(StreamPart(InferResponse(self.name, str(self.version), outputs, id=request.id),
+                                       final=final))
+                    if final:
+                        return True
             return False
         finally:
-            for handle in handles:
+            for handle in handles.values():
                 if handle is not None:
                     handle.cancel()
 
