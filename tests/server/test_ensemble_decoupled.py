@@ -5,11 +5,9 @@ Triton's repeat example, then a Python model that negates each value it gets."""
 
 from __future__ import annotations
 
-import queue
 import shutil
 import types
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ from server.core.ensemble import EnsembleStep, decoupled_steps
 from server.core.errors import ServerError
 from tests.support.servers import run_server
 
-from .test_triton_examples import REPOSITORY, Urls, _inputs, triton_server
+from .test_triton_examples import REPOSITORY, Urls, _inputs, stream_results, triton_server
 
 NEGATE = '''import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -89,29 +87,10 @@ def server(request, repository, tmp_path_factory) -> Iterator[Urls]:
 
 
 def _stream(server: Urls, requests: list[dict[str, np.ndarray]]) -> list[list[tuple[int, int]]]:
-    """Requests on one gRPC stream; per request its responses (NEG, IDX) in order, up to the one with the final flag
-    (Triton's last answer carries it when no step is left running; an answer-less request gets it alone)."""
-    answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    try:
-        client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
-        for index, arrays in enumerate(requests):
-            client.async_stream_infer("repeat_negate", _inputs(grpcclient, arrays), request_id=str(index),
-                                      enable_empty_final_response=True)
-        got: list[list[tuple[int, int]]] = [[] for _ in requests]
-        finished = 0
-        while finished < len(requests):
-            result, error = answers.get(timeout=30)
-            assert error is None, error
-            response = result.get_response()
-            if response.outputs:
-                got[int(response.id)].append((int(result.as_numpy("NEG")[0]), int(result.as_numpy("IDX")[0])))
-            if response.parameters["triton_final_response"].bool_param:  # alone, or with the last answer
-                finished += 1
-    finally:
-        client.stop_stream()
-        client.close()
-    return got
+    """Per request its answers (NEG, IDX) in order (Triton's last answer carries the final flag when no step is left
+    running; an answer-less request gets it alone)."""
+    return [[(int(a["NEG"][0]), int(a["IDX"][0])) for a in answers]
+            for answers in stream_results(server, "repeat_negate", requests)]
 
 
 def test_each_response_of_the_decoupled_step_runs_the_next_step_and_answers(server):

@@ -206,32 +206,38 @@ def test_accumulator_needs_start(server):
     assert "must specify the START flag on the first request of the sequence" in failure.value.message()
 
 
-def _repeat(server: Urls, requests: list[dict[str, np.ndarray]]) -> list[list[tuple[int, int]]]:
-    """python_backend/examples/decoupled/repeat_client.py: requests on one gRPC stream; per request its responses
-    (OUT, IDX) in the order they came, up to the empty final response each request asks for."""
+def stream_results(server: Urls, model: str, requests: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
+    """Triton's decoupled example clients: `requests` on one gRPC stream; per request its responses' outputs in the
+    order they came, up to the one with the final flag (alone, or with the last answer)."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc)
     try:
         client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
         for index, arrays in enumerate(requests):
-            client.async_stream_infer("repeat_int32", _inputs(grpcclient, arrays), request_id=str(index),
+            client.async_stream_infer(model, _inputs(grpcclient, arrays), request_id=str(index),
                                       enable_empty_final_response=True)
-        got: list[list[tuple[int, int]]] = [[] for _ in requests]
+        got: list[list[dict[str, np.ndarray]]] = [[] for _ in requests]
         finished = 0
         while finished < len(requests):
             result, error = answers.get(timeout=30)
             assert error is None, error
             response = result.get_response()
-            index = int(response.id)
-            if response.parameters["triton_final_response"].bool_param and not response.outputs:
+            if response.outputs:
+                got[int(response.id)].append({o.name: result.as_numpy(o.name) for o in response.outputs})
+            if response.parameters["triton_final_response"].bool_param:
                 finished += 1
-                continue
-            out, idx = result.as_numpy("OUT"), result.as_numpy("IDX")
-            assert out.dtype == np.int32 and idx.dtype == np.uint32
-            got[index].append((int(out[0]), int(idx[0])))
     finally:
         client.stop_stream()
         client.close()
+    return got
+
+
+def _repeat(server: Urls, requests: list[dict[str, np.ndarray]]) -> list[list[tuple[int, int]]]:
+    """python_backend/examples/decoupled/repeat_client.py: per request its responses (OUT, IDX) in order."""
+    got = []
+    for answers in stream_results(server, "repeat_int32", requests):
+        assert all(a["OUT"].dtype == np.int32 and a["IDX"].dtype == np.uint32 for a in answers)
+        got.append([(int(a["OUT"][0]), int(a["IDX"][0])) for a in answers])
     return got
 
 
