@@ -28,7 +28,6 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +46,7 @@ from .scheduler import (
     JobsExecutor,
     PartsExecutor,
     Workers,
+    started_pool,
 )
 from .statistics import ExecutionTimes
 
@@ -270,7 +270,7 @@ class DynamicBatcher:
         self._execute = execute
         self._record = record_execution
         self._clock = clock
-        self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
+        self._pool = started_pool(len(contexts), thread_name)
         self._queues: dict[int, collections.deque[_Pending]] = {
             level: collections.deque() for level in settings.policies}
         self._schedule = DispatchOnce(self._dispatch)  # `_dispatch` once on the next loop turn

@@ -106,6 +106,17 @@ class Execution:
     error: BaseException | None = None
 
 
+def started_pool(workers: int, thread_name: str) -> ThreadPoolExecutor:
+    """A pool of `workers` execution threads, all started now. Why: ThreadPoolExecutor starts a thread at the first
+    submit that finds none idle, so the first requests after ready paid for thread creation (traced on the CPU: the
+    first request's hand-back took 0.9 ms against 0.2 steady, docs/next-steps.md)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name)
+    together = threading.Barrier(workers)  # each task holds its thread until all are up: one thread per task
+    for started in [pool.submit(together.wait, 10) for _ in range(workers)]:
+        started.result()
+    return pool
+
+
 #: fast executions in a row before a model's executions run on the event loop (Workers.runs_inline)
 INLINE_AFTER = 32
 #: how fast "fast" is, for CPU-backend models: in a worker thread its CPU time (wall time there counted its waits
@@ -350,7 +361,7 @@ class DirectScheduler:
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._execute = execute
         self._record = record_execution
-        self._pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix=thread_name)
+        self._pool = started_pool(len(contexts), thread_name)
         self._closed = False
         self._active = 0  # jobs submitted and not finished: close() leaves the pool to the last of them
 
