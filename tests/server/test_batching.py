@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from server.core.batcher import BatchingSettings, DynamicBatcher, concat_inputs, split_outputs
 from server.core.errors import ErrorKind, ServerError
-from server.core.scheduler import Job
+from server.core.scheduler import Job, started_pool
 from server.core.statistics import ExecutionTimes
 from server.protos import model_config_pb2
 from tests.server.conftest import ServerProcess, examples, run_server
@@ -566,3 +566,15 @@ def test_pad_batch_parameter_is_checked():
     unbatched = _ragged_config("m").replace("dynamic_batching { max_queue_delay_microseconds: 100000 }", "")
     with pytest.raises(ServerError, match="needs dynamic_batching"):
         pad_batch(parse_config_text(unbatched, "m"))
+
+
+def test_execution_threads_are_started_when_the_pool_is_made():
+    """The first requests after ready must not pay for thread creation (scheduler.started_pool)."""
+    pool = started_pool(3, "kiln-test")
+    try:
+        threads = list(pool._threads)  # ThreadPoolExecutor's own: started lazily without started_pool
+        assert len(threads) == 3 and all(t.is_alive() for t in threads)
+        assert pool.submit(lambda: threading.current_thread()).result() in threads  # no fourth thread
+        assert len(pool._threads) == 3
+    finally:
+        pool.shutdown()
