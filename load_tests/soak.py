@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 
 from load_tests.fuzz import Generator, build_request, example_server, operations
+from load_tests.process_cpu import descendants
 
 ADD_SUB_EXPECTED = list(range(1, 17))
 
@@ -47,27 +48,10 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (frontends, model stubs, build helpers), from /proc/*/stat."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        tree.append(current)
-        pending.extend(children.get(current, []))
-    return tree
-
-
 def tree_rss_mb(pid: int) -> float:
     """RSS of `pid`'s whole process tree in MiB (a process that exits meanwhile counts 0)."""
     total = 0.0
-    for member in process_tree(pid):
+    for member in descendants(pid):
         try:
             total += rss_mb(member)
         except (OSError, RuntimeError):
@@ -83,7 +67,7 @@ def device_memory_mb(pid: int) -> float | None:
                              capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    tree = set(process_tree(pid))
+    tree = set(descendants(pid))
     return float(sum(int(used) for owner, used in (line.split(",") for line in out.splitlines() if line.strip())
                      if int(owner) in tree))
 

@@ -44,7 +44,7 @@ def test_the_process_tree_counts_children():
         deadline = time.monotonic() + 10
         while soak.rss_mb(child.pid) < 60 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert child.pid in soak.process_tree(os.getpid())
+        assert child.pid in soak.descendants(os.getpid())
         assert soak.tree_rss_mb(os.getpid()) >= soak.rss_mb(os.getpid()) + 60
     finally:
         child.kill()
