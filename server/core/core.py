@@ -415,8 +415,7 @@ class ServerCore:
                                                                 result.outputs[o.name])
                                                                for o in requested if o.name in result.outputs])
             t0 = time.perf_counter_ns()
-            outputs = [request_io.output_on_device(o, destinations[o.name]) if o.name in destinations
-                       else request_io.output(self.system_shm, model, o, result.outputs[o.name]) for o in requested]
+            outputs = request_io.outputs(self.system_shm, model, requested, result.outputs, destinations)
             result.times.compute_output_ns = time.perf_counter_ns() - t0
         except Exception as e:  # noqa: BLE001 - the caller hears it
             model.statistics.record_failure(time.perf_counter_ns() - started, requests)

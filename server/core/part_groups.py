@@ -24,9 +24,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import decoupled, request_io
-from .batcher import DynamicBatcher
-from .grouping import Answer, MemberResults, run_requests
+from . import request_io
+from .grouping import Answer, MemberResults, rows, run_requests
 from .model import ModelVersion
 from .scheduler import Job, JobResult
 from .types import InferRequest, InferResponse, RequestedOutput
@@ -96,28 +95,20 @@ def _alike_member(core: Any, model: ModelVersion, first: _Checked, request: Infe
     dim and output names (grouping.group_key), so only what is its own is checked: its regions (resolved, their
     sizes against its shapes) and its batch size. Why: the full check per member was most of the core's time for
     a group in shared memory (docs/performance.md)."""
-    rows = int(request.inputs[0].shape[0])
-    if not 1 <= rows <= model.max_batch_size:
+    batch = rows(request)
+    if not 1 <= batch <= model.max_batch_size:
         return core._checked(model, request)  # says what is wrong, in the full check's words
     arrays = {tensor.name: request_io.input_array(core.system_shm, tensor, model) for tensor in request.inputs}
-    return arrays, rows, request.outputs or first.requested
+    return arrays, batch, request.outputs or first.requested
 
 
 def _runs_as_parts(core: Any, requests: list[InferRequest]) -> ModelVersion | None:
     """The model when the group can run as one job of parts, else None (then member by member)."""
     first = requests[0]
-    rows = sum(int(r.inputs[0].shape[0]) for r in requests)
-    if not 0 < rows <= core.group_rows(first):  # a dynamic batcher, no tracing, no response cache
-        return None
+    if not 0 < sum(rows(r) for r in requests) <= core.group_rows(first):
+        return None  # group_rows: a ModelVersion (never decoupled) behind a dynamic batcher, no tracing, no cache
     model = core._version(first.model_name, first.model_version)
-    try:
-        decoupled.single_response(model)
-    except Exception:  # noqa: BLE001 - each member hears the refusal on its own
-        return None
-    scheduler = model.scheduler
-    if not isinstance(model, ModelVersion) or not isinstance(scheduler, DynamicBatcher) or not scheduler.gathers_parts:
-        return None
-    return model
+    return model if model.scheduler.gathers_parts else None
 
 
 def _finish(done: asyncio.Future, *, core: Any, model: ModelVersion, members: list[_Checked],
@@ -137,20 +128,19 @@ def _finish(done: asyncio.Future, *, core: Any, model: ModelVersion, members: li
         reply(MemberResults(results), None)
         return
     t0 = time.perf_counter_ns()
-    succeeded = rows = 0
+    succeeded = items = 0
     per_member = cast(list[dict[str, np.ndarray]], result.outputs)  # a job of parts: one dict per member
     for member, outputs in zip(members, per_member):
         try:
-            answer = [request_io.output_on_device(o, member.destinations[o.name]) if o.name in member.destinations
-                      else request_io.output(core.system_shm, model, o, outputs[o.name]) for o in member.requested]
+            answer = request_io.outputs(core.system_shm, model, member.requested, outputs, member.destinations)
         except Exception as e:  # noqa: BLE001 - e.g. its output region went away: this member's error
             model.statistics.record_failure(time.perf_counter_ns() - started)
             results[member.index] = (None, e)
             continue
         results[member.index] = (InferResponse(model.name, str(model.version), answer, id=member.request.id), None)
         succeeded += 1
-        rows += member.batch
+        items += member.batch
     result.times.compute_output_ns = time.perf_counter_ns() - t0
     if succeeded:
-        model.statistics.record_success(rows, time.perf_counter_ns() - started, result.times, succeeded)
+        model.statistics.record_success(items, time.perf_counter_ns() - started, result.times, succeeded)
     reply(MemberResults(results), None)

@@ -8,6 +8,7 @@ view and the shared-memory registry, and are the part of the core that most chan
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,14 @@ def output_on_device(requested: RequestedOutput, view: kiln.DeviceView) -> Infer
     params = dict(requested.parameters)
     params["shared_memory_byte_size"] = view.nbytes
     return InferOutput(requested.name, datatype_of_numpy(view.dtype), view.shape, None, params)
+
+def outputs(shm: SharedMemory, model: ServedModel, requested: list[RequestedOutput], arrays: Mapping[str, Any],
+            destinations: Mapping[str, kiln.DeviceView]) -> list[InferOutput]:
+    """A job's requested outputs for its response: those the engine wrote into CUDA shared memory described, the
+    others post-processed from `arrays` (`output`)."""
+    return [output_on_device(o, destinations[o.name]) if o.name in destinations
+            else output(shm, model, o, arrays[o.name]) for o in requested]
+
 
 def output(shm: SharedMemory, model: ServedModel, requested: RequestedOutput, array: np.ndarray) -> InferOutput:
     """One output: converted to the config's datatype, classified if asked, written to shm if asked."""
