@@ -61,6 +61,7 @@ from engine_core.backends.cuda.runner_schedule import step_reads as step_reads
 from engine_core.backends.cuda.runner_schedule import streamed_reads as streamed_reads
 from engine_core.backends.cuda.runner_staging import (
     STAGING_SLOTS,
+    CopyTable,
     IoSlots,
     PinnedBuffer,
     StagingMixin,
@@ -272,6 +273,8 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         self._events = _Events()
         #: runs in flight at once, each with pinned mirrors of its own (runner_staging says why)
         self._io_slots = IoSlots(STAGING_SLOTS)
+        #: (slot, "gather" / "deliver") -> the copy_segments table of that slot's device copies (runner_staging)
+        self._copy_tables: dict[tuple[int, str], CopyTable] = {}
         #: held while a run enqueues on the context's stream (bind, copies, launches or capture, its event)
         self._run_lock = threading.RLock()
         #: CUDA graph launches of live runs (verification replays excluded): what tests and benchmarks observe

@@ -94,7 +94,7 @@ SEGMENT_KERNEL_MIN_COPIES = 8
 SEGMENTS_MODULE = "copy_segments"  # cuda_kernels/copy_segments.cu, compiled on first use (ON_DEMAND_KERNEL_FILES)
 
 
-class _CopyTable:
+class CopyTable:
     """The copy_segments kernel's argument: rows of (dst, src, nbytes) written to pinned memory and uploaded to a
     device twin on the run's stream. One per staging slot and purpose (gathers, deliveries), so a table is
     rewritten only after the run that reads it is done (a slot is taken again only then)."""
@@ -221,6 +221,7 @@ class StagingMixin:
         _io_slots: IoSlots
         _run_lock: threading.RLock
         _events: Any  # runner_binding._Events
+        _copy_tables: dict[tuple[int, str], CopyTable]
 
     def _staging(self, binding: _Binding, shapes: Shapes, slot: int = 0) -> tuple[dict[str, _Stage], StagedCopies]:
         """``binding``'s staging per I/O tensor in staging slot ``slot`` (inputs at ``shapes``, outputs as
@@ -288,8 +289,7 @@ class StagingMixin:
         if len(copies) < SEGMENT_KERNEL_MIN_COPIES:
             memcpy_dtod_batch(copies, stream)
             return
-        tables: dict[tuple[int, str], _CopyTable] = self.__dict__.setdefault("_copy_tables", {})
-        table = tables.setdefault((slot, purpose), _CopyTable())
+        table = self._copy_tables.setdefault((slot, purpose), CopyTable())
         address = table.upload(copies, stream)
         function = self.engine.function(SEGMENTS_MODULE, SEGMENTS_MODULE)  # type: ignore[attr-defined]
         launch_held(function, min(len(copies), 4096), 128, [ctypes.c_uint64(address), ctypes.c_int(len(copies))],
