@@ -106,6 +106,17 @@ class Execution:
     error: BaseException | None = None
 
 
+def _timed(run: Callable[[], Any]) -> Callable[[], tuple[Any, int, int]]:
+    """`run` as `Workers._guarded` takes it: (its outputs, compute input ns (none: the engine gathers), its ns)."""
+
+    def go() -> tuple[Any, int, int]:
+        started = time.perf_counter_ns()
+        outputs = run()
+        return outputs, 0, time.perf_counter_ns() - started
+
+    return go
+
+
 def started_pool(workers: int, thread_name: str) -> ThreadPoolExecutor:
     """A pool of `workers` execution threads, all started now. Why: ThreadPoolExecutor starts a thread at the first
     submit that finds none idle, so the first requests after ready paid for thread creation (traced on the CPU: the
@@ -187,44 +198,26 @@ class Workers:
         return self._guarded(context, lambda: run_on_context(execute, context, inputs))
 
     def run_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
-        """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job (for a job of
-        parts, a list of them: one per member)."""
-        if any(job.parts is not None for job in jobs):
-            return self._run_grouped_parts(execute_parts, context, jobs)
-        destinations = [job.destinations for job in jobs] if any(job.destinations for job in jobs) else None
-
-        def go() -> tuple[Any, int, int]:
-            started = time.perf_counter_ns()
-            outputs = execute_parts(context, [job.inputs for job in jobs], destinations)
-            return outputs, 0, time.perf_counter_ns() - started
-
-        return self._guarded(context, go)
-
-    def _run_grouped_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
-        """`run_parts` where some jobs are groups of parts: every member is one part of the execution, and a
-        group's outputs come back as the list of its members'."""
+        """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job, for a job of
+        parts (core/part_groups.py) the list of its members' (each member is one part of the execution)."""
+        grouped = any(job.parts is not None for job in jobs)
         parts = [part for job in jobs for part in (job.parts if job.parts is not None else
                                                     [(job.inputs, job.destinations)])]
         destinations = [d for _, d in parts] if any(d for _, d in parts) else None
 
-        def go() -> tuple[Any, int, int]:
-            started = time.perf_counter_ns()
-            flat = iter(execute_parts(context, [inputs for inputs, _ in parts], destinations))
-            outputs = [[next(flat) for _ in job.parts] if job.parts is not None else next(flat) for job in jobs]
-            return outputs, 0, time.perf_counter_ns() - started
+        def run() -> Any:
+            outputs = execute_parts(context, [inputs for inputs, _ in parts], destinations)
+            if not grouped:
+                return outputs
+            flat = iter(outputs)
+            return [[next(flat) for _ in job.parts] if job.parts is not None else next(flat) for job in jobs]
 
-        return self._guarded(context, go)
+        return self._guarded(context, _timed(run))
 
     def run_jobs(self, execute_jobs: JobsExecutor, context: object, jobs: list[Job]) -> Execution:
         """Like `run_parts` for models that take the jobs themselves (a Python model's execute() gets the batch's
         requests as they are): `outputs` is one dict per job, or that job's own error."""
-
-        def go() -> tuple[Any, int, int]:
-            started = time.perf_counter_ns()
-            outputs = execute_jobs(context, jobs)
-            return outputs, 0, time.perf_counter_ns() - started
-
-        return self._guarded(context, go)
+        return self._guarded(context, _timed(lambda: execute_jobs(context, jobs)))
 
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:
