@@ -228,24 +228,24 @@ def test_single_response_calls_are_refused_with_tritons_texts(server):
     assert failure.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
-def test_http_generate_stream_sends_each_response_as_an_event(server):
-    body = {"IN": [4, 2, 0, 1], "DELAY": [30, 10, 10, 10], "WAIT": 5}
-    events = []
-    with httpx.stream("POST", f"http://{server.http_url}/v2/models/repeat_int32/generate_stream", json=body,
-                      timeout=30) as response:
+def generate_stream_events(url: str, body: dict) -> list[dict]:
+    """POST `body` to a generate_stream `url`: the JSON of each server-sent event (a 200 text/event-stream)."""
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[len("data: "):]))
+        return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_http_generate_stream_sends_each_response_as_an_event(server):
+    body = {"IN": [4, 2, 0, 1], "DELAY": [30, 10, 10, 10], "WAIT": 5}
+    events = generate_stream_events(f"http://{server.http_url}/v2/models/repeat_int32/generate_stream", body)
     assert events == [{"model_name": "repeat_int32", "model_version": "1", "OUT": out, "IDX": idx}
                       for idx, out in enumerate([4, 2, 0, 1])]
 
 
 def test_http_generate_stream_error_event_and_error_before_any_response(server):
     url = f"http://{server.http_url}/v2/models/errors/generate_stream"
-    with httpx.stream("POST", url, json={"IN": 1}, timeout=30) as response:
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    events = generate_stream_events(url, {"IN": 1})
     assert [e.get("OUT", e.get("error")) for e in events] == [1, "second response failed", 3]
     failed = httpx.post(url, json={"IN": -1}, timeout=30)
     assert failed.status_code == 500 and "ValueError: negative input" in failed.json()["error"]

@@ -5,13 +5,11 @@ Triton's repeat example, then a Python model that negates each value it gets."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import types
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -22,6 +20,7 @@ from server.core.ensemble import EnsembleStep, decoupled_steps
 from server.core.errors import ServerError
 from tests.support.servers import run_server
 
+from .test_decoupled import generate_stream_events
 from .test_triton_examples import REPOSITORY, Urls, _inputs, stream_results, triton_server
 
 NEGATE = '''import numpy as np
@@ -139,16 +138,10 @@ def test_a_step_fed_by_two_decoupled_steps_is_refused_with_tritons_text():
 
 
 def test_http_generate_stream_sends_each_answer_as_an_event(server):
-    body = {"IN": [4, 2, 0, 1], "DELAY": [1, 2, 3, 4], "WAIT": 5}
-    events = []
-    with httpx.stream("POST", f"http://{server.http}/v2/models/repeat_negate/generate_stream", json=body,
-                      timeout=30) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                event = json.loads(line[len("data: "):])
-                # Triton's also carry the sequence_id / sequence_start / sequence_end its Python steps' responses
-                # hold (ensemble_scheduler.cc's parameter override); Kiln's do not (docs/server.md)
-                events.append({key: event[key] for key in ("model_name", "model_version", "NEG", "IDX")})
-    assert events == [{"model_name": "repeat_negate", "model_version": "1", "NEG": -value, "IDX": index}
-                      for index, value in enumerate([4, 2, 0, 1])]
+    events = generate_stream_events(f"http://{server.http}/v2/models/repeat_negate/generate_stream",
+                                    {"IN": [4, 2, 0, 1], "DELAY": [1, 2, 3, 4], "WAIT": 5})
+    # Triton's also carry the sequence_id / sequence_start / sequence_end its Python steps' responses hold
+    # (ensemble_scheduler.cc's parameter override); Kiln's do not (docs/server.md)
+    assert [{key: event[key] for key in ("model_name", "model_version", "NEG", "IDX")} for event in events] == [
+        {"model_name": "repeat_negate", "model_version": "1", "NEG": -value, "IDX": index}
+        for index, value in enumerate([4, 2, 0, 1])]
