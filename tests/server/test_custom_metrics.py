@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.support.servers import run_server
-
 from .test_python_backend import write_python_model
-from .test_triton_examples import Urls, triton_server
+from .test_triton_examples import Urls, kiln_or_triton
 
 COUNTING = '''
 import numpy as np
@@ -74,12 +72,9 @@ def server(request, tmp_path_factory) -> Iterator[Urls]:
     base = tmp_path_factory.mktemp(f"custom_metrics_{request.param}")
     repo = base / "models"
     write_python_model(repo, "counting", COUNTING, COUNTING_CONFIG)
-    if request.param == "triton":
-        yield from triton_server(base, repo)
-        return
-    write_python_model(repo, "timing", TIMING, TIMING_CONFIG)
-    with run_server(repo, base / "kiln.log", ["counting", "timing"]) as kiln:
-        yield Urls("kiln", kiln.http_port, kiln.grpc_port, kiln.metrics_port)
+    if request.param == "kiln":  # the timing model is checked on Kiln only
+        write_python_model(repo, "timing", TIMING, TIMING_CONFIG)
+    yield from kiln_or_triton(request.param, base, repo, ["counting", "timing"])
 
 
 def _infer(server: Urls, model: str, value: float):

@@ -18,10 +18,9 @@ from tritonclient.utils import InferenceServerException
 
 from server.core.ensemble import EnsembleStep, decoupled_steps
 from server.core.errors import ServerError
-from tests.support.servers import run_server
 
 from .test_decoupled import generate_stream_events
-from .test_triton_examples import REPOSITORY, Urls, _inputs, stream_results, triton_server
+from .test_triton_examples import REPOSITORY, Urls, _inputs, kiln_or_triton, stream_results
 
 NEGATE = '''import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -79,12 +78,8 @@ def repository(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["kiln", "triton"])
 def server(request, repository, tmp_path_factory) -> Iterator[Urls]:
-    tmp = tmp_path_factory.mktemp(f"decoupled_ensemble_{request.param}")
-    if request.param == "triton":
-        yield from triton_server(tmp, repository)
-        return
-    with run_server(repository, tmp / "kiln.log", MODELS) as kiln:
-        yield Urls("kiln", kiln.http_port, kiln.grpc_port)
+    yield from kiln_or_triton(request.param, tmp_path_factory.mktemp(f"decoupled_ensemble_{request.param}"),
+                              repository, MODELS)
 
 
 def _stream(server: Urls, requests: list[dict[str, np.ndarray]]) -> list[list[tuple[int, int]]]:

@@ -12,10 +12,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.support.servers import run_server
-
 from .test_python_backend import write_python_model
-from .test_triton_examples import Urls, triton_server
+from .test_triton_examples import Urls, kiln_or_triton
 
 SENDING = '''
 import numpy as np
@@ -54,11 +52,7 @@ def server(request, tmp_path_factory) -> Iterator[Urls]:
     base = tmp_path_factory.mktemp(f"default_sender_{request.param}")
     repo = base / "models"
     write_python_model(repo, "sending", SENDING, SENDING_CONFIG)
-    if request.param == "triton":
-        yield from triton_server(base, repo)
-        return
-    with run_server(repo, base / "kiln.log", ["sending"]) as kiln:
-        yield Urls("kiln", kiln.http_port, kiln.grpc_port, kiln.metrics_port)
+    yield from kiln_or_triton(request.param, base, repo, ["sending"])
 
 
 def _infer(protocol, server: Urls, mode: int) -> str:

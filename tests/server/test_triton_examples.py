@@ -55,14 +55,20 @@ def triton_server(tmp: Path, repository: Path = REPOSITORY) -> Iterator[Urls]:
         yield Urls("triton", *ports)
 
 
+def kiln_or_triton(which: str, tmp: Path, repository: Path, models: list[str]) -> Iterator[Urls]:
+    """A Kiln server loading `models` of `repository`, or (`which` "triton") the real Triton on it: what the
+    module fixtures parametrized ["kiln", "triton"] yield."""
+    if which == "triton":
+        yield from triton_server(tmp, repository)
+        return
+    with run_server(repository, tmp / "kiln.log", models) as kiln:
+        yield Urls("kiln", kiln.http_port, kiln.grpc_port, kiln.metrics_port)
+
+
 @pytest.fixture(scope="module", params=["kiln", "triton"])
 def server(request, tmp_path_factory) -> Iterator[Urls]:
-    tmp = tmp_path_factory.mktemp(f"triton_examples_{request.param}")
-    if request.param == "triton":
-        yield from triton_server(tmp)
-        return
-    with run_server(REPOSITORY, tmp / "kiln.log", MODELS) as kiln:
-        yield Urls("kiln", kiln.http_port, kiln.grpc_port)
+    yield from kiln_or_triton(request.param, tmp_path_factory.mktemp(f"triton_examples_{request.param}"), REPOSITORY,
+                              MODELS)
 
 
 def _client(protocol, server: Urls):
