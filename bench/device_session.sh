@@ -19,6 +19,9 @@
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32: BERT 8, ResNet 128 and 8 (compiles ~2 min each) ~9 min
 #   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~9 min
 #   cudnn_int8   bench.cudnn_int8: every ResNet-50 convolution as one requantizing INT8 cuDNN graph vs fp16          ~2 min
+#   zoo          bench.zoo: every zoo model (ResNet-50 ... Llama-style, YOLO + NMS) fp16 at batch 1 and its throughput
+#                batch vs torch eager and compile reduce-overhead (peers precompiled in 12 processes); ZOO_MODELS
+#                picks a subset                                                                              ~9 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
 # The machine has no network: everything Kiln needs beyond the image comes from wheels/.
 # Same-call A/B against an earlier commit (machines differ by ~30%, so only same-call ratios count):
@@ -59,6 +62,9 @@ for stage in "$@"; do
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda/test_qgemm.py \
         tests/cuda/test_int8_gemm.py 2>&1 | quiet | tail -25 | tee "$OUT/gpu_qgemm_tests.txt"
       timeout 200 python3 -m bench.qgemm --out "$OUT" 2>&1 | quiet | tail -10 ;;
+    zoo)
+      timeout 570 python3 -m bench.zoo --models "${ZOO_MODELS:-all}" --precompile 12 --profile --deadline-s 450 \
+        --out "$OUT" 2>&1 | quiet | tail -30 ;;
     bert)
       timeout 280 python3 -m bench.engine --models bert_base --precisions tf32,fp16 --batches 1,8,64 \
         --peers eager,reduce-overhead --compile-batches 1,8,64 --profile --out "$OUT" 2>&1 | quiet | tail -12 ;;

@@ -80,11 +80,12 @@ def single_output(module):
     return SingleOutput().eval()
 
 
-def export_onnx(module, names: list[str], example: tuple, path: Path) -> Path:
-    """ONNX export with a dynamic batch dimension (opset 17)."""
+def export_onnx(module, names: list[str], example: tuple, path: Path, output_axes: dict[int, str] | None = None) -> Path:
+    """ONNX export with a dynamic batch dimension (opset 17); ``output_axes`` names the output's dynamic dims
+    when they are not the batch (a detector's selected rows)."""
     import torch
 
-    dynamic = {n: {0: "batch"} for n in names} | {"output": {0: "batch"}}
+    dynamic = {n: {0: "batch"} for n in names} | {"output": output_axes or {0: "batch"}}
     with torch.no_grad():
         try:
             torch.onnx.export(module, example, str(path), input_names=names, output_names=["output"],
