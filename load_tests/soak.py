@@ -278,6 +278,7 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
     for thread in threads:
         thread.start()
     started = time.monotonic()
+    minute_shown = 0
     while time.monotonic() - started < minutes * 60:
         time.sleep(sample_s)
         report.rss_sample_minutes.append(round((time.monotonic() - started) / 60, 3))
@@ -286,6 +287,10 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
         if device is not None:
             report.device_samples_mb.append(device)
             report.device_sample_minutes.append(report.rss_sample_minutes[-1])
+        if int(report.rss_sample_minutes[-1]) > minute_shown:  # a line a minute: a run cut short still says something
+            minute_shown = int(report.rss_sample_minutes[-1])
+            print(f"minute {minute_shown}: {report.requests} requests, {report.lost} lost, {report.server_errors} "
+                  f"server errors, RSS {report.rss_samples_mb[-1]} MiB, device {device} MiB", flush=True)
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
@@ -348,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-growth-mb", type=float, default=32.0)
     parser.add_argument("--json-file", help="default: bench/results/soak_<time>.json")
     args = parser.parse_args(argv)
+    starting = time.monotonic()
     with example_server() as (url, pid):
+        print(f"server ready after {time.monotonic() - starting:.1f} s", flush=True)
         grpc_url = None
         try:
             import server.frontends.grpc  # noqa: F401
