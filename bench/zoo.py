@@ -451,6 +451,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> bool:
+    """Kiln's speed-up over torch.compile per model, batch 1 and throughput batch side by side, as a PNG; False
+    without matplotlib (the JSON and the table carry the same numbers)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(dict.fromkeys(r["model"] for r in rows if "speedup_vs_compile" in r))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(models) + 1.2))
+    for offset, label, pick in ((-0.2, "batch 1", lambda r: r["batch"] == 1),
+                                (0.2, "throughput batch", lambda r: r["batch"] > 1)):
+        values = [next((r["speedup_vs_compile"] for r in rows if r["model"] == m and pick(r)
+                        and "speedup_vs_compile" in r), 0.0) for m in models]
+        ax.barh([i + offset for i in range(len(models))], values, height=0.4, label=label)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(range(len(models)), models)
+    ax.invert_yaxis()
+    ax.set_xlabel("Kiln fp16 speed-up over torch.compile reduce-overhead (higher is better)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="all", help=f"comma-separated, or all: {','.join(ZOO)}")
@@ -495,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                 save({"model": model.name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
                 print(f"{model.name}: {rows[-1]['error']}", flush=True)
     save()
+    if plot(rows, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
     print("\n" + table(rows))
     print(f"wrote {path}")
     return 0
