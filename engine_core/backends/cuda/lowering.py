@@ -30,6 +30,7 @@ from engine_core.backends.cuda import int8_conv as int8_conv
 from engine_core.backends.cuda import int8_gemm as int8_gemm
 from engine_core.backends.cuda.lower_rules import attention as attention
 from engine_core.backends.cuda.lower_rules import conv as conv
+from engine_core.backends.cuda.lower_rules import fill as fill
 from engine_core.backends.cuda.lower_rules import gemm as gemm
 from engine_core.backends.cuda.lower_rules import movement as movement
 from engine_core.backends.cuda.lower_rules import norm as norm
