@@ -191,6 +191,8 @@ class Emulator:
             dst[...] = src[:, ind, :]
         elif name.startswith(("max_pool_", "avg_pool_")):
             self._pool(name, args)
+        elif name.startswith("depthwise_conv_"):
+            self._depthwise(name, args)
         elif name.startswith("flash_attention_"):
             self._flash_attention(name, args, op.grid)
         elif name.startswith("qgemm_sm90_"):
@@ -242,6 +244,28 @@ class Emulator:
             attrs["dilations"] = [g.dh, g.dw]
         out = run_node(Node(kind, ["x"], ["y"], attrs, "pool", "", 19, []), [xv])[0]
         self.view(y, dt, (g.n, g.c, g.oh, g.ow), list(g.ys))[...] = out[:, :, : g.oh, : g.ow]
+
+    def _depthwise(self, name: str, args: list) -> None:
+        """cuda_kernels/depthwise_conv.cu: channels-last x, y and residual z, the "rskc" filters [kh, kw, C]; fp32
+        sums, bias, residual and activation (KilnDwGeom.activation) before one rounding to the storage type."""
+        x, w, bias, z, y, g = args
+        dt = _SUFFIX[name.rsplit("_", 1)[1]]
+        nhwc = lambda c, h, w: (h * w * c, 1, w * c, c)  # noqa: E731
+        xv = self.view(x, dt, (g.n, g.c, g.h, g.w), nhwc(g.c, g.h, g.w)).astype(np.float32)
+        taps = self.view(w, dt, (g.kh, g.kw, g.c), (g.kw * g.c, g.c, 1)).astype(np.float32)
+        ends = [max(0, (o - 1) * s + (k - 1) * d + 1 - i - p) for o, s, k, d, i, p in
+                ((g.oh, g.sh, g.kh, g.dh, g.h, g.ph), (g.ow, g.sw, g.kw, g.dw, g.w, g.pw))]
+        attrs = {"pads": [g.ph, g.pw, *ends], "strides": [g.sh, g.sw], "dilations": [g.dh, g.dw], "group": g.c}
+        out = run_node(Node("Conv", ["x", "w"], ["y"], attrs, "depthwise", "", 11, []),
+                       [xv, np.transpose(taps, (2, 0, 1))[:, None]])[0][:, :, :g.oh, :g.ow]
+        if bias:
+            out = out + self.view(bias, dt, (g.c,), (1,)).astype(np.float32).reshape(1, -1, 1, 1)
+        if z:
+            out = out + self.view(z, dt, (g.n, g.c, g.oh, g.ow), nhwc(g.c, g.oh, g.ow)).astype(np.float32)
+        out = {0: lambda v: v, 1: lambda v: np.maximum(v, 0), 2: lambda v: np.clip(v, g.alpha, g.beta),
+               3: lambda v: np.where(v < 0, v * np.float32(g.alpha), v),
+               4: lambda v: 1 / (1 + np.exp(-v))}[g.activation](out)
+        self.view(y, dt, (g.n, g.c, g.oh, g.ow), nhwc(g.c, g.oh, g.ow))[...] = out
 
     def _flash_attention(self, name: str, args: list, grid) -> None:
         """softmax(scale Q K^T + mask) V per (batch, head) through the launch's strides; TF32 operands as fp32.

@@ -33,8 +33,9 @@ THREADS = 256
 #: one of these, an ON_DEMAND_KERNEL_FILES entry, or "pointwise"
 KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
 #: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
-#: 30-50 s), or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory)
-ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments")
+#: 30-50 s; depthwise_conv's 24 specialisations 3 s and 0.5 MB, needless in a plan without depthwise convolutions),
+#: or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory)
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments", "depthwise_conv")
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,8 @@ def transform_weight(value: np.ndarray, transform: str) -> np.ndarray:
     """A derived weight's host value (the runner uploads it once per engine)."""
     if transform == "krsc":
         return np.ascontiguousarray(np.transpose(value, (0, 2, 3, 1)))
+    if transform == "rskc":  # [K, C, R, S] filters as [R, S, K, C]: a depthwise filter's taps, channels contiguous
+        return np.ascontiguousarray(np.transpose(value, (2, 3, 0, 1)))
     if transform == "nk":  # a [K, N] int8 GEMM weight as the [N, K] rows cuBLASLt's IMMA "TN" form reads
         return np.ascontiguousarray(value.T)
     raise ValueError(f"unknown weight transform {transform}")
