@@ -2,7 +2,9 @@
 // one thread per output element, input and output addressed by element strides (n, c, h, w), so NCHW
 // and channels-last tensors take the same kernel. Threads walk the output in its physical order (c
 // fastest for channels-last), which keeps neighbouring threads on neighbouring addresses.
-// Accumulation in fp32 for every storage type.
+// Accumulation in fp32 for every storage type. Channels-last tensors with 16-byte channel runs take
+// pool2d_nhwc; channels-last pools over whole rows (global pools) take pool_band_nhwc, which spreads a
+// window over a block.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <math_constants.h>
@@ -102,11 +104,75 @@ __device__ void pool2d_nhwc(const T* __restrict__ x, T* __restrict__ y, const Ki
     }
 }
 
+// A pool whose window is the whole unpadded width and a band of kh rows (output (n, c, band, 0) pools rows
+// [band * kh, band * kh + kh) of image n), channels-last with contiguous channels and positions (xs[1] == 1,
+// xs[2] == w * xs[3], ys[1] == 1; the lowering checks them and that an image holds fewer than 2^31 elements).
+// One band of kh == h rows is GlobalAveragePool / GlobalMaxPool (and Max/AveragePool over the whole input); the
+// lowering splits a global pool that has few blocks into bands, then pools the bands with this kernel again
+// (h = bands, w = 1). Why not pool2d_nhwc: its thread per output run walks the whole window alone, and a global
+// pool has few outputs (EfficientNet-B0's first squeeze-and-excitation pool at batch 1: 4 threads, 12,544 loads
+// each). Here a block (bx, by) takes image blockIdx.y, band blockIdx.z and up to bx runs of VEC channels (16 bytes;
+// VEC = 1 when C is not a multiple of 16 bytes): threadIdx.x over the runs, threadIdx.y over the band's positions
+// (a warp reads neighbouring positions' runs: contiguous bytes), fp32 sums in registers, then one shared-memory
+// pass over the y lanes, one thread per channel, whose stores are contiguous (no alignment asked of y).
+// Blocks of at most 256 threads.
+template <typename T, int VEC, bool IS_MAX>
+__device__ void pool_band_nhwc(const T* __restrict__ x, T* __restrict__ y, const KilnPoolGeom& g) {
+    struct alignas(sizeof(T) * VEC) Run { T v[VEC]; };
+    __shared__ float lanes[256 * 8];  // [by][bx][VEC] partial results, VEC <= 8
+    const int bx = blockDim.x, by = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const int c0 = blockIdx.x * bx * VEC;  // the group's first channel
+    const int count = g.kh * g.w, step = (int)g.xs[3];
+    const T* base = x + blockIdx.y * g.xs[0] + (long long)blockIdx.z * g.kh * g.xs[2] + c0 + tx * VEC;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = IS_MAX ? -CUDART_INF_F : 0.0f;
+    if (c0 + tx * VEC < g.c) {
+        for (int p = ty; p < count; p += 4 * by) {  // four predicated loads in flight before any is used
+            Run in[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (p + u * by < count) in[u] = *reinterpret_cast<const Run*>(base + (p + u * by) * step);
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (p + u * by < count) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float v = kiln_f(in[u].v[j]);
+                        acc[j] = IS_MAX ? fmaxf(acc[j], v) : acc[j] + v;
+                    }
+                }
+        }
+    }
+    const int width = bx * VEC;  // the group's channels
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) lanes[ty * width + tx * VEC + j] = acc[j];
+    __syncthreads();
+    T* out = y + blockIdx.y * g.ys[0] + blockIdx.z * g.ys[2] + c0;
+    for (int t = ty * bx + tx; t < width && c0 + t < g.c; t += bx * by) {
+        float s = lanes[t];
+        for (int r = 1; r < by; ++r) s = IS_MAX ? fmaxf(s, lanes[r * width + t]) : s + lanes[r * width + t];
+        out[t] = kiln_to<T>(IS_MAX ? s : s / (float)count);
+    }
+}
+
 #define KILN_POOL(T, SUFFIX)                                                                          \
     extern "C" __global__ void max_pool_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d<T, true>(x, y, g); } \
     extern "C" __global__ void avg_pool_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d<T, false>(x, y, g); } \
     extern "C" __global__ void max_pool_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d_nhwc<T, true>(x, y, g); } \
-    extern "C" __global__ void avg_pool_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d_nhwc<T, false>(x, y, g); }
+    extern "C" __global__ void avg_pool_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) { pool2d_nhwc<T, false>(x, y, g); } \
+    extern "C" __global__ void max_pool_global_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) {                 \
+        pool_band_nhwc<T, 16 / sizeof(T), true>(x, y, g);                                                        \
+    }                                                                                                            \
+    extern "C" __global__ void avg_pool_global_nhwc_##SUFFIX(const T* x, T* y, KilnPoolGeom g) {                 \
+        pool_band_nhwc<T, 16 / sizeof(T), false>(x, y, g);                                                       \
+    }                                                                                                            \
+    extern "C" __global__ void max_pool_global_nhwc_scalar_##SUFFIX(const T* x, T* y, KilnPoolGeom g) {          \
+        pool_band_nhwc<T, 1, true>(x, y, g);                                                                     \
+    }                                                                                                            \
+    extern "C" __global__ void avg_pool_global_nhwc_scalar_##SUFFIX(const T* x, T* y, KilnPoolGeom g) {          \
+        pool_band_nhwc<T, 1, false>(x, y, g);                                                                    \
+    }
 
 KILN_POOL(float, f32)
 KILN_POOL(__half, f16)
