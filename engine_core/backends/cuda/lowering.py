@@ -69,7 +69,7 @@ from engine_core.ops import TensorInfo
 #: ops that read and write any layout through strides (a channels-last input keeps its layout)
 LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNormalization", "MaxPool",
                                 "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Gelu", "QuantizeLinear",
-                                "DequantizeLinear", "QConv"}
+                                "DequantizeLinear", "QConv", "Concat"}
 #: op type -> lowering rule (the registry itself: every rule module is imported above)
 _LOWER = LOWERING_RULES
 _KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm",

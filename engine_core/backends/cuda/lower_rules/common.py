@@ -29,13 +29,20 @@ from engine_core.ir import Node
 ROW_SUFFIX = {F32: "f32", F16: "f16", BF16: "bf16"}
 
 
+def may_be_channels_last(name: str, ctx: LoweringContext) -> bool:
+    """Whether ``name`` may live channels-last: a 4-D tensor that is no graph output (bindings are linear) and
+    whose layouts differ (C > 1 and H*W > 1; else NHWC and NCHW are the same bytes, and linear needs no reformat)."""
+    shape = ctx.info(name).shape
+    return name not in ctx.graph_outputs and len(shape) == 4 and shape[1] != 1 and shape[2] * shape[3] != 1
+
+
 def out_layout(node: Node, ctx: LoweringContext, spatial: bool = False) -> str:
     """Layout of a layout-aware node's output: channels-last when a same-shape input is (``spatial``:
     when its first input is, as for pooling), unless the output is a graph output or the layouts
     coincide (H*W == 1 or C == 1)."""
     out = node.outputs[0]
     shape = ctx.info(out).shape
-    if out in ctx.graph_outputs or len(shape) != 4 or shape[1] == 1 or shape[2] * shape[3] == 1:
+    if not may_be_channels_last(out, ctx):
         return "linear"
     if spatial:
         return ctx.layouts.get(node.inputs[0], "linear")

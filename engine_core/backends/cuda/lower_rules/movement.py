@@ -8,6 +8,7 @@ import ctypes
 
 import numpy as np
 
+from engine_core.backends.cuda.lower_rules.common import may_be_channels_last
 from engine_core.backends.cuda.lowering_context import (
     THREADS,
     Copy,
@@ -64,17 +65,31 @@ def _lower_expand(node: Node, ctx: LoweringContext) -> list:
 
 @lowering_rule("Concat")
 def _lower_concat(node: Node, ctx: LoweringContext) -> list:
+    """Concat: one strided copy per input, each read in its own layout and written to its slice of the output
+    along the axis. The output is channels-last when an input is (``concat_layout``): then a CNN's channel concat
+    of convolution outputs (DenseNet's blocks, Inception's branches) writes each input as a channel slice of the
+    NHWC result, and neither the inputs nor the next convolution's input need a reformat."""
     out = ctx.info(node.outputs[0])
     axis = normalize_axis(node.attr("axis"), len(out.shape))
-    out_strides = contiguous_strides(out.shape)
+    ctx.layouts[node.outputs[0]] = concat_layout(node, ctx)
+    out_strides = ctx.strides(node.outputs[0])
     launches, start = [], 0
     for name in node.inputs:
         x = ctx.info(name)
         if int(np.prod(x.shape)):
             dst = Ref(node.outputs[0], start * out_strides[axis] * out.dtype.itemsize)
-            launches.append(copy_launch(ctx, x.dtype, dst, Ref(name), x.shape, out_strides, contiguous_strides(x.shape)))
+            launches.append(copy_launch(ctx, x.dtype, dst, Ref(name), x.shape, out_strides, ctx.strides(name)))
         start += x.shape[axis]
     return launches
+
+
+def concat_layout(node: Node, ctx: LoweringContext) -> str:
+    """A Concat's output layout: channels-last when one of its inputs is and the output may be
+    (``may_be_channels_last``), else linear. Any axis works: a slice of an NHWC tensor along any logical axis is
+    a strided view of it, so each copy only needs the output's strides and the slice's offset."""
+    if may_be_channels_last(node.outputs[0], ctx) and any(ctx.layouts.get(n) == "nhwc" for n in node.inputs if n):
+        return "nhwc"
+    return "linear"
 
 
 @lowering_rule("Slice")
