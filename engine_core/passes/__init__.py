@@ -1,7 +1,9 @@
 """Graph passes run by the builder. One pass = one function in one file; each returns its change count."""
 
 from engine_core.passes.constant_folding import fold_constants
+from engine_core.passes.conv_1d_as_2d import conv_1d_as_2d
 from engine_core.passes.dead_code import eliminate_dead_code
+from engine_core.passes.decompose_batchnorm import decompose_batchnorm
 from engine_core.passes.eliminate_transposes import eliminate_transposes
 from engine_core.passes.fold_attention_heads import fold_attention_heads
 from engine_core.passes.fold_conv_batchnorm import fold_conv_batchnorm
@@ -23,8 +25,9 @@ from engine_core.passes.merge_parallel_qmatmuls import merge_parallel_qmatmuls
 from engine_core.passes.narrow_attention_mask import narrow_attention_mask
 from engine_core.passes.shape_inference import infer_shapes
 
-#: Folding passes, run before the precision pass (builder.build_plan).
-PRE_PASSES = (fold_constants, fold_conv_batchnorm)
+#: Folding and rewriting passes, run before the precision pass (builder.build_plan). conv_1d_as_2d comes after
+#: fold_conv_batchnorm (which folds into 1-D convs too), so the BN is folded before the conv is rewritten.
+PRE_PASSES = (fold_constants, fold_conv_batchnorm, conv_1d_as_2d)
 #: Fusions, then clean-up, run after the precision pass. Order matters: the normalization, GELU and
 #: attention patterns are matched while their parts are still plain ONNX nodes; the epilogue fusions
 #: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
@@ -35,15 +38,17 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm)
 #: fold_attention_heads, whose symbolic shapes do not see through kiln nodes; fuse_norm_quantize and
 #: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold (and
 #: fuse_norm_dequantize the DequantizeLinears); merge_parallel_qmatmuls once the QMatMuls and their int8 inputs
-#: are final.
+#: are final; decompose_batchnorm just before fuse_pointwise_chain, which merges its Mul/Add with the ReLU.
 FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
                  narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
                  fuse_norm_dequantize, fuse_attention_quantize, merge_parallel_qmatmuls, fuse_matmul_epilogue,
-                 fuse_conv_epilogue, eliminate_transposes, fuse_pointwise_chain, eliminate_dead_code)
+                 fuse_conv_epilogue, eliminate_transposes, decompose_batchnorm, fuse_pointwise_chain,
+                 eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
-__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "eliminate_dead_code", "eliminate_transposes",
+__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "conv_1d_as_2d", "decompose_batchnorm",
+           "eliminate_dead_code", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
            "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
            "fuse_norm_dequantize", "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul",
