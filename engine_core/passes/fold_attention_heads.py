@@ -38,9 +38,9 @@ class _Heads:
     heads: int
     size: int
     nodes: tuple[Node, Node]
-    #: Shape nodes reading only the sequence axis of the [B, heads, S, size] tensor (fuse_attention's mask
-    #: Expand): they read ``source``'s axis 1 instead
-    seq_shapes: tuple[Node, ...] = ()
+    #: Shape nodes reading the [B, heads, S, size] tensor (fuse_attention's mask Expand reads its key count, T5 its
+    #: key length): they read ``source``'s dims instead, with heads and size as constants
+    shapes: tuple[Node, ...] = ()
 
 
 def _transposed(uses: Uses, name: str) -> Node | None:
@@ -53,8 +53,8 @@ def _head_split(uses: Uses, sym: Symbols, name: str) -> _Heads | None:
     """``name`` as a head split whose intermediates nothing else reads, with its head count and size."""
     transpose = _transposed(uses, name)
     readers = uses.consumers.get(name, [])
-    seq_shapes = tuple(n for n in readers if is_op(n, "Shape") and _selects_axis(n, 2, 4))
-    if transpose is None or name in uses.outputs or len(readers) - len(seq_shapes) != 1:
+    shapes = tuple(n for n in readers if is_op(n, "Shape"))
+    if transpose is None or name in uses.outputs or len(readers) - len(shapes) != 1:
         return None
     reshape = uses.producers.get(transpose.inputs[0])
     if not is_op(reshape, "Reshape") or uses.sole_reader(transpose.inputs[0]) is not transpose:
@@ -67,12 +67,7 @@ def _head_split(uses: Uses, sym: Symbols, name: str) -> _Heads | None:
         return None
     if isinstance(source[2], int) and source[2] != heads * size:
         return None
-    return _Heads(reshape.inputs[0], heads, size, (reshape, transpose), seq_shapes)
-
-
-def _selects_axis(shape: Node, axis: int, rank: int) -> bool:
-    """``shape`` (a Shape node of a rank-``rank`` tensor) returns exactly dim ``axis``."""
-    return list(range(rank))[slice(shape.attr("start", 0), shape.attr("end", None))] == [axis]
+    return _Heads(reshape.inputs[0], heads, size, (reshape, transpose), shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,30 +98,43 @@ def _head_merge(uses: Uses, sym: Symbols, name: str, packed: SymShape) -> _Merge
     return _Merge(transpose, reshapes[0], shapes)
 
 
-def _shape_from_source(graph: Graph, node: Node, source: str, dims: SymShape) -> list[Node]:
-    """Nodes computing ``node``'s Shape of a [B, S, H, Dv] tensor from ``source`` [B, S, *] and the
-    known H, Dv: the tensor itself is gone once its Attention writes the packed form."""
-    picked = list(range(4))[slice(node.attr("start", 0), node.attr("end", None))]
-    axes = [a for a in picked if a < 2]
-    sizes = np.array([dims[a] for a in picked if a >= 2], np.int64)
-    out, origin = node.outputs[0], list(node.origin)
-    if not sizes.size and axes:  # batch and/or sequence only
-        return [Node("Shape", [source], [out], {"start": axes[0], "end": axes[-1] + 1}, node.name, "",
-                     max(node.opset, 15), origin)]  # start/end: opset 15
-    parts = [graph.add_constant(f"{out}_heads", sizes)]
-    nodes = []
-    if axes:
-        parts.insert(0, graph.unique_name(f"{out}_leading"))
-        nodes.append(Node("Shape", [source], [parts[0]], {"start": axes[0], "end": axes[-1] + 1},
-                          f"{node.name}_leading", "", max(node.opset, 15), origin))
+#: A Shape node of a removed 4-D tensor, and how to compute it: (the node, the packed [B, S, *] source, for each axis
+#: the source axis it is or None, the known sizes of the other axes)
+_ShapeRead = tuple[Node, str, tuple[int | None, ...], tuple[int, ...]]
+
+
+def _shape_from_source(graph: Graph, read: _ShapeRead) -> list[Node]:
+    """Nodes computing a Shape of a removed [B, H, S, D] or [B, S, H, Dv] tensor from its packed source [B, S, *]
+    and the known head count and size: Shape(source) slices for the batch and sequence axes, constants for the
+    others, concatenated (one Shape when that is all it reads)."""
+    node, source, layout, sizes = read
+    runs: list[tuple[bool, list[int]]] = []  # (from the source?, source axes or sizes), in the order read
+    for axis in list(range(4))[slice(node.attr("start", 0), node.attr("end", None))]:
+        source_axis = layout[axis]
+        from_source, item = source_axis is not None, sizes[axis] if source_axis is None else source_axis
+        if runs and runs[-1][0] == from_source and (not from_source or runs[-1][1][-1] + 1 == item):
+            runs[-1][1].append(item)
+        else:
+            runs.append((from_source, [item]))
+    out, origin, opset = node.outputs[0], list(node.origin), max(node.opset, 15)  # Shape's start/end: opset 15
+    if len(runs) == 1 and runs[0][0]:
+        axes = runs[0][1]
+        return [Node("Shape", [source], [out], {"start": axes[0], "end": axes[-1] + 1}, node.name, "", opset, origin)]
+    nodes, parts = [], []
+    for index, (from_source, items) in enumerate(runs):
+        if not from_source:
+            parts.append(graph.add_constant(f"{out}_sizes", np.array(items, np.int64)))
+            continue
+        parts.append(graph.unique_name(f"{out}_dims"))
+        nodes.append(Node("Shape", [source], [parts[-1]], {"start": items[0], "end": items[-1] + 1},
+                          f"{node.name}_{index}", "", opset, origin))
+    parts = parts or [graph.add_constant(f"{out}_sizes", np.zeros(0, np.int64))]
     return nodes + [Node("Concat", parts, [out], {"axis": 0}, node.name, "", max(node.opset, 13), origin)]
 
 
-def _packed(uses: Uses, sym: Symbols,
-            attention: Node) -> tuple[Node, list[Node], list[Node], list[tuple[Node, Node]]] | None:
-    """The 3-D Attention replacing ``attention``, the nodes it covers (head split/merge copies), the Shape
-    nodes of the merge (each replaced by what ``_shape_from_source`` makes) and the sequence-length Shape
-    nodes of Q/K/V rewritten to read the packed tensors, or None."""
+def _packed(uses: Uses, sym: Symbols, attention: Node) -> tuple[Node, list[Node], list[_ShapeRead]] | None:
+    """The 3-D Attention replacing ``attention``, the nodes it covers (head split/merge copies) and the Shape nodes
+    of the removed 4-D tensors (each replaced by what ``_shape_from_source`` makes), or None."""
     if len(attention.inputs) < 3 or any(attention.inputs[4:]) or any(attention.outputs[1:]) \
             or "q_num_heads" in attention.attrs or "kv_num_heads" in attention.attrs:
         return None
@@ -141,9 +149,10 @@ def _packed(uses: Uses, sym: Symbols,
     attrs = {**attention.attrs, "q_num_heads": q.heads, "kv_num_heads": k.heads}
     packed = dataclasses.replace(attention, inputs=[q.source, k.source, v.source, *attention.inputs[3:]],
                                  outputs=[merge.reshape.outputs[0], *attention.outputs[1:]], attrs=attrs)
-    seq_shapes = [(n, Node("Shape", [h.source], n.outputs, {"start": 1, "end": 2}, n.name, "", max(n.opset, 15),
-                           list(n.origin))) for h in (q, k, v) for n in h.seq_shapes]
-    return packed, covered, list(merge.shapes), seq_shapes
+    reads: dict[int, _ShapeRead] = {id(n): (n, h.source, (0, None, 1, None), (0, h.heads, 0, h.size))
+                                    for h in (q, k, v) for n in h.shapes}
+    reads |= {id(n): (n, q.source, (0, 1, None, None), (0, 0, q.heads, v.size)) for n in merge.shapes}
+    return packed, covered, list(reads.values())
 
 
 def fold_attention_heads(graph: Graph) -> int:
@@ -157,14 +166,11 @@ def fold_attention_heads(graph: Graph) -> int:
         found = _packed(uses, sym, node) if is_op(node, "Attention") else None
         if found is None:
             continue
-        packed, covered, shape_readers, seq_shapes = found
+        packed, covered, shape_reads = found
         packed.origin = origins(sorted(covered, key=lambda n: order[id(n)]))
         replaced.update({id(n): [] for n in covered})
         replaced[id(node)] = [packed]
         folded += 1
-        replaced.update({id(old): [new] for old, new in seq_shapes})
-        dims = sym.shapes[shape_readers[0].inputs[0]] if shape_readers else ()
-        for reader in shape_readers:
-            replaced[id(reader)] = _shape_from_source(graph, reader, packed.inputs[0], dims)
+        replaced.update({id(read[0]): _shape_from_source(graph, read) for read in shape_reads})
     graph.nodes = [m for n in graph.nodes for m in replaced.get(id(n), [n])]
     return folded

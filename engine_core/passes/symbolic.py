@@ -26,7 +26,8 @@ VALUE_LIMIT = 16
 _SAME_SHAPE = frozenset((
     "Identity", "Cast", "CastLike", "Relu", "LeakyRelu", "Elu", "Erf", "Tanh", "Sigmoid", "HardSigmoid", "Neg", "Abs",
     "Sqrt", "Exp", "Log", "Reciprocal", "Floor", "Ceil", "Round", "Sign", "Not", "Softplus", "Clip", "Gelu", "Softmax",
-    "LogSoftmax", "LayerNormalization", "RMSNormalization", "Dropout", "QuantizeLinear", "DequantizeLinear"))
+    "LogSoftmax", "LayerNormalization", "RMSNormalization", "Dropout", "QuantizeLinear", "DequantizeLinear", "Cos", "Sin",
+    "IsNaN", "IsInf"))
 #: ONNX INT32 and INT64: a Cast to these keeps a shape value (a Cast to bool or float would not).
 _INT_TYPES = (6, 7)
 #: Elementwise ops with multidirectional broadcasting.
@@ -236,6 +237,31 @@ def _matmul(graph: Graph, sym: Symbols, node: Node, x: SymShape) -> list[SymShap
     return [(*_broadcast(node.outputs[0], [x[:-2], w[:-2]]), x[-2], w[-1])]
 
 
+def _gemm(graph: Graph, sym: Symbols, node: Node, a: SymShape) -> list[SymShape | None]:
+    """[M, K] x [K, N] (either transposed by its attribute) -> [M, N]: exporters write Linear on 2-D inputs (GPT-2's
+    Conv1D, ViT's out_proj) as Gemm."""
+    b = sym.shape(node.inputs[1])
+    if b is None or len(a) != 2 or len(b) != 2:
+        return [None]
+    return [(a[1] if node.attr("transA", 0) else a[0], b[0] if node.attr("transB", 0) else b[1])]
+
+
+def _conv(graph: Graph, sym: Symbols, node: Node, x: SymShape) -> list[SymShape | None]:
+    """[N, C, *spatial] with explicit pads (auto_pad NOTSET): the front ends of ViT (patches) and Whisper (Conv1d,
+    parsed as 2-D)."""
+    w = sym.shape(node.inputs[1])
+    n = len(x) - 2
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if w is None or len(w) != len(x) or n < 1 or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) \
+            != "NOTSET" or not all(isinstance(d, int) for d in (*x[2:], *w[2:])):
+        return [None]
+    pads, strides = node.attr("pads") or [0] * (2 * n), node.attr("strides") or [1] * n
+    dilations = node.attr("dilations") or [1] * n
+    spatial = tuple((x[2 + i] + pads[i] + pads[i + n] - dilations[i] * (w[2 + i] - 1) - 1) // strides[i] + 1
+                    for i in range(n))
+    return [(x[0], w[0], *spatial)]
+
+
 def _range(graph: Graph, sym: Symbols, node: Node, x: SymShape) -> list[SymShape | None]:
     """Range(0, n, 1) has n elements (torch's position ids); other Ranges only with known numbers."""
     start, limit, delta = (sym.values.get(i) for i in node.inputs[:3])
@@ -258,7 +284,7 @@ def _attention(graph: Graph, sym: Symbols, node: Node, q: SymShape) -> list[SymS
 _RULES: dict[str, Callable[[Graph, Symbols, Node, SymShape], list[SymShape | None]]] = {
     "Transpose": _transpose, "Reshape": _reshape_rule, "Shape": _shape, "Gather": _gather, "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze, "Concat": _concat, "Split": _split, "MatMul": _matmul, "Slice": _slice, "Range": _range,
-    "Expand": _expand, "ConstantOfShape": _constant_of_shape, "Attention": _attention,
+    "Expand": _expand, "ConstantOfShape": _constant_of_shape, "Attention": _attention, "Gemm": _gemm, "Conv": _conv,
 }
 
 
