@@ -180,11 +180,12 @@ def _lower_one(op: str, shape: tuple[int, int, int, int], dtype) -> tuple[Loweri
 
 
 def _run(module, launches: list[Launch], buffers: dict, stream: int) -> None:
-    from engine_core.cuda.driver import launch
+    """The launches as the runner makes them (a parameter block of addresses: the geometry struct by value)."""
+    from engine_core.backends.cuda.runner_binding import _PreparedLaunch
 
     for op in launches:
-        args = [(buffers[v.tensor].ptr + v.offset, t) if isinstance(v, Ref) else (v, t) for v, t in op.args]
-        launch(module.function(op.function), op.grid, op.block, args, op.shared_bytes, stream)
+        _PreparedLaunch(op, module.function(op.function)).run(lambda ref: buffers[ref.tensor].ptr + ref.offset,
+                                                             stream)
 
 
 def _device_setup(op: str, shape, dtype, seed: int = 0):
