@@ -9,8 +9,9 @@ batch), torch runs the module itself in fp16, so both compute with identical wei
 the throughput batch): CUDA-event medians of Kiln (``execute_async_v3``, graph replay), torch eager and
 torch.compile(mode="reduce-overhead", dynamic=False) on one created stream; accuracy of Kiln fp16 and of torch
 fp16 against torch fp32 (TF32 off) as relative RMS error (the detector: the selected boxes compared as sets). Random weights: a
-zero-initialised classifier (ViT's head) gets a normal(0.02) init; the detector's heads are scaled so that a few
-hundred boxes pass its score threshold.
+zero-initialised classifier (ViT's head) gets a normal(0.02) init; the CNNs' BatchNorm statistics are measured on
+seeded random images (``calibrate_batchnorm``: else EfficientNet's and MobileNet's outputs underflow fp16); the
+detector's heads are scaled so that a few hundred boxes pass its score threshold.
 Kiln's cold and warm-timing-cache build seconds, device memory and host layers.
 
 ``--precompile N`` first compiles every (model, batch) in N child processes that share one inductor cache
@@ -88,8 +89,29 @@ def _torchvision(name: str) -> Callable[[], Any]:
         for layer in module.modules():  # ViT's head starts at zero: all-zero logits would hide any error
             if isinstance(layer, torch.nn.Linear) and not layer.weight.any():
                 torch.nn.init.normal_(layer.weight, std=0.02)
-        return module.eval().to(DEVICE)
+        return calibrate_batchnorm(module.to(DEVICE)).eval()
     return make
+
+
+def calibrate_batchnorm(module, batches: int = 2, batch: int = 8):
+    """BatchNorm running statistics measured on seeded random images (train-mode passes, cumulative average).
+    Why: a fresh torchvision CNN's BNs are identities in eval mode, and without them EfficientNet-B0's and
+    MobileNetV2's activations shrink layer by layer to ~1e-14: fp16 underflows to zeros on both sides, and
+    an accuracy comparison against fp32 says nothing (relative error 1.0 for Kiln and torch alike)."""
+    import torch
+
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return module
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    module.train()
+    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    with torch.no_grad():
+        for _ in range(batches):
+            module(torch.randn(batch, 3, 224, 224, device=DEVICE, generator=g))
+    return module
 
 
 def _transformers(model_class: str, config_class: str, encoder_only: bool = False,

@@ -110,6 +110,25 @@ def io_table(summary: dict) -> str:
     return _table(rows, ["mode", "tensor", "dtype", "shape", "format"])
 
 
+def host_layers(summary: dict) -> list[dict]:
+    """The layers of a CUDA plan that run on the host (numpy, with copies each way): the slow path a build must
+    name, never take silently. A CPU plan has none by definition."""
+    if summary["backend"] != "cuda":
+        return []
+    return [layer for layer in summary["layers"] if layer["tactic"] == "host"]
+
+
+def host_layers_line(summary: dict) -> str | None:
+    """One line naming every host layer of a CUDA plan (and why the whole graph runs there, when it does)."""
+    host = host_layers(summary)
+    if not host:
+        return None
+    names = ", ".join(f"{layer['name']} ({layer['type']})" for layer in host)
+    line = f"{len(host)} of {len(summary['layers'])} layers run on the host: {names}"
+    fallback = (summary.get("build_info") or {}).get("cuda", {}).get("host_fallback")
+    return f"{line}; the whole graph runs there because {fallback}" if fallback else line
+
+
 def dump_layer_info(plan: bytes) -> str:
     """What `kiln build --dump-layer-info` prints: the inspector's JSON engine information."""
     engine = kiln.Runtime().load(plan)
@@ -170,15 +189,21 @@ def cmd_build(args: argparse.Namespace) -> int:
         if "dynamic shapes" in str(e):
             print("hint: pass --shapes NAME:DIMS, or --min-shapes/--opt-shapes/--max-shapes", file=sys.stderr)
         return 1
+    summary = engine_summary(deserialize_plan(plan))
+    host_line = host_layers_line(summary)
+    if host_line and args.strict:
+        print(f"error: --strict: {host_line}; no plan written", file=sys.stderr)
+        return 1
     output = args.output or os.path.splitext(args.model)[0] + ".plan"
     with open(output, "wb") as f:
         f.write(plan)
     if args.dump_layer_info:
         print(dump_layer_info(plan))
-    summary = engine_summary(deserialize_plan(plan))
     print(layer_table(summary))
     print()
     print(io_table(summary))
+    if host_line:
+        print(f"\nwarning: {host_line}", file=sys.stderr)
     print(f"\nwrote {output}: {len(plan)} bytes, {len(summary['layers'])} layers, "
           f"activation memory {summary['device_memory_size']} bytes, built in {time.perf_counter() - started:.2f} s")
     if args.quant_report:
@@ -358,6 +383,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"profile {index}: {name} min {s['min']} opt {s['opt']} max {s['max']}")
     print()
     print(layer_table(summary))
+    host_line = host_layers_line(summary)
+    if host_line:
+        print(f"\n{host_line}")
     return 0
 
 
@@ -401,6 +429,8 @@ def make_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Argu
     p.add_argument("--percentile", type=float, help="percentile of |x| for --calibrator percentile (default 99.99)")
     p.add_argument("--quant-report", action="store_true", help="print per-layer INT8 error vs float32 on the "
                    "first calibration batch")
+    p.add_argument("--strict", action="store_true", help="fail (no plan written) when a layer of a CUDA build would "
+                   "run on the host")
     p.add_argument("-v", "--verbose", action="store_true")
     add_build_arguments(p)
     _add_shape_args(p)
