@@ -14,8 +14,7 @@
 //   depthwise_conv_scalar_*    channel counts that are not a multiple of the 16-byte run: one channel per thread
 // Index math is 32-bit: the lowering takes this kernel only when x and y hold fewer than 2^31 elements. bias and z
 // may be null; z (the residual) has y's shape and layout. Tensors are arena tensors or weights: 16-byte aligned.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "kiln_reduce.cuh"  // kiln_f / kiln_to: fp32 from and to each storage type
 
 struct KilnDwGeom {
     int n, c, h, w, oh, ow;
@@ -23,14 +22,6 @@ struct KilnDwGeom {
     int activation;  // 0 none, 1 Relu, 2 Clip [alpha, beta], 3 LeakyRelu (alpha), 4 Sigmoid
     float alpha, beta;
 };
-
-__device__ __forceinline__ float kiln_f(float v) { return v; }
-__device__ __forceinline__ float kiln_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float kiln_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T kiln_to(float v);
-template <> __device__ __forceinline__ float kiln_to<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half kiln_to<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 kiln_to<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) KilnDwRun { T v[VEC]; };
 

@@ -121,12 +121,21 @@ def _lower_conv(node: Node, ctx: LoweringContext) -> list:
                                   bias_axis=1)
     if fused_residual or fused_activation:
         conv.rest = epilogue(node, ctx, None, fused_activation, alpha, beta, fused_residual, y_name)
+    return [conv, *_unfused_rest(node, ctx, activation, fused_activation, alpha, beta, residual, fused_residual,
+                                 y_name, result)]
+
+
+def _unfused_rest(node: Node, ctx: LoweringContext, activation: str, fused_activation: str, alpha: float, beta: float,
+                  residual: str | None, fused_residual: str | None, y_name: str, result: str) -> list:
+    """What follows a convolution (cuDNN's or the depthwise kernel's): the activation and residual it did not fuse,
+    as one epilogue kernel, then the copy to a graph output when the conv wrote a step-local buffer."""
     rest = epilogue(node, ctx, None, "" if fused_activation else activation, alpha, beta,
-                     None if fused_residual else residual, y_name)
+                    None if fused_residual else residual, y_name)
     if y_name != result:
+        out = ctx.info(result)
         rest.append(copy_launch(ctx, out.dtype, Ref(result), Ref(y_name), out.shape, contiguous_strides(out.shape),
                                 ctx.strides(y_name)))
-    return [conv, *rest]
+    return rest
 
 
 def takes_depthwise_kernel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], out_shape: tuple[int, ...],
@@ -189,12 +198,8 @@ def _lower_depthwise(node: Node, ctx: LoweringContext, dtype: np.dtype, pads: tu
                      (Ref(bias) if bias else 0, ctypes.c_void_p),
                      (Ref(fused_residual) if fused_residual else 0, ctypes.c_void_p),
                      (Ref(y_name), ctypes.c_void_p), (geom, DepthwiseGeom)])
-    rest = epilogue(node, ctx, None, "" if fused_activation else activation, alpha, beta,
-                    None if fused_residual else residual, y_name)
-    if y_name != result:
-        rest.append(copy_launch(ctx, out.dtype, Ref(result), Ref(y_name), out.shape, contiguous_strides(out.shape),
-                                ctx.strides(y_name)))
-    return [launch, *rest]
+    return [launch, *_unfused_rest(node, ctx, activation, fused_activation, alpha, beta, residual, fused_residual,
+                                   y_name, result)]
 
 
 def depthwise_tile(kw: int, sw: int) -> int:
