@@ -390,8 +390,12 @@ def kiln_run(engine, model: ZooModel, inputs: tuple):
         ctx.set_tensor_address(n, t.data_ptr())
     allocator = Allocator()
     ctx.set_output_allocator("output", allocator)
-    return (lambda: ctx.execute_async_v3(torch.cuda.current_stream().cuda_stream)), \
-        (lambda: allocator.tensor("output")), ctx
+
+    def run() -> None:
+        if not ctx.execute_async_v3(torch.cuda.current_stream().cuda_stream):
+            raise RuntimeError("Kiln's execute_async_v3 failed (its log line above says why)")
+
+    return run, (lambda: allocator.tensor("output")), ctx
 
 
 def measure(model: ZooModel, onnx_path: Path, profile: bool, on_row: Callable[[dict], None]) -> None:

@@ -221,19 +221,29 @@ class DeviceBuffer:
         return buf
 
     def copy_from(self, array: np.ndarray) -> None:
-        from cuda.bindings import driver
-
-        array = np.ascontiguousarray(array)
-        with DEVICE_LOCK:
-            check(driver.cuMemcpyHtoD(self.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+        copy_to_device(self.ptr, array)
 
     def to_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        from cuda.bindings import driver
+        return copy_to_host(self.ptr, dtype, shape)
 
-        out = np.empty(shape, dtype)
-        with DEVICE_LOCK:
-            check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
-        return out
+
+def copy_to_device(ptr: int, array: np.ndarray) -> None:
+    """``array``'s bytes to device address ``ptr`` (synchronous: the host array may go right after)."""
+    from cuda.bindings import driver
+
+    array = np.ascontiguousarray(array)
+    with DEVICE_LOCK:
+        check(driver.cuMemcpyHtoD(ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+
+
+def copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A new host array of ``shape`` read from device address ``ptr`` (synchronous)."""
+    from cuda.bindings import driver
+
+    out = np.empty(shape, dtype)
+    with DEVICE_LOCK:
+        check(driver.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes), "cuMemcpyDtoH")
+    return out
 
     def __del__(self) -> None:
         try:

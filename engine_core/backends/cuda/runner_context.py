@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine_core.backends.base import RunningContext
+from engine_core.backends.cuda.runner_staging import _synchronize
 from engine_core.batching import Span
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import ExecutionError, ShapeError
@@ -62,13 +63,14 @@ class ContextOpsMixin:
         if ctx.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and ctx._device_memory is None:
             raise ExecutionError("this context's device memory is user-managed: call set_device_memory first")
         addresses, allocated = dict(ctx._addresses), []
+        if any(any(d < 0 for d in ctx.get_tensor_shape(name)) for name in ctx._output_names):
+            self._execute_bound_on_host(ctx, stream)
+            return
         for name in ctx._output_names:
             allocator = ctx._allocators.get(name)
             if allocator is None:
                 continue
             shape = ctx.get_tensor_shape(name)
-            if any(d < 0 for d in shape):
-                raise ExecutionError(f"output '{name}' has a data-dependent shape, which CUDA plans do not support yet")
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ctx.engine._tensor(name).dtype).itemsize
             address = allocator.reallocate_output_async(name, addresses.get(name, 0), nbytes, 256, int(stream))
             if not address and nbytes:
@@ -79,6 +81,37 @@ class ContextOpsMixin:
                      debug=active_debug(ctx), consumed_event=ctx._input_consumed_event or None)
         for allocator, name, shape in allocated:
             allocator.notify_shape(name, tuple(shape))
+
+    def _execute_bound_on_host(self, ctx: RunningContext, stream: int) -> None:
+        """A run whose output shapes depend on input values (NonZero, NonMaxSuppression, ...): the device path
+        cannot size those outputs before running, so, as ``infer`` does, the whole graph runs on the host (logged
+        once, in ``host_fallback``): the inputs are read from their device addresses once ``stream`` has
+        produced them, and each data-dependent output goes to the memory its output allocator returns for the
+        size it turned out to have (TensorRT's IOutputAllocator contract), then ``notify_shape``. The copies
+        are synchronous, so the outputs are ready when this returns."""
+        from engine_core.cuda.driver import copy_to_device, copy_to_host
+
+        _synchronize(stream)
+        feeds = {name: copy_to_host(ctx._addresses[name], np.dtype(ctx.engine._tensor(name).dtype),
+                                    tuple(ctx._input_shapes[name])) for name in ctx._input_names}
+        results = self.infer(feeds, profiler_for(ctx), active_debug(ctx))
+        for name in ctx._output_names:
+            value = np.ascontiguousarray(results[name])
+            allocator = ctx._allocators.get(name)
+            if allocator is not None:
+                address = allocator.reallocate_output_async(name, ctx._addresses.get(name, 0), value.nbytes, 256,
+                                                            int(stream))
+                if not address and value.nbytes:
+                    raise ExecutionError(f"output allocator returned no memory for '{name}' ({value.nbytes} bytes)")
+            elif any(d < 0 for d in ctx.get_tensor_shape(name)):
+                raise ExecutionError(f"output '{name}' has a data-dependent shape: set an output allocator for it "
+                                     "(set_output_allocator); a fixed address cannot be sized before the run")
+            else:
+                address = ctx._addresses[name]
+            if value.nbytes:
+                copy_to_device(int(address), value)
+            if allocator is not None:
+                allocator.notify_shape(name, tuple(value.shape))
 
     def warm_up_feeds(self, ctx: RunningContext, zeros: Mapping[str, np.ndarray]) -> None:
         """Bind the zeros' shapes on the context (as ``infer`` would) and capture their CUDA graphs."""
