@@ -231,3 +231,25 @@ def test_densenet_like_on_the_gpu_matches_the_cpu_backend(flags, tol):
         assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), batch
         reformats = [name for name in context.profiler.names if name.startswith("reformat:")]
         assert len(reformats) == (1 if flags else 0), reformats
+
+
+def squeeze_excite_like(dtype=np.float32) -> onnx.ModelProto:
+    """conv -> global pool -> 1x1 conv -> Sigmoid -> Mul(x, s) -> conv: EfficientNet's squeeze-and-excitation, whose
+    [N, C, 1, 1] tensors move between the linear pointwise ops and the NHWC convs."""
+    net = _Net(dtype, seed=3)
+    x = net.conv("x", 3, 16, 3, "stem")
+    pooled = net.node("GlobalAveragePool", [x], "pool")
+    scale = net.node("Sigmoid", [net.conv(net.node("Relu", [net.conv(pooled, 16, 4, 1, "squeeze")], "sq_relu"),
+                                          4, 16, 1, "excite")], "gate")
+    net.conv(net.node("Mul", [x, scale], "scaled"), 16, 8, 1, "project")
+    return net.model({"x": ["batch", 3, 8, 8]}, ["project"])
+
+
+def test_layout_changes_of_one_position_tensors_are_aliases_not_copies():
+    """A [N, C, 1, 1] tensor has the same bytes in NCHW and NHWC: its reformats become views of it
+    (same_bytes_in_both_layouts), and the run still computes what the CPU backend does."""
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    graph, lowered = _lowered(squeeze_excite_like(), {"x": x.shape}, LoweringOptions(cudnn=True))
+    aliases = [s.node.name for s in lowered.steps if s.tactic == "view" and s.node.name.startswith("reformat:")]
+    assert _reformats(lowered) == ["reformat:x->nhwc"] and aliases, [s.node.name for s in lowered.steps]
+    _emulated_matches_cpu(graph, lowered, {"x": x}, tol=1e-5)

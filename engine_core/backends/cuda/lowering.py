@@ -164,6 +164,9 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
         if node.outputs and all(infos.get(o) is not None and infos[o].value is not None for o in node.outputs if o):
             continue  # shape computation: its value is known on the host
         tactic, ops, lowered_node = lower_node(node, ctx)
+        for pre in ctx.pre_steps:  # reformats; a layout change that moves no bytes is an alias (as_layout)
+            if pre.tactic == "view" and not pre.ops:
+                alias[pre.node.outputs[0]] = alias.get(pre.node.inputs[0], pre.node.inputs[0])
         steps.extend(ctx.pre_steps)
         ctx.pre_steps = []
         if tactic == "view" and not ops:

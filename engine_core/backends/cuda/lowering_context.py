@@ -244,6 +244,13 @@ def grid_for(n: int, threads: int = THREADS) -> tuple[int, int, int]:
     return (max(1, min((n + threads - 1) // threads, 1 << 20)), 1, 1)
 
 
+def same_bytes_in_both_layouts(shape: tuple[int, ...]) -> bool:
+    """A 4-D tensor whose NCHW and NHWC byte orders coincide (one channel, or one spatial position): converting
+    its layout moves nothing, so a reformat is an alias. Why: EfficientNet-B0's squeeze-and-excitation blocks had
+    33 copy kernels of [N, C, 1, 1] tensors."""
+    return len(shape) == 4 and (shape[1] == 1 or shape[2] * shape[3] == 1)
+
+
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a logical NCHW tensor stored channels-last (NHWC)."""
     n, c, h, w = shape
@@ -321,10 +328,13 @@ class LoweringContext:
             self.infos[out] = TensorInfo(info.dtype, info.shape)
             if layout == "nhwc":
                 self.layouts[out] = "nhwc"
-            launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out),
-                                 self.strides(name))
             node = Node("Identity", [name], [out], {}, f"reformat:{name}->{layout}", "", 1, [name])
-            self.pre_steps.append(Step(node, f"reformat:{layout}", [launch]))
+            if same_bytes_in_both_layouts(info.shape):  # [N, C, 1, 1] (squeeze-and-excitation) or [N, 1, H, W]
+                self.pre_steps.append(Step(node, "view", []))  # an alias of the same bytes (lower_graph)
+            else:
+                launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out),
+                                     self.strides(name))
+                self.pre_steps.append(Step(node, f"reformat:{layout}", [launch]))
             self.reformatted[key] = out
         return self.reformatted[key]
 
