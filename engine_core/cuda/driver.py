@@ -226,6 +226,15 @@ class DeviceBuffer:
     def to_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return copy_to_host(self.ptr, dtype, shape)
 
+    def __del__(self) -> None:
+        try:
+            from cuda.bindings import driver
+
+            with DEVICE_LOCK:
+                driver.cuMemFree(self.ptr)
+        except Exception:
+            pass
+
 
 def copy_to_device(ptr: int, array: np.ndarray) -> None:
     """``array``'s bytes to device address ``ptr`` (synchronous: the host array may go right after)."""
@@ -244,15 +253,6 @@ def copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
     with DEVICE_LOCK:
         check(driver.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes), "cuMemcpyDtoH")
     return out
-
-    def __del__(self) -> None:
-        try:
-            from cuda.bindings import driver
-
-            with DEVICE_LOCK:
-                driver.cuMemFree(self.ptr)
-        except Exception:
-            pass
 
 
 class Module:
