@@ -62,20 +62,17 @@ class ContextOpsMixin:
             raise ShapeError(f"set_input_shape was not called for inputs {missing}")
         if ctx.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and ctx._device_memory is None:
             raise ExecutionError("this context's device memory is user-managed: call set_device_memory first")
-        addresses, allocated = dict(ctx._addresses), []
         if any(any(d < 0 for d in ctx.get_tensor_shape(name)) for name in ctx._output_names):
             self._execute_bound_on_host(ctx, stream)
             return
+        addresses, allocated = dict(ctx._addresses), []
         for name in ctx._output_names:
             allocator = ctx._allocators.get(name)
             if allocator is None:
                 continue
             shape = ctx.get_tensor_shape(name)
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ctx.engine._tensor(name).dtype).itemsize
-            address = allocator.reallocate_output_async(name, addresses.get(name, 0), nbytes, 256, int(stream))
-            if not address and nbytes:
-                raise ExecutionError(f"output allocator returned no memory for '{name}' ({nbytes} bytes)")
-            addresses[name] = int(address or 0)
+            addresses[name] = _allocated(allocator, name, addresses.get(name, 0), nbytes, stream)
             allocated.append((allocator, name, shape))
         self.execute(ctx._input_shapes, addresses, int(stream), profiler_for(ctx),
                      debug=active_debug(ctx), consumed_event=ctx._input_consumed_event or None)
@@ -91,6 +88,10 @@ class ContextOpsMixin:
         are synchronous, so the outputs are ready when this returns."""
         from engine_core.cuda.driver import copy_to_device, copy_to_host
 
+        for name in ctx._output_names:  # before the run: a fixed address can't take rows counted while running
+            if name not in ctx._allocators and any(d < 0 for d in ctx.get_tensor_shape(name)):
+                raise ExecutionError(f"output '{name}' has a data-dependent shape: set an output allocator for it "
+                                     "(set_output_allocator); a fixed address cannot be sized before the run")
         _synchronize(stream)
         feeds = {name: copy_to_host(ctx._addresses[name], np.dtype(ctx.engine._tensor(name).dtype),
                                     tuple(ctx._input_shapes[name])) for name in ctx._input_names}
@@ -99,13 +100,7 @@ class ContextOpsMixin:
             value = np.ascontiguousarray(results[name])
             allocator = ctx._allocators.get(name)
             if allocator is not None:
-                address = allocator.reallocate_output_async(name, ctx._addresses.get(name, 0), value.nbytes, 256,
-                                                            int(stream))
-                if not address and value.nbytes:
-                    raise ExecutionError(f"output allocator returned no memory for '{name}' ({value.nbytes} bytes)")
-            elif any(d < 0 for d in ctx.get_tensor_shape(name)):
-                raise ExecutionError(f"output '{name}' has a data-dependent shape: set an output allocator for it "
-                                     "(set_output_allocator); a fixed address cannot be sized before the run")
+                address = _allocated(allocator, name, ctx._addresses.get(name, 0), value.nbytes, stream)
             else:
                 address = ctx._addresses[name]
             if value.nbytes:
@@ -118,3 +113,12 @@ class ContextOpsMixin:
         ctx._input_shapes.update({name: value.shape for name, value in zeros.items()})
         ctx._inferred = None
         self.warm_up(zeros)
+
+
+def _allocated(allocator: Any, name: str, previous: int, nbytes: int, stream: int) -> int:
+    """The device address ``allocator`` gives output ``name`` for ``nbytes`` (TensorRT's reallocate_output_async,
+    256-byte alignment); no memory for a non-empty output is an error."""
+    address = allocator.reallocate_output_async(name, previous, nbytes, 256, int(stream))
+    if not address and nbytes:
+        raise ExecutionError(f"output allocator returned no memory for '{name}' ({nbytes} bytes)")
+    return int(address or 0)
