@@ -15,6 +15,7 @@ from engine_core.backends.cuda.lowering_context import (
     LoweringContext,
     Ref,
     launch_program,
+    same_bytes_in_both_layouts,
 )
 from engine_core.backends.cuda.pointwise import (
     BF16,
@@ -33,7 +34,7 @@ def may_be_channels_last(name: str, ctx: LoweringContext) -> bool:
     """Whether ``name`` may live channels-last: a 4-D tensor that is no graph output (bindings are linear) and
     whose layouts differ (C > 1 and H*W > 1; else NHWC and NCHW are the same bytes, and linear needs no reformat)."""
     shape = ctx.info(name).shape
-    return name not in ctx.graph_outputs and len(shape) == 4 and shape[1] != 1 and shape[2] * shape[3] != 1
+    return name not in ctx.graph_outputs and len(shape) == 4 and not same_bytes_in_both_layouts(shape)
 
 
 def out_layout(node: Node, ctx: LoweringContext, spatial: bool = False) -> str:
