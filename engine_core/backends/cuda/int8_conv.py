@@ -43,6 +43,7 @@ from engine_core.backends.cuda.lowering_context import (
     lowering_rule,
     nhwc_strides,
     optional_input,
+    same_bytes_in_both_layouts,
 )
 from engine_core.backends.cuda.pointwise import (
     FLOATS,
@@ -284,7 +285,7 @@ def lower_qconv(node: Node, ctx: LoweringContext) -> list:
     if tuple(out.shape) != (n, k, *win.out):  # a residual that broadcasts wider than the convolution
         raise Unsupported(f"QConv output {out.shape} is wider than its convolution {(n, k, *win.out)}")
     out_name = node.outputs[0]
-    flat = out_name in ctx.graph_outputs or k == 1 or out.shape[2] * out.shape[3] == 1
+    flat = out_name in ctx.graph_outputs or same_bytes_in_both_layouts(out.shape)
     ctx.layouts[out_name] = "linear" if flat else "nhwc"
     conv = _cudnn_conv(node, ctx, win, out_name)
     if conv is not None:
