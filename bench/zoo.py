@@ -8,11 +8,13 @@ dynamic batch; Kiln builds that file (FP16 with fp32 I/O, one profile from batch
 batch), torch runs the module itself in fp16, so both compute with identical weights. Per model and batch (1 and
 the throughput batch): CUDA-event medians of Kiln (``execute_async_v3``, graph replay), torch eager and
 torch.compile(mode="reduce-overhead", dynamic=False) on one created stream; accuracy of Kiln fp16 and of torch
-fp16 against torch fp32 (TF32 off) as relative RMS error (the detector: the selected boxes compared as sets). Random weights: a
-zero-initialised classifier (ViT's head) gets a normal(0.02) init; the CNNs' BatchNorm statistics are measured on
-seeded random images (``calibrate_batchnorm``: else EfficientNet's and MobileNet's outputs underflow fp16); the
-detector's heads are scaled so that a few hundred boxes pass its score threshold.
+fp16 against torch fp32 (TF32 off) as relative RMS error (the detector: the selected boxes compared as sets);
 Kiln's cold and warm-timing-cache build seconds, device memory and host layers.
+
+Random weights need care to say anything about accuracy: a zero-initialised classifier (ViT's head) gets a
+normal(0.02) init; the CNNs' BatchNorm statistics are measured on seeded random images (``calibrate_batchnorm``:
+else EfficientNet's and MobileNet's outputs underflow fp16); the detector's heads are scaled so that a few hundred
+boxes pass its score threshold.
 
 ``--precompile N`` first compiles every (model, batch) in N child processes that share one inductor cache
 (``TORCHINDUCTOR_CACHE_DIR``), so the measuring process compiles from cache: compiling is minutes of CPU per
@@ -425,7 +427,8 @@ def measure(model: ZooModel, onnx_path: Path, profile: bool, on_row: Callable[[d
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             ref = reference(*inputs)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-            fp16 = peer(*_half(inputs))
+            half_inputs = _half(inputs)
+            fp16 = peer(*half_inputs)
             with torch.cuda.stream(stream):
                 run()
             stream.synchronize()
@@ -438,7 +441,6 @@ def measure(model: ZooModel, onnx_path: Path, profile: bool, on_row: Callable[[d
                 row["kiln_rel_err"] = relative_error(y, ref)
                 row["torch_fp16_rel_err"] = relative_error(fp16, ref)
                 row["err_vs_torch_fp16"] = round(row["kiln_rel_err"] / max(row["torch_fp16_rel_err"], 1e-12), 3)
-            half_inputs = _half(inputs)
             row["torch_eager_ms"] = round(cuda_time(lambda f=peer, x=half_inputs: f(*x), stream), 4)
             compiled = torch.compile(peer, mode="reduce-overhead", dynamic=False)
             try:
