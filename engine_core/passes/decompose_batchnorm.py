@@ -26,7 +26,7 @@ from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from engine_core.passes.fuse_pointwise_chain import chain_ops
 from engine_core.passes.pattern import Match, Uses, fuse_matches, is_op
-from engine_core.passes.shape_inference import infer_shapes
+from engine_core.passes.shape_inference import infer_shapes, stand_in_shape
 
 #: input types the rewrite takes (numpy's floats and bfloat16, by name: ml_dtypes' type is no np.floating)
 _FLOATS = frozenset({"float16", "float32", "float64", "bfloat16"})
@@ -61,8 +61,7 @@ def _input_infos(graph: Graph) -> dict[str, TensorInfo] | None:
     inputs = {}
     for v in graph.inputs:
         if v.is_tensor and v.shape is not None:
-            shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in v.shape)
-            inputs[v.name] = TensorInfo(v.dtype, shape)
+            inputs[v.name] = TensorInfo(v.dtype, stand_in_shape(v.shape))
         else:
             inputs[v.name] = TensorInfo(v.dtype, None)
     try:

@@ -552,7 +552,7 @@ def _cast_target(node: Node) -> np.dtype:
 
 def _original_infos(graph: Graph, policy: PrecisionPolicy) -> dict[str, TensorInfo]:
     """Types (and build-time values) of every tensor as the model has them, before the rewrite."""
-    from engine_core.passes.shape_inference import infer_shapes
+    from engine_core.passes.shape_inference import infer_shapes, stand_in_shape
 
     infos = {}
     for v in graph.inputs:
@@ -561,7 +561,7 @@ def _original_infos(graph: Graph, policy: PrecisionPolicy) -> dict[str, TensorIn
             continue
         shape = policy.input_shapes.get(v.name)
         if shape is None and v.shape is not None:
-            shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in v.shape)
+            shape = stand_in_shape(v.shape)
         value = policy.input_values.get(v.name)
         infos[v.name] = TensorInfo(v.dtype, shape,
                                    None if value is None else np.array(value, v.dtype).reshape(shape))

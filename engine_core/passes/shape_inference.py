@@ -7,7 +7,8 @@ Shape -> Gather -> Concat -> Reshape resolve at build time like in the reference
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +19,12 @@ from engine_core.ops.registry import ShapeInferenceError, TensorInfo, get_op
 
 #: Values with at most this many elements are propagated (shape tensors, scalars, small tables).
 VALUE_LIMIT = 4096
+
+
+def stand_in_shape(shape: Sequence[Any]) -> tuple[int, ...]:
+    """A declared shape with every unknown dim (symbolic or negative) taken as 1: what passes that need only ranks
+    and types (reduce_precision, decompose_batchnorm) infer with, as no rank or type depends on those dims."""
+    return tuple(d if isinstance(d, int) and d >= 0 else 1 for d in shape)
 
 
 def infer_shapes(graph: Graph, inputs: Mapping[str, TensorInfo], *, values: bool = True) -> dict[str, TensorInfo]:
