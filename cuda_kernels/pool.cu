@@ -5,9 +5,7 @@
 // Accumulation in fp32 for every storage type. Channels-last tensors with 16-byte channel runs take
 // pool2d_nhwc; channels-last pools over whole rows (global pools) take pool_band_nhwc, which spreads a
 // window over a block.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <math_constants.h>
+#include "kiln_reduce.cuh"  // kiln_f / kiln_to: fp32 from and to each storage type
 
 struct KilnPoolGeom {
     long long xs[4];
@@ -16,14 +14,6 @@ struct KilnPoolGeom {
     int kh, kw, sh, sw, ph, pw, ph_end, pw_end, dh, dw;
     int channels_last, count_include_pad;
 };
-
-__device__ __forceinline__ float kiln_f(float v) { return v; }
-__device__ __forceinline__ float kiln_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float kiln_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T kiln_to(float v);
-template <> __device__ __forceinline__ float kiln_to<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half kiln_to<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 kiln_to<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 template <typename T, bool IS_MAX>
 __device__ void pool2d(const T* __restrict__ x, T* __restrict__ y, const KilnPoolGeom& g) {
