@@ -117,13 +117,14 @@ def memcpy_batch_async(copies: Sequence[tuple[int, int, int]], stream: int) -> N
                ctypes.byref(first), ctypes.c_size_t(1), ctypes.c_void_p(int(stream)))
 
 
-def launch_held(function: Any, grid: int, block: int, args: Sequence[Any], stream: int) -> None:
-    """cuLaunchKernel of a 1-D grid without releasing the interpreter lock; ``args`` are ctypes values, in the
-    kernel's parameter order."""
+def launch_held(function: Any, grid: int | tuple[int, int], block: int, args: Sequence[Any], stream: int) -> None:
+    """cuLaunchKernel of a 1-D or 2-D grid (``(x, y)``) without releasing the interpreter lock; ``args`` are ctypes
+    values, in the kernel's parameter order."""
     params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p) for arg in args))
+    grid_x, grid_y = grid if isinstance(grid, tuple) else (grid, 1)
     one = ctypes.c_uint(1)
-    _held_call("cuLaunchKernel", ctypes.c_void_p(int(function)), ctypes.c_uint(grid), one, one, ctypes.c_uint(block),
-               one, one, ctypes.c_uint(0), ctypes.c_void_p(int(stream)), params, None)
+    _held_call("cuLaunchKernel", ctypes.c_void_p(int(function)), ctypes.c_uint(grid_x), ctypes.c_uint(grid_y), one,
+               ctypes.c_uint(block), one, one, ctypes.c_uint(0), ctypes.c_void_p(int(stream)), params, None)
 
 
 def copy_pinned_async(dst: int, src: int, nbytes: int, stream: int, to_device: bool) -> None:

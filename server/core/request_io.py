@@ -51,7 +51,8 @@ def raw_input(model: ServedModel, data: bytes | memoryview) -> InferInput:
 
 def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np.ndarray | kiln.DeviceView:
     """The input's data, read from its shared-memory region when it names one; shape checked. An input in
-    CUDA shared memory for a CUDA model that batches stays where it is: the engine reads it on the device."""
+    CUDA shared memory (or page-locked system shared memory, `host_regions`) for a CUDA model that batches stays
+    where it is: the engine reads it on the device."""
     region = tensor.parameters.get("shared_memory_region")
     if region is not None:
         if tensor.data is not None:
@@ -65,7 +66,7 @@ def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np
             if math.prod(tensor.shape) * dtype.itemsize != int(size):
                 raise invalid(f"input '{tensor.name}': shared_memory_byte_size {size} does not match shape "
                               f"{list(tensor.shape)} of {tensor.datatype}")
-            view = shm.device_view(str(region), offset, int(size), tensor.shape, dtype)
+            view = shm.device_view(str(region), offset, int(size), tensor.shape, dtype, host_regions(model))
             if view is not None:
                 return view
         raw = shm.read(str(region), offset, int(size))
@@ -80,8 +81,9 @@ def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np
 
 def output_views(shm: SharedMemory, model: ModelVersion, requested: list[RequestedOutput],
                   inputs: dict[str, Any]) -> dict[str, kiln.DeviceView]:
-    """Outputs the engine can write straight into the client's CUDA shared memory: a CUDA model that batches,
-    a CUDA region, no classification, and the engine's own dtype and shape (no conversion or reshape)."""
+    """Outputs the engine can write straight into the client's shared memory: a CUDA model that batches, a CUDA
+    region or a page-locked system one (`host_regions`), no classification, and the engine's own dtype and shape
+    (no conversion or reshape)."""
     if not device_io(model):
         return {}
     views: dict[str, kiln.DeviceView] = {}
@@ -107,7 +109,7 @@ def output_views(shm: SharedMemory, model: ModelVersion, requested: list[Request
             raise invalid(f"shared memory size specified with the request for output '{output.name}' "
                           f"({size} bytes) should be at least {needed} bytes to hold the results")
         view = shm.device_view(str(region), int(params.get("shared_memory_offset", 0)), int(size),
-                                           shape, dtype)
+                               shape, dtype, host_regions(model))
         if view is not None:
             views[output.name] = view
     return views
@@ -171,6 +173,13 @@ def device_io(model: ServedModel) -> bool:
     through the host for now."""
     return (isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
             and model.sequence is None)
+
+
+def host_regions(model: ServedModel) -> bool:
+    """Whether the device may also read and write page-locked *system* shared memory of `model`'s requests in
+    place: not for a model that caches responses, whose cache reads inputs and stores outputs on the host (Triton
+    caches system shared memory, so those requests must not bypass it as CUDA ones do)."""
+    return not model.config.response_cache.enable
 
 
 def check_unique_outputs(outputs: list[RequestedOutput]) -> None:

@@ -3,21 +3,24 @@
 Error texts are Triton's (server/src/shared_memory_manager.cc, common.cc), our details follow in parentheses,
 since client code compares them.
 
-System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here. CUDA shared memory is a client's
-device allocation opened through CUDA IPC (`cuda_ipc.py`; copies through the host for now, see there for
-the zero-copy hook). As in Triton, both kinds share one namespace of region names, and inputs are read from
+System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here; on a server with a CUDA device the mapping
+is also page-locked and mapped for the device (`engine_core.cuda.host_memory`), so CUDA models read inputs from it
+and write outputs into it on the device, with no copy through a staging buffer (`device_view`). CUDA shared memory
+is a client's device allocation opened through CUDA IPC (`cuda_ipc.py`). As in Triton, both kinds share one namespace of region names, and inputs are read from
 and outputs written to `[offset, offset + byte_size)` of a region whatever its kind, with the same checks.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,6 +30,7 @@ from . import cuda_ipc
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
 
 SHM_ROOT = "/dev/shm"
+LOG = logging.getLogger("kiln.shared_memory")
 
 
 SYSTEM = "system"
@@ -54,6 +58,9 @@ class SystemRegion:
     byte_size: int
     mapping: mmap.mmap
     kind: str = SYSTEM
+    #: the whole mapping page-locked for the device (`engine_core.cuda.host_memory.HostRegistration`); None on
+    #: servers without a CUDA device or where the driver refused
+    pinned: Any = None
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """The bytes in place, read-only: the engine copies them once, into its staging buffer, when the request
@@ -66,11 +73,19 @@ class SystemRegion:
         start = self.offset + offset
         self.mapping[start:start + len(data)] = data
 
+    def device_view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView | None:
+        """The tensor at `offset` by its device address when the mapping is page-locked, else None."""
+        if self.pinned is None:
+            return None
+        return self.pinned.view(self.offset + offset, shape, dtype)  # type: ignore[no-any-return]
+
     def close(self) -> None:
-        try:
-            self.mapping.close()
-        except BufferError:  # a queued or running request still reads it: unmapped when its last view goes
-            pass
+        """Unmap; a page-locked mapping is unpinned and unmapped once the views queued runs hold are gone."""
+        if self.pinned is not None:
+            self.pinned.close()
+            self.pinned = None  # the registration's last reference may go here: it then unpins and unmaps now
+            return
+        _close_mapping(self.mapping)
 
     def status(self) -> dict[str, object]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -117,7 +132,8 @@ class SharedMemory:
                           "and byte_size > 0)")
         with self._lock:
             self._check_free(name)
-            self._regions[name] = SystemRegion(name, key, offset, byte_size, _map(name, key, offset, byte_size))
+            mapping = _map(name, key, offset, byte_size)
+            self._regions[name] = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping))
 
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every system region when `name` is empty (unknown names are ignored)."""
@@ -155,18 +171,21 @@ class SharedMemory:
             return region.read(offset, byte_size)
 
     def device_view(self, name: str, offset: int, byte_size: int, shape: Sequence[int],
-                    dtype: np.dtype) -> DeviceView | None:
-        """The tensor at `offset` of CUDA region `name` in place (None for a system region): the engine reads
-        inputs from it and writes outputs into it on the device, with no copy through the host.
-        INVALID_ARGUMENT when the span is outside the region or smaller than the tensor."""
+                    dtype: np.dtype, system: bool = True) -> DeviceView | None:
+        """The tensor at `offset` of region `name` in place, by its device address: a CUDA region's, or (with
+        `system`) a page-locked system region's; else None. The engine reads inputs from it and writes outputs
+        into it on the device, with no copy through a host staging buffer. INVALID_ARGUMENT when the span is
+        outside the region or smaller than the tensor."""
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         with self._lock:
             region = self._span(name, offset, byte_size)
-            if region.kind != CUDA:
+            if region.kind != CUDA and not (system and getattr(region, "pinned", None) is not None):
                 return None
             if nbytes > byte_size:
                 raise invalid(f"shared memory region '{name}': {byte_size} bytes at offset {offset} cannot hold "
                               f"the {nbytes} bytes of a {np.dtype(dtype)} tensor of shape {list(shape)}")
+            if isinstance(region, SystemRegion):
+                return region.device_view(offset, shape, dtype)
             return region.ipc.view(offset, shape, dtype)  # type: ignore[attr-defined]  # kind CUDA: a CudaRegion
 
     def is_cuda(self, name: str) -> bool:
@@ -260,6 +279,32 @@ def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def _close_mapping(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a queued or running request still reads it: unmapped when its last view goes
+        pass
+
+
+def _pinned(name: str, mapping: mmap.mmap) -> Any:
+    """The mapping page-locked for the device (`HostRegistration`, which unmaps it once released), or None on a
+    server without a CUDA device, or where the driver refuses (then the region works through the host, as it
+    would without a device, and the log says why)."""
+    if not cuda_ipc.available() or len(mapping) == 0:
+        return None
+    from engine_core.cuda.host_memory import HostRegistration
+
+    anchor = ctypes.c_char.from_buffer(mapping)  # an export of the mapping only while the address is read
+    address = ctypes.addressof(anchor)
+    del anchor
+    try:
+        return HostRegistration(address, len(mapping), on_release=lambda: _close_mapping(mapping))
+    except Exception as e:  # noqa: BLE001 - a refusal costs speed, not correctness
+        LOG.warning("system shared memory region '%s' stays pageable (device reads go through a staging copy): %s",
+                    name, e)
+        return None
 
 
 def cuda_unavailable() -> ServerError:

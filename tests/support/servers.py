@@ -68,9 +68,9 @@ def grpc_importable() -> bool:
     return True
 
 
-def wait_ready(server: ServerProcess) -> None:
+def wait_ready(server: ServerProcess, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Until /v2/health/ready answers 200 (over HTTPS with ``server.http_client``); RuntimeError with the log
-    if the process exits first or READY_TIMEOUT_S passes."""
+    if the process exits first or ``timeout_s`` passes."""
 
     def ready() -> bool:
         try:
@@ -78,7 +78,7 @@ def wait_ready(server: ServerProcess) -> None:
         except httpx.HTTPError:
             return False
 
-    harness.wait_ready(server.process, ready, server.log_path, timeout_s=READY_TIMEOUT_S)
+    harness.wait_ready(server.process, ready, server.log_path, timeout_s=timeout_s)
 
 
 def start_server(repository: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None,
@@ -102,11 +102,12 @@ def stop_server(server: ServerProcess, timeout_s: float = 10) -> None:
 @contextlib.contextmanager
 def run_server(repository: Path, log_path: Path, models: list[str] | None, extra_args: Sequence[str] = (),
                module: str = "server", env: dict[str, str] | None = None,
-               http_client: dict | None = None) -> Iterator[ServerProcess]:
+               http_client: dict | None = None, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[ServerProcess]:
     """A real `python -m <module>` server on free 127.0.0.1 ports, ready when yielded; terminated (then killed
     if it hangs) on exit. ``models``: explicit mode with these loaded; None: every model in the repository.
     ``module``: e.g. a test module that registers plugins before starting the server; ``env``: added variables;
-    ``http_client``: httpx options for probing an HTTPS server (verify=CA file, cert=(cert, key))."""
+    ``http_client``: httpx options for probing an HTTPS server (verify=CA file, cert=(cert, key));
+    ``ready_timeout_s``: longer for CUDA models on a fresh machine (the first build compiles kernels)."""
     flags = [*FRONTENDS, *extra_args]
     if models is not None:
         flags += ["--model-control-mode", "explicit"]
@@ -119,7 +120,7 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
     server = ServerProcess(process, repository, log_path, *ports, grpc_available=grpc_importable() and not grpc_off,
                            http_client=http_client or {})
     try:
-        wait_ready(server)
+        wait_ready(server, ready_timeout_s)
         yield server
     finally:
         harness.stop(process)

@@ -92,6 +92,7 @@ class PinnedBuffer:
 #: a copy per request and tensor), fewer through the driver (``memcpy_dtod_batch``)
 SEGMENT_KERNEL_MIN_COPIES = 8
 SEGMENTS_MODULE = "copy_segments"  # cuda_kernels/copy_segments.cu, compiled on first use (ON_DEMAND_KERNEL_FILES)
+SEGMENT_CHUNK_BYTES = 32768  # KILN_SEGMENT_CHUNK in copy_segments.cu: the bytes of a segment one block moves
 
 
 class CopyTable:
@@ -292,8 +293,9 @@ class StagingMixin:
         table = self._copy_tables.setdefault((slot, purpose), CopyTable())
         address = table.upload(copies, stream)
         function = self.engine.function(SEGMENTS_MODULE, SEGMENTS_MODULE)  # type: ignore[attr-defined]
-        launch_held(function, min(len(copies), 4096), 128, [ctypes.c_uint64(address), ctypes.c_int(len(copies))],
-                    stream)
+        chunks = min(-(-max(nbytes for _, _, nbytes in copies) // SEGMENT_CHUNK_BYTES), 1024)
+        launch_held(function, (min(len(copies), 4096), chunks), 128,
+                    [ctypes.c_uint64(address), ctypes.c_int(len(copies))], stream)
 
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
                  destinations: Sequence[Mapping[str, DeviceView]], stream: int,
