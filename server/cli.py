@@ -22,6 +22,7 @@ from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.response_cache import CacheConfig, parse_cache_config
 from server.core.settings import AdaptiveSettings
+from server.core.tensor_arena import DEFAULT_ARENA_MB
 from server.flags import parse_bool as _bool
 from server.frontend_processes import FrontendPool, frontend_count
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
@@ -129,6 +130,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "lock; H100, BERT at 64 clients: 2.3-2.9x the requests/s of 0); 'auto' (default): "
                              "one per two cores beyond the first on machines with 4 or more, at most 8; 0: HTTP "
                              "and gRPC in this process")
+    parser.add_argument("--frontend-arena-mb", type=float, default=DEFAULT_ARENA_MB, metavar="MB",
+                        help="shared memory per frontend process through which large request tensors reach the "
+                             "model process (server/core/tensor_arena.py; page-locked for CUDA models, which then "
+                             "read them on the device); 0: through the socket, as small ones go")
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)

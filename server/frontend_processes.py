@@ -200,6 +200,7 @@ async def serve_frontend(args: argparse.Namespace, core_path: str, listening,
                          channel: socket.socket | None = None) -> int:
     core = RemoteCore(core_path)
     await core.connect()
+    await core.open_arena(args.frontend_arena_mb)
     lifecycle = Lifecycle(drain_settings(args))
     stop = asyncio.Event()
 

@@ -138,10 +138,21 @@ def concatenate(requests: list[InferRequest]) -> InferRequest:
 
 
 def member_request(group: InferRequest, start: int, stop: int, request_id: str = "") -> InferRequest:
-    """Member rows start:stop of a concatenated request, as the request it was (views, no copies)."""
-    inputs = [InferInput(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop])  # type: ignore[index]
-              for t in group.inputs]
+    """Member rows start:stop of a concatenated request, as the request it was (views, no copies; a tensor in a
+    frontend's arena, tensor_arena.py, as its rows' span of the region)."""
+    inputs = [InferInput(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop]) if t.data is not None
+              else _rows_in_region(t, start, stop) for t in group.inputs]
     return InferRequest(group.model_name, inputs, group.model_version, request_id, group.outputs, group.parameters)
+
+
+def _rows_in_region(tensor: InferInput, start: int, stop: int) -> InferInput:
+    """Rows start:stop of a tensor named by region, offset and byte size."""
+    params = tensor.parameters
+    row_bytes = int(params["shared_memory_byte_size"]) // tensor.shape[0]
+    return InferInput(tensor.name, tensor.datatype, (stop - start, *tensor.shape[1:]), None, {
+        "shared_memory_region": params["shared_memory_region"],
+        "shared_memory_offset": int(params.get("shared_memory_offset", 0)) + start * row_bytes,
+        "shared_memory_byte_size": (stop - start) * row_bytes})
 
 
 def run_members(group: InferRequest, sizes: list[int],

@@ -33,7 +33,7 @@ from server.python_backend import wire
 from .custom_metrics import CustomMetrics
 from .decoupled import StreamPart
 from .errors import ErrorKind, ServerError
-from .remote import FrameDecoder
+from .framing import FrameDecoder
 from .types import InferInput, InferRequest, InferResponse, RequestedOutput, datatype_of_numpy
 
 log = logging.getLogger("kiln.server.python")

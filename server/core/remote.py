@@ -35,19 +35,14 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import io
 import itertools
 import logging
-import operator
-import pickle
-import struct
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .decoupled import OnPart, StreamPart
 from .errors import ErrorKind, ServerError, unavailable
+from .framing import _HIGH_WATER, FramedConnection
 from .grouping import (
     Answer,
     MemberResults,
@@ -62,7 +57,8 @@ from .grouping import (
     settle,
 )
 from .limits import InflightLimiter
-from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
+from .tensor_arena import TensorArena, open_arena
+from .types import InferRequest, InferResponse
 
 log = logging.getLogger("kiln.server.remote")
 
@@ -73,219 +69,11 @@ CORE_METHODS = frozenset({
     "register_system_shared_memory", "unregister_system_shared_memory", "cuda_shared_memory_status",
     "register_cuda_shared_memory", "unregister_cuda_shared_memory", "trace_settings", "log_settings",
 })
-_HEAD = struct.Struct("!II")
 CANCEL = "__cancel__"
 INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/core/grouping.py)
 INFER_PARTS = "__infer_parts__"  # the same for requests in shared memory, as a list (server/core/part_groups.py)
 STREAM = "__stream__"  # a request answered by several replies (server/core/decoupled.py)
-# Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
-_HIGH_WATER = 4 << 20
-
-
-def _reduce_array(array: np.ndarray) -> tuple:
-    """A contiguous array of a builtin numeric dtype as its bytes (out of band), dtype string and shape: cheaper
-    both ways than numpy's own reduction. Object (BYTES), strided and extension-dtype (bfloat16, whose string is
-    only 'V2') arrays keep numpy's."""
-    code = array.dtype.str
-    if not array.flags.c_contiguous or type(array) is not np.ndarray or code[1] not in _BUILTIN_KINDS:
-        return array.__reduce_ex__(5)  # type: ignore[return-value]  # an ndarray reduces to a tuple
-    return _array, (pickle.PickleBuffer(array), code, array.shape)  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-_BUILTIN_KINDS = frozenset("biuf")  # bool, signed, unsigned, float: a dtype string says all of these
-
-
-def _array(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    return np.frombuffer(data, dtype).reshape(shape)
-
-
-def _reduce_fields(cls: type) -> Callable[[Any], tuple]:
-    """A dataclass as its constructor and positional fields (pickle's default goes through copyreg and __dict__)."""
-    fields = operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))  # every one has 2+ fields: a tuple
-    return lambda obj: (cls, fields(obj))
-
-
-_REDUCERS: dict[type, Callable[[Any], tuple]] = {
-    np.ndarray: _reduce_array,
-    **{cls: _reduce_fields(cls) for cls in (InferRequest, InferInput, RequestedOutput, InferResponse, InferOutput)},
-}
-
-
-def encode(message: Any) -> list[bytes | memoryview]:
-    """`message` as the frames of one message (contiguous numpy arrays stay out of band: no copy here)."""
-    buffers: list[pickle.PickleBuffer] = []
-    out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _REDUCERS  # type: ignore[assignment]
-    pickler.dump(message)
-    payload = out.getbuffer()
-    raws = [b.raw() for b in buffers]
-    sizes = struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws))
-    return [_HEAD.pack(len(payload), len(raws)) + sizes, payload, *raws]
-
-
-class FrameDecoder:
-    """Frames in, messages out: `feed` bytes as they arrive (or read into `buffer()` and `advance`); complete
-    messages go to `on_message` in order. A frame too large for the shared buffer is read into one bytearray of
-    its own size, so a large tensor is copied once, from the socket into its final place."""
-
-    _BIG = 1 << 16  # a frame body at least this large, not yet complete, gets its own buffer
-
-    def __init__(self, on_message: Callable[[Any], None]) -> None:
-        self.on_message = on_message
-        self._buf = bytearray(1 << 18)
-        self._end = 0  # bytes of _buf received and not yet decoded
-        self._body: bytearray | None = None  # the large frame being read
-        self._filled = 0
-        self._layout: tuple[int, tuple[int, ...]] = (0, ())  # its payload length and buffer sizes
-
-    def buffer(self) -> memoryview:
-        """Where the next bytes should be read to."""
-        if self._body is not None:
-            return memoryview(self._body)[self._filled:]
-        if self._end == len(self._buf):
-            self._buf.extend(bytes(len(self._buf)))
-        return memoryview(self._buf)[self._end:]
-
-    def advance(self, count: int) -> None:
-        """`count` bytes were read into `buffer()`."""
-        if self._body is not None:
-            self._filled += count
-            if self._filled == len(self._body):
-                body, (length, sizes) = self._body, self._layout
-                self._body = None
-                self._deliver(memoryview(body), length, sizes)
-            return
-        self._end += count
-        self._decode()
-
-    def feed(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            target = self.buffer()
-            count = min(len(target), len(view))
-            target[:count] = view[:count]
-            view = view[count:]
-            self.advance(count)
-
-    def _decode(self) -> None:
-        buf, start, end = self._buf, 0, self._end
-        while end - start >= _HEAD.size:
-            length, count = _HEAD.unpack_from(buf, start)
-            meta = _HEAD.size + 8 * count
-            if end - start < meta:
-                break
-            sizes = struct.unpack_from(f"!{count}Q", buf, start + _HEAD.size)
-            total = length + sum(sizes)
-            have = end - start - meta
-            if have >= total:
-                body = bytes(buf[start + meta:start + meta + total])  # one copy: the message may outlive _buf
-                start += meta + total
-                self._deliver(memoryview(body), length, sizes)
-                continue
-            if total >= self._BIG:  # read the rest straight into the frame's own buffer
-                self._body = bytearray(total)
-                self._body[:have] = buf[start + meta:end]
-                self._filled, self._layout = have, (length, sizes)
-                start = end
-            elif meta + total > len(buf):
-                buf.extend(bytes(meta + total - len(buf)))
-            break
-        if start:
-            remaining = end - start
-            buf[:remaining] = buf[start:end]
-            self._end = remaining
-
-    def _deliver(self, body: memoryview, length: int, sizes: tuple[int, ...]) -> None:
-        buffers, offset = [], length
-        for size in sizes:
-            buffers.append(body[offset:offset + size])
-            offset += size
-        self.on_message(pickle.loads(body[:length], buffers=buffers))
-
-
-class FramedConnection(asyncio.BufferedProtocol):
-    """One end of a core connection: decodes frames into `on_message`, batches `send`s into one write per turn of
-    the event loop, and tells `on_lost` when the peer goes."""
-
-    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[Exception | None], None]) -> None:
-        self._on_message = on_message
-        self._decoder = FrameDecoder(self._received)
-        self._on_lost = on_lost
-        #: told about a message that could not be pickled and was not sent (whoever waits for it must hear)
-        self.on_unencodable: Callable[[Any, Exception], None] = _log_unencodable
-        self.transport: asyncio.Transport | None = None
-        self._out: list[Any] = []  # messages sent during this turn of the event loop
-        self._flushing = False
-        self._writable: asyncio.Event | None = None  # set while the socket takes more (cleared when paused)
-        self.closed = False
-
-    def _received(self, messages: list[Any]) -> None:
-        for message in messages:  # a frame holds every message its sender sent in one turn of its event loop
-            self._on_message(message)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._writable = asyncio.Event()
-        self._writable.set()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._decoder.buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._decoder.advance(nbytes)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._writable is not None:
-            self._writable.set()  # a paused sender wakes up and finds the connection closed
-        self._on_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self._writable is not None:
-            self._writable.clear()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None:
-            self._writable.set()
-
-    def send(self, message: Any) -> None:
-        """Queue `message`; it leaves in one frame with everything else sent during this turn of the event loop."""
-        if self.closed:
-            raise ConnectionResetError("the core connection is closed")
-        self._out.append(message)
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        messages, self._out = self._out, []
-        if self.closed or self.transport is None:
-            return
-        try:
-            frames = encode(messages)
-        except Exception:  # noqa: BLE001 - one message that cannot be pickled must not sink the others
-            frames = []
-            for message in messages:
-                try:
-                    frames += encode([message])
-                except Exception as e:  # noqa: BLE001 - its sender hears about it instead
-                    self.on_unencodable(message, e)
-        self.transport.writelines(frames)
-
-    async def drain(self) -> None:
-        """Wait while the socket's write buffer is over its high-water mark (a slow reader must not grow memory)."""
-        if self._writable is not None and not self._writable.is_set():
-            await self._writable.wait()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _log_unencodable(message: Any, error: Exception) -> None:
-    log.error("dropped a core message that cannot be pickled: %s", error)
+ARENA = "__arena__"  # a frontend's tensor arena: (name, key, byte_size), registered for its connection's life
 
 
 class CoreService:
@@ -407,6 +195,7 @@ class _ServedConnection(FramedConnection):
         self.on_unencodable = self._reply_unencodable
         self.service = service
         self.calls: dict[int, Any] = {}  # running calls, to cancel: a task, a request's job, a group's jobs
+        self.arenas: list[str] = []  # the frontend's tensor arenas (tensor_arena.py), unregistered when it goes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -419,6 +208,9 @@ class _ServedConnection(FramedConnection):
             running = self.calls.get(call_id)
             if running is not None:
                 running.cancel()
+            return
+        if method == ARENA:
+            self._register_arena(call_id, *args)
             return
         if method in ("infer", INFER_GROUP, INFER_PARTS, STREAM):
             try:
@@ -435,6 +227,15 @@ class _ServedConnection(FramedConnection):
             return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
         task.add_done_callback(lambda _: self.calls.pop(call_id, None))
+
+    def _register_arena(self, call_id: int, name: str, key: str, byte_size: int) -> None:
+        try:
+            self.service.core.system_shm.register_arena(name, key, byte_size)
+        except Exception as e:  # noqa: BLE001 - the frontend then sends tensors inline
+            self._reply(call_id, None, _as_server_error(ARENA, e))
+            return
+        self.arenas.append(name)
+        self._reply(call_id, None)
 
     def _infer(self, call_id: int, request: InferRequest) -> None:
         job = self._submit_admitted(request, functools.partial(self._answer, call_id))
@@ -543,6 +344,8 @@ class _ServedConnection(FramedConnection):
         self.service._connections.discard(self)
         for call in list(self.calls.values()):
             call.cancel()
+        for name in self.arenas:
+            self.service.core.system_shm.unregister_arena(name)
 
 
 class RemoteCore:
@@ -560,6 +363,8 @@ class RemoteCore:
         self._draining = False
         self._groups: dict[Any, list[_Member]] = {}  # requests of this loop turn, by group key
         self._streams: dict[int, OnPart] = {}  # STREAM calls not yet final: where their parts go
+        self.arena: TensorArena | None = None  # where large group inputs go (`open_arena`)
+        self._leases: dict[int, list] = {}  # call id -> its arena spans, freed when the core's reply comes
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
 
@@ -573,6 +378,21 @@ class RemoteCore:
     async def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
+
+    async def open_arena(self, megabytes: float) -> None:
+        """Large request tensors go to the core through a shared-memory arena from now on (tensor_arena.py); on any
+        failure they keep going inline, and the log says why."""
+        arena = open_arena(megabytes)
+        if arena is None:
+            return
+        try:
+            await self.call(ARENA, arena.name, arena.key, arena.nbytes)
+        except ServerError as e:
+            log.warning("the core cannot map this frontend's tensor arena (%s): tensors go inline", e.message)
+            arena.close()
+            return
+        arena.unlink()  # both mappings stay; nothing is left in /dev/shm if a process dies
+        self.arena = arena
 
     def begin_drain(self) -> None:
         self._draining = True
@@ -657,14 +477,21 @@ class RemoteCore:
                 continue
             requests = [m.request for m in members]
             sizes = [rows(request) for request in requests]
+            placed = self.arena.place(requests) if self.arena is not None and not by_reference(key) else None
             try:
-                if len(members) == 1:
+                if placed is not None:
+                    call_id, reply = (self._start("infer", (placed[0],), {}) if len(members) == 1 else
+                                      self._start(INFER_GROUP, (placed[0], sizes), {}))
+                    self._leases[call_id] = placed[1]
+                elif len(members) == 1:
                     call_id, reply = self._start("infer", (requests[0],), {})
                 elif by_reference(key):
                     call_id, reply = self._start(INFER_PARTS, (requests,), {})
                 else:
                     call_id, reply = self._start(INFER_GROUP, (concatenate(requests), sizes), {})
             except Exception as e:  # noqa: BLE001 - e.g. the connection is gone: every member raises it
+                if placed is not None:
+                    self.arena.release(placed[1])  # type: ignore[union-attr]
                 for member in members:
                     settle(member.answer, None, e)
                 continue
@@ -679,8 +506,8 @@ class RemoteCore:
         if sent is None:
             return
         sent.waiting -= 1
-        if not sent.waiting and sent.call_id in self._pending:
-            self._cancel(sent.call_id)
+        if not sent.waiting and sent.call_id in self._pending and sent.call_id not in self._leases:
+            self._cancel(sent.call_id)  # a call reading the arena runs to its reply, which frees its space
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in CORE_METHODS:
@@ -728,6 +555,9 @@ class RemoteCore:
 
     def _replied(self, message: Any) -> None:
         call_id, value, error = message
+        spans = self._leases.pop(call_id, None)
+        if spans is not None:
+            self.arena.release(spans)  # type: ignore[union-attr]
         reply = self._pending.pop(call_id, None)
         if reply is not None:
             settle(reply, value, error)
@@ -743,6 +573,9 @@ class RemoteCore:
     def _unsent(self, message: Any, error: Exception) -> None:
         """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""
         reply = self._pending.get(message[0])
+        spans = self._leases.pop(message[0], None)
+        if spans is not None:
+            self.arena.release(spans)  # type: ignore[union-attr]
         if reply is not None:
             settle(reply, None, error)
 

@@ -28,6 +28,7 @@ from engine_core.cuda.view import DeviceView
 
 from . import cuda_ipc
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
+from .tensor_arena import ARENA_PREFIX
 
 SHM_ROOT = "/dev/shm"
 LOG = logging.getLogger("kiln.shared_memory")
@@ -61,6 +62,8 @@ class SystemRegion:
     #: the whole mapping page-locked for the device (`engine_core.cuda.host_memory.HostRegistration`); None on
     #: servers without a CUDA device or where the driver refused
     pinned: Any = None
+    #: a frontend process's tensor arena (tensor_arena.py): not a client's, so clients neither see nor remove it
+    internal: bool = False
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """The bytes in place, read-only: the engine copies them once, into its staging buffer, when the request
@@ -127,6 +130,9 @@ class SharedMemory:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map `byte_size` bytes at `offset` of the POSIX shared-memory object `key`."""
         _check_name(name)
+        if name.startswith(ARENA_PREFIX):
+            raise invalid(f"failed to register shared memory region '{name}': names starting with "
+                          f"'{ARENA_PREFIX}' are reserved for the server's own regions")
         if offset < 0 or byte_size <= 0:
             raise invalid(f"failed to register shared memory region '{name}': invalid args (offset must be >= 0 "
                           "and byte_size > 0)")
@@ -138,6 +144,23 @@ class SharedMemory:
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every system region when `name` is empty (unknown names are ignored)."""
         self._unregister(SYSTEM, name)
+
+    def register_arena(self, name: str, key: str, byte_size: int) -> None:
+        """A frontend process's tensor arena (tensor_arena.py): a system region clients do not see."""
+        if not name.startswith(ARENA_PREFIX):
+            raise invalid(f"a tensor arena's name must start with '{ARENA_PREFIX}', got '{name}'")
+        with self._lock:
+            self._check_free(name)
+            mapping = _map(name, key, 0, byte_size)
+            self._regions[name] = SystemRegion(name, key, 0, byte_size, mapping, pinned=_pinned(name, mapping),
+                                               internal=True)
+
+    def unregister_arena(self, name: str) -> None:
+        """Forget a frontend's arena (its connection closed); runs still reading it keep it mapped until done."""
+        with self._lock:
+            region = self._regions.pop(name, None)
+        if region is not None:
+            region.close()
 
     def status(self, name: str = "") -> list[dict[str, object]]:
         return self._status(SYSTEM, name)
@@ -220,7 +243,7 @@ class SharedMemory:
             names = [name] if name else list(self._regions)
             for region_name in names:
                 region = self._regions.get(region_name)
-                if region is not None and region.kind == kind:
+                if region is not None and region.kind == kind and not getattr(region, "internal", False):
                     del self._regions[region_name]
                     try:
                         region.close()
@@ -234,14 +257,14 @@ class SharedMemory:
         with self._lock:
             if name:
                 region = self._regions.get(name)
-                if region is None:
+                if region is None or getattr(region, "internal", False):
                     raise not_found(f"Unable to find {label} shared memory region: '{name}' (it is not registered)")
                 if region.kind != kind:
                     other, this = ("CUDA", "system") if region.kind == CUDA else ("system", "CUDA")
                     raise not_found(f"The region named '{name}' is registered as {other} shared memory, not {this} "
                                     f"shared memory (the {label} region '{name}' is not registered)")
                 return [region.status()]
-            return [r.status() for r in self._regions.values() if r.kind == kind]
+            return [r.status() for r in self._regions.values() if r.kind == kind and not getattr(r, "internal", False)]
 
     def _span(self, name: str, offset: int, byte_size: int) -> Region:
         region = self._regions.get(name)

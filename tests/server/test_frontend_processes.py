@@ -22,8 +22,9 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from server.core.errors import ErrorKind, ServerError
+from server.core.framing import FrameDecoder, encode
 from server.core.limits import PayloadTooLarge
-from server.core.remote import CoreService, FrameDecoder, RemoteCore, encode
+from server.core.remote import CoreService, RemoteCore
 from server.core.types import InferInput, InferRequest
 from server.frontend_processes import frontend_count
 
