@@ -3,10 +3,12 @@
     python -m bench.attention [--cases 0,1,2,3] [--out bench/results] [--profile-runs]
 
 Each case is a one-layer ONNX model (onnx.helper) of ``Attention`` (opset 23), fp16: BERT-base's shape (the 3-D
-form [batch, seq, 768], 12 heads of 64, its padding mask [batch, 1, 1, seq]), a longer sequence, and a causal
-head size 128 case without a mask. Columns (GPU kernel time from CUPTI, microseconds per call, every kernel of
-the layer):
-  kiln      one ``flash_attention_*`` launch
+form [batch, seq, 768], 12 heads of 64, its padding mask [batch, 1, 1, seq]), a longer sequence, a causal
+head size 128 case without a mask, and the 3-D form without a mask at the shapes of ViT-B/16 (197 tokens, 12 heads)
+and Whisper-tiny's encoder (1500 frames, 6 heads of 64). Columns (GPU kernel time from CUPTI, microseconds per call,
+every kernel of the layer):
+  kiln      cuDNN's fused SDPA where the build may use cuDNN and it takes the layer (tactic attention:cudnn_sdpa),
+            else one ``flash_attention_*`` launch
   kiln+q    the same Attention followed by an int8 QuantizeLinear (scale 0.02), which the builder fuses into one
             ``flash_attention_q_*`` launch (kiln.AttentionQuantize: what explicitly quantized BERT runs)
   torch     torch ``F.scaled_dot_product_attention`` on contiguous [batch, heads, seq, dim] tensors with the same
@@ -41,6 +43,8 @@ class Case:
     #: the 3-D form [batch, seq, heads * dim] with a [batch, 1, 1, seq] additive mask (BERT), else 4-D, no mask
     bert: bool
     causal: int = 0
+    #: the 3-D form's padding mask (False: the 3-D form without one, as ViT and Whisper's encoder run it)
+    mask: bool = True
 
     def flops(self) -> float:
         return 4.0 * self.batch * self.heads * self.seq * self.seq * self.dim / (2 if self.causal else 1)
@@ -49,13 +53,15 @@ class Case:
 CASES = [Case("BERT-base b64 s128", 64, 12, 128, 64, True),
          Case("BERT-base b8 s512", 8, 12, 512, 64, True),
          Case("causal d128 b4 h16 s1024", 4, 16, 1024, 128, False, 1),
-         Case("BERT-base b8 s128", 8, 12, 128, 64, True)]
+         Case("BERT-base b8 s128", 8, 12, 128, 64, True),
+         Case("ViT-B/16 b64 s197", 64, 12, 197, 64, True, mask=False),
+         Case("Whisper-tiny enc b16 s1500", 16, 6, 1500, 64, True, mask=False)]
 
 
 def _shapes(case: Case) -> dict[str, tuple[int, ...]]:
     qkv = (case.batch, case.seq, case.heads * case.dim) if case.bert else (case.batch, case.heads, case.seq, case.dim)
     shapes = {name: qkv for name in "qkv"}
-    if case.bert:
+    if case.bert and case.mask:
         shapes["mask"] = (case.batch, 1, 1, case.seq)
     return shapes
 
@@ -98,7 +104,7 @@ def _feeds(torch, case: Case) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     feeds = {name: torch.randn(shape, device="cuda", generator=gen).half() for name, shape in _shapes(case).items()
              if name != "mask"}
-    if case.bert:  # the last eighth of every other sequence is padding
+    if "mask" in _shapes(case):  # the last eighth of every other sequence is padding
         mask = torch.zeros(_shapes(case)["mask"], device="cuda", dtype=torch.float16)
         mask[1::2, ..., case.seq - case.seq // 8:] = -10000.0
         feeds["mask"] = mask

@@ -175,6 +175,11 @@ class Emulator:
             y = _saturate_int8(y)
         self.view(op.y, np.dtype(op.y_dtype), op.y_dims, op.y_strides)[...] = y
 
+    def _sdpalaunch(self, op: Launch) -> None:
+        """cuDNN's SDPA, or where it declines the flash launch: the same attention, emulated as the launch
+        (test_cudnn_attention_cpu.py checks the cuDNN description itself)."""
+        self._launch(op)
+
     def _launch(self, op: Launch) -> None:
         name = op.function
         args = [v for v, _ in op.args]

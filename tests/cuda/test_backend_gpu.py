@@ -223,9 +223,11 @@ def test_fp16_cnn_and_attention_match_the_cpu_backend():
     dict(dtype=onnx.TensorProto.FLOAT, three_d=True, heads=8, kv_heads=2, seq=70),   # TF32, grouped-query
     dict(dtype=onnx.TensorProto.FLOAT, dim=128, seq=64, causal=1, mask=""),          # TF32, 32-key tiles
 ])
-def test_flash_attention_matches_the_cpu_backend(case):
+def test_flash_attention_matches_the_cpu_backend(case, monkeypatch):
     """The fused kernel (mma.sync fp16/bf16/TF32, online softmax) against the CPU backend in fp64-accurate
-    numpy; fp16/bf16/TF32 operands give errors of a few 1e-3 on outputs of magnitude ~1."""
+    numpy; fp16/bf16/TF32 operands give errors of a few 1e-3 on outputs of magnitude ~1. Built without cuDNN, which
+    would run the fp16/bf16 cases through its SDPA instead (test_cudnn_attention_gpu.py)."""
+    monkeypatch.setattr("engine_core.backends.cuda.cudnn_conv.available", lambda: False)
     model = attention_model(**case)
     feeds = attention_feeds(model, np.random.default_rng(11), masked_from=case.get("kv_seq", case["seq"]) // 2)
     fp32 = case.get("dtype") == onnx.TensorProto.FLOAT

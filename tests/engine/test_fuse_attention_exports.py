@@ -383,9 +383,11 @@ def test_fp16_forms_lower_to_the_flash_kernel(rng, make):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [_sdpa, _t5, _llama], ids=["sdpa", "t5", "llama"])
-def test_fp16_forms_run_the_flash_kernel_on_the_gpu(rng, make):
+def test_fp16_forms_run_the_flash_kernel_on_the_gpu(rng, make, monkeypatch):
     """On the device: the additive padding mask, T5's per-head bias [1, H, S, S] (a mask stride per head, none per
-    batch) and grouped-query K/V through flash_attention_64_f16 compute what the CPU backend computes."""
+    batch) and grouped-query K/V through flash_attention_64_f16 compute what the CPU backend computes (built without
+    cuDNN, whose SDPA would take some of them: test_cudnn_attention_gpu.py)."""
+    monkeypatch.setattr("engine_core.backends.cuda.cudnn_conv.available", lambda: False)
     model = make(rng, dtype=TensorProto.FLOAT16, size=64)
     feeds = _feeds(model, rng, batch=3)
     shapes = {k: ((1, *v.shape[1:]), v.shape, (4, *v.shape[1:])) for k, v in feeds.items()}

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.backends.cuda.cudnn_graph import plan_graph
 from engine_core.backends.cuda.lowering import Conv, Ref
 from engine_core.backends.cuda.tactics import time_first_runnable
 from engine_core.cuda.driver import CudaError, DeviceBuffer
@@ -138,9 +139,7 @@ class CudnnConvs:
             y = graph.relu(input=y, name="relu")
         y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides)).set_data_type(io)
         tensors["y"] = y
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        plan_graph(cudnn, graph, check=False)
         if strict_fp32(op):  # exact fp32: no TF32 (tensor-core) or down-converting engines, as PyTorch filters them
             notes = cudnn.numerical_note
             graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
@@ -180,10 +179,7 @@ class CudnnConvs:
         y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides))
         y.set_data_type(_data_type(cudnn, np.dtype(op.y_dtype).name))
         tensors["y"] = y
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
+        plan_graph(cudnn, graph)
         return graph, tensors
 
     def build(self, op: Conv, index: int = 0) -> _Built:

@@ -255,6 +255,7 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         self._cublaslt = None
         self._int8 = None
         self._convs = None
+        self._attentions = None  # cudnn_attention.CudnnAttentions, made on the first SdpaLaunch
         self._host_runner: GraphRunner | None = None
         #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
         self.host_fallback: list[str] = []

@@ -1,5 +1,6 @@
 """Launching one run layer by layer: the schedule's actions on the compute and copy streams, each step's kernel
-launches, GEMMs (cuBLAS, cuBLASLt, Kiln's), INT8 GEMMs, cuDNN convolutions, copies and host-fallback layers,
+launches (an attention's through cuDNN's SDPA where it takes it), GEMMs (cuBLAS, cuBLASLt, Kiln's), INT8 GEMMs,
+cuDNN convolutions, copies and host-fallback layers,
 profiled runs (CUDA events per layer), weight-streaming uploads and debug tensors (``LaunchMixin``).
 """
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.backends.cuda.cudnn_attention import SdpaLaunch
 from engine_core.backends.cuda.gemm import run_kiln_gemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
 from engine_core.backends.cuda.lowering_context import (
@@ -116,7 +118,8 @@ class LaunchMixin:
     def _run_step(self, step: Step, binding: _Binding, resolve, stream: int) -> None:
         for op in step.ops:
             if isinstance(op, Launch):
-                binding.prepared[id(op)].run(resolve, stream)
+                if not (isinstance(op, SdpaLaunch) and self._sdpa(op, resolve, stream)):
+                    binding.prepared[id(op)].run(resolve, stream)  # cuDNN declined: the flash kernel
             elif isinstance(op, Gemm):
                 self._gemm(op, resolve, stream)
             elif isinstance(op, Int8Gemm):
@@ -232,6 +235,20 @@ class LaunchMixin:
             for binding in self._bindings.values():
                 binding.graphs.clear()
         return remaining
+
+    def _sdpa(self, op: SdpaLaunch, resolve, stream: int) -> bool:
+        """Run ``op``'s attention through cuDNN's SDPA; False when cuDNN declines it (the caller launches the flash
+        kernel)."""
+        if self._attentions is None:
+            from engine_core.backends.cuda.cudnn_attention import CudnnAttentions
+
+            self._attentions = CudnnAttentions()
+        before = self._attentions.workspace_generation
+        ran = self._attentions.run(op, resolve, stream)
+        if self._attentions.workspace_generation != before:  # a new workspace: graphs captured the old one
+            for binding in self._bindings.values():
+                binding.graphs.clear()
+        return ran
 
     def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
         from cuda.bindings import driver

@@ -1,5 +1,6 @@
 """Lowering rule of attention: ONNX Attention and ``kiln.AttentionQuantize``, one fused flash_attention launch
-where it applies, else two batched GEMMs around the attention softmax.
+where it applies (an ``SdpaLaunch``, which cuDNN's fused attention runs instead, where the build may use cuDNN and
+it takes the layer: cudnn_attention.py), else two batched GEMMs around the attention softmax.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import ctypes
 
 import numpy as np
 
+from engine_core.backends.cuda.cudnn_attention import SdpaLaunch, sdpa_for
 from engine_core.backends.cuda.lower_rules.common import (
     WARP_ROW_LIMIT,
     check_int8_output,
@@ -95,7 +97,9 @@ def _lower_attention(node: Node, ctx: LoweringContext) -> list:
     ``kiln.AttentionQuantize``, the same with Y quantized to int8 (inputs 4, 5: its scale and zero point).
 
     One fused flash_attention launch (Q/K/V/Y through strides: the 3-D form needs no head transposes,
-    scores stay on chip; flash_attention_q_* writes the int8 Y) when the type and head size allow;
+    scores stay on chip; flash_attention_q_* writes the int8 Y) when the type and head size allow, carrying the
+    same attention for cuDNN's SDPA (``SdpaLaunch``) when ``LoweringOptions.cudnn`` is on and cuDNN takes it
+    (``sdpa_for``; not AttentionQuantize, whose flash kernel writes int8 itself);
     otherwise two batched GEMMs around the attention softmax kernel with the scores in a step-local scratch
     buffer (and for AttentionQuantize, Y in another, then the generated QuantizeLinear).
     """
@@ -140,8 +144,12 @@ def _lower_attention(node: Node, ctx: LoweringContext) -> list:
             args.append((Ref(node.inputs[4]), ctypes.c_void_p))
         name = f"flash_attention_{'q_' if quantized else ''}{d}_{suffix}"
         full_mask = bool(mask_kind) and g.mq != 0
-        return [Launch("flash_attention", name, (-(-sq // FLASH_ROWS), heads, batch), (FLASH_THREADS, 1, 1), args,
-                       shared_bytes=flash_shared_bytes(d, suffix, full_mask))]
+        launch = Launch("flash_attention", name, (-(-sq // FLASH_ROWS), heads, batch), (FLASH_THREADS, 1, 1), args,
+                        shared_bytes=flash_shared_bytes(d, suffix, full_mask))
+        sdpa = None if quantized or not ctx.options.cudnn else sdpa_for(
+            (*node.inputs[:3], node.outputs[0], mask), (batch, heads, k_heads, sq, skv, d, dv),
+            (q_st, k_st, v_st, y_st), dtype, scale, bool(causal), mask_kind, mask_strides)
+        return [launch if sdpa is None else SdpaLaunch(**vars(launch), sdpa=sdpa)]
     if quantized:  # the float attention into step-local scratch, then QuantizeLinear
         y = ctx.new_scratch(f"{node.name}#y", dtype, tuple(ctx.info(node.outputs[0]).shape))
         attention = Node("Attention", node.inputs[:4], [y.tensor], dict(node.attrs), node.name, "", node.opset, [])
