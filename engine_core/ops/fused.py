@@ -20,6 +20,10 @@ math with the registered ONNX ops, and the CUDA backend lowers them to one libra
 * ``SkipLayerNorm(x, skip, gamma, beta?, y_scale?, y_zero?, x_scale?, skip_scale?)``, ``AttentionQuantize(q, k, v, mask?, y_scale,
   y_zero?)``: a residual Add + LayerNorm (optionally also quantized, optionally of int8 operands), an Attention
   whose output is quantized.
+* ``Rotary(x, cos, sin)``: ``x' * cos + rotate(x') * sin`` with numpy broadcasting, x' = ``Transpose(x, perm)``
+  (attribute ``perm``; absent: x itself); ``rotate`` is rotate_half, ``Concat(-x'[..., D/2:], x'[..., :D/2])``, or
+  with ``interleaved`` = 1 GPT-J's rotate_every_two (pairs (2i, 2i + 1) become (-x'[2i + 1], x'[2i])). Unlike ONNX's
+  RotaryEmbedding, cos and sin are full-width tensors of any broadcastable shape, as exports compute them in-graph.
 """
 
 from __future__ import annotations
@@ -444,3 +448,53 @@ register_op("AttentionQuantize", infer=_attention_quantize_infer, cpu=_attention
             doc="QuantizeLinear(Attention(q, k, v, attn_mask), y_scale, y_zero) to int8 (Attention's attributes, "
                 "no past keys; one scale, zero point 0): the attention kernel writes the int8 tensor the next "
                 "QMatMul reads instead of a float one a QuantizeLinear reads back")
+
+
+# -- Rotary: rotary position embeddings written out op by op (passes/fuse_rotary.py) ---------------------------------
+
+
+def _rotary_source(node: Node, x: TensorInfo) -> TensorInfo:
+    """x as the rotation reads it: transposed by ``perm`` when the node has one."""
+    perm = node.attr("perm")
+    if not perm or x.shape is None:
+        return x
+    if sorted(perm) != list(range(len(x.shape))):
+        raise ShapeInferenceError(f"{node}: perm {perm} for an input of rank {len(x.shape)}")
+    return TensorInfo(x.dtype, tuple(x.shape[p] for p in perm))
+
+
+def _rotary_infer(node: Node, x: TensorInfo, cos: TensorInfo, sin: TensorInfo) -> TensorInfo:
+    """x's type, the broadcast shape of x' (x transposed by perm), cos and sin; x' has an even last dim."""
+    if not x.dtype == cos.dtype == sin.dtype:
+        raise ShapeInferenceError(f"{node}: x, cos and sin differ in type ({x.dtype}, {cos.dtype}, {sin.dtype})")
+    source = _rotary_source(node, x)
+    if source.shape is None or cos.shape is None or sin.shape is None:
+        return TensorInfo(x.dtype, None)
+    if not source.shape or source.shape[-1] % 2:
+        raise ShapeInferenceError(f"{node}: rotating pairs of the last dim needs it even, not {source.shape}")
+    return TensorInfo(x.dtype, broadcast_shapes(source.shape, cos.shape, sin.shape))
+
+
+def rotated(x: np.ndarray, interleaved: bool) -> np.ndarray:
+    """rotate_half (``Concat(-x[..., D/2:], x[..., :D/2])``) or, interleaved, rotate_every_two (each pair (a, b) of
+    the last axis becomes (-b, a))."""
+    if interleaved:
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        return np.stack([np.negative(pairs[..., 1]), pairs[..., 0]], axis=-1).reshape(x.shape)
+    half = x.shape[-1] // 2
+    return np.concatenate([np.negative(x[..., half:]), x[..., :half]], axis=-1)
+
+
+def _rotary_cpu(node: Node, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x' * cos + rotate(x') * sin by the ONNX Mul and Add implementations, each result rounded to x's type as the
+    unfused layers round it."""
+    perm = node.attr("perm")
+    source = np.transpose(x, perm) if perm else x
+    mul, add = get_op("Mul").cpu, get_op("Add").cpu
+    return add(node, mul(node, source, cos), mul(node, rotated(source, bool(node.attr("interleaved", 0))), sin))
+
+
+register_op("Rotary", infer=_rotary_infer, cpu=_rotary_cpu, domain=DOMAIN,
+            doc="x' * cos + rotate(x') * sin, x' = Transpose(x, perm) (or x), rotate = rotate_half or (interleaved) "
+                "rotate_every_two, cos and sin full-width and broadcast: a rotary position embedding as exports "
+                "write it (Slice / Neg / Concat / Mul / Add) in one layer")

@@ -1,5 +1,6 @@
 """Graph passes run by the builder. One pass = one function in one file; each returns its change count."""
 
+from engine_core.passes.collapse_layout_chains import collapse_layout_chains
 from engine_core.passes.constant_folding import fold_constants
 from engine_core.passes.conv_1d_as_2d import conv_1d_as_2d
 from engine_core.passes.dead_code import eliminate_dead_code
@@ -20,10 +21,13 @@ from engine_core.passes.fuse_pointwise_chain import fuse_pointwise_chain
 from engine_core.passes.fuse_qdq_conv import fuse_qdq_conv
 from engine_core.passes.fuse_qdq_matmul import fuse_qdq_matmul
 from engine_core.passes.fuse_rms_norm import fuse_rms_norm
+from engine_core.passes.fuse_rotary import fuse_rotary
 from engine_core.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
 from engine_core.passes.merge_parallel_qmatmuls import merge_parallel_qmatmuls
 from engine_core.passes.narrow_attention_mask import narrow_attention_mask
+from engine_core.passes.resolve_shape_operands import resolve_shape_operands
 from engine_core.passes.shape_inference import infer_shapes
+from engine_core.passes.split_packed_projection import split_packed_projections
 
 #: Folding and rewriting passes, run before the precision pass (builder.build_plan). conv_1d_as_2d comes after
 #: fold_conv_batchnorm (which folds into 1-D convs too), so the BN is folded before the conv is rewritten.
@@ -39,17 +43,24 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm, conv_1d_as_2d)
 #: fuse_attention_quantize after the Q/DQ fusions, which leave the QuantizeLinears they fold (and
 #: fuse_norm_dequantize the DequantizeLinears); merge_parallel_qmatmuls once the QMatMuls and their int8 inputs
 #: are final; decompose_batchnorm just before fuse_pointwise_chain, which merges its Mul/Add with the ReLU.
-FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, fuse_attention, fold_attention_heads,
-                 narrow_attention_mask, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv, fuse_norm_quantize,
-                 fuse_norm_dequantize, fuse_attention_quantize, merge_parallel_qmatmuls, fuse_matmul_epilogue,
-                 fuse_conv_epilogue, eliminate_transposes, decompose_batchnorm, fuse_pointwise_chain,
-                 eliminate_dead_code)
+#: fuse_rotary after narrow_attention_mask (like the other kiln nodes, after the passes that read Q's shape
+#: through the rotary's ops) and before fuse_pointwise_chain, which would take its Muls, Neg and Add.
+#: resolve_shape_operands, split_packed_projections and collapse_layout_chains see the normalization and GELU fusions'
+#: nodes (a chain passes a LayerNormalization) and leave the head split/merge that fuse_attention and
+#: fold_attention_heads match.
+FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, resolve_shape_operands,
+                 split_packed_projections, collapse_layout_chains, fuse_attention, fold_attention_heads,
+                 narrow_attention_mask, fuse_rotary, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv,
+                 fuse_norm_quantize, fuse_norm_dequantize, fuse_attention_quantize, merge_parallel_qmatmuls,
+                 fuse_matmul_epilogue, fuse_conv_epilogue, eliminate_transposes, decompose_batchnorm,
+                 fuse_pointwise_chain, eliminate_dead_code)
 #: The whole optimization pipeline (without the precision pass, which needs the build config), in order.
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
-__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "conv_1d_as_2d", "decompose_batchnorm",
+__all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "collapse_layout_chains", "conv_1d_as_2d", "decompose_batchnorm",
            "eliminate_dead_code", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
            "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
            "fuse_norm_dequantize", "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul",
-           "fuse_rms_norm", "fuse_skip_layer_norm", "infer_shapes", "merge_parallel_qmatmuls", "narrow_attention_mask"]
+           "fuse_rms_norm", "fuse_rotary", "fuse_skip_layer_norm", "infer_shapes", "merge_parallel_qmatmuls",
+           "narrow_attention_mask", "resolve_shape_operands", "split_packed_projections"]

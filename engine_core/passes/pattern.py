@@ -175,3 +175,63 @@ def int8_per_tensor(graph: Graph, q: Node) -> bool:
         return isinstance(zero, np.ndarray) and zero.dtype == np.int8 and zero.size == 1 and not zero.any()
     declared = q.attr("output_dtype", 0)
     return bool(declared) and np.dtype(onnx_to_np(declared)) == np.int8
+
+
+#: ops whose output has the element type of every (float) input: any input's type is the output's
+_TYPE_OF_ANY = frozenset(("Add", "Sub", "Mul", "Div", "MatMul", "Max", "Min", "Sum", "Mean", "Concat"))
+#: ops whose (first) output has the element type of their first input
+_TYPE_OF_FIRST = frozenset(("Identity", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Erf", "Gelu", "Sqrt", "Exp", "Log",
+                            "Reciprocal", "Softmax", "Pow", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+                            "Expand", "Slice", "Gather", "ReduceMean", "ReduceSum", "LayerNormalization",
+                            "RMSNormalization"))
+
+
+def float_type(graph: Graph, uses: Uses, name: str, depth: int = 8) -> np.dtype | None:
+    """The element type of ``name`` when the graph states it without type inference (the IR keeps no intermediate
+    types): a constant's, a graph input's, a Cast's target, through ops that keep their inputs' type (a residual
+    Add of a MatMul by a weight, a Gather from an embedding table). Why: a pass may drop a Cast only when it provably
+    converts nothing."""
+    if name in graph.constants:
+        return np.asarray(graph.constants[name]).dtype
+    value = next((v for v in graph.inputs if v.name == name), None)
+    if value is not None:
+        return value.dtype
+    node = uses.producers.get(name)
+    if node is None or depth == 0 or node.domain not in ("", "ai.onnx") or name != node.outputs[0]:
+        return None
+    if node.op_type == "Cast":
+        return np.dtype(onnx_to_np(node.attr("to")))
+    if node.op_type in _TYPE_OF_ANY:
+        candidates = node.inputs
+    elif node.op_type in _TYPE_OF_FIRST:
+        candidates = node.inputs[:1]
+    elif node.op_type in ("Where", "CastLike"):
+        candidates = node.inputs[1:3] if node.op_type == "Where" else node.inputs[1:2]
+    else:
+        return None
+    for candidate in candidates:
+        found = float_type(graph, uses, candidate, depth - 1) if candidate else None
+        if found is not None:
+            return found
+    return None
+
+
+def feeding_only(uses: Uses, tensor: str, covered: set[int], limit: int = 32) -> list[Node] | None:
+    """The readers of ``tensor`` outside ``covered`` (ids) and every node they feed, when all of them only feed
+    covered nodes (no graph output among their results): the shape arithmetic (Shape -> Gather -> Div -> Unsqueeze)
+    that computes a covered Slice's bounds, dead once the match replaces the Slice; None when any of it is read
+    elsewhere, or past ``limit`` nodes. Why: a match may then drop a producer whose only other readers those are."""
+    found: dict[int, Node] = {}
+    pending = [tensor]
+    while pending:
+        name = pending.pop()
+        if name in uses.outputs:
+            return None
+        for reader in uses.consumers.get(name, []):
+            if id(reader) in covered or id(reader) in found:
+                continue
+            found[id(reader)] = reader
+            if len(found) > limit:
+                return None
+            pending.extend(o for o in reader.outputs if o)
+    return list(found.values())

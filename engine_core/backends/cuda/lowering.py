@@ -28,6 +28,7 @@ import numpy as np
 # the rule modules: importing them registers their rules in LOWERING_RULES
 from engine_core.backends.cuda import int8_conv as int8_conv
 from engine_core.backends.cuda import int8_gemm as int8_gemm
+from engine_core.backends.cuda.cudnn_attention import SdpaLaunch
 from engine_core.backends.cuda.lower_rules import attention as attention
 from engine_core.backends.cuda.lower_rules import conv as conv
 from engine_core.backends.cuda.lower_rules import fill as fill
@@ -36,6 +37,7 @@ from engine_core.backends.cuda.lower_rules import movement as movement
 from engine_core.backends.cuda.lower_rules import norm as norm
 from engine_core.backends.cuda.lower_rules import pointwise as pointwise
 from engine_core.backends.cuda.lower_rules import pool as pool
+from engine_core.backends.cuda.lower_rules import rotary as rotary
 from engine_core.backends.cuda.lower_rules import rows as rows
 from engine_core.backends.cuda.lower_rules.attention import flash_shared_bytes as flash_shared_bytes  # lived here
 from engine_core.backends.cuda.lower_rules.conv import conv_layout as conv_layout  # lived here
@@ -73,7 +75,7 @@ LAYOUT_AWARE = POINTWISE_OPS | {"Conv", "FusedConv", "PointwiseChain", "BatchNor
 #: op type -> lowering rule (the registry itself: every rule module is imported above)
 _LOWER = LOWERING_RULES
 _KILN_OPS = frozenset({"FusedMatMul", "FusedConv", "PointwiseChain", "QMatMul", "QConv", "SkipLayerNorm",
-                       "AttentionQuantize"})
+                       "AttentionQuantize", "Rotary"})
 
 
 def _tactic(node: Node, ops: list) -> str:
@@ -91,6 +93,8 @@ def _tactic(node: Node, ops: list) -> str:
         return f"conv:{gemm.tactic}" + ("" if gemm.tactic.endswith("requant") else "_im2col")
     if node.op_type in ("Attention", "AttentionQuantize"):
         launch = next((o for o in ops if isinstance(o, Launch) and o.module == "flash_attention"), None)
+        if isinstance(launch, SdpaLaunch):  # cuDNN's SDPA; its flash launch runs where cuDNN declines
+            return "attention:cudnn_sdpa"
         return f"kernel:{launch.function.rsplit('_', 2)[0]}" if launch else "kernel:attention_softmax"
     if node.op_type in POINTWISE_OPS or node.op_type in ("PointwiseChain", "Gelu", "BatchNormalization", "QuantizeLinear",
                                                          "DequantizeLinear"):
