@@ -1,6 +1,7 @@
 """The core process's own cost per request: what caps `kiln serve --frontend-processes N` on a GPU.
 
-    python -m load_tests.core_path [--clients 4] [--concurrency 64] [--seconds 5] [--profile DIR] [--out FILE]
+    python -m load_tests.core_path [--clients 4] [--concurrency 64] [--seconds 5] [--shared-memory system]
+                                   [--profile DIR] [--out FILE]
 
 A `ServerCore` on the CPU backend serves a dynamically batched FP32 add/sub model (max batch 64) through
 `CoreService`, as in `kiln serve`; client processes call it through `RemoteCore` exactly as frontend processes do,
@@ -8,6 +9,9 @@ with `concurrency` requests in flight in all. No HTTP or gRPC: this isolates the
 `ServerCore.infer`, batcher, reply encode), whose event-loop thread is the ceiling of GPU serving
 (docs/performance.md). Prints and writes req/s, the core process's CPU microseconds per request (user + system,
 from /proc). `--profile DIR` runs py-spy over the core meanwhile (folded stacks).
+`--shared-memory system`: every request's inputs and outputs are in one system shared-memory region per client
+process (as `kiln perf --shared-memory system` does), so the client's alike requests of a loop turn reach the core
+as one group by reference (`INFER_PARTS`, server/core/part_groups.py): the core's cost per member of such groups.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def _core_main(repository: str, socket_path: str, ready, stop) -> None:
         from server.core import CoreOptions, ServerCore
         from server.core.remote import CoreService
 
-        core = ServerCore(CoreOptions([repository], model_control_mode="explicit", startup_models=[MODEL]))
+        core = ServerCore(CoreOptions([repository], model_control_mode="explicit", startup_models=[MODEL],
+                                      allow_client_shm=True))
         await core.start()
         await core.wait_for_startup()
         if not await core.model_ready(MODEL):
@@ -79,29 +84,51 @@ def _core_main(repository: str, socket_path: str, ready, stop) -> None:
     run_event_loop(serve())
 
 
-def _client_main(socket_path: str, concurrency: int, seconds: float, results) -> None:
+def _client_main(socket_path: str, concurrency: int, seconds: float, results, shared_memory: str = "") -> None:
     from server.cli import run_event_loop
 
     async def drive() -> None:
+        from multiprocessing import shared_memory as shm
+
         from server.core.remote import RemoteCore
-        from server.core.types import InferInput, InferRequest
+        from server.core.types import InferInput, InferRequest, RequestedOutput
 
         core = RemoteCore(socket_path)
         await core.connect()
         a = np.arange(16, dtype=np.float32).reshape(1, 16)
         latencies: list[float] = []
         end = time.perf_counter() + seconds
+        region = None
+        if shared_memory == "system":  # inputs at 0 and 64, outputs at 128 and 192 of one region per client
+            region = shm.SharedMemory(create=True, size=256)
+            region.buf[:128] = np.concatenate([a, a]).tobytes()
+            await core.register_system_shared_memory(region.name, "/" + region.name, 0, 256)
+
+        def in_region(offset: int) -> dict:
+            return {"shared_memory_region": region.name, "shared_memory_offset": offset,  # type: ignore[union-attr]
+                    "shared_memory_byte_size": 64}
+
+        def request() -> InferRequest:
+            if region is None:
+                return InferRequest(MODEL, [InferInput("INPUT0", "FP32", (1, 16), a),
+                                            InferInput("INPUT1", "FP32", (1, 16), a)])
+            return InferRequest(MODEL, [InferInput("INPUT0", "FP32", (1, 16), None, in_region(0)),
+                                        InferInput("INPUT1", "FP32", (1, 16), None, in_region(64))],
+                                outputs=[RequestedOutput("OUTPUT0", in_region(128)),
+                                         RequestedOutput("OUTPUT1", in_region(192))])
 
         async def one_caller() -> None:
             while (started := time.perf_counter()) < end:
-                request = InferRequest(MODEL, [InferInput("INPUT0", "FP32", (1, 16), a),
-                                               InferInput("INPUT1", "FP32", (1, 16), a)])
-                response = await core.infer(request)
-                assert response.outputs[0].data.shape == (1, 16)
+                response = await core.infer(request())
+                assert response.outputs[0].shape == (1, 16)
                 latencies.append(time.perf_counter() - started)
 
         await asyncio.gather(*(one_caller() for _ in range(concurrency)))
         results.put(latencies)
+        if region is not None:
+            await core.unregister_system_shared_memory(region.name)
+            region.close()
+            region.unlink()
         await core.close()
 
     run_event_loop(drive())
@@ -122,28 +149,30 @@ def run(args: argparse.Namespace) -> dict:
         if not ready.wait(120):
             raise SystemExit("the core did not start")
         # warm-up: one short round so batch buckets and code paths are hot
-        _drive(socket_path, args.clients, args.concurrency, 1.0)
+        _drive(socket_path, args.clients, args.concurrency, 1.0, args.shared_memory)
         profiler = _profile(core.pid, args) if args.profile else None
         cpu0, t0 = _cpu_seconds(core.pid), time.perf_counter()
-        latencies = np.array(_drive(socket_path, args.clients, args.concurrency, args.seconds))
+        latencies = np.array(_drive(socket_path, args.clients, args.concurrency, args.seconds, args.shared_memory))
         cpu, wall = _cpu_seconds(core.pid) - cpu0, time.perf_counter() - t0
         done = len(latencies)
         if profiler is not None:
             profiler.wait(30)
         stop.set()
         core.join(30)
-    return {"clients": args.clients, "concurrency": args.concurrency, "seconds": round(wall, 2),
+    return {"clients": args.clients, "concurrency": args.concurrency, "shared_memory": args.shared_memory or "none",
+            "seconds": round(wall, 2),
             "requests": done, "req_per_s": round(done / wall, 1),
             "core_cpu_us_per_request": round(1e6 * cpu / max(done, 1), 1),
             "core_cpu_share": round(cpu / wall, 2),
             "p50_us": round(float(np.percentile(latencies, 50)) * 1e6), "p99_us": round(float(np.percentile(latencies, 99)) * 1e6)}
 
 
-def _drive(socket_path: str, clients: int, concurrency: int, seconds: float) -> list[float]:
+def _drive(socket_path: str, clients: int, concurrency: int, seconds: float, shared_memory: str = "") -> list[float]:
     """Every request's latency (s), all client processes together."""
     results = _SPAWN.Queue()
     per_client = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
-    workers = [_SPAWN.Process(target=_client_main, args=(socket_path, n, seconds, results)) for n in per_client]
+    workers = [_SPAWN.Process(target=_client_main, args=(socket_path, n, seconds, results, shared_memory))
+               for n in per_client]
     for worker in workers:
         worker.start()
     latencies = [t for _ in workers for t in results.get(timeout=seconds + 120)]
@@ -166,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4, help="client processes (frontends)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight, all clients together")
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--shared-memory", choices=["system"], default="",
+                        help="inputs and outputs in a system shared-memory region per client (groups by reference)")
     parser.add_argument("--profile", help="a folder for py-spy's folded stacks of the core process")
     parser.add_argument("--out", help="write the result here as JSON")
     args = parser.parse_args(argv)
