@@ -347,7 +347,8 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
             **({"int8": {"mode": int8.mode, "calibrated_tensors": len(ranges), "warnings": int8.warnings}}
                if int8 is not None else {}),
             "build_seconds": round(time.perf_counter() - started, 4),
-            # Kiln build knobs off their defaults (the CUDA runner reads cuda_graphs, cudnn_heuristic_conv_plans)
+            # Kiln build knobs off their defaults (the CUDA runner reads cuda_graphs, cudnn_heuristic_conv_plans,
+            # cudnn_attention)
             **({KNOBS_KEY: changed} if (changed := knobs.changed()) else {}),
             **extra_info,
             **({backend.name: built.info} if built.info else {}),

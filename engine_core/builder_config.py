@@ -78,13 +78,14 @@ class BuildKnobs:
     max_constant_bytes: int = MAX_CONSTANT_BYTES
     cuda_graphs: bool = True
     cudnn_heuristic_conv_plans: bool = False
+    cudnn_attention: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> BuildKnobs:
         """The knobs the ``KILN_*`` variables ask for (each unset, or not understood: its default), with the
         meanings the variables always had: ``KILN_INT8_GEMM=0``, ``KILN_QGEMM=0``, ``KILN_CUDA_GRAPHS=0`` turn
-        off, ``KILN_INT8_CONV=1`` / ``0`` force, ``KILN_CUDNN_HEURISTIC=1`` turns on, ``KILN_MAX_CONSTANT_BYTES``
-        is a byte count."""
+        off, ``KILN_INT8_CONV=1`` / ``0`` force, ``KILN_CUDNN_HEURISTIC=1`` turns on, ``KILN_CUDNN_ATTENTION=0``
+        turns off, ``KILN_MAX_CONSTANT_BYTES`` is a byte count."""
         env = os.environ if environ is None else environ
         forced = env.get("KILN_INT8_CONV", "")
         size = env.get("KILN_MAX_CONSTANT_BYTES", "")
@@ -93,7 +94,8 @@ class BuildKnobs:
                    qgemm=env.get("KILN_QGEMM", "1") != "0",
                    max_constant_bytes=int(size) if size.strip().isdigit() else MAX_CONSTANT_BYTES,
                    cuda_graphs=env.get("KILN_CUDA_GRAPHS", "1") != "0",
-                   cudnn_heuristic_conv_plans=env.get("KILN_CUDNN_HEURISTIC", "0") == "1")
+                   cudnn_heuristic_conv_plans=env.get("KILN_CUDNN_HEURISTIC", "0") == "1",
+                   cudnn_attention=env.get("KILN_CUDNN_ATTENTION", "1") != "0")
 
     def changed(self) -> dict[str, Any]:
         """The knobs that differ from their built-in defaults, by name (what a plan records)."""
@@ -104,14 +106,14 @@ class BuildKnobs:
 #: the environment variable that gives each knob its default
 KNOB_ENVIRONMENT = {"int8_gemm": "KILN_INT8_GEMM", "int8_conv": "KILN_INT8_CONV", "qgemm": "KILN_QGEMM",
                     "max_constant_bytes": "KILN_MAX_CONSTANT_BYTES", "cuda_graphs": "KILN_CUDA_GRAPHS",
-                    "cudnn_heuristic_conv_plans": "KILN_CUDNN_HEURISTIC"}
+                    "cudnn_heuristic_conv_plans": "KILN_CUDNN_HEURISTIC", "cudnn_attention": "KILN_CUDNN_ATTENTION"}
 
 #: ``Plan.build_info`` entry: the knobs of the build that differ from their defaults (``BuildKnobs.changed``)
 KNOBS_KEY = "knobs"
 
 def recorded_knob(build_info: Mapping[str, Any] | None, name: str) -> Any:
-    """A knob that acts when a plan runs (``cuda_graphs``, ``cudnn_heuristic_conv_plans``): its environment
-    variable if set now (the override: a plan's runs can be changed without rebuilding it), else what the plan
+    """A knob that acts when a plan runs (``cuda_graphs``, ``cudnn_heuristic_conv_plans``, ``cudnn_attention``): its
+    environment variable if set now (the override: a plan's runs can be changed without rebuilding it), else what the plan
     recorded (``build_info[KNOBS_KEY]``), else the default."""
     if KNOB_ENVIRONMENT[name] in os.environ:
         return getattr(BuildKnobs.from_environment(), name)
@@ -195,6 +197,11 @@ class BuilderConfig:
         #: build time, for telling a tuning problem from a kernel problem (recorded in the plan;
         #: ``KILN_CUDNN_HEURISTIC`` set when the plan is loaded overrides it). Default: ``KILN_CUDNN_HEURISTIC=1``.
         self.cudnn_heuristic_conv_plans: bool = env.cudnn_heuristic_conv_plans
+        #: CUDA builds: attention layers cuDNN takes run its fused SDPA (backends/cuda/cudnn_attention.py); False
+        #: runs Kiln's flash kernel for every one, e.g. to rule cuDNN in or out of a numerical difference (recorded
+        #: in the plan; ``KILN_CUDNN_ATTENTION`` set when the plan is loaded overrides it). Default: on, off with
+        #: ``KILN_CUDNN_ATTENTION=0``.
+        self.cudnn_attention: bool = env.cudnn_attention
 
     @property
     def hardware_compatibility_level(self) -> int:
@@ -262,7 +269,7 @@ class BuilderConfig:
             raise BuildError(f"max_constant_bytes must be a byte count (an int >= 0), not {size!r}")
         if values["int8_conv"] is not None and not isinstance(values["int8_conv"], bool):
             raise BuildError(f"int8_conv must be True, False or None, not {values['int8_conv']!r}")
-        for name in ("int8_gemm", "qgemm", "cuda_graphs", "cudnn_heuristic_conv_plans"):
+        for name in ("int8_gemm", "qgemm", "cuda_graphs", "cudnn_heuristic_conv_plans", "cudnn_attention"):
             if not isinstance(values[name], bool):
                 raise BuildError(f"{name} must be True or False, not {values[name]!r}")
         return BuildKnobs(**values)

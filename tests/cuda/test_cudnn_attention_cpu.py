@@ -354,3 +354,18 @@ def test_close_drops_the_built_graphs(frontend):
     assert attentions.run(op, addresses(op)[0], stream=0)
     attentions.close()
     assert attentions.run(op, addresses(op)[0], stream=0) and len(frontend.graphs) == 2
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cudnn_attention_knob_decides_between_cudnn_and_the_flash_launch(frontend, enabled):
+    """BuilderConfig.cudnn_attention / KILN_CUDNN_ATTENTION=0: every attention runs its flash launch, cuDNN untouched."""
+    from engine_core.backends.cuda.runner_launch import LaunchMixin
+
+    op = sdpa_launch()
+    resolve, _ = addresses(op)
+    flash: list[int] = []
+    runner = types.SimpleNamespace(cudnn_attention=enabled, _attentions=None, _bindings={})
+    runner._sdpa = lambda op, resolve, stream: LaunchMixin._sdpa(runner, op, resolve, stream)  # type: ignore[arg-type]
+    binding = types.SimpleNamespace(prepared={id(op): types.SimpleNamespace(run=lambda resolve, stream: flash.append(stream))})
+    LaunchMixin._run_step(runner, types.SimpleNamespace(ops=[op]), binding, resolve, 7)  # type: ignore[arg-type]
+    assert (len(frontend.graphs), flash) == ((1, []) if enabled else (0, [7]))

@@ -102,21 +102,22 @@ def test_defaults_are_the_built_in_ones_without_the_variables():
     assert config.knobs() == BuildKnobs()
     assert (config.int8_gemm, config.int8_conv, config.qgemm, config.cuda_graphs) == (True, None, True, True)
     assert config.max_constant_bytes == MAX_CONSTANT_BYTES and config.cudnn_heuristic_conv_plans is False
+    assert config.cudnn_attention is True
     assert BuildKnobs().changed() == {}
 
 
 def test_each_variable_gives_its_field_default_when_the_config_is_made_and_only_then(monkeypatch):
     values = {"KILN_INT8_GEMM": "0", "KILN_INT8_CONV": "1", "KILN_QGEMM": "0", "KILN_MAX_CONSTANT_BYTES": "4096",
-              "KILN_CUDA_GRAPHS": "0", "KILN_CUDNN_HEURISTIC": "1"}
+              "KILN_CUDA_GRAPHS": "0", "KILN_CUDNN_HEURISTIC": "1", "KILN_CUDNN_ATTENTION": "0"}
     assert set(values) == set(KNOB_ENVIRONMENT.values())
     for variable, value in values.items():
         monkeypatch.setenv(variable, value)
     config = BuilderConfig("cpu")
     expected = BuildKnobs(int8_gemm=False, int8_conv=True, qgemm=False, max_constant_bytes=4096, cuda_graphs=False,
-                          cudnn_heuristic_conv_plans=True)
+                          cudnn_heuristic_conv_plans=True, cudnn_attention=False)
     assert config.knobs() == expected
     assert expected.changed() == {"int8_gemm": False, "int8_conv": True, "qgemm": False, "max_constant_bytes": 4096,
-                                  "cuda_graphs": False, "cudnn_heuristic_conv_plans": True}
+                                  "cuda_graphs": False, "cudnn_heuristic_conv_plans": True, "cudnn_attention": False}
     for variable in values:  # read once: a later change of the environment leaves the config alone
         monkeypatch.delenv(variable)
     assert config.knobs() == expected and BuilderConfig("cpu").knobs() == BuildKnobs()
@@ -129,6 +130,7 @@ def test_variables_keep_the_meanings_they_always_had():
     assert env({"KILN_MAX_CONSTANT_BYTES": " 123 "}).max_constant_bytes == 123
     assert env({"KILN_MAX_CONSTANT_BYTES": "lots"}).max_constant_bytes == MAX_CONSTANT_BYTES
     assert not env({"KILN_CUDNN_HEURISTIC": "yes"}).cudnn_heuristic_conv_plans  # only "1" turns on
+    assert env({"KILN_CUDNN_ATTENTION": "no"}).cudnn_attention and not env({"KILN_CUDNN_ATTENTION": "0"}).cudnn_attention
 
 
 def test_a_knob_of_the_wrong_type_fails_the_build():
@@ -234,18 +236,21 @@ def test_run_time_knobs_are_recorded_in_the_plan_and_the_variables_override_them
     from engine_core.backends.cuda import runner
 
     network = _network(_tiled_constant_model(4))
-    plan = deserialize_plan(kiln.build_plan(network, _config(cuda_graphs=False, cudnn_heuristic_conv_plans=True)))
-    assert plan.build_info[KNOBS_KEY] == {"cuda_graphs": False, "cudnn_heuristic_conv_plans": True}
+    plan = deserialize_plan(kiln.build_plan(network, _config(cuda_graphs=False, cudnn_heuristic_conv_plans=True,
+                                                             cudnn_attention=False)))
+    assert plan.build_info[KNOBS_KEY] == {"cuda_graphs": False, "cudnn_heuristic_conv_plans": True,
+                                          "cudnn_attention": False}
     default = deserialize_plan(kiln.build_plan(network, _config()))
     assert KNOBS_KEY not in default.build_info  # a default build's plan records nothing new
     state = runner.CudaContextState(types.SimpleNamespace(plan=plan))
-    assert state.use_graphs is False and state.heuristic_conv_plans is True
+    assert state.use_graphs is False and state.heuristic_conv_plans is True and state.cudnn_attention is False
     state = runner.CudaContextState(types.SimpleNamespace(plan=default))
-    assert state.use_graphs is True and state.heuristic_conv_plans is False
+    assert state.use_graphs is True and state.heuristic_conv_plans is False and state.cudnn_attention is True
     monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")  # set at load time: overrides the plan's record
     monkeypatch.setenv("KILN_CUDNN_HEURISTIC", "0")
+    monkeypatch.setenv("KILN_CUDNN_ATTENTION", "1")
     state = runner.CudaContextState(types.SimpleNamespace(plan=plan))
-    assert state.use_graphs is True and state.heuristic_conv_plans is False
+    assert state.use_graphs is True and state.heuristic_conv_plans is False and state.cudnn_attention is True
     monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")
     assert recorded_knob(default.build_info, "cuda_graphs") is False
     assert recorded_knob(None, "cudnn_heuristic_conv_plans") is False
@@ -260,7 +265,7 @@ def test_configs_that_differ_in_a_knob_get_different_build_descriptions_and_cach
     base = _config()
     assert build_environment(base) == {} and "environment" not in build_description(base)  # keys of before
     changes = {"int8_gemm": False, "int8_conv": True, "qgemm": False, "max_constant_bytes": 1 << 20,
-               "cuda_graphs": False, "cudnn_heuristic_conv_plans": True}
+               "cuda_graphs": False, "cudnn_heuristic_conv_plans": True, "cudnn_attention": False}
     assert set(changes) == set(KNOB_ENVIRONMENT)
     keys = {cache_key("m", build_description(base), "cpu")}
     for name, value in changes.items():

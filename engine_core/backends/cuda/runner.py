@@ -269,6 +269,8 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         #: cuDNN's first heuristic plan for every convolution, not the autotuned one: the plan's
         #: BuilderConfig.cudnn_heuristic_conv_plans (KILN_CUDNN_HEURISTIC overrides)
         self.heuristic_conv_plans: bool = recorded_knob(build_info, "cudnn_heuristic_conv_plans")
+        #: BuilderConfig.cudnn_attention (KILN_CUDNN_ATTENTION overrides): False runs every attention's flash launch
+        self.cudnn_attention: bool = recorded_knob(build_info, "cudnn_attention")
         #: "fork" / "join": order runs given a default stream against the context's own stream; "slot<i>": the
         #: end of the run in staging slot i
         self._events = _Events()

@@ -118,7 +118,7 @@ class LaunchMixin:
     def _run_step(self, step: Step, binding: _Binding, resolve, stream: int) -> None:
         for op in step.ops:
             if isinstance(op, Launch):
-                if not (isinstance(op, SdpaLaunch) and self._sdpa(op, resolve, stream)):
+                if not (isinstance(op, SdpaLaunch) and self.cudnn_attention and self._sdpa(op, resolve, stream)):
                     binding.prepared[id(op)].run(resolve, stream)  # cuDNN declined: the flash kernel
             elif isinstance(op, Gemm):
                 self._gemm(op, resolve, stream)
