@@ -95,10 +95,16 @@ class TensorArena:
     def __init__(self, nbytes: int) -> None:
         self.name = f"{ARENA_PREFIX}{os.getpid()}"
         self.key = f"/kiln_arena_{os.getpid()}_{os.urandom(4).hex()}"
-        fd = os.open(os.path.join("/dev/shm", self.key.lstrip("/")), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = os.path.join("/dev/shm", self.key.lstrip("/"))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            # reserve the pages now: /dev/shm past its size limit (64 MB in a default container) would otherwise
+            # fail the first write into them with SIGBUS, here ENOSPC
+            os.posix_fallocate(fd, 0, nbytes)
             self._mapping = mmap.mmap(fd, nbytes)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self._bytes = np.frombuffer(self._mapping, np.uint8)
@@ -162,13 +168,20 @@ def arena_bytes(megabytes: float) -> int:
     return int(math.ceil(megabytes * (1 << 20) / mmap.PAGESIZE)) * mmap.PAGESIZE if megabytes > 0 else 0
 
 
+#: the smallest arena worth having: a few ResNet-50 groups
+MIN_ARENA_MB = 8
+
+
 def open_arena(megabytes: float) -> TensorArena | None:
-    """A frontend's arena, or None when switched off or /dev/shm cannot hold it (requests then go inline)."""
-    nbytes = arena_bytes(megabytes)
-    if not nbytes:
-        return None
-    try:
-        return TensorArena(nbytes)
-    except OSError as e:
-        log.warning("no tensor arena (%s): large request tensors go to the core through its socket", e)
-        return None
+    """A frontend's arena of `megabytes`, or of half as much (down to MIN_ARENA_MB) while /dev/shm has no room for
+    it (a container's is 64 MB by default, shared by every frontend); None when switched off or nothing fits
+    (requests then go inline, and the log says why)."""
+    error: OSError | None = None
+    while megabytes >= MIN_ARENA_MB or (error is None and megabytes > 0):
+        try:
+            return TensorArena(arena_bytes(megabytes))
+        except OSError as e:
+            error, megabytes = e, megabytes / 2
+    if error is not None:
+        log.warning("no tensor arena (%s): large request tensors go to the core through its socket", error)
+    return None

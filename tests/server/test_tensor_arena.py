@@ -152,3 +152,28 @@ def test_servers_answer_exactly_with_and_without_arenas(repository: Path, arena_
                      for pid in (task / "children").read_text().split()}
         left = [name for name in os.listdir("/dev/shm") if name.split("_")[2:3] and name.split("_")[2] in frontends]
         assert not left  # unlinked once the core mapped them: nothing stays behind when a process dies
+
+
+def test_an_arena_that_does_not_fit_shrinks_then_goes(monkeypatch) -> None:
+    """/dev/shm without room (ENOSPC from the reservation): half the size is tried down to MIN_ARENA_MB, then no
+    arena at all; nothing is left behind in /dev/shm."""
+    from server.core import tensor_arena
+
+    sizes: list[int] = []
+    reserve = os.posix_fallocate
+
+    def no_room(fd: int, offset: int, nbytes: int) -> None:
+        sizes.append(nbytes)
+        if nbytes > 16 << 20:
+            raise OSError(28, "No space left on device")
+        reserve(fd, offset, nbytes)
+
+    monkeypatch.setattr(tensor_arena.os, "posix_fallocate", no_room)
+    before = set(os.listdir("/dev/shm"))
+    arena = tensor_arena.open_arena(64)
+    assert arena is not None and arena.nbytes == 16 << 20 and sizes == [64 << 20, 32 << 20, 16 << 20]
+    arena.close()
+    monkeypatch.setattr(tensor_arena, "MIN_ARENA_MB", 32)
+    assert tensor_arena.open_arena(64) is None
+    assert set(os.listdir("/dev/shm")) == before
+    assert tensor_arena.open_arena(0) is None
