@@ -26,7 +26,7 @@ log = logging.getLogger("kiln.server.remote")
 
 _HEAD = struct.Struct("!II")
 # Writers wait for the socket to drain past this many buffered bytes (a slow reader must not grow memory).
-_HIGH_WATER = 4 << 20
+HIGH_WATER = 4 << 20
 
 
 def _reduce_array(array: np.ndarray) -> tuple:

@@ -6,10 +6,9 @@ interpreter lock that the GPU workers need between their CUDA calls (docs/perfor
 (`kiln serve --frontend-processes N`) parse on other cores and hand the core one small message per call; tensors
 travel as pickle protocol 5 out-of-band buffers, written with one `writelines` and read without re-joining.
 
-A frame is `!II` (payload length, buffer count), one `!Q` length per buffer, the pickled payload (the list of
-messages sent during one turn of the sender's event loop), the buffers. Calls are `(call_id, method, args,
-kwargs)`, replies `(call_id, value, error)` (error None on success); many calls share a connection (replies come
-in completion order). Only the core API's public methods (`CORE_METHODS`) are served.
+Frames and their pickling are `framing.py`'s. Calls are `(call_id, method, args, kwargs)`, replies `(call_id,
+value, error)` (error None on success); many calls share a connection (replies come in completion order). Only the
+core API's public methods (`CORE_METHODS`) are served.
 A caller that gives up (a client disconnect) sends `(call_id, CANCEL, (), {})`: the call is cancelled in the core
 too, so a queued request leaves the batcher's queue as it does in one process. `--max-inflight-requests` is
 enforced here, for all frontends together, with the same error as in one process.
@@ -23,9 +22,11 @@ turn and sends the alike ones of that turn as one `INFER_GROUP` call (server/cor
 each call with `ServerCore.submit_infer`/`submit_infer_group` and answers it from the job's completion callback,
 with no task per request.
 
-Both ends run `FramedConnection`, a buffered protocol: the socket is read straight into its buffer (a large frame
-into one buffer of its own size), every complete frame in a read is decoded at once, and everything sent during
-one turn of the event loop leaves in one write. Why: at tens of thousands of calls a second a stream reader's
+Large request tensors travel through the frontend's shared-memory arena instead (`tensor_arena.py`, `ARENA`).
+
+Both ends run `FramedConnection` (framing.py), a buffered protocol: the socket is read straight into its buffer (a
+large frame into one buffer of its own size), every complete frame in a read is decoded at once, and everything sent
+during one turn of the event loop leaves in one write. Why: at tens of thousands of calls a second a stream reader's
 awaits per frame and a write per reply were most of the core's own time (docs/performance.md).
 """
 
@@ -42,7 +43,7 @@ from typing import Any
 
 from .decoupled import OnPart, StreamPart
 from .errors import ErrorKind, ServerError, unavailable
-from .framing import _HIGH_WATER, FramedConnection
+from .framing import HIGH_WATER, FramedConnection
 from .grouping import (
     Answer,
     MemberResults,
@@ -199,7 +200,7 @@ class _ServedConnection(FramedConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[attr-defined]
         self.service._connections.add(self)
 
     def _called(self, message: Any) -> None:
@@ -373,7 +374,7 @@ class RemoteCore:
         _, self._connection = await loop.create_unix_connection(
             lambda: FramedConnection(self._replied, self._connection_lost), self.path)
         self._connection.on_unencodable = self._unsent
-        self._connection.transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[union-attr]
+        self._connection.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
 
     async def close(self) -> None:
         if self._connection is not None:

@@ -6,8 +6,9 @@ since client code compares them.
 System shared memory is a POSIX object (`/dev/shm/<key>`) mapped here; on a server with a CUDA device the mapping
 is also page-locked and mapped for the device (`engine_core.cuda.host_memory`), so CUDA models read inputs from it
 and write outputs into it on the device, with no copy through a staging buffer (`device_view`). CUDA shared memory
-is a client's device allocation opened through CUDA IPC (`cuda_ipc.py`). As in Triton, both kinds share one namespace of region names, and inputs are read from
-and outputs written to `[offset, offset + byte_size)` of a region whatever its kind, with the same checks.
+is a client's device allocation opened through CUDA IPC (`cuda_ipc.py`). As in Triton, both kinds share one
+namespace of region names, and inputs are read from and outputs written to `[offset, offset + byte_size)` of a
+region whatever its kind, with the same checks.
 """
 
 from __future__ import annotations
@@ -136,10 +137,7 @@ class SharedMemory:
         if offset < 0 or byte_size <= 0:
             raise invalid(f"failed to register shared memory region '{name}': invalid args (offset must be >= 0 "
                           "and byte_size > 0)")
-        with self._lock:
-            self._check_free(name)
-            mapping = _map(name, key, offset, byte_size)
-            self._regions[name] = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping))
+        self._add_system(name, key, offset, byte_size)
 
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every system region when `name` is empty (unknown names are ignored)."""
@@ -149,11 +147,14 @@ class SharedMemory:
         """A frontend process's tensor arena (tensor_arena.py): a system region clients do not see."""
         if not name.startswith(ARENA_PREFIX):
             raise invalid(f"a tensor arena's name must start with '{ARENA_PREFIX}', got '{name}'")
+        self._add_system(name, key, 0, byte_size, internal=True)
+
+    def _add_system(self, name: str, key: str, offset: int, byte_size: int, internal: bool = False) -> None:
         with self._lock:
             self._check_free(name)
-            mapping = _map(name, key, 0, byte_size)
-            self._regions[name] = SystemRegion(name, key, 0, byte_size, mapping, pinned=_pinned(name, mapping),
-                                               internal=True)
+            mapping = _map(name, key, offset, byte_size)
+            self._regions[name] = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping),
+                                               internal=internal)
 
     def unregister_arena(self, name: str) -> None:
         """Forget a frontend's arena (its connection closed); runs still reading it keep it mapped until done."""
