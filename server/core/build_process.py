@@ -47,6 +47,11 @@ DEFAULT_TIMEOUT_S = 600.0
 _WATCH_INTERVAL_S = 0.1
 #: Modules the forkserver imports once, so forked builds start without importing numpy/onnx/the engine.
 _PRELOAD = ["server.core.build_process", "server.core.model_description"]
+#: CPU builds and model-file reads are background work: the forkserver (and so every child it forks) runs at this
+#: niceness, so the serving process wins any contention for a core (a model rebuilt or refitted under load, the
+#: forkserver's engine import still running when a model whose plan was cached is ready). CUDA builds (spawned) keep
+#: the server's priority: their tactic timing must not stretch with CPU starvation.
+BUILD_NICENESS = 10
 #: The most a child's header (kind + message) may take; longer error texts are cut in the child.
 _HEADER_MAX_BYTES = 1 << 20
 _MESSAGE_MAX_CHARS = 64 << 10
@@ -140,6 +145,25 @@ def warm_up() -> None:
 
     _context("cpu")
     forkserver.ensure_running()
+    _lower_forkserver()
+
+
+def _lower_forkserver() -> None:
+    """The forkserver at BUILD_NICENESS (its children inherit it), once it runs."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        _lower_priority(pid)
+
+
+def _lower_priority(pid: int) -> None:
+    """Process `pid` at BUILD_NICENESS unless it is lower already; never an error (a niceness is a preference)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, pid) < BUILD_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, pid, BUILD_NICENESS)
+    except OSError:
+        pass
 
 
 def stop_all() -> None:
@@ -183,6 +207,8 @@ def run_bounded(target: Callable[..., bytes], args: tuple, name: str, task: Task
             raise kiln.BuildError(f"the server is shutting down; {task.what} was not started")
         process.start()
         _active.add(process)
+    if backend == "cpu":
+        _lower_forkserver()  # started by this build if warm_up did not run
     sender.close()
     try:
         return _collect(process, receiver, limits, task, max_result_bytes)

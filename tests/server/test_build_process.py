@@ -188,3 +188,20 @@ def test_bad_memory_sizes_are_refused(text: str):
 
 def test_sizes_format_for_people():
     assert (format_size(1 << 30), format_size(3 << 19), format_size(10)) == ("1 GiB", "1.5 MiB", "10 bytes")
+
+
+def test_builds_run_below_the_serving_process(tmp_path) -> None:
+    """The forkserver and each CPU build it forks run at BUILD_NICENESS: a build never outcompetes serving for a
+    core."""
+    from multiprocessing import forkserver
+
+    build_process.warm_up()
+    pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= build_process.BUILD_NICENESS
+    assert os.getpriority(os.PRIO_PROCESS, 0) < build_process.BUILD_NICENESS  # the serving process keeps its own
+    niceness = build_process.run_bounded(_own_niceness, (), "kiln-test niceness", build_process.BUILD)
+    assert int(niceness) >= build_process.BUILD_NICENESS
+
+
+def _own_niceness() -> bytes:
+    return str(os.getpriority(os.PRIO_PROCESS, 0)).encode()
