@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -138,8 +139,9 @@ def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
-def attention_feeds(model, rng, masked_from: int = 12) -> dict[str, np.ndarray]:
-    """Seeded Q/K/V (and a mask hiding batch 1's last keys, or a boolean band) for ``attention_model``."""
+def attention_inputs(model, rng, additive_mask: Callable[[list[int], np.dtype], np.ndarray]) -> dict[str, np.ndarray]:
+    """Seeded inputs of a one-Attention model, in its input order: Q/K/V standard normal, a boolean "mask" as a
+    band, an additive one from ``additive_mask(shape, dtype)``."""
     feeds = {}
     for value in model.graph.input:
         shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
@@ -149,9 +151,19 @@ def attention_feeds(model, rng, masked_from: int = 12) -> dict[str, np.ndarray]:
         elif dtype == np.bool_:
             feeds["mask"] = np.tril(np.ones(shape, bool), 3)
         else:
-            feeds["mask"] = np.zeros(shape, dtype)
-            feeds["mask"][1, :, :, masked_from:] = -10000
+            feeds["mask"] = additive_mask(shape, dtype)
     return feeds
+
+
+def attention_feeds(model, rng, masked_from: int = 12) -> dict[str, np.ndarray]:
+    """Seeded Q/K/V (and a mask hiding batch 1's last keys, or a boolean band) for ``attention_model``."""
+
+    def batch_1_padded(shape: list[int], dtype: np.dtype) -> np.ndarray:
+        mask = np.zeros(shape, dtype)
+        mask[1, :, :, masked_from:] = -10000
+        return mask
+
+    return attention_inputs(model, rng, batch_1_padded)
 
 
 def cnn_fp16() -> onnx.ModelProto:

@@ -23,6 +23,7 @@ from engine_core.interpret import GraphRunner
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from tests.cuda.emulate import Emulator
+from tests.cuda.models import attention_inputs
 
 CUDNN = LoweringOptions(cudnn=True)
 
@@ -57,19 +58,14 @@ def attention(batch=2, heads=4, seq=16, dim=64, *, kv_heads=None, kv_seq=None, t
 def feeds_for(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded Q/K/V; an additive mask hiding the last third of the keys of every other batch (and, where it varies
     by head or query, a few more), or a boolean band."""
-    rng, feeds = np.random.default_rng(seed), {}
-    for value in model.graph.input:
-        shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
-        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-        if value.name != "mask":
-            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype == np.bool_:
-            feeds["mask"] = np.tril(np.ones(shape, bool), 3)
-        else:
-            mask = np.where(rng.random(shape) < 0.1, -10000, 0).astype(dtype)
-            mask[1::2, ..., shape[-1] - shape[-1] // 3:] = -10000
-            feeds["mask"] = mask
-    return feeds
+    rng = np.random.default_rng(seed)
+
+    def padded_and_sprinkled(shape: list[int], dtype: np.dtype) -> np.ndarray:
+        mask = np.where(rng.random(shape) < 0.1, -10000, 0).astype(dtype)
+        mask[1::2, ..., shape[-1] - shape[-1] // 3:] = -10000
+        return mask
+
+    return attention_inputs(model, rng, padded_and_sprinkled)
 
 
 def lowered(model: onnx.ModelProto, feeds: dict[str, np.ndarray], options: LoweringOptions = CUDNN):

@@ -20,7 +20,7 @@ from engine_core.ir import Graph
 from engine_core.passes import PIPELINE, collapse_layout_chains
 from engine_core.passes.symbolic import symbolic_shapes
 from tests.engine.mha_export import EMBED, HEADS, SEQ, SIZE, mha_model
-from tests.engine.util import build, float_model, ort_run, parsed_graph
+from tests.engine.util import build, checked_pass, float_model, ort_run, parsed_graph
 
 n = helper.make_node
 RNG = np.random.default_rng(7)
@@ -32,14 +32,7 @@ def _weights(*shape: int) -> np.ndarray:
 
 def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], changes: int) -> Graph:
     """Run the pass on the parsed model: it makes ``changes`` rewrites and keeps every output; the graph after it."""
-    graph = parsed_graph(model)
-    want = GraphRunner(parsed_graph(model)).run(feeds)
-    assert collapse_layout_chains(graph) == changes
-    got = GraphRunner(graph).run(feeds)
-    assert want.keys() == got.keys()
-    for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
-    return graph
+    return checked_pass(model, feeds, collapse_layout_chains, changes, rtol=1e-5, atol=1e-5)
 
 
 def _perms(graph: Graph) -> list[list[int]]:

@@ -18,11 +18,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
 import engine_core.builder as builder_module
-from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.passes import FUSION_PASSES, PIPELINE, fold_attention_heads, fuse_attention
 from engine_core.passes.fold_attention_heads import symbolic_shapes
-from tests.engine.util import build, ort_run, parsed_graph
+from tests.engine.util import assert_same_outputs, build, ort_run, parsed_graph
 from tools.make_models import MODELS
 
 F = TensorProto.FLOAT
@@ -164,9 +163,7 @@ def _attention(graph: Graph) -> Node:
 
 def _same_numbers(before: Graph, after: Graph, feeds: dict[str, np.ndarray]) -> None:
     """The CPU backend computes the same outputs on both graphs."""
-    expected, got = GraphRunner(before).run(feeds), GraphRunner(after).run(feeds)
-    for name in before.output_names:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_same_outputs(before, after, feeds, rtol=1e-5, atol=1e-5)
 
 
 def _folded(model: onnx.ModelProto) -> tuple[Graph, Graph]:

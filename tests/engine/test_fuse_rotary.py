@@ -17,12 +17,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo, get_op
 from engine_core.ops.registry import ShapeInferenceError
 from engine_core.passes import PIPELINE, fuse_rotary
-from tests.engine.util import build, ort_run, parsed_graph
+from tests.engine.util import assert_same_outputs, build, ort_run, parsed_graph
 
 HEADS, SEQ, WIDTH = 3, 5, 8
 INT64_MAX = np.iinfo(np.int64).max
@@ -126,9 +125,7 @@ def _fused(model: onnx.ModelProto) -> tuple[Graph, Graph]:
 
 def _same_outputs(before: Graph, after: Graph, feeds: dict[str, np.ndarray]) -> None:
     """The fused layer computes with the unfused layers' own arithmetic: equal, not close."""
-    want, got = GraphRunner(before).run(feeds), GraphRunner(after).run(feeds)
-    for name in before.output_names:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_same_outputs(before, after, feeds)
 
 
 @pytest.mark.parametrize("transposed", [True, False], ids=["head_transpose", "plain"])

@@ -11,11 +11,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph
 from engine_core.passes import resolve_shape_operands
 from engine_core.passes.symbolic import symbolic_shapes
-from tests.engine.util import float_model, parsed_graph
+from tests.engine.util import checked_pass, float_model, parsed_graph
 
 n = helper.make_node
 I64 = {"i0": np.array(0, np.int64), "i2": np.array(2, np.int64), "i3": np.array(3, np.int64),
@@ -23,13 +22,7 @@ I64 = {"i0": np.array(0, np.int64), "i2": np.array(2, np.int64), "i3": np.array(
 
 
 def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], changes: int) -> Graph:
-    graph = parsed_graph(model)
-    want = GraphRunner(parsed_graph(model)).run(feeds)
-    assert resolve_shape_operands(graph) == changes
-    got = GraphRunner(graph).run(feeds)
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
-    return graph
+    return checked_pass(model, feeds, resolve_shape_operands, changes)
 
 
 def _patches() -> onnx.ModelProto:

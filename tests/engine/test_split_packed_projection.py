@@ -13,11 +13,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from engine_core.interpret import GraphRunner
 from engine_core.ir import Graph
 from engine_core.passes import split_packed_projections
 from tests.engine.mha_export import EMBED, SEQ, mha_model
-from tests.engine.util import float_model, parsed_graph
+from tests.engine.util import checked_pass, float_model
 
 n = helper.make_node
 RNG = np.random.default_rng(11)
@@ -25,13 +24,7 @@ PACKED = 3 * EMBED
 
 
 def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], changes: int) -> Graph:
-    graph = parsed_graph(model)
-    want = GraphRunner(parsed_graph(model)).run(feeds)
-    assert split_packed_projections(graph) == changes
-    got = GraphRunner(graph).run(feeds)
-    for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
-    return graph
+    return checked_pass(model, feeds, split_packed_projections, changes, rtol=1e-5, atol=1e-5)
 
 
 def _ops(graph: Graph) -> Counter:

@@ -31,6 +31,30 @@ def parsed_graph(model: onnx.ModelProto):
     return network.graph
 
 
+def assert_same_outputs(before, after, feeds: dict[str, np.ndarray], rtol: float = 0.0, atol: float = 0.0) -> None:
+    """The CPU backend computes every output of graph ``before`` on graph ``after`` too: equal with the default
+    tolerances (a rewrite that keeps the arithmetic), else within ``rtol`` / ``atol``."""
+    from engine_core.interpret import GraphRunner
+
+    want, got = GraphRunner(before).run(feeds), GraphRunner(after).run(feeds)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        if rtol or atol:
+            np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def checked_pass(model: onnx.ModelProto, feeds: dict[str, np.ndarray], graph_pass, changes: int,
+                 rtol: float = 0.0, atol: float = 0.0):
+    """``graph_pass`` run on the parsed ``model``: it makes ``changes`` rewrites and keeps every output
+    (``assert_same_outputs``); the graph after it."""
+    graph = parsed_graph(model)
+    assert graph_pass(graph) == changes
+    assert_same_outputs(parsed_graph(model), graph, feeds, rtol, atol)
+    return graph
+
+
 def build(model: onnx.ModelProto, shapes: dict[str, tuple], backend: str = "cpu") -> bytes:
     """Parse ``model`` and build it with one profile: ``shapes[name] = (min, opt, max)``, in strict fp32 (TF32,
     a new config's default, cleared: CUDA builds are compared with fp32 references)."""
