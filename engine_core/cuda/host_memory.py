@@ -13,7 +13,6 @@ the mapping must keep it mapped until ``on_release`` is called.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ class HostRegistration:
     def __init__(self, address: int, nbytes: int, on_release: Callable[[], None] | None = None) -> None:
         from cuda.bindings import driver
 
+        self._registered = False  # what __del__ undoes; an __init__ that raised leaves nothing to undo
         if address <= 0 or nbytes <= 0:
             raise ValueError(f"cannot page-lock {nbytes} bytes at address {address:#x}")
         primary_context()
@@ -55,8 +55,7 @@ class HostRegistration:
         self.address, self.nbytes = int(address), int(nbytes)
         self._on_release = on_release
         self._closed = False
-        self._released = False
-        self._lock = threading.Lock()
+        self._registered = True
 
     def view(self, offset: int, shape: Sequence[int], dtype: np.dtype | type | str) -> MappedHostView:
         """The tensor of ``shape`` and ``dtype`` at ``offset`` (row-major), by its device address."""
@@ -74,13 +73,8 @@ class HostRegistration:
 
     def __del__(self) -> None:
         """The last reference (the owner's and every view's) is gone: unpin, then let the owner unmap."""
-        self._release()
-
-    def _release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
+        if not self._registered:
+            return
         try:
             from cuda.bindings import driver
 
