@@ -80,9 +80,13 @@ class _Ring:
         return span
 
     def free(self, span: _Span) -> None:
+        """Give ``span`` back: with the freed spans next to it at either end of the ring's used space (the newest
+        ones: a placement that ran out of room gives back what it took)."""
         span.live = False
         while self._spans and not self._spans[0].live:
             self._spans.popleft()
+        while self._spans and not self._spans[-1].live:
+            self._spans.pop()
 
     @property
     def used(self) -> int:
@@ -95,7 +99,7 @@ class TensorArena:
     def __init__(self, nbytes: int) -> None:
         self.name = f"{ARENA_PREFIX}{os.getpid()}"
         self.key = f"/kiln_arena_{os.getpid()}_{os.urandom(4).hex()}"
-        path = os.path.join("/dev/shm", self.key.lstrip("/"))
+        self._path = path = os.path.join("/dev/shm", self.key.lstrip("/"))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # reserve the pages now: /dev/shm past its size limit (64 MB in a default container) would otherwise
@@ -114,7 +118,7 @@ class TensorArena:
     def unlink(self) -> None:
         """Remove the file (the core's mapping and ours stay valid): called once the core has mapped it."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join("/dev/shm", self.key.lstrip("/")))
+            os.unlink(self._path)
 
     def place(self, requests: list[InferRequest]) -> tuple[InferRequest, list[_Span]] | None:
         """One request holding `requests`' inputs concatenated along the batch dim, each large input written into
@@ -176,12 +180,13 @@ def open_arena(megabytes: float) -> TensorArena | None:
     """A frontend's arena of `megabytes`, or of half as much (down to MIN_ARENA_MB) while /dev/shm has no room for
     it (a container's is 64 MB by default, shared by every frontend); None when switched off or nothing fits
     (requests then go inline, and the log says why)."""
-    error: OSError | None = None
-    while megabytes >= MIN_ARENA_MB or (error is None and megabytes > 0):
+    if megabytes <= 0:
+        return None
+    while True:
         try:
             return TensorArena(arena_bytes(megabytes))
         except OSError as e:
-            error, megabytes = e, megabytes / 2
-    if error is not None:
-        log.warning("no tensor arena (%s): large request tensors go to the core through its socket", error)
-    return None
+            megabytes /= 2
+            if megabytes < MIN_ARENA_MB:
+                log.warning("no tensor arena (%s): large request tensors go to the core through its socket", e)
+                return None

@@ -54,8 +54,14 @@ def test_the_ring_hands_out_space_in_order_and_wraps_once_the_oldest_is_freed() 
     d = ring.allocate(1500)
     assert d is not None and d.start == 0  # wrapped to the front
     assert ring.allocate(600) is None  # [1536, 2048) is free but only 512 bytes
+    e = ring.allocate(512)
+    assert e is not None and e.start == 1536
+    ring.free(e)  # the newest: its space is free again at once
+    assert ring.allocate(512).start == 1536
     ring.free(c)
     ring.free(d)
+    assert ring.used == 1  # the 512 bytes still live, behind the freed ones
+    ring.free(ring._spans[-1])
     assert ring.used == 0 and ring.allocate(4096).start == 0  # empty: from the start again
 
 
