@@ -556,9 +556,7 @@ class RemoteCore:
 
     def _replied(self, message: Any) -> None:
         call_id, value, error = message
-        spans = self._leases.pop(call_id, None)
-        if spans is not None:
-            self.arena.release(spans)  # type: ignore[union-attr]
+        self._end_lease(call_id)
         reply = self._pending.pop(call_id, None)
         if reply is not None:
             settle(reply, value, error)
@@ -574,11 +572,15 @@ class RemoteCore:
     def _unsent(self, message: Any, error: Exception) -> None:
         """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""
         reply = self._pending.get(message[0])
-        spans = self._leases.pop(message[0], None)
-        if spans is not None:
-            self.arena.release(spans)  # type: ignore[union-attr]
+        self._end_lease(message[0])
         if reply is not None:
             settle(reply, None, error)
+
+    def _end_lease(self, call_id: int) -> None:
+        """The core is done with `call_id`'s arena space (it answered, or the call never left): free it."""
+        spans = self._leases.pop(call_id, None)
+        if spans is not None:
+            self.arena.release(spans)  # type: ignore[union-attr]
 
     def _connection_lost(self, exc: Exception | None) -> None:
         self._lost = unavailable(f"the server core process is gone ({type(exc).__name__ if exc else 'closed'})")
