@@ -360,8 +360,10 @@ def test_the_cudnn_attention_knob_decides_between_cudnn_and_the_flash_launch(fro
     op = sdpa_launch()
     resolve, _ = addresses(op)
     flash: list[int] = []
-    runner = types.SimpleNamespace(cudnn_attention=enabled, _attentions=None, _bindings={})
+    forgotten: list[bool] = []
+    runner = types.SimpleNamespace(cudnn_attention=enabled, _attentions=None, forget_graphs=lambda: forgotten.append(True))
     runner._sdpa = lambda op, resolve, stream: LaunchMixin._sdpa(runner, op, resolve, stream)  # type: ignore[arg-type]
     binding = types.SimpleNamespace(prepared={id(op): types.SimpleNamespace(run=lambda resolve, stream: flash.append(stream))})
     LaunchMixin._run_step(runner, types.SimpleNamespace(ops=[op]), binding, resolve, 7)  # type: ignore[arg-type]
     assert (len(frontend.graphs), flash) == ((1, []) if enabled else (0, [7]))
+    assert forgotten == ([True] if enabled else [])  # cuDNN's first workspace: graphs captured before are stale

@@ -211,8 +211,7 @@ class BindingMixin:
                                      f"smaller than these shapes need ({lowered.memory.size} bytes)")
             if self.arena is None or self.arena.nbytes < lowered.memory.size:
                 self.arena = DeviceBuffer(need)
-                for other in self._bindings.values():  # graphs captured the old arena's addresses
-                    other.graphs.clear()
+                self.forget_graphs()  # they captured the old arena's addresses
             binding = self._bindings[key] = _Binding(self.engine, lowered)
         return binding
 
@@ -220,7 +219,12 @@ class BindingMixin:
         """Activations live in caller-owned device memory from now on (USER_MANAGED strategy)."""
         self.arena = UserMemory(ptr, size)
         self._user_memory = True
-        for binding in self._bindings.values():  # graphs captured the old arena's addresses
+        self.forget_graphs()  # they captured the old arena's addresses
+
+    def forget_graphs(self) -> None:
+        """Drop every binding's captured CUDA graphs: memory they captured (the activation arena, a scratch slot, a
+        library's workspace) was replaced; the next runs capture again."""
+        for binding in self._bindings.values():
             binding.graphs.clear()
 
     def _resolver(self, binding: _Binding, addresses: Mapping[str, int]) -> tuple[Any, dict[str, int]]:

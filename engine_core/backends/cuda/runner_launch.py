@@ -60,8 +60,7 @@ class LaunchMixin:
         for slot, need in enumerate(schedule.streaming.slot_bytes):
             if need and (self._slots[slot] is None or self._slots[slot].nbytes < need):
                 self._slots[slot] = DeviceBuffer(need)
-                for binding in self._bindings.values():
-                    binding.graphs.clear()
+                self.forget_graphs()
 
     def copy_stream(self) -> int:
         """The stream weight uploads run on (non-blocking: ordered by events only)."""
@@ -232,8 +231,7 @@ class LaunchMixin:
         index = 0 if self.heuristic_conv_plans else self.engine.conv_plans.get(signature(op), 0)
         remaining = self._convs.run(op, resolve, stream, index, bias_only)
         if self._convs.workspace_generation != before:  # a new workspace: graphs captured the old one
-            for binding in self._bindings.values():
-                binding.graphs.clear()
+            self.forget_graphs()
         return remaining
 
     def _sdpa(self, op: SdpaLaunch, resolve, stream: int) -> bool:
@@ -246,8 +244,7 @@ class LaunchMixin:
         before = self._attentions.workspace_generation
         ran = self._attentions.run(op, resolve, stream)
         if self._attentions.workspace_generation != before:  # a new workspace: graphs captured the old one
-            for binding in self._bindings.values():
-                binding.graphs.clear()
+            self.forget_graphs()
         return ran
 
     def _host(self, op: Host, binding: _Binding, resolve, stream: int) -> None:
