@@ -45,9 +45,11 @@ class Region(Protocol):
     name: str
     kind: str
     byte_size: int
+    internal: bool  # the server's own (a frontend's tensor arena): clients neither see nor remove it
 
     def read(self, offset: int, nbytes: int) -> bytes | memoryview: ...
     def write(self, offset: int, data: bytes) -> None: ...
+    def device_view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView | None: ...
     def close(self) -> None: ...
     def status(self) -> dict[str, object]: ...
 
@@ -102,12 +104,16 @@ class CudaRegion:
     byte_size: int
     ipc: cuda_ipc.IpcMapping
     kind: str = CUDA
+    internal: bool = False
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return self.ipc.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
         self.ipc.write(offset, data)
+
+    def device_view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView:
+        return self.ipc.view(offset, shape, dtype)
 
     def close(self) -> None:
         self.ipc.close()
@@ -203,14 +209,12 @@ class SharedMemory:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         with self._lock:
             region = self._span(name, offset, byte_size)
-            if region.kind != CUDA and not (system and getattr(region, "pinned", None) is not None):
+            if isinstance(region, SystemRegion) and (not system or region.pinned is None):
                 return None
             if nbytes > byte_size:
                 raise invalid(f"shared memory region '{name}': {byte_size} bytes at offset {offset} cannot hold "
                               f"the {nbytes} bytes of a {np.dtype(dtype)} tensor of shape {list(shape)}")
-            if isinstance(region, SystemRegion):
-                return region.device_view(offset, shape, dtype)
-            return region.ipc.view(offset, shape, dtype)  # type: ignore[attr-defined]  # kind CUDA: a CudaRegion
+            return region.device_view(offset, shape, dtype)
 
     def is_cuda(self, name: str) -> bool:
         """Whether `name` is a registered CUDA region: device memory, which the response cache leaves alone."""
@@ -244,7 +248,7 @@ class SharedMemory:
             names = [name] if name else list(self._regions)
             for region_name in names:
                 region = self._regions.get(region_name)
-                if region is not None and region.kind == kind and not getattr(region, "internal", False):
+                if region is not None and region.kind == kind and not region.internal:
                     del self._regions[region_name]
                     try:
                         region.close()
@@ -258,14 +262,14 @@ class SharedMemory:
         with self._lock:
             if name:
                 region = self._regions.get(name)
-                if region is None or getattr(region, "internal", False):
+                if region is None or region.internal:
                     raise not_found(f"Unable to find {label} shared memory region: '{name}' (it is not registered)")
                 if region.kind != kind:
                     other, this = ("CUDA", "system") if region.kind == CUDA else ("system", "CUDA")
                     raise not_found(f"The region named '{name}' is registered as {other} shared memory, not {this} "
                                     f"shared memory (the {label} region '{name}' is not registered)")
                 return [region.status()]
-            return [r.status() for r in self._regions.values() if r.kind == kind and not getattr(r, "internal", False)]
+            return [r.status() for r in self._regions.values() if r.kind == kind and not r.internal]
 
     def _span(self, name: str, offset: int, byte_size: int) -> Region:
         region = self._regions.get(name)
