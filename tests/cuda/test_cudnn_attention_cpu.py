@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import engine_core as kiln
-from engine_core.backends.cuda import cudnn_attention
+from engine_core.backends.cuda import cudnn_graph
 from engine_core.backends.cuda.cudnn_attention import CudnnAttentions, Sdpa, SdpaLaunch, bias_view
 from engine_core.backends.cuda.lowering import Launch, LoweringOptions, lower_graph
 from engine_core.interpret import GraphRunner
@@ -274,7 +274,7 @@ def fake_frontend(unsupported: bool = False) -> types.ModuleType:
 def frontend(monkeypatch):
     module = fake_frontend()
     monkeypatch.setitem(sys.modules, "cudnn", module)
-    monkeypatch.setattr(cudnn_attention, "DeviceBuffer", FakeBuffer)
+    monkeypatch.setattr(cudnn_graph, "DeviceBuffer", FakeBuffer)
     return module
 
 

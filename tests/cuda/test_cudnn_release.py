@@ -27,7 +27,7 @@ def test_the_exit_hook_drops_graphs_of_convs_still_alive():
         released = []
         atexit.register(lambda: print("released before teardown" if released else "still held at exit"))
 
-        from engine_core.backends.cuda import cudnn_conv
+        from engine_core.backends.cuda import cudnn_conv, cudnn_graph
 
         class Graph:  # stands in for a cuDNN frontend graph
             def __del__(self):
@@ -35,7 +35,7 @@ def test_the_exit_hook_drops_graphs_of_convs_still_alive():
 
         convs = cudnn_conv.CudnnConvs.__new__(cudnn_conv.CudnnConvs)  # no cuDNN handle needed here
         convs._built, convs._fusable, convs._unfusable = {("key", 0): Graph()}, {"key"}, set()
-        cudnn_conv._LIVE.add(convs)
+        cudnn_graph._LIVE.add(convs)
         KEPT = convs
     """)
     assert result.returncode == 0, result.stderr

@@ -21,24 +21,20 @@ never a crash. Anything that does not know the type runs the launch too.
 Graphs are built per distinct ``Sdpa.key()`` in a run that is not captured (the runner's first run of a binding is
 eager) and cached per execution context with a workspace; executing passes raw device pointers, so captured CUDA
 graphs replay them. A new workspace bumps ``workspace_generation`` (graphs captured with the old one are stale).
-Frontend objects are dropped on ``close()`` and by an exit hook, as cudnn_conv.py says why.
+Handle, workspace, stream and release at exit: ``cudnn_graph.CudnnGraphs``.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cuda.cudnn_graph import plan_graph
+from engine_core.backends.cuda.cudnn_graph import CudnnGraphs, plan_graph
 from engine_core.backends.cuda.lowering_context import F16, Launch, Ref
 from engine_core.backends.cuda.pointwise import BF16
-from engine_core.cuda.driver import DeviceBuffer
 from engine_core.logger import DEFAULT_LOGGER, Severity
 
 #: Q/K/V/Y/bias element types cuDNN's SDPA takes (fp32 runs the flash kernel in TF32, or the GEMMs)
@@ -159,28 +155,14 @@ class _Built:
         self.graph, self.tensors, self.index, self.workspace = graph, tensors, index, workspace
 
 
-#: every cuDNN handle made here: destroying one while graphs built on it are alive crashed processes at exit
-#: (cudnn_conv.py), so handles live as long as the process
-_HANDLES: list[Any] = []
-
-
-class CudnnAttentions:
-    """One cuDNN handle (per execution context), the SDPA graphs it has built and those cuDNN declined."""
+class CudnnAttentions(CudnnGraphs):
+    """The SDPA graphs one context's cuDNN handle has built, and those cuDNN declined."""
 
     def __init__(self) -> None:
-        import cudnn
-
-        self.cudnn = cudnn
-        self.handle = cudnn.create_handle()
-        _HANDLES.append(self.handle)
+        super().__init__()
         self._built: dict[tuple, _Built] = {}
         #: Sdpa.key() -> why cuDNN does not run it (the flash kernel does); reported once each
         self.declined: dict[tuple, str] = {}
-        self._workspace: DeviceBuffer | None = None
-        self._stream: int | None = None
-        #: bumped when the workspace is reallocated (CUDA graphs captured with the old one are stale)
-        self.workspace_generation = 0
-        _LIVE.add(self)
 
     def close(self) -> None:
         """Drop every cuDNN graph built here (a later run builds again); the handle and workspace stay."""
@@ -224,9 +206,7 @@ class CudnnAttentions:
                 break
         else:
             raise RuntimeError("no execution plan builds")
-        if self._workspace is None or self._workspace.nbytes < workspace:
-            self._workspace = DeviceBuffer(max(workspace, 1 << 20))
-            self.workspace_generation += 1
+        self._grow_workspace(workspace, 1 << 20)
         return _Built(graph, tensors, index, workspace)
 
     def built(self, op: Sdpa) -> _Built | None:
@@ -252,25 +232,11 @@ class CudnnAttentions:
         built = self.built(op.sdpa)
         if built is None:
             return False
-        if stream != self._stream:
-            self.cudnn.set_stream(self.handle, stream)
-            self._stream = stream
+        self._use_stream(stream)
         assert self._workspace is not None  # _build allocated it
         pack = {built.tensors[name]: ptr for name, ptr in pointers.items()}
         built.graph.execute_plan_at_index(pack, self._workspace.ptr, built.index, handle=self.handle)
         return True
-
-
-#: every CudnnAttentions alive, for the exit hook
-_LIVE: weakref.WeakSet[CudnnAttentions] = weakref.WeakSet()
-
-
-@atexit.register
-def close_all() -> None:
-    """Close every live CudnnAttentions and collect cycles before the interpreter finalizes nanobind."""
-    for attentions in list(_LIVE):
-        attentions.close()
-    gc.collect()
 
 
 __all__ = ["ALIGN_BYTES", "CudnnAttentions", "Sdpa", "SdpaLaunch", "aligned", "bias_view", "sdpa_for"]

@@ -9,22 +9,17 @@ Graphs are built per distinct ``Conv.key()`` (shapes, layouts, dtype, epilogue) 
 execution context together with a workspace; executing passes raw device pointers, so captured CUDA
 graphs replay them.
 
-Release: the frontend's graphs and tensors are nanobind objects, which must be gone before the interpreter
-finalizes nanobind (else "nanobind: leaked N instances" at exit). A context's ``CudnnConvs`` drops them with
-it, or on ``close()``; engines and contexts still alive at exit (a server's) are closed by an atexit hook.
+Handle, workspace, stream and release at exit: ``cudnn_graph.CudnnGraphs``.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import weakref
 from functools import cache
 from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cuda.cudnn_graph import plan_graph
+from engine_core.backends.cuda.cudnn_graph import CudnnGraphs, plan_graph
 from engine_core.backends.cuda.lowering import Conv, Ref
 from engine_core.backends.cuda.tactics import time_first_runnable
 from engine_core.cuda.driver import CudaError, DeviceBuffer
@@ -48,11 +43,6 @@ def _data_type(cudnn: Any, dtype_name: str) -> Any:
     if dtype_name not in types:
         raise CudaError(f"cuDNN convolution over {dtype_name}")
     return types[dtype_name]
-
-
-#: every cuDNN handle made: destroying one while graphs built on it are alive (garbage collection order at
-#: exit) crashed processes in native code, so handles live as long as the process
-_HANDLES: list[Any] = []
 
 
 #: execution plans the build times per convolution (those that build, in heuristics order)
@@ -88,24 +78,15 @@ def signature(op: Conv) -> str:
     return "conv|" + "|".join(str(part) for part in op.key())
 
 
-class CudnnConvs:
-    """One cuDNN handle (per execution context) and the graphs it has built."""
+class CudnnConvs(CudnnGraphs):
+    """The convolution graphs one context's cuDNN handle has built."""
 
     def __init__(self) -> None:
-        import cudnn
-
-        self.cudnn = cudnn
-        self.handle = cudnn.create_handle()
-        _HANDLES.append(self.handle)  # never destroyed: graphs built on it may outlive this object
+        super().__init__()
         self._built: dict[tuple, _Built] = {}
-        self._workspace: DeviceBuffer | None = None
-        self._stream: int | None = None
-        #: bumped when the workspace is reallocated (CUDA graphs captured with the old one are stale)
-        self.workspace_generation = 0
         #: fused graphs cuDNN has no engine for: their bare convolution runs, the caller adds the epilogue
         self._unfusable: set[tuple] = set()
         self._fusable: set[tuple] = set()
-        _LIVE.add(self)
 
     def close(self) -> None:
         """Drop every cuDNN graph (and its tensors) built here. Safe while in use: a later run builds again; the
@@ -205,9 +186,8 @@ class CudnnConvs:
             break
         else:
             raise CudaError(f"cuDNN has no buildable plan for convolution {signature(op)}")
-        if built.workspace and (self._workspace is None or self._workspace.nbytes < built.workspace):
-            self._workspace = DeviceBuffer(max(built.workspace, 32 << 20))
-            self.workspace_generation += 1
+        if built.workspace:
+            self._grow_workspace(built.workspace, 32 << 20)
         return built
 
     def fusable(self, op: Conv) -> Conv:
@@ -241,9 +221,7 @@ class CudnnConvs:
                 built = self.build(target, index)
             else:
                 raise
-        if stream != self._stream:
-            self.cudnn.set_stream(self.handle, stream)
-            self._stream = stream
+        self._use_stream(stream)
         pack = {built.tensors["x"]: resolve(target.x), built.tensors["w"]: resolve(target.w),
                 built.tensors["y"]: resolve(target.y)}
         for name, ref in (("b", target.b), ("z", target.z), ("scale", target.scale), ("z_scale", target.z_scale)):
@@ -304,19 +282,6 @@ class CudnnConvs:
         if not times:
             return 0, {}
         return min(times, key=times.__getitem__), times
-
-
-#: every CudnnConvs alive, for the exit hook
-_LIVE: weakref.WeakSet[CudnnConvs] = weakref.WeakSet()
-
-
-@atexit.register
-def close_all() -> None:
-    """Close every live CudnnConvs and collect cycles, so no cuDNN frontend object outlives the interpreter's
-    finalization of nanobind (atexit hooks run before it; contexts kept by a server until exit are still alive)."""
-    for convs in list(_LIVE):
-        convs.close()
-    gc.collect()
 
 
 @cache
