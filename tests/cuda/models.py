@@ -120,10 +120,12 @@ def attention_fp16(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32,
 
 def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32, causal: int = 0,
                     dtype: int = TensorProto.FLOAT16, kv_heads: int | None = None, three_d: bool = False,
-                    mask: str = "add", kv_seq: int | None = None) -> onnx.ModelProto:
+                    mask: str | list[int] = "add", kv_seq: int | None = None,
+                    quantize: bool = False) -> onnx.ModelProto:
     """ONNX Attention (opset 23): 4-D Q/K/V [B, H, S, D] or the 3-D form [B, S, H*D] with head counts
     (``kv_heads`` < ``heads``: grouped-query); ``mask`` "add" (same type, [B, 1, Sq, Skv]), "row" (same type,
-    [B, 1, 1, Skv]: BERT's padding mask), "bool" ([Sq, Skv]) or "" (none)."""
+    [B, 1, 1, Skv]: BERT's padding mask), "bool" ([Sq, Skv]), an additive mask's own shape, or "" (none);
+    ``quantize``: an int8 QuantizeLinear after it (the builder fuses the pair into kiln.AttentionQuantize)."""
     kv_heads, kv_seq = kv_heads or heads, kv_seq or seq
     if three_d:
         q_shape, kv_shape = [batch, seq, heads * dim], [batch, kv_seq, kv_heads * dim]
@@ -131,11 +133,20 @@ def attention_model(batch: int = 2, heads: int = 4, seq: int = 16, dim: int = 32
     else:
         q_shape, kv_shape, attrs = [batch, heads, seq, dim], [batch, kv_heads, kv_seq, dim], {}
     inputs = [vi("q", dtype, q_shape), vi("k", dtype, kv_shape), vi("v", dtype, kv_shape)]
-    if mask:
+    if isinstance(mask, list):
+        inputs.append(vi("mask", dtype, mask))
+    elif mask:
         inputs.append(vi("mask", TensorProto.BOOL, [seq, kv_seq]) if mask == "bool"
                       else vi("mask", dtype, [batch, 1, 1 if mask == "row" else seq, kv_seq]))
-    node = helper.make_node("Attention", [i.name for i in inputs], ["y"], is_causal=causal, name="attention", **attrs)
-    graph = helper.make_graph([node], "attn", inputs, [vi("y", dtype, q_shape)])
+    nodes = [helper.make_node("Attention", [i.name for i in inputs], ["y"], is_causal=causal, name="attention",
+                              **attrs)]
+    inits, out = [], vi("y", dtype, q_shape)
+    if quantize:
+        nodes.append(helper.make_node("QuantizeLinear", ["y", "scale", "zero"], ["yq"], name="quantize"))
+        inits = [helper.make_tensor("scale", TensorProto.FLOAT, [], [0.02]),
+                 helper.make_tensor("zero", TensorProto.INT8, [], [0])]
+        out = vi("yq", TensorProto.INT8, q_shape)
+    graph = helper.make_graph(nodes, "attn", inputs, [out], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 

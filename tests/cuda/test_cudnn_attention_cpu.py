@@ -13,7 +13,7 @@ import types
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 import engine_core as kiln
 from engine_core.backends.cuda import cudnn_graph
@@ -23,7 +23,7 @@ from engine_core.interpret import GraphRunner
 from engine_core.ops import TensorInfo
 from engine_core.passes import PIPELINE, infer_shapes
 from tests.cuda.emulate import Emulator
-from tests.cuda.models import attention_inputs
+from tests.cuda.models import attention_inputs, attention_model
 
 CUDNN = LoweringOptions(cudnn=True)
 
@@ -33,26 +33,8 @@ def attention(batch=2, heads=4, seq=16, dim=64, *, kv_heads=None, kv_seq=None, t
     """One ONNX Attention (opset 23): [B, H, S, D] operands or the 3-D packed form [B, S, H*D]; ``mask``: the
     additive mask's shape (same type as Q), "bool" for a boolean [Sq, Skv] band, None for none; ``quantize``:
     a QuantizeLinear after it (the builder fuses the pair into kiln.AttentionQuantize)."""
-    kv_heads, kv_seq = kv_heads or heads, kv_seq or seq
-    if three_d:
-        q_shape, kv_shape = [batch, seq, heads * dim], [batch, kv_seq, kv_heads * dim]
-        attrs = {"q_num_heads": heads, "kv_num_heads": kv_heads}
-    else:
-        q_shape, kv_shape, attrs = [batch, heads, seq, dim], [batch, kv_heads, kv_seq, dim], {}
-    vi = helper.make_tensor_value_info
-    inputs = [vi("q", dtype, q_shape), vi("k", dtype, kv_shape), vi("v", dtype, kv_shape)]
-    if mask is not None:
-        inputs.append(vi("mask", TensorProto.BOOL, [seq, kv_seq]) if mask == "bool" else vi("mask", dtype, mask))
-    nodes = [helper.make_node("Attention", [i.name for i in inputs], ["y"], is_causal=causal, name="attention",
-                              **attrs)]
-    inits, out = [], vi("y", dtype, q_shape)
-    if quantize:
-        nodes.append(helper.make_node("QuantizeLinear", ["y", "scale", "zero"], ["yq"], name="quantize"))
-        inits = [helper.make_tensor("scale", TensorProto.FLOAT, [], [0.02]),
-                 helper.make_tensor("zero", TensorProto.INT8, [], [0])]
-        out = vi("yq", TensorProto.INT8, q_shape)
-    graph = helper.make_graph(nodes, "attention", inputs, [out], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    return attention_model(batch, heads, seq, dim, causal, dtype, kv_heads, three_d,
+                           "" if mask is None else mask, kv_seq, quantize)
 
 
 def feeds_for(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
