@@ -156,11 +156,19 @@ class SharedMemory:
         self._add_system(name, key, 0, byte_size, internal=True)
 
     def _add_system(self, name: str, key: str, offset: int, byte_size: int, internal: bool = False) -> None:
+        """Map (and page-lock) outside the lock: pinning a large region takes a while, and inference on the event
+        loop resolves regions under the same lock. The name is checked before and again when the region goes in."""
         with self._lock:
             self._check_free(name)
-            mapping = _map(name, key, offset, byte_size)
-            self._regions[name] = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping),
-                                               internal=internal)
+        mapping = _map(name, key, offset, byte_size)
+        region = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping), internal=internal)
+        with self._lock:
+            try:
+                self._check_free(name)  # another registration of this name won meanwhile
+            except ServerError:
+                region.close()
+                raise
+            self._regions[name] = region
 
     def unregister_arena(self, name: str) -> None:
         """Forget a frontend's arena (its connection closed); runs still reading it keep it mapped until done."""

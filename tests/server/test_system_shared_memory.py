@@ -6,6 +6,7 @@ from __future__ import annotations
 from multiprocessing import shared_memory
 
 import numpy as np
+import pytest
 
 from server.core.shared_memory import SharedMemory
 from server.core.tensors import from_raw
@@ -28,6 +29,35 @@ def test_inputs_are_views_and_unregistering_a_region_in_use_is_safe() -> None:
         regions.register("in", "/" + block.name, 0, 4096)  # the name is free again
         regions.close()
         del array, view
+    finally:
+        block.close()
+        block.unlink()
+
+
+def test_a_name_registered_while_another_registration_mapped_it_is_refused_and_nothing_is_kept(monkeypatch) -> None:
+    """Mapping (and page-locking) runs outside the registry's lock; the name is checked again when the region goes
+    in, and the loser's mapping is closed."""
+    from server.core import shared_memory as module
+    from server.core.errors import ServerError
+
+    block = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        regions = SharedMemory()
+        real_map, mappings = module._map, []
+
+        def map_and_race(name, key, offset, byte_size):
+            mapping = real_map(name, key, offset, byte_size)
+            mappings.append(mapping)
+            if len(mappings) == 1:  # while the first registration maps, a second one of the same name completes
+                regions.register(name, key, offset, byte_size)
+            return mapping
+
+        monkeypatch.setattr(module, "_map", map_and_race)
+        with pytest.raises(ServerError, match="already in manager"):
+            regions.register("raced", "/" + block.name, 0, 4096)
+        assert mappings[0].closed and not mappings[1].closed  # the winner's region is the one kept
+        assert [r["name"] for r in regions.status()] == ["raced"]
+        regions.close()
     finally:
         block.close()
         block.unlink()
