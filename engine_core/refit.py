@@ -88,4 +88,5 @@ def apply_weights(engine: CudaEngine, weights: dict[str, np.ndarray]) -> None:
     engine._serialized = serialize_plan(engine.plan)
     # the backend's copies: the CUDA backend overwrites its device copies in place, so every context (and every
     # captured CUDA graph, which holds their addresses) reads the new values from its next launch on
-    engine.backend_state.refit(weights)
+    if engine.backend_state is not None:  # a described engine (Runtime.describe) has no copies to update
+        engine.backend_state.refit(weights)

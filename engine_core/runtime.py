@@ -124,13 +124,23 @@ class Runtime:
 
     def load(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
         """Like deserialize_cuda_engine, but raises PlanFormatError saying what is wrong."""
+        return self._engine(serialized_engine, load_backend=True)
+
+    def describe(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
+        """The plan's engine for its description only (I/O tensors, profiles, graph, serialization): no weights
+        uploaded, no kernels loaded, no device touched; it cannot create execution contexts. Why: a process that
+        hands executions to another one (the server's executor processes) needs the metadata, not a second copy
+        of the weights on the device."""
+        return self._engine(serialized_engine, load_backend=False)
+
+    def _engine(self, serialized_engine: bytes | bytearray | memoryview, load_backend: bool) -> CudaEngine:
         if hasattr(serialized_engine, "read"):  # IStreamReader-style: a file or any reader
             serialized_engine = serialized_engine.read()
         plan = deserialize_plan(serialized_engine)
         if plan.backend != "cpu" and plan.backend not in available_backends():
             raise PlanFormatError(f"plan was built for the '{plan.backend}' backend, which this machine lacks")
         check_plan_plugins(plan.build_info)  # plugin hook: refuse plans whose plugins are missing
-        engine = CudaEngine(plan, bytes(serialized_engine), self.logger)
+        engine = CudaEngine(plan, bytes(serialized_engine), self.logger, load_backend)
         engine.error_recorder = self.error_recorder  # engines start with their runtime's recorder
         return engine
 
@@ -147,7 +157,7 @@ class CudaEngine:
     engine_capability = EngineCapability.STANDARD
     num_aux_streams = 0  # one stream per context: no auxiliary streams
 
-    def __init__(self, plan: Plan, serialized: bytes, logger: Logger) -> None:
+    def __init__(self, plan: Plan, serialized: bytes, logger: Logger, load_backend: bool = True) -> None:
         self.plan = plan
         self.logger = logger
         self._serialized = serialized
@@ -157,8 +167,9 @@ class CudaEngine:
         self._profile_memory: dict[int, int] = {}
         self._streaming_layers = _streamable_weights_per_layer(plan)
         self._budget = self.streamable_weights_size  # reference default: streaming off
-        #: the plan's backend's per-engine state (weights, kernels): its contexts' states come from it
-        self.backend_state: EngineState = get_backend(plan.backend).load(plan)
+        #: the plan's backend's per-engine state (weights, kernels): its contexts' states come from it; None for an
+        #: engine that is only described (Runtime.describe)
+        self.backend_state: EngineState | None = get_backend(plan.backend).load(plan) if load_backend else None
 
     # -- I/O description ------------------------------------------------------------------------
     @property
@@ -355,6 +366,9 @@ class CudaEngine:
     def create_execution_context(
         self, strategy: ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy.STATIC
     ) -> ExecutionContext:
+        if self.backend_state is None:
+            raise KilnError("this engine is only described (Runtime.describe): it has no device state and cannot "
+                            "create execution contexts; load the plan with Runtime.load to run it")
         context = ExecutionContext(self, strategy)
         self._contexts.add(context)
         return context
@@ -418,7 +432,9 @@ class ExecutionContext(BatchExecution):
         self._device_memory: tuple[int, int] | None = None
         self._input_consumed_event = 0
         # the backend's state of this context: the budget cannot change while contexts exist, so weights are placed now
-        self._backend_context: ContextState = engine.backend_state.create_context(engine._streamed_weights())
+        state = engine.backend_state
+        assert state is not None, "create_execution_context refuses described engines"
+        self._backend_context: ContextState = state.create_context(engine._streamed_weights())
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
         for name in self._input_names:  # static inputs need no set_input_shape

@@ -184,15 +184,17 @@ class PlanCache:
                 counter[model] += 1
 
     def load_or_build(self, key: str, build: Callable[[], bytes], label: str,
-                      model: str | None = None) -> CachedBuild:
+                      model: str | None = None, describe: bool = False) -> CachedBuild:
         """The engine for `key`: from the cache when a valid entry exists, else built (and stored). `model`
-        names the model a hit or miss is counted for (none: not counted)."""
+        names the model a hit or miss is counted for (none: not counted). `describe`: the engine's description
+        only (`Runtime.describe`), for a plan another process runs."""
         runtime = kiln.Runtime()
+        load = runtime.describe if describe else runtime.load
         origin = "built"
         data = self.read(key)
         if data is not None:
             try:
-                engine = runtime.load(data)
+                engine = load(data)
                 log.info("%s: plan cache hit (%s), no rebuild", label, self.path(key))
                 self._count(self.hits, model)
                 return CachedBuild(engine, "cache hit")
@@ -204,7 +206,7 @@ class PlanCache:
         started = time.perf_counter()
         plan = build()
         build_s = time.perf_counter() - started
-        engine = runtime.load(plan)
+        engine = load(plan)
         try:
             self.write(key, plan)
         except OSError as e:  # a full or read-only cache must not stop the model from loading

@@ -360,6 +360,8 @@ class DynamicBatcher:
         if not any(self._queues.values()):
             if self._closed:
                 self._pool.shutdown(wait=False)  # running executions still finish
+                if not self._running:
+                    self.workers.retire()
             return
         wait_ns = None
         inline_left = _INLINE_PER_DISPATCH
@@ -487,7 +489,12 @@ class DynamicBatcher:
         context = self._free.pop()
         task = self._event_loop().create_task(self._run_batch(context, batch))
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        if self._closed and not self._running and not any(self._queues.values()):
+            self.workers.retire()
 
     async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
@@ -631,3 +638,4 @@ class DynamicBatcher:
         self._closed = True
         if not any(self._queues.values()) and not self._running:
             self._pool.shutdown(wait=False)
+            self.workers.retire()

@@ -9,6 +9,7 @@ completed config, so the client sees Triton's messages about shapes and datatype
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -25,7 +26,7 @@ from server.plan_cache import build_description, cache_key, files_digest, server
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
-from . import build_process, execution, model_description, warmup
+from . import build_process, execution, executor, model_description, warmup
 from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
 from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
@@ -185,7 +186,8 @@ class ModelVersion(ServedModel):
     """A ready model version built from a plan: engine, execution contexts, scheduler."""
 
     def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
-                 labels: dict[str, list[str]], sequence: SequenceSettings | None = None) -> None:
+                 labels: dict[str, list[str]], sequence: SequenceSettings | None = None,
+                 remote: bool = False) -> None:
         super().__init__(name, version, config, labels)
         self.engine = engine
         self.sequence = sequence  # the sequence batcher's settings (None: not a sequence model)
@@ -201,16 +203,32 @@ class ModelVersion(ServedModel):
         self.output_shapes = ShapeOracle(engine).output_shapes
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
-        contexts: list[object] = [engine.create_execution_context() for _ in range(count)]
+        #: the executor process its executions run in (`remote`: the engine is then only described here)
+        self.executor = (executor.ExecutorProcess(f"model '{name}' version {version}", engine,
+                                                  config.SerializeToString(), count) if remote else None)
+        contexts: list[object] = (list(self.executor.lanes) if self.executor is not None
+                                  else [engine.create_execution_context() for _ in range(count)])
         #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
         self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
-        self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}", self._record_execution,
-                                               engine, self.execute, self.output_shapes, sequence)
+        try:
+            self.scheduler: Scheduler = _scheduler(config, contexts, f"kiln-{name}-{version}",
+                                                   self._record_execution, engine, self.execute, self.output_shapes,
+                                                   sequence, remote)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.close()
+            raise
+        if self.executor is not None:
+            self.workers.on_retire = self.executor.close  # once the scheduler's last execution returned
 
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
         (blocking: part of loading). Raises ServerError naming a sample that does not fit the model."""
         contexts = list(dict.fromkeys(self.workers.initial))  # a pipelined context is in the pool twice
+        if self.executor is not None:  # the executor bound every bucket before it said ready; one lane per context
+            runs = len(self.executor.lanes) // self.executor.instances
+            warmup.run_model_warmup(self, contexts[::runs], directory)
+            return
         warmup.warm_up_buckets(self.config, contexts, self.engine)
         warmup.run_model_warmup(self, contexts, directory)
         warmup.prime_inline(self, contexts)
@@ -226,7 +244,8 @@ class ModelVersion(ServedModel):
     @property
     def worker_restarts(self) -> int:
         """Execution contexts replaced after a fault, over this version's life (metrics)."""
-        return self._restarts_before + self.workers.restarts
+        restarts = self._restarts_before + self.workers.restarts
+        return restarts + (self.executor.restarts if self.executor is not None else 0)
 
     @property
     def profiles_matter(self) -> bool:
@@ -261,30 +280,31 @@ class ModelVersion(ServedModel):
 
 
 def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, record, engine,
-               execute: Executor, output_shapes, sequence: SequenceSettings | None = None) -> Scheduler:
+               execute: Executor, output_shapes, sequence: SequenceSettings | None = None,
+               remote: bool = False) -> Scheduler:
     """The sequence batcher for a sequence model (`sequence`); the dynamic batcher when the config asks for it
     and the model batches; else one job per execution (`execute`). Each replaces a faulted context with a fresh
-    one from `engine`. `output_shapes`: the version's shape oracle, which padding needs too."""
+    one from `engine` (`remote`: the executor process replaces its own). `output_shapes`: the version's shape
+    oracle, which padding needs too."""
     label = f"model '{config.name}'"
     pad = pad_batch(config)  # checked first: a model that cannot pad must not load with the parameter set
     timeout_s = execution_timeout_s(config)
     execute_parts = functools.partial(execution.execute_parts, bucketed=_bucketed(config, engine))
+    create = None if remote else engine.create_execution_context
     if sequence is not None:
         scheduler: Scheduler = sequence_batcher(contexts, execute, thread_name, sequence, record,
-                                                create_context=engine.create_execution_context,
-                                                execute_parts=execute_parts)
+                                                create_context=create, execute_parts=execute_parts)
     elif config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(output_shapes, _bucket(engine)) if pad else None
         scheduler = DynamicBatcher(_lanes(contexts), execute, thread_name, settings, record,
-                                   create_context=engine.create_execution_context, padding=padding,
-                                   execute_parts=execute_parts)
+                                   create_context=create, padding=padding, execute_parts=execute_parts)
     else:
         scheduler = DirectScheduler(_lanes(contexts), execute, thread_name, record,
-                                    create_context=engine.create_execution_context, execute_parts=execute_parts)
+                                    create_context=create, execute_parts=execute_parts)
     workers = scheduler.workers  # type: ignore[attr-defined]
     workers.label, workers.timeout_s = label, timeout_s
-    if engine.backend == "cpu" and timeout_s is None:  # an inline execution could not be abandoned
+    if engine.backend == "cpu" and timeout_s is None and not remote:  # an inline one could not be abandoned
         workers.inline_below_ns = INLINE_BELOW_NS
     return scheduler
 
@@ -437,7 +457,7 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
 def _reshaped(array, shape: tuple[int, ...]):
     """`array` seen with `shape` (same elements): a numpy reshape, or the same device memory (DeviceView)."""
     if isinstance(array, kiln.DeviceView):
-        return kiln.DeviceView(array.ptr, shape, array.dtype)
+        return dataclasses.replace(array, shape=shape)  # a RegionView stays one
     return array.reshape(shape)
 
 
@@ -538,12 +558,17 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
             profile.set_shape(name, low, opt, high)
         builder_config.add_optimization_profile(profile)
     key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend), path.name)
+    remote = executor.runs_remote(builder_config.backend, config.max_batch_size, sequence is not None)
     cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label,
-                                          source.name)
+                                          source.name, describe=remote)
     engine = cached.engine
     complete_outputs_from_engine(config, _engine_outputs(engine))
     _check_declared_outputs(config, engine)
-    model = ModelVersion(source.name, version, config, engine, _read_labels(source, config), sequence)
+    labels = _read_labels(source, config)
+    try:
+        model = ModelVersion(source.name, version, config, engine, labels, sequence, remote)
+    except executor.RemoteError as e:
+        raise invalid(f"{label}: {e}") from None
     try:
         model.warm_up(source.directory)
     except BaseException:

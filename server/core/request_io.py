@@ -170,9 +170,10 @@ def device_io(model: ServedModel) -> bool:
     """Whether requests of `model` may keep tensors in device memory (CUDA shared memory, zero-copy): CUDA
     models that batch, whose jobs the engine gathers along the batch dim (ExecutionContext.infer_batch).
     Ensembles and sequence models (whose batcher stacks rows with their controls and state) read and write them
-    through the host for now."""
-    return (isinstance(model, ModelVersion) and model.engine.backend == "cuda" and model.max_batch_size > 0
-            and model.sequence is None)
+    through the host for now. A model run by an executor process (`executor.py`, also CPU models in tests) takes
+    region tensors by reference, whatever its backend."""
+    return (isinstance(model, ModelVersion) and model.max_batch_size > 0 and model.sequence is None
+            and (model.engine.backend == "cuda" or model.executor is not None))
 
 
 def host_regions(model: ServedModel) -> bool:

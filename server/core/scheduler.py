@@ -170,6 +170,14 @@ class Workers:
         self._loop_thread = 0  # the event loop's thread (noted by runs_inline, which it calls)
         self._create = create
         self._lock = threading.Lock()
+        #: called once the scheduler is closed and its last execution returned (an executor process then stops)
+        self.on_retire: Callable[[], None] | None = None
+
+    def retire(self) -> None:
+        """The scheduler is closed and idle: release what the contexts hold outside this process."""
+        retire, self.on_retire = self.on_retire, None
+        if retire is not None:
+            retire()
 
     def runs_inline(self) -> bool:
         """Whether the next execution may run on the event loop instead of a worker thread: the model allows it
@@ -426,6 +434,7 @@ class DirectScheduler:
             self._active -= 1
             if self._closed and not self._active:
                 self._pool.shutdown(wait=False)
+                self.workers.retire()
         times = ExecutionTimes(queue_ns=started - job.enqueued_ns, compute_input_ns=compute_input_ns,
                                compute_infer_ns=compute_infer_ns)
         if self._record is not None:
@@ -460,6 +469,7 @@ class DirectScheduler:
         self._closed = True
         if not self._active:
             self._pool.shutdown(wait=False)
+            self.workers.retire()
 
 
 def _context_after(done: asyncio.Future, context: object) -> object | None:

@@ -14,21 +14,24 @@ region whatever its kind, with the same checks.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from engine_core.cuda.view import DeviceView
 
-from . import cuda_ipc
+from . import cuda_ipc, executor
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable
+from .executor_wire import RegionMap, RegionView
 from .tensor_arena import ARENA_PREFIX
 
 SHM_ROOT = "/dev/shm"
@@ -37,6 +40,8 @@ LOG = logging.getLogger("kiln.shared_memory")
 
 SYSTEM = "system"
 CUDA = "cuda"
+#: registration ids: how executor processes name a region (a name can be registered again for other memory)
+_REGION_IDS = itertools.count(1)
 
 
 class Region(Protocol):
@@ -67,6 +72,23 @@ class SystemRegion:
     pinned: Any = None
     #: a frontend process's tensor arena (tensor_arena.py): not a client's, so clients neither see nor remove it
     internal: bool = False
+    #: a descriptor of the object, kept for executor processes (`executor.py`), which map the region themselves
+    #: and get it with the first batch that names it; -1 when executors do not run here
+    fd: int = -1
+    region_id: int = field(default_factory=lambda: next(_REGION_IDS))
+
+    def __post_init__(self) -> None:
+        if self.fd >= 0:  # executors unmap it, and the descriptor closes, once no queued job names the region
+            weakref.finalize(self, _released, self.region_id, self.fd)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether jobs may name its tensors in place (page-locked here, or mapped by executors) rather than
+        reading them into host arrays."""
+        return self.pinned is not None or self.fd >= 0
+
+    def executor_map(self, fd_index: int) -> tuple[RegionMap, int]:
+        return RegionMap(self.region_id, SYSTEM, len(self.mapping), fd_index), self.fd
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """The bytes in place, read-only: the engine copies them once, into its staging buffer, when the request
@@ -80,7 +102,10 @@ class SystemRegion:
         self.mapping[start:start + len(data)] = data
 
     def device_view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView | None:
-        """The tensor at `offset` by its device address when the mapping is page-locked, else None."""
+        """The tensor at `offset` by its device address when the mapping is page-locked, by reference for executor
+        processes, else None."""
+        if self.fd >= 0:
+            return RegionView(-1, tuple(shape), np.dtype(dtype), self.region_id, self.offset + offset, self)
         if self.pinned is None:
             return None
         return self.pinned.view(self.offset + offset, shape, dtype)  # type: ignore[no-any-return]
@@ -105,6 +130,17 @@ class CudaRegion:
     ipc: cuda_ipc.IpcMapping
     kind: str = CUDA
     internal: bool = False
+    #: the client's IPC handle, for executor processes (they open it themselves); empty when none run here
+    raw_handle: bytes = b""
+    region_id: int = field(default_factory=lambda: next(_REGION_IDS))
+
+    def __post_init__(self) -> None:
+        if self.raw_handle:
+            weakref.finalize(self, _released, self.region_id, -1)
+
+    def executor_map(self, fd_index: int) -> tuple[RegionMap, None]:
+        return RegionMap(self.region_id, CUDA, self.byte_size, ipc_handle=self.raw_handle,
+                         device_id=self.device_id), None
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return self.ipc.read(offset, nbytes)
@@ -113,6 +149,9 @@ class CudaRegion:
         self.ipc.write(offset, data)
 
     def device_view(self, offset: int, shape: Sequence[int], dtype: np.dtype) -> DeviceView:
+        if self.raw_handle:
+            view = self.ipc.view(offset, shape, dtype)  # checks the span
+            return RegionView(-1, view.shape, view.dtype, self.region_id, offset, self)
         return self.ipc.view(offset, shape, dtype)
 
     def close(self) -> None:
@@ -129,9 +168,11 @@ class SharedMemory:
     kind's calls see only regions of that kind. `read`/`write` serve inference for either kind.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, remote: bool | None = None) -> None:
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
+        #: regions go to executor processes by reference (`executor.remote_regions`), not page-locked here
+        self.remote = executor.remote_regions(cuda_ipc.available()) if remote is None else remote
 
     # -- system shared memory ---------------------------------------------------------------------------
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -160,8 +201,9 @@ class SharedMemory:
         loop resolves regions under the same lock. The name is checked before and again when the region goes in."""
         with self._lock:
             self._check_free(name)
-        mapping = _map(name, key, offset, byte_size)
-        region = SystemRegion(name, key, offset, byte_size, mapping, pinned=_pinned(name, mapping), internal=internal)
+        mapping, fd = _map(name, key, offset, byte_size, keep_fd=self.remote)
+        region = SystemRegion(name, key, offset, byte_size, mapping, internal=internal, fd=fd,
+                              pinned=None if self.remote else _pinned(name, mapping))
         with self._lock:
             try:
                 self._check_free(name)  # another registration of this name won meanwhile
@@ -191,7 +233,8 @@ class SharedMemory:
             except ServerError as e:
                 raise ServerError(e.kind, f"failed to register CUDA shared memory region '{name}': "
                                           f"{e.message}") from None
-            self._regions[name] = CudaRegion(name, int(device_id), int(byte_size), ipc)
+            self._regions[name] = CudaRegion(name, int(device_id), int(byte_size), ipc,
+                                             raw_handle=bytes(raw_handle) if self.remote else b"")
 
     def unregister_cuda(self, name: str = "") -> None:
         """Close `name`'s IPC mapping, or every CUDA region's when `name` is empty (unknown names ignored)."""
@@ -217,7 +260,7 @@ class SharedMemory:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         with self._lock:
             region = self._span(name, offset, byte_size)
-            if isinstance(region, SystemRegion) and (not system or region.pinned is None):
+            if isinstance(region, SystemRegion) and (not system or not region.in_place):
                 return None
             if nbytes > byte_size:
                 raise invalid(f"shared memory region '{name}': {byte_size} bytes at offset {offset} cannot hold "
@@ -297,8 +340,9 @@ def _check_name(name: str) -> None:
         raise invalid("'region name' is necessary to register shared memory region (a shared memory region needs a name)")
 
 
-def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
-    """mmap the whole object (offsets into it need not be page-aligned) after checking it is big enough."""
+def _map(name: str, key: str, offset: int, byte_size: int, keep_fd: bool = False) -> tuple[mmap.mmap, int]:
+    """mmap the whole object (offsets into it need not be page-aligned) after checking it is big enough; with
+    `keep_fd`, also a descriptor of it for executor processes (else -1)."""
     path = os.path.join(SHM_ROOT, key.lstrip("/"))
     if "/" in key.strip("/") or not key.strip("/"):
         raise invalid(f"cannot register shared memory region '{name}' - invalid shm key '{key}'")
@@ -312,8 +356,15 @@ def _map(name: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
         if offset + byte_size > size:
             raise invalid(f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
                           f"byte_size {byte_size} exceeds the {size} bytes of '{key}')")
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size), (os.dup(fd) if keep_fd else -1)
     finally:
+        os.close(fd)
+
+
+def _released(region_id: int, fd: int) -> None:
+    """A region object is gone (unregistered, and no job holds a view of it): executors forget it."""
+    executor.region_released(region_id)
+    if fd >= 0:
         os.close(fd)
 
 

@@ -45,12 +45,12 @@ def test_a_name_registered_while_another_registration_mapped_it_is_refused_and_n
         regions = SharedMemory()
         real_map, mappings = module._map, []
 
-        def map_and_race(name, key, offset, byte_size):
-            mapping = real_map(name, key, offset, byte_size)
+        def map_and_race(name, key, offset, byte_size, keep_fd=False):
+            mapping, fd = real_map(name, key, offset, byte_size, keep_fd)
             mappings.append(mapping)
             if len(mappings) == 1:  # while the first registration maps, a second one of the same name completes
                 regions.register(name, key, offset, byte_size)
-            return mapping
+            return mapping, fd
 
         monkeypatch.setattr(module, "_map", map_and_race)
         with pytest.raises(ServerError, match="already in manager"):

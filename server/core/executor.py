@@ -1,0 +1,280 @@
+"""Model executions in an executor process of their own, out of the core's interpreter lock.
+
+A CUDA model version that batches runs its executions in one child process (`executor_main.py`) that holds the
+engine, its execution contexts and their CUDA graphs; the core keeps checks, batching, statistics and responses.
+The core's schedulers and `Workers` are unchanged: each worker lane's "context" is a `RemoteContext` whose
+`infer_batch` sends the batch over the lane's socket and waits for the outputs with the interpreter lock released.
+Inputs and outputs in registered shared memory (client regions, frontend tensor arenas) cross as references; the
+executor maps each region once, page-locked, and gathers and delivers on the device.
+
+Why (docs/performance.md, session 23): with the lanes in the core, a ResNet-50 batch took 3-5x its raw time while
+the GPU idled: every driver call, gather and output split of a lane waited for the interpreter lock the event loop
+held. Learned from vLLM's engine-core process and Triton's backends in C++ beside its frontends.
+
+`KILN_EXECUTOR=thread` keeps executions in the core's worker threads (the earlier path, for comparison);
+`KILN_EXECUTOR_CPU=1` runs CPU models that batch in executors too (tests: the same path without a GPU).
+
+Faults: an execution error comes back as the engine raised it (a request error) or as `RemoteError` (a fault: the
+executor replaced the context already); a process that exits is started again by the next call of any lane, and
+the calls that were waiting on it fail with `RemoteError` naming the exit (the model's other requests go on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
+
+log = logging.getLogger("kiln.server.executor")
+
+_ROOT = Path(__file__).resolve().parents[2]
+#: live executors: a released region is forgotten in each of them (`region_released`)
+_LIVE: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
+
+
+def mode() -> str:
+    """"process" (default): executions of CUDA models that batch run in executor processes; "thread": in the core."""
+    value = os.environ.get("KILN_EXECUTOR", "process").strip().lower()
+    return value if value in ("process", "thread") else "process"
+
+
+def _cpu_too() -> bool:
+    return os.environ.get("KILN_EXECUTOR_CPU", "") not in ("", "0")
+
+
+def runs_remote(backend: str, max_batch_size: int, sequence: bool) -> bool:
+    """Whether a model version runs in an executor process: one that batches (the engine gathers its jobs) and is
+    no sequence model (whose state the core's batcher keeps), on CUDA (or the CPU with KILN_EXECUTOR_CPU)."""
+    return (mode() == "process" and max_batch_size > 0 and not sequence
+            and (backend == "cuda" or (backend == "cpu" and _cpu_too())))
+
+
+def remote_regions(cuda_available: bool) -> bool:
+    """Whether shared-memory regions are handed to executors by reference (and not page-locked in the core)."""
+    return mode() == "process" and (cuda_available or _cpu_too())
+
+
+def region_released(region_id: int) -> None:
+    """A region's last core-side reference is gone (no queued job names it): executors that mapped it unmap it.
+    Safe from a finalizer: it only queues."""
+    for executor in list(_LIVE):
+        executor.forget(region_id)
+
+
+class ExecutorProcess:
+    """One model version's executor process, its control socket and one socket per worker lane."""
+
+    def __init__(self, label: str, engine: Any, config_bytes: bytes, instances: int) -> None:
+        self.label = label
+        self.engine = engine  # described only (Runtime.describe): the executor holds the loaded one
+        self._config = config_bytes
+        self.instances = max(instances, 1)
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._closed = False
+        self._mapped: set[int] = set()
+        self._forgotten: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._process: subprocess.Popen | None = None
+        self._control: Channel | None = None
+        self._lanes: list[Channel] = []
+        self._start()
+        self.lanes = [RemoteContext(self, index) for index in range(len(self._lanes))]
+        _LIVE.add(self)
+        threading.Thread(target=self._forget_loop, daemon=True, name=f"kiln-executor-forget-{label}").start()
+
+    # -- process ------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Start the process, hand it the plan, wait until it is warm, then give it the lane sockets."""
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
+        process = subprocess.Popen([sys.executable, "-m", "server.core.executor_main", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        control = Channel(ours)
+        try:
+            control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
+                          "warm": True})
+            reply, _ = control.recv()
+            info = raise_reply(reply)
+            pairs = [socket.socketpair() for _ in range(self.instances * int(info["runs"]))]
+            control.send(("lanes",), [end.fileno() for _, end in pairs])
+        except ExecutorGone:
+            code = process.wait()
+            control.close()
+            raise RemoteError(f"{self.label}: the executor process exited with code {code} while loading the "
+                              f"plan (its log above says why)") from None
+        except BaseException:
+            _stop(process)
+            control.close()
+            raise
+        for _, end in pairs:
+            end.close()
+        self._process, self._control = process, control
+        self._lanes = [Channel(ours) for ours, _ in pairs]
+        self._mapped = set()
+        log.info("%s: executor process %d ready with %d lane(s)", self.label, process.pid, len(self._lanes))
+
+    def _channel(self, lane: int) -> tuple[Channel, int]:
+        """The lane's socket now, starting the process again first when it has exited."""
+        with self._lock:
+            if self._closed:
+                raise RemoteError(f"{self.label}: the model version was unloaded")
+            if self._process is not None and self._process.poll() is not None:
+                self._restart_locked()
+            return self._lanes[lane], self._generation
+
+    def _died(self, generation: int) -> str:
+        """A lane saw the process go: restart it once (the first lane to notice does), say how it ended."""
+        with self._lock:
+            code = self._process.wait() if self._process is not None else None
+            if generation == self._generation and not self._closed:
+                self._restart_locked()
+        return f"exit code {code}"
+
+    def _restart_locked(self) -> None:
+        old = self._process
+        code = old.wait() if old is not None else None
+        log.error("%s: the executor process exited (code %s); starting a new one", self.label, code)
+        self._close_channels()
+        self._generation += 1
+        self.restarts += 1
+        self._start()
+
+    def _close_channels(self) -> None:
+        for channel in [*self._lanes, *([self._control] if self._control else [])]:
+            channel.close()
+
+    # -- calls --------------------------------------------------------------------------------------------
+    def call(self, lane: int, message: dict[str, Any], regions: Sequence[Any]) -> Any:
+        """Send `message` on `lane` (with the maps of `regions` this process has not mapped yet) and return the
+        reply's value; raises the executor's error, or RemoteError when the process went away meanwhile."""
+        channel, generation = self._channel(lane)
+        maps: list[Any] = []
+        fds: list[int] = []
+        if regions:
+            with self._lock:
+                for region in regions:
+                    if region.region_id not in self._mapped:
+                        self._mapped.add(region.region_id)
+                        spec, fd = region.executor_map(len(fds))
+                        maps.append(spec)
+                        if fd is not None:
+                            fds.append(fd)
+        if maps:
+            message["maps"] = maps
+        try:
+            channel.send(message, fds)
+            reply, _ = channel.recv()
+        except (ExecutorGone, OSError) as e:
+            how = self._died(generation)
+            raise RemoteError(f"{self.label}: the executor process ended during the execution ({how}: {e}); it "
+                              f"was started again") from None
+        return raise_reply(reply)
+
+    def forget(self, region_id: int) -> None:
+        self._forgotten.put(region_id)
+
+    def _forget_loop(self) -> None:
+        """Tell the process which regions to unmap, as the core releases them (a finalizer cannot send itself)."""
+        while True:
+            region_id = self._forgotten.get()
+            if region_id is None:
+                return
+            with self._lock:
+                if region_id not in self._mapped or self._control is None:
+                    continue
+                self._mapped.discard(region_id)
+                try:
+                    self._control.send(("forget", [region_id]))
+                except (ExecutorGone, OSError):
+                    pass  # the process is gone: its mappings went with it
+
+    def close(self) -> None:
+        """Stop the process (the scheduler calls this once its last execution returned)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            process, control = self._process, self._control
+            if control is not None:
+                try:
+                    control.send(("close",))
+                except (ExecutorGone, OSError):
+                    pass
+            self._close_channels()
+        self._forgotten.put(None)
+        _LIVE.discard(self)
+        if process is not None:
+            _stop(process)
+
+
+def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class RemoteContext:
+    """A worker lane's execution context in an executor process: what `execution.py` and `Workers` call."""
+
+    concurrent_runs = 1  # one lane each: the executor's contexts run `runs` lanes at once
+
+    def __init__(self, executor: ExecutorProcess, lane: int) -> None:
+        self.executor = executor
+        self.lane = lane
+        self.engine = executor.engine
+        self._profile = 0
+
+    @property
+    def active_optimization_profile(self) -> int:
+        return self._profile
+
+    def set_optimization_profile_async(self, profile_index: int, stream_handle: int = 0) -> bool:
+        """Sent with each execution (the executor's context switches when it differs)."""
+        self._profile = int(profile_index)
+        return True
+
+    def infer_batch(self, parts: Sequence[Mapping[str, Any]], pad_to: int | None = None,
+                    destinations: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        regions = _regions_of(parts, destinations)
+        message: dict[str, Any] = {
+            "kind": "batch", "profile": self._profile, "pad_to": pad_to,
+            "parts": [{name: to_wire(value) for name, value in part.items()} for part in parts],
+            "destinations": None if destinations is None else
+            [{name: to_wire(view) for name, view in d.items()} for d in destinations]}
+        result: list[dict[str, Any]] = self.executor.call(self.lane, message, regions)
+        return result
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        regions = _regions_of([feeds], None)
+        message = {"kind": "infer", "profile": self._profile,
+                   "feeds": {name: to_wire(value) for name, value in feeds.items()}}
+        result: dict[str, Any] = self.executor.call(self.lane, message, regions)
+        return result
+
+    def warm_up(self, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+        return self.executor.call(self.lane, {"kind": "warm_up", "profile": self._profile, "shapes": dict(shapes)}, ())
+
+
+def _regions_of(parts: Sequence[Mapping[str, Any]], destinations: Sequence[Mapping[str, Any]] | None) -> list[Any]:
+    """The distinct core-side regions the views of a batch live in."""
+    found: dict[int, Any] = {}
+    for mapping in [*parts, *(destinations or ())]:
+        for value in mapping.values():
+            if isinstance(value, RegionView):
+                found.setdefault(value.region, value.owner)
+    return list(found.values())

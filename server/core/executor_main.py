@@ -1,0 +1,258 @@
+"""An executor process: one model version's execution contexts, out of the core's interpreter lock.
+
+    python -m server.core.executor_main CONTROL_FD
+
+Started by `executor.ExecutorProcess`. The control socket brings the plan and the model's config, answers once
+every batch bucket is bound and captured (with the runs a context takes at once), then brings one socket per core
+worker lane (instances x runs) and later the regions to forget. Each lane socket is one
+core worker lane: it sends a batch (parts, their inputs as host arrays or `RegionRef`s, output destinations, the
+profile, the bucket to pad to) and waits for the outputs. Lanes `i` share context `i // runs`, as the core's lanes
+shared one context per instance when they ran in its process (`ExecutionContext.concurrent_runs`).
+
+Why a process: in the core, the worker threads that gather, launch and deliver a batch shared one interpreter lock
+with the event loop that parses, checks and answers every request; on an H100 a ResNet-50 batch took 3-5x its raw
+time there while the GPU idled (docs/performance.md). Here a lane's Python runs beside the other lanes only.
+
+Faults: an execution that raises anything but a request error gets its context replaced before the reply (the
+core's `Workers` policy, applied where the context lives); a process that dies is restarted by the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from server.core.executor_wire import Channel, ExecutorGone, RegionMap, RegionRef, error_reply  # noqa: E402
+
+log = logging.getLogger("kiln.executor")
+
+#: how long a lane waits for a region another lane's message is about to map (they race on separate sockets)
+MAP_WAIT_S = 30.0
+#: request errors: the context is sound; anything else replaces it (scheduler.REQUEST_ERRORS)
+_REQUEST_ERRORS: tuple[type[BaseException], ...] = (TypeError, ValueError)
+
+
+class Regions:
+    """The regions this executor mapped, by registration id: numpy views for CPU plans, device-mapped page-locked
+    host memory (or an IPC allocation) for CUDA plans."""
+
+    def __init__(self, on_device: bool) -> None:
+        self.on_device = on_device
+        self._regions: dict[int, Any] = {}
+        self._changed = threading.Condition()
+
+    def map(self, spec: RegionMap, fds: list[int]) -> None:
+        with self._changed:
+            if spec.region in self._regions:
+                return
+        if spec.kind == "cuda":
+            from engine_core.cuda.ipc import open_ipc_handle
+
+            region: Any = open_ipc_handle(spec.ipc_handle, spec.device_id)
+        else:
+            fd = fds[spec.fd_index]
+            mapping = mmap.mmap(fd, spec.offset + spec.nbytes)
+            region = _SystemMapping(mapping, spec.offset, self.on_device)
+        with self._changed:
+            self._regions[spec.region] = region
+            self._changed.notify_all()
+
+    def forget(self, region_id: int) -> None:
+        """Unmap when no batch holds a view any more (page-locked mappings unpin once their views are gone)."""
+        with self._changed:
+            region = self._regions.pop(region_id, None)
+        if region is not None:
+            region.close()
+
+    def view(self, ref: RegionRef) -> Any:
+        with self._changed:
+            region = self._regions.get(ref.region)
+            if region is None:  # another lane's message maps it; it was sent first but may be read later
+                self._changed.wait_for(lambda: ref.region in self._regions, MAP_WAIT_S)
+                region = self._regions.get(ref.region)
+        if region is None:
+            raise ValueError(f"shared memory region {ref.region} is not mapped in the executor")
+        return region.view(ref.offset, ref.shape, np.dtype(ref.dtype))
+
+
+class _SystemMapping:
+    """A system region's mapping here: page-locked and device-mapped for CUDA plans, plain numpy for CPU ones."""
+
+    def __init__(self, mapping: mmap.mmap, offset: int, on_device: bool) -> None:
+        self.mapping, self.offset = mapping, offset
+        self.pinned = None
+        if on_device:
+            import ctypes
+
+            from engine_core.cuda.host_memory import HostRegistration
+
+            anchor = ctypes.c_char.from_buffer(mapping)
+            address = ctypes.addressof(anchor)
+            del anchor
+            self.pinned = HostRegistration(address, len(mapping), on_release=self._unmap)
+        self._bytes = None if on_device else np.frombuffer(mapping, np.uint8)
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        start = self.offset + offset
+        if self.pinned is not None:
+            return self.pinned.view(start, shape, dtype)
+        count = int(np.prod(shape)) * dtype.itemsize
+        assert self._bytes is not None
+        return self._bytes[start:start + count].view(dtype).reshape(shape)
+
+    def _unmap(self) -> None:
+        try:
+            self.mapping.close()
+        except BufferError:  # a numpy view is still alive: the mapping goes with it
+            pass
+
+    def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.close()
+            self.pinned = None
+        else:
+            self._bytes = None
+            self._unmap()
+
+
+class Executor:
+    """The engine, its contexts and the lanes that run batches on them."""
+
+    def __init__(self, plan: bytes, config_bytes: bytes, instances: int, warm: bool) -> None:
+        import engine_core as kiln
+        from server.core import warmup
+        from server.core.model_config import ModelConfig
+
+        self.engine = kiln.Runtime().load(plan)
+        self.config = ModelConfig.FromString(config_bytes)
+        self.contexts = [self.engine.create_execution_context() for _ in range(max(instances, 1))]
+        self.runs = getattr(self.contexts[0], "concurrent_runs", 1)
+        self.regions = Regions(self.engine.backend == "cuda")
+        self._lock = threading.Lock()
+        if warm:
+            warmup.warm_up_buckets(self.config, self.contexts, self.engine)
+
+    def context(self, lane: int) -> Any:
+        return self.contexts[(lane // self.runs) % len(self.contexts)]
+
+    def serve_lane(self, lane: int, channel: Channel) -> None:
+        """Run the lane's batches until the core closes its socket."""
+        while True:
+            try:
+                message, fds = channel.recv()
+            except (ExecutorGone, OSError):
+                return
+            try:
+                for spec in message.get("maps", ()):
+                    self.regions.map(spec, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            try:
+                reply: tuple = ("ok", self._run(lane, message))
+            except BaseException as error:  # noqa: BLE001 - every failure goes back to the waiting requests
+                reply = error_reply(error)
+                if not isinstance(error, _REQUEST_ERRORS):
+                    self._replace(lane, error)
+            try:
+                channel.send(reply)
+            except (ExecutorGone, OSError):
+                return
+
+    def _run(self, lane: int, message: Mapping[str, Any]) -> Any:
+        from server.core import execution
+
+        context = self.context(lane)
+        profile = message.get("profile", 0)
+        if profile != context.active_optimization_profile:
+            context.set_optimization_profile_async(profile)
+        kind = message["kind"]
+        if kind == "batch":
+            parts = [{name: self._value(v) for name, v in part.items()} for part in message["parts"]]
+            destinations = message.get("destinations")
+            if destinations is None:
+                return context.infer_batch(parts, pad_to=message.get("pad_to"))
+            targets = [{name: self._value(v) for name, v in d.items()} for d in destinations]
+            if self.engine.backend == "cuda":
+                return context.infer_batch(parts, pad_to=message.get("pad_to"), destinations=targets)
+            outputs = context.infer_batch(parts, pad_to=message.get("pad_to"))
+            for part_outputs, target in zip(outputs, targets):  # CPU plans: written here, on the host
+                for name, view in target.items():
+                    np.copyto(view, part_outputs.pop(name))
+            return outputs
+        if kind == "infer":
+            return context.infer({name: self._value(v) for name, v in message["feeds"].items()})
+        if kind == "warm_up":
+            return context.warm_up(message["shapes"])
+        if kind == "buckets":
+            return execution.batch_buckets(message["highest"])
+        raise ValueError(f"unknown executor request '{kind}'")
+
+    def _value(self, value: Any) -> Any:
+        return self.regions.view(value) if isinstance(value, RegionRef) else value
+
+    def _replace(self, lane: int, error: BaseException) -> None:
+        """The lane's context after a fault: a fresh one (its lanes share it, as in the core)."""
+        log.error("lane %d: execution fault, replacing its execution context", lane, exc_info=error)
+        index = (lane // self.runs) % len(self.contexts)
+        with self._lock:
+            try:
+                self.contexts[index] = self.engine.create_execution_context()
+            except Exception:  # noqa: BLE001 - the lane keeps the old context; the next run says what is wrong
+                log.exception("lane %d: could not create a replacement execution context", lane)
+
+    def serve_control(self, channel: Channel) -> None:
+        """Forget regions the core released, until the core closes the socket (then exit)."""
+        while True:
+            try:
+                message, fds = channel.recv()
+            except (ExecutorGone, OSError):
+                return
+            for fd in fds:
+                os.close(fd)
+            if message[0] == "forget":
+                for region_id in message[1]:
+                    self.regions.forget(region_id)
+            elif message[0] == "close":
+                return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln-executor[%(process)d] %(message)s")
+    control = Channel(socket.socket(fileno=int(args[0])))
+    try:
+        load, _ = control.recv()
+    except ExecutorGone:
+        return 1
+    try:
+        executor = Executor(load["plan"], load["config"], load["instances"], load["warm"])
+    except BaseException as error:  # noqa: BLE001 - the core fails the model's load with this message
+        control.send(error_reply(error))
+        return 1
+    control.send(("ok", {"runs": executor.runs, "pid": os.getpid()}))
+    try:
+        _, fds = control.recv()  # ("lanes",) with one socket per core worker lane
+    except ExecutorGone:
+        return 1
+    for index, fd in enumerate(fds):
+        threading.Thread(target=executor.serve_lane, args=(index, Channel(socket.socket(fileno=fd))), daemon=True,
+                         name=f"kiln-executor-lane-{index}").start()
+    executor.serve_control(control)
+    return 0
+
+
+if __name__ == "__main__":
+    os._exit(main())

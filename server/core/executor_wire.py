@@ -1,0 +1,165 @@
+"""What the core and an executor process (`executor.py`, `executor_main.py`) say to each other, and how.
+
+One stream socket per worker lane, used in lockstep (a request, then its reply), and one control socket. A message
+is an 8-byte length and a pickle (protocol 5); file descriptors of shared-memory regions travel beside the first
+bytes (SCM_RIGHTS). Reads go straight into one buffer with the interpreter lock released, so a core worker thread
+waiting for its executor costs the event loop nothing.
+
+Tensors in registered shared memory (a client's system or CUDA region, a frontend's tensor arena) cross as
+`RegionRef`s, (region id, offset, shape, dtype), never as bytes: the executor maps each region once (`RegionMap`,
+sent with the first batch that names it) and reads and writes it in place, on the device where it can.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine_core.cuda.view import DeviceView
+from engine_core.errors import KilnError, ShapeError
+
+_HEADER = struct.Struct("<Q")
+#: descriptors a message may carry (a batch names at most a few new regions)
+MAX_FDS = 64
+
+
+@dataclass(frozen=True)
+class RegionView(DeviceView):
+    """A tensor in a registered region, named for an executor process: region `region` (its registration id),
+    `offset` bytes in. `ptr` is not an address here (-1); `owner` keeps the core's region alive, and with it the
+    memory, while a job holds the view."""
+
+    region: int = 0
+    offset: int = 0
+    owner: Any = field(default=None, compare=False, repr=False)
+
+    def ref(self) -> RegionRef:
+        return RegionRef(self.region, self.offset, self.shape, self.dtype.str)
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """A `RegionView` as it crosses the socket."""
+
+    region: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RegionMap:
+    """How an executor maps region `region`: system memory of `nbytes` from the descriptor sent beside the message
+    (`fd_index` into them), or a CUDA allocation from its IPC handle."""
+
+    region: int
+    kind: str  # "system" or "cuda"
+    nbytes: int
+    fd_index: int = -1
+    offset: int = 0  # where the registered span starts in the object the descriptor names
+    ipc_handle: bytes = b""
+    device_id: int = 0
+
+
+class ExecutorGone(ConnectionError):
+    """The executor process closed its end (it exited or was killed)."""
+
+
+class RemoteError(RuntimeError):
+    """An execution failed in the executor for a reason other than the request's data (a fault)."""
+
+
+#: exceptions an executor sends back as what they are: the request's fault, which the core reports as such
+_REQUEST_ERRORS: dict[str, type[Exception]] = {"ShapeError": ShapeError, "TypeError": TypeError,
+                                               "ValueError": ValueError, "KilnError": KilnError}
+
+
+def error_reply(error: BaseException) -> tuple[str, str, str]:
+    return ("error", type(error).__name__, str(error))
+
+
+def raise_reply(reply: tuple) -> Any:
+    """The reply's value, or its error raised as the class the executor raised where the core knows it."""
+    if reply[0] == "ok":
+        return reply[1]
+    _, kind, message = reply
+    raise _REQUEST_ERRORS.get(kind, RemoteError)(message if kind in _REQUEST_ERRORS else f"{kind}: {message}")
+
+
+class Channel:
+    """Length-prefixed pickles over one connected stream socket (not thread-safe: one user at a time)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray(1 << 16)
+
+    def send(self, message: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+        payload = pickle.dumps(message, protocol=5)
+        data = _HEADER.pack(len(payload)) + payload if len(payload) < (1 << 16) else None
+        try:
+            if data is not None and not fds:
+                self.sock.sendall(data)
+                return
+            header = _HEADER.pack(len(payload))
+            if fds:
+                sent = self.sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                if sent != len(header):
+                    self.sock.sendall(header[sent:])
+            else:
+                self.sock.sendall(header)
+            self.sock.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise ExecutorGone(f"the other process closed the channel: {e}") from None
+
+    def recv(self) -> tuple[Any, list[int]]:
+        """The next message and the descriptors that came with it."""
+        header = bytearray(_HEADER.size)
+        fds: list[int] = []
+        got = 0
+        while got < len(header):
+            if not fds and got == 0:
+                data, ancillary, _, _ = self.sock.recvmsg(len(header), socket.CMSG_SPACE(MAX_FDS * 4))
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array.array("i", payload[:len(payload) - len(payload) % 4]))
+            else:
+                data = self.sock.recv(len(header) - got)
+            if not data:
+                raise ExecutorGone("the other process closed the channel")
+            header[got:got + len(data)] = data
+            got += len(data)
+        (size,) = _HEADER.unpack(header)
+        if size > len(self._buffer):
+            self._buffer = bytearray(size)
+        view = memoryview(self._buffer)[:size]
+        got = 0
+        while got < size:
+            count = self.sock.recv_into(view[got:], size - got)
+            if not count:
+                raise ExecutorGone("the other process closed the channel")
+            got += count
+        return pickle.loads(view), fds
+
+    def request(self, message: Any, fds: list[int] | tuple[int, ...] = ()) -> Any:
+        """Send `message` and return the reply's value (its error raised)."""
+        self.send(message, fds)
+        reply, _ = self.recv()
+        return raise_reply(reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def to_wire(value: Any) -> Any:
+    """A job's input or destination as it crosses: region tensors by reference, host arrays as they are."""
+    return value.ref() if isinstance(value, RegionView) else value
+
+
+def contiguous(value: Any) -> Any:
+    return np.ascontiguousarray(value) if isinstance(value, np.ndarray) and value.dtype != object else value

@@ -1,0 +1,191 @@
+"""Executions in executor processes (server/core/executor.py): the same answers as in the core, tensors in shared
+memory by reference (read and written in place by the executor), request errors as the engine raised them, regions
+forgotten once released, and a killed executor started again while the model keeps serving.
+
+On a machine without a GPU the executor runs CPU plans (KILN_EXECUTOR_CPU=1): the same process, sockets, region
+maps and fault handling as for CUDA plans, which tests/server/test_system_shm_gpu.py runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import engine_core as kiln
+from engine_core.errors import ShapeError
+from server.core.executor import ExecutorProcess
+from server.core.executor_wire import RegionView, RemoteError
+from server.core.model_config import ModelConfig
+from server.core.shared_memory import SharedMemory
+from tests.cuda.models import build_engine
+
+from .conftest import examples, run_server
+from .test_tensor_arena import CONFIG, WIDTH, _wide_add
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+EXECUTOR_ENV = {"KILN_EXECUTOR": "process", "KILN_EXECUTOR_CPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def described():
+    """The wide_add plan for the CPU, as the core holds it in executor mode: described only."""
+    engine = build_engine(_wide_add(), "cpu", {"A": ((1, WIDTH), (4, WIDTH), (8, WIDTH)),
+                                               "B": ((1, 4), (4, 4), (8, 4))})
+    return kiln.Runtime().describe(engine.serialize())
+
+
+@pytest.fixture()
+def executor(described):
+    process = ExecutorProcess("model 'wide_add'", described, ModelConfig(name="wide_add").SerializeToString(), 1)
+    yield process
+    process.close()
+
+
+def _rows(count: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"A": rng.standard_normal((count, WIDTH)).astype(np.float32),
+            "B": rng.standard_normal((count, 4)).astype(np.float32)}
+
+
+def test_a_described_engine_has_the_plan_s_description_but_no_contexts(described) -> None:
+    assert described.backend_state is None and described.num_io_tensors == 3
+    with pytest.raises(kiln.KilnError, match="only described"):
+        described.create_execution_context()
+
+
+def test_a_batch_of_parts_runs_in_the_executor_and_request_errors_come_back_as_raised(executor) -> None:
+    lane = executor.lanes[0]
+    parts = [_rows(1, 1), _rows(3, 2)]
+    outputs = lane.infer_batch(parts)
+    for part, out in zip(parts, outputs):
+        np.testing.assert_array_equal(out["SUM"], part["A"] + part["B"][:, :1])
+    with pytest.raises(ShapeError):  # the engine's refusal, as the core's Workers tell it from a fault
+        lane.infer_batch([{"A": np.zeros((1, 3), np.float32), "B": np.zeros((1, 4), np.float32)}])
+    with pytest.raises(TypeError):
+        lane.infer_batch([{"A": np.zeros((1, WIDTH), np.float64), "B": np.zeros((1, 4), np.float32)}])
+    np.testing.assert_array_equal(lane.infer_batch(parts[:1])[0]["SUM"], outputs[0]["SUM"])  # still serving
+
+
+def test_region_tensors_are_read_and_written_in_place_and_forgotten_once_released(executor) -> None:
+    rows = _rows(2, 3)
+    block = shared_memory.SharedMemory(create=True, size=rows["A"].nbytes * 2)
+    try:
+        regions = SharedMemory(remote=True)
+        regions.register("io", "/" + block.name, 0, block.size)
+        np.ndarray(rows["A"].shape, np.float32, block.buf)[:] = rows["A"]
+        view = regions.device_view("io", 0, rows["A"].nbytes, rows["A"].shape, np.dtype(np.float32))
+        target = regions.device_view("io", rows["A"].nbytes, rows["A"].nbytes, rows["A"].shape, np.dtype(np.float32))
+        assert isinstance(view, RegionView) and isinstance(target, RegionView)
+        outputs = executor.lanes[0].infer_batch([{"A": view, "B": rows["B"]}], destinations=[{"SUM": target}])
+        assert outputs == [{}]  # delivered into the region, left out of the reply
+        written = np.ndarray(rows["A"].shape, np.float32, block.buf, offset=rows["A"].nbytes).copy()
+        np.testing.assert_array_equal(written, rows["A"] + rows["B"][:, :1])
+        region_id = view.region
+        assert region_id in executor._mapped
+        regions.unregister("io")
+        del view, target
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while region_id in executor._mapped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert region_id not in executor._mapped  # the executor was told to unmap it
+    finally:
+        block.close()
+        block.unlink()
+
+
+def test_a_killed_executor_fails_only_the_call_it_was_running_and_is_started_again(executor) -> None:
+    lane = executor.lanes[0]
+    old = executor._process
+    assert old is not None
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    parts = [_rows(2, 4)]
+    outputs = lane.infer_batch(parts)  # the exit is noticed before sending: a new process runs it
+    np.testing.assert_array_equal(outputs[0]["SUM"], parts[0]["A"] + parts[0]["B"][:, :1])
+    assert executor.restarts == 1 and executor._process is not old
+
+
+def _executor_pids(root: int) -> list[int]:
+    """Executor processes among `root`'s descendants."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"server.core.executor_main" in command and parent == root:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("executor")
+    examples.write_model(base / "models", "wide_add", _wide_add(), CONFIG)
+    return base
+
+
+def test_a_server_runs_batches_in_an_executor_process_and_survives_its_death(repository: Path) -> None:
+    with run_server(repository / "models", repository / "server.log", ["wide_add"],
+                    ["--frontend-processes", "2", "--allow-client-shm", "true"], env=EXECUTOR_ENV) as server:
+        pids = _executor_pids(server.process.pid)
+        assert len(pids) == 1, "one executor process for the one model version"
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        rng = np.random.default_rng(5)
+        cases = [(rng.standard_normal((1 + i % 3, WIDTH)).astype(np.float32),
+                  np.full((1 + i % 3, 4), float(i), np.float32)) for i in range(96)]
+
+        def one(case: tuple[np.ndarray, np.ndarray]) -> bool:
+            a, b = case
+            inputs = [grpcclient.InferInput("A", list(a.shape), "FP32"), grpcclient.InferInput("B", list(b.shape), "FP32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            try:
+                result = grpc.infer("wide_add", inputs, client_timeout=30)
+            except InferenceServerException as e:
+                assert "executor process" in str(e), str(e)  # only the batch the kill interrupted fails
+                return False
+            np.testing.assert_array_equal(result.as_numpy("SUM"), a + b[:, :1])
+            return True
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(one, cases[:32]))  # through frontend arenas, in the executor
+            futures = [pool.submit(one, case) for case in cases[32:]]
+            os.kill(pids[0], signal.SIGKILL)
+            answered = [f.result(timeout=60) for f in futures]
+        assert sum(answered) >= len(answered) - 8, "at most the batches in flight failed"
+        assert all(pool_ok for pool_ok in [one(case) for case in cases[:4]])  # serving again
+        assert len(_executor_pids(server.process.pid)) == 1  # started again
+
+        http = httpclient.InferenceServerClient(server.http_url)  # system shared memory: in place, both ways
+        a, b = cases[1]
+        block = shared_memory.SharedMemory(create=True, size=2 * a.nbytes)
+        try:
+            np.ndarray(a.shape, np.float32, block.buf)[:] = a
+            http.register_system_shared_memory("io", "/" + block.name, block.size)
+            inputs = [httpclient.InferInput("A", list(a.shape), "FP32"), httpclient.InferInput("B", list(b.shape), "FP32")]
+            inputs[0].set_shared_memory("io", a.nbytes)
+            inputs[1].set_data_from_numpy(b)
+            output = httpclient.InferRequestedOutput("SUM")
+            output.set_shared_memory("io", a.nbytes, offset=a.nbytes)
+            http.infer("wide_add", inputs, outputs=[output])
+            np.testing.assert_array_equal(np.ndarray(a.shape, np.float32, block.buf, offset=a.nbytes), a + b[:, :1])
+            http.unregister_system_shared_memory("io")
+        finally:
+            block.close()
+            block.unlink()
