@@ -119,14 +119,14 @@ def host_layers(summary: dict) -> list[dict]:
 
 
 def host_layers_line(summary: dict) -> str | None:
-    """One line naming every host layer of a CUDA plan (and why the whole graph runs there, when it does)."""
+    """One line naming every host layer of a CUDA plan (and, for a host tail, where and why the plan is cut)."""
     host = host_layers(summary)
     if not host:
         return None
     names = ", ".join(f"{layer['name']} ({layer['type']})" for layer in host)
     line = f"{len(host)} of {len(summary['layers'])} layers run on the host: {names}"
-    fallback = (summary.get("build_info") or {}).get("cuda", {}).get("host_fallback")
-    return f"{line}; the whole graph runs there because {fallback}" if fallback else line
+    tail = (summary.get("build_info") or {}).get("cuda", {}).get("host_tail")
+    return f"{line}; they run after the device part: {tail['reason']}" if tail else line
 
 
 def dump_layer_info(plan: bytes) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine_core.batching import row_spans
-from engine_core.cuda.view import DeviceView
+from engine_core.cuda.view import DeviceRows, DeviceView
 from engine_core.errors import ShapeError
 
 
@@ -64,6 +64,51 @@ class BatchExecution:
             self._input_shapes[name] = self.check_input_shape(name, (total, *values[0].shape[1:]))
         self._inferred = None
         return self._backend_context.infer_parts(self, inputs, row_spans(rows), total, targets)
+
+    def infer_rows(self, inputs: Mapping[str, np.ndarray | DeviceRows], pad_to: int | None = None,
+                   destinations: Mapping[str, DeviceRows] | None = None) -> dict[str, np.ndarray]:
+        """Run one batch given whole: each input a host array of all its rows, or ``DeviceRows`` (many parts' rows
+        at their own device addresses, CUDA backend), all with the same row count; rows up to ``pad_to`` are zero.
+        Returns every output's rows for the batch (not the padding), except the outputs in ``destinations``, which
+        are written on the device to each part's address (``DeviceRows`` with the inputs' row counts per part).
+        Why beside ``infer_batch``: a server's batch of many requests in shared memory costs a few numpy operations
+        here, not a ``DeviceView`` and its checks per request.
+        Raises ShapeError / TypeError naming the input or output, as ``infer_batch``."""
+        expected = set(self._input_names)
+        if set(inputs) != expected:
+            raise ShapeError(f"infer_rows needs exactly the inputs {self._input_names}, got {sorted(inputs)}")
+        used = None
+        for name in self._input_names:
+            value = inputs[name]
+            tensor = self.engine._tensor(name)
+            if tensor.kind != "tensor" or self.engine.is_shape_inference_io(name):
+                raise TypeError(f"input '{name}' is not a tensor input: run such engines with infer")
+            if value.dtype != tensor.dtype:
+                raise TypeError(f"input '{name}' has dtype {value.dtype}, the engine expects {tensor.dtype}")
+            if not len(value.shape):
+                raise ShapeError(f"input '{name}' is a scalar; infer_rows needs a leading batch dim")
+            if used not in (None, value.shape[0]):
+                raise ShapeError(f"the inputs have different row counts ({used} and {value.shape[0]} for '{name}')")
+            used = int(value.shape[0])
+        assert used is not None
+        total = used if pad_to is None else int(pad_to)
+        if total < used:
+            raise ValueError(f"pad_to {pad_to} is below the batch's {used} rows")
+        targets = dict(destinations or {})
+        for name, rows in targets.items():
+            if name not in self._output_names:
+                raise ShapeError(f"destination '{name}' is not an output of this engine (outputs: {self._output_names})")
+            if not isinstance(rows, DeviceRows) or rows.dtype != self.engine._tensor(name).dtype:
+                raise TypeError(f"destination of output '{name}' must be DeviceRows of "
+                                f"{self.engine._tensor(name).dtype}")
+            if rows.shape[0] != used:
+                raise ShapeError(f"destination of output '{name}' holds {rows.shape[0]} rows, the batch has {used}")
+        for name in self._input_names:
+            self._input_shapes[name] = self.check_input_shape(name, (total, *inputs[name].shape[1:]))
+        self._inferred = None
+        outputs: dict[str, np.ndarray] = self._backend_context.infer_parts(
+            self, {name: [inputs[name]] for name in self._input_names}, [(0, used)], total, [targets])[0]
+        return outputs
 
     def _batch_inputs(self, parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[Any]], list[int]]:
         """Each input's parts in order and each part's rows, checked as ``infer`` checks one feed. A part that

@@ -18,7 +18,7 @@ import numpy as np
 from engine_core.backends.base import BackendBuild, Inferred, RunningContext
 from engine_core.batching import Span, gather_rows, split_outputs
 from engine_core.builder_config import BuilderConfig
-from engine_core.cuda.view import DeviceView
+from engine_core.cuda.view import DeviceRows, DeviceView
 from engine_core.errors import ExecutionError, ShapeError
 from engine_core.inspector import run_with_debug
 from engine_core.interpret import GraphRunner
@@ -97,8 +97,8 @@ class CpuContextState:
         """numpy gathers, runs through the context's ``infer`` and splits; device memory is refused."""
         engine_name = ctx.engine.name
         for name, values in inputs.items():
-            if any(isinstance(v, DeviceView) for v in values):
-                raise TypeError(f"input '{name}' is given as a DeviceView, which needs a CUDA engine; "
+            if any(isinstance(v, (DeviceView, DeviceRows)) for v in values):
+                raise TypeError(f"input '{name}' is given in device memory, which needs a CUDA engine; "
                                 f"engine '{engine_name}' runs on the CPU backend")
         if any(destinations):
             raise TypeError(f"destinations are DeviceViews, which need a CUDA engine; engine '{engine_name}' "

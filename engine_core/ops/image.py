@@ -555,10 +555,24 @@ def _nms_cpu(node: Node, boxes: np.ndarray, scores: np.ndarray, max_output: np.n
     center = node.attr("center_point_box", 0)
     rows: list[tuple[int, int, int]] = []
     for b in range(boxes.shape[0] if limit else 0):
-        iou = pairwise_iou(boxes[b], center)
-        for c in range(scores.shape[1]):
-            rows.extend((b, c, i) for i in _select(scores[b, c], iou, limit, iou_limit, score_limit))
+        classes, keep = _candidates(scores[b], score_limit)
+        if not classes.size:
+            continue
+        iou = pairwise_iou(boxes[b, keep], center)  # only boxes some class may select: a detector's 1500 boxes
+        for c in classes:                            # would be 1500^2 pairs, of which a few hundred boxes matter
+            picked = _select(scores[b, c, keep], iou, limit, iou_limit, score_limit)
+            rows.extend((b, int(c), int(keep[i])) for i in picked)
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _candidates(scores: np.ndarray, score_threshold: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """(classes with a box above the threshold, boxes above it in some class) of one batch's [classes, boxes]
+    scores; every class and box without a threshold. Restricting a class's greedy pass to these boxes selects
+    the same ones in the same order (IoU is per pair; ties keep the lower index)."""
+    if score_threshold is None:
+        return np.arange(scores.shape[0]), np.arange(scores.shape[1])
+    passing = scores > score_threshold
+    return np.flatnonzero(passing.any(axis=1)), np.flatnonzero(passing.any(axis=0))
 
 
 register_op("NonMaxSuppression", infer=_nms_infer, cpu=_nms_cpu, min_opset=10,

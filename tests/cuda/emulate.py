@@ -10,6 +10,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from engine_core.backends.cuda import qgemm
 from engine_core.backends.cuda.int8_gemm import Int8Gemm
+from engine_core.backends.cuda.lower_rules.movement import CONCAT_MAX_RANK, CONCAT_ROW
 from engine_core.backends.cuda.lowering import Conv, Copy, Gemm, Host, Launch, Lowered, Ref, transform_weight
 from engine_core.backends.cuda.pointwise import C_TYPES, PointwiseKernel
 from engine_core.interpret import run_node
@@ -194,6 +195,8 @@ class Emulator:
             src = self.view(x, np.dtype(np.uint8), (outer, axis_len, inner * word), (axis_len * inner * word, inner * word, 1))
             dst = self.view(y, np.dtype(np.uint8), (outer, nidx, inner * word), (nidx * inner * word, inner * word, 1))
             dst[...] = src[:, ind, :]
+        elif name == "concat_copy":
+            self._concat(args)
         elif name.startswith(("max_pool_", "avg_pool_")):
             self._pool(name, args)
         elif name.startswith("depthwise_conv_"):
@@ -237,6 +240,18 @@ class Emulator:
             return
         for part, y in enumerate((y0, y1, y2)[:n // split]):  # kiln_qg_out: the Split of the columns
             self.view(y, out, (m, split), (split, 1))[...] = v[:, part * split:(part + 1) * split].astype(out)
+
+    def _concat(self, args: list) -> None:
+        """cuda_kernels/concat.cu: each table row's input, in its units, through its strides into the output (the
+        arena is aligned: the vector units as the table says)."""
+        y, table, count, _, *sources = args
+        rows = self.view(table, np.dtype(np.int64), (count, CONCAT_ROW), (CONCAT_ROW, 1))
+        for row, src in zip(rows, sources):
+            rank, unit, r = int(row[4]), int(row[5]), CONCAT_MAX_RANK
+            shape, dst, strides = (tuple(int(v) for v in row[6 + r * k + r - rank:6 + r * k + r]) for k in range(3))
+            out = self.view(Ref(y.tensor, y.offset + int(row[3]) * unit), np.dtype(np.uint8), (*shape, unit),
+                            (*(s * unit for s in dst), 1))
+            out[...] = self.view(src, np.dtype(np.uint8), (*shape, unit), (*(s * unit for s in strides), 1))
 
     def _pool(self, name: str, args: list) -> None:
         x, y, g = args

@@ -150,13 +150,16 @@ def test_a_densenet_block_runs_channels_last_without_reformats(dtype):
 
 
 def test_concat_writes_each_input_as_a_channel_slice_of_the_nhwc_output():
-    """Block 1's closing Concat of 12 + 3 x 8 channels: one copy per input, written at its channel offset with the
-    output's NHWC strides and read through the input's own NHWC strides."""
+    """Block 1's closing Concat of 12 + 3 x 8 channels: one concat.cu launch whose table writes each input at its
+    channel offset with the output's NHWC strides (36 channels a pixel) and reads it through the input's own."""
     graph, lowered = _lowered(densenet_like(np.float16), {"x": (2, 3, 16, 16)}, LoweringOptions(cudnn=True))
     (step,) = [s for s in lowered.steps if s.node.name == "block1_cat"]
-    offsets = [launch.args[0][0].offset for launch in step.ops]
-    assert offsets == [0, 12 * 2, 20 * 2, 28 * 2]  # bytes: channel starts 0, 12, 20, 28 of fp16
-    assert [launch.args[1][0].tensor for launch in step.ops] == step.node.inputs
+    (launch,) = step.ops
+    rows = lowered.folded[launch.args[1][0].tensor].reshape(-1, 24)  # concat.cu's table: offsets and strides in units
+    assert [int(r[3] * r[5]) for r in rows] == [0, 12 * 2, 20 * 2, 28 * 2]  # bytes: channel starts 0, 12, 20, 28
+    assert [int(r[12 + 4] * r[5]) for r in rows] == [36 * 2] * 4  # bytes from one pixel to the next in the output
+    assert [int(r[18 + 4] * r[5]) for r in rows] == [12 * 2, 8 * 2, 8 * 2, 8 * 2]  # and in each input
+    assert [ref.tensor for ref, _ in launch.args[4:8]] == step.node.inputs
 
 
 def test_the_channels_last_kernels_compile_for_sm90(tmp_path, monkeypatch):

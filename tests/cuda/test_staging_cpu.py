@@ -92,7 +92,7 @@ class FakeDriver:
         self.calls.append("sync")
         return (0,)
 
-    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2, CU_EVENT_BLOCKING_SYNC=1)
 
     def cuEventCreate(self, flags):  # noqa: N802
         self.calls.append("event")
@@ -167,7 +167,8 @@ def setup(fake):
             infos = infer_shapes(graph, {v.name: TensorInfo(v.dtype, shapes[v.name]) for v in graph.inputs})
             state._bindings[key] = types.SimpleNamespace(lowered=types.SimpleNamespace(infos=infos), stages={},
                                                          graphs={}, has_host=False, graph_failed=False, runs=0,
-                                                         staged=None, twins={})
+                                                         staged=None, twins={}, tail=None,
+                                                         output_names=graph.output_names)
         return state._bindings[key]
 
     def execute(shapes, addresses, stream, profiler=None, values=None, debug=None, consumed_event=None, staged=None):

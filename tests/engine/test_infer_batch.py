@@ -106,7 +106,7 @@ def test_device_views_need_a_cuda_engine(engine) -> None:
     context = engine.create_execution_context()
     good = _part(7, 2)
     view = kiln.DeviceView(0x1000, (2, 3), np.float32)
-    with pytest.raises(TypeError, match="input 'x' is given as a DeviceView, which needs a CUDA engine"):
+    with pytest.raises(TypeError, match="input 'x' is given in device memory, which needs a CUDA engine"):
         context.infer_batch([{**good, "x": view}])
     with pytest.raises(TypeError, match="destinations are DeviceViews, which need a CUDA engine"):
         context.infer_batch([good], destinations=[{"y": view}])
@@ -177,3 +177,21 @@ def test_warm_up_skips_engines_whose_shapes_need_values(monkeypatch) -> None:
     monkeypatch.undo()
     np.testing.assert_array_equal(
         context.infer({"x": np.ones((2, 6), np.float32), "shape": np.array([3, 4])})["y"], np.ones((3, 4)))
+
+
+def test_infer_rows_runs_a_whole_batch_and_refuses_what_does_not_fit(engine) -> None:
+    """``infer_rows``: the batch given whole (host arrays here), padded, outputs for the batch's rows only."""
+    context = engine.create_execution_context()
+    part = _part(3, 5)
+    outputs = context.infer_rows(part, pad_to=8)
+    np.testing.assert_array_equal(outputs["y"], part["x"] * 2)
+    np.testing.assert_array_equal(outputs["k"], part["ids"] + 1)
+    np.testing.assert_allclose(outputs["s"], (part["x"] + 1).sum(axis=0) + 3, rtol=1e-6)  # 3 zero rows padded
+    with pytest.raises(kiln.ShapeError, match="different row counts"):
+        context.infer_rows({"x": part["x"], "ids": part["ids"][:2]})
+    with pytest.raises(TypeError, match="dtype"):
+        context.infer_rows({"x": part["x"].astype(np.float64), "ids": part["ids"]})
+    rows = kiln.DeviceRows(np.array([0x1000, 0x2000]), np.array([2, 3]), (3,), np.float32)
+    assert rows.shape == (5, 3) and rows.gather_copies(0x9000)[1].tolist() == [0x9000 + 24, 0x2000, 36]
+    with pytest.raises(TypeError, match="given in device memory, which needs a CUDA engine"):
+        context.infer_rows({"x": rows, "ids": part["ids"]})

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from engine_core.backends.cuda.host_tail import DATA_DEPENDENT_OPS as DATA_DEPENDENT_OPS  # lived here
+from engine_core.backends.cuda.host_tail import data_dependent_layers
 from engine_core.backends.cuda.lowering import (
     F32,
     GEMM_TACTICS,
@@ -20,6 +22,7 @@ from engine_core.backends.cuda.lowering import (
     Lowered,
     LoweringOptions,
     lower_graph,
+    lower_split,
 )
 from engine_core.backends.cuda.lowering_context import KERNEL_FILES, ON_DEMAND_KERNEL_FILES
 from engine_core.backends.cuda.memory import MemoryPlan, plan_memory
@@ -139,10 +142,9 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
                 int8_fallbacks[option] = missing[0]
                 options = replace(options, **{option: False})
                 lowered = lower_all(options)
-    host_fallback = None
-    if not lowered:  # shapes depend on input values: the runner lowers (and compiles) per binding
+    deferred = not lowered
+    if deferred:  # shapes depend on input values: the runner lowers (and compiles) per binding
         lowered = {(0, 1): lower_graph(Graph(graph.name, [], [], [], {}), {}, {}, options)}
-        host_fallback = _data_dependent_layers(graph)
     conv_plans: dict[str, int] = {}
     conv_timings: dict[str, dict[str, float]] = {}
     if any(isinstance(op, Conv) for low in lowered.values() for s in low.steps for op in s.ops):
@@ -157,9 +159,11 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     cubins.update({stem: compile_kernel_file(stem, arch) for stem in ON_DEMAND_KERNEL_FILES if stem in used})
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch, POINTWISE_OPTIONS)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
-    tactics = next(iter(lowered.values())).tactics() if (0, 1) not in lowered else lowered[(0, 1)].tactics()
-    if host_fallback:  # the runner will run the whole graph on the host: say so in the plan, per layer
-        tactics = {n.name: "host" for n in graph.nodes}
+    at_opt = lowered[(0, 1)] if (0, 1) in lowered else next(iter(lowered.values()))
+    tactics = at_opt.tactics()
+    host_tail = at_opt.tail.info() if at_opt.tail is not None else _deferred_host_tail(graph) if deferred else None
+    if host_tail:  # the runner runs these layers on the host after the device part: say so in the plan, per layer
+        tactics.update({name: "host" for name in host_tail["layers"]})
     return CudaBuild(
         tactics=tactics,
         kernels=cubins,
@@ -167,7 +171,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         arch=arch,
         info={"activation_bytes_unshared": max(p.total_unshared for p in plans),
               "host_layers": sorted(n for n, t in tactics.items() if t == "host"),
-              "host_fallback": host_fallback,
+              "host_tail": host_tail,
               "gemm_timings_ms": timings, "pointwise_kernels": len(kernels),
               "conv_plans": conv_plans, "conv_timings_ms": conv_timings,
               "device_memory_per_profile": [max(low.memory.size for (p, _), low in lowered.items() if p == profile)
@@ -191,24 +195,26 @@ def _probed_options() -> list[tuple[str, Any]]:
     return [("int8_requant", unplanned_requant_gemms), ("cudnn_int8", unbuildable_convs)]
 
 
-#: ops whose output sizes depend on tensor data (not only on shapes or shape values): a plan holding one runs
-#: as a whole on the host (the runner's fallback); the build reports it
-DATA_DEPENDENT_OPS = frozenset({"NonZero", "NonMaxSuppression", "Unique", "Compress", "Loop", "If", "Scan"})
-
-
-def _data_dependent_layers(graph: Graph) -> str | None:
-    """Why the runner will run ``graph`` on the host as a whole, or None when only shape values are missing."""
-    layers = [f"{n.op_type} '{n.name}'" for n in graph.nodes if n.op_type in DATA_DEPENDENT_OPS]
-    return f"data-dependent output shapes: {', '.join(layers)}" if layers else None
+def _deferred_host_tail(graph: Graph) -> dict[str, Any] | None:
+    """The host tail of a plan lowered per binding (shapes wait for input values), as far as the graph alone tells:
+    the data-dependent layers and every layer after them (the runner may cut earlier, where input values leave
+    other shapes unknown)."""
+    layers = data_dependent_layers(graph)
+    if not layers:
+        return None
+    firsts = [f"{n.op_type} '{n.name}'" for n in layers if n.op_type in DATA_DEPENDENT_OPS]
+    return {"layers": [n.name for n in layers], "boundary": None,
+            "reason": f"data-dependent output shapes from {', '.join(firsts)} on (cut per binding at run time)"}
 
 
 def _lower_or_none(graph: Graph, infos: Mapping[str, TensorInfo], choice: Mapping[str, str],
                    options: LoweringOptions) -> Lowered | None:
-    """The lowering at one profile point, or None when some tensor shape is only known at run time."""
+    """The lowering at one profile point (the device part, when data-dependent layers leave a host tail), or None
+    when some tensor shape waits for an input's value (known only at run time)."""
     from engine_core.backends.cuda.pointwise import Unsupported
 
     try:
-        return lower_graph(graph, infos, choice, options)
+        return lower_split(graph, infos, choice, options)
     except Unsupported:
         return None
 

@@ -29,6 +29,7 @@ import numpy as np
 from engine_core.backends.cuda import int8_conv as int8_conv
 from engine_core.backends.cuda import int8_gemm as int8_gemm
 from engine_core.backends.cuda.cudnn_attention import SdpaLaunch
+from engine_core.backends.cuda.host_tail import split_host_tail
 from engine_core.backends.cuda.lower_rules import attention as attention
 from engine_core.backends.cuda.lower_rules import conv as conv
 from engine_core.backends.cuda.lower_rules import fill as fill
@@ -150,6 +151,17 @@ def _with_linear_inputs(node: Node, ctx: LoweringContext) -> Node:
 
 
 # -- the whole graph --------------------------------------------------------------------------------
+
+
+def lower_split(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapping[str, str] | None = None,
+                options: LoweringOptions | None = None, values_given: bool = False) -> Lowered:
+    """``lower_graph`` of the device part when some tensor's shape is unknown at ``infos``: the layers from the first
+    data-dependent ones on are the host tail (``Lowered.tail``, host_tail.py). Raises Unsupported where a shape waits
+    only for an input's value (unless ``values_given``: the inputs' values were part of ``infos``)."""
+    tail = split_host_tail(graph, infos, values_given)
+    if tail is None:
+        return lower_graph(graph, infos, gemm_choice, options)
+    return replace(lower_graph(tail.device, infos, gemm_choice, options), tail=tail)
 
 
 def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapping[str, str] | None = None,

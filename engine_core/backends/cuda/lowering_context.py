@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from engine_core.backends.cuda.pointwise import (
 from engine_core.ir import Node
 from engine_core.ops.registry import TensorInfo
 
+if TYPE_CHECKING:
+    from engine_core.backends.cuda.host_tail import HostTail
+
 F32, F16, INT8 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)
 THREADS = 256
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module); ``Launch.module`` names
@@ -34,8 +37,9 @@ THREADS = 256
 KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
 #: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
 #: 30-50 s; depthwise_conv's 24 specialisations 3 s and 0.5 MB, needless in a plan without depthwise convolutions),
-#: or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory)
-ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments", "depthwise_conv")
+#: or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory); concat: Concats of
+#: several inputs
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments", "depthwise_conv", "concat")
 
 
 @dataclass(frozen=True)
@@ -235,9 +239,13 @@ class Lowered:
     #: derived weights: name -> (source weight, transform), e.g. ("w", "krsc") for channels-last filters
     weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
+    #: the layers after the first data-dependent ones (host_tail.py): these steps are the device part's
+    tail: HostTail | None = None
 
     def tactics(self) -> dict[str, str]:
-        return {s.node.name: s.tactic for s in self.steps}
+        """Layer -> tactic; the host tail's layers are "host"."""
+        device = {s.node.name: s.tactic for s in self.steps}
+        return device if self.tail is None else {**device, **{name: "host" for name in self.tail.layers}}
 
 
 def grid_for(n: int, threads: int = THREADS) -> tuple[int, int, int]:

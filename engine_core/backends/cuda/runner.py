@@ -16,8 +16,9 @@ values, prepared launches, arena, pointer resolver), runner_graphs.py (CUDA grap
 runner_launch.py (layer-by-layer launching: eager, profiled, debug tensors, weight uploads), runner_staging.py (pinned
 mirrors, ``_Stage``, gathering a batch and delivering its outputs), runner_schedule.py (the pure ``RunSchedule``) and
 runner_context.py (the ExecutionContext's operations, the backend interface's ``ContextState``).
-This module keeps the engine state and the context's entry points (execute, infer, infer_batch, warm_up, the
-whole-graph host fallback) and re-exports the names that lived here.
+This module keeps the engine state and the context's entry points (execute, infer, infer_batch, warm_up, the host
+tail after a binding's device part (host_tail.py), the whole-graph host fallback) and re-exports the names that lived
+here.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ from engine_core.cuda.driver import (
     check,
     primary_context,
 )
-from engine_core.cuda.view import DeviceView
+from engine_core.cuda.view import DeviceRows, DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.interpret import GraphRunner
 from engine_core.ir import Value
@@ -257,8 +258,11 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         self._convs = None
         self._attentions = None  # cudnn_attention.CudnnAttentions, made on the first SdpaLaunch
         self._host_runner: GraphRunner | None = None
-        #: why runs went to the host as a whole (data-dependent output shapes, non-tensor I/O)
+        #: why runs went to the host as a whole (shapes no input values settle, non-tensor I/O, debug tensors of a
+        #: host tail)
         self.host_fallback: list[str] = []
+        #: why runs ran a host tail after their device part (host_tail.py): its first data-dependent layers
+        self.host_tails: list[str] = []
         self._stream: int | None = None
         self._copy_stream: int | None = None
         #: the two weight-streaming scratch slots (device), sized for the largest binding's schedule
@@ -353,6 +357,27 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
             self._host_runner = GraphRunner(graph)
         return self._host_runner.run(feeds)
 
+    def _run_tail(self, binding: _Binding, values: Mapping[str, np.ndarray], profiler: Any = None) -> dict[str, np.ndarray]:
+        """``binding``'s host tail on ``values`` (its boundary tensors and the graph inputs it reads, views of pinned
+        mirrors the next run of this slot refills); an output sharing a mirror's memory is copied out of it. Logged
+        once per cut; with a ``profiler``, each tail layer's host time is reported."""
+        tail = binding.tail
+        assert tail is not None
+        if tail.reason not in self.host_tails:
+            self.host_tails.append(tail.reason)
+            DEFAULT_LOGGER.log(Severity.INFO, f"CUDA plan '{self.engine.plan.name}' runs {len(tail.layers)} layers "
+                                              f"on the host after its device part: {tail.reason}")
+        results = tail.run(values, profiler.report_layer_time if profiler is not None else None)
+        mirrors = list(values.values())
+        return {name: np.array(value) if any(np.may_share_memory(value, m) for m in mirrors) else value
+                for name, value in results.items()}
+
+    @staticmethod
+    def _tail_debugged(binding: _Binding, debug: tuple[Any, Sequence[str]] | None) -> bool:
+        """Whether a run of ``binding`` reports debug tensors its host tail computes (such runs go to the host as a
+        whole, which reports every tensor)."""
+        return binding.tail is not None and debug is not None and bool(set(debug[1]) & binding.tail.written)
+
     def stream(self) -> int:
         if self._stream is None:
             from cuda.bindings import driver
@@ -394,8 +419,10 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
                           if np.asarray(v).dtype.kind in "iub" and np.asarray(v).size <= MAX_SHAPE_VALUES}
                 try:
                     binding = self.bind(shapes, values)
-                except ShapesNeedValues as e:  # data-dependent output shapes (NonZero, NMS, Unique, ...)
+                except ShapesNeedValues as e:  # shapes that neither input shapes nor values settle
                     return self._on_host(feeds, str(e), debug)
+            if self._tail_debugged(binding, debug):
+                return self._on_host(feeds, "debug tensors computed by the host tail", debug)
             stages, staged = self._staging(binding, shapes, slot)
         stream = self.stream()
         addresses = {name: stage.device.ptr for name, stage in stages.items()}
@@ -410,7 +437,13 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
                     return self._on_host(feeds, str(e), debug)
                 done = self._run_done(slot, stream)
             _wait(done)
-        return {name: stages[name].array.copy() for name in self.engine.plan.graph.output_names}
+        names = self.engine.plan.graph.output_names
+        if binding.tail is None:
+            return {name: stages[name].array.copy() for name in names}
+        tail = binding.tail  # data-dependent shapes: the layers after the device part, on its downloaded boundary
+        computed = self._run_tail(binding, {**{n: stages[n].array for n in tail.boundary},
+                                            **{n: np.asarray(feeds[n]) for n in tail.graph_inputs}}, profiler)
+        return {name: computed[name] if name in computed else stages[name].array.copy() for name in names}
 
     def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Run ``feeds`` through ``infer`` in every staging slot until the CUDA graph for the slot's buffers at
@@ -458,6 +491,8 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
             with self._run_lock:
                 binding = self.bind(shapes)
         except ShapesNeedValues:  # integer inputs decide shapes: infer binds on their values, or runs on the host
+            binding = None
+        if binding is None or binding.tail is not None:  # a host tail runs after infer's device part
             outputs = self.infer(self._gathered_on_host(inputs, total), profiler, debug)
             return self._scatter(outputs, spans, total, destinations)
         stream = self.stream()
@@ -467,13 +502,15 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
             for index, (span, targets) in enumerate(zip(spans, destinations)):
                 for name, view in targets.items():
                     stage = stages[name]
-                    check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
-            if not any(destinations) and not any(isinstance(v, DeviceView) for vs in inputs.values() for v in vs):
+                    if not isinstance(view, DeviceRows):  # infer_rows checked those against the batch
+                        check_destination(name, index, view, part_shape(stage.shape, span, total), stage.dtype)
+            if not any(destinations) and not any(isinstance(v, (DeviceView, DeviceRows))
+                                                 for vs in inputs.values() for v in vs):
                 return self._infer_staged(slot, stages, staged, inputs, spans, total, stream, profiler, debug)
             addresses = {name: stage.device.ptr for name, stage in stages.items()}
             with _synchronized_on_error(stream):
                 with self._run_lock:  # the gathers must not interleave with another run's copies
-                    copies: list[tuple[int, int, int]] = []
+                    copies: list[tuple[int, int, int] | np.ndarray] = []
                     for name, values in inputs.items():
                         _gather(stages[name], values, total, stream, copies)
                     self._copy_on_device(copies, stream, slot, "gather")

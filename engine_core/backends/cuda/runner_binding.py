@@ -6,13 +6,14 @@ tensor references to device pointers (``BindingMixin``).
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from engine_core.backends.cuda.lowering import lower_graph
+from engine_core.backends.cuda.lowering import lower_split
 from engine_core.backends.cuda.lowering_context import (
     Conv,
     Host,
@@ -129,6 +130,12 @@ class _Binding:
         #: the same per staging slot above 0: (stages over the same device buffers, their copies)
         self.twins: dict[int, tuple[dict[str, Any], Any]] = {}
         self.has_host = any(isinstance(op, Host) for step in lowered.steps for op in step.ops)
+        #: the layers run on the host after the device part (host_tail.py), or None
+        self.tail = lowered.tail
+        #: the tensors the device part writes to I/O memory: the graph outputs it computes, and the boundary
+        #: tensors its host tail reads
+        self.output_names: list[str] = (lowered.tail.device if lowered.tail is not None
+                                        else state.plan.graph).output_names
         self.has_conv_epilogues = any(isinstance(op, Conv) and op.rest for step in lowered.steps for op in step.ops)
         self.graphs: dict[tuple, Any] = {}  # runner_graphs._Graph by graph_key
         self.graph_failed = False
@@ -153,8 +160,17 @@ class _Binding:
         return self._schedules[key]
 
 
+def blocking_waits() -> bool:
+    """Whether a thread waiting for a run sleeps (``CU_EVENT_BLOCKING_SYNC``) rather than spins on a core:
+    ``KILN_BLOCKING_SYNC=0`` spins. Why sleep by default: a server's worker lanes wait for most of each run, and
+    spinning took a core each from the frontends, the core and clients on the same host (``load_tests/
+    execution_path.py`` reached 21k ResNet-50 img/s from mapped host memory alone, the served path 8-9k)."""
+    return os.environ.get("KILN_BLOCKING_SYNC", "1") not in ("0", "")
+
+
 class _Events:
-    """Internal CUDA events of a binding's runs by name (timing off: they only order streams)."""
+    """Internal CUDA events of a binding's runs by name (timing off: they only order streams; blocking sync:
+    a host wait sleeps, `blocking_waits`)."""
 
     def __init__(self) -> None:
         self._events: dict[str, Any] = {}
@@ -165,6 +181,8 @@ class _Events:
             from cuda.bindings import driver
 
             flags = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            if blocking_waits():
+                flags |= int(driver.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
             event = self._events[name] = check(driver.cuEventCreate(flags), "cuEventCreate")
         return event
 
@@ -186,7 +204,9 @@ class BindingMixin:
 
         ``values``: host values of small integer inputs, for graphs whose shapes depend on input values
         (shape-tensor style inputs such as Reshape's shape or Squeeze's axes fed at run time); the
-        binding is then keyed on those values too. Without them such graphs raise ExecutionError.
+        binding is then keyed on those values too. Without them such graphs raise ShapesNeedValues. Layers whose
+        output shapes depend on data (and, once ``values`` are given, any whose shape is still unknown) and the
+        layers after them are the binding's host tail (``_Binding.tail``).
         """
         key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
         if values:
@@ -197,11 +217,8 @@ class BindingMixin:
             infos = {v.name: TensorInfo(v.dtype, tuple(shapes[v.name]) if v.is_tensor else None,
                                         (values or {}).get(v.name)) for v in graph.inputs}
             inferred = infer_shapes(graph, infos, values=True)
-            unknown = [o for o in graph.output_names if inferred.get(o) is None or inferred[o].shape is None]
-            try:
-                if unknown:
-                    raise Unsupported(f"output shapes of {unknown} depend on input values")
-                lowered = lower_graph(graph, inferred, self.engine.gemm_choice, self.engine.options)
+            try:  # data-dependent shapes leave a host tail (host_tail.py); with values given, any unknown shape does
+                lowered = lower_split(graph, inferred, self.engine.gemm_choice, self.engine.options, values is not None)
             except Unsupported as e:
                 raise ShapesNeedValues(f"{e}: the CUDA backend needs every tensor shape before launching "
                                        "(feed such inputs through infer(), or declare them shape inputs)") from None

@@ -124,7 +124,7 @@ class GraphsMixin:
         otherwise replay wrong results silently; such bindings keep launching layer by layer."""
         from cuda.bindings import driver
 
-        outputs = [(name, binding.lowered.infos[name]) for name in self.engine.plan.graph.output_names
+        outputs = [(name, binding.lowered.infos[name]) for name in binding.output_names
                    if name in addresses and binding.lowered.infos.get(name) is not None]
 
         def fetch() -> list[np.ndarray]:

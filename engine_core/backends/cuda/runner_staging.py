@@ -35,7 +35,7 @@ from engine_core.cuda.driver import (
     primary_context,
     record_event,
 )
-from engine_core.cuda.view import DeviceView
+from engine_core.cuda.view import DeviceRows, DeviceView
 from engine_core.errors import ExecutionError
 from engine_core.logger import DEFAULT_LOGGER, Severity
 
@@ -105,7 +105,7 @@ class CopyTable:
         self.host: PinnedBuffer | None = None
         self.device: DeviceBuffer | None = None
 
-    def upload(self, copies: Sequence[tuple[int, int, int]], stream: int) -> int:
+    def upload(self, copies: Sequence[tuple[int, int, int]] | np.ndarray, stream: int) -> int:
         """``copies`` into the table, queued to the device; the device table's address."""
         count = len(copies)
         if count > self.capacity:
@@ -181,13 +181,11 @@ class StagedCopies:
             copy_pinned_async(host, device, nbytes, stream, to_device=False)
 
 
-def _whole_copies(graph: Any, stages: Mapping[str, _Stage]) -> StagedCopies:
+def _whole_copies(inputs: Sequence[str], outputs: Sequence[str], stages: Mapping[str, _Stage]) -> StagedCopies:
     """Uploads of every input's whole mirror and downloads of every output's, for runs through ``stages``."""
     return StagedCopies(
-        tuple((stages[v.name].device.ptr, stages[v.name].host.ptr, stages[v.name].nbytes)
-              for v in graph.inputs if stages[v.name].nbytes),
-        tuple((stages[n].host.ptr, stages[n].device.ptr, stages[n].nbytes)
-              for n in graph.output_names if stages[n].nbytes))
+        tuple((stages[n].device.ptr, stages[n].host.ptr, stages[n].nbytes) for n in inputs if stages[n].nbytes),
+        tuple((stages[n].host.ptr, stages[n].device.ptr, stages[n].nbytes) for n in outputs if stages[n].nbytes))
 
 
 class IoSlots:
@@ -226,23 +224,25 @@ class StagingMixin:
 
     def _staging(self, binding: _Binding, shapes: Shapes, slot: int = 0) -> tuple[dict[str, _Stage], StagedCopies]:
         """``binding``'s staging per I/O tensor in staging slot ``slot`` (inputs at ``shapes``, outputs as
-        inferred), made once, and the copies of whole mirrors that runs through them enqueue. Slot 0 is
-        ``binding.stages`` / ``binding.staged``; other slots share its device buffers (``binding.twins``)."""
+        inferred: those the device part writes, ``binding.output_names``), made once, and the copies of whole
+        mirrors that runs through them enqueue. Slot 0 is ``binding.stages`` / ``binding.staged``; other slots share
+        its device buffers (``binding.twins``)."""
         graph, infos = self.engine.plan.graph, binding.lowered.infos  # type: ignore[attr-defined]
+        inputs, outputs = graph.input_names, binding.output_names
         for value in graph.inputs:
             if value.name not in binding.stages:
                 binding.stages[value.name] = _Stage(value.dtype, shapes[value.name])
-        for name in graph.output_names:
+        for name in outputs:
             if name not in binding.stages:
                 binding.stages[name] = _Stage(infos[name].dtype, infos[name].shape)
         if binding.staged is None:
-            binding.staged = _whole_copies(graph, binding.stages)
+            binding.staged = _whole_copies(inputs, outputs, binding.stages)
         if slot == 0:
             return binding.stages, binding.staged
         twin = binding.twins.get(slot)
         if twin is None:
             stages = {name: stage.twin() for name, stage in binding.stages.items()}
-            twin = binding.twins[slot] = (stages, _whole_copies(graph, stages))
+            twin = binding.twins[slot] = (stages, _whole_copies(inputs, outputs, stages))
         return twin
 
     def _run_done(self, slot: int, stream: int) -> Any:
@@ -283,19 +283,31 @@ class StagingMixin:
                 result[name] = whole[start:stop] if batched else whole
         return results
 
-    def _copy_on_device(self, copies: Sequence[tuple[int, int, int]], stream: int, slot: int, purpose: str) -> None:
-        """A run's device-to-device copies (a batch's gathers or deliveries, under the run lock): many small ones as
-        one copy_segments launch reading this slot's table, a few through the driver (``memcpy_dtod_batch``)."""
-        copies = [copy for copy in copies if copy[2]]
-        if len(copies) < SEGMENT_KERNEL_MIN_COPIES:
-            memcpy_dtod_batch(copies, stream)
+    def _copy_on_device(self, copies: Sequence[tuple[int, int, int] | np.ndarray], stream: int, slot: int,
+                        purpose: str) -> None:
+        """A run's device-to-device copies (a batch's gathers or deliveries, under the run lock): (dst, src, nbytes)
+        rows, or arrays of such rows (``DeviceRows``); many small ones as one copy_segments launch reading this
+        slot's table, a few through the driver (``memcpy_dtod_batch``)."""
+        if any(isinstance(copy, np.ndarray) for copy in copies):
+            table_rows = np.concatenate([np.asarray(c, np.uint64).reshape(-1, 3) for c in copies])
+            table_rows = table_rows[table_rows[:, 2] > 0]
+            count = len(table_rows)
+        else:
+            copies = [copy for copy in copies if copy[2]]
+            count = len(copies)
+            if count < SEGMENT_KERNEL_MIN_COPIES:
+                memcpy_dtod_batch(copies, stream)  # type: ignore[arg-type]
+                return
+            table_rows = np.array(copies, np.uint64).reshape(-1, 3)
+        if count < SEGMENT_KERNEL_MIN_COPIES:
+            memcpy_dtod_batch([(int(d), int(s), int(n)) for d, s, n in table_rows], stream)
             return
         table = self._copy_tables.setdefault((slot, purpose), CopyTable())
-        address = table.upload(copies, stream)
+        address = table.upload(table_rows, stream)
         function = self.engine.function(SEGMENTS_MODULE, SEGMENTS_MODULE)  # type: ignore[attr-defined]
-        chunks = min(-(-max(nbytes for _, _, nbytes in copies) // SEGMENT_CHUNK_BYTES), 1024)
-        launch_held(function, (min(len(copies), 4096), chunks), 128,
-                    [ctypes.c_uint64(address), ctypes.c_int(len(copies))], stream)
+        chunks = min(-(-int(table_rows[:, 2].max()) // SEGMENT_CHUNK_BYTES), 1024)
+        launch_held(function, (min(count, 4096), chunks), 128, [ctypes.c_uint64(address), ctypes.c_int(count)],
+                    stream)
 
     def _deliver(self, stages: Mapping[str, _Stage], spans: Sequence[Span], total: int,
                  destinations: Sequence[Mapping[str, DeviceView]], stream: int,
@@ -303,7 +315,8 @@ class StagingMixin:
         """Enqueue each part's piece of every output (under the run lock): device to device into its destination,
         else one download of the rows parts want on the host (from the first such part's to the last's).
         Returns what ``_collect`` reads once the run is done."""
-        on_host, copies = [], []
+        on_host: list[tuple[str, _Stage, bool, list[int]]] = []
+        copies: list[tuple[int, int, int] | np.ndarray] = []
         for name in self.engine.plan.graph.output_names:  # type: ignore[attr-defined]
             stage = stages[name]
             batched = is_batched(stage.shape, total)
@@ -313,6 +326,8 @@ class StagingMixin:
                 view = destinations[index].get(name)
                 if view is None:
                     wanted.append((index, begin, end))
+                elif isinstance(view, DeviceRows):  # many parts' rows (infer_rows): one table for them all
+                    copies.append(view.scatter_copies(stage.device.ptr + begin))
                 else:
                     copies.append((view.ptr, stage.device.ptr + begin, end - begin))
             if wanted:
@@ -335,7 +350,8 @@ class StagingMixin:
     def _gathered_on_host(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]],
                           total: int) -> dict[str, np.ndarray]:
         """The batch as host arrays (device parts read back): for runs that go through ``infer`` or the host."""
-        return {name: gather_rows([_read_view(v) if isinstance(v, DeviceView) else v for v in values], total)
+        return {name: gather_rows([_read_view(v) if isinstance(v, (DeviceView, DeviceRows)) else v for v in values],
+                                  total)
                 for name, values in inputs.items()}
 
     def _scatter(self, outputs: Mapping[str, np.ndarray], spans: Sequence[Span], total: int,
@@ -348,6 +364,12 @@ class StagingMixin:
         for index, (part, targets) in enumerate(zip(parts, destinations)):
             for name, view in targets.items():
                 piece = np.ascontiguousarray(part.pop(name))
+                if isinstance(view, DeviceRows):  # each part's rows to its own address
+                    for dst, src, nbytes in view.scatter_copies(piece.ctypes.data):
+                        if nbytes:
+                            check(driver.cuMemcpyHtoDAsync(int(dst), int(src), int(nbytes), stream), "HtoD")
+                    pending.append(piece)
+                    continue
                 check_destination(name, index, view, piece.shape, piece.dtype)
                 if piece.nbytes:
                     check(driver.cuMemcpyHtoDAsync(view.ptr, piece.ctypes.data, piece.nbytes, stream), "HtoD")
@@ -356,8 +378,8 @@ class StagingMixin:
         return parts
 
 
-def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int, stream: int,
-            copies: list[tuple[int, int, int]]) -> None:
+def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView | DeviceRows], total: int, stream: int,
+            copies: list[tuple[int, int, int] | np.ndarray]) -> None:
     """One input's parts into its device buffer in order: host parts into the pinned mirror (one upload per
     run of consecutive host parts), rows past the parts zeroed; device parts' copies are added to ``copies``
     (dst, src, nbytes), for the caller to enqueue as one batch (``memcpy_dtod_batch``)."""
@@ -366,11 +388,13 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
     stage.written = stage.shape[0] if stage.shape else 0  # padding is zeroed on the device, not in the mirror
     for value in values:
         count = int(value.shape[0])
-        if isinstance(value, DeviceView):
+        if isinstance(value, (DeviceView, DeviceRows)):
             if pending is not None:
                 stage.upload(pending * stage.row_bytes, row * stage.row_bytes, stream)
                 pending = None
-            copies.append((stage.device.ptr + row * stage.row_bytes, value.ptr, count * stage.row_bytes))
+            base = stage.device.ptr + row * stage.row_bytes
+            copies.append(value.gather_copies(base) if isinstance(value, DeviceRows)
+                          else (base, value.ptr, count * stage.row_bytes))
         else:
             np.copyto(stage.array[row:row + count], value)
             pending = row if pending is None else pending
@@ -381,14 +405,17 @@ def _gather(stage: _Stage, values: Sequence[np.ndarray | DeviceView], total: int
         memset_d8_async(stage.device.ptr + row * stage.row_bytes, 0, (total - row) * stage.row_bytes, stream)
 
 
-def _read_view(view: DeviceView) -> np.ndarray:
-    """A host copy of a caller's device tensor (synchronous)."""
+def _read_view(view: DeviceView | DeviceRows) -> np.ndarray:
+    """A host copy of a caller's device tensor, or of every part's rows stacked (synchronous)."""
     from cuda.bindings import driver
 
     out = np.empty(view.shape, view.dtype)
-    if out.nbytes:
-        with DEVICE_LOCK:  # a legacy-stream copy: never during another thread's capture
-            check(driver.cuMemcpyDtoH(out.ctypes.data, view.ptr, out.nbytes), "cuMemcpyDtoH")
+    copies = (view.gather_copies(out.ctypes.data) if isinstance(view, DeviceRows)
+              else [(out.ctypes.data, view.ptr, out.nbytes)])
+    with DEVICE_LOCK:  # a legacy-stream copy: never during another thread's capture
+        for dst, src, nbytes in copies:
+            if nbytes:
+                check(driver.cuMemcpyDtoH(int(dst), int(src), int(nbytes)), "cuMemcpyDtoH")
     return out
 
 

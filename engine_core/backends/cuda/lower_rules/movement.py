@@ -1,10 +1,12 @@
-"""Lowering rules that move data: views (aliases), Transpose, Expand, Concat, Slice, Split (strided copies) and
-Gather (gather.cu).
+"""Lowering rules that move data: views (aliases), Transpose, Expand, Slice, Split (strided copies), Concat (one
+concat.cu launch for all its inputs) and Gather (gather.cu).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from engine_core.backends.cuda.lowering_context import (
 from engine_core.backends.cuda.pointwise import (
     Unsupported,
     broadcast_strides,
+    coalesce,
     contiguous_strides,
 )
 from engine_core.ir import Node
@@ -65,22 +68,27 @@ def _lower_expand(node: Node, ctx: LoweringContext) -> list:
 
 @lowering_rule("Concat")
 def _lower_concat(node: Node, ctx: LoweringContext) -> list:
-    """Concat: one strided copy per input, each read in its own layout and written to its slice of the output
-    along the axis. The output is channels-last when an input is (``concat_layout``): then a CNN's channel concat
-    of convolution outputs (DenseNet's blocks, Inception's branches) writes each input as a channel slice of the
-    NHWC result, and neither the inputs nor the next convolution's input need a reformat."""
+    """Concat: every input read in its own layout and written to its slice of the output along the axis, in one
+    concat.cu launch (``concat_launches``), or one strided copy per input where that kernel does not apply (a single
+    input, dims that do not merge to its rank). The output is channels-last when an input is (``concat_layout``):
+    then a CNN's channel concat of convolution outputs (DenseNet's blocks, Inception's branches) writes each input as
+    a channel slice of the NHWC result, and neither the inputs nor the next convolution's input need a reformat."""
     out = ctx.info(node.outputs[0])
     axis = normalize_axis(node.attr("axis"), len(out.shape))
     ctx.layouts[node.outputs[0]] = concat_layout(node, ctx)
     out_strides = ctx.strides(node.outputs[0])
-    launches, start = [], 0
+    slices, start = [], 0  # (input, its shape, its slice's element offset in the output)
     for name in node.inputs:
         x = ctx.info(name)
         if int(np.prod(x.shape)):
-            dst = Ref(node.outputs[0], start * out_strides[axis] * out.dtype.itemsize)
-            launches.append(copy_launch(ctx, x.dtype, dst, Ref(name), x.shape, out_strides, ctx.strides(name)))
+            slices.append((name, x.shape, start * out_strides[axis]))
         start += x.shape[axis]
-    return launches
+    parts = [concat_part(Ref(name), shape, out_strides, ctx.strides(name), offset, out.dtype.itemsize)
+             for name, shape, offset in slices]
+    if len(parts) >= 2 and out.dtype.itemsize in CONCAT_ELEMENT_BYTES and all(p is not None for p in parts):
+        return concat_launches(ctx, Ref(node.outputs[0]), [p for p in parts if p is not None])
+    return [copy_launch(ctx, out.dtype, Ref(node.outputs[0], offset * out.dtype.itemsize), Ref(name), shape,
+                        out_strides, ctx.strides(name)) for name, shape, offset in slices]
 
 
 def concat_layout(node: Node, ctx: LoweringContext) -> str:
@@ -90,6 +98,100 @@ def concat_layout(node: Node, ctx: LoweringContext) -> str:
     if may_be_channels_last(node.outputs[0], ctx) and any(ctx.layouts.get(n) == "nhwc" for n in node.inputs if n):
         return "nhwc"
     return "linear"
+
+
+#: cuda_kernels/concat.cu: inputs one launch takes (a warp's lanes find a block's input), dims after merging, int64s
+#: per table row, units a thread moves
+CONCAT_MAX_INPUTS, CONCAT_MAX_RANK, CONCAT_ROW, CONCAT_UNROLL = 32, 6, 24, 4
+#: blocks one input gets at most (its threads then loop over the rest): many times what fills an H100
+CONCAT_MAX_BLOCKS = 4096
+#: element sizes the kernel moves (every Concat dtype Kiln runs on the GPU)
+CONCAT_ELEMENT_BYTES = (1, 2, 4, 8)
+#: vector units, widest first (the kernel moves single elements where an address is not aligned to them)
+_VECTOR_BYTES = (16, 8, 4, 2)
+
+
+@dataclass(frozen=True)
+class ConcatPart:
+    """One input of a one-launch Concat, in units of ``unit_bytes``: its dims in the output's memory order (merged
+    where contiguous in both tensors), the output's and its own strides, and its slice's offset in the output."""
+
+    src: Ref
+    unit_bytes: int
+    offset: int
+    shape: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    src_strides: tuple[int, ...]
+
+    @property
+    def units(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def concat_part(src: Ref, shape: Sequence[int], dst_strides: Sequence[int], src_strides: Sequence[int], offset: int,
+                itemsize: int) -> ConcatPart | None:
+    """``src`` (``shape`` read through ``src_strides``, in elements) written at element ``offset`` of an output with
+    ``dst_strides``, in the widest units it allows; None when its dims do not merge to the kernel's rank. Why the
+    output's memory order: consecutive threads then write consecutive addresses whatever the layouts."""
+    order = sorted(range(len(shape)), key=lambda d: -int(dst_strides[d]))
+    dims, (dst, srcs) = coalesce([shape[d] for d in order], [[dst_strides[d] for d in order],
+                                                             [src_strides[d] for d in order]])
+    if not dims:  # a single element
+        dims, dst, srcs = [1], [1], [1]
+    if len(dims) > CONCAT_MAX_RANK:
+        return None
+    return _vectorized(ConcatPart(src, itemsize, int(offset), tuple(dims), tuple(dst), tuple(srcs)))
+
+
+def _vectorized(part: ConcatPart) -> ConcatPart:
+    """``part`` in the widest vector units its innermost dim (contiguous in both tensors), other strides and offset
+    divide into: DenseNet's NHWC slices of 32 fp16 channels move as four 16-byte vectors a pixel."""
+    if part.dst_strides[-1] != 1 or part.src_strides[-1] != 1:
+        return part
+    steps = (part.offset, part.shape[-1], *part.dst_strides[:-1], *part.src_strides[:-1])
+    for width in _VECTOR_BYTES:
+        v = width // part.unit_bytes
+        if width > part.unit_bytes and width % part.unit_bytes == 0 and all(s % v == 0 for s in steps):
+            return ConcatPart(part.src, width, part.offset // v, (*part.shape[:-1], part.shape[-1] // v),
+                              (*(s // v for s in part.dst_strides[:-1]), 1), (*(s // v for s in part.src_strides[:-1]), 1))
+    return part
+
+
+def concat_table(parts: Sequence[ConcatPart]) -> np.ndarray:
+    """The kernel's table for one launch: a row per part (the layout concat.cu describes), each part given the
+    blocks its units need at THREADS x CONCAT_UNROLL a block, dims right-aligned (extent 1, stride 0 in front)."""
+    if not 1 <= len(parts) <= CONCAT_MAX_INPUTS:
+        raise ValueError(f"a concat launch takes 1 to {CONCAT_MAX_INPUTS} inputs, not {len(parts)}")
+    table = np.zeros((len(parts), CONCAT_ROW), np.int64)
+    first = 0
+    for row, part in zip(table, parts):
+        blocks = min(max(1, -(-part.units // (THREADS * CONCAT_UNROLL))), CONCAT_MAX_BLOCKS)
+        pad = CONCAT_MAX_RANK - len(part.shape)
+        row[:6] = first, blocks, part.units, part.offset, len(part.shape), part.unit_bytes
+        row[6:] = ((1,) * pad + part.shape) + ((0,) * pad + part.dst_strides) + ((0,) * pad + part.src_strides)
+        first += blocks
+    return table
+
+
+def concat_launch(y: Ref, table: Ref, parts: Sequence[ConcatPart], rows: np.ndarray, itemsize: int) -> Launch:
+    """One concat_copy launch of ``parts`` (at most CONCAT_MAX_INPUTS) whose table ``rows`` live at ``table``."""
+    grid = (int(rows[-1, 0] + rows[-1, 1]), 1, 1)
+    sources = [(p.src, ctypes.c_void_p) for p in parts] + [(0, ctypes.c_void_p)] * (CONCAT_MAX_INPUTS - len(parts))
+    return Launch("concat", "concat_copy", grid, (THREADS, 1, 1),
+                  [(y, ctypes.c_void_p), (table, ctypes.c_void_p), (len(parts), ctypes.c_int),
+                   (itemsize, ctypes.c_int), *sources])
+
+
+def concat_launches(ctx: LoweringContext, y: Ref, parts: Sequence[ConcatPart]) -> list[Launch]:
+    """A Concat's launches: one per CONCAT_MAX_INPUTS parts, their tables one folded constant (uploaded with the
+    binding, so a captured graph replays the same table)."""
+    chunks = [parts[i:i + CONCAT_MAX_INPUTS] for i in range(0, len(parts), CONCAT_MAX_INPUTS)]
+    tables = [concat_table(chunk) for chunk in chunks]
+    folded = ctx.fold(f"{y.tensor}#concat_table", np.concatenate(tables))
+    row_bytes = CONCAT_ROW * np.dtype(np.int64).itemsize
+    itemsize = ctx.info(y.tensor).dtype.itemsize
+    return [concat_launch(y, Ref(folded.tensor, i * CONCAT_MAX_INPUTS * row_bytes), chunk, rows, itemsize)
+            for i, (chunk, rows) in enumerate(zip(chunks, tables))]
 
 
 @lowering_rule("Slice")
