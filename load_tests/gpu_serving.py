@@ -300,14 +300,24 @@ def profile_server(pid: int, delay_s: float, seconds: float, stem: Path) -> None
     spy = None
     if shutil.which("py-spy"):
         spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "100",
-                                "--nonblocking", "--threads", "-f", "raw", "-o", f"{stem}.pyspy.txt"],
+                                "--nonblocking", "--threads", "--subprocesses", "-f", "raw", "-o", f"{stem}.pyspy.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host_before = _host_ticks()
     rows = process_cpu.measure(pid, seconds)
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    stem.with_suffix(".txt").write_text(process_cpu.table(rows) + "\n")
-    print(f"server CPU during {stem.name}:\n{process_cpu.table(rows)}", flush=True)
+    busy, total = (after - before for after, before in zip(_host_ticks(), host_before))
+    host = f"host: {busy / max(total, 1) * 100:.0f}% of {os.cpu_count()} cores busy (clients included)"
+    stem.with_suffix(".json").write_text(json.dumps({"processes": rows, "host_busy": busy / max(total, 1)}, indent=1))
+    stem.with_suffix(".txt").write_text(process_cpu.table(rows) + "\n" + host + "\n")
+    print(f"server CPU during {stem.name}:\n{process_cpu.table(rows)}\n{host}", flush=True)
     if spy is not None:
         spy.wait(timeout=seconds + 30)
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of every core so far, from /proc/stat: whether the host itself is saturated."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 # ----------------------------------------------------------------------------------------------- raw engine

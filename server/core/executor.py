@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
 
 log = logging.getLogger("kiln.server.executor")
@@ -105,7 +107,7 @@ class ExecutorProcess:
         control = Channel(ours)
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
-                          "warm": True})
+                          "warm": True, "modules": plugin_modules(self.engine.plan.build_info)})
             reply, _ = control.recv()
             info = raise_reply(reply)
             pairs = [socket.socketpair() for _ in range(self.instances * int(info["runs"]))]
@@ -220,6 +222,25 @@ class ExecutorProcess:
             _stop(process)
 
 
+def plugin_modules(build_info: Mapping[str, Any]) -> list[str]:
+    """The modules that registered the plugins a plan uses, for the executor to import before loading it (a
+    server loads plugins by importing them, `python -m MODULE` included: that one is named by its spec)."""
+    from engine_core.plugins import BUILD_INFO_KEY, get_plugin_registry
+
+    registry, modules = get_plugin_registry(), []
+    for need in build_info.get(BUILD_INFO_KEY, []):
+        plugin = registry.get_plugin(need["name"], domain=need["domain"])
+        if plugin is None:
+            continue
+        module = plugin.cpu.__module__
+        if module == "__main__":
+            spec = getattr(sys.modules["__main__"], "__spec__", None)
+            module = spec.name if spec is not None else ""
+        if module and module not in modules:
+            modules.append(module)
+    return modules
+
+
 def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
     try:
         process.wait(timeout_s)
@@ -232,6 +253,8 @@ class RemoteContext:
     """A worker lane's execution context in an executor process: what `execution.py` and `Workers` call."""
 
     concurrent_runs = 1  # one lane each: the executor's contexts run `runs` lanes at once
+    #: after a fault the executor has replaced the context (or the process) already: `Workers` counts a restart
+    replaces_itself = True
 
     def __init__(self, executor: ExecutorProcess, lane: int) -> None:
         self.executor = executor
@@ -250,6 +273,15 @@ class RemoteContext:
 
     def infer_batch(self, parts: Sequence[Mapping[str, Any]], pad_to: int | None = None,
                     destinations: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The batch sent whole where it can be (`whole_batch`: one array or one region table per tensor), else
+        part by part; each part's outputs (rows of the whole ones, as views) come back."""
+        whole = whole_batch(parts, destinations)
+        if whole is not None:
+            inputs, targets, rows, named = whole
+            whole_message = {"kind": "rows", "profile": self._profile, "pad_to": pad_to, "inputs": inputs,
+                       "destinations": targets}
+            outputs: dict[str, Any] = self.executor.call(self.lane, whole_message, named)
+            return _split(outputs, rows)
         regions = _regions_of(parts, destinations)
         message: dict[str, Any] = {
             "kind": "batch", "profile": self._profile, "pad_to": pad_to,
@@ -268,6 +300,70 @@ class RemoteContext:
 
     def warm_up(self, shapes: Mapping[str, tuple[int, ...]]) -> Any:
         return self.executor.call(self.lane, {"kind": "warm_up", "profile": self._profile, "shapes": dict(shapes)}, ())
+
+
+def whole_batch(parts: Sequence[Mapping[str, Any]], destinations: Sequence[Mapping[str, Any]] | None
+                ) -> tuple[dict[str, Any], dict[str, tuple] | None, np.ndarray, list[Any]] | None:
+    """A batch as the executor runs it whole (`ExecutionContext.infer_rows`): per input, the parts' host arrays
+    concatenated (the one copy a socket needs anyway) or their region references as one table ("regions", ids,
+    offsets, rows, row shape, dtype); per output with destinations in every part, the same table. Returns (inputs,
+    destinations or None, rows per part, the regions named) or None when the batch mixes kinds (then it goes part
+    by part). Why: the executor then spends a few numpy operations on a batch, not Python work per request."""
+    inputs: dict[str, Any] = {}
+    regions: dict[int, Any] = {}
+    counts: np.ndarray | None = None
+    for name in parts[0]:
+        values = [part[name] for part in parts]
+        spec, rows = _whole_tensor(values, regions)
+        if spec is None or (counts is not None and not np.array_equal(counts, rows)):
+            return None
+        inputs[name], counts = spec, rows
+    if counts is None:
+        return None
+    targets = None
+    if destinations is not None and any(destinations):
+        names = set(destinations[0])
+        if any(set(d) != names for d in destinations):
+            return None
+        targets = {}
+        for name in names:
+            spec, rows = _whole_tensor([d[name] for d in destinations], regions)
+            if not isinstance(spec, tuple) or not np.array_equal(rows, counts):
+                return None
+            targets[name] = spec
+    return inputs, targets, counts, list(regions.values())
+
+
+def _whole_tensor(values: list[Any], regions: dict[int, Any]) -> tuple[Any, np.ndarray]:
+    """One tensor of every part: its region table or concatenated array (None when the parts cannot be one),
+    and the rows of each part."""
+    first = values[0]
+    rows = np.fromiter((v.shape[0] if len(v.shape) else -1 for v in values), np.int64, len(values))
+    if np.any(rows < 0) or any(v.shape[1:] != first.shape[1:] or v.dtype != first.dtype for v in values):
+        return None, rows
+    if all(isinstance(v, RegionView) for v in values):
+        for v in values:
+            regions.setdefault(v.region, v.owner)
+        ids = np.fromiter((v.region for v in values), np.int64, len(values))
+        offsets = np.fromiter((v.offset for v in values), np.int64, len(values))
+        return ("regions", ids, offsets, rows, tuple(first.shape[1:]), first.dtype.str), rows
+    if all(isinstance(v, np.ndarray) and v.dtype != object for v in values):
+        return (first if len(values) == 1 else np.concatenate(values)), rows
+    return None, rows
+
+
+def _split(outputs: Mapping[str, Any], rows: np.ndarray) -> list[dict[str, Any]]:
+    """Each part's rows of every whole output (views), an output without the batch's rows whole to each."""
+    total = int(rows.sum())
+    ends = np.cumsum(rows)
+    parts: list[dict[str, Any]] = [{} for _ in rows]
+    for name, value in outputs.items():
+        batched = isinstance(value, np.ndarray) and value.ndim > 0 and value.shape[0] == total
+        start = 0
+        for part, end in zip(parts, ends):
+            part[name] = value[start:int(end)] if batched else value
+            start = int(end)
+    return parts
 
 
 def _regions_of(parts: Sequence[Mapping[str, Any]], destinations: Sequence[Mapping[str, Any]] | None) -> list[Any]:

@@ -19,12 +19,14 @@ core's `Workers` policy, applied where the context lives); a process that dies i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import mmap
 import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,9 @@ log = logging.getLogger("kiln.executor")
 
 #: how long a lane waits for a region another lane's message is about to map (they race on separate sockets)
 MAP_WAIT_S = 30.0
+#: how often a lane logs what its executions took (calls, rows, run time): where a batch's time goes, beside the
+#: core's statistics (which also count the hop to this process)
+STATS_EVERY_S = 10.0
 #: request errors: the context is sound; anything else replaces it (scheduler.REQUEST_ERRORS)
 _REQUEST_ERRORS: tuple[type[BaseException], ...] = (TypeError, ValueError)
 
@@ -60,7 +65,7 @@ class Regions:
         if spec.kind == "cuda":
             from engine_core.cuda.ipc import open_ipc_handle
 
-            region: Any = open_ipc_handle(spec.ipc_handle, spec.device_id)
+            region: Any = _IpcRegion(open_ipc_handle(spec.ipc_handle, spec.device_id))
         else:
             fd = fds[spec.fd_index]
             mapping = mmap.mmap(fd, spec.offset + spec.nbytes)
@@ -77,14 +82,64 @@ class Regions:
             region.close()
 
     def view(self, ref: RegionRef) -> Any:
+        return self._region(ref.region).view(ref.offset, ref.shape, np.dtype(ref.dtype))
+
+    def _region(self, region_id: int) -> Any:
         with self._changed:
-            region = self._regions.get(ref.region)
+            region = self._regions.get(region_id)
             if region is None:  # another lane's message maps it; it was sent first but may be read later
-                self._changed.wait_for(lambda: ref.region in self._regions, MAP_WAIT_S)
-                region = self._regions.get(ref.region)
+                self._changed.wait_for(lambda: region_id in self._regions, MAP_WAIT_S)
+                region = self._regions.get(region_id)
         if region is None:
-            raise ValueError(f"shared memory region {ref.region} is not mapped in the executor")
-        return region.view(ref.offset, ref.shape, np.dtype(ref.dtype))
+            raise ValueError(f"shared memory region {region_id} is not mapped in the executor")
+        return region
+
+    def rows(self, spec: tuple, keep: list) -> Any:
+        """A batch's rows of one tensor named by region (`RemoteContext`'s "regions" spec): `DeviceRows` for CUDA
+        plans, the rows stacked into one host array for CPU plans. `keep` holds the regions until the run is done."""
+        from engine_core.cuda.view import DeviceRows
+
+        _, ids, offsets, rows, row_shape, dtype = spec
+        dtype = np.dtype(dtype)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        regions = [self._region(int(region_id)) for region_id in unique]
+        keep.extend(regions)
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        ends = offsets + rows * row_bytes
+        sizes = np.array([region.nbytes for region in regions], np.int64)[inverse]
+        if np.any(offsets < 0) or np.any(ends > sizes):
+            raise ValueError("a part's rows lie outside its shared memory region")
+        if self.on_device:
+            bases = np.array([region.device_address for region in regions], np.uint64)[inverse]
+            return DeviceRows(bases + offsets.astype(np.uint64), rows, tuple(row_shape), dtype)
+        views = [region.view(int(offset), (int(count), *row_shape), dtype)
+                 for region, offset, count in zip((regions[i] for i in inverse), offsets, rows)]
+        return np.concatenate(views) if views else np.empty((0, *row_shape), dtype)
+
+    def write_rows(self, spec: tuple, whole: np.ndarray, keep: list) -> None:
+        """CPU plans: each part's rows of an output written into its region (CUDA plans deliver on the device)."""
+        _, ids, offsets, rows, row_shape, dtype = spec
+        start = 0
+        for region_id, offset, count in zip(ids, offsets, rows):
+            region = self._region(int(region_id))
+            keep.append(region)
+            np.copyto(region.view(int(offset), (int(count), *row_shape), np.dtype(dtype)), whole[start:start + count])
+            start += int(count)
+
+
+class _IpcRegion:
+    """A client's CUDA allocation opened here (its IPC handle)."""
+
+    def __init__(self, mapping: Any) -> None:
+        self.mapping = mapping
+        self.nbytes = int(mapping.nbytes)
+        self.device_address = int(mapping.ptr)
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        return self.mapping.view(offset, shape, dtype)
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
 class _SystemMapping:
@@ -92,6 +147,7 @@ class _SystemMapping:
 
     def __init__(self, mapping: mmap.mmap, offset: int, on_device: bool) -> None:
         self.mapping, self.offset = mapping, offset
+        self.nbytes = len(mapping) - offset
         self.pinned = None
         if on_device:
             import ctypes
@@ -103,6 +159,11 @@ class _SystemMapping:
             del anchor
             self.pinned = HostRegistration(address, len(mapping), on_release=self._unmap)
         self._bytes = None if on_device else np.frombuffer(mapping, np.uint8)
+
+    @property
+    def device_address(self) -> int:
+        assert self.pinned is not None, "a CPU executor maps regions without the device"
+        return int(self.pinned.device_address) + self.offset
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         start = self.offset + offset
@@ -127,6 +188,30 @@ class _SystemMapping:
             self._unmap()
 
 
+class _LaneStats:
+    """A lane's executions since its last log line: count, rows and time from message in to reply ready."""
+
+    def __init__(self, lane: int) -> None:
+        self.lane = lane
+        self.calls = self.rows = self.ns = 0
+        self.since = time.monotonic()
+
+    def add(self, message: Mapping[str, Any], ns: int) -> None:
+        self.calls += 1
+        self.ns += ns
+        for part in message.get("parts", ()):
+            first = next(iter(part.values()), None)
+            self.rows += int(first.shape[0]) if first is not None and len(first.shape) else 1
+        for spec in list(message.get("inputs", {}).values())[:1]:  # a batch sent whole
+            self.rows += int(spec.shape[0]) if isinstance(spec, np.ndarray) else int(spec[3].sum())
+        now = time.monotonic()
+        if now - self.since >= STATS_EVERY_S:
+            log.info("lane %d: %d executions in %.0f s, %.1f rows and %.3f ms each (message in to reply ready)",
+                     self.lane, self.calls, now - self.since, self.rows / self.calls, self.ns / self.calls / 1e6)
+            self.calls = self.rows = self.ns = 0
+            self.since = now
+
+
 class Executor:
     """The engine, its contexts and the lanes that run batches on them."""
 
@@ -149,11 +234,13 @@ class Executor:
 
     def serve_lane(self, lane: int, channel: Channel) -> None:
         """Run the lane's batches until the core closes its socket."""
+        stats = _LaneStats(lane)
         while True:
             try:
                 message, fds = channel.recv()
             except (ExecutorGone, OSError):
                 return
+            started = time.perf_counter_ns()
             try:
                 for spec in message.get("maps", ()):
                     self.regions.map(spec, fds)
@@ -166,6 +253,7 @@ class Executor:
                 reply = error_reply(error)
                 if not isinstance(error, _REQUEST_ERRORS):
                     self._replace(lane, error)
+            stats.add(message, time.perf_counter_ns() - started)
             try:
                 channel.send(reply)
             except (ExecutorGone, OSError):
@@ -192,6 +280,8 @@ class Executor:
                 for name, view in target.items():
                     np.copyto(view, part_outputs.pop(name))
             return outputs
+        if kind == "rows":
+            return self._run_rows(context, message)
         if kind == "infer":
             return context.infer({name: self._value(v) for name, v in message["feeds"].items()})
         if kind == "warm_up":
@@ -199,6 +289,21 @@ class Executor:
         if kind == "buckets":
             return execution.batch_buckets(message["highest"])
         raise ValueError(f"unknown executor request '{kind}'")
+
+    def _run_rows(self, context: Any, message: Mapping[str, Any]) -> dict[str, Any]:
+        """A batch sent whole: each input one host array, or its parts' rows by region (`Regions.rows`); outputs
+        whole, those with destinations delivered into the parts' regions."""
+        keep: list = []  # the regions the run reads and writes, mapped until it is done
+        inputs = {name: spec if isinstance(spec, np.ndarray) else self.regions.rows(spec, keep)
+                  for name, spec in message["inputs"].items()}
+        destinations = message.get("destinations") or {}
+        if self.engine.backend == "cuda":
+            targets = {name: self.regions.rows(spec, keep) for name, spec in destinations.items()}
+            return context.infer_rows(inputs, message.get("pad_to"), targets)  # type: ignore[no-any-return]
+        outputs = context.infer_rows(inputs, message.get("pad_to"))
+        for name, spec in destinations.items():
+            self.regions.write_rows(spec, outputs.pop(name), keep)
+        return outputs  # type: ignore[no-any-return]
 
     def _value(self, value: Any) -> Any:
         return self.regions.view(value) if isinstance(value, RegionRef) else value
@@ -238,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExecutorGone:
         return 1
     try:
+        for module in load.get("modules", ()):  # the plugins the plan uses register themselves on import
+            importlib.import_module(module)
         executor = Executor(load["plan"], load["config"], load["instances"], load["warm"])
     except BaseException as error:  # noqa: BLE001 - the core fails the model's load with this message
         control.send(error_reply(error))

@@ -19,8 +19,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import KilnError, ShapeError
 
@@ -101,19 +99,16 @@ class Channel:
 
     def send(self, message: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
         payload = pickle.dumps(message, protocol=5)
-        data = _HEADER.pack(len(payload)) + payload if len(payload) < (1 << 16) else None
+        header = _HEADER.pack(len(payload))
         try:
-            if data is not None and not fds:
-                self.sock.sendall(data)
-                return
-            header = _HEADER.pack(len(payload))
-            if fds:
+            if fds:  # the descriptors ride on the header's bytes
                 sent = self.sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                if sent != len(header):
-                    self.sock.sendall(header[sent:])
-            else:
+                self.sock.sendall(header[sent:] + payload)
+            elif len(payload) < (1 << 16):
+                self.sock.sendall(header + payload)
+            else:  # large: no concatenated copy
                 self.sock.sendall(header)
-            self.sock.sendall(payload)
+                self.sock.sendall(payload)
         except (BrokenPipeError, ConnectionResetError) as e:
             raise ExecutorGone(f"the other process closed the channel: {e}") from None
 
@@ -159,7 +154,3 @@ class Channel:
 def to_wire(value: Any) -> Any:
     """A job's input or destination as it crosses: region tensors by reference, host arrays as they are."""
     return value.ref() if isinstance(value, RegionView) else value
-
-
-def contiguous(value: Any) -> Any:
-    return np.ascontiguousarray(value) if isinstance(value, np.ndarray) and value.dtype != object else value

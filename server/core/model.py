@@ -244,8 +244,7 @@ class ModelVersion(ServedModel):
     @property
     def worker_restarts(self) -> int:
         """Execution contexts replaced after a fault, over this version's life (metrics)."""
-        restarts = self._restarts_before + self.workers.restarts
-        return restarts + (self.executor.restarts if self.executor is not None else 0)
+        return self._restarts_before + self.workers.restarts
 
     @property
     def profiles_matter(self) -> bool:

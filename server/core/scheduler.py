@@ -252,6 +252,10 @@ class Workers:
         with self._lock:
             self.faults += 1
         log.error("%s: worker fault, replacing its execution context", self.label, exc_info=error)
+        if getattr(context, "replaces_itself", False):  # an executor process's lane: replaced over there already
+            with self._lock:
+                self.restarts += 1
+            return context
         if self._create is None:  # nothing to make a new one from (schedulers built on bare contexts)
             return context
         try:

@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 import engine_core as kiln
 from engine_core.errors import ShapeError
 from server.core.executor import ExecutorProcess
-from server.core.executor_wire import RegionView, RemoteError
+from server.core.executor_wire import RegionView
 from server.core.model_config import ModelConfig
 from server.core.shared_memory import SharedMemory
 from tests.cuda.models import build_engine

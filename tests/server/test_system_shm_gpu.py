@@ -32,7 +32,7 @@ def test_a_region_is_pinned_and_the_device_reads_and_writes_it() -> None:
 
     block = shared_memory.SharedMemory(create=True, size=8192)
     try:
-        regions = SharedMemory()
+        regions = SharedMemory(remote=False)  # the core pins it itself (KILN_EXECUTOR=thread): executors do otherwise
         regions.register("pinned", "/" + block.name, 128, 4096)
         data = np.arange(16, dtype=np.float32)
         block.buf[128:192] = data.tobytes()
