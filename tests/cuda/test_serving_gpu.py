@@ -30,6 +30,9 @@ def _state(context):
 
 @pytest.fixture
 def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The version with its contexts in this process (KILN_EXECUTOR=thread), so the tests can look inside them;
+    an executor process runs the same contexts the same way (tests/server/test_executor_process.py)."""
+    monkeypatch.setenv("KILN_EXECUTOR", "thread")
     monkeypatch.setattr(plan_cache, "_default", plan_cache.PlanCache(tmp_path / "plans"))
     directory = examples.write_model(tmp_path / "models", "mlp", mlp(), CONFIG)
     source = read_source("mlp", directory)
