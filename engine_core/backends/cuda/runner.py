@@ -365,7 +365,8 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         assert tail is not None
         if tail.reason not in self.host_tails:
             self.host_tails.append(tail.reason)
-            DEFAULT_LOGGER.log(Severity.INFO, f"CUDA plan '{self.engine.plan.name}' runs {len(tail.layers)} layers "
+            # a warning, as the whole-plan fallback: the default logger drops INFO, and a user should see this once
+            DEFAULT_LOGGER.log(Severity.WARNING, f"CUDA plan '{self.engine.plan.name}' runs {len(tail.layers)} layers "
                                               f"on the host after its device part: {tail.reason}")
         results = tail.run(values, profiler.report_layer_time if profiler is not None else None)
         mirrors = list(values.values())
