@@ -134,6 +134,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared memory per frontend process through which large request tensors reach the "
                              "model process (server/core/tensor_arena.py; page-locked for CUDA models, which then "
                              "read them on the device); 0: through the socket, as small ones go")
+    parser.add_argument("--gpu-executor", choices=["process", "thread"], default=None,
+                        help="where executions of CUDA models that batch run: 'process' (default; also "
+                             "KILN_EXECUTOR): one executor process per model version, out of this process's "
+                             "interpreter lock, restarted if it dies (server/core/executor.py); 'thread': worker "
+                             "threads of this process, as before")
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)
@@ -202,6 +207,8 @@ async def serve(args: argparse.Namespace) -> int:
         metrics_options = metrics_options_from_args(args)
         latency.configure(metrics_options.config)  # before models load: their statistics record with it
         plan_cache.configure(args.plan_cache_dir)
+        if args.gpu_executor is not None:  # read where models load (server/core/executor.py `mode`)
+            os.environ["KILN_EXECUTOR"] = args.gpu_executor
         build_process.configure(build_limits(args))
         configure_watch(args.repository_watch)
         core = ServerCore(core_options(args))
