@@ -18,7 +18,7 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, decoupled, part_groups, request_io
+from . import cuda_ipc, decoupled, part_groups, request_io, warmup
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
@@ -285,12 +285,10 @@ class ServerCore:
         return decoupled.submit_stream(self, request, on_part)
 
     def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer) -> list[asyncio.Future]:
-        """Start a frontend's group of alike requests (server/core/grouping.py): `request` holds their inputs
-        concatenated along the batch dim, `sizes[i]` rows for member i. When the model batches dynamically and the
-        rows fit one batch, the group runs as one job and `reply` gets the response with every member's rows (the
-        frontend cuts it up) or the error for all; otherwise (a model that caches responses too: each member is
-        looked up on its own) each member runs as its own request and `reply` gets their `MemberResults`. Returns
-        the futures to cancel to withdraw the group."""
+        """Start a frontend's group of alike requests (grouping.py): `request` holds their inputs concatenated, `sizes[i]`
+        rows for member i. A dynamically batched model whose batch holds them runs the group as one job, `reply` gets
+        every member's rows (the frontend cuts them) or the error for all; else (a model that caches responses too)
+        each member runs alone and `reply` gets their `MemberResults`. Returns the futures that withdraw the group."""
         if not 0 < sum(sizes) <= self.group_rows(request):  # an unknown model too: each member hears it
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
         job = self.submit_infer(request, reply, requests=len(sizes))
@@ -588,6 +586,8 @@ class ServerCore:
                 if isinstance(r, ModelVersion):
                     r.close()
             raise errors[0]
+        for version in results:  # the core's request path warm too before ready (warmup.prime_request_path)
+            await warmup.prime_request_path(version, self._checked, functools.partial(request_io.outputs, self.system_shm))
         return {v.version: v for v in results if isinstance(v, ModelVersion)}  # all of them: no errors
 
     async def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> dict[int, ServedModel]:

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from server.core.executor_wire import Channel, ExecutorGone, RegionMap, RegionRef, error_reply  # noqa: E402
+from server.core.scheduler import REQUEST_ERRORS  # noqa: E402
 
 log = logging.getLogger("kiln.executor")
 
@@ -45,8 +46,13 @@ MAP_WAIT_S = 30.0
 #: how often a lane logs what its executions took (calls, rows, run time): where a batch's time goes, beside the
 #: core's statistics (which also count the hop to this process)
 STATS_EVERY_S = 10.0
-#: request errors: the context is sound; anything else replaces it (scheduler.REQUEST_ERRORS)
-_REQUEST_ERRORS: tuple[type[BaseException], ...] = (TypeError, ValueError)
+#: CUDA errors that leave the process's context unusable ("sticky"): every later call fails too, so a fresh
+#: execution context cannot help; the executor answers the batch, then exits, and the core starts a new one
+STICKY_CUDA_ERRORS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",
+                      "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_LAUNCH_FAILED",
+                      "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_ASSERT")
+#: exit status after a sticky CUDA error (the core's log names it)
+STICKY_EXIT = 70
 
 
 class Regions:
@@ -247,17 +253,23 @@ class Executor:
             finally:
                 for fd in fds:
                     os.close(fd)
+            sticky = False
             try:
                 reply: tuple = ("ok", self._run(lane, message))
             except BaseException as error:  # noqa: BLE001 - every failure goes back to the waiting requests
                 reply = error_reply(error)
-                if not isinstance(error, _REQUEST_ERRORS):
+                sticky = any(code in str(error) for code in STICKY_CUDA_ERRORS)
+                if not isinstance(error, REQUEST_ERRORS) and not sticky:
                     self._replace(lane, error)
             stats.add(message, time.perf_counter_ns() - started)
             try:
                 channel.send(reply)
             except (ExecutorGone, OSError):
                 return
+            if sticky:
+                log.error("lane %d: %s; the device context is unusable, exiting so that a new executor starts",
+                          lane, reply[2])
+                os._exit(STICKY_EXIT)
 
     def _run(self, lane: int, message: Mapping[str, Any]) -> Any:
         from server.core import execution

@@ -22,6 +22,9 @@ from engine_core.plugins import get_plugin_registry, register_plugin
 MAGIC = 13.0
 #: an input holding STALL makes the execution block for STALL_S seconds (kiln_execution_timeout_ms tests)
 STALL, STALL_S = 42.0, 3.0
+#: an input holding STICKY raises what a CUDA fault that poisons the process's device context raises (an executor
+#: process then answers and exits: tests/server/test_executor_process.py)
+STICKY = 77.0
 DOMAIN = "kiln.test"
 OP = "FailOnMagic"
 
@@ -33,6 +36,10 @@ def _infer(node, x: TensorInfo) -> TensorInfo:
 def _cpu(node, x: np.ndarray) -> np.ndarray:
     if np.any(x == MAGIC):
         raise RuntimeError(f"magic value {MAGIC:g} in the input")
+    if np.any(x == STICKY):
+        from engine_core.cuda.driver import CudaError
+
+        raise CudaError("cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)")
     if np.any(x == STALL):  # a stuck execution (a plugin or driver call that does not return for a while)
         time.sleep(STALL_S)
     return x + 1

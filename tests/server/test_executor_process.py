@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -189,3 +191,43 @@ def test_a_server_runs_batches_in_an_executor_process_and_survives_its_death(rep
         finally:
             block.close()
             block.unlink()
+
+
+@pytest.fixture(scope="module")
+def faulty_repository(tmp_path_factory) -> Path:
+    from tests.reliability import fault_plugin
+
+    base = tmp_path_factory.mktemp("executor_faults")
+    config = ('name: "faulty"\nmax_batch_size: 8\ninput [{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }]\n'
+              'output [{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }]\ndynamic_batching { }\n')
+    examples.write_model(base / "models", "faulty", fault_plugin.model(), config)
+    return base
+
+
+def test_an_error_that_poisons_the_device_context_restarts_the_executor(faulty_repository: Path) -> None:
+    """A sticky CUDA error (here raised by the fault plugin's STICKY value) fails its batch, then the executor exits
+    rather than serve on a broken context; the next request runs on a new executor, and the restart is counted."""
+    from tests.reliability import fault_plugin
+
+    with run_server(faulty_repository / "models", faulty_repository / "server.log", ["faulty"], env=EXECUTOR_ENV,
+                    module="tests.reliability.fault_plugin") as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        before = _executor_pids(server.process.pid)
+
+        def infer(value: float) -> np.ndarray:
+            x = np.full((1, 4), value, np.float32)
+            tensor = httpclient.InferInput("X", [1, 4], "FP32")
+            tensor.set_data_from_numpy(x)
+            return client.infer("faulty", [tensor]).as_numpy("Y")
+
+        np.testing.assert_array_equal(infer(1.0), np.full((1, 4), 2.0, np.float32))
+        with pytest.raises(InferenceServerException, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+            infer(fault_plugin.STICKY)
+        deadline = time.monotonic() + 10
+        while _executor_pids(server.process.pid) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _executor_pids(server.process.pid) != before, "the executor did not exit"
+        np.testing.assert_array_equal(infer(2.0), np.full((1, 4), 3.0, np.float32))  # on a new executor
+        metrics = httpx.get(server.metrics_url, timeout=10).text
+        assert re.search(r'^kiln_worker_restarts_total{model="faulty",version="1"} 1(\.0)?$', metrics, re.M), [
+            line for line in metrics.splitlines() if "restart" in line]
