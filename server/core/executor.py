@@ -204,7 +204,7 @@ class ExecutorProcess:
                     pass  # the process is gone: its mappings went with it
 
     def close(self) -> None:
-        """Stop the process (the scheduler calls this once its last execution returned)."""
+        """Stop the process (the scheduler calls this once its last execution returned); returns at once."""
         with self._lock:
             if self._closed:
                 return
@@ -218,8 +218,9 @@ class ExecutorProcess:
             self._close_channels()
         self._forgotten.put(None)
         _LIVE.discard(self)
-        if process is not None:
-            _stop(process)
+        if process is not None:  # reaped off the caller's thread: the event loop retires schedulers, and a CUDA
+            threading.Thread(target=_stop, args=(process,), daemon=True,  # context's teardown takes a while
+                             name=f"kiln-executor-stop-{process.pid}").start()
 
 
 def plugin_modules(build_info: Mapping[str, Any]) -> list[str]:
