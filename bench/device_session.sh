@@ -4,8 +4,10 @@
 #   bash bench/device_session.sh STAGE [STAGE ...]     (carry ["wheels"]; wheels/ from ../shared/tools/device-wheels.sh)
 #
 # Stages, in the order a session should spend its 30 device minutes (each stage is time-boxed):
-#   tests        the @pytest.mark.gpu tests but the model ones (CUDA backend, fused layers, flash attention, INT8
-#                GEMM and convolution, runner, CUDA shared memory over HTTP/gRPC)                          ~4 min
+#   tests        tests/cuda's @pytest.mark.gpu tests but the model ones (CUDA backend, fused layers, flash attention,
+#                INT8 GEMM and convolution, runner, serving I/O; ~6 min on a cold machine)                 ~6 min
+#   tests2       tests/engine's GPU tests, CUDA/system shared memory and executor processes through real servers
+#                (give `tests` and `tests2` separate calls on a cold machine)                              ~4 min
 #   models       tests/cuda/test_models_gpu.py: every tools/make_models.py model at fp32/TF32/FP16 vs the CPU
 #                backend (split from tests in session 6; ~5.5 min on a cold kernel cache, session 10)     ~6 min
 #   pointwise    bench.pointwise: generated kernels at BERT-base sizes vs a same-size copy and torch eager    ~1 min
@@ -43,10 +45,17 @@ quiet() { grep -v -e Warning -e "warnings.warn" -e "^  " -e "^$"; }
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
-    tests)
-      timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda tests/engine \
-        tests/server/test_cuda_shared_memory.py --ignore tests/cuda/test_models_gpu.py 2>&1 | quiet | tail -40 \
+    tests)  # tests/cuda's GPU tests but the model ones; -v names a failure as it happens (a timeout keeps those lines)
+      timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rf tests/cuda \
+        --ignore tests/cuda/test_models_gpu.py 2>&1 | quiet | grep -E "FAILED|ERROR|passed|failed" | tail -40 \
         | tee "$OUT/gpu_tests.txt" ;;
+    tests2)  # tests/engine's GPU tests and the server's GPU paths
+      timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rf tests/engine \
+        tests/server/test_cuda_shared_memory.py tests/server/test_system_shm_gpu.py \
+        2>&1 | quiet | grep -E "FAILED|ERROR|passed|failed" | tail -40 | tee "$OUT/gpu_tests2.txt"
+      # not gpu-marked (they run CPU executors in CI); here KIND_AUTO makes their served models CUDA ones
+      timeout 90 python3 -m pytest -v -p no:cacheprovider --timeout 60 -rf tests/server/test_executor_process.py \
+        2>&1 | quiet | grep -E "FAILED|ERROR|passed|failed" | tail -20 | tee -a "$OUT/gpu_tests2.txt" ;;
     models)
       timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 -rf tests/cuda/test_models_gpu.py \
         2>&1 | quiet | tail -40 | tee "$OUT/gpu_model_tests.txt" ;;

@@ -16,7 +16,7 @@ held. Learned from vLLM's engine-core process and Triton's backends in C++ besid
 
 Faults: an execution error comes back as the engine raised it (a request error) or as `RemoteError` (a fault: the
 executor replaced the context already); a process that exits is started again by the next call of any lane, and
-the calls that were waiting on it fail with `RemoteError` naming the exit (the model's other requests go on).
+the calls that were waiting on it fail with UNAVAILABLE naming the exit (503: retry; the other requests go on).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import unavailable
 from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
 
 log = logging.getLogger("kiln.server.executor")
@@ -181,8 +182,8 @@ class ExecutorProcess:
             reply, _ = channel.recv()
         except (ExecutorGone, OSError) as e:
             how = self._died(generation)
-            raise RemoteError(f"{self.label}: the executor process ended during the execution ({how}: {e}); it "
-                              f"was started again") from None
+            raise unavailable(f"{self.label}: the executor process ended during the execution ({how}: {e}); it "
+                              f"was started again, retry the request") from None
         return raise_reply(reply)
 
     def forget(self, region_id: int) -> None:

@@ -244,6 +244,8 @@ class Workers:
         return Execution(context, outputs, input_ns, infer_ns)
 
     def _fault_error(self, error: BaseException) -> ServerError:
+        if isinstance(error, ServerError):  # the worker said what the client should hear (an executor's exit: 503)
+            return error
         return ServerError(ErrorKind.INTERNAL, f"{self.label}: execution failed ({type(error).__name__}: {error}); "
                                                f"the worker that ran it was replaced, retrying may succeed")
 

@@ -143,6 +143,7 @@ def repository(tmp_path_factory) -> Path:
 
 
 def test_a_server_runs_batches_in_an_executor_process_and_survives_its_death(repository: Path) -> None:
+    """On a machine with a GPU the model (KIND_AUTO) is a CUDA one: the same test runs a CUDA executor."""
     with run_server(repository / "models", repository / "server.log", ["wide_add"],
                     ["--frontend-processes", "2", "--allow-client-shm", "true"], env=EXECUTOR_ENV) as server:
         pids = _executor_pids(server.process.pid)
@@ -160,7 +161,8 @@ def test_a_server_runs_batches_in_an_executor_process_and_survives_its_death(rep
             try:
                 result = grpc.infer("wide_add", inputs, client_timeout=30)
             except InferenceServerException as e:
-                assert "executor process" in str(e), str(e)  # only the batch the kill interrupted fails
+                assert "executor process ended" in str(e), str(e)  # only the batches the kill interrupted fail,
+                assert e.status() == "StatusCode.UNAVAILABLE", e.status()  # as UNAVAILABLE: retry (#35)
                 return False
             np.testing.assert_array_equal(result.as_numpy("SUM"), a + b[:, :1])
             return True
@@ -231,3 +233,30 @@ def test_an_error_that_poisons_the_device_context_restarts_the_executor(faulty_r
         metrics = httpx.get(server.metrics_url, timeout=10).text
         assert re.search(r'^kiln_worker_restarts_total{model="faulty",version="1"} 1(\.0)?$', metrics, re.M), [
             line for line in metrics.splitlines() if "restart" in line]
+
+
+def test_requests_running_when_the_executor_is_killed_get_503_and_the_next_ones_succeed(faulty_repository: Path) -> None:
+    """#35: an executor killed (SIGKILL) while it runs a batch: that batch's requests hear UNAVAILABLE (503, retry)
+    instead of hanging, health still answers, and the next request runs on a new executor."""
+    from tests.reliability import fault_plugin
+
+    with run_server(faulty_repository / "models", faulty_repository / "server_kill.log", ["faulty"],
+                    env=EXECUTOR_ENV, module="tests.reliability.fault_plugin") as server:
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=30)
+
+        def infer(value: float) -> np.ndarray:
+            tensor = httpclient.InferInput("X", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), value, np.float32))
+            return httpclient.InferenceServerClient(server.http_url).infer("faulty", [tensor]).as_numpy("Y")
+
+        (pid,) = _executor_pids(server.process.pid)
+        with ThreadPoolExecutor(1) as pool:
+            stalled = pool.submit(infer, fault_plugin.STALL)  # the executor sleeps in it for STALL_S
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(InferenceServerException, match="executor process ended") as info:
+                stalled.result(timeout=30)
+        assert info.value.status() == "503"
+        assert client.is_server_live() and client.is_model_ready("faulty")
+        np.testing.assert_array_equal(infer(1.0), np.full((1, 4), 2.0, np.float32))
+        assert _executor_pids(server.process.pid) not in ([], [pid])
