@@ -51,6 +51,15 @@ def mode() -> str:
     return value if value in ("process", "thread") else "process"
 
 
+def start_timeout_s() -> float:
+    """How long an executor may take to load its plan and bind every bucket (KILN_EXECUTOR_START_TIMEOUT_S, default
+    900: a cold kernel cache compiles for about a minute, and large models capture many buckets)."""
+    try:
+        return max(float(os.environ.get("KILN_EXECUTOR_START_TIMEOUT_S", "900")), 0.001)
+    except ValueError:
+        return 900.0
+
+
 def _cpu_too() -> bool:
     return os.environ.get("KILN_EXECUTOR_CPU", "") not in ("", "0")
 
@@ -109,7 +118,13 @@ class ExecutorProcess:
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
                           "warm": True, "modules": plugin_modules(self.engine.plan.build_info)})
-            reply, _ = control.recv()
+            ours.settimeout(start_timeout_s())  # a hung start fails the load instead of leaving it loading forever
+            try:
+                reply, _ = control.recv()
+            except TimeoutError:
+                raise RemoteError(f"{self.label}: the executor process was not ready within {start_timeout_s():g} s "
+                                  f"(KILN_EXECUTOR_START_TIMEOUT_S); its log above says how far it got") from None
+            ours.settimeout(None)
             info = raise_reply(reply)
             pairs = [socket.socketpair() for _ in range(self.instances * int(info["runs"]))]
             control.send(("lanes",), [end.fileno() for _, end in pairs])
@@ -119,7 +134,8 @@ class ExecutorProcess:
             raise RemoteError(f"{self.label}: the executor process exited with code {code} while loading the "
                               f"plan (its log above says why)") from None
         except BaseException:
-            _stop(process)
+            process.kill()  # half started: nothing of it is worth waiting for
+            process.wait()
             control.close()
             raise
         for _, end in pairs:

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 import engine_core as kiln
 from engine_core.errors import ShapeError
 from server.core.executor import ExecutorProcess
-from server.core.executor_wire import RegionView
+from server.core.executor_wire import RegionView, RemoteError
 from server.core.model_config import ModelConfig
 from server.core.shared_memory import SharedMemory
 from tests.cuda.models import build_engine
@@ -260,3 +260,12 @@ def test_requests_running_when_the_executor_is_killed_get_503_and_the_next_ones_
         assert client.is_server_live() and client.is_model_ready("faulty")
         np.testing.assert_array_equal(infer(1.0), np.full((1, 4), 2.0, np.float32))
         assert _executor_pids(server.process.pid) not in ([], [pid])
+
+
+def test_an_executor_that_does_not_get_ready_in_time_fails_the_load(described, monkeypatch) -> None:
+    """A start that hangs (here: a timeout shorter than any start) fails with a message, and no process is left."""
+    monkeypatch.setenv("KILN_EXECUTOR_START_TIMEOUT_S", "0.001")
+    before = set(_executor_pids(os.getpid()))
+    with pytest.raises(RemoteError, match="not ready within 0.001 s"):
+        ExecutorProcess("model 'slow'", described, ModelConfig(name="slow").SerializeToString(), 1)
+    assert set(_executor_pids(os.getpid())) == before
