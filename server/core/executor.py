@@ -117,12 +117,13 @@ class ExecutorProcess:
         control = Channel(ours)
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
-                          "warm": True, "modules": plugin_modules(self.engine.plan.build_info)})
-            ours.settimeout(start_timeout_s())  # a hung start fails the load instead of leaving it loading forever
+                          "modules": plugin_modules(self.engine.plan.build_info)})
+            timeout_s = start_timeout_s()
+            ours.settimeout(timeout_s)  # a hung start fails the load instead of leaving it loading forever
             try:
                 reply, _ = control.recv()
             except TimeoutError:
-                raise RemoteError(f"{self.label}: the executor process was not ready within {start_timeout_s():g} s "
+                raise RemoteError(f"{self.label}: the executor process was not ready within {timeout_s:g} s "
                                   f"(KILN_EXECUTOR_START_TIMEOUT_S); its log above says how far it got") from None
             ours.settimeout(None)
             info = raise_reply(reply)
@@ -315,9 +316,6 @@ class RemoteContext:
                    "feeds": {name: to_wire(value) for name, value in feeds.items()}}
         result: dict[str, Any] = self.executor.call(self.lane, message, regions)
         return result
-
-    def warm_up(self, shapes: Mapping[str, tuple[int, ...]]) -> Any:
-        return self.executor.call(self.lane, {"kind": "warm_up", "profile": self._profile, "shapes": dict(shapes)}, ())
 
 
 def whole_batch(parts: Sequence[Mapping[str, Any]], destinations: Sequence[Mapping[str, Any]] | None

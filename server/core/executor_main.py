@@ -221,7 +221,7 @@ class _LaneStats:
 class Executor:
     """The engine, its contexts and the lanes that run batches on them."""
 
-    def __init__(self, plan: bytes, config_bytes: bytes, instances: int, warm: bool) -> None:
+    def __init__(self, plan: bytes, config_bytes: bytes, instances: int) -> None:
         import engine_core as kiln
         from server.core import warmup
         from server.core.model_config import ModelConfig
@@ -232,8 +232,7 @@ class Executor:
         self.runs = getattr(self.contexts[0], "concurrent_runs", 1)
         self.regions = Regions(self.engine.backend == "cuda")
         self._lock = threading.Lock()
-        if warm:
-            warmup.warm_up_buckets(self.config, self.contexts, self.engine)
+        warmup.warm_up_buckets(self.config, self.contexts, self.engine)  # honours kiln_warmup_buckets
 
     def context(self, lane: int) -> Any:
         return self.contexts[(lane // self.runs) % len(self.contexts)]
@@ -272,8 +271,6 @@ class Executor:
                 os._exit(STICKY_EXIT)
 
     def _run(self, lane: int, message: Mapping[str, Any]) -> Any:
-        from server.core import execution
-
         context = self.context(lane)
         profile = message.get("profile", 0)
         if profile != context.active_optimization_profile:
@@ -296,10 +293,6 @@ class Executor:
             return self._run_rows(context, message)
         if kind == "infer":
             return context.infer({name: self._value(v) for name, v in message["feeds"].items()})
-        if kind == "warm_up":
-            return context.warm_up(message["shapes"])
-        if kind == "buckets":
-            return execution.batch_buckets(message["highest"])
         raise ValueError(f"unknown executor request '{kind}'")
 
     def _run_rows(self, context: Any, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -357,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for module in load.get("modules", ()):  # the plugins the plan uses register themselves on import
             importlib.import_module(module)
-        executor = Executor(load["plan"], load["config"], load["instances"], load["warm"])
+        executor = Executor(load["plan"], load["config"], load["instances"])
     except BaseException as error:  # noqa: BLE001 - the core fails the model's load with this message
         control.send(error_reply(error))
         return 1
