@@ -55,6 +55,7 @@ PACKAGE = "engine_core"
 #:              -> plan
 #:   runtime  - Runtime, CudaEngine, ExecutionContext (its batch path and helpers in runtime_batch, runtime_helpers)
 #:   api      - the public package, the Refitter (it refits a runtime engine), the CLI and adapters
+#:   generate - generative models on the public API: tokenizer, chat template, paged KV cache, continuous batching
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["engine_core.version", "engine_core.errors", "engine_core.types", "engine_core.logger",
               "engine_core.error_recorder"]),
@@ -73,6 +74,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime", ["engine_core.runtime", "engine_core.runtime_batch", "engine_core.runtime_helpers"]),
     ("api", ["engine_core", "engine_core.refit", "engine_core.cli", "engine_core.conformance",
              "engine_core.onnx_backend"]),
+    ("generate", ["engine_core.generate", "engine_core.generate.*"]),
 ]
 
 #: Allowed upward imports, (importer, imported) -> why. At most two.

@@ -1,0 +1,278 @@
+"""Continuous batching: many sequences share each decode step of one engine, joining and leaving between steps.
+
+One thread owns the engine's context and the KV cache. Each iteration it
+1. drops cancelled sequences (their blocks go back to the pool),
+2. admits waiting sequences, oldest first, while the batch has room and the pool has blocks for a sequence's
+   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory), and runs
+   each one's prefill, which gives its first token,
+3. runs one batched decode step for every other running sequence (one new token each).
+A sequence ends on an eos token (unless ``ignore_eos``), one of its ``stop_token_ids`` or ``max_tokens``; its
+blocks are freed at once and the next waiting sequence may take them in the next iteration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from engine_core.generate.decoder import DecoderRunner
+from engine_core.generate.sampling import Sampler, SamplingParams
+from engine_core.runtime import CudaEngine
+
+log = logging.getLogger("kiln.generate")
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One step of one sequence. ``token_id`` is a new token of the completion, or None on a final event that adds
+    none: "stop" (the eos or stop token that ended the sequence is counted in ``completion_tokens`` but is not part
+    of the text), "cancelled" and "error". A "length" final event carries the last token."""
+
+    token_id: int | None
+    finish_reason: str | None  # None while going; "stop", "length", "cancelled", "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: BaseException | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GenerationHandle:
+    """The submitter's hold on a sequence."""
+
+    def __init__(self, wake: threading.Condition) -> None:
+        self._wake = wake
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop the sequence at the next step boundary (thread-safe, idempotent): its blocks are freed and its last
+        event is a final "cancelled" (unless it ended first)."""
+        self._cancelled.set()
+        with self._wake:
+            self._wake.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens_total: int
+    completion_tokens_total: int
+
+
+@dataclass(eq=False)
+class _Sequence:
+    id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    on_event: Callable[[GenerationEvent], None]
+    handle: GenerationHandle
+    sampler: Sampler
+    generated: list[int] = field(default_factory=list)
+    done: bool = False
+    fresh: bool = False  # got its first token from this iteration's prefill
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the sequence may hold in the cache: what its blocks are reserved for."""
+        return len(self.prompt) + self.params.max_tokens
+
+
+class Generator:
+    """Serves generation requests on one decoder engine with continuous batching in a thread of its own (named
+    ``name``). ``max_batch_size`` sequences decode together; each may hold ``max_context`` tokens (prompt +
+    completion); the KV cache has ``num_blocks`` blocks of ``block_tokens`` tokens (default: enough for a full
+    batch of full contexts)."""
+
+    def __init__(self, engine: CudaEngine, *, max_batch_size: int, max_context: int, eos_token_ids: Collection[int],
+                 block_tokens: int = 16, num_blocks: int | None = None, name: str = "generator") -> None:
+        self._runner = DecoderRunner(engine)
+        if not 1 <= max_batch_size <= self._runner.max_batch_size or not 2 <= max_context <= self._runner.max_context:
+            raise ValueError(f"max_batch_size {max_batch_size} and max_context {max_context} must be within the "
+                             f"engine's profile: {self._runner.max_batch_size} sequences, {self._runner.max_context} "
+                             f"tokens")
+        self.max_batch_size, self.max_context = max_batch_size, max_context
+        self.vocab_size = self._runner.signature.vocab_size
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        blocks_per_context = -(-max_context // block_tokens)
+        self._pool = self._runner.new_pool(block_tokens=block_tokens,
+                                           num_blocks=num_blocks or max_batch_size * blocks_per_context)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._ids = itertools.count()
+        self._closed = False
+        self._prompt_tokens = self._completion_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- the submitters' side ------------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               on_event: Callable[[GenerationEvent], None]) -> GenerationHandle:
+        """Queue a sequence; ``on_event`` is called from the generator's thread once per token, the last event
+        final. ValueError (a message for the client) for an empty prompt, ids outside the vocabulary, or a
+        prompt + max_tokens longer than the context or the whole KV cache; RuntimeError once closed."""
+        tokens = self._check(prompt, params)
+        handle = GenerationHandle(self._lock)
+        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the generator is closed")
+            self._waiting.append(seq)
+            self._lock.notify_all()
+        return handle
+
+    def _check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        tokens = tuple(int(t) for t in prompt)
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        total = len(tokens) + params.max_tokens
+        if total > self.max_context:
+            raise ValueError(f"the prompt's {len(tokens)} tokens + max_tokens {params.max_tokens} exceed the "
+                             f"model's context of {self.max_context} tokens")
+        blocks = self._pool.blocks_for(total)
+        if blocks > self._pool.total_blocks:
+            raise ValueError(f"the prompt's {len(tokens)} tokens + max_tokens {params.max_tokens} need {blocks} KV "
+                             f"cache blocks; the cache has {self._pool.total_blocks}")
+        return tokens
+
+    def stats(self) -> GeneratorStats:
+        with self._lock:
+            return GeneratorStats(running=len(self._running), waiting=len(self._waiting),
+                                  kv_blocks_used=self._pool.used_blocks, kv_blocks_total=self._pool.total_blocks,
+                                  prompt_tokens_total=self._prompt_tokens,
+                                  completion_tokens_total=self._completion_tokens)
+
+    def close(self) -> None:
+        """Stop the thread; sequences still running or waiting get a final "cancelled". Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the generator's thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            try:
+                self._drop_cancelled()
+                self._admit()
+                self._decode()
+            except Exception as e:  # a bug in the loop itself: end what runs rather than hang its clients
+                log.exception("generator loop failed")
+                for seq in list(self._running):
+                    self._finish(seq, "error", error=e)
+                self._forget_done()
+        with self._lock:
+            left = [*self._running, *self._waiting]
+            self._waiting.clear()
+        for seq in left:
+            self._finish(seq, "cancelled")
+        self._forget_done()
+
+    def _wait_for_work(self) -> bool:
+        with self._lock:
+            while not self._closed and not self._waiting and not self._running:
+                self._lock.wait()
+            return not self._closed
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            dropped = [s for s in self._waiting if s.handle.cancelled]
+            for seq in dropped:
+                self._waiting.remove(seq)
+        for seq in [*dropped, *(s for s in self._running if s.handle.cancelled)]:
+            self._finish(seq, "cancelled")
+        self._forget_done()
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_batch_size:
+            with self._lock:
+                if not self._waiting or self._pool.blocks_for(self._waiting[0].kv_tokens) > self._pool.free_blocks:
+                    return
+                seq = self._waiting.popleft()
+                self._pool.reserve(seq.id, seq.kv_tokens)
+                self._running.append(seq)
+                self._prompt_tokens += len(seq.prompt)
+            try:
+                logits = self._runner.prefill(self._pool, seq.id, seq.prompt)
+            except Exception as e:
+                self._finish(seq, "error", error=e)
+                self._forget_done()
+                continue
+            seq.fresh = True
+            self._accept(seq, seq.sampler(logits))
+            self._forget_done()
+
+    def _decode(self) -> None:
+        batch = [s for s in self._running if not s.fresh]
+        for seq in self._running:
+            seq.fresh = False
+        if not batch:
+            return
+        try:
+            logits = self._runner.decode(self._pool, [s.id for s in batch], [s.generated[-1] for s in batch])
+        except Exception as e:
+            for seq in batch:
+                self._finish(seq, "error", error=e)
+        else:
+            for seq, row in zip(batch, logits):
+                self._accept(seq, seq.sampler(row))
+        self._forget_done()
+
+    def _accept(self, seq: _Sequence, token: int) -> None:
+        """Record ``token`` for ``seq`` and tell its submitter: a new token, or the end of the sequence."""
+        seq.generated.append(token)
+        with self._lock:
+            self._completion_tokens += 1
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= params.max_tokens:
+            self._finish(seq, "length", token=token)
+        else:
+            self._emit(seq, GenerationEvent(token, None, len(seq.prompt), len(seq.generated)))
+
+    def _finish(self, seq: _Sequence, reason: str, token: int | None = None, error: BaseException | None = None
+                ) -> None:
+        """End ``seq``: free its blocks and send its final event (``_forget_done`` takes it off the lists)."""
+        if seq.done:
+            return
+        seq.done = True
+        with self._lock:
+            self._pool.free(seq.id)
+        self._emit(seq, GenerationEvent(token, reason, len(seq.prompt), len(seq.generated), error))
+
+    def _emit(self, seq: _Sequence, event: GenerationEvent) -> None:
+        try:
+            seq.on_event(event)
+        except Exception:  # a broken consumer ends its own sequence, not the loop
+            log.exception("generation event handler failed; the sequence is dropped")
+            seq.done = True
+            with self._lock:
+                self._pool.free(seq.id)
+
+    def _forget_done(self) -> None:
+        with self._lock:
+            self._running = [s for s in self._running if not s.done]
