@@ -104,11 +104,14 @@ class OnnxParser:
         path = os.fspath(path)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                proto = onnx.load_model_from_string(f.read())  # the file's bytes are freed before the import
         except OSError as e:
             self._error(f"cannot read {path}: {e.strerror}")
             return False
-        return self.parse(data, path=path)
+        except Exception as e:  # onnx raises DecodeError, ValueError, ...
+            self._error(f"not a valid ONNX model: {e}")
+            return False
+        return self.parse(proto, path=path)
 
     # -- import -----------------------------------------------------------------------------------
     def _error(self, desc: str, index: int = -1, node: onnx.NodeProto | None = None) -> None:
