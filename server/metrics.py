@@ -5,7 +5,8 @@ families, so the numbers are the same ones /stats reports. Counter names carry n
 Triton exposes them (dashboards written for Triton keep working), so the text is rendered here rather than by
 prometheus_client's `generate_latest`, which would rename them. Kiln's own families (`kiln_*`: worker restarts,
 live workers, adaptive-profile rebuilds, queue depth per priority level, plan build time, plan-cache hits and
-misses, the executed batch sizes as a histogram) follow Prometheus naming instead.
+misses, the executed batch sizes as a histogram) follow Prometheus naming instead; so do generative models'
+(KV-cache blocks, sequences, tokens, time to first token, inter-token latency: server/metrics_generative.py).
 Gauges as Triton has them: `nv_inference_pending_request_count` (what autoscalers read) and the host's
 `nv_cpu_utilization` / `nv_cpu_memory_*` (from /proc; left out where there is none). With a response cache
 (`--cache-config`): Triton's per-model `nv_cache_*_per_model` counters for the models that use it, and the
@@ -28,6 +29,7 @@ from starlette.routing import Route
 from server.core.model import ModelVersion
 from server.gpu_metrics import NvmlGpus, Sampled
 from server.metrics_flags import MetricsOptions
+from server.metrics_generative import generation_families
 from server.metrics_latency import latency_families
 from server.plan_cache import server_lookups
 
@@ -216,6 +218,7 @@ class InferenceMetricsCollector:
         yield batch_size_family(stats)  # every version, as /stats reports its batch_stats
         yield from plan_cache_families()
         yield from latency_families(config, loaded, self._core.caches_responses)
+        yield from generation_families(loaded)  # generative models' KV cache, sequences, tokens, latencies
         yield from self._core.custom_metrics.families()  # Python models' pb_utils.MetricFamily
         for host in self._host:
             yield from host.families()

@@ -112,6 +112,9 @@ KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_warmup_buckets": "bind and capture every batch bucket at load (warmup.warm_up_buckets)",
     "EXECUTION_ENV_PATH": "a Python model's environment: its stubs run that directory's bin/python "
                           "(python_model.stub_interpreter)",
+    "max_context": "a generative model's tokens per sequence (generative_config.generation_settings)",
+    "kv_cache_blocks": "a generative model's KV-cache blocks (generative_config.generation_settings)",
+    "kv_block_tokens": "a generative model's tokens per KV-cache block (generative_config.generation_settings)",
 }
 
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value
@@ -120,8 +123,9 @@ FIELDS: dict[str, Rule] = {
     "name": honoured("must match the model's directory name (model_config.complete_config)"),
     "platform": honoured("ONNX platforms (kiln_onnx, onnxruntime_onnx, onnx) and ensemble (a Python model has "
                          "none); others refused at load (model_config._check_platform)"),
-    "backend": honoured("ONNX backends (kiln, onnxruntime, onnx) and python (model.py in stub processes, "
-                        "server/core/python_model.py); others refused at load (model_config._check_platform)"),
+    "backend": honoured("ONNX backends (kiln, onnxruntime, onnx), python (model.py in stub processes, "
+                        "server/core/python_model.py) and kiln_llm (generative models, server/core/generative.py); "
+                        "others refused at load (model_config._check_platform)"),
     "runtime": refused("Kiln runs ONNX models with its own engine and loads no backend library. Remove runtime"),
     "version_policy": honoured("which versions load (repository.select_versions); default latest 1"),
     "version_policy.latest": honoured("the newest num_versions versions (repository.select_versions)"),
@@ -144,8 +148,11 @@ FIELDS: dict[str, Rule] = {
                                      "model's shape inputs are ordinary INT64 inputs). Remove is_shape_tensor"),
     "input.allow_ragged_batch": refused(f"{_NOT_YET} ragged batching: requests of different shapes are batched "
                                         "only with kiln_pad_batch (zero-padding). Remove allow_ragged_batch"),
-    "input.optional": refused(f"{_NOT_YET} optional inputs: every request must carry every input. Remove optional "
-                              "and send the input with every request"),
+    "input.optional": partly("optional: true honoured for a generative model's inputs (backend: \"kiln_llm\", "
+                             "generative_config.INPUTS, all optional); refused for other models",
+                             lambda _, config: config.backend == "kiln_llm",
+                             f"{_NOT_YET} optional inputs: every request must carry every input. Remove optional "
+                             "and send the input with every request"),
     "input.is_non_linear_format_io": refused(f"{_NOT_YET} non-linear I/O formats (a TensorRT feature). Remove it"),
     "output": honoured("checked against the built engine, missing ones added (model_config.complete_outputs_from_"
                        "engine)"),
@@ -335,10 +342,13 @@ FIELDS: dict[str, Rule] = {
     "model_transaction_policy.decoupled": partly("decoupled: true honoured for Python models (backend: "
                                                  "\"python\"): zero, one or many responses per request through its "
                                                  "response sender, over gRPC ModelStreamInfer and HTTP generate / "
-                                                 "generate_stream (server/core/decoupled.py); refused for other models",
-                                                 lambda _, config: config.backend == "python",
-                                                 "Only a Python model (backend: \"python\") can send zero or many "
-                                                 "responses per request; an ONNX model answers each request once. "
+                                                 "generate_stream (server/core/decoupled.py), and for generative "
+                                                 "models (backend: \"kiln_llm\", where it is implied); refused for "
+                                                 "other models",
+                                                 lambda _, config: config.backend in ("python", "kiln_llm"),
+                                                 "Only a Python model (backend: \"python\") or a generative model "
+                                                 "(backend: \"kiln_llm\") can send zero or many responses per "
+                                                 "request; an ONNX model answers each request once. "
                                                  "Remove decoupled or set it to false"),
     "model_repository_agents": container(),
     "model_repository_agents.agents": refused(f"{_NOT_YET} repository agents (e.g. checksum, decryption). Remove "

@@ -18,7 +18,7 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, decoupled, part_groups, request_io, warmup
+from . import cuda_ipc, decoupled, generative, part_groups, request_io, warmup
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
@@ -27,6 +27,7 @@ from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented, unknown_model
 from .grouping import Answer, run_members, settle
 from .heap import freeze_long_lived
+from .loading import load_together
 from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
 from .model_config import ModelConfig, config_to_dict, is_ensemble, parse_config_json, parse_config_text
 from .python_model import load_python_versions, python_stubs_stopped, runs_python
@@ -571,24 +572,19 @@ class ServerCore:
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
         config.name = config.name or source.name
+        if generative.is_generative(config):  # a decoder served by its own generation loop (core/generative.py)
+            return await generative.load_versions(source, config, self.options.default_max_batch_size)
         if is_ensemble(config):  # no model file: its version directories may be empty, as in Triton
             return await self._build_ensemble(source, config)
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
         if runs_python(config, source):  # model.py in stub processes of its own (server/core/python_model.py)
             return await load_python_versions(source, config, self)
         wanted = select_versions(config.version_policy, list(source.versions))
-        builds = [asyncio.to_thread(load_model_version, source, v, config, self.options.default_max_batch_size)
-                  for v in wanted]
-        results = await asyncio.gather(*builds, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for r in results:
-                if isinstance(r, ModelVersion):
-                    r.close()
-            raise errors[0]
-        for version in results:  # the core's request path warm too before ready (warmup.prime_request_path)
+        versions = await load_together(asyncio.to_thread(load_model_version, source, v, config,
+                                                         self.options.default_max_batch_size) for v in wanted)
+        for version in versions.values():  # the core's request path warm too before ready (warmup.prime_request_path)
             await warmup.prime_request_path(version, self._checked, functools.partial(request_io.outputs, self.system_shm))
-        return {v.version: v for v in results if isinstance(v, ModelVersion)}  # all of them: no errors
+        return dict(versions)
 
     async def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> dict[int, ServedModel]:
         """An ensemble's versions, checked against its composing models, which are loaded with it when they are

@@ -42,6 +42,7 @@ from . import warmup
 from .batcher import BatchingSettings, DynamicBatcher
 from .config_fields import refusals
 from .errors import ErrorKind, ServerError, invalid
+from .loading import load_together
 from .model import PAD_BATCH, PRECISION, PROFILE_BATCH_SIZES, ServedModel, _read_labels, execution_timeout_s
 from .model_config import (
     DEFAULT_MODEL_FILENAME,
@@ -503,15 +504,7 @@ async def python_stubs_stopped() -> None:
 async def load_python_versions(source: ModelSource, config: ModelConfig, core: BlsRunner) -> dict[int, ServedModel]:
     """Every version the policy selects, loaded together; if one fails, those loaded are stopped again."""
     wanted = select_versions(config.version_policy, list(source.versions))
-    results = await asyncio.gather(*(load_python_version(source, v, config, core) for v in wanted),
-                                   return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        for result in results:
-            if isinstance(result, PythonVersion):
-                result.close()
-        raise errors[0]
-    return {v.version: v for v in results if isinstance(v, PythonVersion)}  # all of them: no errors
+    return dict(await load_together(load_python_version(source, v, config, core) for v in wanted))
 
 
 async def load_python_version(source: ModelSource, version: int, config: ModelConfig,

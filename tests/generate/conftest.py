@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("generative_example", ROOT / "examples" / "generative.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.support.examples import load_example
 
 #: examples/generative.py: write_tiny_decoder, reference_greedy, tokenizer_vocab, ...
-generative = _load_example()
+generative = load_example("generative.py")
 
 
 @pytest.fixture(scope="session")

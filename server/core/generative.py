@@ -1,0 +1,285 @@
+"""Generative models (`backend: "kiln_llm"`): a decoder-only ONNX model served by a continuous-batching generation
+loop (engine_core/generate), streamed as text.
+
+Loading (`load_versions`): the config is completed (generative_config.py), then per version the tokenizer is read
+from the version directory (tokenizer.json, tokenizer_config.json; generation_config.json's eos_token_id adds end
+tokens), the decoder engine is built in a thread (`build_decoder_engine`: instance_group KIND_CPU -> cpu, KIND_GPU ->
+cuda) and a `Generator` starts its loop. Unloading closes the generator: sequences still going end with an error.
+
+Serving: the version is decoupled and has its own `submit_stream` (decoupled.py hands it every stream: gRPC
+ModelStreamInfer, HTTP generate / generate_stream, the OpenAI routes). A request is read (generative_request.py),
+tokenized and submitted; the generator's events (one per token, from its thread) come back to the event loop, where
+the text grows through `CompletionText`. With `stream` true every new piece of text is one response; otherwise one
+response carries the whole text (after the prompt unless `exclude_input_in_output`). Every response has
+text_output, finish_reason ("" until the last: "stop" or "length"), num_input_tokens and num_output_tokens (those
+the request asked for, when it names outputs). Withdrawing the stream (a client that left) cancels the sequence,
+and the generator frees its KV blocks.
+
+Statistics as a decoupled model's: each request counts once, success or failure, when it ends (a withdrawn one as a
+success: it ran); one execution per request. Time to first token and inter-token latency go to histograms read by
+/metrics (server/metrics_generative.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine_core.generate.decoder import build_decoder_engine
+from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator
+from engine_core.generate.tokenizer import Tokenizer, TokenizerError
+from server.repository import ModelSource, select_versions
+
+from .decoupled import OnPart, Stream, StreamPart
+from .errors import ErrorKind, ServerError, invalid
+from .generative_config import (
+    GenerationSettings,
+    complete_generative_config,
+    generation_settings,
+    is_generative,
+)
+from .generative_request import CompletionText, GenerationRequest, read_request
+from .latency import Histogram
+from .loading import load_together
+from .model import ServedModel, _backend_for
+from .model_config import ModelConfig
+from .statistics import ExecutionTimes
+from .types import InferRequest
+
+__all__ = ["GenerativeVersion", "is_generative", "load_versions"]
+
+log = logging.getLogger("kiln.server.generative")
+
+#: upper bounds (seconds) of the time-to-first-token and inter-token-latency histograms (vLLM's, and finer ones for
+#: small models)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class GenerativeVersion(ServedModel):
+    """A loaded generative model version: its tokenizer and generation loop, served as a stream of text."""
+
+    decoupled = True
+
+    def __init__(self, name: str, version: int, config: ModelConfig, tokenizer: Tokenizer, generator: Generator,
+                 backend: str) -> None:
+        super().__init__(name, version, config, labels={})
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.backend = backend
+        self.time_to_first_token = Histogram(TTFT_BUCKETS_S)
+        self.inter_token_latency = Histogram(ITL_BUCKETS_S)
+        self.label = f"model '{name}' version {version}"
+
+    def check_inputs(self, arrays: dict[str, Any], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
+        """Every input optional (generative_request says which prompt input a request needs), each one element:
+        shape [1], or [1, 1] with the batch dim a batching config gives its inputs (one prompt per request)."""
+        unknown = sorted(set(arrays) - set(self.inputs))
+        if unknown:
+            raise invalid(f"unexpected inference input {unknown} for model '{self.name}' (inputs: {sorted(self.inputs)})")
+        batch = 0
+        for name, array in arrays.items():
+            spec, shape = self.inputs[name], tuple(np.shape(array))
+            if datatypes[name] != spec.datatype:
+                raise invalid(f"inference input '{name}' data-type is '{datatypes[name]}', but model '{self.name}' "
+                              f"expects '{spec.datatype}'")
+            if shape not in ((1,), (1, 1)):
+                raise invalid(f"unexpected shape for input '{name}' for model '{self.name}'. Expected [1] (or [1, 1] "
+                              f"with a batch dim: one prompt per request), got {list(shape)}")
+            batch = max(batch, len(shape) - 1)
+        return {name: np.asarray(array) for name, array in arrays.items()}, batch
+
+    def submit_stream(self, core: Any, request: InferRequest, on_part: OnPart) -> _Withdrawal | None:
+        """`decoupled.submit_stream` for this model (see the module docstring): returns what to cancel to withdraw
+        the request, or None when it was answered at once (a bad request: one final error part)."""
+        started = time.perf_counter_ns()
+        try:
+            inputs, batched, requested = core._checked(self, request)
+            wanted = read_request(self.tokenizer, inputs, request.parameters, f"model '{self.name}'")
+            generation = _Generation(self, Stream(core, self, request, requested, on_part), wanted, bool(batched),
+                                     started)
+            try:
+                generation.handle = self.generator.submit(wanted.prompt_ids, wanted.params, generation.event)
+            except ValueError as e:  # the prompt does not fit (too long, empty, unknown ids): the client's to fix
+                raise invalid(f"model '{self.name}': {e}") from None
+            except RuntimeError as e:  # closed: the version was unloaded meanwhile
+                raise ServerError(ErrorKind.UNAVAILABLE, f"{self.label}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - answered, as a request that never ran
+            self.statistics.record_failure(time.perf_counter_ns() - started)
+            on_part(StreamPart(error=e if isinstance(e, ServerError) else _internal(self, e), final=True))
+            return None
+        return _Withdrawal(generation)
+
+    def close(self) -> None:
+        """Stop the generation loop; the sequences still going end (their streams with an error)."""
+        self.generator.close()
+
+
+class _Withdrawal:
+    """What a stream's caller cancels: the sequence (its KV blocks are freed)."""
+
+    def __init__(self, generation: _Generation) -> None:
+        self._generation = generation
+
+    def cancel(self) -> None:
+        self._generation.withdraw()
+
+
+class _Generation:
+    """One request while it generates: the generator's events turned into responses on the event loop."""
+
+    def __init__(self, model: GenerativeVersion, stream: Stream, request: GenerationRequest, batched: bool,
+                 started_ns: int) -> None:
+        self.model = model
+        self.stream = stream
+        self.request = request
+        self.batched = batched
+        self.started_ns = started_ns
+        self.text = CompletionText(model.tokenizer, request.stops)
+        self.handle: GenerationHandle | None = None
+        self.last_token_ns: int | None = None
+        self._loop = asyncio.get_running_loop()
+        self._ended = False
+
+    def event(self, event: GenerationEvent) -> None:
+        """The generator's callback, on its thread: the event goes to the event loop, with when it came."""
+        self._loop.call_soon_threadsafe(self._handle, event, time.perf_counter_ns())
+
+    def _handle(self, event: GenerationEvent, at_ns: int) -> None:
+        if self._ended:
+            return
+        if event.token_id is not None:
+            self._timed(at_ns)
+            self.text.push(event.token_id)
+        if event.finish_reason in ("error", "cancelled") and not self.text.stopped:
+            self._fail(event)
+            return
+        if event.final:
+            self.text.finish()
+        reason = "stop" if self.text.stopped else event.finish_reason
+        if reason is not None and not event.final and self.handle is not None:
+            self.handle.cancel()  # a stop string ended it: the generator frees its blocks
+        final = reason is not None
+        if self.request.stream:
+            piece = self.text.take(final)
+            if piece or final:
+                self._send(piece, reason, event, final)
+        elif final:
+            prefix = "" if self.request.exclude_input else self.request.prompt_text
+            self._send(prefix + self.text.take(True), reason, event, True)
+        if final:
+            self._end(succeeded=True)
+
+    def _timed(self, at_ns: int) -> None:
+        if self.last_token_ns is None:
+            self.model.time_to_first_token.observe((at_ns - self.started_ns) / 1e9)
+        else:
+            self.model.inter_token_latency.observe((at_ns - self.last_token_ns) / 1e9)
+        self.last_token_ns = at_ns
+
+    def _send(self, text: str, reason: str | None, event: GenerationEvent, final: bool) -> None:
+        lead = (1,) if self.batched else ()
+        outputs = {"text_output": np.array([text.encode()], dtype=object).reshape(*lead, 1),
+                   "finish_reason": np.array([(reason or "").encode()], dtype=object).reshape(*lead, 1),
+                   "num_input_tokens": np.array([event.prompt_tokens], np.uint32).reshape(*lead, 1),
+                   "num_output_tokens": np.array([event.completion_tokens], np.uint32).reshape(*lead, 1)}
+        self.stream.deliver(outputs, None, final)
+
+    def _fail(self, event: GenerationEvent) -> None:
+        if event.finish_reason == "cancelled":  # not withdrawn by the caller: the generator was closed
+            error = ServerError(ErrorKind.UNAVAILABLE, f"{self.model.label} was unloaded while the request was "
+                                                       "generating")
+        else:
+            error = _internal(self.model, event.error or RuntimeError("generation failed"))
+        self.stream.deliver(None, error, True)
+        self._end(succeeded=False)
+
+    def withdraw(self) -> None:
+        """The caller left: nothing more reaches it, and the sequence is cancelled."""
+        if self._ended:
+            return
+        self.stream.withdraw()
+        if self.handle is not None:
+            self.handle.cancel()
+        self._end(succeeded=True)
+
+    def _end(self, succeeded: bool) -> None:
+        self._ended = True
+        total = time.perf_counter_ns() - self.started_ns
+        statistics = self.model.statistics
+        if succeeded:
+            times = ExecutionTimes(compute_infer_ns=total)
+            statistics.record_success(1, total, times)
+            statistics.record_execution(1, times)
+        else:
+            statistics.record_failure(total)
+
+
+def _internal(model: GenerativeVersion, error: BaseException) -> ServerError:
+    log.error("%s: generation failed", model.label, exc_info=error)
+    return ServerError(ErrorKind.INTERNAL, f"{model.label}: generation failed: {type(error).__name__}: {error}")
+
+
+# -- loading ----------------------------------------------------------------------------------------------------
+async def load_versions(source: ModelSource, config: ModelConfig, default_max_batch_size: int
+                        ) -> dict[int, ServedModel]:
+    """Every version the config's policy selects, loaded together (all or none)."""
+    config = complete_generative_config(config, source.name, default_max_batch_size)
+    settings = generation_settings(config)
+    wanted = select_versions(config.version_policy, list(source.versions))
+    return dict(await load_together(asyncio.to_thread(_load_version, source, v, config, settings) for v in wanted))
+
+
+def _load_version(source: ModelSource, version: int, config: ModelConfig,
+                  settings: GenerationSettings) -> GenerativeVersion:
+    """One version (blocking: runs in a thread)."""
+    label = f"model '{source.name}' version {version}"
+    path: Path = source.model_file(version, config.default_model_filename)
+    if not path.resolve().is_relative_to(source.directory.resolve()):
+        raise invalid(f"{label}: '{config.default_model_filename}' resolves outside the model directory")
+    if not path.is_file():
+        raise invalid(f"{label}: '{config.default_model_filename}' is missing in {path.parent}")
+    try:
+        tokenizer = Tokenizer.from_directory(path.parent)
+    except (TokenizerError, OSError, ValueError) as e:
+        raise invalid(f"{label}: its tokenizer cannot be read: {e}") from None
+    backend = _backend_for(config)
+    try:
+        engine = build_decoder_engine(path, max_batch_size=settings.max_batch_size, max_context=settings.max_context,
+                                      backend=backend, fp16=settings.fp16, tf32=settings.tf32)
+        generator = Generator(engine, max_batch_size=settings.max_batch_size, max_context=settings.max_context,
+                              eos_token_ids=_eos_token_ids(tokenizer, path.parent, label),
+                              block_tokens=settings.block_tokens, num_blocks=settings.num_blocks,
+                              name=f"kiln-llm-{source.name}-{version}")
+    except ValueError as e:  # not a decoder the generation loop can run (its message names what is missing)
+        raise invalid(f"{label}: {e}") from None
+    log.info("%s: generation loop ready (%s, %d sequences per step, context %d tokens, %d KV blocks of %d tokens)",
+             label, backend, settings.max_batch_size, settings.max_context, generator.stats().kv_blocks_total,
+             settings.block_tokens)
+    return GenerativeVersion(source.name, version, config, tokenizer, generator, backend)
+
+
+def _eos_token_ids(tokenizer: Tokenizer, directory: Path, label: str) -> frozenset[int]:
+    """The tokenizer's end tokens and generation_config.json's eos_token_id (an id or a list of them)."""
+    ids = set(tokenizer.eos_token_ids)
+    path = directory / "generation_config.json"
+    if path.is_file():
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise invalid(f"{label}: generation_config.json: {e}") from None
+        values = value if isinstance(value, list) else [value] if value is not None else []
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise invalid(f"{label}: generation_config.json: eos_token_id must be a token id or a list of them, "
+                          f"got {value!r}")
+        ids.update(values)
+    if not ids:
+        log.warning("%s: no end-of-sequence token (tokenizer_config.json eos_token, generation_config.json "
+                    "eos_token_id): sequences end at max_tokens or a stop", label)
+    return frozenset(ids)

@@ -1,0 +1,164 @@
+"""The config of a generative model (`backend: "kiln_llm"`): completed and checked before anything is built.
+
+Why its own completion: the model's ONNX inputs (input_ids, attention_mask, the KV cache) are the generation loop's,
+not the client's. Clients send text, as to Triton's vLLM backend, so the served inputs and outputs are the vLLM
+backend's, filled in here (a config may spell them out; they must then be exactly these), plus `messages` for chat
+requests. The model is decoupled (one response per token delta when streaming): implied and completed.
+`max_batch_size` is the sequences per decode step (0 takes the server's --default-max-batch-size); a request
+carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default
+2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
+enough for every sequence of a full batch at max_context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.protos import model_config_pb2
+
+from .errors import invalid
+from .model import EXECUTION_TIMEOUT_MS, PAD_BATCH, PRECISION, PROFILE_BATCH_SIZES
+from .model_config import DEFAULT_MODEL_FILENAME, ModelConfig
+from .warmup import WARMUP_BUCKETS
+
+GENERATIVE_BACKEND = "kiln_llm"
+MAX_CONTEXT = "max_context"
+KV_CACHE_BLOCKS = "kv_cache_blocks"
+KV_BLOCK_TOKENS = "kv_block_tokens"
+DEFAULT_MAX_CONTEXT = 2048
+DEFAULT_BLOCK_TOKENS = 16
+
+_T = model_config_pb2
+#: the served inputs: (name, data type, dims, optional); text_input or messages carries the prompt
+INPUTS = (("text_input", _T.TYPE_STRING, (1,), True), ("messages", _T.TYPE_STRING, (1,), True),
+          ("stream", _T.TYPE_BOOL, (1,), True), ("sampling_parameters", _T.TYPE_STRING, (1,), True),
+          ("exclude_input_in_output", _T.TYPE_BOOL, (1,), True))
+OUTPUTS = (("text_output", _T.TYPE_STRING, (-1,)), ("finish_reason", _T.TYPE_STRING, (-1,)),
+           ("num_input_tokens", _T.TYPE_UINT32, (1,)), ("num_output_tokens", _T.TYPE_UINT32, (1,)))
+#: Kiln parameters about the plan of an ONNX model served request by request: a generative model has none of them
+_REQUEST_MODEL_PARAMETERS = (PROFILE_BATCH_SIZES, PAD_BATCH, WARMUP_BUCKETS, EXECUTION_TIMEOUT_MS)
+#: what the generation loop does itself, so the config must not ask for it: field -> why
+_NOT_FOR_GENERATIVE = {
+    "dynamic_batching": "the generation loop batches sequences itself at every decode step (continuous batching); "
+                        "set max_batch_size",
+    "sequence_batching": "a generative model keeps each sequence's state in its KV cache",
+    "ensemble_scheduling": "a generative model is not an ensemble",
+    "model_warmup": "warm-up samples are not supported for generative models yet",
+}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the config's parameters set for the generation loop."""
+
+    max_batch_size: int
+    max_context: int
+    block_tokens: int
+    num_blocks: int | None  # None: the Generator's default
+    fp16: bool  # kiln_precision fp16
+    tf32: bool  # TF32 tensor cores for fp32 math: off only with kiln_precision fp32 (strict), as for ONNX models
+
+
+def is_generative(config: ModelConfig) -> bool:
+    return config.backend == GENERATIVE_BACKEND
+
+
+def complete_generative_config(config: ModelConfig, name: str, default_max_batch_size: int) -> ModelConfig:
+    """A checked, completed copy of a generative model's config; INVALID_ARGUMENT naming the model and the field."""
+    config = ModelConfig.FromString(config.SerializeToString())
+    if config.name and config.name != name:
+        raise invalid(f"model '{name}': config names the model '{config.name}'; the directory name must match")
+    config.name = name
+    if config.platform:
+        raise invalid(f"model '{name}': a {GENERATIVE_BACKEND} model has no platform (got '{config.platform}')")
+    present = {descriptor.name for descriptor, _ in config.ListFields()}
+    for field, why in _NOT_FOR_GENERATIVE.items():
+        if field in present:
+            raise invalid(f"model '{name}': {field} is not for a {GENERATIVE_BACKEND} model: {why}. Remove it")
+    if config.response_cache.enable:
+        raise invalid(f"model '{name}': a {GENERATIVE_BACKEND} model's responses are not cached (it is decoupled). "
+                      "Remove response_cache")
+    for key in _REQUEST_MODEL_PARAMETERS:
+        if key in config.parameters:
+            raise invalid(f"model '{name}': parameter {key} is not read for a {GENERATIVE_BACKEND} model. Remove it")
+    if config.max_batch_size < 0:
+        raise invalid(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    config.max_batch_size = config.max_batch_size or default_max_batch_size
+    _complete_inputs(config)
+    _complete_outputs(config)
+    config.model_transaction_policy.decoupled = True
+    config.default_model_filename = config.default_model_filename or DEFAULT_MODEL_FILENAME
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if not config.instance_group:
+        config.instance_group.add(kind=_T.ModelInstanceGroup.KIND_AUTO)
+    if len(config.instance_group) > 1 or config.instance_group[0].count > 1:
+        raise invalid(f"model '{name}': a {GENERATIVE_BACKEND} model runs one generation loop per version; give one "
+                      "instance_group with count 1 and raise max_batch_size for more sequences at once")
+    group = config.instance_group[0]
+    group.name, group.count = group.name or f"{name}_0", 1
+    generation_settings(config)  # the parameters checked now, with the config's other errors
+    return config
+
+
+def _complete_inputs(config: ModelConfig) -> None:
+    declared = {tensor.name: tensor for tensor in config.input}
+    _check_declared(config, declared, {n for n, *_ in INPUTS}, "input")
+    del config.input[:]
+    for name, data_type, dims, optional in INPUTS:
+        _check_tensor(config, declared.get(name), "input", name, data_type, dims)
+        config.input.add(name=name, data_type=data_type, dims=dims, optional=optional)
+
+
+def _complete_outputs(config: ModelConfig) -> None:
+    declared = {tensor.name: tensor for tensor in config.output}
+    _check_declared(config, declared, {n for n, *_ in OUTPUTS}, "output")
+    del config.output[:]
+    for name, data_type, dims in OUTPUTS:
+        _check_tensor(config, declared.get(name), "output", name, data_type, dims)
+        config.output.add(name=name, data_type=data_type, dims=dims)
+
+
+def _check_declared(config: ModelConfig, declared: dict, known: set[str], role: str) -> None:
+    unknown = sorted(set(declared) - known)
+    if unknown:
+        raise invalid(f"model '{config.name}': {role}s {unknown} are not served by a {GENERATIVE_BACKEND} model "
+                      f"(its {role}s: {sorted(known)}; leave them out and they are filled in)")
+
+
+def _check_tensor(config: ModelConfig, tensor, role: str, name: str, data_type: int, dims: tuple[int, ...]) -> None:
+    """A declared input or output must be the one the model serves (data type and dims)."""
+    if tensor is None:
+        return
+    type_name = _T.DataType.Name(data_type)
+    if (tensor.data_type not in (_T.TYPE_INVALID, data_type) or (list(tensor.dims) and tuple(tensor.dims) != dims)
+            or tensor.HasField("reshape")):
+        raise invalid(f"model '{config.name}': {role} '{name}' of a {GENERATIVE_BACKEND} model is {type_name} "
+                      f"dims {list(dims)}, the config says {_T.DataType.Name(tensor.data_type)} dims "
+                      f"{list(tensor.dims)} (leave it out and it is filled in)")
+
+
+def generation_settings(config: ModelConfig) -> GenerationSettings:
+    """The generation loop's settings from a completed config's parameters."""
+    max_context = _positive(config, MAX_CONTEXT, config.parameters.get(MAX_CONTEXT), DEFAULT_MAX_CONTEXT)
+    block_tokens = _positive(config, KV_BLOCK_TOKENS, config.parameters.get(KV_BLOCK_TOKENS), DEFAULT_BLOCK_TOKENS)
+    blocks = _positive(config, KV_CACHE_BLOCKS, config.parameters.get(KV_CACHE_BLOCKS), 0) or None
+    if blocks is not None and blocks * block_tokens < max_context:
+        raise invalid(f"model '{config.name}': {KV_CACHE_BLOCKS} {blocks} x {KV_BLOCK_TOKENS} {block_tokens} = "
+                      f"{blocks * block_tokens} tokens, less than one sequence of {MAX_CONTEXT} {max_context}: raise "
+                      f"{KV_CACHE_BLOCKS} to at least {-(-max_context // block_tokens)} or lower {MAX_CONTEXT}")
+    precision = config.parameters.get(PRECISION)
+    text = precision.string_value.strip().lower() if precision is not None else ""
+    if text not in ("", "fp32", "tf32", "fp16"):
+        raise invalid(f"model '{config.name}': parameter {PRECISION} of a {GENERATIVE_BACKEND} model must be fp32, "
+                      f"tf32 or fp16, got '{text}'")
+    return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, text == "fp16", text != "fp32")
+
+
+def _positive(config: ModelConfig, key: str, parameter, default: int) -> int:
+    text = parameter.string_value.strip() if parameter is not None else ""
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise invalid(f"model '{config.name}': parameter {key} must be a whole number >= 1, got '{text}'")
+    return int(text)

@@ -1,0 +1,375 @@
+"""OpenAI-compatible routes for generative models (`backend: "kiln_llm"`, server/core/generative.py): GET /v1/models,
+POST /v1/completions and POST /v1/chat/completions, as OpenAI's API answers them, so the stock `openai` client works.
+
+A request becomes one stream of the core's (`submit_stream`, as generate_stream's): the prompt as `text_input`, or
+a chat's messages as the `messages` input (the core renders the model's chat template), the sampling fields as
+`sampling_parameters` JSON, `exclude_input_in_output` true, and `stream` as the client asks. With `stream` the
+answer is server-sent events, one `data: {chunk}` per piece of text, then the finish reason, the usage when
+`stream_options.include_usage` asks for it, and `data: [DONE]`; otherwise one JSON object with the usage. Leaving
+a stream early (the client disconnects) withdraws the request, which frees its KV-cache blocks.
+
+Only what Kiln does is accepted: `n` 1, no logprobs, tools, penalties or other fields (a field it does not take is
+400, named); vLLM's `top_k` and `ignore_eos` are taken too. Errors have OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for a model that is not a loaded
+generative model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.core import InferInput, InferRequest, InferResponse
+from server.core.decoupled import StreamPart, stream_parts
+from server.core.errors import ErrorKind, ServerError
+
+from ..deps import CoreDep
+from ..errors import http_status
+
+router = APIRouter(tags=["openai"])
+GENERATIVE_BACKEND = "kiln_llm"
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+#: fields every request may carry, with the checks of their values (None: any value is taken as null)
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop", "user",
+           "top_k", "ignore_eos")
+_CHAT = frozenset({*_COMMON, "messages", "max_completion_tokens"})
+_COMPLETION = frozenset({*_COMMON, "prompt"})
+#: fields taken only with the value that changes nothing (OpenAI clients may send them so)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"echo": (False,), "best_of": (1,), "presence_penalty": (0,),
+                                        "frequency_penalty": (0,), "logprobs": (False, None), "logit_bias": ({},),
+                                        "suffix": ("",), "store": (False,), "parallel_tool_calls": (False, True)}
+
+
+class OpenAIError(Exception):
+    """A request OpenAI's API would refuse: its status, message and the field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_body(status: int, message: str, param: str | None, code: str | None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error_response(error: Exception) -> JSONResponse:
+    if isinstance(error, OpenAIError):
+        return JSONResponse(_error_body(error.status, error.message, error.param, error.code), error.status)
+    if isinstance(error, ServerError):
+        status = http_status(error)
+        return JSONResponse(_error_body(status, error.message, None, None), status)
+    return JSONResponse(_error_body(500, "internal error", None, None), 500)
+
+
+# -- the request --------------------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    """A checked OpenAI request: what the core is asked, and how the answer is shaped."""
+
+    chat: bool
+    model: str
+    prompt: str | list[dict[str, Any]]
+    sampling: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def infer_request(self) -> InferRequest:
+        prompt = json.dumps(self.prompt) if self.chat else self.prompt
+        inputs = [_bytes_input("messages" if self.chat else "text_input", str(prompt)),
+                  _bytes_input("sampling_parameters", json.dumps(self.sampling)),
+                  InferInput("stream", "BOOL", (1,), np.array([self.stream])),
+                  InferInput("exclude_input_in_output", "BOOL", (1,), np.array([True]))]
+        return InferRequest(self.model, inputs, id=self.id)
+
+
+def _bytes_input(name: str, text: str) -> InferInput:
+    return InferInput(name, "BYTES", (1,), np.array([text.encode()], dtype=object))
+
+
+def parse_call(body: Any, chat: bool) -> Call:
+    """The request body checked as OpenAI checks it; OpenAIError (400) naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    allowed = _CHAT if chat else _COMPLETION
+    refused = sorted(k for k, v in body.items()
+                     if k not in allowed and v is not None and not (k in _NEUTRAL and v in _NEUTRAL[k]))
+    if refused:
+        raise OpenAIError(400, f"Kiln does not support the field{'s' if len(refused) > 1 else ''} "
+                          f"{', '.join(refused)} (supported: {', '.join(sorted(allowed))})", refused[0],
+                          "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "'model' is required: the name of a loaded generative model", "model")
+    prompt = _messages(body.get("messages")) if chat else _prompt(body.get("prompt"))
+    stream = _typed(body, "stream", bool) or False
+    options = _typed(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise OpenAIError(400, "'stream_options.include_usage' must be true or false", "stream_options")
+    return Call(chat, model, prompt, _sampling(body, chat), stream, include_usage)
+
+
+def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise OpenAIError(400, f"'{name}' must be of type {names.replace('dict', 'object').replace('str', 'string')}",
+                          name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = _typed(body, name, (int, float))
+    if value is not None and not (low < value <= high if low_open else low <= value <= high):
+        raise OpenAIError(400, f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name,
+                          "invalid_value")
+    return value
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The request's sampling fields as the model's `sampling_parameters`."""
+    n = _typed(body, "n", int)
+    if n not in (None, 1):
+        raise OpenAIError(400, f"'n' must be 1: Kiln generates one choice per request, got {n}", "n")
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _typed(body, limit, int)
+    if max_tokens is not None and max_tokens < 1:
+        raise OpenAIError(400, f"'{limit}' must be at least 1, got {max_tokens}", limit, "invalid_value")
+    sampling = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 0, 2),
+                "top_p": _number(body, "top_p", 0, 1, low_open=True), "seed": _typed(body, "seed", int),
+                "top_k": _typed(body, "top_k", int), "ignore_eos": _typed(body, "ignore_eos", bool),
+                "stop": _stop(body.get("stop"))}
+    return {k: v for k, v in sampling.items() if v is not None}
+
+
+def _stop(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise OpenAIError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    return stops or None
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise OpenAIError(400, "'prompt' must be a string (or a list of one string; token ids and several prompts "
+                          "are not supported)", "prompt")
+    return value
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise OpenAIError(400, "'messages' must be a non-empty array of messages", "messages")
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise OpenAIError(400, f"messages[{index}] must be an object with a string 'role'", "messages")
+        content = message.get("content")
+        parts = content if isinstance(content, list) else []
+        if not (content is None or isinstance(content, str) or parts) or not all(
+                isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            raise OpenAIError(400, f"messages[{index}].content must be a string or a list of text parts (images, "
+                              "audio and tool calls are not supported)", "messages")
+    return value
+
+
+# -- the answer ---------------------------------------------------------------------------------------------------
+@dataclass
+class Piece:
+    """What one response of the model says."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def read_piece(response: InferResponse) -> Piece:
+    values = {o.name: o.data.reshape(-1)[0] for o in response.outputs if o.data is not None and o.data.size}
+    text, reason = values.get("text_output", b""), values.get("finish_reason", b"")
+    return Piece(text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text),
+                 (reason.decode() if isinstance(reason, bytes) else str(reason)) or None,
+                 int(values.get("num_input_tokens", 0)), int(values.get("num_output_tokens", 0)))
+
+
+def _usage(piece: Piece) -> dict[str, int]:
+    return {"prompt_tokens": piece.prompt_tokens, "completion_tokens": piece.completion_tokens,
+            "total_tokens": piece.prompt_tokens + piece.completion_tokens}
+
+
+def _whole(call: Call, text: str, last: Piece) -> dict[str, Any]:
+    """The non-streamed answer."""
+    if call.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+    return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
+            "created": call.created, "model": call.model, "choices": [choice], "usage": _usage(last)}
+
+
+def _chunk(call: Call, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    body: dict[str, Any] = {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else
+                            "text_completion", "created": call.created, "model": call.model, "choices": choices}
+    if call.include_usage:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _choice(call: Call, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+    if not call.chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed answer. Leaving early (the client went away) withdraws the request."""
+    try:
+        if call.chat:
+            yield _chunk(call, [_choice(call, "", None, role=True)])
+        part: StreamPart | None = first
+        while part is not None:
+            if part.error is not None:
+                error = part.error
+                status = http_status(error) if isinstance(error, ServerError) else 500
+                message = error.message if isinstance(error, ServerError) else "internal error"
+                yield b"data: " + json.dumps(_error_body(status, message, None, None)).encode() + b"\n\n"
+                return
+            if part.response is not None:
+                piece = read_piece(part.response)
+                if piece.text or (piece.finish_reason and not call.chat):
+                    yield _chunk(call, [_choice(call, piece.text, None if call.chat else piece.finish_reason)])
+                if piece.finish_reason:
+                    if call.chat:
+                        yield _chunk(call, [_choice(call, None, piece.finish_reason)])
+                    if call.include_usage:
+                        yield _chunk(call, [], _usage(piece))
+            part = None if part.final else await anext(rest, None)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+
+
+async def _answer(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> Response:
+    """The non-streamed answer: the pieces joined (the model sends one when not streaming)."""
+    texts: list[str] = []
+    last: Piece | None = None
+    part: StreamPart | None = first
+    try:
+        while part is not None:
+            if part.error is not None:
+                return _error_response(part.error)
+            if part.response is not None:
+                last = read_piece(part.response)
+                texts.append(last.text)
+            part = None if part.final else await anext(rest, None)
+    finally:
+        await rest.aclose()
+    if last is None:
+        return _error_response(ServerError(ErrorKind.INTERNAL, f"model '{call.model}' sent no response"))
+    return JSONResponse(_whole(call, "".join(texts), last))
+
+
+# -- the routes ---------------------------------------------------------------------------------------------------
+async def _generative_model(core: Any, name: str) -> None:
+    """`name` is a loaded generative model: else 404 (OpenAI's answer to a model it does not serve)."""
+    try:
+        config = await core.model_config(name)
+    except ServerError as e:
+        if e.kind in (ErrorKind.NOT_FOUND, ErrorKind.UNAVAILABLE):
+            raise OpenAIError(404, e.message, "model", "model_not_found") from None
+        raise
+    if config.get("backend") != GENERATIVE_BACKEND:
+        raise OpenAIError(404, f"model '{name}' is not a generative model (backend \"{GENERATIVE_BACKEND}\"); the /v1 "
+                          "routes serve only those", "model", "model_not_found")
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    request.app.state.limits.check_json_size(len(raw))  # --http-max-input-size, as for every JSON body
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not JSON: {str(e)[:200]}") from None
+
+
+async def _serve(request: Request, core: Any, chat: bool) -> Response:
+    try:
+        call = parse_call(await _body(request), chat)
+        await _generative_model(core, call.model)
+    except (OpenAIError, ServerError) as e:
+        return _error_response(e)
+    parts = stream_parts(core.submit_stream, call.infer_request())
+    first = await anext(parts)
+    if first.final and first.error is not None:  # refused before it ran (a bad value, a prompt too long)
+        await parts.aclose()
+        return _error_response(first.error)
+    if call.stream:
+        return StreamingResponse(_events(call, first, parts), media_type="text/event-stream; charset=utf-8")
+    return await _answer(call, first, parts)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, core: CoreDep) -> Response:
+    """OpenAI's completions: a prompt continued."""
+    return await _serve(request, core, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, core: CoreDep) -> Response:
+    """OpenAI's chat completions: messages rendered with the model's chat template, the assistant's reply."""
+    return await _serve(request, core, chat=True)
+
+
+async def _generative_models(core: Any) -> list[dict[str, Any]]:
+    names = sorted({m["name"] for m in await core.repository_index(ready=True)})
+    models = []
+    for name in names:
+        try:
+            config = await core.model_config(name)
+        except ServerError:  # unloaded meanwhile
+            continue
+        if config.get("backend") == GENERATIVE_BACKEND:
+            models.append({"id": name, "object": "model", "created": 0, "owned_by": "kiln"})
+    return models
+
+
+@router.get("/v1/models")
+async def list_models(core: CoreDep) -> Response:
+    """The loaded generative models, as OpenAI lists models."""
+    return JSONResponse({"object": "list", "data": await _generative_models(core)})
+
+
+@router.get("/v1/models/{model_name}")
+async def retrieve_model(model_name: str, core: CoreDep) -> Response:
+    """One loaded generative model, or 404."""
+    found = [m for m in await _generative_models(core) if m["id"] == model_name]
+    if not found:
+        return _error_response(OpenAIError(404, f"The model '{model_name}' does not exist or is not a loaded "
+                                           "generative model", "model", "model_not_found"))
+    return JSONResponse(found[0])

@@ -1,0 +1,228 @@
+"""Generative models (`backend: "kiln_llm"`, server/core/generative.py) through Triton's protocols on a real server:
+the completed config, HTTP generate / generate_stream and the stock tritonclient's gRPC stream giving the greedy
+reference's text, sampling parameters and stop strings, bad requests, statistics and metrics; and the config
+completion and the stop-string text on their own. The OpenAI routes are test_openai.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from server.core.errors import ServerError
+from server.core.generative_config import complete_generative_config, generation_settings
+from server.core.generative_request import CompletionText
+from server.core.model_config import parse_config_text
+
+from ..conftest import require_grpc
+from .conftest import MAX_CONTEXT, MODEL, greedy_text, metric, wait_until_idle
+
+PROMPT = "the system is"
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def expected(llm_repository, tokenizer):
+    """The greedy reference's text after PROMPT (at most STEPS tokens) and its finish reason."""
+    return greedy_text(llm_repository, tokenizer, tokenizer.encode(PROMPT), STEPS)
+
+
+def _generate(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v2/models/{MODEL}/{path}", json=body, timeout=30)
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_config_is_completed_as_the_vllm_backend_serves(llm_server):
+    config = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/config", timeout=10).json()
+    assert config["backend"] == "kiln_llm" and config["model_transaction_policy"]["decoupled"] is True
+    assert config["max_batch_size"] == 4
+    assert [(i["name"], i["data_type"], i["optional"]) for i in config["input"]] == [
+        ("text_input", "TYPE_STRING", True), ("messages", "TYPE_STRING", True), ("stream", "TYPE_BOOL", True),
+        ("sampling_parameters", "TYPE_STRING", True), ("exclude_input_in_output", "TYPE_BOOL", True)]
+    assert [o["name"] for o in config["output"]] == ["text_output", "finish_reason", "num_input_tokens",
+                                                     "num_output_tokens"]
+
+
+def test_generate_gives_the_prompt_and_the_greedy_text(llm_server, expected, tokenizer):
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": STEPS, "temperature": 0}}
+    answer = _generate(llm_server, "generate", body)
+    assert answer.status_code == 200, answer.text
+    text, reason = expected
+    result = answer.json()
+    assert result["text_output"] == PROMPT + text and result["finish_reason"] == reason
+    assert result["num_input_tokens"] == len(tokenizer.encode(PROMPT))
+    excluded = _generate(llm_server, "generate", {**body, "exclude_input_in_output": True}).json()
+    assert excluded["text_output"] == text
+
+
+def test_generate_stream_sends_the_same_text_in_pieces(llm_server, expected):
+    sampling = json.dumps({"max_tokens": STEPS, "temperature": 0.0})
+    answer = _generate(llm_server, "generate_stream", {"text_input": PROMPT, "stream": True,
+                                                       "sampling_parameters": sampling})
+    assert answer.status_code == 200, answer.text
+    events = _events(answer)
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == expected[0]
+    assert [e["finish_reason"] for e in events] == [""] * (len(events) - 1) + [expected[1]]
+    counts = [e["num_output_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] <= STEPS
+
+
+def _grpc_stream(server, text: str, sampling: dict, stream: bool = True) -> list:
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(require_grpc(server).grpc_url)
+    inputs = []
+    for name, value, datatype in (("text_input", text.encode(), "BYTES"), ("stream", stream, "BOOL"),
+                                  ("sampling_parameters", json.dumps(sampling).encode(), "BYTES")):
+        tensor = grpcclient.InferInput(name, [1], datatype)
+        tensor.set_data_from_numpy(np.array([value], dtype=object if datatype == "BYTES" else bool))
+        inputs.append(tensor)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(MODEL, inputs, request_id="g1")
+        got = []
+        while True:
+            result, error = results.get(timeout=30)
+            got.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("where", ["llm_server", "llm_remote"])
+def test_tritonclient_grpc_stream_gives_the_greedy_text(where, request, expected):
+    server = request.getfixturevalue(where)
+    got = _grpc_stream(server, PROMPT, {"max_tokens": STEPS, "temperature": 0})
+    assert all(error is None for _, error in got)
+    pieces = [result.as_numpy("text_output").reshape(-1)[0].decode() for result, _ in got]
+    assert "".join(pieces) == expected[0]
+    assert got[-1][0].as_numpy("finish_reason").reshape(-1)[0].decode() == expected[1]
+    whole = _grpc_stream(server, PROMPT, {"max_tokens": STEPS, "temperature": 0}, stream=False)
+    assert len(whole) == 1 and whole[0][0].as_numpy("text_output").reshape(-1)[0].decode() == PROMPT + expected[0]
+
+
+def test_a_stop_string_cuts_the_text_and_finishes_with_stop(llm_server, expected):
+    text = expected[0]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    sampling = {"max_tokens": STEPS, "temperature": 0, "stop": [stop]}
+    answer = _generate(llm_server, "generate_stream", {"text_input": PROMPT, "stream": True,
+                                                       "sampling_parameters": json.dumps(sampling)})
+    events = _events(answer)
+    assert "".join(e["text_output"] for e in events) == text[:text.index(stop)]
+    assert events[-1]["finish_reason"] == "stop"
+    wait_until_idle(llm_server)  # the sequence was cancelled at the stop: its blocks are back
+
+
+def test_seeded_sampling_repeats_and_request_parameters_count(llm_server):
+    body = {"text_input": PROMPT, "exclude_input_in_output": True,
+            "parameters": {"max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 7}}
+    first, second = (_generate(llm_server, "generate", body).json() for _ in range(2))
+    assert first["text_output"] == second["text_output"] and first["num_output_tokens"] <= 8
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"text_input": PROMPT, "sampling_parameters": '{"temperature": -1}'}, ["temperature"]),
+    ({"text_input": PROMPT, "sampling_parameters": '{"best_of": 2}'}, ["best_of"]),
+    ({"text_input": PROMPT, "sampling_parameters": "[1]"}, ["sampling_parameters", "JSON object"]),
+    ({"text_input": PROMPT, "parameters": {"max_tokens": 10 * MAX_CONTEXT}}, ["context"]),
+    ({"text_input": ""}, ["empty"]),
+    ({"stream": True}, ["text_input", "messages"]),
+    ({"messages": '[{"content": "hi"}]'}, ["role"]),
+    ({"text_input": PROMPT, "sampling_parameters": '{"stop": [""]}'}, ["stop"]),
+])
+def test_bad_requests_are_400_naming_what_is_wrong_and_the_server_serves_on(llm_server, body, words):
+    answer = _generate(llm_server, "generate", body)
+    assert answer.status_code == 400, answer.text
+    assert all(word in answer.json()["error"] for word in words), answer.json()
+    assert _generate(llm_server, "generate", {"text_input": PROMPT, "parameters": {"max_tokens": 2}}).status_code == 200
+
+
+def test_infer_is_refused_as_for_any_decoupled_model(llm_server):
+    body = {"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]}
+    answer = httpx.post(f"{llm_server.base_url}/v2/models/{MODEL}/infer", json=body, timeout=10)
+    assert answer.status_code == 501 and "decoupled" in answer.json()["error"]
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client = grpcclient.InferenceServerClient(require_grpc(llm_server).grpc_url)
+        tensor = grpcclient.InferInput("text_input", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([b"hi"], dtype=object))
+        client.infer(MODEL, [tensor])
+
+
+def test_statistics_and_metrics_count_requests_and_tokens(llm_server):
+    stats = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
+    before = stats["inference_stats"]["success"]["count"]
+    tokens = metric(llm_server, "kiln_generation_tokens_total", kind="completion")
+    answer = _generate(llm_server, "generate", {"text_input": PROMPT, "parameters": {"max_tokens": 5,
+                                                                                     "ignore_eos": True}})
+    assert answer.json()["num_output_tokens"] == 5
+    stats = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == before + 1
+    assert metric(llm_server, "kiln_generation_tokens_total", kind="completion") == tokens + 5
+    assert metric(llm_server, "kiln_kv_cache_blocks_total") == 4 * MAX_CONTEXT // 8
+    assert metric(llm_server, "kiln_time_to_first_token_seconds_count") >= 1
+    assert metric(llm_server, "kiln_inter_token_latency_seconds_bucket", le="+Inf") >= 4
+    wait_until_idle(llm_server)
+
+
+# -- the config and the text on their own ---------------------------------------------------------------------------
+def _complete(text: str):
+    return complete_generative_config(parse_config_text('backend: "kiln_llm"\n' + text, "m"), "m", 8)
+
+
+def test_completion_defaults_and_settings():
+    config = _complete("")
+    assert config.max_batch_size == 8 and config.model_transaction_policy.decoupled
+    settings = generation_settings(config)
+    assert (settings.max_context, settings.block_tokens, settings.num_blocks, settings.fp16, settings.tf32) == (
+        2048, 16, None, False, True)
+    declared = _complete('input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+                         'parameters { key: "kv_cache_blocks" value { string_value: "128" } }\n'
+                         'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n')
+    assert len(declared.input) == 5 and generation_settings(declared).num_blocks == 128
+    assert generation_settings(declared).fp16
+    strict = _complete('parameters { key: "kiln_precision" value { string_value: "fp32" } }')
+    assert not generation_settings(strict).tf32 and not generation_settings(strict).fp16
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("dynamic_batching { }", ["dynamic_batching", "continuous batching"]),
+    ('parameters { key: "max_context" value { string_value: "lots" } }', ["max_context", "lots"]),
+    ('parameters { key: "max_context" value { string_value: "4096" } }\n'
+     'parameters { key: "kv_cache_blocks" value { string_value: "10" } }', ["kv_cache_blocks", "at least 256"]),
+    ('input [ { name: "prompt" data_type: TYPE_STRING dims: [ 1 ] } ]', ["prompt", "text_input"]),
+    ('output [ { name: "text_output" data_type: TYPE_INT32 dims: [ 1 ] } ]', ["text_output", "TYPE_STRING"]),
+    ("instance_group [ { count: 2 kind: KIND_CPU } ]", ["one generation loop"]),
+    ('parameters { key: "kiln_pad_batch" value { string_value: "true" } }', ["kiln_pad_batch"]),
+    ('parameters { key: "kiln_precision" value { string_value: "bf16" } }', ["kiln_precision", "bf16"]),
+])
+def test_completion_refuses_what_a_generative_model_cannot_do(text, words):
+    with pytest.raises(ServerError) as caught:
+        _complete(text)
+    assert all(word in caught.value.message for word in words), caught.value.message
+
+
+def test_completion_text_holds_back_a_possible_stop_and_cuts_at_it(tokenizer):
+    text = CompletionText(tokenizer, ("world",))
+    pieces = []
+    for token in tokenizer.encode("hello wor"):
+        text.push(token)
+        pieces.append(text.take())
+    assert "".join(pieces) == "hello " and not text.stopped  # "wor" may begin the stop string
+    for token in tokenizer.encode("ld and more"):
+        text.push(token)
+    assert text.stopped and text.take() == "" and text.text == "hello "
+    plain = CompletionText(tokenizer, ())
+    for token in tokenizer.encode("hello wor"):
+        plain.push(token)
+    plain.finish()
+    assert plain.take(final=True) == "hello wor"

@@ -1,0 +1,57 @@
+"""A generative model on the CUDA backend (instance_group KIND_GPU): the tiny decoder served in strict fp32 gives the
+greedy reference's text through the OpenAI routes, alone and as several sequences batched together (left-padded
+pasts in one decode step), and a client that disconnects frees its KV blocks. Needs an NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from .conftest import CONFIG, MAX_CONTEXT, MODEL, generative, metric, run_server, wait_until_idle, write_repository
+
+pytestmark = pytest.mark.gpu
+
+GPU_CONFIG = CONFIG.replace("KIND_CPU", "KIND_GPU") + \
+    'parameters { key: "kiln_precision" value { string_value: "fp32" } }\n'  # strict fp32: argmax as onnxruntime's
+PROMPTS = ["hello world", "the system is", "an assistant", "or the user", "is it", "we and you", "to the", "s"]
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("generative_gpu")
+    repository = write_repository(base, GPU_CONFIG)
+    with run_server(repository, base / "server.log", [MODEL], ready_timeout_s=600) as server:
+        yield server
+
+
+def _completion(server, prompt: str) -> str:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=STEPS, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_cuda_greedy_text_matches_the_reference_alone_and_batched(gpu_server):
+    from engine_core.generate.tokenizer import Tokenizer
+
+    directory = gpu_server.repository / MODEL / "1"
+    tokenizer = Tokenizer.from_directory(directory)
+    expected = [tokenizer.decode(generative.reference_greedy(directory, tokenizer.encode(p), STEPS)) for p in PROMPTS]
+    assert _completion(gpu_server, PROMPTS[0]) == expected[0]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # more streams than max_batch_size: some wait for a slot
+        assert list(pool.map(lambda p: _completion(gpu_server, p), PROMPTS)) == expected
+    wait_until_idle(gpu_server)
+
+
+def test_cuda_stream_cut_by_the_client_frees_its_blocks(gpu_server):
+    body = {"model": MODEL, "prompt": "the system", "max_tokens": MAX_CONTEXT - 16, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{gpu_server.base_url}/v1/completions",
+                                                          json=body) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert metric(gpu_server, "kiln_kv_cache_blocks_used") > 0
+    wait_until_idle(gpu_server)
