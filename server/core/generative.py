@@ -23,6 +23,7 @@ success: it ran); one execution per request. Time to first token and inter-token
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -59,6 +60,9 @@ log = logging.getLogger("kiln.server.generative")
 #: upper bounds (seconds) of the time-to-first-token and inter-token-latency histograms (vLLM's, and finer ones for
 #: small models)
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+#: prompts longer than this (bytes) are templated and tokenized in a worker thread: pure-Python BPE takes ~1 ms per
+#: 1,500 characters, which on the event loop would hold every other request of the server
+INLINE_PROMPT_BYTES = 4096
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -97,24 +101,27 @@ class GenerativeVersion(ServedModel):
 
     def submit_stream(self, core: Any, request: InferRequest, on_part: OnPart) -> _Withdrawal | None:
         """`decoupled.submit_stream` for this model (see the module docstring): returns what to cancel to withdraw
-        the request, or None when it was answered at once (a bad request: one final error part)."""
+        the request, or None when it was answered at once (a bad request: one final error part). A prompt over
+        `INLINE_PROMPT_BYTES` is read (templated, tokenized) in a worker thread, not on the event loop."""
         started = time.perf_counter_ns()
         try:
             inputs, batched, requested = core._checked(self, request)
-            wanted = read_request(self.tokenizer, inputs, request.parameters, f"model '{self.name}'")
-            generation = _Generation(self, Stream(core, self, request, requested, on_part), wanted, bool(batched),
-                                     started)
-            try:
-                generation.handle = self.generator.submit(wanted.prompt_ids, wanted.params, generation.event)
-            except ValueError as e:  # the prompt does not fit (too long, empty, unknown ids): the client's to fix
-                raise invalid(f"model '{self.name}': {e}") from None
-            except RuntimeError as e:  # closed: the version was unloaded meanwhile
-                raise ServerError(ErrorKind.UNAVAILABLE, f"{self.label}: {e}") from None
+            stream = Stream(core, self, request, requested, on_part)
+            read = functools.partial(read_request, self.tokenizer, inputs, request.parameters, f"model '{self.name}'")
+            withdrawal = _Withdrawal(self, stream, bool(batched), started)
+            if _prompt_bytes(inputs) <= INLINE_PROMPT_BYTES:
+                withdrawal.start(read())
+            else:
+                asyncio.get_running_loop().run_in_executor(None, read).add_done_callback(withdrawal.read)
         except Exception as e:  # noqa: BLE001 - answered, as a request that never ran
-            self.statistics.record_failure(time.perf_counter_ns() - started)
-            on_part(StreamPart(error=e if isinstance(e, ServerError) else _internal(self, e), final=True))
+            on_part(StreamPart(error=self.refusal(e, started), final=True))
             return None
-        return _Withdrawal(generation)
+        return withdrawal
+
+    def refusal(self, error: BaseException, started_ns: int) -> ServerError:
+        """What a request that never ran is answered (counted as a failure)."""
+        self.statistics.record_failure(time.perf_counter_ns() - started_ns)
+        return error if isinstance(error, ServerError) else _internal(self, error)
 
     def close(self) -> None:
         """Stop the generation loop; the sequences still going end (their streams with an error)."""
@@ -122,13 +129,51 @@ class GenerativeVersion(ServedModel):
 
 
 class _Withdrawal:
-    """What a stream's caller cancels: the sequence (its KV blocks are freed)."""
+    """What a stream's caller cancels: the request before its generation starts (while its prompt is read in a
+    worker thread), then its sequence (the generator frees its KV blocks)."""
 
-    def __init__(self, generation: _Generation) -> None:
+    def __init__(self, model: GenerativeVersion, stream: Stream, batched: bool, started_ns: int) -> None:
+        self._model = model
+        self._stream = stream
+        self._batched = batched
+        self._started_ns = started_ns
+        self._generation: _Generation | None = None
+        self._cancelled = False
+
+    def read(self, done: asyncio.Future) -> None:
+        """The worker thread read the request: start it (unless the caller left meanwhile) or refuse it."""
+        if self._cancelled:
+            return
+        try:
+            self.start(done.result())
+        except Exception as e:  # noqa: BLE001 - answered, as a request that never ran
+            self._stream.deliver(None, self._model.refusal(e, self._started_ns), True)
+
+    def start(self, wanted: GenerationRequest) -> None:
+        """Submit the read request to the generator; raises ServerError when it cannot run."""
+        model = self._model
+        generation = _Generation(model, self._stream, wanted, self._batched, self._started_ns)
+        try:
+            generation.handle = model.generator.submit(wanted.prompt_ids, wanted.params, generation.event)
+        except ValueError as e:  # the prompt does not fit (too long, empty, unknown ids): the client's to fix
+            raise invalid(f"model '{model.name}': {e}") from None
+        except RuntimeError as e:  # closed: the version was unloaded meanwhile
+            raise ServerError(ErrorKind.UNAVAILABLE, f"{model.label}: {e}") from None
         self._generation = generation
 
     def cancel(self) -> None:
-        self._generation.withdraw()
+        self._cancelled = True
+        if self._generation is not None:
+            self._generation.withdraw()
+        else:
+            self._stream.withdraw()
+
+
+def _prompt_bytes(inputs: dict[str, np.ndarray]) -> int:
+    """How long the request's prompt is (text_input or messages), in bytes as it came."""
+    return sum(len(bytes(v)) if isinstance(v, bytes | bytearray) else len(str(v))
+               for name in ("text_input", "messages") if name in inputs
+               for v in np.asarray(inputs[name], dtype=object).reshape(-1))
 
 
 class _Generation:

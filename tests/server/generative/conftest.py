@@ -30,6 +30,9 @@ parameters {{ key: "kv_block_tokens" value {{ string_value: "8" }} }}
 '''
 
 
+#: the same decoder with a context for prompts over generative.INLINE_PROMPT_BYTES (read in a worker thread)
+LONG_MODEL, LONG_CONTEXT = "tiny_llm_long", 2304
+
 generative = load_example("generative.py")
 
 
@@ -37,6 +40,9 @@ def write_repository(base: Path, config: str = CONFIG) -> Path:
     repo = base / "models"
     generative.write_tiny_decoder(repo / MODEL / "1", max_positions=MAX_CONTEXT)
     (repo / MODEL / "config.pbtxt").write_text(config)
+    generative.write_tiny_decoder(repo / LONG_MODEL / "1", max_positions=LONG_CONTEXT)
+    (repo / LONG_MODEL / "config.pbtxt").write_text(
+        CONFIG.replace("max_batch_size: 4", "max_batch_size: 1").replace(f'"{MAX_CONTEXT}"', f'"{LONG_CONTEXT}"'))
     examples.write_model(repo, "identity", examples.identity_model(), examples.IDENTITY_CONFIG)  # not generative
     return repo
 
@@ -48,7 +54,8 @@ def llm_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llm_server(llm_repository: Path, tmp_path_factory: pytest.TempPathFactory):
-    with run_server(llm_repository, tmp_path_factory.mktemp("llm_log") / "server.log", [MODEL, "identity"]) as server:
+    with run_server(llm_repository, tmp_path_factory.mktemp("llm_log") / "server.log",
+                    [MODEL, LONG_MODEL, "identity"]) as server:
         yield server
 
 
@@ -64,10 +71,11 @@ def tokenizer(llm_repository: Path) -> Tokenizer:
     return Tokenizer.from_directory(llm_repository / MODEL / "1")
 
 
-def greedy_text(repository: Path, tokenizer: Tokenizer, prompt_ids: list[int], steps: int) -> tuple[str, str]:
+def greedy_text(repository: Path, tokenizer: Tokenizer, prompt_ids: list[int], steps: int, model: str = MODEL
+                ) -> tuple[str, str]:
     """The text the greedy reference generates after `prompt_ids` in at most `steps` tokens (cut before an end
     token, as the server stops there) and the finish reason ("stop" or "length")."""
-    ids = generative.reference_greedy(repository / MODEL / "1", prompt_ids, steps)
+    ids = generative.reference_greedy(repository / model / "1", prompt_ids, steps)
     ends = {tokenizer.token_id(token) for token in (generative.IM_END, generative.ENDOFTEXT)}
     cut = next((i for i, token in enumerate(ids) if token in ends), None)
     if cut is None:

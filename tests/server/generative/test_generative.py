@@ -16,12 +16,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from server.core.errors import ServerError
+from server.core.generative import INLINE_PROMPT_BYTES
 from server.core.generative_config import complete_generative_config, generation_settings
 from server.core.generative_request import CompletionText
 from server.core.model_config import parse_config_text
 
 from ..conftest import require_grpc
-from .conftest import MAX_CONTEXT, MODEL, greedy_text, metric, wait_until_idle
+from .conftest import LONG_MODEL, MAX_CONTEXT, MODEL, greedy_text, metric, wait_until_idle
 
 PROMPT = "the system is"
 STEPS = 24
@@ -33,8 +34,8 @@ def expected(llm_repository, tokenizer):
     return greedy_text(llm_repository, tokenizer, tokenizer.encode(PROMPT), STEPS)
 
 
-def _generate(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v2/models/{MODEL}/{path}", json=body, timeout=30)
+def _generate(server, path: str, body: dict, model: str = MODEL) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v2/models/{model}/{path}", json=body, timeout=30)
 
 
 def _events(response: httpx.Response) -> list[dict]:
@@ -145,6 +146,22 @@ def test_bad_requests_are_400_naming_what_is_wrong_and_the_server_serves_on(llm_
     assert answer.status_code == 400, answer.text
     assert all(word in answer.json()["error"] for word in words), answer.json()
     assert _generate(llm_server, "generate", {"text_input": PROMPT, "parameters": {"max_tokens": 2}}).status_code == 200
+
+
+def test_a_long_prompt_is_read_in_a_worker_thread_with_the_same_answers(llm_server, llm_repository, tokenizer):
+    """A prompt over INLINE_PROMPT_BYTES is templated and tokenized off the event loop: the greedy text as for any
+    prompt, a stream of it, and the 400 of a prompt too long for the context all come back the same way."""
+    prompt = "the system is " * 300
+    assert len(prompt.encode()) > INLINE_PROMPT_BYTES
+    text, reason = greedy_text(llm_repository, tokenizer, tokenizer.encode(prompt), 4, model=LONG_MODEL)
+    body = {"text_input": prompt, "exclude_input_in_output": True, "parameters": {"max_tokens": 4, "temperature": 0}}
+    answer = _generate(llm_server, "generate", body, LONG_MODEL)
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["text_output"], answer.json()["finish_reason"]) == (text, reason)
+    streamed = _generate(llm_server, "generate_stream", {**body, "stream": True}, LONG_MODEL)
+    assert "".join(event["text_output"] for event in _events(streamed)) == text
+    too_long = _generate(llm_server, "generate", body)  # tiny_llm's context is MAX_CONTEXT tokens
+    assert too_long.status_code == 400 and "context" in too_long.json()["error"], too_long.text
 
 
 def test_infer_is_refused_as_for_any_decoupled_model(llm_server):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MAX_CONTEXT, MODEL, generative, greedy_text, metric, wait_until_idle
+from .conftest import LONG_MODEL, MAX_CONTEXT, MODEL, generative, greedy_text, metric, wait_until_idle
 
 MESSAGES = [{"role": "system", "content": "you are a system"}, {"role": "user", "content": "hello there"}]
 STEPS = 20
@@ -33,7 +33,7 @@ def _chat_prompt_ids(tokenizer) -> list[int]:
 
 def test_models_lists_the_generative_models_only(llm_server):
     client = _client(llm_server)
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, LONG_MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("identity")
