@@ -9,11 +9,15 @@ Models:
   simple_cnn   a small CNN classifier: INPUT FP32 [3, 32, 32] -> PROBABILITIES [10] (softmax), with a labels
                file for the classification extension; max_batch_size 8.
   identity     one Identity per KServe datatype (IN_<TYPE> -> OUT_<TYPE>, dims [-1]), incl. FP16, BF16, BYTES.
+  tiny_llm     a generative model (backend kiln_llm): examples/generative.py's tiny decoder and tokenizer, seeded random
+               weights (its text is noise), for /v1/chat/completions, /v1/completions and generate. Written by the
+               command (`make serve`), not by make_repository(), whose callers (tests) serve the ONNX models only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -140,11 +144,32 @@ def make_repository(repo: str | Path) -> Path:
     return repo
 
 
+TINY_LLM_CONFIG = """backend: "kiln_llm"
+max_batch_size: 8
+instance_group [ { kind: KIND_CPU } ]
+parameters { key: "max_context" value { string_value: "512" } }
+"""
+
+
+def write_generative_model(repo: Path, name: str = "tiny_llm") -> Path:
+    """`<repo>/<name>`: the tiny decoder of examples/generative.py served by the generation loop."""
+    spec = importlib.util.spec_from_file_location("generative", Path(__file__).with_name("generative.py"))
+    assert spec is not None and spec.loader is not None
+    generative = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generative)
+    generative.write_tiny_decoder(repo / name / "1", max_positions=512)
+    (repo / name / "config.pbtxt").write_text(TINY_LLM_CONFIG)
+    return repo / name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="repository directory to write (created if missing)")
+    parser.add_argument("--no-llm", action="store_true", help="leave out the generative model tiny_llm")
     args = parser.parse_args(argv)
     repo = make_repository(args.directory)
+    if not args.no_llm:
+        write_generative_model(repo)
     print(f"wrote example model repository to {repo}: {', '.join(sorted(p.name for p in repo.iterdir()))}")
     return 0
 
