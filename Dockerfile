@@ -26,7 +26,7 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 # ---- runtime ----
 FROM ${BASE} AS runtime
 ARG BASE
-# EXTRAS=auto: "gpu" on a CUDA base image, none otherwise; or name them (EXTRAS=gpu, EXTRAS=none)
+# EXTRAS=auto: "gpu,llm" on a CUDA base image, "llm" otherwise; or name them (EXTRAS=gpu, EXTRAS=none)
 ARG EXTRAS=auto
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -56,7 +56,7 @@ RUN if ! python3 -c "import ensurepip, venv" > /dev/null 2>&1; then \
 
 COPY --from=builder /dist /tmp/dist
 RUN case "${EXTRAS}" in \
-        auto) case "${BASE}" in *cuda*) extras="[gpu]" ;; *) extras="" ;; esac ;; \
+        auto) case "${BASE}" in *cuda*) extras="[gpu,llm]" ;; *) extras="[llm]" ;; esac ;; \
         none|"") extras="" ;; \
         *) extras="[${EXTRAS}]" ;; \
     esac \

@@ -83,7 +83,7 @@ def test_runtime_contract(dockerfile):
     command = healthcheck.args.split(" CMD ", 1)[1]
     assert "/v2/health/ready" in command and "curl" not in command and "wget" not in command
     (install,) = [r for r in runtime.all("RUN") if "pip install" in r.args]
-    assert "file://" in install.args and "[gpu]" in install.args  # only the built wheel, with the gpu extra
+    assert "file://" in install.args and "[gpu,llm]" in install.args  # only the built wheel, with the gpu and llm extras
 
 
 def test_docs_show_the_supported_docker_run_lines():
