@@ -2,8 +2,11 @@
 
 The model follows the Hugging Face / optimum export convention (inputs ``input_ids``, ``attention_mask``, optional
 ``position_ids``, ``past_key_values.{i}.key`` / ``.value``; outputs ``logits``, ``present.{i}.key`` / ``.value``).
-One engine serves both phases: prefill (one sequence, many new tokens, no past) and decode (many sequences, one new
-token each, their pasts left-padded to one length), so it is built with one optimization profile covering both.
+One engine serves both phases: prefill (several sequences, each a chunk of its prompt after the chunks before it)
+and decode (many sequences, one new token each), so it is built with one optimization profile covering both. A run
+left-pads the sequences' pasts to one length and RIGHT-pads their new tokens to one length: causal attention then
+keeps every real token from seeing a pad, and every pad query still sees a real token (a query row masked whole
+would make NaN with a -inf mask, and NaN times a zero weight poisons the real rows of the next layer).
 
 The builder checks every profile at its min, opt and max corners, where the three lengths (new tokens S, past P,
 mask P + S) have to agree. The max corner (S = max_context new tokens after P = max_context - 1 past ones) has
@@ -144,10 +147,21 @@ def engine_limits(engine: CudaEngine) -> tuple[int, int]:
     return batch_and_new[0], min(batch_and_new[1], past + 1)
 
 
+def ragged_layout(lengths: np.ndarray, counts: np.ndarray, past: int, new: int) -> tuple[np.ndarray, np.ndarray]:
+    """The attention mask [batch, past + new] and position ids [batch, new] of one run: row ``b`` has ``lengths[b]``
+    cached tokens right-aligned in the ``past`` columns and ``counts[b]`` new tokens left-aligned in the ``new``
+    columns (pads after them). Positions count each row's real tokens from 0; a pad's goes on counting (it stays
+    below ``past + new``, so within the model's positions, and nothing real attends to it)."""
+    columns = np.arange(past + new)[None, :]
+    mask = (columns >= past - lengths[:, None]) & (columns < past + counts[:, None])
+    return mask, lengths[:, None] + np.arange(new)[None, :]
+
+
 class DecoderRunner:
     """Steps a decoder engine over sequences whose keys and values live in a KVBlockPool: each call feeds new
-    tokens after every sequence's cached past (left-padded to one length, rounded up to whole blocks so decode
-    sees few distinct shapes), writes the new keys and values back and returns the logits of the last token."""
+    tokens after every sequence's cached past (pasts left-padded to one length, rounded up to whole blocks so decode
+    sees few distinct shapes; new tokens right-padded to the longest row's), writes the real tokens' keys and values
+    back and returns each row's logits at its last real token."""
 
     def __init__(self, engine: CudaEngine, signature: DecoderSignature | None = None) -> None:
         self.engine = engine
@@ -163,45 +177,50 @@ class DecoderRunner:
         return KVBlockPool(s.layers, s.kv_heads, s.head_dim, block_tokens=block_tokens, num_blocks=num_blocks,
                            dtype=s.kv_dtype)
 
-    def prefill(self, pool: KVBlockPool, seq: Hashable, tokens: Sequence[int]) -> np.ndarray:
-        """Feed one sequence's ``tokens`` (its prompt) after what the pool holds for it; its next-token logits
-        [vocab]."""
-        return self.step(pool, [seq], np.asarray([tokens], np.int64))[0]
+    def prefill(self, pool: KVBlockPool, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """Feed each of ``seqs`` its next chunk of prompt (any length, after what the pool holds for it) in one
+        batched run; next-token logits [len(seqs), vocab] (a sequence's first token's once its last chunk is in)."""
+        return self.step(pool, seqs, chunks)
 
     def decode(self, pool: KVBlockPool, seqs: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Feed one token to each of ``seqs`` in one batched run; next-token logits [len(seqs), vocab]."""
-        return self.step(pool, seqs, np.asarray(tokens, np.int64).reshape(len(seqs), 1))
+        return self.step(pool, seqs, [[int(t)] for t in tokens])
 
-    def step(self, pool: KVBlockPool, seqs: Sequence[Hashable], tokens: np.ndarray) -> np.ndarray:
-        """Feed ``tokens`` [batch, new] after each sequence's past; writes the new rows into the pool (reserving
-        blocks as needed: KVCacheFull when they run out) and returns the last position's logits [batch, vocab]."""
-        batch, new = tokens.shape
+    def step(self, pool: KVBlockPool, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """Feed ``chunks[b]`` (at least one token) after sequence ``seqs[b]``'s past; writes their rows into the pool
+        (reserving blocks as needed: KVCacheFull when they run out) and returns each row's logits at its last new
+        token [batch, vocab]. ValueError when the longest past and the longest chunk together pass the context."""
+        counts = np.array([len(c) for c in chunks], np.int64)
+        if len(chunks) != len(seqs) or not len(seqs) or counts.min() < 1:
+            raise ValueError(f"{len(seqs)} sequences need as many chunks of at least one token, not {counts.tolist()}")
         lengths = np.array([pool.length(s) if s in pool else 0 for s in seqs], np.int64)
-        for seq, length in zip(seqs, lengths):
-            pool.reserve(seq, int(length) + new)
+        new = int(counts.max())
         past = self._padded_past(int(lengths.max()), new, pool.block_tokens)
-        keys, values = pool.gather(seqs, past)
-        columns = np.arange(past + new)
-        feeds = {"input_ids": tokens.astype(self._index_dtype["input_ids"]),
-                 "attention_mask": (columns[None, :] >= past - lengths[:, None]).astype(
-                     self._index_dtype["attention_mask"])}
+        for seq, length, count in zip(seqs, lengths, counts):
+            pool.reserve(seq, int(length + count))
+        tokens = np.zeros((len(seqs), new), self._index_dtype["input_ids"])
+        for b, chunk in enumerate(chunks):
+            tokens[b, :len(chunk)] = chunk
+        mask, positions = ragged_layout(lengths, counts, past, new)
+        feeds = {"input_ids": tokens, "attention_mask": mask.astype(self._index_dtype["attention_mask"])}
         if self.signature.has_position_ids:
-            feeds["position_ids"] = (lengths[:, None] + np.arange(new)).astype(self._index_dtype["position_ids"])
+            feeds["position_ids"] = positions.astype(self._index_dtype["position_ids"])
+        keys, values = pool.gather(seqs, past)
         for i in range(self.signature.layers):
             feeds[PAST.format(i, "key")], feeds[PAST.format(i, "value")] = keys[i], values[i]
         outputs = self.context.infer(feeds)
-        new_keys = np.stack([outputs[PRESENT.format(i, "key")][:, :, past:] for i in range(self.signature.layers)])
-        new_values = np.stack([outputs[PRESENT.format(i, "value")][:, :, past:]
-                               for i in range(self.signature.layers)])
         for b, seq in enumerate(seqs):
-            pool.write(seq, int(lengths[b]), new_keys[:, b].astype(pool.dtype, copy=False),
-                       new_values[:, b].astype(pool.dtype, copy=False))
-        return np.asarray(outputs["logits"][:, -1], np.float32)
+            rows = slice(past, past + int(counts[b]))
+            new_kv = [np.stack([outputs[PRESENT.format(i, part)][b, :, rows] for i in range(self.signature.layers)])
+                      .astype(pool.dtype, copy=False) for part in KV_PARTS]
+            pool.write(seq, int(lengths[b]), *new_kv)
+        return np.asarray(outputs["logits"][np.arange(len(seqs)), counts - 1], np.float32)
 
     def _padded_past(self, longest: int, new: int, block_tokens: int) -> int:
-        """The past length to feed: the longest past rounded up to whole blocks, within the profile."""
+        """The past length to feed: the longest past rounded up to whole blocks, keeping past + new within the
+        context (so a run never feeds the model more positions than it serves)."""
         if longest + new > self.max_context:
             raise ValueError(f"{longest} cached + {new} new tokens exceed the engine's context of "
                              f"{self.max_context}")
         rounded = -(-longest // block_tokens) * block_tokens
-        return min(rounded, self.max_context - 1)
+        return min(rounded, self.max_context - new)

@@ -1,11 +1,16 @@
 """Continuous batching: many sequences share each decode step of one engine, joining and leaving between steps.
 
 One thread owns the engine's context and the KV cache. Each iteration it
-1. drops cancelled sequences (their blocks go back to the pool),
+1. drops cancelled sequences (their blocks go back to the pool), waiting, part-prefilled or decoding,
 2. admits waiting sequences, oldest first, while the batch has room and the pool has blocks for a sequence's
-   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory), and runs
-   each one's prefill, which gives its first token,
-3. runs one batched decode step for every other running sequence (one new token each).
+   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory),
+3. runs one batched prefill step: the next chunk of the prompts not yet fed, oldest first, as many as fit in
+   ``max_prefill_tokens`` token slots (rows times the longest chunk, pads included); a sequence whose last chunk is
+   in samples its first token,
+4. runs one batched decode step for every sequence that had a token before this iteration (one new token each).
+Prefilling many prompts in one run keeps the time to a first token from growing with the queue (one engine run per
+prompt would), and the budget bounds how long one iteration's prefill delays the decoding sequences' next token: a
+prompt longer than it is fed over several iterations, each chunk after the ones before it (from the pool).
 A sequence ends on an eos token (unless ``ignore_eos``), one of its ``stop_token_ids`` or ``max_tokens``; its
 blocks are freed at once and the next waiting sequence may take them in the next iteration.
 """
@@ -81,29 +86,56 @@ class _Sequence:
     handle: GenerationHandle
     sampler: Sampler
     generated: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the KV cache
     done: bool = False
-    fresh: bool = False  # got its first token from this iteration's prefill
 
     @property
     def kv_tokens(self) -> int:
         """Tokens the sequence may hold in the cache: what its blocks are reserved for."""
         return len(self.prompt) + self.params.max_tokens
 
+    @property
+    def unfed(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt) - self.prefilled
+
+
+def plan_prefill(pending: Sequence[tuple[int, int]], budget: int, max_context: int) -> list[int]:
+    """Chunk lengths for one prefill run over the first ``len(result)`` of ``pending`` ((tokens cached, tokens still
+    to feed) per sequence, oldest first): the run pads every chunk to the longest, so it is charged rows x longest
+    against ``budget``, and the plan feeds the most real tokens within that (fewer rows on a tie: longer chunks for
+    the oldest). The longest cached past plus the longest chunk stays within ``max_context``."""
+    best: list[int] = []
+    longest_left = longest_past = 0
+    for rows, (past, left) in enumerate(pending[:budget], 1):
+        longest_left, longest_past = max(longest_left, left), max(longest_past, past)
+        width = min(budget // rows, longest_left, max_context - longest_past)
+        chunks = [min(left, width) for _, left in pending[:rows]]
+        if sum(chunks) > sum(best):
+            best = chunks
+    return best
+
 
 class Generator:
     """Serves generation requests on one decoder engine with continuous batching in a thread of its own (named
     ``name``). ``max_batch_size`` sequences decode together; each may hold ``max_context`` tokens (prompt +
     completion); the KV cache has ``num_blocks`` blocks of ``block_tokens`` tokens (default: enough for a full
-    batch of full contexts)."""
+    batch of full contexts). One iteration's prefill run feeds at most ``max_prefill_tokens`` token slots (its rows
+    times its longest chunk): the most a waiting prompt delays the running sequences' next token, and what a long
+    prompt is cut into."""
 
     def __init__(self, engine: CudaEngine, *, max_batch_size: int, max_context: int, eos_token_ids: Collection[int],
-                 block_tokens: int = 16, num_blocks: int | None = None, name: str = "generator") -> None:
+                 block_tokens: int = 16, num_blocks: int | None = None, max_prefill_tokens: int = 512,
+                 name: str = "generator") -> None:
         self._runner = DecoderRunner(engine)
         if not 1 <= max_batch_size <= self._runner.max_batch_size or not 2 <= max_context <= self._runner.max_context:
             raise ValueError(f"max_batch_size {max_batch_size} and max_context {max_context} must be within the "
                              f"engine's profile: {self._runner.max_batch_size} sequences, {self._runner.max_context} "
                              f"tokens")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, not {max_prefill_tokens}")
         self.max_batch_size, self.max_context = max_batch_size, max_context
+        self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = self._runner.signature.vocab_size
         self._eos = frozenset(int(t) for t in eos_token_ids)
         blocks_per_context = -(-max_context // block_tokens)
@@ -178,7 +210,9 @@ class Generator:
             try:
                 self._drop_cancelled()
                 self._admit()
-                self._decode()
+                decoding = [s for s in self._running if s.generated]
+                self._prefill()
+                self._decode([s for s in decoding if not s.done])
             except Exception as e:  # a bug in the loop itself: end what runs rather than hang its clients
                 log.exception("generator loop failed")
                 for seq in list(self._running):
@@ -207,28 +241,35 @@ class Generator:
         self._forget_done()
 
     def _admit(self) -> None:
-        while len(self._running) < self.max_batch_size:
-            with self._lock:
-                if not self._waiting or self._pool.blocks_for(self._waiting[0].kv_tokens) > self._pool.free_blocks:
-                    return
+        with self._lock:
+            while self._waiting and len(self._running) < self.max_batch_size and (
+                    self._pool.blocks_for(self._waiting[0].kv_tokens) <= self._pool.free_blocks):
                 seq = self._waiting.popleft()
                 self._pool.reserve(seq.id, seq.kv_tokens)
                 self._running.append(seq)
                 self._prompt_tokens += len(seq.prompt)
-            try:
-                logits = self._runner.prefill(self._pool, seq.id, seq.prompt)
-            except Exception as e:
-                self._finish(seq, "error", error=e)
-                self._forget_done()
-                continue
-            seq.fresh = True
-            self._accept(seq, seq.sampler(logits))
-            self._forget_done()
 
-    def _decode(self) -> None:
-        batch = [s for s in self._running if not s.fresh]
-        for seq in self._running:
-            seq.fresh = False
+    def _prefill(self) -> None:
+        """One batched run over the next chunks of the running sequences' unfed prompts (``plan_prefill``)."""
+        pending = [s for s in self._running if s.unfed]
+        chunks = plan_prefill([(s.prefilled, s.unfed) for s in pending], self.max_prefill_tokens, self.max_context)
+        if not chunks:
+            return
+        batch = pending[:len(chunks)]
+        try:
+            logits = self._runner.prefill(self._pool, [s.id for s in batch],
+                                          [s.prompt[s.prefilled:s.prefilled + n] for s, n in zip(batch, chunks)])
+        except Exception as e:
+            for seq in batch:
+                self._finish(seq, "error", error=e)
+        else:
+            for seq, n, row in zip(batch, chunks, logits):
+                seq.prefilled += n
+                if not seq.unfed:
+                    self._accept(seq, seq.sampler(row))
+        self._forget_done()
+
+    def _decode(self, batch: list[_Sequence]) -> None:
         if not batch:
             return
         try:

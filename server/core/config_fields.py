@@ -115,6 +115,8 @@ KNOWN_PARAMETERS: dict[str, str] = {
     "max_context": "a generative model's tokens per sequence (generative_config.generation_settings)",
     "kv_cache_blocks": "a generative model's KV-cache blocks (generative_config.generation_settings)",
     "kv_block_tokens": "a generative model's tokens per KV-cache block (generative_config.generation_settings)",
+    "max_prefill_tokens": "a generative model's prompt tokens per loop iteration, longer prompts in chunks "
+                          "(generative_config.generation_settings)",
 }
 
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value

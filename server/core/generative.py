@@ -301,6 +301,7 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
         generator = Generator(engine, max_batch_size=settings.max_batch_size, max_context=settings.max_context,
                               eos_token_ids=_eos_token_ids(tokenizer, path.parent, label),
                               block_tokens=settings.block_tokens, num_blocks=settings.num_blocks,
+                              max_prefill_tokens=settings.max_prefill_tokens,
                               name=f"kiln-llm-{source.name}-{version}")
     except ValueError as e:  # not a decoder the generation loop can run (its message names what is missing)
         raise invalid(f"{label}: {e}") from None

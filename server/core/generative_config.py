@@ -7,7 +7,8 @@ requests. The model is decoupled (one response per token delta when streaming): 
 `max_batch_size` is the sequences per decode step (0 takes the server's --default-max-batch-size); a request
 carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default
 2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
-enough for every sequence of a full batch at max_context).
+enough for every sequence of a full batch at max_context), `max_prefill_tokens` (prompt tokens, pads included, one
+loop iteration feeds; longer prompts go in chunks between decode steps; default 512).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ GENERATIVE_BACKEND = "kiln_llm"
 MAX_CONTEXT = "max_context"
 KV_CACHE_BLOCKS = "kv_cache_blocks"
 KV_BLOCK_TOKENS = "kv_block_tokens"
+MAX_PREFILL_TOKENS = "max_prefill_tokens"
 DEFAULT_MAX_CONTEXT = 2048
+DEFAULT_MAX_PREFILL_TOKENS = 512
 DEFAULT_BLOCK_TOKENS = 16
 
 _T = model_config_pb2
@@ -55,6 +58,7 @@ class GenerationSettings:
     max_context: int
     block_tokens: int
     num_blocks: int | None  # None: the Generator's default
+    max_prefill_tokens: int  # the Generator's prefill budget per iteration (chunked prefill)
     fp16: bool  # kiln_precision fp16
     tf32: bool  # TF32 tensor cores for fp32 math: off only with kiln_precision fp32 (strict), as for ONNX models
 
@@ -147,12 +151,15 @@ def generation_settings(config: ModelConfig) -> GenerationSettings:
         raise invalid(f"model '{config.name}': {KV_CACHE_BLOCKS} {blocks} x {KV_BLOCK_TOKENS} {block_tokens} = "
                       f"{blocks * block_tokens} tokens, less than one sequence of {MAX_CONTEXT} {max_context}: raise "
                       f"{KV_CACHE_BLOCKS} to at least {-(-max_context // block_tokens)} or lower {MAX_CONTEXT}")
+    prefill = _positive(config, MAX_PREFILL_TOKENS, config.parameters.get(MAX_PREFILL_TOKENS),
+                        DEFAULT_MAX_PREFILL_TOKENS)
     precision = config.parameters.get(PRECISION)
     text = precision.string_value.strip().lower() if precision is not None else ""
     if text not in ("", "fp32", "tf32", "fp16"):
         raise invalid(f"model '{config.name}': parameter {PRECISION} of a {GENERATIVE_BACKEND} model must be fp32, "
                       f"tf32 or fp16, got '{text}'")
-    return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, text == "fp16", text != "fp32")
+    return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, prefill, text == "fp16",
+                              text != "fp32")
 
 
 def _positive(config: ModelConfig, key: str, parameter, default: int) -> int:

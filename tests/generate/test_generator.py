@@ -1,9 +1,11 @@
 """The Generator on the tiny decoder (CPU engine): greedy tokens equal a full recompute without a KV cache while
-sequences of different lengths decode together, join mid-way and leave; cancellation and the end of a sequence free
-its KV blocks; a full cache queues sequences; seeds reproduce. The GPU test compares CUDA engines with the CPU's."""
+sequences of different lengths are prefilled together or in chunks, decode together, join mid-way and leave;
+cancellation and the end of a sequence free its KV blocks; a full cache queues sequences; seeds reproduce. The GPU
+test compares CUDA engines with the CPU's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -72,21 +74,37 @@ def _generator(engine, **kwargs) -> Generator:
     return Generator(engine, **options)
 
 
+def _record_runs(monkeypatch) -> list[tuple]:
+    """Log every engine run the generator makes: ("prefill", sequence ids, chunk lengths) or ("decode", ids)."""
+    runs: list[tuple] = []
+    prefill, decode = DecoderRunner.prefill, DecoderRunner.decode
+
+    def logged_prefill(self, pool, seqs, chunks):
+        runs.append(("prefill", list(seqs), [len(c) for c in chunks]))
+        return prefill(self, pool, seqs, chunks)
+
+    def logged_decode(self, pool, seqs, tokens):
+        runs.append(("decode", list(seqs)))
+        return decode(self, pool, seqs, tokens)
+
+    monkeypatch.setattr(DecoderRunner, "prefill", logged_prefill)
+    monkeypatch.setattr(DecoderRunner, "decode", logged_decode)
+    return runs
+
+
 def test_the_tiny_decoder_is_not_degenerate(references):
     for tokens in references:
         assert len(set(tokens)) > 12, tokens  # greedy wanders: no one token repeated forever
 
 
+@pytest.mark.parametrize("budget", [512, 5], ids=["whole_prompts", "chunks_of_5"])
 @pytest.mark.parametrize("position_ids", [True, False], ids=["position_ids", "positions_from_mask"])
-def test_concurrent_greedy_equals_full_recompute(tmp_path, monkeypatch, position_ids):
+def test_concurrent_greedy_equals_full_recompute(tmp_path, monkeypatch, position_ids, budget):
     directory = generative.write_tiny_decoder(tmp_path, seed=1, position_ids=position_ids)
     engine = build_decoder_engine(directory / "model.onnx", max_batch_size=4, max_context=64)
     assert DecoderSignature.from_engine(engine).has_position_ids is position_ids
-    batches: list[int] = []
-    decode = DecoderRunner.decode
-    monkeypatch.setattr(DecoderRunner, "decode", lambda self, pool, seqs, tokens: (
-        batches.append(len(seqs)), decode(self, pool, seqs, tokens))[1])
-    with _generator(engine) as generator:
+    runs = _record_runs(monkeypatch)
+    with _generator(engine, max_prefill_tokens=budget) as generator:
         results = [Events() for _ in PROMPTS]
         for prompt, events in zip(PROMPTS, results):
             generator.submit(prompt, GREEDY, events)
@@ -95,7 +113,8 @@ def test_concurrent_greedy_equals_full_recompute(tmp_path, monkeypatch, position
             assert events.last == GenerationEvent(events.tokens[-1], "length", len(prompt), 32)
             assert [e.completion_tokens for e in events.events] == list(range(1, 33))
             assert not any(e.final for e in events.events[:-1])
-        assert max(batches) == 4  # the sequences decoded together, their pasts of different lengths left-padded
+        # the sequences decoded together, their pasts of different lengths left-padded
+        assert max(len(run[1]) for run in runs if run[0] == "decode") == 4
         stats = generator.stats()
     assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
     assert stats.prompt_tokens_total == sum(map(len, PROMPTS)) and stats.completion_tokens_total == 4 * 32
@@ -113,6 +132,77 @@ def test_a_sequence_joining_mid_decode_still_matches(tiny_engine, references):
         generator.submit(PROMPTS[1], GREEDY, first)
         assert first.wait().tokens == references[1]
         assert late.wait().tokens == references[3]
+
+
+def test_waiting_prompts_of_different_lengths_are_prefilled_in_one_run(tiny_engine, references, monkeypatch):
+    runs = _record_runs(monkeypatch)
+    blocked, release = threading.Event(), threading.Event()
+
+    def hold_the_loop(events: Events, event: GenerationEvent) -> None:
+        blocked.set()
+        assert release.wait(TIMEOUT)
+
+    with _generator(tiny_engine) as generator:
+        generator.submit([5], SamplingParams(max_tokens=1), Events(then=hold_the_loop))
+        assert blocked.wait(TIMEOUT)  # the loop is in the blocker's last event: the prompts below queue up
+        results = [Events() for _ in PROMPTS]
+        for prompt, events in zip(PROMPTS, results):
+            generator.submit(prompt, GREEDY, events)
+        release.set()
+        for events, reference in zip(results, references):
+            assert events.wait().tokens == reference
+        assert generator.stats().kv_blocks_used == 0
+    assert runs[:3] == [("prefill", [0], [1]), ("prefill", [1, 2, 3, 4], [3, 7, 1, 25]), ("decode", [1, 2, 3, 4])]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny_decoder, tiny_engine, references,
+                                                                    monkeypatch):
+    runs = _record_runs(monkeypatch)
+    long_prompt = list(range(200, 240))  # 40 tokens: 5 chunks of 8
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with _generator(tiny_engine, max_prefill_tokens=8) as generator:
+        late = Events()
+
+        def join_after_three(events: Events, event: GenerationEvent) -> None:
+            if event.completion_tokens == 3:
+                generator.submit(long_prompt, params, late)
+
+        early = [Events(), Events(then=join_after_three)]  # the second: both decode when the long one joins
+        generator.submit(PROMPTS[0], GREEDY, early[0])
+        generator.submit(PROMPTS[2], GREEDY, early[1])
+        assert early[0].wait().tokens == references[0]
+        assert early[1].wait().tokens == references[2]
+        assert late.wait().tokens == generative.reference_greedy(tiny_decoder, long_prompt, 20)
+        assert late.events[0].completion_tokens == 1
+        assert generator.stats().kv_blocks_used == 0
+    prefills = [run for run in runs if run[0] == "prefill"]
+    assert all(len(run[1]) * max(run[2]) <= 8 for run in prefills)  # the budget holds, pads included
+    chunked = [i for i, run in enumerate(runs) if 2 in run[1] and run[0] == "prefill"]
+    assert [runs[i][2] for i in chunked] == [[8]] * 5
+    for before, after in itertools.pairwise(chunked):  # the running sequences got a token between two chunks
+        assert [run for run in runs[before + 1:after] if run[0] == "decode"] == [("decode", [0, 1])]
+
+
+def test_cancelling_between_chunks_frees_the_blocks(tiny_engine, monkeypatch):
+    handles, submitted, fed = {}, threading.Event(), []
+    prefill = DecoderRunner.prefill
+
+    def cancel_after_the_first_chunk(self, pool, seqs, chunks):
+        logits = prefill(self, pool, seqs, chunks)
+        fed.append([len(c) for c in chunks])
+        assert submitted.wait(TIMEOUT)
+        handles["long"].cancel()
+        return logits
+
+    monkeypatch.setattr(DecoderRunner, "prefill", cancel_after_the_first_chunk)
+    with _generator(tiny_engine, max_prefill_tokens=8) as generator:
+        events = Events()
+        handles["long"] = generator.submit(list(range(200, 240)), SamplingParams(max_tokens=10), events)
+        submitted.set()
+        assert events.wait().events == [GenerationEvent(None, "cancelled", 40, 0)]
+        stats = generator.stats()
+    assert (stats.running, stats.kv_blocks_used) == (0, 0)
+    assert fed == [[8]]
 
 
 def test_cancel_frees_the_blocks(tiny_engine):
@@ -195,12 +285,14 @@ def test_requests_that_can_never_run_are_refused(tiny_engine):
         generator.submit([1], SamplingParams(), lambda event: None)
 
 
-def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_engine):
+@pytest.mark.parametrize("budget", [512, 3], ids=["whole_prompts", "chunks_of_3"])
+def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_engine, budget):
     params = SamplingParams(max_tokens=24, temperature=1.5, top_k=40, seed=11, ignore_eos=True)
-    with _generator(tiny_engine) as generator:
+    with _generator(tiny_engine) as alone_generator:
         alone = Events()
-        generator.submit(PROMPTS[2], params, alone)
+        alone_generator.submit(PROMPTS[2], params, alone)
         alone.wait()
+    with _generator(tiny_engine, max_prefill_tokens=budget) as generator:
         crowd = [Events() for _ in range(4)]
         generator.submit(PROMPTS[0], GREEDY, crowd[0])
         generator.submit(PROMPTS[2], params, crowd[1])
@@ -283,6 +375,8 @@ def test_models_without_a_kv_cache_are_refused(tiny_engine, tmp_path):
         DecoderSignature.from_engine(engine)
     with pytest.raises(ValueError, match="within the engine's profile: 4 sequences, 64 tokens"):
         Generator(tiny_engine, max_batch_size=8, max_context=64, eos_token_ids=())
+    with pytest.raises(ValueError, match="max_prefill_tokens must be at least 1, not 0"):
+        Generator(tiny_engine, max_batch_size=4, max_context=64, eos_token_ids=(), max_prefill_tokens=0)
 
 
 def test_the_tiny_decoders_tokenizer_files_agree(tiny_decoder):
@@ -311,15 +405,16 @@ def test_the_signature_describes_the_cache(tiny_engine):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("budget", [512, 5], ids=["whole_prompts", "chunks_of_5"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
-def test_cuda_engine_generates_the_cpu_engines_tokens(tiny_decoder, tiny_engine, fp16):
+def test_cuda_engine_generates_the_cpu_engines_tokens(tiny_decoder, tiny_engine, fp16, budget):
     """The tiny decoder built for CUDA (fp32 without TF32, or fp16) generates the CPU engine's greedy tokens while
-    four sequences decode together."""
+    four sequences are prefilled together (padded runs) or in chunks and decode together."""
     cuda = build_decoder_engine(tiny_decoder / "model.onnx", max_batch_size=4, max_context=64, backend="cuda",
                                 fp16=fp16, tf32=False)
     results = {}
     for name, engine in (("cpu", tiny_engine), ("cuda", cuda)):
-        with _generator(engine) as generator:
+        with _generator(engine, max_prefill_tokens=budget) as generator:
             runs = [Events() for _ in PROMPTS]
             for prompt, events in zip(PROMPTS, runs):
                 generator.submit(prompt, GREEDY, events)

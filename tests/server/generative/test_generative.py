@@ -200,12 +200,14 @@ def test_completion_defaults_and_settings():
     config = _complete("")
     assert config.max_batch_size == 8 and config.model_transaction_policy.decoupled
     settings = generation_settings(config)
-    assert (settings.max_context, settings.block_tokens, settings.num_blocks, settings.fp16, settings.tf32) == (
-        2048, 16, None, False, True)
+    assert (settings.max_context, settings.block_tokens, settings.num_blocks, settings.max_prefill_tokens,
+            settings.fp16, settings.tf32) == (2048, 16, None, 512, False, True)
     declared = _complete('input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
                          'parameters { key: "kv_cache_blocks" value { string_value: "128" } }\n'
+                         'parameters { key: "max_prefill_tokens" value { string_value: "64" } }\n'
                          'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n')
     assert len(declared.input) == 5 and generation_settings(declared).num_blocks == 128
+    assert generation_settings(declared).max_prefill_tokens == 64
     assert generation_settings(declared).fp16
     strict = _complete('parameters { key: "kiln_precision" value { string_value: "fp32" } }')
     assert not generation_settings(strict).tf32 and not generation_settings(strict).fp16
@@ -214,6 +216,7 @@ def test_completion_defaults_and_settings():
 @pytest.mark.parametrize(("text", "words"), [
     ("dynamic_batching { }", ["dynamic_batching", "continuous batching"]),
     ('parameters { key: "max_context" value { string_value: "lots" } }', ["max_context", "lots"]),
+    ('parameters { key: "max_prefill_tokens" value { string_value: "0" } }', ["max_prefill_tokens", "'0'"]),
     ('parameters { key: "max_context" value { string_value: "4096" } }\n'
      'parameters { key: "kv_cache_blocks" value { string_value: "10" } }', ["kv_cache_blocks", "at least 256"]),
     ('input [ { name: "prompt" data_type: TYPE_STRING dims: [ 1 ] } ]', ["prompt", "text_input"]),
