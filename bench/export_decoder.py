@@ -9,7 +9,10 @@ Why our own exporter: optimum is not on the GPU machine, and the contract is sma
 transformers cache from them and returns `logits` and `present.{i}.key|value` [B, H, P + S, D]: the names and
 layout of optimum's `--task text-generation-with-past` exports (engine_core/generate/decoder.py reads them).
 Weights are seeded random (`torch.manual_seed`) unless `--pretrained DIR` names a local checkpoint; no download.
-The version directory also gets a `generation_config.json` and, with `--tokenizer DIR`, that tokenizer's files.
+The version directory also gets a `generation_config.json` and, with `--tokenizer DIR`, that tokenizer's files;
+without it a synthetic byte-level tokenizer.json of the model's vocabulary size (the GPU machine has no network):
+the 256 byte tokens, the model's BOS/EOS as special tokens, and every other id a word " w<id>", so any id the
+seeded model generates decodes to text (what `kiln serve` needs to stream it).
 
 `--check` runs transformers (fp32, eager attention) greedy for `--check-tokens` tokens on a seeded prompt and
 writes `reference.json` (prompt ids and the tokens) next to the model: the serving tests and the GPU benchmark
@@ -20,10 +23,12 @@ Needs torch and transformers (not Kiln dependencies: a separate venv here, the i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +65,34 @@ def make_model(arch: str, size: str, pretrained: Path | None, seed: int) -> torc
                          bos_token_id=min(128000, vocab - 2), eos_token_id=min(128001, vocab - 1),
                          initializer_range=INIT_RANGE, attn_implementation="eager")
     return LlamaForCausalLM(config).eval()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}")
+
+
+def synthetic_tokenizer(vocab_size: int, bos: int, eos: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tokenizer.json, tokenizer_config.json) for a seeded model without a tokenizer of its own (see above)."""
+    spec = importlib.util.spec_from_file_location("generative", Path(__file__).parents[1] / "examples" / "generative.py")
+    assert spec is not None and spec.loader is not None
+    generative = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generative)
+    vocab = {ch: i for i, ch in enumerate(generative.bytes_to_unicode().values())}
+    special = {bos: "<|begin_of_text|>" if bos != eos else "<|endoftext|>", eos: "<|endoftext|>"}
+    for i in range(len(vocab), vocab_size):
+        vocab[special.get(i) or generative._byte_level(f" w{i}")] = i
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in sorted(special.items())]
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": byte_level, "post_processor": dict(byte_level, trim_offsets=False),
+                 "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": vocab, "merges": []}}
+    config = {"bos_token": special[bos], "eos_token": special[eos], "add_bos_token": False,
+              "chat_template": CHAT_TEMPLATE}
+    return tokenizer, config
 
 
 class WithPast(torch.nn.Module):
@@ -149,6 +182,11 @@ def main() -> None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (args.tokenizer / name).is_file():
                 shutil.copy(args.tokenizer / name, args.out / name)
+    else:
+        bos = model.config.bos_token_id if model.config.bos_token_id is not None else eos
+        tokenizer, tokenizer_config = synthetic_tokenizer(model.config.vocab_size, bos, eos)
+        (args.out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+        (args.out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if reference is not None:
         (args.out / "reference.json").write_text(json.dumps(reference))
         print(f"reference: prompt {reference['prompt']} -> {reference['tokens']}")
