@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -235,7 +236,7 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
         raise BuildError(f"backend '{config.backend}' is not available on this machine "
                          f"(available: {', '.join(available_backends())})")
     backend: Backend = get_backend(config.backend)  # the build step after the passes (engine_core.backends.base)
-    graph = copy.deepcopy(network.graph)
+    graph = _working_copy(network.graph)
     if not graph.outputs:
         raise BuildError("network has no outputs")
     progress = _Progress(config.progress_monitor)
@@ -355,6 +356,30 @@ def _build_plan(network: NetworkDefinition, config: BuilderConfig, logger: Logge
         },
     )
     return serialize_plan(plan)
+
+
+def _working_copy(graph: Graph) -> Graph:
+    """The copy of the network the passes rewrite: its own nodes, attributes and constant tables, but the network's
+    weights shared as read-only views (a deep copy held every weight twice for the whole build). Passes replace
+    a constant, never write into one: the views make a pass that tried fail instead of changing the network."""
+    memo: dict[int, object] = {}
+    for array in _arrays(graph):
+        view = array.view()
+        view.flags.writeable = False
+        memo[id(array)] = view
+    return copy.deepcopy(graph, memo)
+
+
+def _arrays(graph: Graph) -> Iterator[np.ndarray]:
+    """Every ndarray of `graph` and its bodies: constants and array attributes."""
+    yield from graph.constants.values()
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, np.ndarray):
+                    yield item
+                elif isinstance(item, Graph):
+                    yield from _arrays(item)
 
 
 def _int8_convolutions(graph: Graph, config: BuilderConfig, calibrated: bool, backend: Backend | None = None) -> bool:

@@ -11,7 +11,9 @@ Usage follows the reference::
 
 from __future__ import annotations
 
+import mmap
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,7 @@ class OnnxParser:
         self.network = network
         self.logger = logger or DEFAULT_LOGGER
         self.errors: list[ParserError] = []
+        self._external = _ExternalData(None)  # the model being parsed: its external tensors' files
 
     # -- reference API --------------------------------------------------------------------------
     @property
@@ -92,13 +95,18 @@ class OnnxParser:
             if depth > MAX_SUBGRAPH_DEPTH:
                 raise ParseError(f"subgraphs (Loop/If/Scan bodies) nest {depth} levels deep; Kiln accepts at "
                                  f"most {MAX_SUBGRAPH_DEPTH}")
-            _load_external_data(proto, None if path is None else os.path.dirname(os.path.abspath(path)))
+            self._external = _ExternalData(None if path is None else os.path.dirname(os.path.abspath(path)))
+            for tensor in _all_tensors(proto.graph):
+                self._external.check(tensor)
         except MemoryError:
             raise  # not a property of the model: the caller's memory limit (a build process's) says why
         except Exception as e:  # noqa: BLE001 - ParseError says why; anything else is a malformed field
             self._error(str(e) if isinstance(e, ParseError) else f"not a valid ONNX model: {e}")
             return False
-        return self._import(proto)
+        try:
+            return self._import(proto)
+        finally:
+            self._external = _ExternalData(None)  # the maps live on in the weights, not in the parser
 
     def parse_from_file(self, path: str | os.PathLike) -> bool:
         path = os.fspath(path)
@@ -150,14 +158,14 @@ class OnnxParser:
         graph = Graph(name=g.name or "network", opsets=dict(opsets))
         for init in g.initializer:
             try:
-                graph.constants[init.name] = _to_array(init)
+                graph.constants[init.name] = _to_array(init, self._external)
             except MemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - dims that disagree with the data, unknown types, ...
                 self._error(f"initializer '{init.name}': {e}")
         for sparse in g.sparse_initializer:
             try:
-                graph.constants[sparse.values.name] = _sparse_to_dense(sparse)
+                graph.constants[sparse.values.name] = _sparse_to_dense(sparse, self._external)
             except Exception as e:  # noqa: BLE001 - as above
                 self._error(f"sparse initializer '{sparse.values.name}': {e}")
         graph.inputs = [_value(v) for v in g.input if v.name not in graph.constants]
@@ -224,11 +232,11 @@ class OnnxParser:
         if attr.type == A.GRAPHS:
             return [self.import_graph(g, graph.opsets, visible) for g in attr.graphs]
         if attr.type == A.TENSOR:
-            return _to_array(attr.t)
+            return _to_array(attr.t, self._external)
         if attr.type == A.TENSORS:
-            return [_to_array(t) for t in attr.tensors]
+            return [_to_array(t, self._external) for t in attr.tensors]
         if attr.type == A.SPARSE_TENSOR:
-            return _sparse_to_dense(attr.sparse_tensor)
+            return _sparse_to_dense(attr.sparse_tensor, self._external)
         if attr.type == A.STRING:
             return attr.s.decode("utf-8", errors="replace")
         if attr.type == A.STRINGS:
@@ -302,8 +310,10 @@ def _check_tensor_size(name: str, dims: Any, elem_type: int, what: str = "tensor
     return size
 
 
-def _to_array(tensor: onnx.TensorProto) -> np.ndarray:
+def _to_array(tensor: onnx.TensorProto, external: _ExternalData) -> np.ndarray:
     _check_tensor_size(tensor.name, tensor.dims, tensor.data_type)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return external.array(tensor)
     return numpy_helper.to_array(tensor)
 
 
@@ -335,34 +345,116 @@ def _all_tensors(graph: onnx.GraphProto) -> Any:
                 yield from _all_tensors(body)
 
 
-def _load_external_data(model: onnx.ModelProto, base_dir: str | None) -> None:
-    """Read every external tensor's bytes into the model, confined to `base_dir` (the model file's directory).
+#: ONNX types whose external bytes are not one numpy element each (packed 4/2/6-bit): unpacked, so copied.
+_PACKED_TYPES = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1,
+                           onnx.TensorProto.INT2, onnx.TensorProto.UINT2, onnx.TensorProto.FLOAT6E2M3,
+                           onnx.TensorProto.FLOAT6E3M2})
 
-    Reads exactly the bytes each tensor's dims need (never a whole file), refuses locations that resolve
-    outside the directory (absolute paths, '..', links pointing out), and refuses external data altogether
-    when the model came without a path: relative locations would otherwise resolve against the cwd.
+
+class _ExternalData:
+    """The external tensors of one model, confined to `base_dir` (the model file's directory).
+
+    A tensor becomes a read-only view of a memory map of its file: the weights stay in the page cache instead of
+    being read into the model and copied again into arrays, so a model whose weights are several GB imports in
+    little more than its graph. Packed types, misaligned offsets and big-endian hosts read (copy) the bytes.
+    Locations that resolve outside the directory (absolute paths, '..', links pointing out) are refused, and
+    so is external data altogether when the model came without a path: relative locations would otherwise
+    resolve against the cwd. A file truncated while its map is in use ends the process (SIGBUS): replace
+    weight files by renaming, as exporters do.
     """
-    for tensor in _all_tensors(model.graph):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
+
+    def __init__(self, base_dir: str | None) -> None:
+        self.base_dir = base_dir
+        self._maps: dict[str, mmap.mmap | None] = {}  # real path -> its map (None: read, not mapped)
+
+    def check(self, tensor: onnx.TensorProto) -> None:
+        """Refuse an external tensor that could not load (before the import: the error names the tensor)."""
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            self._locate(tensor)
+
+    def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The tensor's values: a read-only view of its file's map, or an array of its bytes where one cannot be."""
+        location, target, offset, size = self._locate(tensor)
+        dtype = onnx_to_np(tensor.data_type)
+        view = self._map(target) if _mappable(tensor.data_type, offset, size) else None
+        if view is not None:
+            array = np.frombuffer(view, dtype=dtype, count=size // dtype.itemsize, offset=offset)
+            return array.reshape(tuple(tensor.dims))
+        loaded = onnx.TensorProto()
+        loaded.CopyFrom(tensor)  # header only (the data is elsewhere); the caller's model stays as it was
+        del loaded.external_data[:]
+        loaded.data_location = onnx.TensorProto.DEFAULT
+        loaded.raw_data = _read(target, offset, size, tensor.name, location)
+        return numpy_helper.to_array(loaded)
+
+    def _locate(self, tensor: onnx.TensorProto) -> tuple[str, str, int, int]:
+        """(location, confined real path, offset, bytes) of an external tensor; ParseError when it cannot load."""
         info = ExternalDataInfo(tensor)
-        if base_dir is None:
+        if self.base_dir is None:
             raise ParseError(f"tensor '{tensor.name}' keeps its data in the external file '{info.location}'; "
                              "parse the model from its file (parse_from_file, or parse(..., path=))")
         size = _check_tensor_size(tensor.name, tensor.dims, tensor.data_type, "external tensor")
         if info.length and info.length != size:
             raise ParseError(f"external tensor '{tensor.name}' declares {info.length} bytes, its shape "
                              f"{list(tensor.dims)} needs {size}")
-        tensor.raw_data = _read_confined(base_dir, info.location, info.offset or 0, size, tensor.name)
-        tensor.data_location = onnx.TensorProto.DEFAULT
-        del tensor.external_data[:]
+        offset = info.offset or 0
+        target = _confined(self.base_dir, info.location, tensor.name)
+        try:
+            held = max(os.stat(target).st_size - offset, 0)
+        except OSError as e:
+            raise ParseError(f"external tensor '{tensor.name}': cannot read '{info.location}': {e.strerror}") from None
+        if held < size:
+            raise ParseError(f"external tensor '{tensor.name}': '{info.location}' holds {held} bytes from offset "
+                             f"{offset}, the tensor needs {size}")
+        return info.location, target, offset, size
+
+    def _map(self, target: str) -> mmap.mmap | None:
+        """`target`'s read-only map, made once per file; None where the file cannot be mapped (then it is read)."""
+        if target not in self._maps:
+            self._maps[target] = _map_file(target) if len(self._maps) < _max_mapped_files() else None
+        return self._maps[target]
 
 
-def _read_confined(base_dir: str, location: str, offset: int, size: int, name: str) -> bytes:
+def _max_mapped_files() -> int:
+    """Files one model maps at most. Before Python 3.13 each map holds a duplicate of its file's descriptor while
+    the weights live: a quarter of the process's descriptors, the rest left to its sockets and files."""
+    if sys.version_info >= (3, 13):
+        return sys.maxsize
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    return sys.maxsize if soft == resource.RLIM_INFINITY else soft // 4
+
+
+def _mappable(data_type: int, offset: int, size: int) -> bool:
+    """Whether the tensor's bytes are its numpy array as they lie in the file (so a view of the map can be it)."""
+    itemsize = onnx_to_np(data_type).itemsize
+    return (size > 0 and data_type not in _PACKED_TYPES and data_type != onnx.TensorProto.STRING
+            and sys.byteorder == "little" and offset % max(itemsize, 1) == 0)
+
+
+def _map_file(target: str) -> mmap.mmap | None:
+    options = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # no descriptor held per map
+    try:
+        with open(target, "rb") as handle:
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ, **options)
+    except (OSError, ValueError):  # a file system without mmap, an empty file: read instead
+        return None
+
+
+def _confined(base_dir: str, location: str, name: str) -> str:
+    """The real path of `location` under `base_dir`; ParseError when it resolves outside the directory."""
     root = os.path.realpath(base_dir)
     target = os.path.realpath(os.path.join(root, location))
     if os.path.isabs(location) or os.path.commonpath([root, target]) != root:
         raise ParseError(f"external tensor '{name}': location '{location}' is outside the model's directory")
+    return target
+
+
+def _read(target: str, offset: int, size: int, name: str, location: str) -> bytes:
     try:
         with open(target, "rb") as handle:
             handle.seek(offset)
@@ -375,10 +467,10 @@ def _read_confined(base_dir: str, location: str, offset: int, size: int, name: s
     return data
 
 
-def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+def _sparse_to_dense(sparse: onnx.SparseTensorProto, external: _ExternalData) -> np.ndarray:
     _check_tensor_size(sparse.values.name, sparse.dims, sparse.values.data_type, "sparse tensor")
-    values = numpy_helper.to_array(sparse.values)
-    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    values = _to_array(sparse.values, external)
+    indices = _to_array(sparse.indices, external).astype(np.int64)
     dims = tuple(sparse.dims)
     dense = np.zeros(dims, dtype=values.dtype)
     if indices.ndim == 1:
