@@ -12,7 +12,9 @@ Prefilling many prompts in one run keeps the time to a first token from growing 
 prompt would), and the budget bounds how long one iteration's prefill delays the decoding sequences' next token: a
 prompt longer than it is fed over several iterations, each chunk after the ones before it (from the pool).
 A sequence ends on an eos token (unless ``ignore_eos``), one of its ``stop_token_ids`` or ``max_tokens``; its
-blocks are freed at once and the next waiting sequence may take them in the next iteration.
+blocks are freed at once and the next waiting sequence may take them in the next iteration. Each sequence's
+``Sampler`` knows its prompt and keeps its own token counts (penalties), and hands back the log-probabilities its
+request asks for with the token; the events carry them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from engine_core.generate.decoder import DecoderRunner
-from engine_core.generate.sampling import Sampler, SamplingParams
+from engine_core.generate.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine_core.runtime import CudaEngine
 
 log = logging.getLogger("kiln.generate")
@@ -35,13 +37,15 @@ log = logging.getLogger("kiln.generate")
 class GenerationEvent:
     """One step of one sequence. ``token_id`` is a new token of the completion, or None on a final event that adds
     none: "stop" (the eos or stop token that ended the sequence is counted in ``completion_tokens`` but is not part
-    of the text), "cancelled" and "error". A "length" final event carries the last token."""
+    of the text), "cancelled" and "error". A "length" final event carries the last token. ``logprobs``: the token's
+    log-probabilities, when the request's ``SamplingParams.logprobs`` asks for them."""
 
     token_id: int | None
     finish_reason: str | None  # None while going; "stop", "length", "cancelled", "error"
     prompt_tokens: int
     completion_tokens: int
     error: BaseException | None = None
+    logprobs: TokenLogprobs | None = None
 
     @property
     def final(self) -> bool:
@@ -158,7 +162,7 @@ class Generator:
         prompt + max_tokens longer than the context or the whole KV cache; RuntimeError once closed."""
         tokens = self._check(prompt, params)
         handle = GenerationHandle(self._lock)
-        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params))
+        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params, tokens))
         with self._lock:
             if self._closed:
                 raise RuntimeError("the generator is closed")
@@ -266,7 +270,7 @@ class Generator:
             for seq, n, row in zip(batch, chunks, logits):
                 seq.prefilled += n
                 if not seq.unfed:
-                    self._accept(seq, seq.sampler(row))
+                    self._accept(seq, *seq.sampler.choose(row))
         self._forget_done()
 
     def _decode(self, batch: list[_Sequence]) -> None:
@@ -279,10 +283,10 @@ class Generator:
                 self._finish(seq, "error", error=e)
         else:
             for seq, row in zip(batch, logits):
-                self._accept(seq, seq.sampler(row))
+                self._accept(seq, *seq.sampler.choose(row))
         self._forget_done()
 
-    def _accept(self, seq: _Sequence, token: int) -> None:
+    def _accept(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record ``token`` for ``seq`` and tell its submitter: a new token, or the end of the sequence."""
         seq.generated.append(token)
         with self._lock:
@@ -291,19 +295,19 @@ class Generator:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
             self._finish(seq, "stop")
         elif len(seq.generated) >= params.max_tokens:
-            self._finish(seq, "length", token=token)
+            self._finish(seq, "length", token=token, logprobs=logprobs)
         else:
-            self._emit(seq, GenerationEvent(token, None, len(seq.prompt), len(seq.generated)))
+            self._emit(seq, GenerationEvent(token, None, len(seq.prompt), len(seq.generated), logprobs=logprobs))
 
-    def _finish(self, seq: _Sequence, reason: str, token: int | None = None, error: BaseException | None = None
-                ) -> None:
+    def _finish(self, seq: _Sequence, reason: str, token: int | None = None, error: BaseException | None = None,
+                logprobs: TokenLogprobs | None = None) -> None:
         """End ``seq``: free its blocks and send its final event (``_forget_done`` takes it off the lists)."""
         if seq.done:
             return
         seq.done = True
         with self._lock:
             self._pool.free(seq.id)
-        self._emit(seq, GenerationEvent(token, reason, len(seq.prompt), len(seq.generated), error))
+        self._emit(seq, GenerationEvent(token, reason, len(seq.prompt), len(seq.generated), error, logprobs))
 
     def _emit(self, seq: _Sequence, event: GenerationEvent) -> None:
         try:

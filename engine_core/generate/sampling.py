@@ -1,17 +1,34 @@
-"""How the next token is chosen from a step's logits: greedy, or sampled with temperature, top-k and top-p.
+"""How the next token is chosen from a step's logits: penalised for repeats, then greedy, or sampled with
+temperature, top-k and top-p; and, when a request asks, the chosen token's log-probability and the most likely ones.
 
 Each sequence samples from a numpy Generator of its own, seeded from ``SamplingParams.seed`` when one is given, so
 a seeded request gives the same tokens however it was batched with others.
+
+Penalties act on the logits before anything else (vLLM's order): ``repetition_penalty`` (vLLM's, over the prompt's
+and the generated tokens: a positive logit divided by it, a negative one multiplied), then OpenAI's
+``frequency_penalty`` and ``presence_penalty`` over the generated tokens (``logit -= count * frequency + (count > 0)
+* presence``). A sampler keeps the counts as its tokens come, one slot per distinct token, so a step touches only
+the tokens seen, never the whole history.
+
+Log-probabilities are those of the model's own distribution, ``log_softmax(logits)`` before penalties, temperature,
+top-k and top-p: what vLLM reports by default (its ``logprobs_mode`` ``raw_logprobs``). They cost a pass over the
+vocabulary per token, so they are computed only for a request that sets ``logprobs``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+
+#: the most alternatives a request may ask for per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20
+#: the bound of OpenAI's presence_penalty and frequency_penalty
+MAX_PENALTY = 2.0
+_FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # -2..2, over the generated tokens
+    frequency_penalty: float = 0.0  # -2..2, per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0, 1: off; over the prompt and the generated tokens
+    logprobs: int | None = None  # None: none; N: the chosen token's and the N most likely tokens' log-probabilities
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -44,10 +65,25 @@ class SamplingParams:
             _check_int("stop_token_ids", token, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), not {self.repetition_penalty}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (the sampler then keeps the sequence's token counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:
@@ -69,17 +105,19 @@ class SamplingParams:
             if not isinstance(stops, list | tuple):
                 raise ValueError(f"stop_token_ids must be a list of token ids, not {stops!r}")
             given["stop_token_ids"] = tuple(stops)
-        for name in ("temperature", "top_p"):  # JSON's 0 and 1 are ints
+        for name in _FLOAT_FIELDS:  # JSON's 0 and 1 are ints
             if isinstance(given.get(name), int) and not isinstance(given[name], bool):
                 given[name] = float(given[name])
         return cls(**given)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, not {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, not {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, not {value}")
 
 
 def _check_float(name: str, value: Any) -> None:
@@ -87,16 +125,107 @@ def _check_float(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number, not {value!r}")
 
 
-class Sampler:
-    """Chooses one sequence's tokens: argmax when greedy, else a draw from the tempered, top-k and top-p filtered
-    distribution with this sequence's own random generator."""
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability, its rank (1: the most likely token; on a tie the lower id first) and the
+    ``logprobs`` most likely tokens as (token id, log-probability), most likely first."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``log_softmax(logits)`` and the ``top_n`` most likely tokens' (ordered by
+    log-probability, then by id: the ranks are those of this order)."""
+    scores = np.asarray(logits, np.float64)
+    peak = scores.max()
+    logprobs = scores - (peak + np.log(np.exp(scores - peak).sum()))
+    n = min(top_n, logprobs.shape[0])
+    if n:
+        cut = -np.partition(-logprobs, n - 1)[n - 1]  # the n-th largest log-probability
+        above = np.flatnonzero(logprobs > cut)
+        top = np.concatenate([above, np.flatnonzero(logprobs == cut)[:n - above.size]])
+        top = top[np.lexsort((top, -logprobs[top]))]
+    else:
+        top = np.empty(0, np.int64)
+    own = logprobs[token]
+    rank = 1 + int(np.count_nonzero(logprobs > own)) + int(np.count_nonzero(logprobs[:token] == own))
+    return TokenLogprobs(float(own), rank, tuple((int(t), float(logprobs[t])) for t in top))
+
+
+class _TokenCounts:
+    """The distinct tokens a sequence has seen (prompt and generated), each with how often it was generated: a slot
+    per token, so adding one is O(1) (amortized) and a step's penalties are one vectorized pass over the slots."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, int] = {}
+        self._ids = np.empty(16, np.int64)
+        self._counts = np.zeros(16, np.float64)
+
+    def add(self, token: int, generated: bool) -> None:
+        slot = self._slots.get(token)
+        if slot is None:
+            slot = len(self._slots)
+            if slot == self._ids.shape[0]:
+                self._ids = np.resize(self._ids, 2 * slot)
+                self._counts = np.concatenate([self._counts, np.zeros(slot)])
+            self._slots[token] = slot
+            self._ids[slot] = token
+        if generated:
+            self._counts[slot] += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[:len(self._slots)]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """How often each of ``ids`` was generated (0 for a token only the prompt has)."""
+        return self._counts[:len(self._slots)]
+
+
+class Sampler:
+    """Chooses one sequence's tokens: the logits penalised for the sequence's tokens so far (when a penalty is set),
+    then argmax when greedy, else a draw from the tempered, top-k and top-p filtered distribution with this
+    sequence's own random generator. Each call is one step: the chosen token joins the sequence's counts."""
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self._seen: _TokenCounts | None = _TokenCounts() if params.penalized else None
+        if self._seen is not None and params.repetition_penalty != 1:  # only repetition_penalty reads the prompt
+            for token in prompt:
+                self._seen.add(int(token), generated=False)
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next token for one row of logits [vocab]."""
+        return self.choose(logits)[0]
+
+    def choose(self, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token for one row of logits [vocab], with its log-probabilities when the request asks."""
+        scores = self.penalize(logits) if self._seen is not None else logits
+        token = self._pick(scores)
+        if self._seen is not None:
+            self._seen.add(token, generated=True)
+        if self.params.logprobs is None:
+            return token, None
+        return token, token_logprobs(logits, token, self.params.logprobs)
+
+    def penalize(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` with the penalties for the tokens seen so far applied (vLLM's order)."""
+        scores = np.array(logits, np.float64)
+        if self._seen is None:
+            return scores
+        ids, counts, params = self._seen.ids, self._seen.counts, self.params
+        values = scores[ids]
+        if params.repetition_penalty != 1:
+            values = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        values -= counts * params.frequency_penalty + (counts > 0) * params.presence_penalty
+        scores[ids] = values
+        return scores
+
+    def _pick(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
         scores = np.asarray(logits, np.float64) / self.params.temperature

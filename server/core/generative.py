@@ -12,8 +12,9 @@ tokenized and submitted; the generator's events (one per token, from its thread)
 the text grows through `CompletionText`. With `stream` true every new piece of text is one response; otherwise one
 response carries the whole text (after the prompt unless `exclude_input_in_output`). Every response has
 text_output, finish_reason ("" until the last: "stop" or "length"), num_input_tokens and num_output_tokens (those
-the request asked for, when it names outputs). Withdrawing the stream (a client that left) cancels the sequence,
-and the generator frees its KV blocks.
+the request asked for, when it names outputs); with `return_logprobs` also `logprobs`, the vLLM backend's JSON of
+the tokens since the previous response (`token_logprobs_entry`). Withdrawing the stream (a client that left) cancels
+the sequence, and the generator frees its KV blocks.
 
 Statistics as a decoupled model's: each request counts once, success or failure, when it ends (a withdrawn one as a
 success: it ran); one execution per request. Time to first token and inter-token latency go to histograms read by
@@ -34,6 +35,7 @@ import numpy as np
 
 from engine_core.generate.decoder import build_decoder_engine
 from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator
+from engine_core.generate.sampling import TokenLogprobs
 from engine_core.generate.tokenizer import Tokenizer, TokenizerError
 from server.repository import ModelSource, select_versions
 
@@ -64,6 +66,8 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 #: 1,500 characters, which on the event loop would hold every other request of the server
 INLINE_PROMPT_BYTES = 4096
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+#: the lowest log-probability sent (JSON has no -Infinity; vLLM's OpenAI server clamps there too)
+MIN_LOGPROB = -9999.0
 
 
 class GenerativeVersion(ServedModel):
@@ -80,6 +84,15 @@ class GenerativeVersion(ServedModel):
         self.time_to_first_token = Histogram(TTFT_BUCKETS_S)
         self.inter_token_latency = Histogram(ITL_BUCKETS_S)
         self.label = f"model '{name}' version {version}"
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens spelled out (vLLM's `decoded_token`; a piece of a UTF-8
+        character is U+FFFD)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def check_inputs(self, arrays: dict[str, Any], datatypes: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
         """Every input optional (generative_request says which prompt input a request needs), each one element:
@@ -189,6 +202,7 @@ class _Generation:
         self.text = CompletionText(model.tokenizer, request.stops)
         self.handle: GenerationHandle | None = None
         self.last_token_ns: int | None = None
+        self.logprobs: list[dict[str, dict[str, Any]]] = []  # the tokens' since the last response (return_logprobs)
         self._loop = asyncio.get_running_loop()
         self._ended = False
 
@@ -202,6 +216,8 @@ class _Generation:
         if event.token_id is not None:
             self._timed(at_ns)
             self.text.push(event.token_id)
+            if self.request.return_logprobs and event.logprobs is not None:
+                self.logprobs.append(token_logprobs_entry(self.model, event.token_id, event.logprobs))
         if event.finish_reason in ("error", "cancelled") and not self.text.stopped:
             self._fail(event)
             return
@@ -234,6 +250,11 @@ class _Generation:
                    "finish_reason": np.array([(reason or "").encode()], dtype=object).reshape(*lead, 1),
                    "num_input_tokens": np.array([event.prompt_tokens], np.uint32).reshape(*lead, 1),
                    "num_output_tokens": np.array([event.completion_tokens], np.uint32).reshape(*lead, 1)}
+        if self.request.return_logprobs:
+            asked = self.request.params.logprobs is not None
+            text = json.dumps(self.logprobs if asked else None, separators=(",", ":"))
+            outputs["logprobs"] = np.array([text.encode()], dtype=object).reshape(*lead, 1)
+            self.logprobs = []
         self.stream.deliver(outputs, None, final)
 
     def _fail(self, event: GenerationEvent) -> None:
@@ -264,6 +285,19 @@ class _Generation:
             statistics.record_execution(1, times)
         else:
             statistics.record_failure(total)
+
+
+def token_logprobs_entry(model: GenerativeVersion, token_id: int, logprobs: TokenLogprobs) -> dict[str, dict[str, Any]]:
+    """One token's entry of the `logprobs` output, as Triton's vLLM backend writes vLLM's: token id (a string, JSON's
+    keys) -> {logprob, rank, decoded_token}, the chosen token first, then the most likely ones (the chosen one once)."""
+    entry = {str(token_id): _logprob(model, token_id, logprobs.logprob, logprobs.rank)}
+    for rank, (token, logprob) in enumerate(logprobs.top, 1):
+        entry.setdefault(str(token), _logprob(model, token, logprob, rank))
+    return entry
+
+
+def _logprob(model: GenerativeVersion, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": model.token_text(token_id)}
 
 
 def _internal(model: GenerativeVersion, error: BaseException) -> ServerError:

@@ -3,7 +3,8 @@
 Why its own completion: the model's ONNX inputs (input_ids, attention_mask, the KV cache) are the generation loop's,
 not the client's. Clients send text, as to Triton's vLLM backend, so the served inputs and outputs are the vLLM
 backend's, filled in here (a config may spell them out; they must then be exactly these), plus `messages` for chat
-requests. The model is decoupled (one response per token delta when streaming): implied and completed.
+requests (`return_logprobs` asks for the vLLM backend's additional output `logprobs`). The model is decoupled (one
+response per token delta when streaming): implied and completed.
 `max_batch_size` is the sequences per decode step (0 takes the server's --default-max-batch-size); a request
 carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default
 2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
@@ -35,9 +36,10 @@ _T = model_config_pb2
 #: the served inputs: (name, data type, dims, optional); text_input or messages carries the prompt
 INPUTS = (("text_input", _T.TYPE_STRING, (1,), True), ("messages", _T.TYPE_STRING, (1,), True),
           ("stream", _T.TYPE_BOOL, (1,), True), ("sampling_parameters", _T.TYPE_STRING, (1,), True),
-          ("exclude_input_in_output", _T.TYPE_BOOL, (1,), True))
+          ("exclude_input_in_output", _T.TYPE_BOOL, (1,), True), ("return_logprobs", _T.TYPE_BOOL, (1,), True))
 OUTPUTS = (("text_output", _T.TYPE_STRING, (-1,)), ("finish_reason", _T.TYPE_STRING, (-1,)),
-           ("num_input_tokens", _T.TYPE_UINT32, (1,)), ("num_output_tokens", _T.TYPE_UINT32, (1,)))
+           ("num_input_tokens", _T.TYPE_UINT32, (1,)), ("num_output_tokens", _T.TYPE_UINT32, (1,)),
+           ("logprobs", _T.TYPE_STRING, (-1,)))
 #: Kiln parameters about the plan of an ONNX model served request by request: a generative model has none of them
 _REQUEST_MODEL_PARAMETERS = (PROFILE_BATCH_SIZES, PAD_BATCH, WARMUP_BUCKETS, EXECUTION_TIMEOUT_MS)
 #: what the generation loop does itself, so the config must not ask for it: field -> why

@@ -3,8 +3,10 @@
 Inputs (server/core/generative_config.py): the prompt is `text_input`, or `messages` (a JSON array of chat
 messages, rendered with the model's chat template: how OpenAI chat requests reach the model); `sampling_parameters`
 is a JSON object of `SamplingParams` fields plus `stop` (a string or a list of strings); request parameters named
-like those fields count too (the JSON wins); `stream` (default false) and `exclude_input_in_output` (default false;
-a stream never repeats the prompt), as in Triton's vLLM backend. Every bad value is INVALID_ARGUMENT naming it.
+like those fields count too (the JSON wins); `stream` (default false), `exclude_input_in_output` (default false;
+a stream never repeats the prompt) and `return_logprobs` (default false: the `logprobs` output, of the tokens that
+`sampling_parameters.logprobs` asks log-probabilities for), as in Triton's vLLM backend. Every bad value is
+INVALID_ARGUMENT naming it.
 
 Stop strings act on text, as vLLM's do: the text is cut where one starts (the stop string is not sent) and the
 sequence ends with finish reason "stop". While the text ends with the beginning of a stop string, that tail is held
@@ -43,6 +45,7 @@ class GenerationRequest:
     stops: tuple[str, ...]
     stream: bool
     exclude_input: bool
+    return_logprobs: bool = False
 
 
 def read_request(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
@@ -65,7 +68,7 @@ def read_request(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], paramet
     except ValueError as e:
         raise invalid(f"{label}: sampling_parameters: {e}") from None
     return GenerationRequest(text, ids, params, stops, _flag(inputs, "stream"),
-                             _flag(inputs, "exclude_input_in_output"))
+                             _flag(inputs, "exclude_input_in_output"), _flag(inputs, "return_logprobs"))
 
 
 def _text(array: np.ndarray, name: str) -> str:

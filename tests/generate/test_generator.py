@@ -422,3 +422,72 @@ def test_cuda_engine_generates_the_cpu_engines_tokens(tiny_decoder, tiny_engine,
             assert generator.stats().kv_blocks_used == 0
     steps = 16 if fp16 else 32  # fp16 logits may swap a near tie late in a sequence
     assert [t[:steps] for t in results["cuda"]] == [t[:steps] for t in results["cpu"]]
+
+
+# -- penalties and log-probabilities --------------------------------------------------------------------------------
+def reference_penalized_greedy(directory: Path, prompt: list[int], params: SamplingParams
+                                ) -> tuple[list[int], list[np.ndarray]]:
+    """reference_greedy's loop (onnxruntime, the whole sequence each step, no KV cache) choosing the argmax of the
+    penalised logits (test_sampling's numpy reference): the tokens and each step's raw logits."""
+    import onnxruntime as ort
+
+    from tests.generate.test_sampling import reference_penalized
+
+    session = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
+    pasts = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+             for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    tokens, rows = [], []
+    for _ in range(params.max_tokens):
+        ids = [*prompt, *tokens]
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                 "position_ids": np.arange(len(ids), dtype=np.int64)[None], **pasts}
+        row = session.run(["logits"], feeds)[0][0, -1]
+        rows.append(row)
+        tokens.append(int(np.argmax(reference_penalized(row, prompt, tokens, params))))
+    return tokens, rows
+
+
+def test_penalised_greedy_sequences_and_their_logprobs_match_the_reference(tiny_decoder, tiny_engine, references):
+    from tests.generate.test_sampling import log_softmax
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.5,
+                            frequency_penalty=0.5, presence_penalty=0.3, logprobs=3)
+    with _generator(tiny_engine) as generator:
+        plain, penalised = [Events() for _ in PROMPTS[:2]], [Events() for _ in PROMPTS[:2]]
+        for prompt, events, other in zip(PROMPTS, penalised, plain):  # batched with unpenalised sequences
+            generator.submit(prompt, params, events)
+            generator.submit(prompt, GREEDY, other)
+        for prompt, events, other, reference in zip(PROMPTS, penalised, plain, references):
+            tokens, rows = reference_penalized_greedy(tiny_decoder, prompt, params)
+            assert events.wait().tokens == tokens != reference[:20]
+            assert other.wait().tokens == reference and all(e.logprobs is None for e in other.events)
+            for event, token, row in zip(events.events, tokens, rows):
+                assert event.logprobs is not None
+                expected = log_softmax(row)
+                assert event.logprobs.logprob == pytest.approx(expected[token], abs=1e-4)
+                assert [t for t, _ in event.logprobs.top] == np.argsort(-expected, kind="stable")[:3].tolist()
+                assert event.logprobs.rank == 1 + int(np.count_nonzero(expected > expected[token] + 1e-6))
+            assert events.last.finish_reason == "length" and events.last.logprobs is not None
+
+
+@pytest.mark.gpu
+def test_cuda_engine_penalised_tokens_and_logprobs_match_the_cpu_engines(tiny_decoder, tiny_engine):
+    """Penalties and log-probabilities are host work on the step's logits: a CUDA engine (fp32, no TF32) gives the
+    CPU engine's penalised greedy tokens and, within float tolerance, its log-probabilities."""
+    cuda = build_decoder_engine(tiny_decoder / "model.onnx", max_batch_size=4, max_context=64, backend="cuda",
+                                tf32=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.5, logprobs=4)
+    results = {}
+    for name, engine in (("cpu", tiny_engine), ("cuda", cuda)):
+        with _generator(engine) as generator:
+            runs = [Events() for _ in PROMPTS]
+            for prompt, events in zip(PROMPTS, runs):
+                generator.submit(prompt, params, events)
+            results[name] = [events.wait().events for events in runs]
+    for cpu_events, cuda_events in zip(results["cpu"], results["cuda"]):
+        assert [e.token_id for e in cuda_events] == [e.token_id for e in cpu_events]
+        for cpu_event, cuda_event in zip(cpu_events, cuda_events):
+            assert cpu_event.logprobs is not None and cuda_event.logprobs is not None
+            assert cuda_event.logprobs.logprob == pytest.approx(cpu_event.logprobs.logprob, abs=1e-3)
+            assert [t for t, _ in cuda_event.logprobs.top] == [t for t, _ in cpu_event.logprobs.top]

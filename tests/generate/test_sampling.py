@@ -1,4 +1,5 @@
-"""SamplingParams (checked fields, from a request's JSON) and the Sampler (greedy, temperature, top-k, top-p, seeds)."""
+"""SamplingParams (checked fields, from a request's JSON) and the Sampler (greedy, temperature, top-k, top-p, seeds,
+penalties and log-probabilities against a numpy reference)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine_core.generate import Sampler, SamplingParams
+from engine_core.generate.sampling import TokenLogprobs, token_logprobs
 
 
 def test_from_mapping_reads_request_json():
@@ -19,7 +21,7 @@ def test_from_mapping_reads_request_json():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"max_tokens": 4, "best_of": 2, "n": 1}, r"unknown sampling parameters best_of, n \(supported: ignore_eos,"),
+    ({"max_tokens": 4, "best_of": 2, "n": 1}, r"unknown sampling parameters best_of, n \(supported: frequency_penalty, ignore_eos,"),
     ({"max_tokens": 0}, "max_tokens must be >= 1, not 0"),
     ({"max_tokens": 2.5}, "max_tokens must be an integer, not 2.5"),
     ({"max_tokens": "16"}, "max_tokens must be an integer, not '16'"),
@@ -34,6 +36,13 @@ def test_from_mapping_reads_request_json():
     ({"stop_token_ids": 7}, "stop_token_ids must be a list of token ids, not 7"),
     ({"stop_token_ids": [1, "x"]}, "stop_token_ids must be an integer, not 'x'"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false, not 'yes'"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], not 2.5"),
+    ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], not -3.0"),
+    ({"frequency_penalty": "lots"}, "frequency_penalty must be a finite number"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be > 0 \(1: off\), not 0.0"),
+    ({"logprobs": 21}, "logprobs must be <= 20, not 21"),
+    ({"logprobs": -1}, "logprobs must be >= 0, not -1"),
+    ({"logprobs": True}, "logprobs must be an integer, not True"),
 ])
 def test_bad_fields_are_named(values, message):
     with pytest.raises(ValueError, match=message):
@@ -90,3 +99,105 @@ def test_temperature_one_samples_the_softmax():
     sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
     share = np.mean([sampler(logits) for _ in range(4000)])
     assert share == pytest.approx(0.75, abs=0.03)
+
+
+# -- penalties and log-probabilities ------------------------------------------------------------------------------
+def reference_penalized(logits: np.ndarray, prompt: list[int], generated: list[int], params: SamplingParams
+                         ) -> np.ndarray:
+    """vLLM's penalties recomputed from the whole history: repetition over prompt and generated tokens, then
+    OpenAI's frequency and presence over the generated ones."""
+    scores = logits.astype(np.float64)
+    for token in set(prompt) | set(generated):
+        value = scores[token]
+        scores[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    counts = np.bincount(np.array(generated, np.int64), minlength=scores.shape[0])
+    return scores - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    scores = logits.astype(np.float64)
+    return scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
+
+
+def test_from_mapping_reads_penalties_and_logprobs():
+    params = SamplingParams.from_mapping({"presence_penalty": 1, "frequency_penalty": -0.5, "repetition_penalty": 2,
+                                          "logprobs": 3})
+    assert params == SamplingParams(presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=2.0, logprobs=3)
+    assert isinstance(params.presence_penalty, float) and params.penalized
+    assert not SamplingParams(logprobs=0).penalized and SamplingParams.from_mapping({"logprobs": None}).logprobs is None
+
+
+@pytest.mark.parametrize("penalties", [
+    {"presence_penalty": 0.7}, {"frequency_penalty": 0.4}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.6},
+    {"presence_penalty": -1.0, "frequency_penalty": 1.5, "repetition_penalty": 1.3},
+], ids=["presence", "frequency", "repetition", "repetition_below_1", "all"])
+def test_penalties_follow_the_reference_step_by_step(penalties):
+    params = SamplingParams(temperature=0, **penalties)
+    prompt = [3, 3, 17, 40, 75]
+    sampler = Sampler(params, prompt)
+    generated: list[int] = []
+    for step in range(60):  # more distinct tokens than the first slots hold: the counts grow
+        logits = _logits(step, vocab=80) * 3
+        expected = reference_penalized(logits, prompt, generated, params)
+        np.testing.assert_allclose(sampler.penalize(logits), expected, rtol=1e-12)
+        token = sampler(logits)
+        assert token == int(np.argmax(expected))  # greedy picks from the penalised logits
+        generated.append(token)
+    assert len(set(generated)) > 16
+
+
+def test_penalties_change_greedy_choices_as_their_formulas_say():
+    logits = np.array([2.0, 1.9, -1.0, -1.1, 0.5], np.float32)
+    presence = Sampler(SamplingParams(temperature=0, presence_penalty=0.2))
+    assert [presence(logits) for _ in range(3)] == [0, 1, 0]  # 2.0 - 0.2 < 1.9; then 1.9 - 0.2 < 1.8
+    frequency = Sampler(SamplingParams(temperature=0, frequency_penalty=0.06))
+    assert [frequency(logits) for _ in range(4)] == [0, 0, 1, 0]  # 2.0 - 2 * 0.06 < 1.9 after two
+    repeated = Sampler(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0, 3])
+    assert repeated(logits) == 1  # 2.0 / 2 < 1.9
+    scores = repeated.penalize(logits)
+    assert scores[3] == pytest.approx(-2.2) and scores[2] == pytest.approx(-1.0)  # negative: multiplied
+    assert Sampler(SamplingParams(temperature=0, presence_penalty=0.2), prompt=[0])(logits) == 0  # not the prompt
+
+
+def test_unpenalized_sampling_keeps_no_history_and_leaves_the_logits():
+    sampler = Sampler(SamplingParams(temperature=0), prompt=[1, 2])
+    logits = _logits()
+    assert sampler._seen is None and sampler.choose(logits) == (int(np.argmax(logits)), None)
+
+
+def test_logprobs_are_thelog_softmax_of_the_raw_logits_with_the_top_n_in_order():
+    logits = _logits(3)
+    params = SamplingParams(temperature=0, logprobs=5, presence_penalty=2.0)
+    sampler = Sampler(params)
+    reference = log_softmax(logits)
+    order = np.argsort(-reference, kind="stable")
+    token, first = sampler.choose(logits)
+    assert token == order[0] and first is not None
+    assert first.logprob == pytest.approx(reference[token], abs=1e-9) and first.rank == 1
+    assert [t for t, _ in first.top] == order[:5].tolist()
+    np.testing.assert_allclose([v for _, v in first.top], reference[order[:5]], atol=1e-9)
+    token, second = sampler.choose(logits)  # the penalty moved the choice, not the reported distribution
+    assert token == order[1] and second is not None
+    assert second.rank == 2 and second.top == first.top
+    assert second.logprob == pytest.approx(reference[order[1]], abs=1e-9)
+
+
+def test_token_logprobs_ranks_ties_and_edges():
+    logits = np.array([1.0, 3.0, 3.0, 0.0, 3.0], np.float32)
+    tied = token_logprobs(logits, 4, 2)
+    assert [t for t, _ in tied.top] == [1, 2] and tied.rank == 3  # ties in id order; the chosen one after them
+    assert token_logprobs(logits, 0, 0) == TokenLogprobs(pytest.approx(log_softmax(logits)[0]), 4, ())
+    whole = token_logprobs(logits, 3, 20)  # more asked than the vocabulary has
+    assert [t for t, _ in whole.top] == [1, 2, 4, 0, 3] and whole.rank == 5
+    assert np.exp([v for _, v in whole.top]).sum() == pytest.approx(1.0)
+
+
+def test_sampled_tokens_get_their_own_logprobs():
+    logits = _logits(5)
+    sampler = Sampler(SamplingParams(temperature=2.0, seed=4, logprobs=0))
+    reference = log_softmax(logits)
+    for _ in range(20):
+        token, logprobs = sampler.choose(logits)
+        assert logprobs is not None and logprobs.top == ()
+        assert logprobs.logprob == pytest.approx(reference[token], abs=1e-9)
+        assert logprobs.rank == 1 + int(np.count_nonzero(reference > reference[token]))

@@ -48,9 +48,10 @@ def test_config_is_completed_as_the_vllm_backend_serves(llm_server):
     assert config["max_batch_size"] == 4
     assert [(i["name"], i["data_type"], i["optional"]) for i in config["input"]] == [
         ("text_input", "TYPE_STRING", True), ("messages", "TYPE_STRING", True), ("stream", "TYPE_BOOL", True),
-        ("sampling_parameters", "TYPE_STRING", True), ("exclude_input_in_output", "TYPE_BOOL", True)]
+        ("sampling_parameters", "TYPE_STRING", True), ("exclude_input_in_output", "TYPE_BOOL", True),
+        ("return_logprobs", "TYPE_BOOL", True)]
     assert [o["name"] for o in config["output"]] == ["text_output", "finish_reason", "num_input_tokens",
-                                                     "num_output_tokens"]
+                                                     "num_output_tokens", "logprobs"]
 
 
 def test_generate_gives_the_prompt_and_the_greedy_text(llm_server, expected, tokenizer):
@@ -206,7 +207,7 @@ def test_completion_defaults_and_settings():
                          'parameters { key: "kv_cache_blocks" value { string_value: "128" } }\n'
                          'parameters { key: "max_prefill_tokens" value { string_value: "64" } }\n'
                          'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n')
-    assert len(declared.input) == 5 and generation_settings(declared).num_blocks == 128
+    assert len(declared.input) == 6 and generation_settings(declared).num_blocks == 128
     assert generation_settings(declared).max_prefill_tokens == 64
     assert generation_settings(declared).fp16
     strict = _complete('parameters { key: "kiln_precision" value { string_value: "fp32" } }')
@@ -246,3 +247,36 @@ def test_completion_text_holds_back_a_possible_stop_and_cuts_at_it(tokenizer):
         plain.push(token)
     plain.finish()
     assert plain.take(final=True) == "hello wor"
+
+
+def test_return_logprobs_gives_the_vllm_backends_logprobs_output(llm_server, llm_repository, tokenizer):
+    """`return_logprobs` adds the `logprobs` output: per token since the last response, token id -> {logprob, rank,
+    decoded_token}, the chosen token first (Triton's vLLM backend's JSON); null when sampling asks for none."""
+    from .test_openai import penalised_reference
+
+    tokens, logprobs = penalised_reference(llm_repository, tokenizer, tokenizer.encode(PROMPT), 6)
+    body = {"text_input": PROMPT, "return_logprobs": True, "exclude_input_in_output": True,
+            "parameters": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}}
+    entries = json.loads(_generate(llm_server, "generate", body).json()["logprobs"])
+    assert [int(next(iter(entry))) for entry in entries] == tokens
+    for entry, row in zip(entries, logprobs):
+        best = [int(t) for t in np.argsort(-row, kind="stable")[:2]]
+        assert [int(t) for t in entry] == best  # greedy: the chosen token is the most likely, listed once
+        for rank, t in enumerate(best, 1):
+            assert entry[str(t)] == {"logprob": pytest.approx(row[t], abs=1e-3), "rank": rank,
+                                     "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
+    events = _events(_generate(llm_server, "generate_stream", {**body, "stream": True}))
+    assert [e for event in events for e in json.loads(event["logprobs"])] == entries
+    unasked = {**body, "parameters": {"max_tokens": 2}}
+    assert _generate(llm_server, "generate", unasked).json()["logprobs"] == "null"
+    assert "logprobs" not in _generate(llm_server, "generate", {**unasked, "return_logprobs": False}).json()
+
+
+@pytest.mark.parametrize(("sampling", "words"), [
+    ({"presence_penalty": 3}, ["presence_penalty", "[-2, 2]"]),
+    ({"repetition_penalty": -1}, ["repetition_penalty", "> 0"]),
+    ({"logprobs": 50}, ["logprobs", "<= 20"]),
+])
+def test_bad_penalties_and_logprobs_are_400_naming_the_field(llm_server, sampling, words):
+    answer = _generate(llm_server, "generate", {"text_input": PROMPT, "sampling_parameters": json.dumps(sampling)})
+    assert answer.status_code == 400 and all(word in answer.json()["error"] for word in words), answer.text

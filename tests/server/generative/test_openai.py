@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (server/frontends/http/routers/openai.py) driven by the stock `openai` client on a
 real server with the tiny decoder: models, chat and text completions streamed and whole (the same text, the greedy
-reference's), usage, stop, OpenAI's error shape and statuses, and a client that disconnects mid-stream freeing its
-KV blocks, in the server process and across frontend processes.
+reference's), usage, stop, penalties and log-probabilities (against onnxruntime's logits), OpenAI's error shape and
+statuses, and a client that disconnects mid-stream freeing its KV blocks, in the server process and across frontend
+processes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -88,8 +90,15 @@ def test_stop_and_seeded_sampling(llm_server, llm_repository, tokenizer):
     ({"model": "identity"}, openai.NotFoundError, "model", ["not a generative model"]),
     ({"temperature": 3}, openai.BadRequestError, "temperature", ["temperature", "[0, 2]"]),
     ({"n": 2}, openai.BadRequestError, "n", ["'n' must be 1"]),
-    ({"extra_body": {"logprobs": True, "tools": [{"type": "function"}]}}, openai.BadRequestError, "logprobs",
-     ["logprobs", "tools"]),
+    ({"extra_body": {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}},
+     openai.BadRequestError, "response_format", ["response_format", "tools"]),
+    ({"presence_penalty": 2.5}, openai.BadRequestError, "presence_penalty", ["presence_penalty", "[-2, 2]"]),
+    ({"frequency_penalty": "lots"}, openai.BadRequestError, "frequency_penalty", ["frequency_penalty", "float"]),
+    ({"extra_body": {"repetition_penalty": 0}}, openai.BadRequestError, "repetition_penalty",
+     ["repetition_penalty"]),
+    ({"logprobs": True, "top_logprobs": 21}, openai.BadRequestError, "top_logprobs", ["top_logprobs", "20"]),
+    ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs", ["logprobs"]),
+    ({"logprobs": 3}, openai.BadRequestError, "logprobs", ["logprobs", "bool"]),
     ({"max_tokens": 10 * MAX_CONTEXT}, openai.BadRequestError, None, ["context"]),
     ({"stream_options": {"include_usage": True}}, openai.BadRequestError, "stream_options", ["stream"]),
 ])
@@ -129,3 +138,76 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(where, request
     generated = metric(server, "kiln_generation_tokens_total", kind="completion") - before
     assert 0 < generated < wanted  # cancelled, not run to its end
     assert _client(server).completions.create(model=MODEL, prompt="the", max_tokens=2).choices[0].text is not None
+
+
+# -- penalties and log-probabilities ------------------------------------------------------------------------------
+PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.5}
+
+
+def penalised_reference(repository, tokenizer, prompt_ids: list[int], steps: int, **penalties):
+    """The greedy tokens of the penalised reference (onnxruntime, no KV cache) and each step's raw log-softmax."""
+    from engine_core.generate import SamplingParams
+    from tests.generate.test_generator import reference_penalized_greedy
+    from tests.generate.test_sampling import log_softmax
+
+    params = SamplingParams(max_tokens=steps, temperature=0, **penalties)
+    tokens, rows = reference_penalized_greedy(repository / MODEL / "1", prompt_ids, params)
+    return tokens, [log_softmax(row) for row in rows]
+
+
+def test_penalties_change_the_greedy_text_as_the_reference_says(llm_server, llm_repository, tokenizer):
+    client = _client(llm_server)
+    ids = tokenizer.encode("the system")
+    plain = generative.reference_greedy(llm_repository / MODEL / "1", ids, STEPS)
+    wanted, _ = penalised_reference(llm_repository, tokenizer, ids, STEPS, repetition_penalty=1.3, **PENALTIES)
+    assert wanted != plain
+    answer = client.completions.create(model=MODEL, prompt="the system", max_tokens=STEPS, temperature=0,
+                                       extra_body={"ignore_eos": True, "repetition_penalty": 1.3}, **PENALTIES)
+    assert answer.choices[0].text == tokenizer.decode(wanted)
+
+
+def test_completion_logprobs_whole_and_streamed(llm_server, llm_repository, tokenizer):
+    client = _client(llm_server)
+    steps, top = 8, 3
+    tokens, logprobs = penalised_reference(llm_repository, tokenizer, tokenizer.encode("hello world"), steps,
+                                            **PENALTIES)
+    arguments = {"model": MODEL, "prompt": "hello world", "max_tokens": steps, "temperature": 0, "logprobs": top,
+                 "extra_body": {"ignore_eos": True}, **PENALTIES}
+    whole = client.completions.create(**arguments).choices[0].logprobs
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    assert whole.tokens == texts
+    assert whole.token_logprobs == pytest.approx([row[t] for row, t in zip(logprobs, tokens)], abs=1e-3)
+    assert whole.text_offset == [sum(map(len, texts[:i])) for i in range(steps)]
+    for listed, row, token in zip(whole.top_logprobs, logprobs, tokens):  # the top 3, then the chosen token
+        expected: dict[str, float] = {}  # by text: tokens of one text (U+FFFD) keep the likeliest
+        for t in [*np.argsort(-row, kind="stable")[:top], token]:
+            expected.setdefault(tokenizer.decode([int(t)], skip_special_tokens=False), row[t])
+        assert listed == pytest.approx(expected, abs=1e-3)
+    chunks = list(client.completions.create(stream=True, **arguments))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for lp in streamed for v in getattr(lp, name)] == getattr(whole, name)
+
+
+def test_chat_logprobs_whole_and_streamed(llm_server, llm_repository, tokenizer):
+    client = _client(llm_server)
+    arguments = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True,
+                 "top_logprobs": 2}
+    whole = client.chat.completions.create(**arguments)
+    content = whole.choices[0].logprobs.content
+    tokens, logprobs = penalised_reference(llm_repository, tokenizer, _chat_prompt_ids(tokenizer), 8)
+    ended = whole.choices[0].finish_reason == "stop"  # the end token is counted, not listed (nor in the text)
+    assert len(content) == whole.usage.completion_tokens - ended > 0
+    for entry, token, row in zip(content, tokens, logprobs):
+        assert entry.token == tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.bytes == list(entry.token.encode()) and entry.logprob == pytest.approx(row[token], abs=1e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(sorted(row, reverse=True)[:2], abs=1e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+    chunks = list(client.chat.completions.create(stream=True, **arguments))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    bare = client.chat.completions.create(**{**arguments, "top_logprobs": None})
+    assert [(e.token, e.top_logprobs) for e in bare.choices[0].logprobs.content] == [
+        (e.token, []) for e in content]
+    assert client.chat.completions.create(**{**arguments, "logprobs": False, "top_logprobs": None}
+                                          ).choices[0].logprobs is None

@@ -8,8 +8,12 @@ answer is server-sent events, one `data: {chunk}` per piece of text, then the fi
 `stream_options.include_usage` asks for it, and `data: [DONE]`; otherwise one JSON object with the usage. Leaving
 a stream early (the client disconnects) withdraws the request, which frees its KV-cache blocks.
 
-Only what Kiln does is accepted: `n` 1, no logprobs, tools, penalties or other fields (a field it does not take is
-400, named); vLLM's `top_k` and `ignore_eos` are taken too. Errors have OpenAI's shape
+Log-probabilities (completions' `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N`) ask the model for its
+`logprobs` output (`return_logprobs`, the vLLM backend's JSON per token) and are reshaped as OpenAI's: completions'
+`{tokens, token_logprobs, top_logprobs, text_offset}`, chat's `{content: [{token, logprob, bytes, top_logprobs}]}`,
+each chunk of a stream with its own tokens'. Only what Kiln does is accepted: `n` 1, no `echo` (prompt
+log-probabilities), tools or other fields (a field it does not take is 400, named); OpenAI's `presence_penalty` and
+`frequency_penalty` and vLLM's `repetition_penalty`, `top_k` and `ignore_eos` are taken. Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for a model that is not a loaded
 generative model.
 """
@@ -17,6 +21,7 @@ generative model.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,16 +42,17 @@ from ..errors import http_status
 router = APIRouter(tags=["openai"])
 GENERATIVE_BACKEND = "kiln_llm"
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and vLLM's default max_logprobs; OpenAI's completions stop at 5)
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 
 #: fields every request may carry, with the checks of their values (None: any value is taken as null)
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop", "user",
-           "top_k", "ignore_eos")
-_CHAT = frozenset({*_COMMON, "messages", "max_completion_tokens"})
+           "top_k", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+_CHAT = frozenset({*_COMMON, "messages", "max_completion_tokens", "top_logprobs"})
 _COMPLETION = frozenset({*_COMMON, "prompt"})
 #: fields taken only with the value that changes nothing (OpenAI clients may send them so)
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"echo": (False,), "best_of": (1,), "presence_penalty": (0,),
-                                        "frequency_penalty": (0,), "logprobs": (False, None), "logit_bias": ({},),
-                                        "suffix": ("",), "store": (False,), "parallel_tool_calls": (False, True)}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+                                        "store": (False,), "parallel_tool_calls": (False, True)}
 
 
 class OpenAIError(Exception):
@@ -91,12 +97,19 @@ class Call:
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
+    @property
+    def logprobs(self) -> int | None:
+        """How many most likely tokens each token's log-probabilities list (None: no log-probabilities)."""
+        return self.sampling.get("logprobs")
+
     def infer_request(self) -> InferRequest:
         prompt = json.dumps(self.prompt) if self.chat else self.prompt
         inputs = [_bytes_input("messages" if self.chat else "text_input", str(prompt)),
                   _bytes_input("sampling_parameters", json.dumps(self.sampling)),
                   InferInput("stream", "BOOL", (1,), np.array([self.stream])),
                   InferInput("exclude_input_in_output", "BOOL", (1,), np.array([True]))]
+        if self.logprobs is not None:
+            inputs.append(InferInput("return_logprobs", "BOOL", (1,), np.array([True])))
         return InferRequest(self.model, inputs, id=self.id)
 
 
@@ -158,8 +171,34 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     sampling = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 0, 2),
                 "top_p": _number(body, "top_p", 0, 1, low_open=True), "seed": _typed(body, "seed", int),
                 "top_k": _typed(body, "top_k", int), "ignore_eos": _typed(body, "ignore_eos", bool),
-                "stop": _stop(body.get("stop"))}
+                "stop": _stop(body.get("stop")),
+                "presence_penalty": _number(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+                "frequency_penalty": _number(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
+                "repetition_penalty": _number(body, "repetition_penalty", 0, math.inf, low_open=True),
+                "logprobs": _chat_logprobs(body) if chat else _completion_logprobs(body)}
     return {k: v for k, v in sampling.items() if v is not None}
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many most likely tokens to list per token (false or null: none)."""
+    if body.get("logprobs") is False:
+        return None
+    value = _typed(body, "logprobs", int)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {value}", "logprobs", "invalid_value")
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (true: the chosen tokens' log-probabilities) and `top_logprobs` (how many alternatives)."""
+    wanted = _typed(body, "logprobs", bool)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs",
+                          "invalid_value")
+    if top and not wanted:
+        raise OpenAIError(400, "'top_logprobs' needs 'logprobs' set to true", "top_logprobs", "invalid_value")
+    return (top or 0) if wanted else None
 
 
 def _stop(value: Any) -> list[str] | None:
@@ -196,6 +235,16 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 # -- the answer ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ListedToken:
+    """One generated token's log-probabilities as the model's `logprobs` output gives them: its text, its
+    log-probability and the most likely tokens' (text, log-probability), most likely first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
 @dataclass
 class Piece:
     """What one response of the model says."""
@@ -204,14 +253,62 @@ class Piece:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[dict[str, dict[str, Any]]] = field(default_factory=list)  # the vLLM backend's, one per token
 
 
 def read_piece(response: InferResponse) -> Piece:
     values = {o.name: o.data.reshape(-1)[0] for o in response.outputs if o.data is not None and o.data.size}
     text, reason = values.get("text_output", b""), values.get("finish_reason", b"")
+    logprobs = json.loads(values["logprobs"]) if "logprobs" in values else None
     return Piece(text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text),
                  (reason.decode() if isinstance(reason, bytes) else str(reason)) or None,
-                 int(values.get("num_input_tokens", 0)), int(values.get("num_output_tokens", 0)))
+                 int(values.get("num_input_tokens", 0)), int(values.get("num_output_tokens", 0)), logprobs or [])
+
+
+def _token_logprobs(entries: list[dict[str, dict[str, Any]]], top_n: int) -> list[ListedToken]:
+    """The model's entries (token id -> {logprob, rank, decoded_token}, the chosen token first) as OpenAI lists
+    them: the chosen token and the `top_n` most likely."""
+    tokens = []
+    for entry in entries:
+        listed = list(entry.values())
+        ranked = sorted((e for e in listed if e["rank"] <= top_n), key=lambda e: e["rank"])
+        tokens.append(ListedToken(listed[0]["decoded_token"], listed[0]["logprob"],
+                                    [(e["decoded_token"], e["logprob"]) for e in ranked]))
+    return tokens
+
+
+class LogprobsShape:
+    """Log-probabilities shaped as OpenAI's answers carry them; completions' `text_offset` runs on over the chunks
+    of a stream."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.offset = 0
+
+    def __call__(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        """The `logprobs` of a choice made of `pieces` (None when the request asked for none)."""
+        if self.call.logprobs is None:
+            return None
+        tokens = _token_logprobs([e for piece in pieces for e in piece.logprobs], self.call.logprobs)
+        if self.call.chat:
+            return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+                                 "top_logprobs": [{"token": text, "logprob": value, "bytes": list(text.encode())}
+                                                  for text, value in t.top]} for t in tokens]}
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t.token)
+        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [_top_by_text(t) for t in tokens], "text_offset": offsets}
+
+
+def _top_by_text(token: ListedToken) -> dict[str, float]:
+    """Completions' `top_logprobs` of one token: text -> log-probability of the most likely tokens and the chosen one
+    (OpenAI's: up to logprobs + 1). Tokens of the same text (U+FFFD for pieces of a character) keep the likeliest."""
+    top: dict[str, float] = {}
+    for text, value in [*token.top, (token.token, token.logprob)]:
+        top.setdefault(text, value)
+    return top
 
 
 def _usage(piece: Piece) -> dict[str, int]:
@@ -219,13 +316,14 @@ def _usage(piece: Piece) -> dict[str, int]:
             "total_tokens": piece.prompt_tokens + piece.completion_tokens}
 
 
-def _whole(call: Call, text: str, last: Piece) -> dict[str, Any]:
+def _whole(call: Call, pieces: list[Piece]) -> dict[str, Any]:
     """The non-streamed answer."""
+    text, last, logprobs = "".join(p.text for p in pieces), pieces[-1], LogprobsShape(call)(pieces)
     if call.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": last.finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
     return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
             "created": call.created, "model": call.model, "choices": [choice], "usage": _usage(last)}
 
@@ -238,17 +336,34 @@ def _chunk(call: Call, choices: list[dict[str, Any]], usage: dict[str, int] | No
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _choice(call: Call, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+def _choice(call: Call, text: str | None, reason: str | None, role: bool = False,
+            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if not call.chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
     delta: dict[str, Any] = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _piece_chunks(call: Call, piece: Piece, shape: LogprobsShape) -> list[bytes]:
+    """The events of one response of a stream: its text and tokens, then (chat) the finish reason on its own, and
+    the usage after the last."""
+    chunks = []
+    if piece.text or piece.logprobs or (piece.finish_reason and not call.chat):
+        reason = None if call.chat else piece.finish_reason
+        chunks.append(_chunk(call, [_choice(call, piece.text, reason, logprobs=shape([piece]))]))
+    if piece.finish_reason:
+        if call.chat:
+            chunks.append(_chunk(call, [_choice(call, None, piece.finish_reason)]))
+        if call.include_usage:
+            chunks.append(_chunk(call, [], _usage(piece)))
+    return chunks
 
 
 async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed answer. Leaving early (the client went away) withdraws the request."""
+    shape = LogprobsShape(call)
     try:
         if call.chat:
             yield _chunk(call, [_choice(call, "", None, role=True)])
@@ -261,14 +376,8 @@ async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]
                 yield b"data: " + json.dumps(_error_body(status, message, None, None)).encode() + b"\n\n"
                 return
             if part.response is not None:
-                piece = read_piece(part.response)
-                if piece.text or (piece.finish_reason and not call.chat):
-                    yield _chunk(call, [_choice(call, piece.text, None if call.chat else piece.finish_reason)])
-                if piece.finish_reason:
-                    if call.chat:
-                        yield _chunk(call, [_choice(call, None, piece.finish_reason)])
-                    if call.include_usage:
-                        yield _chunk(call, [], _usage(piece))
+                for chunk in _piece_chunks(call, read_piece(part.response), shape):
+                    yield chunk
             part = None if part.final else await anext(rest, None)
         yield b"data: [DONE]\n\n"
     finally:
@@ -277,22 +386,20 @@ async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]
 
 async def _answer(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> Response:
     """The non-streamed answer: the pieces joined (the model sends one when not streaming)."""
-    texts: list[str] = []
-    last: Piece | None = None
+    pieces: list[Piece] = []
     part: StreamPart | None = first
     try:
         while part is not None:
             if part.error is not None:
                 return _error_response(part.error)
             if part.response is not None:
-                last = read_piece(part.response)
-                texts.append(last.text)
+                pieces.append(read_piece(part.response))
             part = None if part.final else await anext(rest, None)
     finally:
         await rest.aclose()
-    if last is None:
+    if not pieces:
         return _error_response(ServerError(ErrorKind.INTERNAL, f"model '{call.model}' sent no response"))
-    return JSONResponse(_whole(call, "".join(texts), last))
+    return JSONResponse(_whole(call, pieces))
 
 
 # -- the routes ---------------------------------------------------------------------------------------------------
