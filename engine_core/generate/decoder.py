@@ -23,15 +23,15 @@ import numpy as np
 
 from engine_core.builder import Builder, build_plan
 from engine_core.errors import ParseError
-from engine_core.generate.kv_cache import KVBlockPool
+from engine_core.generate.device_kv import DeviceKVPool
+from engine_core.generate.device_step import DeviceStepper
+from engine_core.generate.kv_cache import BlockAccounting, KVBlockPool
+from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, plan_step
+from engine_core.generate.kv_layout import ragged_layout as ragged_layout  # it lived here
 from engine_core.network import NetworkDefinition
 from engine_core.onnx import OnnxParser
 from engine_core.runtime import CudaEngine, Runtime
 from engine_core.types import BuilderFlag, TensorIOMode, nptype
-
-PAST = "past_key_values.{}.{}"
-PRESENT = "present.{}.{}"
-KV_PARTS = ("key", "value")
 
 
 def _past_names(names: set[str]) -> list[str]:
@@ -147,21 +147,16 @@ def engine_limits(engine: CudaEngine) -> tuple[int, int]:
     return batch_and_new[0], min(batch_and_new[1], past + 1)
 
 
-def ragged_layout(lengths: np.ndarray, counts: np.ndarray, past: int, new: int) -> tuple[np.ndarray, np.ndarray]:
-    """The attention mask [batch, past + new] and position ids [batch, new] of one run: row ``b`` has ``lengths[b]``
-    cached tokens right-aligned in the ``past`` columns and ``counts[b]`` new tokens left-aligned in the ``new``
-    columns (pads after them). Positions count each row's real tokens from 0; a pad's goes on counting (it stays
-    below ``past + new``, so within the model's positions, and nothing real attends to it)."""
-    columns = np.arange(past + new)[None, :]
-    mask = (columns >= past - lengths[:, None]) & (columns < past + counts[:, None])
-    return mask, lengths[:, None] + np.arange(new)[None, :]
-
-
 class DecoderRunner:
-    """Steps a decoder engine over sequences whose keys and values live in a KVBlockPool: each call feeds new
+    """Steps a decoder engine over sequences whose keys and values live in a paged KV cache: each call feeds new
     tokens after every sequence's cached past (pasts left-padded to one length, rounded up to whole blocks so decode
     sees few distinct shapes; new tokens right-padded to the longest row's), writes the real tokens' keys and values
-    back and returns each row's logits at its last real token."""
+    back and returns each row's logits at its last real token.
+
+    Two paths, chosen by the pool: a host ``KVBlockPool`` (CPU engines) feeds the engine host arrays; a
+    ``DeviceKVPool`` (``new_pool``'s choice for CUDA engines) keeps the cache on the device and runs the engine by
+    device address with shape buckets (``device_step.DeviceStepper``): only token ids, masks, block tables and each
+    row's last logits cross PCIe."""
 
     def __init__(self, engine: CudaEngine, signature: DecoderSignature | None = None) -> None:
         self.engine = engine
@@ -170,57 +165,73 @@ class DecoderRunner:
         indices = ["input_ids", "attention_mask"] + ["position_ids"] * self.signature.has_position_ids
         self._index_dtype = {n: np.dtype(nptype(engine.get_tensor_dtype(n))) for n in indices}
         self.max_batch_size, self.max_context = engine_limits(engine)
+        #: whether the engine reads device addresses (CUDA engines): ``new_pool`` then keeps the cache in device memory
+        self.on_device = engine.backend == "cuda"
+        self._stepper: DeviceStepper | None = None  # made on the first device step
 
-    def new_pool(self, *, block_tokens: int, num_blocks: int) -> KVBlockPool:
-        """A pool shaped for this engine's keys and values."""
+    def new_pool(self, *, block_tokens: int, num_blocks: int, on_device: bool | None = None) -> BlockAccounting:
+        """A pool shaped for this engine's keys and values: in device memory (``DeviceKVPool``) when ``on_device``
+        (default: the engine runs on CUDA), else in host memory (``KVBlockPool``)."""
         s = self.signature
-        return KVBlockPool(s.layers, s.kv_heads, s.head_dim, block_tokens=block_tokens, num_blocks=num_blocks,
-                           dtype=s.kv_dtype)
+        kind = DeviceKVPool if (self.on_device if on_device is None else on_device) else KVBlockPool
+        return kind(s.layers, s.kv_heads, s.head_dim, block_tokens=block_tokens, num_blocks=num_blocks,
+                    dtype=s.kv_dtype)
 
-    def prefill(self, pool: KVBlockPool, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+    def prefill(self, pool: BlockAccounting, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]
+                ) -> np.ndarray:
         """Feed each of ``seqs`` its next chunk of prompt (any length, after what the pool holds for it) in one
         batched run; next-token logits [len(seqs), vocab] (a sequence's first token's once its last chunk is in)."""
         return self.step(pool, seqs, chunks)
 
-    def decode(self, pool: KVBlockPool, seqs: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
+    def decode(self, pool: BlockAccounting, seqs: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Feed one token to each of ``seqs`` in one batched run; next-token logits [len(seqs), vocab]."""
         return self.step(pool, seqs, [[int(t)] for t in tokens])
 
-    def step(self, pool: KVBlockPool, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+    def step(self, pool: BlockAccounting, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]]) -> np.ndarray:
         """Feed ``chunks[b]`` (at least one token) after sequence ``seqs[b]``'s past; writes their rows into the pool
         (reserving blocks as needed: KVCacheFull when they run out) and returns each row's logits at its last new
         token [batch, vocab]. ValueError when the longest past and the longest chunk together pass the context."""
-        counts = np.array([len(c) for c in chunks], np.int64)
-        if len(chunks) != len(seqs) or not len(seqs) or counts.min() < 1:
-            raise ValueError(f"{len(seqs)} sequences need as many chunks of at least one token, not {counts.tolist()}")
-        lengths = np.array([pool.length(s) if s in pool else 0 for s in seqs], np.int64)
-        new = int(counts.max())
-        past = self._padded_past(int(lengths.max()), new, pool.block_tokens)
-        for seq, length, count in zip(seqs, lengths, counts):
-            pool.reserve(seq, int(length + count))
-        tokens = np.zeros((len(seqs), new), self._index_dtype["input_ids"])
-        for b, chunk in enumerate(chunks):
-            tokens[b, :len(chunk)] = chunk
-        mask, positions = ragged_layout(lengths, counts, past, new)
-        feeds = {"input_ids": tokens, "attention_mask": mask.astype(self._index_dtype["attention_mask"])}
+        on_device = isinstance(pool, DeviceKVPool)
+        if on_device and not self.on_device:
+            raise ValueError(f"a device KV cache needs a CUDA engine; this one runs on '{self.engine.backend}'")
+        if not on_device and not isinstance(pool, KVBlockPool):
+            raise TypeError(f"DecoderRunner steps a KVBlockPool or a DeviceKVPool, not {type(pool).__name__}")
+        lengths = [pool.length(s) if s in pool else 0 for s in seqs]
+        layout = plan_step(lengths, chunks, block_tokens=pool.block_tokens, max_context=self.max_context,
+                           max_batch=self.max_batch_size if on_device else None)
+        for seq, length, count in zip(seqs, lengths, layout.counts.tolist()):
+            pool.reserve(seq, length + count)
+        if isinstance(pool, DeviceKVPool):
+            return self._device_stepper().step(pool, seqs, layout)
+        assert isinstance(pool, KVBlockPool)
+        return self._host_step(pool, seqs, layout)
+
+    def close(self) -> None:
+        """Free the device path's engine-side buffers (pools are their owners' to close). Idempotent; a later
+        device step allocates them again."""
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
+
+    def _device_stepper(self) -> DeviceStepper:
+        if self._stepper is None:
+            self._stepper = DeviceStepper(self.context, self.signature, self._index_dtype,
+                                          max_batch=self.max_batch_size, max_context=self.max_context)
+        return self._stepper
+
+    def _host_step(self, pool: KVBlockPool, seqs: Sequence[Hashable], layout: StepLayout) -> np.ndarray:
+        """The run on host arrays: pasts gathered from the host pool, the present outputs' new rows written back."""
+        feeds = {"input_ids": layout.tokens.astype(self._index_dtype["input_ids"], copy=False),
+                 "attention_mask": layout.mask.astype(self._index_dtype["attention_mask"])}
         if self.signature.has_position_ids:
-            feeds["position_ids"] = positions.astype(self._index_dtype["position_ids"])
-        keys, values = pool.gather(seqs, past)
+            feeds["position_ids"] = layout.positions.astype(self._index_dtype["position_ids"], copy=False)
+        keys, values = pool.gather(seqs, layout.past)
         for i in range(self.signature.layers):
             feeds[PAST.format(i, "key")], feeds[PAST.format(i, "value")] = keys[i], values[i]
         outputs = self.context.infer(feeds)
         for b, seq in enumerate(seqs):
-            rows = slice(past, past + int(counts[b]))
+            rows = slice(layout.past, layout.past + int(layout.counts[b]))
             new_kv = [np.stack([outputs[PRESENT.format(i, part)][b, :, rows] for i in range(self.signature.layers)])
                       .astype(pool.dtype, copy=False) for part in KV_PARTS]
-            pool.write(seq, int(lengths[b]), *new_kv)
-        return np.asarray(outputs["logits"][np.arange(len(seqs)), counts - 1], np.float32)
-
-    def _padded_past(self, longest: int, new: int, block_tokens: int) -> int:
-        """The past length to feed: the longest past rounded up to whole blocks, keeping past + new within the
-        context (so a run never feeds the model more positions than it serves)."""
-        if longest + new > self.max_context:
-            raise ValueError(f"{longest} cached + {new} new tokens exceed the engine's context of "
-                             f"{self.max_context}")
-        rounded = -(-longest // block_tokens) * block_tokens
-        return min(rounded, self.max_context - new)
+            pool.write(seq, int(layout.lengths[b]), *new_kv)
+        return np.asarray(outputs["logits"][np.arange(len(seqs)), layout.last], np.float32)

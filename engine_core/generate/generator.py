@@ -195,7 +195,8 @@ class Generator:
                                   completion_tokens_total=self._completion_tokens)
 
     def close(self) -> None:
-        """Stop the thread; sequences still running or waiting get a final "cancelled". Idempotent."""
+        """Stop the thread; sequences still running or waiting get a final "cancelled", and the device memory of
+        a CUDA engine's KV cache is freed. Idempotent."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -228,6 +229,15 @@ class Generator:
         for seq in left:
             self._finish(seq, "cancelled")
         self._forget_done()
+        self._release()
+
+    def _release(self) -> None:
+        """Free what the loop held outside Python's memory (the device KV cache and the engine's buffers) in the
+        thread that used it, once nothing runs: an unloaded model gives its device memory back at once."""
+        self._runner.close()
+        close = getattr(self._pool, "close", None)  # a DeviceKVPool; the host pool is plain numpy
+        if close is not None:
+            close()
 
     def _wait_for_work(self) -> bool:
         with self._lock:

@@ -1,0 +1,145 @@
+"""One decode step of a decoder engine, in milliseconds, at batch sizes x past lengths (issue #33's inter-token latency).
+
+    python bench/export_decoder.py --arch gpt2 --out /tmp/gpt2/1                   # or --arch llama --size 1b
+    python bench/generate_step.py /tmp/gpt2/1 --fp16 --json $OUT/generate_step.json
+    python bench/generate_step.py /tmp/llama/1 --fp16 --host-path                  # and the host-pool path beside it
+    python bench/generate_step.py /tmp/tiny/1 --backend cpu --batches 1,2 --pasts 8 --iters 3   # a smoke run
+
+Builds the model directory's model.onnx as a decoder engine (`build_decoder_engine`, CUDA by default) and a
+`DecoderRunner`; prefills `max(batches)` sequences of `max(pasts)` random tokens, then for each past length (longest
+first) and batch size times `DecoderRunner.decode` of the first `batch` sequences, each step fed after exactly
+`past` cached tokens (the sequences are truncated back after every step, so every timed step has the same shapes:
+the first runs of a shape, eager run and CUDA graph capture, are the untimed warm-up). A step's time is the wall
+time of the call: planning on the host, the small inputs' upload, the KV gather kernel, the engine, the scatter
+kernel and the copy of each row's last logits back, which the call waits for (what a generated token costs).
+On CUDA the KV cache lives on the device (`DeviceKVPool`); `--host-path` also times the host pool (`KVBlockPool`:
+the whole cache across PCIe twice a step) for comparison. Prints a table; `--json` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine_core.generate import DecoderRunner, build_decoder_engine  # noqa: E402
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def prefill(runner: DecoderRunner, pool: Any, seqs: list[int], tokens: int, chunk: int, seed: int) -> None:
+    """``tokens`` random prompt tokens into each of ``seqs``, one sequence per run, ``chunk`` tokens at a time."""
+    rng = np.random.default_rng(seed)
+    for seq in seqs:
+        prompt = rng.integers(0, runner.signature.vocab_size, tokens).tolist()
+        for start in range(0, tokens, chunk):
+            runner.prefill(pool, [seq], [prompt[start:start + chunk]])
+
+
+def time_steps(runner: DecoderRunner, pool: Any, seqs: list[int], past: int, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of ``iters`` decode steps of ``seqs`` after ``past`` cached tokens each (after ``warmup``)."""
+    tokens = [int(t) for t in np.arange(len(seqs)) % runner.signature.vocab_size]
+    times = []
+    for i in range(warmup + iters):
+        for seq in seqs:
+            pool.truncate(seq, past)
+        started = time.perf_counter()
+        runner.decode(pool, seqs, tokens)
+        if i >= warmup:
+            times.append((time.perf_counter() - started) * 1e3)
+    for seq in seqs:
+        pool.truncate(seq, past)
+    return times
+
+
+def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, Any]:
+    ordered = sorted(times)
+    median = statistics.median(ordered)
+    return {"path": path, "batch": batch, "past": past, "iters": len(times), "median_ms": median,
+            "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "min_ms": ordered[0],
+            "tokens_per_s": batch / (median / 1e3)}
+
+
+def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[int], args: argparse.Namespace,
+            iters: int) -> list[dict[str, Any]]:
+    """Every (batch, past) of one path (``device``: the runner's default pool; ``host``: a host pool)."""
+    most, longest = max(batches), max(pasts)
+    blocks = most * -(-(longest + 1) // args.block_tokens)
+    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks, on_device=path == "device")
+    seqs = list(range(most))
+    for seq in seqs:
+        pool.reserve(seq, longest + 1)
+    prefill(runner, pool, seqs, longest, args.prefill_chunk, args.seed)
+    rows = []
+    for past in sorted(pasts, reverse=True):  # truncation only shortens: longest pasts first
+        for batch in batches:
+            rows.append(summary(path, batch, past, time_steps(runner, pool, seqs[:batch], past, args.warmup, iters)))
+    close = getattr(pool, "close", None)
+    if close is not None:
+        close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path, help="a version directory with model.onnx (bench/export_decoder.py)")
+    p.add_argument("--backend", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--fp16", action="store_true", help="BuilderFlag.FP16")
+    p.add_argument("--batches", type=_ints, default=[1, 8, 64])
+    p.add_argument("--pasts", type=_ints, default=[128, 512])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per shape (eager run, graph capture)")
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--host-path", action="store_true", help="also time the host KV pool (CUDA engines)")
+    p.add_argument("--host-iters", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    longest = max(args.pasts)
+    max_context = longest + args.block_tokens  # room for the step after the longest past
+    started = time.perf_counter()
+    engine = build_decoder_engine(args.model / "model.onnx", max_batch_size=max(args.batches), max_context=max_context,
+                                  backend=args.backend, fp16=args.fp16)
+    build_s = time.perf_counter() - started
+    runner = DecoderRunner(engine)
+    device = "cpu"
+    if args.backend == "cuda":
+        from engine_core.cuda.driver import device_name
+
+        device = device_name()
+    paths = [("device" if runner.on_device else "host", args.iters)]
+    if args.host_path and runner.on_device:
+        paths.append(("host", args.host_iters))
+    rows = [row for path, iters in paths for row in measure(runner, path, args.batches, args.pasts, args, iters)]
+    runner.close()
+    rows.sort(key=lambda r: (r["path"], r["batch"], r["past"]))
+    print(f"{args.model} on {device} ({args.backend}{' fp16' if args.fp16 else ''}, built in {build_s:.0f} s): "
+          f"one decode step")
+    print(f"{'path':>6} {'batch':>5} {'past':>5} {'median ms':>9} {'p90 ms':>7} {'min ms':>7} {'tokens/s':>9}")
+    for r in rows:
+        print(f"{r['path']:>6} {r['batch']:>5} {r['past']:>5} {r['median_ms']:>9.2f} {r['p90_ms']:>7.2f} "
+              f"{r['min_ms']:>7.2f} {r['tokens_per_s']:>9.0f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": str(args.model), "backend": args.backend, "fp16": args.fp16,
+                                         "device": device, "build_s": build_s, "block_tokens": args.block_tokens,
+                                         "command": " ".join(["python bench/generate_step.py", *(argv or sys.argv[1:])]),
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
