@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -69,6 +70,8 @@ from engine_core.types import (
 from engine_core.weight_streaming import StreamingPlan, automatic_budget, plan_streaming
 
 #: the reference's default: in-memory and named temporary files both allowed
+#: input-shape sets whose inferred shapes a context keeps (ExecutionContext._inferred_by_shapes)
+INFERRED_SHAPES_KEPT = 64
 DEFAULT_TEMPFILE_FLAGS = (1 << TempfileControlFlag.ALLOW_IN_MEMORY_FILES) | (1 << TempfileControlFlag.ALLOW_TEMPORARY_FILES)
 
 
@@ -428,6 +431,9 @@ class ExecutionContext(BatchExecution):
         self._addresses: dict[str, int] = {}
         self._allocators: dict[str, IOutputAllocator] = {}
         self._inferred: dict[str, TensorInfo] | None = None
+        #: inferred shapes by (profile, input shapes, shape values): a server or a generation loop comes back to the
+        #: same few shapes, and inferring a large graph's shapes again costs milliseconds (most recent last)
+        self._inferred_by_shapes: OrderedDict[tuple, dict[str, TensorInfo]] = OrderedDict()
         self._shape_values: dict[str, np.ndarray] = {}
         self._device_memory: tuple[int, int] | None = None
         self._input_consumed_event = 0
@@ -437,6 +443,7 @@ class ExecutionContext(BatchExecution):
         self._backend_context: ContextState = state.create_context(engine._streamed_weights())
         self._input_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.INPUT]
         self._output_names = [t.name for t in engine.plan.io if t.mode == TensorIOMode.OUTPUT]
+        self._shape_io_inputs = [n for n in self._input_names if engine.is_shape_inference_io(n)]
         for name in self._input_names:  # static inputs need no set_input_shape
             shape = engine.get_tensor_shape(name)
             if all(d >= 0 for d in shape):
@@ -498,23 +505,36 @@ class ExecutionContext(BatchExecution):
 
     def _read_shape_values(self) -> None:
         """Shape-tensor inputs bound with set_tensor_address are read from host memory."""
-        for name in self._input_names:
-            if self.engine.is_shape_inference_io(name) and name in self._addresses and name in self._input_shapes:
+        for name in self._shape_io_inputs:
+            if name in self._addresses and name in self._input_shapes:
                 tensor = self.engine._tensor(name)
                 host = _host_array(self._addresses[name], tensor.dtype, self._input_shapes[name])
                 if name not in self._shape_values or not np.array_equal(self._shape_values[name], host):
                     self._set_shape_value(name, host.copy())
 
     def infer_shapes(self) -> list[str]:
-        """Propagate input shapes; returns the names of inputs still lacking a shape (or shape values)."""
-        self._read_shape_values()
+        """Propagate input shapes; returns the names of inputs still lacking a shape (or shape values).
+        Called for every output's shape of every run: with the shapes already inferred and no shape inputs to
+        re-read it returns at once, and shapes seen before come from `_inferred_by_shapes`."""
+        if self._shape_io_inputs:
+            self._read_shape_values()
+        elif self._inferred is not None:
+            return []
         missing = [n for n in self._input_names if n not in self._input_shapes or
-                   (self.engine.is_shape_inference_io(n) and n not in self._shape_values)]
+                   (n in self._shape_io_inputs and n not in self._shape_values)]
         if not missing and self._inferred is None:
-            graph = self.engine.plan.graph
-            infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name] if v.is_tensor else None,
-                                        self._shape_values.get(v.name)) for v in graph.inputs}
-            self._inferred = infer_shapes(graph, infos, values=True)
+            key = (self._profile, tuple(self._input_shapes[n] for n in self._input_names),
+                   tuple(self._shape_values[n].tobytes() for n in self._shape_io_inputs))
+            cached = self._inferred_by_shapes.pop(key, None)
+            if cached is None:
+                graph = self.engine.plan.graph
+                infos = {v.name: TensorInfo(v.dtype, self._input_shapes[v.name] if v.is_tensor else None,
+                                            self._shape_values.get(v.name)) for v in graph.inputs}
+                cached = infer_shapes(graph, infos, values=True)
+                if len(self._inferred_by_shapes) >= INFERRED_SHAPES_KEPT:
+                    self._inferred_by_shapes.popitem(last=False)
+            self._inferred_by_shapes[key] = cached
+            self._inferred = cached
         return missing
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:

@@ -72,6 +72,25 @@ def test_pointer_execution_and_shapes(rng):
     np.testing.assert_array_equal(out_diff, a - b)
 
 
+def test_output_shapes_are_inferred_once_per_set_of_input_shapes(monkeypatch):
+    """get_tensor_shape is asked for every output of every run: shapes seen before (a server's buckets, a generation
+    loop's decode shapes) come from the context's cache, not from inferring the graph again (milliseconds for a
+    large decoder)."""
+    import engine_core.runtime as runtime
+
+    engine = _engine(models.add_sub(), {"a": ((1, 4), (2, 4), (8, 4)), "b": ((1, 4), (2, 4), (8, 4))})
+    ctx = engine.create_execution_context()
+    calls = []
+    real = runtime.infer_shapes
+    monkeypatch.setattr(runtime, "infer_shapes", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    for rows in (3, 5, 3, 5, 3):
+        assert ctx.set_input_shape("a", (rows, 4)) and ctx.set_input_shape("b", (rows, 4))
+        assert [ctx.get_tensor_shape(n) for n in ("sum", "diff", "sum")] == [(rows, 4)] * 3
+    assert len(calls) == 2
+    assert ctx.set_optimization_profile_async(0)  # drops the current shapes; the cache is keyed by profile too
+    assert ctx.get_tensor_shape("sum") == (3, 4) and len(calls) == 2
+
+
 def test_out_of_profile_shape_is_refused_with_range(rng):
     engine = _engine(models.add_sub(), {"a": ((1, 4), (2, 4), (8, 4)), "b": ((1, 4), (2, 4), (8, 4))})
     ctx = engine.create_execution_context()
