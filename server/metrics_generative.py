@@ -1,7 +1,8 @@
 """Metric families of generative models (server/core/generative.py), labelled model and version, read at scrape time.
 
-The KV-cache and sequence gauges and the token counters come from each version's `Generator.stats()`; the time to
-first token and inter-token latency histograms from the version's own `Histogram`s (seconds, Prometheus naming).
+The KV-cache and sequence gauges and the token counters (the prefix cache's in prompt tokens, as vLLM's) come from
+each version's `Generator.stats()`; the time to first token and inter-token latency histograms from the version's
+own `Histogram`s (seconds, Prometheus naming).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ _FAMILIES: dict[str, tuple[str, str, list[tuple[dict[str, str], Callable[[Any], 
     "kiln_generation_tokens_total": ("Prompt tokens taken in and completion tokens generated", "counter",
                                      [({"kind": "prompt"}, lambda s: s.prompt_tokens_total),
                                       ({"kind": "completion"}, lambda s: s.completion_tokens_total)]),
+    "kiln_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache", "counter",
+                                        [({}, lambda s: s.prefix_cache_queries_total)]),
+    "kiln_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache (their keys and values not computed "
+                                     "again)", "counter", [({}, lambda s: s.prefix_cache_hits_total)]),
 }
 _HISTOGRAMS: dict[str, tuple[str, Callable[[GenerativeVersion], Histogram]]] = {
     "kiln_time_to_first_token_seconds": ("Seconds from a request's arrival to its first generated token",

@@ -3,7 +3,9 @@
 One thread owns the engine's context and the KV cache. Each iteration it
 1. drops cancelled sequences (their blocks go back to the pool), waiting, part-prefilled or decoding,
 2. admits waiting sequences, oldest first, while the batch has room and the pool has blocks for a sequence's
-   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory),
+   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory); with
+   prefix caching (on by default, as vLLM's), the cached blocks its prompt starts with are shared rather than
+   reserved, and its prefill starts after them (kv_cache.py's module docstring),
 3. runs one batched prefill step: the next chunk of the prompts not yet fed, oldest first, as many as fit in
    ``max_prefill_tokens`` token slots (rows times the longest chunk, pads included); a sequence whose last chunk is
    in samples its first token,
@@ -27,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from engine_core.generate.decoder import DecoderRunner
+from engine_core.generate.kv_cache import PromptBlocks
 from engine_core.generate.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine_core.runtime import CudaEngine
 
@@ -75,10 +78,13 @@ class GenerationHandle:
 class GeneratorStats:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by sequences
     kv_blocks_total: int
     prompt_tokens_total: int
     completion_tokens_total: int
+    kv_blocks_cached: int = 0  # held by none, keeping a cached prefix (evictable)
+    prefix_cache_queries_total: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # prompt tokens found there: their keys and values were not computed again
 
 
 @dataclass(eq=False)
@@ -89,6 +95,7 @@ class _Sequence:
     on_event: Callable[[GenerationEvent], None]
     handle: GenerationHandle
     sampler: Sampler
+    blocks: PromptBlocks | None  # its prompt's blocks for the prefix cache (None: prefix caching off)
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the KV cache
     done: bool = False
@@ -126,11 +133,12 @@ class Generator:
     completion); the KV cache has ``num_blocks`` blocks of ``block_tokens`` tokens (default: enough for a full
     batch of full contexts). One iteration's prefill run feeds at most ``max_prefill_tokens`` token slots (its rows
     times its longest chunk): the most a waiting prompt delays the running sequences' next token, and what a long
-    prompt is cut into."""
+    prompt is cut into. ``enable_prefix_caching`` shares the KV blocks of prompt prefixes computed before (the
+    module docstring)."""
 
     def __init__(self, engine: CudaEngine, *, max_batch_size: int, max_context: int, eos_token_ids: Collection[int],
                  block_tokens: int = 16, num_blocks: int | None = None, max_prefill_tokens: int = 512,
-                 name: str = "generator") -> None:
+                 enable_prefix_caching: bool = True, name: str = "generator") -> None:
         self._runner = DecoderRunner(engine)
         if not 1 <= max_batch_size <= self._runner.max_batch_size or not 2 <= max_context <= self._runner.max_context:
             raise ValueError(f"max_batch_size {max_batch_size} and max_context {max_context} must be within the "
@@ -140,6 +148,7 @@ class Generator:
             raise ValueError(f"max_prefill_tokens must be at least 1, not {max_prefill_tokens}")
         self.max_batch_size, self.max_context = max_batch_size, max_context
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_caching = enable_prefix_caching
         self.vocab_size = self._runner.signature.vocab_size
         self._eos = frozenset(int(t) for t in eos_token_ids)
         blocks_per_context = -(-max_context // block_tokens)
@@ -151,6 +160,7 @@ class Generator:
         self._ids = itertools.count()
         self._closed = False
         self._prompt_tokens = self._completion_tokens = 0
+        self._prefix_queries = self._prefix_hits = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -162,7 +172,8 @@ class Generator:
         prompt + max_tokens longer than the context or the whole KV cache; RuntimeError once closed."""
         tokens = self._check(prompt, params)
         handle = GenerationHandle(self._lock)
-        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params, tokens))
+        blocks = PromptBlocks.of(tokens, self._pool.block_tokens) if self.prefix_caching else None
+        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params, tokens), blocks)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the generator is closed")
@@ -192,7 +203,10 @@ class Generator:
             return GeneratorStats(running=len(self._running), waiting=len(self._waiting),
                                   kv_blocks_used=self._pool.used_blocks, kv_blocks_total=self._pool.total_blocks,
                                   prompt_tokens_total=self._prompt_tokens,
-                                  completion_tokens_total=self._completion_tokens)
+                                  completion_tokens_total=self._completion_tokens,
+                                  kv_blocks_cached=self._pool.cached_blocks,
+                                  prefix_cache_queries_total=self._prefix_queries,
+                                  prefix_cache_hits_total=self._prefix_hits)
 
     def close(self) -> None:
         """Stop the thread; sequences still running or waiting get a final "cancelled", and the device memory of
@@ -255,13 +269,18 @@ class Generator:
         self._forget_done()
 
     def _admit(self) -> None:
+        """Reserve the oldest waiting sequences' blocks (cached prompt blocks shared: their prefill starts after
+        them) while the batch has room and the pool blocks (cached blocks no one holds count as free)."""
         with self._lock:
             while self._waiting and len(self._running) < self.max_batch_size and (
-                    self._pool.blocks_for(self._waiting[0].kv_tokens) <= self._pool.free_blocks):
+                    self._pool.fits(self._waiting[0].kv_tokens, self._waiting[0].blocks)):
                 seq = self._waiting.popleft()
-                self._pool.reserve(seq.id, seq.kv_tokens)
+                seq.prefilled = self._pool.reserve(seq.id, seq.kv_tokens, seq.blocks)
                 self._running.append(seq)
                 self._prompt_tokens += len(seq.prompt)
+                if seq.blocks is not None:
+                    self._prefix_queries += len(seq.prompt)
+                    self._prefix_hits += seq.prefilled
 
     def _prefill(self) -> None:
         """One batched run over the next chunks of the running sequences' unfed prompts (``plan_prefill``)."""

@@ -117,6 +117,8 @@ KNOWN_PARAMETERS: dict[str, str] = {
     "kv_block_tokens": "a generative model's tokens per KV-cache block (generative_config.generation_settings)",
     "max_prefill_tokens": "a generative model's prompt tokens per loop iteration, longer prompts in chunks "
                           "(generative_config.generation_settings)",
+    "enable_prefix_caching": "a generative model shares the KV blocks of prompt prefixes computed before "
+                             "(generative_config.generation_settings)",
 }
 
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value

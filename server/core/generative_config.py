@@ -9,7 +9,8 @@ response per token delta when streaming): implied and completed.
 carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default
 2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
 enough for every sequence of a full batch at max_context), `max_prefill_tokens` (prompt tokens, pads included, one
-loop iteration feeds; longer prompts go in chunks between decode steps; default 512).
+loop iteration feeds; longer prompts go in chunks between decode steps; default 512), `enable_prefix_caching`
+(true/false, default true as vLLM's: prompts share the KV blocks of a prefix computed before).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from server.protos import model_config_pb2
 
 from .errors import invalid
 from .model import EXECUTION_TIMEOUT_MS, PAD_BATCH, PRECISION, PROFILE_BATCH_SIZES
-from .model_config import DEFAULT_MODEL_FILENAME, ModelConfig
+from .model_config import DEFAULT_MODEL_FILENAME, ModelConfig, bool_parameter
 from .warmup import WARMUP_BUCKETS
 
 GENERATIVE_BACKEND = "kiln_llm"
@@ -28,6 +29,7 @@ MAX_CONTEXT = "max_context"
 KV_CACHE_BLOCKS = "kv_cache_blocks"
 KV_BLOCK_TOKENS = "kv_block_tokens"
 MAX_PREFILL_TOKENS = "max_prefill_tokens"
+ENABLE_PREFIX_CACHING = "enable_prefix_caching"
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_PREFILL_TOKENS = 512
 DEFAULT_BLOCK_TOKENS = 16
@@ -61,6 +63,7 @@ class GenerationSettings:
     block_tokens: int
     num_blocks: int | None  # None: the Generator's default
     max_prefill_tokens: int  # the Generator's prefill budget per iteration (chunked prefill)
+    prefix_caching: bool  # the Generator's enable_prefix_caching
     fp16: bool  # kiln_precision fp16
     tf32: bool  # TF32 tensor cores for fp32 math: off only with kiln_precision fp32 (strict), as for ONNX models
 
@@ -160,8 +163,9 @@ def generation_settings(config: ModelConfig) -> GenerationSettings:
     if text not in ("", "fp32", "tf32", "fp16"):
         raise invalid(f"model '{config.name}': parameter {PRECISION} of a {GENERATIVE_BACKEND} model must be fp32, "
                       f"tf32 or fp16, got '{text}'")
-    return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, prefill, text == "fp16",
-                              text != "fp32")
+    prefix_caching = bool_parameter(config, ENABLE_PREFIX_CACHING, default=True)
+    return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, prefill, prefix_caching,
+                              text == "fp16", text != "fp32")
 
 
 def _positive(config: ModelConfig, key: str, parameter, default: int) -> int:

@@ -202,12 +202,14 @@ def test_completion_defaults_and_settings():
     assert config.max_batch_size == 8 and config.model_transaction_policy.decoupled
     settings = generation_settings(config)
     assert (settings.max_context, settings.block_tokens, settings.num_blocks, settings.max_prefill_tokens,
-            settings.fp16, settings.tf32) == (2048, 16, None, 512, False, True)
+            settings.prefix_caching, settings.fp16, settings.tf32) == (2048, 16, None, 512, True, False, True)
     declared = _complete('input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
                          'parameters { key: "kv_cache_blocks" value { string_value: "128" } }\n'
                          'parameters { key: "max_prefill_tokens" value { string_value: "64" } }\n'
-                         'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n')
+                         'parameters { key: "kiln_precision" value { string_value: "fp16" } }\n'
+                         'parameters { key: "enable_prefix_caching" value { string_value: "false" } }\n')
     assert len(declared.input) == 6 and generation_settings(declared).num_blocks == 128
+    assert not generation_settings(declared).prefix_caching
     assert generation_settings(declared).max_prefill_tokens == 64
     assert generation_settings(declared).fp16
     strict = _complete('parameters { key: "kiln_precision" value { string_value: "fp32" } }')
@@ -225,6 +227,8 @@ def test_completion_defaults_and_settings():
     ("instance_group [ { count: 2 kind: KIND_CPU } ]", ["one generation loop"]),
     ('parameters { key: "kiln_pad_batch" value { string_value: "true" } }', ["kiln_pad_batch"]),
     ('parameters { key: "kiln_precision" value { string_value: "bf16" } }', ["kiln_precision", "bf16"]),
+    ('parameters { key: "enable_prefix_caching" value { string_value: "sometimes" } }',
+     ["enable_prefix_caching", "'true' or 'false'"]),
 ])
 def test_completion_refuses_what_a_generative_model_cannot_do(text, words):
     with pytest.raises(ServerError) as caught:

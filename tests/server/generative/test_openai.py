@@ -24,11 +24,11 @@ def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def _chat_prompt_ids(tokenizer) -> list[int]:
+def _chat_prompt_ids(tokenizer, messages: list[dict] = MESSAGES) -> list[int]:
     """The chat as the model's template renders it (what the server tokenizes)."""
     from engine_core.generate.chat_template import render_chat
 
-    text = render_chat(tokenizer.chat_template, MESSAGES, add_generation_prompt=True, bos_token=tokenizer.bos_token,
+    text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True, bos_token=tokenizer.bos_token,
                        eos_token=tokenizer.eos_token)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -58,6 +58,26 @@ def test_chat_streamed_and_whole_agree_with_the_greedy_reference(where, request,
     assert whole.choices[0].message.content == content and whole.choices[0].message.role == "assistant"
     assert whole.choices[0].finish_reason == reason and whole.usage.model_dump() == usage.model_dump()
     assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_kv_blocks(llm_server, llm_repository, tokenizer):
+    """The second of two chats with one long system prompt takes its prompt's cached blocks (kv_block_tokens 8):
+    kiln_prefix_cache_hits_total grows by them, queries by its prompt, and its text is still the greedy reference's."""
+    client = _client(llm_server)
+    system = {"role": "system", "content": "you are a careful system that answers every question well. " * 6}
+    chats = [[system, {"role": "user", "content": question}] for question in ("hello there", "what is the system")]
+    prompts = [_chat_prompt_ids(tokenizer, chat) for chat in chats]
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert common > 64
+    counts = []
+    for chat, prompt in zip(chats, prompts):
+        text, _ = greedy_text(llm_repository, tokenizer, prompt, 6)
+        answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, temperature=0)
+        assert answer.choices[0].message.content == text
+        counts.append((metric(llm_server, "kiln_prefix_cache_queries_total"),
+                       metric(llm_server, "kiln_prefix_cache_hits_total")))
+    assert counts[1][0] - counts[0][0] == len(prompts[1])
+    assert counts[1][1] - counts[0][1] == min(common, len(prompts[1]) - 1) // 8 * 8
 
 
 def test_completion_streamed_and_whole_agree_with_the_greedy_reference(llm_server, llm_repository, tokenizer):
