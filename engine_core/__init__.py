@@ -24,6 +24,7 @@ from engine_core.cuda.view import DeviceRows, DeviceView
 from engine_core.error_recorder import ErrorCode, ErrorRecorder, IErrorRecorder
 from engine_core.errors import (
     BuildError,
+    DeviceMemoryError,
     ExecutionError,
     KilnError,
     ParseError,
@@ -63,7 +64,7 @@ from engine_core.types import (
 from engine_core.version import __version__
 
 __all__ = [
-    "BuildError", "Builder", "DeviceRows", "DeviceView", "ErrorCode", "ErrorRecorder", "IDebugListener", "IErrorRecorder", "PluginDef",
+    "BuildError", "Builder", "DeviceMemoryError", "DeviceRows", "DeviceView", "ErrorCode", "ErrorRecorder", "IDebugListener", "IErrorRecorder", "PluginDef",
     "Refitter", "get_plugin_registry", "register_plugin", "BuilderConfig", "BuilderFlag", "CalibrationAlgoType", "IInt8Calibrator", "IInt8EntropyCalibrator2", "IInt8MinMaxCalibrator", "IInt8PercentileCalibrator", "EngineCapability", "HardwareCompatibilityLevel", "TempfileControlFlag", "TensorFormat", "CudaEngine", "DataType", "EngineInspector",
     "ExecutionContext", "ExecutionContextAllocationStrategy", "ExecutionError", "IOutputAllocator", "IProfiler",
     "KilnError", "LayerInformationFormat", "Logger", "MemoryPoolType", "NetworkDefinition",

@@ -23,3 +23,7 @@ class ShapeError(KilnError):
 
 class ExecutionError(KilnError):
     """A layer failed while the plan ran."""
+
+
+class DeviceMemoryError(KilnError):
+    """An engine does not fit the device's free memory (its message gives the bytes needed and free)."""

@@ -32,7 +32,7 @@ from engine_core.backends.registry import available_backends, get_backend
 from engine_core.compat import requirements
 from engine_core.cuda.driver import memory_info
 from engine_core.error_recorder import ErrorCode, RecorderSlot, report_error
-from engine_core.errors import KilnError, PlanFormatError, ShapeError
+from engine_core.errors import DeviceMemoryError, KilnError, PlanFormatError, ShapeError
 from engine_core.inspector import (  # inspector / debug-tensor hooks
     DEBUG_KEY,
     EngineInspector,
@@ -124,9 +124,12 @@ class Runtime:
         except PlanFormatError as e:
             report_error(self, ErrorCode.INVALID_ARGUMENT, f"cannot deserialize plan: {e}")
             return None
+        except DeviceMemoryError as e:
+            report_error(self, ErrorCode.FAILED_ALLOCATION, f"cannot load the engine: {e}")
+            return None
 
     def load(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:
-        """Like deserialize_cuda_engine, but raises PlanFormatError saying what is wrong."""
+        """Like deserialize_cuda_engine, but raises PlanFormatError (or DeviceMemoryError) saying what is wrong."""
         return self._engine(serialized_engine, load_backend=True)
 
     def describe(self, serialized_engine: bytes | bytearray | memoryview) -> CudaEngine:

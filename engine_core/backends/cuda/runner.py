@@ -83,10 +83,11 @@ from engine_core.cuda.driver import (
     DeviceBuffer,
     Module,
     check,
+    memory_info,
     primary_context,
 )
 from engine_core.cuda.view import DeviceRows, DeviceView
-from engine_core.errors import ExecutionError
+from engine_core.errors import DeviceMemoryError, ExecutionError
 from engine_core.interpret import GraphRunner
 from engine_core.ir import Value
 from engine_core.logger import DEFAULT_LOGGER, Severity
@@ -102,6 +103,18 @@ MAX_WARM_UP_RUNS = 6
 #: the legacy default stream (0, CU_STREAM_LEGACY) and the per-thread one (CU_STREAM_PER_THREAD): runs given these
 #: fork onto the context's own stream, where CUDA graphs can be captured and replayed
 DEFAULT_STREAMS = frozenset({0, 1, 2})
+
+
+def check_fits_device(weight_bytes: int, activation_bytes: int, free_bytes: int) -> None:
+    """Refuse an engine whose weights cannot fit the device's free memory before uploading any of them, with the
+    numbers (a bare CUDA_ERROR_OUT_OF_MEMORY halfway through the upload names neither). Only the weights decide:
+    the activations (``device_memory_size``, at the profile's largest shapes) are allocated per binding, and
+    smaller shapes may fit where the largest would not."""
+    if weight_bytes > free_bytes:
+        raise DeviceMemoryError(
+            f"the engine does not fit the device: its weights need {weight_bytes:,} bytes of device memory and "
+            f"{free_bytes:,} are free (its activations need up to {activation_bytes:,} more at the largest shapes); "
+            "free memory on the device, use a smaller or FP16/INT8 build, or build with weight streaming")
 
 
 class CudaEngineState:
@@ -120,9 +133,11 @@ class CudaEngineState:
         streaming = "WEIGHT_STREAMING" in plan.build_info.get("flags", [])
         #: weights a budget may leave in host memory (none without BuilderFlag.WEIGHT_STREAMING)
         self.streamable = frozenset(refittable_names(plan.graph)) if streaming else frozenset()
-        self.weights = {name: DeviceBuffer.from_array(np.ascontiguousarray(value))
-                        for name, value in plan.graph.constants.items()
-                        if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU" and name not in self.streamable}
+        resident = {name: value for name, value in plan.graph.constants.items()
+                    if isinstance(value, np.ndarray) and value.dtype.kind not in "OSU" and name not in self.streamable}
+        check_fits_device(sum(value.nbytes for value in resident.values()), plan.device_memory_size,
+                          memory_info()[0])
+        self.weights = {name: DeviceBuffer.from_array(np.ascontiguousarray(value)) for name, value in resident.items()}
         #: streamed weights (and their derived layouts) in pinned host memory, uploaded every run
         self.host_weights: dict[str, PinnedBuffer] = {}
         self.streamed: frozenset[str] = frozenset()
