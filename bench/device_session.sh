@@ -25,6 +25,9 @@
 #                batch vs torch eager and compile reduce-overhead (peers precompiled in 12 processes); ZOO_MODELS
 #                picks a subset                                                                              ~9 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
+#   faults       load_tests/gpu_faults.py (#35): oversize load, sticky CUDA error, executor SIGKILL, unload/reload
+#                and 20 load/unload cycles for device memory, each under c=64 HTTP+gRPC traffic on ResNet-50 fp16;
+#                $OUT/faults_gpu_*.json and its server log (in a call of its own: the first build takes minutes) ~9 min
 # The machine has no network: everything Kiln needs beyond the image comes from wheels/.
 # Same-call A/B against an earlier commit (machines differ by ~30%, so only same-call ratios count):
 #   rm -rf .ab/base && mkdir -p .ab/base && git archive REV | tar -x -C .ab/base     (.ab/ is git-ignored)
@@ -105,6 +108,10 @@ for stage in "$@"; do
       python3 -m engine_core.conformance --from-json /tmp/conf/c*.json --backend cuda \
         --markdown "$OUT/conformance_cuda.md" --json "$OUT/conformance_cuda.json" | tail -2
       cat /tmp/conf/failed 2>/dev/null ;;
+    faults)  # nvidia-ml-py (from wheels/ when there) gives the server's nv_gpu_memory_used_bytes; else nvidia-smi's figure
+      python3 -m pip install -q --no-index --no-deps --find-links wheels nvidia-ml-py 2>&1 | tail -1
+      timeout 570 python3 load_tests/gpu_faults.py --device gpu --out "$OUT" --after-s 2 --budget-s 540 2>&1 \
+        | grep -v -e Warning -e "warnings.warn" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
