@@ -27,7 +27,9 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,13 @@ class GenerativeVersion(ServedModel):
         self.inter_token_latency = Histogram(ITL_BUCKETS_S)
         self.label = f"model '{name}' version {version}"
         self._token_texts: dict[int, str] = {}
+        self._pump: EventPump | None = None
+
+    def pump(self) -> EventPump:
+        """The version's EventPump (made on the event loop's thread, at the first request)."""
+        if self._pump is None:
+            self._pump = EventPump(asyncio.get_running_loop())
+        return self._pump
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own, special tokens spelled out (vLLM's `decoded_token`; a piece of a UTF-8
@@ -189,6 +198,38 @@ def _prompt_bytes(inputs: dict[str, np.ndarray]) -> int:
                for v in np.asarray(inputs[name], dtype=object).reshape(-1))
 
 
+class EventPump:
+    """The generator's events to the event loop, many per wake-up: one decode step of 64 sequences is one
+    `call_soon_threadsafe` (a self-pipe write and a loop wake-up each), not 64. Events keep their order and the
+    time they came."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._queue: list[tuple[Callable[[GenerationEvent, int], None], GenerationEvent, int]] = []
+        self._scheduled = False
+
+    def put(self, handler: Callable[[GenerationEvent, int], None], event: GenerationEvent) -> None:
+        """From the generator's thread: `handler(event, at_ns)` runs on the loop soon."""
+        item = (handler, event, time.perf_counter_ns())
+        with self._lock:
+            self._queue.append(item)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._queue = self._queue, []
+            self._scheduled = False
+        for handler, event, at_ns in items:
+            try:
+                handler(event, at_ns)
+            except Exception:  # noqa: BLE001 - one request's bug must not drop the other requests' events
+                log.exception("generation event handler failed")
+
+
 class _Generation:
     """One request while it generates: the generator's events turned into responses on the event loop."""
 
@@ -203,12 +244,12 @@ class _Generation:
         self.handle: GenerationHandle | None = None
         self.last_token_ns: int | None = None
         self.logprobs: list[dict[str, dict[str, Any]]] = []  # the tokens' since the last response (return_logprobs)
-        self._loop = asyncio.get_running_loop()
+        self._pump = model.pump()
         self._ended = False
 
     def event(self, event: GenerationEvent) -> None:
         """The generator's callback, on its thread: the event goes to the event loop, with when it came."""
-        self._loop.call_soon_threadsafe(self._handle, event, time.perf_counter_ns())
+        self._pump.put(self._handle, event)
 
     def _handle(self, event: GenerationEvent, at_ns: int) -> None:
         if self._ended:

@@ -284,3 +284,39 @@ def test_return_logprobs_gives_the_vllm_backends_logprobs_output(llm_server, llm
 def test_bad_penalties_and_logprobs_are_400_naming_the_field(llm_server, sampling, words):
     answer = _generate(llm_server, "generate", {"text_input": PROMPT, "sampling_parameters": json.dumps(sampling)})
     assert answer.status_code == 400 and all(word in answer.json()["error"] for word in words), answer.text
+
+
+def test_the_event_pump_wakes_the_loop_once_for_a_steps_events_in_order():
+    """A decode step's events (one per sequence) reach the event loop in one wake-up, in order; a handler that fails
+    drops nothing of the others."""
+    import asyncio
+    import threading
+
+    from engine_core.generate.generator import GenerationEvent
+    from server.core.generative import EventPump
+
+    async def run() -> list[int]:
+        loop = asyncio.get_running_loop()
+        wakeups: list[object] = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or real(*args)  # type: ignore[method-assign]
+        pump = EventPump(loop)
+        seen: list[int] = []
+
+        def handler(event: GenerationEvent, at_ns: int) -> None:
+            if event.token_id == 3:
+                raise RuntimeError("a broken request")
+            seen.append(event.token_id)
+
+        def step() -> None:
+            for token in range(8):
+                pump.put(handler, GenerationEvent(token, None, 1, token + 1))
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join()
+        await asyncio.sleep(0.01)
+        assert len(wakeups) == 1
+        return seen
+
+    assert asyncio.run(run()) == [0, 1, 2, 4, 5, 6, 7]
