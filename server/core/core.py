@@ -25,7 +25,7 @@ from .config_fields import ConfigFieldCheck
 from .custom_metrics import CustomMetrics
 from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented, unknown_model
-from .grouping import Answer, run_members, settle
+from .grouping import Answer, Part, run_members, settle
 from .heap import freeze_long_lived
 from .loading import load_together
 from .model import ModelVersion, ServedModel, load_model_version, with_default_execution_timeout
@@ -295,9 +295,9 @@ class ServerCore:
         job = self.submit_infer(request, reply, requests=len(sizes))
         return [job] if job is not None else []
 
-    def submit_infer_parts(self, requests: list[InferRequest], reply: Answer) -> list[asyncio.Future]:
+    def submit_infer_parts(self, first: InferRequest, parts: list[Part], reply: Answer) -> list[asyncio.Future]:
         """A frontend's group of alike requests in shared memory, as one job of parts (part_groups.py)."""
-        return part_groups.submit_parts(self, requests, reply)
+        return part_groups.submit_parts(self, first, parts, reply)
 
     def group_rows(self, request: InferRequest) -> int:
         """The most rows a group of requests alike `request` runs as one job (its model's max_batch_size); 0 when

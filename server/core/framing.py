@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .grouping import PartAnswers
 from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
 log = logging.getLogger("kiln.server.remote")
@@ -54,7 +55,8 @@ def _reduce_fields(cls: type) -> Callable[[Any], tuple]:
 
 _REDUCERS: dict[type, Callable[[Any], tuple]] = {
     np.ndarray: _reduce_array,
-    **{cls: _reduce_fields(cls) for cls in (InferRequest, InferInput, RequestedOutput, InferResponse, InferOutput)},
+    **{cls: _reduce_fields(cls) for cls in (InferRequest, InferInput, RequestedOutput, InferResponse, InferOutput,
+                                            PartAnswers)},
 }
 
 

@@ -16,8 +16,11 @@ execution (as the dynamic batcher would have run them), so an execution error re
 have. The group is one entry in the batcher's queue.
 
 Requests whose tensors are in shared memory group too, by reference: their data is not in the message, so the
-frontend sends the members as they are (`by_reference`), and the core resolves each member's regions and runs
-them as one job of parts (server/core/part_groups.py).
+frontend sends the group's first request and, per member, only what is its own (`Part`: its id, rows, and its
+tensors' regions), and the core resolves each member's regions and runs them as one job of parts
+(server/core/part_groups.py). Its answer (`PartAnswers`) holds per member only what the frontend cannot know (each
+output's shape and byte size), and the frontend makes each member's response from its own request. Why: whole
+requests and responses per member were most of the pickling at both ends for such groups.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .types import InferInput, InferOutput, InferRequest, InferResponse
+from .types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
 #: request parameters a group may carry (all members equal): the frontends' own, the core ignores them
 GROUPABLE_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
@@ -68,6 +71,67 @@ class MemberResults:
     None) or (None, the error it raised), as an `Answer` would have been told."""
 
     results: list[tuple[Any, BaseException | None]]
+
+
+#: a member of a group by reference as it crosses to the core: its id, its rows, per input of the group's first
+#: request its parameters (a region) or its array, and per requested output its parameters
+Part = tuple[str, int, tuple[Any, ...], tuple[dict[str, Any], ...]]
+
+#: one output of a member's answer (`PartAnswers`): (datatype, shape, the array or None, the byte size written to
+#: its region or None), or the whole InferOutput where it is not one of the usual kind
+PartOutput = tuple[str, tuple[int, ...], Any, Any] | InferOutput
+
+
+def parts_of(requests: list[InferRequest]) -> list[Part]:
+    """Each member of a group by reference (alike in everything `group_key` covers) as its `Part`."""
+    return [(r.id, int(r.inputs[0].shape[0]), tuple(t.parameters or t.data for t in r.inputs),
+             tuple(o.parameters for o in r.outputs)) for r in requests]
+
+
+def part_request(first: InferRequest, part: Part) -> InferRequest:
+    """A member as the request it was, from the group's first request and its `Part`."""
+    request_id, count, tensors, outputs = part
+    inputs = [InferInput(t.name, t.datatype, (count, *t.shape[1:]), *((None, v) if type(v) is dict else (v, {})))
+              for t, v in zip(first.inputs, tensors)]
+    return InferRequest(first.model_name, inputs, first.model_version, request_id,
+                        [RequestedOutput(o.name, params) for o, params in zip(first.outputs, outputs)],
+                        first.parameters)
+
+
+@dataclass
+class PartAnswers:
+    """The core's answer to a group by reference it ran as one job of parts: the names of the outputs every member's
+    response holds, in order, and per member (in member order) its `PartOutput`s or its error. The frontend makes
+    each response from the member's own request (`responses`): its id, and each output's parameters as it asked,
+    with the byte size written."""
+
+    model_name: str
+    model_version: str
+    names: list[str]
+    members: list[list[PartOutput] | BaseException]
+
+    def responses(self, requests: list[InferRequest]) -> list[tuple[Any, BaseException | None]]:
+        """Each member's (InferResponse, None) or (None, its error), in member order."""
+        results: list[tuple[Any, BaseException | None]] = []
+        for request, member in zip(requests, self.members):
+            if isinstance(member, BaseException):
+                results.append((None, member))
+                continue
+            asked = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
+            outputs = [entry if isinstance(entry, InferOutput) else _part_output(name, entry, asked.get(name))
+                       for name, entry in zip(self.names, member)]
+            results.append((InferResponse(self.model_name, self.model_version, outputs, request.id), None))
+        return results
+
+
+def _part_output(name: str, entry: tuple, asked: dict[str, Any] | None) -> InferOutput:
+    """A `PartOutput` as the InferOutput the core would have made: the parameters asked for, the byte size
+    written to its region where it went to one."""
+    datatype, shape, data, byte_size = entry
+    params = dict(asked) if asked else {}
+    if byte_size is not None:
+        params["shared_memory_byte_size"] = byte_size
+    return InferOutput(name, datatype, shape, data, params)
 
 
 def group_key(request: InferRequest) -> Hashable | None:

@@ -47,11 +47,15 @@ from .framing import HIGH_WATER, FramedConnection
 from .grouping import (
     Answer,
     MemberResults,
+    Part,
+    PartAnswers,
     by_reference,
     concatenate,
     group_key,
     member_answers,
     outcome,
+    part_request,
+    parts_of,
     rows,
     run_members,
     run_requests,
@@ -72,7 +76,7 @@ CORE_METHODS = frozenset({
 })
 CANCEL = "__cancel__"
 INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/core/grouping.py)
-INFER_PARTS = "__infer_parts__"  # the same for requests in shared memory, as a list (server/core/part_groups.py)
+INFER_PARTS = "__infer_parts__"  # the same for requests in shared memory: the first and each one's part (part_groups.py)
 STREAM = "__stream__"  # a request answered by several replies (server/core/decoupled.py)
 ARENA = "__arena__"  # a frontend's tensor arena: (name, key, byte_size), registered for its connection's life
 
@@ -145,6 +149,8 @@ def _distribute(reply: asyncio.Future, members: list[_Member], sizes: list[int])
         value = reply.result()
         if len(members) == 1:
             results = [(value, None)]
+        elif isinstance(value, PartAnswers):
+            results = value.responses([m.request for m in members])
         else:
             results = member_answers(value, [m.request.id for m in members], sizes)
     except Exception as e:  # noqa: BLE001 - every member raises it
@@ -265,11 +271,15 @@ class _ServedConnection(FramedConnection):
         self._admit_group(call_id, len(sizes), lambda: run_members(request, sizes, self._submit_admitted, self._results(call_id)),
                           lambda answer: self.service.core.submit_infer_group(request, sizes, answer))
 
-    def _infer_parts(self, call_id: int, requests: list[InferRequest]) -> None:
-        """A frontend's group of alike requests in shared memory (server/core/part_groups.py), admitted as
-        `_infer_group`'s."""
-        self._admit_group(call_id, len(requests), lambda: run_requests(requests, self._submit_admitted, self._results(call_id)),
-                          lambda answer: self.service.core.submit_infer_parts(requests, answer))
+    def _infer_parts(self, call_id: int, first: InferRequest, parts: list[Part]) -> None:
+        """A frontend's group of alike requests in shared memory (server/core/part_groups.py): its first request and
+        each member's part, admitted as `_infer_group`'s."""
+        def one_by_one() -> list[asyncio.Future]:
+            requests = [first, *(part_request(first, part) for part in parts[1:])]
+            return run_requests(requests, self._submit_admitted, self._results(call_id))
+
+        self._admit_group(call_id, len(parts), one_by_one,
+                          lambda answer: self.service.core.submit_infer_parts(first, parts, answer))
 
     def _results(self, call_id: int) -> Callable[[MemberResults], None]:
         return lambda results: self._answer(call_id, results, None)
@@ -322,6 +332,9 @@ class _ServedConnection(FramedConnection):
             if any(isinstance(e, asyncio.CancelledError) for _, e in value.results):
                 return
             value.results = [(v, None if e is None else _as_server_error("infer", e)) for v, e in value.results]
+        elif isinstance(value, PartAnswers):  # a group by reference: the members that failed say why
+            value.members = [_as_server_error("infer", m) if isinstance(m, BaseException) else m
+                             for m in value.members]
         self._reply(call_id, value, None if error is None else _as_server_error("infer", error))
 
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
@@ -487,7 +500,7 @@ class RemoteCore:
                 elif len(members) == 1:
                     call_id, reply = self._start("infer", (requests[0],), {})
                 elif by_reference(key):
-                    call_id, reply = self._start(INFER_PARTS, (requests,), {})
+                    call_id, reply = self._start(INFER_PARTS, (requests[0], parts_of(requests)), {})
                 else:
                     call_id, reply = self._start(INFER_GROUP, (concatenate(requests), sizes), {})
             except Exception as e:  # noqa: BLE001 - e.g. the connection is gone: every member raises it
