@@ -23,11 +23,18 @@ class DeviceView:
     dtype: np.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ptr", int(self.ptr))
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "dtype", np.dtype(self.dtype))
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"DeviceView shape {list(self.shape)} has a negative dim")
+        # normalised only where needed: a server makes several views per request (fields given as int, a tuple of
+        # ints and an np.dtype, the common case, cost no conversions)
+        if type(self.ptr) is not int:
+            object.__setattr__(self, "ptr", int(self.ptr))
+        shape = self.shape
+        if type(shape) is not tuple or any(type(d) is not int for d in shape):
+            shape = tuple(int(d) for d in shape)
+            object.__setattr__(self, "shape", shape)
+        if not isinstance(self.dtype, np.dtype):
+            object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        if shape and min(shape) < 0:
+            raise ValueError(f"DeviceView shape {list(shape)} has a negative dim")
         if self.ptr == 0 and self.nbytes:
             raise ValueError("DeviceView of a null pointer")
 
