@@ -94,7 +94,7 @@ def _placed(jobs: list[dict[str, np.ndarray]], source: str, keep: list) -> list[
     the memory while the views are used."""
     if source == "numpy":
         return jobs
-    from engine_core.cuda.driver import DeviceBuffer
+    from engine_core.cuda.driver import DeviceBuffer, copy_to_device
     from engine_core.cuda.view import DeviceView
 
     total = sum(a.nbytes for job in jobs for a in job.values())
@@ -112,7 +112,7 @@ def _placed(jobs: list[dict[str, np.ndarray]], source: str, keep: list) -> list[
         views = {}
         for name, array in job.items():
             if source == "device":
-                DeviceBuffer.copy_from(_At(base + offset), array)  # type: ignore[arg-type]
+                copy_to_device(base + offset, array)
             else:
                 anchor[offset:offset + array.nbytes] = array.view(np.uint8).reshape(-1)
             views[name] = DeviceView(base + offset, array.shape, array.dtype)
@@ -150,13 +150,6 @@ def _destinations(model, batch: int, keep: list) -> list[dict]:
             offset += int(np.prod(shape)) * dtype.itemsize
         places.append(views)
     return places
-
-
-class _At:
-    """An address for DeviceBuffer.copy_from."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
 
 
 def _lanes_rows_per_s(run, lanes: int, seconds: float, rows: int) -> float:

@@ -162,8 +162,8 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     at_opt = lowered[(0, 1)] if (0, 1) in lowered else next(iter(lowered.values()))
     tactics = at_opt.tactics()
     host_tail = at_opt.tail.info() if at_opt.tail is not None else _deferred_host_tail(graph) if deferred else None
-    if host_tail:  # the runner runs these layers on the host after the device part: say so in the plan, per layer
-        tactics.update({name: "host" for name in host_tail["layers"]})
+    if host_tail and at_opt.tail is None:  # deferred: the runner splits at run time (a lowered tail's layers are
+        tactics.update({name: "host" for name in host_tail["layers"]})  # "host" in tactics() already)
     return CudaBuild(
         tactics=tactics,
         kernels=cubins,

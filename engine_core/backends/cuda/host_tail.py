@@ -54,13 +54,13 @@ class HostTail:
         """Every tensor the tail's layers write (none of them exists on the device)."""
         return frozenset(o for node in self.graph.nodes for o in node.outputs if o)
 
-    @property
+    @cached_property
     def boundary(self) -> list[str]:
         """Tensors the device part computes for the tail (each copied to the host once a run)."""
         device = set(self.device.output_names)
         return [name for name in self.graph.input_names if name in device]
 
-    @property
+    @cached_property
     def graph_inputs(self) -> list[str]:
         """Graph inputs the tail reads itself."""
         inputs = set(self.device.input_names)
