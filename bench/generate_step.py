@@ -86,9 +86,7 @@ def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[in
     for past in sorted(pasts, reverse=True):  # truncation only shortens: longest pasts first
         for batch in batches:
             rows.append(summary(path, batch, past, time_steps(runner, pool, seqs[:batch], past, args.warmup, iters)))
-    close = getattr(pool, "close", None)
-    if close is not None:
-        close()
+    pool.close()
     return rows
 
 

@@ -21,6 +21,7 @@ batched generator has to reproduce token for token.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -57,6 +58,7 @@ CHAT_TEMPLATE = (
 
 # -- tokenizer files ---------------------------------------------------------------------------------------------
 
+@functools.cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, in GPT-2's order (the order of its first 256 vocabulary ids)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

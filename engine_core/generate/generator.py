@@ -249,9 +249,7 @@ class Generator:
         """Free what the loop held outside Python's memory (the device KV cache and the engine's buffers) in the
         thread that used it, once nothing runs: an unloaded model gives its device memory back at once."""
         self._runner.close()
-        close = getattr(self._pool, "close", None)  # a DeviceKVPool; the host pool is plain numpy
-        if close is not None:
-            close()
+        self._pool.close()
 
     def _wait_for_work(self) -> bool:
         with self._lock:

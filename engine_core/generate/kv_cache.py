@@ -92,6 +92,9 @@ class BlockAccounting:
         """The keys (or values) of one block: [layers, kv_heads, block_tokens, head_dim]."""
         return self.layers, self.kv_heads, self.block_tokens, self.head_dim
 
+    def close(self) -> None:
+        """Free the storage outside Python's memory (a device pool's); nothing to do for host numpy blocks."""
+
     @property
     def used_blocks(self) -> int:
         """Blocks some sequence holds."""
