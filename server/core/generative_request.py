@@ -162,8 +162,13 @@ class CompletionText:
             self._grow(self._decoder.flush())
 
     def _grow(self, piece: str) -> None:
+        # a stop string not found before this piece must end inside it: search only from where such a one could begin
+        # (the whole text again per token would be quadratic in the completion's length)
+        start = max(self._sent, len(self.text) - self._longest + 1)
         self.text += piece
-        found = [i for i in (self.text.find(s, self._sent) for s in self._stops) if i >= 0]
+        if not self._stops or not piece:
+            return
+        found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
         if found:
             self.text = self.text[:min(found)]
             self.stopped = True

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,15 +72,11 @@ def prime_inline(model, contexts: list) -> int:
     workers = model.workers
     if not workers.inline_below_ns or model.sequence is not None or not contexts:
         return 0
-    config = model.config
-    arrays, datatypes = {}, {}
-    for tensor in config.input:
-        datatype = DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(tensor.data_type))
-        dims = tuple(model_shape(tensor))
-        if datatype in (None, "BYTES") or any(d < 0 for d in dims):
-            return 0
-        arrays[tensor.name] = np.zeros(((1,) if config.max_batch_size > 0 else ()) + dims, numpy_dtype(datatype))
-        datatypes[tensor.name] = datatype
+    zeros = _zero_inputs(model.config, model_shape)  # as the model runs them: after any reshape
+    if zeros is None:
+        return 0
+    arrays = {name: array for name, (_, array) in zeros.items()}
+    datatypes = {name: datatype for name, (datatype, _) in zeros.items()}
     runs = 0
     try:
         feeds = _feeds(model, arrays, datatypes)
@@ -170,15 +167,25 @@ def zeros_request(model) -> InferRequest | None:
     one (strings, variable dims, sequence models, whose requests need correlation ids)."""
     if getattr(model, "sequence", None) is not None:
         return None
-    inputs = []
-    for tensor in model.config.input:
+    zeros = _zero_inputs(model.config, lambda tensor: tensor.dims)  # as a client sends them: the config's dims
+    if not zeros:
+        return None
+    inputs = [InferInput(name, datatype, array.shape, array) for name, (datatype, array) in zeros.items()]
+    return InferRequest(model.name, inputs)
+
+
+def _zero_inputs(config: ModelConfig, dims_of: Callable[[Any], Any]) -> dict[str, tuple[str, np.ndarray]] | None:
+    """Every input's datatype and zeros of `dims_of(input)` (one row first when the model batches), or None when
+    zeros cannot stand for an input (strings, unknown types, variable dims)."""
+    zeros = {}
+    for tensor in config.input:
         datatype = DATATYPE_OF_CONFIG_TYPE.get(model_config_pb2.DataType.Name(tensor.data_type))
-        dims = tuple(tensor.dims)
+        dims = tuple(dims_of(tensor))
         if datatype in (None, "BYTES") or any(d < 0 for d in dims):
             return None
-        shape = ((1,) if model.config.max_batch_size > 0 else ()) + dims
-        inputs.append(InferInput(tensor.name, datatype, shape, np.zeros(shape, numpy_dtype(datatype))))
-    return InferRequest(model.name, inputs) if inputs else None
+        shape = ((1,) if config.max_batch_size > 0 else ()) + dims
+        zeros[tensor.name] = (datatype, np.zeros(shape, numpy_dtype(datatype)))
+    return zeros
 
 
 async def prime_request_path(model, checked: Callable, outputs: Callable) -> bool:

@@ -35,12 +35,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.core import InferInput, InferRequest, InferResponse
 from server.core.decoupled import StreamPart, stream_parts
 from server.core.errors import ErrorKind, ServerError
+from server.core.generative_config import GENERATIVE_BACKEND
 
 from ..deps import CoreDep
 from ..errors import http_status
 
 router = APIRouter(tags=["openai"])
-GENERATIVE_BACKEND = "kiln_llm"
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and vLLM's default max_logprobs; OpenAI's completions stop at 5)
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
