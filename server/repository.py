@@ -40,7 +40,12 @@ class ModelSource:
     versions: dict[int, Path]
 
     def model_file(self, version: int, filename: str) -> Path:
-        return self.versions[version] / filename
+        """``filename`` (a config's default_model_filename) in the version directory. The name must stay inside it
+        as written (relative, no '..'): a config sent with a load request cannot point the server at other files.
+        Symbolic links the repository's owner made are followed, as Triton does (a version directory linked to
+        a model store elsewhere)."""
+        return self.versions[version] / _safe_relative(
+            filename, f"model '{self.name}' version {version}: default_model_filename '{filename}'")
 
 
 class ModelRepository:
@@ -267,9 +272,10 @@ def _check_name(name: str) -> None:
         raise _errors().invalid(f"invalid model name '{name}'")
 
 
-def _safe_relative(relative: str) -> PurePosixPath:
-    """A relative path that stays inside the model directory; anything else is refused."""
+def _safe_relative(relative: str, what: str = "") -> PurePosixPath:
+    """A relative path that stays inside its directory as written; anything else is refused (``what`` names it)."""
     path = PurePosixPath(relative)
     if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative:
-        raise _errors().invalid(f"uploaded file path '{relative}' must be relative to the model directory, without '..'")
+        raise _errors().invalid(f"{what or f'uploaded file path {relative!r}'} must be relative to its directory, "
+                                f"without '..'")
     return path

@@ -361,8 +361,6 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
     """One version (blocking: runs in a thread)."""
     label = f"model '{source.name}' version {version}"
     path: Path = source.model_file(version, config.default_model_filename)
-    if not path.resolve().is_relative_to(source.directory.resolve()):
-        raise invalid(f"{label}: '{config.default_model_filename}' resolves outside the model directory")
     if not path.is_file():
         raise invalid(f"{label}: '{config.default_model_filename}' is missing in {path.parent}")
     try:

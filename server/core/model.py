@@ -534,8 +534,6 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     requested_config = config
     filename = config.default_model_filename or "model.onnx"
     path: Path = source.model_file(version, filename)
-    if not path.resolve().is_relative_to(source.directory.resolve()):
-        raise invalid(f"model '{source.name}' version {version}: '{filename}' resolves outside the model directory")
     if not path.is_file():
         raise invalid(f"model '{source.name}' version {version}: '{filename}' is missing in {path.parent}")
     digest = files_digest(path.parent)  # keys the description here and the plan below

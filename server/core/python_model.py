@@ -513,8 +513,6 @@ async def load_python_version(source: ModelSource, version: int, config: ModelCo
     name = source.name
     filename = config.default_model_filename or DEFAULT_PYTHON_FILENAME
     model_file = source.model_file(version, filename)
-    if not model_file.resolve().is_relative_to(source.directory.resolve()):
-        raise invalid(f"model '{name}' version {version}: '{filename}' resolves outside the model directory")
     if not model_file.is_file():
         raise invalid(f"model '{name}' version {version}: '{filename}' is missing in {model_file.parent}")
     python, environment = stub_interpreter(config, source.directory)

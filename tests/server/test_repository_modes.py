@@ -141,6 +141,29 @@ def test_restart_hits_the_plan_cache_and_survives_a_corrupt_entry(tmp_path: Path
     assert "unusable" in logs[2] and "truncated" in logs[2] and "plan rebuilt" in logs[2]
 
 
+def test_a_linked_version_directory_loads_and_a_filename_leaving_it_is_refused(tmp_path: Path):
+    """A version directory may be a link to a model store elsewhere (as in Triton); default_model_filename may
+    not climb out of its version directory."""
+    store = tmp_path / "store" / "scale-v1"
+    store.mkdir(parents=True)
+    onnx.save(scale_model(3.0), store / "model.onnx")
+    repository = tmp_path / "models"
+    (repository / "linked").mkdir(parents=True)
+    (repository / "linked" / "1").symlink_to(store, target_is_directory=True)
+    (repository / "linked" / "config.pbtxt").write_text(CONFIG)
+    examples.write_model(repository, "escape", scale_model(2.0),
+                         CONFIG + 'default_model_filename: "../../linked/1/model.onnx"\n')
+    server = start_server(repository, tmp_path / "server.log", "--strict-readiness", "false")
+    try:
+        x = np.ones((1, 4), np.float32)
+        np.testing.assert_array_equal(infer(server.http_url, "linked", x)[0], x * 3)
+        index = {m["name"]: m for m in http.InferenceServerClient(server.http_url).get_model_repository_index()}
+        assert index["escape"]["state"] == "UNAVAILABLE"
+        assert "must be relative to its directory, without '..'" in index["escape"]["reason"]
+    finally:
+        stop_server(server)
+
+
 # -- poll mode ------------------------------------------------------------------------------------------------
 def _add_version(repository: Path, name: str, version: int, content: bytes) -> None:
     """Write a version directory beside the model and rename it into place, so a poll never sees half of it."""
