@@ -109,7 +109,8 @@ async def _one(client: Any, load: Load, path: str, body: dict[str, Any]) -> Stre
                     last = now
     except Exception as e:  # noqa: BLE001 - a failed request is an error record, never a crash of the client
         record.error = f"{type(e).__name__}: {e}"[:300]
-    record.end = time.monotonic_ns()
+    finally:  # also after an HTTP error's early return: a record without an end is not counted at all
+        record.end = time.monotonic_ns()
     return record
 
 
