@@ -5,6 +5,7 @@
 #   bash bench/device_llm.sh STAGE [STAGE ...]    # there; carry [".ab", "wheels_llm"] (or the tree + "wheels_llm")
 #
 # Stages (issue #33's "Done when" lines, in the order to spend device minutes):
+#   (MODELS="gpt2" limits check/step/serve to one export; CONCURRENCY and DURATION set the serve stage's load)
 #   tests    the @pytest.mark.gpu tests of tests/generate and tests/server/generative (tiny decoder: CUDA greedy
 #            tokens against the CPU engine's, batched and chunked prefill, the device KV cache, disconnects)  ~3 min
 #   check    exports GPT-2 124M and a Llama-3.2-1B-shaped model (seeded weights; bench/export_decoder.py, with
@@ -22,53 +23,78 @@ LLM=${LLM_DIR:-/tmp/llm}
 mkdir -p "$OUT" "$LLM"
 python3 -m pip install -q --no-index --no-deps --find-links wheels_llm nvidia-cudnn-frontend fastapi starlette \
   pydantic pydantic-core typing-inspection annotated-types uvicorn h11 click anyio sniffio prometheus-client \
-  tritonclient==2.73.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 watchfiles uvloop httptools orjson \
-  httpx httpcore idna certifi urllib3 six jinja2 markupsafe transformers huggingface_hub tokenizers safetensors regex \
+  tritonclient==2.73.0 python-rapidjson protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 uvloop httptools orjson \
+  httpx httpcore idna certifi urllib3 six opentelemetry-api importlib-metadata jinja2 markupsafe transformers huggingface_hub safetensors regex \
   pyyaml tqdm filelock fsspec packaging typing-extensions typer rich shellingham markdown-it-py mdurl pygments httpx2 \
   httpcore2 truststore openai jiter distro 2>&1 | tail -2
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 
 quiet() { grep -v -e Warning -e "warnings.warn" -e "^  " -e "^$"; }
 
+MODELS=${MODELS:-gpt2 llama}   # which of the two exports a stage uses (MODELS=gpt2 for a shorter call)
+SIZE_gpt2=124m SIZE_llama=1b
+
 export_models() {  # GPT-2 124M and a Llama-3.2-1B shape, each with reference.json (transformers' greedy tokens)
-  [ -f "$LLM/gpt2/1/reference.json" ] || timeout 240 python3 bench/export_decoder.py --arch gpt2 --size 124m \
-    --out "$LLM/gpt2/1" --check 2>&1 | quiet | tail -2
-  [ -f "$LLM/llama/1/reference.json" ] || timeout 300 python3 bench/export_decoder.py --arch llama --size 1b \
-    --out "$LLM/llama/1" --check 2>&1 | quiet | tail -2
+  for m in $MODELS; do
+    local size=SIZE_$m
+    [ -f "$LLM/$m/1/reference.json" ] || timeout 300 python3 bench/export_decoder.py --arch "$m" --size "${!size}" \
+      --out "$LLM/$m/1" --check 2>&1 | quiet | tail -2
+  done
+}
+
+serve_model() {  # kiln serve on one export (KIND_GPU, fp16, 64 sequences), load_tests/generate_bench.py at 1 and 64
+  local m=$1 repo=/tmp/llm_repo_$1
+  mkdir -p "$repo/$m" && ln -sfn "$LLM/$m/1" "$repo/$m/1"
+  printf 'backend: "kiln_llm"\nmax_batch_size: 64\ninstance_group [ { kind: KIND_GPU } ]\n%s\n%s\n' \
+    'parameters { key: "max_context" value { string_value: "512" } }' \
+    'parameters { key: "kiln_precision" value { string_value: "fp16" } }' > "$repo/$m/config.pbtxt"
+  python3 -m server --model-repository "$repo" --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
+    > "$OUT/llm_server_$m.log" 2>&1 &
+  local server=$! ready=0
+  for _ in $(seq 240); do  # a failed load ends the wait at once (it cost a whole call's device time once)
+    curl -sf "localhost:8000/v2/models/$m/ready" > /dev/null && { ready=1; break; }
+    kill -0 "$server" 2> /dev/null && ! grep -q "failed to load model" "$OUT/llm_server_$m.log" || break
+    sleep 1
+  done
+  if [ $ready = 0 ]; then
+    echo "kiln serve $m: not ready"; grep -v "^I" "$OUT/llm_server_$m.log" | tail -5
+    kill "$server"; wait "$server" 2> /dev/null; return 1
+  fi
+  echo "kiln serve $m:"
+  timeout 150 python3 -m load_tests.generate_bench --url http://127.0.0.1:8000 --model "$m" --api completions \
+    --concurrency "${CONCURRENCY:-1,64}" --max-tokens 128 --warmup 3 --duration "${DURATION:-15}" --processes 4 \
+    --out "$OUT" 2>&1 | quiet | tail -4
+  curl -s localhost:8002/metrics | grep -E "^kiln_(kv|generation|time_to|inter_token)" | grep -v bucket \
+    > "$OUT/llm_metrics_$m.txt"
+  kill "$server"; wait "$server" 2> /dev/null
 }
 
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
     tests)
-      timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rf tests/generate \
-        tests/server/generative 2>&1 | quiet | grep -E "FAILED|ERROR|passed|failed" | tail -30 \
-        | tee "$OUT/llm_gpu_tests.txt" ;;
+      timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rfE --tb=short tests/generate \
+        tests/server/generative 2>&1 | grep -v -e Warning -e "warnings.warn" | grep -E "FAILED|ERROR|passed|failed|^E " \
+        | tail -30 | tee "$OUT/llm_gpu_tests.txt" ;;
     check)
       export_models
-      timeout 300 python3 bench/generate_check.py "$LLM/gpt2/1" "$LLM/llama/1" --backend cuda --fp16 \
-        --json "$OUT/generate_check.json" 2>&1 | quiet | tail -6 ;;
+      timeout 400 python3 bench/generate_check.py $(for m in $MODELS; do echo "$LLM/$m/1"; done) --backend cuda \
+        --fp16 --teacher-forced --json "$OUT/generate_check.json" 2>&1 | grep -v -e Warning -e "warnings.warn" \
+        | tail -12 ;;
     step)
       export_models
-      timeout 200 python3 bench/generate_step.py "$LLM/gpt2/1" "$LLM/llama/1" --json "$OUT/generate_step.json" \
-        2>&1 | quiet | tail -20 ;;
+      for m in $MODELS; do
+        timeout 200 python3 bench/generate_step.py "$LLM/$m/1" --fp16 --json "$OUT/generate_step_$m.json" 2>&1 \
+          | quiet | tail -12
+      done ;;
     serve)
       export_models
-      repo=/tmp/llm_repo && mkdir -p "$repo/gpt2" && ln -sfn "$LLM/gpt2/1" "$repo/gpt2/1"
-      printf 'backend: "kiln_llm"\nmax_batch_size: 64\ninstance_group [ { kind: KIND_GPU } ]\n%s\n%s\n' \
-        'parameters { key: "max_context" value { string_value: "512" } }' \
-        'parameters { key: "kiln_precision" value { string_value: "fp16" } }' > "$repo/gpt2/config.pbtxt"
-      python3 -m server --model-repository "$repo" --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
-        > "$OUT/llm_server.log" 2>&1 &
-      server=$!
-      for _ in $(seq 240); do curl -sf localhost:8000/v2/health/ready > /dev/null && break; sleep 1; done
-      timeout 150 python3 -m load_tests.generate_bench --url http://127.0.0.1:8000 --model gpt2 --api completions \
-        --concurrency 1,64 --max-tokens 128 --warmup 3 --duration 15 --processes 4 --out "$OUT" 2>&1 | quiet | tail -5
-      curl -s localhost:8002/metrics | grep -E "^kiln_(kv|generation|time_to|inter_token)" | grep -v bucket \
-        > "$OUT/llm_metrics.txt"
-      kill "$server"; wait "$server" 2> /dev/null
-      timeout 240 python3 bench/generate_peer.py --arch gpt2 --size 124m --batch 1,64 --prompt-tokens 128 \
-        --max-tokens 128 --json "$OUT/generate_peer.json" 2>&1 | quiet | tail -5 ;;
+      for m in $MODELS; do serve_model "$m"; done
+      for m in $MODELS; do
+        size=SIZE_$m
+        timeout 240 python3 bench/generate_peer.py --arch "$m" --size "${!size}" --batch "${CONCURRENCY:-1,64}" \
+          --prompt-tokens 128 --max-tokens 128 --json "$OUT/generate_peer_$m.json" 2>&1 | quiet | tail -4
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -23,6 +23,7 @@ Needs torch and transformers (not Kiln dependencies: a separate venv here, the i
 from __future__ import annotations
 
 import argparse
+import copy as copy_module
 import importlib.util
 import inspect
 import json
@@ -40,9 +41,14 @@ SIZES = {  # (hidden, layers, heads, kv_heads, intermediate, vocab)
 }
 
 
-#: weights' standard deviation: transformers' 0.02 leaves random models' logits nearly flat, so greedy decoding
-#: repeats one token and a token-for-token comparison would prove little; 0.2 gives varied sequences
-INIT_RANGE = 0.2
+#: weights' standard deviation per architecture. transformers' 0.02 leaves random models' logits nearly flat, so
+#: greedy decoding repeats one token (GPT-2 124M: 3 distinct tokens in 32) and a token-for-token comparison would
+#: prove little. 0.2 gives varied sequences but chaotic models: transformers itself in fp16 is off by ~5 in logits
+#: up to 29-47 and picks another token at 4-5 of 32 steps, as an fp16 engine then does too. Measured with transformers
+#: in fp16 on the CPU: GPT-2 at 0.1, 27 distinct tokens, logits within 0.11, no other argmax; the Llama-1B shape at
+#: 0.05, 32 distinct, within 0.19, another argmax at two steps whose fp32 margins are 0.011 and 0.021 (at 0.1: within
+#: 0.84, three steps). reference.json records the same figures from the machine that ran the export.
+INIT_RANGE = {"gpt2": 0.1, "llama": 0.05}
 
 
 def make_model(arch: str, size: str, pretrained: Path | None, seed: int) -> torch.nn.Module:
@@ -57,13 +63,13 @@ def make_model(arch: str, size: str, pretrained: Path | None, seed: int) -> torc
     if arch == "gpt2":
         config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate, vocab_size=vocab,
                             n_positions=1024, bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-                            initializer_range=INIT_RANGE, attn_implementation="eager")
+                            initializer_range=INIT_RANGE[arch], attn_implementation="eager")
         return GPT2LMHeadModel(config).eval()
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
                          max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
                          bos_token_id=min(128000, vocab - 2), eos_token_id=min(128001, vocab - 1),
-                         initializer_range=INIT_RANGE, attn_implementation="eager")
+                         initializer_range=INIT_RANGE[arch], attn_implementation="eager")
     return LlamaForCausalLM(config).eval()
 
 
@@ -157,6 +163,24 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> l
     return [int(t) for t in out[0, len(prompt):]]
 
 
+@torch.no_grad()
+def fp16_conditioning(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> dict[str, Any]:
+    """How well the model's greedy tokens survive fp16 in transformers itself (on CUDA when there is a GPU): the
+    prompt and the reference tokens in one forward pass in fp32 and in fp16, the largest logit difference at the
+    reference's steps and the steps whose fp16 argmax is another token. What an fp16 engine can be asked for."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([prompt + tokens], device=device)
+    steps = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    copy = copy_module.deepcopy(model).to(device)  # the exported weights stay fp32 as the reference used them
+    exact = copy(ids).logits[0, steps].float()
+    half = copy.to(torch.float16)(ids).logits[0, steps].float()
+    del copy
+    picked = half.argmax(-1).tolist()
+    return {"device": device, "max_logit_error": float((half - exact).abs().max()),
+            "logit_scale": float(exact.abs().max()),
+            "differing_steps": [i for i, (a, b) in enumerate(zip(picked, tokens)) if a != b]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
@@ -174,7 +198,9 @@ def main() -> None:
     if args.check:  # before the export: tracing GPT-2 left its module in a state whose generate() differs
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompt = torch.randint(0, model.config.vocab_size, (12,), generator=generator).tolist()
-        reference = {"prompt": prompt, "tokens": reference_greedy(model, prompt, args.check_tokens)}
+        tokens = reference_greedy(model, prompt, args.check_tokens)
+        reference = {"prompt": prompt, "tokens": tokens, "init_range": None if args.pretrained else INIT_RANGE[args.arch],
+                     "transformers_fp16": fp16_conditioning(model, prompt, tokens)}
     export(model, args.out / "model.onnx")
     eos = model.config.eos_token_id
     (args.out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
@@ -189,7 +215,10 @@ def main() -> None:
         (args.out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if reference is not None:
         (args.out / "reference.json").write_text(json.dumps(reference))
-        print(f"reference: prompt {reference['prompt']} -> {reference['tokens']}")
+        half = reference["transformers_fp16"]
+        print(f"reference: prompt {reference['prompt']} -> {reference['tokens']}; transformers in fp16 on "
+              f"{half['device']}: logits off by up to {half['max_logit_error']:.3f} (of {half['logit_scale']:.1f}), "
+              f"another argmax at steps {half['differing_steps']}")
     print(f"wrote {args.out / 'model.onnx'}")
 
 

@@ -6,11 +6,12 @@
 set -euo pipefail
 export WHEELS_DIR=wheels_llm
 bash ../shared/tools/device-wheels.sh tritonclient==2.73.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 \
-  orjson httpx httpcore idna certifi urllib3 six \
+  orjson httpx httpcore idna certifi urllib3 six opentelemetry-api importlib-metadata \
   jinja2 markupsafe transformers==5.24.0 huggingface_hub tokenizers safetensors regex pyyaml tqdm filelock fsspec \
   packaging typing-extensions typer rich shellingham markdown-it-py mdurl pygments httpx2 httpcore2 truststore \
   openai jiter distro > /dev/null
-# not used there: nvmath (Kiln calls cuBLASLt through ctypes), rapidjson (tritonclient's HTTP client, which the llm
-# stages do not use: no gevent stack either)
-rm -f "$WHEELS_DIR"/nvmath_python-*.whl "$WHEELS_DIR"/python_rapidjson-*.whl
+# not used there: nvmath (Kiln calls cuBLASLt through ctypes), tokenizers (transformers imports without it; the tests
+# that compare with it skip), watchfiles (uvicorn's --reload); rapidjson stays (tritonclient.grpc imports it too).
+# The tree (~10 MiB) and this folder must stay under the 64 MiB carry together.
+rm -f "$WHEELS_DIR"/nvmath_python-*.whl "$WHEELS_DIR"/tokenizers-*.whl "$WHEELS_DIR"/watchfiles-*.whl
 du -sh "$WHEELS_DIR"
