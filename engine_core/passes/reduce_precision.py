@@ -14,7 +14,9 @@ when its schema does not allow the target type, when it is a shape computation (
 known at build time), when it has a body (Loop/If/Scan), when its op has no schema (custom domains;
 kiln-domain fused ops are the exception: all their float inputs are data), or when the user
 constrained it (``layer.precision = FLOAT``). Softmax, normalizations and reductions keep 16-bit I/O:
-their kernels accumulate in float32.
+their kernels accumulate in float32. Rotary angles (Sin/Cos of integer positions and the layers computing their
+arguments, engine_core/passes/rotary_angles.py) stay float32 by default, as transformers keeps them; a constraint
+on one of those layers still wins.
 
 Q/DQ follow TensorRT, not the ONNX schema of their opset: a scale and a zero point are quantization
 parameters, never data, so they keep the model's types (an fp32 scale stays exact); QuantizeLinear's data
@@ -45,6 +47,7 @@ from engine_core.errors import BuildError, KilnError
 from engine_core.ir import Graph, Node, has_subgraph, subgraph_reads
 from engine_core.logger import Logger, Severity
 from engine_core.ops import TensorInfo, get_op
+from engine_core.passes.rotary_angles import rotary_angle_layers
 from engine_core.types import (
     BuilderFlag,
     NetworkDefinitionCreationFlag,
@@ -221,6 +224,7 @@ class _Rewriter:
         self.nodes: list[Node] = []
         self.changes = 0
         self.opset = graph.opsets.get("", 21)
+        self.angle_layers = rotary_angle_layers(graph, self._known)
 
     # -- driver --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -290,6 +294,8 @@ class _Rewriter:
             return None, "it computes values known at build time (a shape computation)"
         if self._schema(node) is None and node.domain != KILN_DOMAIN:
             return None, f"op {node.domain or 'ai.onnx'}::{node.op_type} has no ONNX schema to type it"
+        if node.name in self.angle_layers:
+            return None, None  # float32 by default, not a reason to refuse a constraint (module docstring)
         target = self.policy.target
         if target is None or self._unsupported(node, target) is not None:
             return None, None
@@ -314,8 +320,12 @@ class _Rewriter:
     def _is_shape_computation(self, node: Node) -> bool:
         present = [i for i in node.inputs if i]
         op = get_op(node.op_type, node.domain)
-        return bool(present) and op is not None and op.deterministic and all(
-            self.original.get(i) is not None and self.original[i].value is not None for i in present)
+        return bool(present) and op is not None and op.deterministic and all(self._known(i) for i in present)
+
+    def _known(self, name: str) -> bool:
+        """Whether the tensor's value is known at build time (a constant, or computed from shapes)."""
+        info = self.original.get(name)
+        return info is not None and info.value is not None
 
     def _data_var(self, node: Node, schema: _Schema) -> str | None:
         """The type variable of the node's data tensors: its first float32 output's, else its first

@@ -191,6 +191,42 @@ def test_conv_weights_keep_their_names_for_refit() -> None:
     assert {k: v.dtype for k, v in constants.items()} == {"W1": FP16, "b1": FP16, "W2": FP16, "b2": FP16}
 
 
+def _rotary_model() -> onnx.ModelProto:
+    """y = x * cos(a) + x * sin(a), a = positions x inv_freq computed in the graph, as Llama exports do it."""
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32).reshape(1, 4, 1)
+    nodes = [helper.make_node("Unsqueeze", ["position_ids", "axis1"], ["p3"]),
+             helper.make_node("Cast", ["p3"], ["pf"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["inv_freq", "pf"], ["freqs"]),
+             helper.make_node("Transpose", ["freqs"], ["ft"], perm=[0, 2, 1]),
+             helper.make_node("Concat", ["ft", "ft"], ["angles"], axis=-1),
+             helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"]),
+             helper.make_node("Mul", ["x", "cos"], ["xc"]), helper.make_node("Mul", ["x", "sin"], ["xs"]),
+             helper.make_node("Add", ["xc", "xs"], ["y"])]
+    inits = [numpy_helper.from_array(inv_freq, "inv_freq"), numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    graph = helper.make_graph(nodes, "rotary", [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "s"]),
+                                                helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("flag", [F.FP16, F.BF16], ids=["fp16", "bf16"])
+def test_rotary_angles_stay_float32(flag: F) -> None:
+    """Positions x frequencies and their Sin/Cos stay float32 (in fp16 the angle at position 2000 is off by up to
+    1 rad); the rotation itself runs in the reduced type."""
+    feeds = {"position_ids": np.arange(1990, 2006, dtype=np.int64)[None],
+             "x": RNG.standard_normal((1, 16, 8)).astype(np.float32)}
+    shapes = {"position_ids": ((1, 1), (1, 16), (1, 64)), "x": ((1, 1, 8), (1, 16, 8), (1, 64, 8))}
+    data, _ = build(_rotary_model(), shapes, (flag,))
+    plan = deserialize_plan(data)
+    layers = {n.name or n.outputs[0]: n for n in plan.graph.nodes}
+    kept = {name: p for name, p in precisions(plan, feeds).items() if layers[name].op_type in ("MatMul", "Cos", "Sin")}
+    assert set(kept.values()) == {"float32"} and len(kept) == 3, kept
+    assert {p for name, p in precisions(plan, feeds).items() if layers[name].op_type in ("Mul", "Add")} == \
+        {np.dtype(FP16 if flag == F.FP16 else BF16).name}
+    reference = run(build(_rotary_model(), shapes)[0], feeds)
+    assert max_err(run(data, feeds), reference) < (1e-2 if flag == F.FP16 else 8e-2)
+
+
 # -- schema type constraints -----------------------------------------------------------------------
 
 
