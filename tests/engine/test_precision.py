@@ -227,6 +227,25 @@ def test_rotary_angles_stay_float32(flag: F) -> None:
     assert max_err(run(data, feeds), reference) < (1e-2 if flag == F.FP16 else 8e-2)
 
 
+def test_weights_beyond_fp16_range_saturate_with_a_warning() -> None:
+    """transformers' additive mask ``(1 - mask) * finfo(float32).min``: the constant becomes fp16's lowest finite
+    value, not -inf, so kept positions add 0 (not 0 * -inf = NaN) and masked ones a huge negative number."""
+    lowest = np.finfo(np.float32).min
+    nodes = [helper.make_node("Sub", ["one", "m"], ["keep"]), helper.make_node("Mul", ["keep", "lowest"], ["bias"]),
+             helper.make_node("Add", ["x", "bias"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(lowest, np.float32), "lowest")]
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in ("x", "m", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "mask", info[:2], info[2:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    data, warnings = build(model, {}, (F.FP16,))
+    assert any("'lowest': 1 value(s) outside the float16 range clamped" in w for w in warnings), warnings
+    mask = np.array([[1, 1, 0, 0], [1, 0, 1, 0]], np.float32)
+    y = run(data, {"x": np.ones((2, 4), np.float32), "m": mask})["y"].astype(np.float32)
+    np.testing.assert_array_equal(y[mask == 1], 1.0)
+    assert np.all(np.isfinite(y)) and np.all(y[mask == 0] <= -65000)
+
+
 # -- schema type constraints -----------------------------------------------------------------------
 
 
