@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from engine_core.generate.decoder import DecoderRunner
 from engine_core.generate.kv_cache import PromptBlocks
-from engine_core.generate.sampling import Sampler, SamplingParams, TokenLogprobs
+from engine_core.generate.sampling import Sampler, SamplingParams, StepSampler, TokenLogprobs
 from engine_core.runtime import CudaEngine
 
 log = logging.getLogger("kiln.generate")
@@ -161,6 +161,7 @@ class Generator:
         self._closed = False
         self._prompt_tokens = self._completion_tokens = 0
         self._prefix_queries = self._prefix_hits = 0
+        self._sampling = StepSampler()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -216,6 +217,7 @@ class Generator:
             self._lock.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+            self._sampling.close()
 
     def __enter__(self) -> Generator:
         return self
@@ -294,10 +296,12 @@ class Generator:
             for seq in batch:
                 self._finish(seq, "error", error=e)
         else:
-            for seq, n, row in zip(batch, chunks, logits):
+            for seq, n in zip(batch, chunks):
                 seq.prefilled += n
-                if not seq.unfed:
-                    self._accept(seq, *seq.sampler.choose(row))
+            done = [i for i, seq in enumerate(batch) if not seq.unfed]
+            choices = self._sampling.choose([batch[i].sampler for i in done], logits[done])
+            for i, choice in zip(done, choices):
+                self._accept(batch[i], *choice)
         self._forget_done()
 
     def _decode(self, batch: list[_Sequence]) -> None:
@@ -309,8 +313,8 @@ class Generator:
             for seq in batch:
                 self._finish(seq, "error", error=e)
         else:
-            for seq, row in zip(batch, logits):
-                self._accept(seq, *seq.sampler.choose(row))
+            for seq, choice in zip(batch, self._sampling.choose([s.sampler for s in batch], logits)):
+                self._accept(seq, *choice)
         self._forget_done()
 
     def _accept(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:

@@ -18,7 +18,9 @@ vocabulary per token, so they are computed only for a request that sets ``logpro
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -229,17 +231,94 @@ class Sampler:
         if self.params.greedy:
             return int(np.argmax(logits))
         scores = np.asarray(logits, np.float64) / self.params.temperature
-        tokens = np.arange(scores.shape[0])
-        k = self.params.top_k
+        k, top_p = self.params.top_k, self.params.top_p
         if 0 < k < scores.shape[0]:
-            tokens = np.argpartition(scores, -k)[-k:]
-        if self.params.top_p < 1.0:  # sorting only when top_p needs the order (a large vocabulary costs)
-            tokens = tokens[np.argsort(-scores[tokens], kind="stable")]
-        chosen = scores[tokens]
-        probs = np.exp(chosen - chosen.max())
-        probs /= probs.sum()
-        if self.params.top_p < 1.0:
+            tokens = _most_likely(scores, k)
+            chosen = scores[tokens]
+            probs = np.exp(chosen - chosen.max())
+            probs /= probs.sum()
+        else:
+            weights = np.exp(scores - scores.max())
+            if top_p >= 1.0:
+                return _draw(self.rng, weights)
+            tokens, probs = _nucleus_candidates(scores, weights, top_p)
+        if top_p < 1.0:
             # the fewest most likely tokens whose probabilities reach top_p (the first always stays)
-            keep = int(np.searchsorted(np.cumsum(probs), self.params.top_p)) + 1
+            keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
             tokens, probs = tokens[:keep], probs[:keep] / probs[:keep].sum()
-        return int(tokens[self.rng.choice(len(tokens), p=probs)])
+        return int(tokens[_draw(self.rng, probs)])
+
+
+class StepSampler:
+    """Chooses the tokens of one step's rows, each with its sequence's own ``Sampler``: inline when at most one row
+    needs more than an argmax, else on a few threads. Over a 128k vocabulary a sampled row costs ~1-25 ms of numpy
+    (partitions, sorts, exponentials, which release the GIL), so 64 sampled rows one after another would take
+    longer than the decode step itself; rows are independent (own generators), so the tokens are the same either
+    way. The threads start on the first step that needs them."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def choose(self, samplers: Sequence[Sampler], logits: np.ndarray) -> list[tuple[int, TokenLogprobs | None]]:
+        """``samplers[i].choose(logits[i])`` for every row, in row order."""
+        costly = sum(1 for s in samplers if not s.params.greedy or s.params.penalized or s.params.logprobs is not None)
+        if costly < 2 or self.workers < 2:
+            return [s.choose(row) for s, row in zip(samplers, logits)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kiln-sampling")
+        return list(self._pool.map(Sampler.choose, samplers, logits))
+
+    def close(self) -> None:
+        """Stop the threads (idempotent; a later step starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _draw(rng: np.random.Generator, weights: np.ndarray) -> int:
+    """An index drawn with probability proportional to ``weights``: the same draw as ``rng.choice(len(weights),
+    p=weights / weights.sum())`` (its inverse-CDF steps, one uniform), without its checks of ``p``, which cost
+    more than the draw over a large vocabulary."""
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    return int(np.searchsorted(cdf, rng.random(), side="right"))
+
+
+#: how many candidates a top-p draw sorts, tried in turn until their mass reaches top_p (then every token): a 128k
+#: vocabulary's full sort cost ~18 ms per sequence per step on the CPU, and a peaked distribution's nucleus is far
+#: smaller; a flat one pays one partition more than the full sort alone
+_NUCLEUS_TRIES = (256, 4096, 32768)
+
+
+def _most_likely(scores: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` highest-scoring token ids, highest first, ties in token order (what a stable sort of every
+    token by descending score would put first)."""
+    if count >= scores.shape[0]:
+        return np.argsort(-scores, kind="stable")
+    part = np.argpartition(scores, -count)[-count:]
+    floor = scores[part].min()
+    if np.count_nonzero(scores >= floor) > count:  # a tie at the boundary: the lowest ids of it belong in
+        part = np.flatnonzero(scores > floor)
+        part = np.concatenate([part, np.flatnonzero(scores == floor)[:count - part.shape[0]]])
+    part.sort()  # token order first, so the stable sort below leaves ties in it (logits in fp16 tie often)
+    return part[np.argsort(-scores[part], kind="stable")]
+
+
+def _nucleus_candidates(scores: np.ndarray, weights: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The most likely tokens, highest first, whose probabilities (``weights`` normalised over the whole
+    vocabulary) reach ``top_p``, and those probabilities: sorting a few hundred candidates instead of the
+    vocabulary gives the same nucleus whenever their mass reaches top_p."""
+    total, vocab = weights.sum(), scores.shape[0]
+    mass, smallest, taken = 0.0, 1.0, 0
+    for count in (*_NUCLEUS_TRIES, vocab):
+        # every token past the ones taken has at most the smallest probability among them: skip a try that
+        # cannot reach top_p even so (a flat distribution goes straight to the full sort)
+        if count < vocab and mass + (count - taken) * smallest < top_p:
+            continue
+        tokens = _most_likely(scores, count)
+        probs = weights[tokens] / total
+        mass, smallest, taken = float(probs.sum()), float(probs[-1]), count
+        if count >= vocab or mass >= top_p:
+            break
+    return tokens, probs

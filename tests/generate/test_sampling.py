@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine_core.generate import Sampler, SamplingParams
-from engine_core.generate.sampling import TokenLogprobs, token_logprobs
+from engine_core.generate.sampling import StepSampler, TokenLogprobs, token_logprobs
 
 
 def test_from_mapping_reads_request_json():
@@ -99,6 +99,50 @@ def test_temperature_one_samples_the_softmax():
     sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
     share = np.mean([sampler(logits) for _ in range(4000)])
     assert share == pytest.approx(0.75, abs=0.03)
+
+
+def reference_nucleus_draw(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """The nucleus draw by its definition: every token sorted by descending score (ties in token order), the
+    fewest whose probabilities reach top_p, one draw from them renormalised (top_p 1: every token, unsorted)."""
+    scores = np.asarray(logits, np.float64) / temperature
+    tokens = np.argsort(-scores, kind="stable") if top_p < 1.0 else np.arange(scores.shape[0])
+    probs = np.exp(scores[tokens] - scores.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+        tokens, probs = tokens[:keep], probs[:keep] / probs[:keep].sum()
+    return int(tokens[rng.choice(len(tokens), p=probs)])
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0], ids=["flat", "spread", "peaked"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_top_p_draws_as_the_full_sort_does(scale, dtype):
+    """The nucleus comes from a few hundred candidates where their mass suffices, else from the full sort: the
+    same tokens, draw for draw, as sorting the whole vocabulary (fp16 logits tie often)."""
+    rng = np.random.default_rng(7)
+    for temperature, top_p in [(1.0, 0.95), (0.7, 0.5), (1.3, 1.0)]:
+        sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=3))
+        reference = np.random.default_rng(3)
+        for _ in range(40):
+            logits = (rng.standard_normal(32000) * scale).astype(dtype)
+            assert sampler(logits) == reference_nucleus_draw(logits, temperature, top_p, reference)
+
+
+def test_a_step_sampled_on_threads_gives_each_row_its_serial_tokens():
+    """StepSampler runs rows on threads when several need more than an argmax: each row's seeded tokens, penalties
+    and logprobs are those its sampler gives alone."""
+    rng = np.random.default_rng(5)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=20, seed=2, logprobs=3),
+              SamplingParams(temperature=0.0, presence_penalty=1.0), SamplingParams(temperature=1.0, seed=4)]
+    threaded, serial = [Sampler(p, [1, 2, 3]) for p in params], [Sampler(p, [1, 2, 3]) for p in params]
+    step = StepSampler(workers=4)
+    try:
+        for _ in range(20):
+            logits = (rng.standard_normal((len(params), 5000)) * 3).astype(np.float32)
+            assert step.choose(threaded, logits) == [s.choose(row) for s, row in zip(serial, logits)]
+    finally:
+        step.close()
 
 
 # -- penalties and log-probabilities ------------------------------------------------------------------------------
