@@ -63,7 +63,7 @@ serve_model() {  # kiln serve on one export (KIND_GPU, fp16, 64 sequences), load
   echo "kiln serve $m:"
   timeout 150 python3 -m load_tests.generate_bench --url http://127.0.0.1:8000 --model "$m" --api completions \
     --concurrency "${CONCURRENCY:-1,64}" --max-tokens 128 --warmup 3 --duration "${DURATION:-15}" --processes 4 \
-    --out "$OUT" 2>&1 | quiet | tail -4
+    --out "$OUT" 2>&1 | grep -v -e Warning -e "warnings.warn" | tail -4
   curl -s localhost:8002/metrics | grep -E "^kiln_(kv|generation|time_to|inter_token)" | grep -v bucket \
     > "$OUT/llm_metrics_$m.txt"
   kill "$server"; wait "$server" 2> /dev/null
@@ -93,7 +93,7 @@ for stage in "$@"; do
       for m in $MODELS; do
         size=SIZE_$m
         timeout 240 python3 bench/generate_peer.py --arch "$m" --size "${!size}" --batch "${CONCURRENCY:-1,64}" \
-          --prompt-tokens 128 --max-tokens 128 --json "$OUT/generate_peer_$m.json" 2>&1 | quiet | tail -4
+          --prompt-tokens 128 --max-tokens 128 --json "$OUT/generate_peer_$m.json" 2>&1 | grep -v -e Warning -e "warnings.warn" | tail -5
       done ;;
     *) echo "unknown stage $stage" ;;
   esac
