@@ -7,7 +7,6 @@ own `Histogram`s (seconds, Prometheus naming).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,6 +14,7 @@ from prometheus_client.core import Metric
 
 from server.core.generative import GenerativeVersion
 from server.core.latency import Histogram
+from server.metrics_latency import add_histogram
 
 #: gauge or counter name -> (help, type, extra labels, how to read it from a version's GeneratorStats)
 _FAMILIES: dict[str, tuple[str, str, list[tuple[dict[str, str], Callable[[Any], float]]]]] = {
@@ -55,18 +55,10 @@ def generation_families(loaded: Iterable[object]) -> Iterable[Metric]:
     for name, (help_text, histogram_of) in _HISTOGRAMS.items():
         family = Metric(name, help_text, "histogram")
         for version in versions:
-            _add_histogram(family, name, _labels(version), histogram_of(version))
+            add_histogram(family, _labels(version), histogram_of(version))
         yield family
 
 
 def _labels(version: GenerativeVersion) -> dict[str, str]:
     return {"model": version.name, "version": str(version.version)}
 
-
-def _add_histogram(family: Metric, name: str, labels: dict[str, str], histogram: Histogram) -> None:
-    buckets = histogram.buckets()
-    for bound, count in buckets:
-        le = "+Inf" if math.isinf(bound) else repr(float(bound))
-        family.add_sample(f"{name}_bucket", {**labels, "le": le}, float(count))
-    family.add_sample(f"{name}_count", labels, float(buckets[-1][1]))
-    family.add_sample(f"{name}_sum", labels, histogram.sum)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from server.core.latency import FIRST_RESPONSE, MetricsConfig
+from server.core.latency import FIRST_RESPONSE, Histogram, MetricsConfig
 
 # recorder key -> (family, help): Triton's summary families
 _SUMMARIES = {
@@ -37,9 +37,22 @@ _CACHE_ONLY = ("cache_hit_duration", "cache_miss_duration")
 
 
 def _label_number(value: float) -> str:
+    """A quantile or bucket bound as Triton (prometheus-cpp) writes it: whole numbers without ".0" (le="100")."""
     if math.isinf(value):
         return "+Inf"
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def add_histogram(family: Metric, labels: dict[str, str], histogram: Histogram) -> None:
+    """`histogram`'s samples, labelled `labels`, added to `family` in Triton's order (_count, _sum, then the
+    cumulative _bucket per bound and +Inf). Triton's first-response histogram and the generative models' latency
+    histograms (server/metrics_generative.py) are written here, so their bounds read alike."""
+    name = family.name
+    buckets = histogram.buckets()
+    family.add_sample(f"{name}_count", labels, float(buckets[-1][1]))
+    family.add_sample(f"{name}_sum", labels, histogram.sum)
+    for bound, count in buckets:
+        family.add_sample(f"{name}_bucket", {**labels, "le": _label_number(bound)}, float(count))
 
 
 def latency_families(config: MetricsConfig, versions: list, caches) -> Iterable[Metric]:
@@ -66,11 +79,6 @@ def latency_families(config: MetricsConfig, versions: list, caches) -> Iterable[
     if config.histogram_latencies:
         family = Metric(FIRST_RESPONSE, "Duration from request to first response in milliseconds", "histogram")
         for version, recorder in recorded:
-            histogram = recorder.first_response_ms
-            labels = {"model": version.name, "version": str(version.version)}
-            buckets = histogram.buckets()
-            family.add_sample(f"{FIRST_RESPONSE}_count", labels, float(buckets[-1][1]))
-            family.add_sample(f"{FIRST_RESPONSE}_sum", labels, histogram.sum)
-            for bound, count in buckets:
-                family.add_sample(f"{FIRST_RESPONSE}_bucket", {**labels, "le": _label_number(bound)}, float(count))
+            add_histogram(family, {"model": version.name, "version": str(version.version)},
+                          recorder.first_response_ms)
         yield family

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,15 +95,21 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _stops(value: Any) -> tuple[str, ...]:
+def stop_strings(value: Any, limit: int, error: Callable[[str], Exception]) -> list[str]:
+    """`stop` (a string or a list of strings, none empty, at most `limit`) as a list; [] for None. Shared by the
+    model's input and the OpenAI routes, which differ only in the limit and in how a refusal is raised (`error`,
+    given the message)."""
     if value is None:
-        return ()
+        return []
     stops = [value] if isinstance(value, str) else value
-    if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
-            or len(stops) > MAX_STOP_STRINGS):
-        raise invalid(f"sampling parameter 'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
-                      f"of them, got {value!r}")
-    return tuple(stops)
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > limit:
+        raise error(f"'stop' must be a non-empty string or a list of at most {limit} of them")
+    return stops
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    return tuple(stop_strings(value, MAX_STOP_STRINGS,
+                              lambda message: invalid(f"sampling parameter {message}, got {value!r}")))
 
 
 def _rendered_chat(tokenizer: Tokenizer, text: str, label: str) -> str:
@@ -115,28 +121,32 @@ def _rendered_chat(tokenizer: Tokenizer, text: str, label: str) -> str:
         messages = json.loads(text)
     except ValueError as e:
         raise invalid(f"input 'messages' is not JSON: {e}") from None
-    if not isinstance(messages, list) or not messages:
-        raise invalid("input 'messages' must be a non-empty JSON array of {\"role\": ..., \"content\": ...}")
     try:
-        return render_chat(tokenizer.chat_template, [_message(m, i) for i, m in enumerate(messages)],
-                           add_generation_prompt=True, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        return render_chat(tokenizer.chat_template, chat_messages(messages, invalid), add_generation_prompt=True,
+                           bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     except ChatTemplateError as e:
         raise invalid(f"{label}: chat template: {e}") from None
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
-    """One chat message with its content as text (OpenAI's list of text parts joined)."""
+def chat_messages(value: Any, error: Callable[[str], Exception]) -> list[dict[str, Any]]:
+    """Chat messages checked, each with its content as text (OpenAI's list of text parts joined). Shared by the
+    model's `messages` input and the OpenAI chat route, which differ only in how a refusal is raised (`error`,
+    given the message)."""
+    if not isinstance(value, list) or not value:
+        raise error("'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
+    return [_message(message, index, error) for index, message in enumerate(value)]
+
+
+def _message(message: Any, index: int, error: Callable[[str], Exception]) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise invalid(f"messages[{index}] must be an object with a string 'role'")
+        raise error(f"messages[{index}] must be an object with a string 'role'")
     content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise invalid(f"messages[{index}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                          "supported")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
-        raise invalid(f"messages[{index}].content must be a string or a list of text parts")
+        raise error(f"messages[{index}].content must be a string or a list of text parts "
+                    "({\"type\": \"text\", \"text\": ...}): images, audio and tool calls are not supported")
     return {**message, "content": content or ""}
 
 

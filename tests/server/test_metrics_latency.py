@@ -11,10 +11,12 @@ import types
 
 import httpx
 import pytest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.core.latency import Histogram, MetricsConfig, WindowQuantiles, parse_metrics_config
 from server.gpu_metrics import NvmlGpus, Sampled
+from server.metrics_latency import add_histogram
 from tests.server.conftest import examples, run_server
 from tests.support.servers import infer_add_sub_int32
 
@@ -31,6 +33,17 @@ def test_window_quantiles_are_exact_over_the_window_and_forget_old_observations(
     assert later == {0.5: 7}
     assert math.isnan(window.quantiles((0.5,), now=1200.0)[0.5])  # empty window: NaN, as prometheus-cpp
     assert window.count == 103  # count and sum stay cumulative
+
+
+def test_histograms_are_written_in_tritons_order_with_its_bounds():
+    histogram = Histogram((0.5, 1.0, 100.0))
+    histogram.observe(0.7)
+    histogram.observe(200.0)
+    family = Metric("h_seconds", "help", "histogram")
+    add_histogram(family, {"model": "m"}, histogram)
+    assert [(s.name, s.labels.get("le"), s.value) for s in family.samples] == [
+        ("h_seconds_count", None, 2.0), ("h_seconds_sum", None, 200.7), ("h_seconds_bucket", "0.5", 0.0),
+        ("h_seconds_bucket", "1", 1.0), ("h_seconds_bucket", "100", 1.0), ("h_seconds_bucket", "+Inf", 2.0)]
 
 
 def test_window_is_bounded():

@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from server.core.errors import ServerError
 from server.core.generative import INLINE_PROMPT_BYTES
 from server.core.generative_config import complete_generative_config, generation_settings
-from server.core.generative_request import CompletionText
+from server.core.generative_request import MAX_STOP_STRINGS, CompletionText, chat_messages, read_request
 from server.core.model_config import parse_config_text
 
 from ..conftest import require_grpc
@@ -189,6 +189,7 @@ def test_statistics_and_metrics_count_requests_and_tokens(llm_server):
     assert metric(llm_server, "kiln_kv_cache_blocks_total") == 4 * MAX_CONTEXT // 8
     assert metric(llm_server, "kiln_time_to_first_token_seconds_count") >= 1
     assert metric(llm_server, "kiln_inter_token_latency_seconds_bucket", le="+Inf") >= 4
+    assert metric(llm_server, "kiln_time_to_first_token_seconds_bucket", le="1") >= 1  # bounds as Triton's: "1"
     wait_until_idle(llm_server)
 
 
@@ -234,6 +235,40 @@ def test_completion_refuses_what_a_generative_model_cannot_do(text, words):
     with pytest.raises(ServerError) as caught:
         _complete(text)
     assert all(word in caught.value.message for word in words), caught.value.message
+
+
+def _read(tokenizer, sampling: dict):
+    inputs = {"text_input": np.array([b"hi"], dtype=object),
+              "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object)}
+    return read_request(tokenizer, inputs, {}, MODEL)
+
+
+def test_stop_strings_are_checked_against_the_models_limit(tokenizer):
+    assert _read(tokenizer, {"stop": ["a"] * MAX_STOP_STRINGS}).stops == ("a",) * MAX_STOP_STRINGS
+    assert _read(tokenizer, {"stop": "a"}).stops == ("a",) and _read(tokenizer, {"stop": []}).stops == ()
+    with pytest.raises(ServerError) as caught:
+        _read(tokenizer, {"stop": ["a"] * (MAX_STOP_STRINGS + 1)})
+    assert caught.value.message.startswith(f"sampling parameter 'stop' must be a non-empty string or a list of at "
+                                           f"most {MAX_STOP_STRINGS} of them, got ['a'")
+
+
+@pytest.mark.parametrize(("messages", "words"), [
+    ([], ["'messages'", "non-empty"]),
+    ([{"content": "hi"}], ["messages[0]", "'role'"]),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], ["messages[0].content", "text parts"]),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], ["messages[0].content", "text parts"]),
+    ([{"role": "user", "content": 3}], ["messages[0].content", "text parts"]),
+])
+def test_chat_messages_refuse_through_the_callers_error(messages, words):
+    with pytest.raises(KeyError) as caught:
+        chat_messages(messages, KeyError)
+    assert all(word in caught.value.args[0] for word in words), caught.value.args[0]
+
+
+def test_chat_messages_join_text_parts():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chat_messages([{"role": "user", "content": parts}, {"role": "assistant"}], ValueError) == [
+        {"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
 
 
 def test_completion_text_holds_back_a_possible_stop_and_cuts_at_it(tokenizer):

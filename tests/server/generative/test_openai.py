@@ -14,6 +14,9 @@ import numpy as np
 import openai
 import pytest
 
+from server.core.generative_request import MAX_STOP_STRINGS
+from server.frontends.http.routers.openai import MAX_STOP, OpenAIError, parse_call
+
 from .conftest import LONG_MODEL, MAX_CONTEXT, MODEL, generative, greedy_text, metric, wait_until_idle
 
 MESSAGES = [{"role": "system", "content": "you are a system"}, {"role": "user", "content": "hello there"}]
@@ -131,6 +134,22 @@ def test_bad_chat_requests_get_openai_errors_and_the_server_serves_on(llm_server
     assert body["param"] == param and body["type"] == "invalid_request_error"
     assert all(word in body["message"] for word in words), body
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].finish_reason
+
+
+def test_stop_and_messages_are_checked_with_openais_limit_and_errors():
+    assert MAX_STOP < MAX_STOP_STRINGS  # the model's own input takes more stop strings than OpenAI's API
+    body = {"model": MODEL, "messages": MESSAGES}
+    assert parse_call({**body, "stop": ["a"] * MAX_STOP}, chat=True).sampling["stop"] == ["a"] * MAX_STOP
+    assert "stop" not in parse_call({**body, "stop": []}, chat=True).sampling
+    for bad, param, words in ((dict(stop=["a"] * (MAX_STOP + 1)), "stop", [f"at most {MAX_STOP}"]),
+                              (dict(stop=[""]), "stop", ["'stop'"]),
+                              (dict(messages=[]), "messages", ["'messages'", "non-empty"]),
+                              (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages",
+                               ["messages[0].content", "images"])):
+        with pytest.raises(OpenAIError) as caught:
+            parse_call({**body, **bad}, chat=True)
+        assert (caught.value.status, caught.value.param) == (400, param)
+        assert all(word in caught.value.message for word in words), caught.value.message
 
 
 def test_error_shape_of_a_body_that_is_not_json(llm_server):

@@ -36,6 +36,7 @@ from server.core import InferInput, InferRequest, InferResponse
 from server.core.decoupled import StreamPart, stream_parts
 from server.core.errors import ErrorKind, ServerError
 from server.core.generative_config import GENERATIVE_BACKEND
+from server.core.generative_request import chat_messages, stop_strings
 
 from ..deps import CoreDep
 from ..errors import http_status
@@ -202,12 +203,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 
 
 def _stop(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise OpenAIError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
-    return stops or None
+    return stop_strings(value, MAX_STOP, lambda message: OpenAIError(400, message, "stop")) or None
 
 
 def _prompt(value: Any) -> str:
@@ -220,17 +216,8 @@ def _prompt(value: Any) -> str:
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise OpenAIError(400, "'messages' must be a non-empty array of messages", "messages")
-    for index, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(400, f"messages[{index}] must be an object with a string 'role'", "messages")
-        content = message.get("content")
-        parts = content if isinstance(content, list) else []
-        if not (content is None or isinstance(content, str) or parts) or not all(
-                isinstance(p, dict) and p.get("type") == "text" for p in parts):
-            raise OpenAIError(400, f"messages[{index}].content must be a string or a list of text parts (images, "
-                              "audio and tool calls are not supported)", "messages")
+    """The chat's messages, checked as the model's `messages` input is (and sent to it as they came)."""
+    chat_messages(value, lambda message: OpenAIError(400, message, "messages"))
     return value
 
 
