@@ -168,7 +168,7 @@ class _Alike:
             tail = tuple(int(d) for d in tensor.shape[1:])
             fixed = tensor.datatype != "BYTES"
             self.inputs.append(_Input(tensor.name, dtype, tail, math.prod(tail) * dtype.itemsize if fixed else 0,
-                                      self.device and fixed, self.host))
+                                      request_io.reads_in_place(model, tensor.datatype), self.host))
         self._in_place: dict[str, bool] = {}  # per output: whether the engine may write it into its region
         self._shapes: dict[int, dict[str, tuple[int, ...]] | None] = {}  # output shapes by batch size
         self._datatypes: dict[str, str] = {}  # an output's datatype when it comes back from the device
@@ -199,34 +199,23 @@ class _Alike:
             return {}
         views: dict[str, Any] = {}
         for name, params in asked:
-            region = params.get("shared_memory_region")
-            if region is None or not self._writes_in_place(name):
+            if params.get("shared_memory_region") is None or not self._writes_in_place(name):
                 continue
             if not _GROUPED_OUTPUT_PARAMETERS.issuperset(params):  # e.g. classification: request_io decides
                 return request_io.output_views(self.shm, self.model, _requested(asked), inputs)
             shapes = self._output_shapes(inputs, batch)
             if shapes is None:
                 return {}  # shapes the engine cannot tell before running: the host path writes them afterwards
-            size = params.get("shared_memory_byte_size")
-            shape = shapes[name]
-            dtype = numpy_dtype(self.model.outputs[name].datatype)
-            if size is None or math.prod(shape) * dtype.itemsize > int(size):
-                return request_io.output_views(self.shm, self.model, _requested(asked), inputs)  # its words
-            view = self.shm.device_view(str(region), int(params.get("shared_memory_offset", 0)), int(size),
-                                        shape, dtype, self.host)
+            view = request_io.output_view(self.shm, self.model, name, params, shapes[name])
             if view is not None:
                 views[name] = view
         return views
 
     def _writes_in_place(self, name: str) -> bool:
-        """Whether the engine may write output `name` into a region (request_io.output_views's conditions that
-        depend only on the model), asked of the model once per group."""
+        """`request_io.writes_in_place`, asked of the model once per group."""
         known = self._in_place.get(name)
         if known is None:
-            spec = self.model.outputs[name]
-            known = self._in_place[name] = (
-                spec.model_dims == spec.dims and spec.datatype != "BYTES"
-                and self.model.engine_output_dtype(name) == numpy_dtype(spec.datatype))
+            known = self._in_place[name] = request_io.writes_in_place(self.model, name)
         return known
 
     def _output_shapes(self, inputs: dict[str, Any], batch: int) -> dict[str, tuple[int, ...]] | None:

@@ -61,7 +61,7 @@ def input_array(shm: SharedMemory, tensor: InferInput, model: ServedModel) -> np
         size = tensor.parameters.get("shared_memory_byte_size")
         if size is None:
             raise invalid(f"input '{tensor.name}': shared_memory_byte_size is required with a region")
-        if device_io(model) and tensor.datatype != "BYTES":
+        if reads_in_place(model, tensor.datatype):
             dtype = numpy_dtype(tensor.datatype)
             if math.prod(tensor.shape) * dtype.itemsize != int(size):
                 raise invalid(f"input '{tensor.name}': shared_memory_byte_size {size} does not match shape "
@@ -83,36 +83,49 @@ def output_views(shm: SharedMemory, model: ModelVersion, requested: list[Request
                   inputs: dict[str, Any]) -> dict[str, kiln.DeviceView]:
     """Outputs the engine can write straight into the client's shared memory: a CUDA model that batches, a CUDA
     region or a page-locked system one (`host_regions`), no classification, and the engine's own dtype and shape
-    (no conversion or reshape)."""
+    (`writes_in_place`: no conversion or reshape)."""
     if not device_io(model):
         return {}
     views: dict[str, kiln.DeviceView] = {}
     shapes = None
     for output in requested:
-        params, spec = output.parameters, model.outputs[output.name]
-        region = params.get("shared_memory_region")
-        if region is None or params.get("classification") not in (None, False) or spec.model_dims != spec.dims:
-            continue
-        dtype = numpy_dtype(spec.datatype)
-        if spec.datatype == "BYTES" or model.engine_output_dtype(output.name) != dtype:
+        params = output.parameters
+        if (params.get("shared_memory_region") is None or params.get("classification") not in (None, False)
+                or not writes_in_place(model, output.name)):
             continue
         if shapes is None:
             shapes = model.output_shapes({name: tuple(a.shape) for name, a in inputs.items()})
         if shapes is None:
             return {}  # shapes the engine cannot tell before running: the host path writes them afterwards
-        size = params.get("shared_memory_byte_size")
-        if size is None:
-            raise invalid(f"output '{output.name}': shared_memory_byte_size is required with a region")
-        shape = shapes[output.name]
-        needed = math.prod(shape) * dtype.itemsize
-        if needed > int(size):
-            raise invalid(f"shared memory size specified with the request for output '{output.name}' "
-                          f"({size} bytes) should be at least {needed} bytes to hold the results")
-        view = shm.device_view(str(region), int(params.get("shared_memory_offset", 0)), int(size),
-                               shape, dtype, host_regions(model))
+        view = output_view(shm, model, output.name, params, shapes[output.name])
         if view is not None:
             views[output.name] = view
     return views
+
+
+def writes_in_place(model: ModelVersion, name: str) -> bool:
+    """What `output_views` asks of the model alone for output `name` (besides `device_io`): the engine makes it
+    in the config's dtype and shape, so nothing is left to convert or reshape on the host, and its size follows
+    from its shape (not BYTES)."""
+    spec = model.outputs[name]
+    return (spec.model_dims == spec.dims and spec.datatype != "BYTES"
+            and model.engine_output_dtype(name) == numpy_dtype(spec.datatype))
+
+
+def output_view(shm: SharedMemory, model: ModelVersion, name: str, params: Mapping[str, Any],
+                shape: tuple[int, ...]) -> kiln.DeviceView | None:
+    """Output `name` of `shape` in the region `params` names, for the engine to write there (None: a system
+    region the device cannot reach); INVALID_ARGUMENT when the request gives no byte size or too few."""
+    size = params.get("shared_memory_byte_size")
+    if size is None:
+        raise invalid(f"output '{name}': shared_memory_byte_size is required with a region")
+    dtype = numpy_dtype(model.outputs[name].datatype)
+    needed = math.prod(shape) * dtype.itemsize
+    if needed > int(size):
+        raise invalid(f"shared memory size specified with the request for output '{name}' "
+                      f"({size} bytes) should be at least {needed} bytes to hold the results")
+    return shm.device_view(str(params["shared_memory_region"]), int(params.get("shared_memory_offset", 0)),
+                           int(size), shape, dtype, host_regions(model))
 
 def uses_cuda_memory(shm: SharedMemory, request: InferRequest, requested: list[RequestedOutput]) -> bool:
     """Whether an input or requested output of `request` names a CUDA shared-memory region."""
@@ -174,6 +187,12 @@ def device_io(model: ServedModel) -> bool:
     region tensors by reference, whatever its backend."""
     return (isinstance(model, ModelVersion) and model.max_batch_size > 0 and model.sequence is None
             and (model.engine.backend == "cuda" or model.executor is not None))
+
+
+def reads_in_place(model: ServedModel, datatype: str) -> bool:
+    """Whether the engine may read an input of `datatype` where its region is (`input_array`): `device_io`, and a
+    size that follows from the shape (not BYTES)."""
+    return device_io(model) and datatype != "BYTES"
 
 
 def host_regions(model: ServedModel) -> bool:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from onnx import TensorProto
 
-from server.core import CoreOptions, ServerCore, cuda_ipc, part_groups
+from server.core import CoreOptions, ServerCore, cuda_ipc, part_groups, request_io
 from server.core.errors import ErrorKind, ServerError
 from server.core.grouping import PartAnswers, part_request, parts_of
+from server.core.model import TensorSpec
 from server.core.types import InferInput, InferOutput, InferRequest, InferResponse, RequestedOutput
 
 from . import test_request_groups as groups
@@ -63,6 +65,16 @@ def test_responses_made_from_part_answers_are_the_core_s():
     plain = PartAnswers("batched", "1", ["OUTPUT0"], [[("FP32", (1, 16), data, None)]])
     (response, _), = plain.responses([InferRequest("batched", [], id="x")])  # asked for nothing: all, no parameters
     assert response.outputs[0].parameters == {} and response.outputs[0].data is data
+
+
+def test_outputs_written_in_place_are_those_the_engine_makes_as_the_config_says():
+    """`request_io.writes_in_place`, the rule `output_views` and `_Alike` share: no reshape, a size that follows
+    from the shape (not BYTES), and the engine's own dtype (nothing to convert on the host)."""
+    specs = {"plain": ("FP32", (16,)), "reshaped": ("FP32", (4, 4)), "text": ("BYTES", (16,)), "cast": ("FP16", (16,))}
+    outputs = {name: TensorSpec(name, datatype, dims, (16,)) for name, (datatype, dims) in specs.items()}
+    model = SimpleNamespace(outputs=outputs, engine_output_dtype=lambda name: np.dtype(
+        object if name == "text" else np.float32))
+    assert [name for name in specs if request_io.writes_in_place(model, name)] == ["plain"]
 
 
 def _core(repository: Path):
