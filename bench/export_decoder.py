@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import argparse
 import copy as copy_module
-import importlib.util
 import inspect
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script in a venv without Kiln: harness.py is standard library only
+    sys.path.insert(0, str(ROOT))
+
+from load_tests.harness import load_example  # noqa: E402
 
 SIZES = {  # (hidden, layers, heads, kv_heads, intermediate, vocab)
     ("gpt2", "124m"): (768, 12, 12, 12, 3072, 50257),
@@ -79,10 +85,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['con
 
 def synthetic_tokenizer(vocab_size: int, bos: int, eos: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tokenizer.json, tokenizer_config.json) for a seeded model without a tokenizer of its own (see above)."""
-    spec = importlib.util.spec_from_file_location("generative", Path(__file__).parents[1] / "examples" / "generative.py")
-    assert spec is not None and spec.loader is not None
-    generative = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generative)
+    generative = load_example("generative.py")
     vocab = {ch: i for i, ch in enumerate(generative.bytes_to_unicode().values())}
     special = {bos: "<|begin_of_text|>" if bos != eos else "<|endoftext|>", eos: "<|endoftext|>"}
     for i in range(len(vocab), vocab_size):

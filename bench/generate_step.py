@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine_core.generate import DecoderRunner, build_decoder_engine  # noqa: E402
+from load_tests.stats import percentile  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -65,11 +66,9 @@ def time_steps(runner: DecoderRunner, pool: Any, seqs: list[int], past: int, war
 
 
 def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, Any]:
-    ordered = sorted(times)
-    median = statistics.median(ordered)
+    median = statistics.median(times)
     return {"path": path, "batch": batch, "past": past, "iters": len(times), "median_ms": median,
-            "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "min_ms": ordered[0],
-            "tokens_per_s": batch / (median / 1e3)}
+            "p90_ms": percentile(times, 90), "min_ms": min(times), "tokens_per_s": batch / (median / 1e3)}
 
 
 def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[int], args: argparse.Namespace,

@@ -1,6 +1,13 @@
 """What a fault scenario's traffic came to (load_tests/gpu_faults.py): each request's record, the counts by outcome,
 the recovery after each fault and the live probes' summary. Pure bookkeeping over records, apart from the driver
-so that its rules (what counts as lost, when a model has recovered) are read and tested on their own."""
+so that its rules (what counts as lost, when a model has recovered) are read and tested on their own.
+
+Lost, here and in the soak (load_tests/soak.py): a request is *lost* when it got neither an answer nor an error from
+the server. That is a broken or timed-out transport (HTTP: any httpx.TransportError, `lost_http`; gRPC:
+DEADLINE_EXCEEDED, CANCELLED, or UNAVAILABLE / UNKNOWN / INTERNAL whose text is gRPC's own transport message,
+`lost_grpc`) or a client that gave up waiting. Whatever status the server itself sent, 5xx and UNAVAILABLE
+included, is an error: counted by its status, never as lost.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 #: gRPC failures that are no answer from the server (the call never reached it or never came back), and how gRPC's
 #: own transport errors begin (a server's message may quote such words later on: "... [Errno 104] Connection reset")
@@ -27,6 +36,11 @@ class Record:
 def failure_key(status: str, text: str) -> str:
     """A failure's status and text, numbers and pids folded so that equal failures count together."""
     return f"{status}: {re.sub(r'[0-9]+', 'N', ' '.join(text.split()))[:160]}"
+
+
+def lost_http(error: Exception) -> bool:
+    """An httpx failure that is no answer: the transport broke or timed out (a status code is an answer)."""
+    return isinstance(error, httpx.TransportError)
 
 
 def lost_grpc(status: str, text: str) -> bool:

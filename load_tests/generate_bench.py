@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import multiprocessing
 import statistics
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from load_tests import harness
+from load_tests.stats import percentile
 
 RESULTS = harness.ROOT / "bench" / "results"
 PROMPT = ("Write a short story about a kiln that learned to serve models faster than anyone expected, and explain "
@@ -151,13 +151,6 @@ def run_level(load: Load, processes: int) -> dict[str, Any]:
     return summarize(records, started + int(load.warmup_s * 1e9), load)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def summarize(records: list[StreamRecord], window_start: int, load: Load) -> dict[str, Any]:
     """Requests that started after the warm-up and finished: tokens/s over the window they span, TTFT and ITL."""
     counted = [r for r in records if r.start >= window_start and r.end]
@@ -170,8 +163,8 @@ def summarize(records: list[StreamRecord], window_start: int, load: Load) -> dic
     return {"streams": load.streams, "requests": len(good), "errors": len(errors), "first_error": errors[0] if errors else "",
             "output_tokens": tokens, "window_s": span_s, "output_tokens_per_s": tokens / span_s,
             "tokens_per_request": statistics.mean([r.completion_tokens for r in good]) if good else 0.0,
-            "ttft_ms": {"p50": _percentile(ttft_ms, 50), "p90": _percentile(ttft_ms, 90), "p99": _percentile(ttft_ms, 99)},
-            "itl_ms": {"p50": _percentile(itl_ms, 50), "p90": _percentile(itl_ms, 90), "p99": _percentile(itl_ms, 99)}}
+            "ttft_ms": {f"p{q}": percentile(ttft_ms, q) for q in (50, 90, 99)},
+            "itl_ms": {f"p{q}": percentile(itl_ms, q) for q in (50, 90, 99)}}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -185,12 +178,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def _tiny_repository(directory: Path, max_batch: int) -> Path:
     """A model repository with examples/generative.py's tiny decoder as `tiny_gpt` (backend kiln_llm, CPU)."""
-    spec = importlib.util.spec_from_file_location("generative_example", harness.ROOT / "examples" / "generative.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     model = directory / "tiny_gpt"
-    module.write_tiny_decoder(model / "1")
+    harness.load_example("generative.py").write_tiny_decoder(model / "1")
     (model / "config.pbtxt").write_text(f'backend: "kiln_llm"\nmax_batch_size: {max_batch}\n'
                                         'instance_group [ { kind: KIND_CPU } ]\n'
                                         'parameters { key: "max_context" value { string_value: "256" } }\n')

@@ -25,8 +25,8 @@ Scenarios (each injects its fault after `--warm-s` of traffic):
   memory    `--cycles` of load, traffic, unload: the device-memory gauge (nv_gpu_memory_used_bytes, else nvidia-smi)
             read before the first load and after each unload must come back to its baseline  (needs a GPU)
 
-Per scenario: requests sent, succeeded, wrong answers, failed by status and text, lost (no answer by the request's
-deadline, `--deadline-s`, or a transport error: must be 0), recovery (from the fault to the end of the first
+Per scenario: requests sent, succeeded, wrong answers, failed by status and text, lost (neither an answer nor an
+error by the request's deadline, `--deadline-s`: fault_tally.py's rule; must be 0), recovery (from the fault to the end of the first
 successful request sent after it and after the last request that failed in its wake) and how long failures went on
 (disrupted). Prints a table; writes JSON (default bench/results/faults_<cpu|gpu>_<time>.json, rewritten after each
 scenario so a run cut short keeps what it measured) and, with --out or when a scenario failed, the server log
@@ -71,6 +71,7 @@ from load_tests.fault_tally import (  # noqa: E402
     failure_key,
     health_summary,
     lost_grpc,
+    lost_http,
     tally,
 )
 
@@ -253,10 +254,7 @@ class FaultServer:
 
     def metric(self, family: str, model: str | None = None) -> float | None:
         """Sum of a family's samples (for `model` only when given); None when it is not exported."""
-        text = httpx.get(self.metrics_url, timeout=10).text
-        label = "" if model is None else rf'[^}}]*model="{re.escape(model)}"'
-        values = re.findall(rf"^{family}\{{{label}[^}}]*\}} (\S+)$", text, re.M)
-        return sum(float(v) for v in values) if values else None
+        return harness.metric_sum(self.metrics_url, family, None if model is None else {"model": model})
 
     def device_memory(self) -> tuple[float | None, str]:
         """Device memory in use (bytes, every GPU) and where the figure came from."""
@@ -354,10 +352,10 @@ class Load:
         try:
             response = await client.post(f"/v2/models/{self.target.name}/infer", content=header + x.tobytes(),
                                          headers={"Inference-Header-Content-Length": str(len(header))})
-        except httpx.TimeoutException:
-            return "lost: HTTP timeout"
-        except httpx.TransportError as e:
-            return f"lost: HTTP {type(e).__name__}"
+        except httpx.HTTPError as e:
+            if not lost_http(e):
+                raise
+            return "lost: HTTP timeout" if isinstance(e, httpx.TimeoutException) else f"lost: HTTP {type(e).__name__}"
         if response.status_code != 200:
             return failure_key(str(response.status_code), _error_text(response))
         length = int(response.headers["Inference-Header-Content-Length"])

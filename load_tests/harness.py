@@ -1,5 +1,6 @@
-"""Starting a server process and waiting until it is ready: the one copy that load tests, benchmarks and the
-test suite (tests/support/servers.py) share.
+"""Starting a server process and waiting until it is ready, reading its /metrics, and loading the example scripts:
+the one copy that load tests, benchmarks and the test suite (tests/support/servers.py, tests/support/examples.py)
+share.
 
 Standard library only (no httpx), so it also runs where only numpy/onnx are installed (the GPU device).
 
@@ -12,7 +13,9 @@ Standard library only (no httpx), so it also runs where only numpy/onnx are inst
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,8 +25,14 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: One sample line of the Prometheus text format: name, optional {labels} (quoted values may hold braces), value.
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>(?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?'
+                     r'[ \t]+(?P<value>\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def free_port() -> int:
@@ -121,3 +130,36 @@ def serving(command: Sequence[str], log_path: Path, is_ready: Callable[[], bool]
         yield process
     finally:
         stop(process, stop_timeout_s)
+
+
+def metric_sum(url: str, name: str, labels: dict[str, str] | None = None, timeout: float = 10.0) -> float | None:
+    """Sum of the samples of metric ``name`` on the Prometheus page at ``url`` (``.../metrics``) whose labels include
+    ``labels``; None when none matches (not exported, or not for those labels), so a caller can tell 0 from absent."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode(errors="replace")
+    except urllib.error.HTTPError:
+        return None
+    return samples_sum(text, name, labels)
+
+
+def samples_sum(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """metric_sum over a page already read."""
+    wanted = (labels or {}).items()
+    values = [float(m["value"]) for m in map(_SAMPLE.match, text.splitlines())
+              if m and m["name"] == name and wanted <= dict(_LABEL.findall(m["labels"] or "")).items()]
+    return sum(values) if values else None
+
+
+def load_example(filename: str) -> ModuleType:
+    """examples/<filename> imported as a module named after it: the examples are scripts, not a package."""
+    return load_file(ROOT / "examples" / filename)
+
+
+def load_file(path: Path) -> ModuleType:
+    """The Python file at ``path`` imported as a module named after its stem (not entered in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -18,7 +18,6 @@ the same add_sub as ONNX Add/Sub with the same batching, on the CPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import onnx
 from onnx import TensorProto, helper
@@ -50,12 +50,9 @@ ONE_MB_FLOATS = 262144  # 1 MiB of FP32
 
 # ----------------------------------------------------------------------------------------------- models
 
-def _examples():
-    spec = importlib.util.spec_from_file_location("make_example_repository",
-                                                  ROOT / "examples" / "make_example_repository.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _examples() -> ModuleType:
+    """examples/make_example_repository.py, whose model builders the peers serve too."""
+    return harness.load_example("make_example_repository.py")
 
 
 def trivial_model() -> onnx.ModelProto:

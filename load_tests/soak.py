@@ -6,8 +6,8 @@
 Traffic (threads, `--concurrency` of them, each picking at random from the mix): add_sub JSON and binary over
 HTTP (batch 1..8), simple_cnn images with classification, identity with several datatypes, gRPC ModelInfer on
 add_sub and simple_cnn, and fuzzed bad requests (load_tests.fuzz, a third of the traffic). Every good answer is
-checked against numpy; a request is *lost* when it gets no answer at all (HTTP transport error, gRPC
-UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED / UNKNOWN).
+checked against numpy; a request is *lost* when it gets neither an answer nor an error from the server (the rule
+and its cases are in load_tests/fault_tally.py, which the fault driver shares).
 RSS is the server's whole process tree (the server, its frontend processes, Python model stubs, build helpers),
 from /proc (psutil is not needed), every `--sample-s`. Where `nvidia-smi` answers, the device memory the tree's
 processes hold is sampled too (on a GPU machine the example repository's models without an instance kind build
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -34,10 +33,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from load_tests.fault_tally import lost_grpc, lost_http
 from load_tests.fuzz import Generator, build_request, example_server, operations
+from load_tests.harness import metric_sum
 from load_tests.process_cpu import descendants
 
 ADD_SUB_EXPECTED = list(range(1, 17))
+#: the HTTP status a gRPC error the server sent stands for in the counts (others: 400, a refused request)
+GRPC_AS_HTTP = {"INTERNAL": 500, "UNKNOWN": 500, "UNAVAILABLE": 503}
 
 
 def rss_mb(pid: int) -> float:
@@ -159,9 +162,9 @@ class Traffic:
         try:
             return self.grpc.ModelInfer(request, timeout=60)
         except grpc.RpcError as e:
-            if e.code() in LOST_GRPC_CODES:
+            if lost_grpc(e.code().name, e.details() or ""):
                 raise NoAnswer(f"gRPC {e.code().name}") from None
-            return "good", 500 if e.code() == grpc.StatusCode.INTERNAL else 400, False
+            return "good", GRPC_AS_HTTP.get(e.code().name, 400), False
 
     def grpc_infer(self) -> tuple[str, int, bool]:
         if self.grpc is None:
@@ -228,18 +231,6 @@ class NoAnswer(Exception):
     """The request got no answer (a lost request)."""
 
 
-def _lost_grpc_codes() -> set:
-    try:
-        import grpc
-    except ImportError:
-        return set()
-    return {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-            grpc.StatusCode.UNKNOWN}
-
-
-LOST_GRPC_CODES = _lost_grpc_codes()
-
-
 def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: str | None = None,
          sample_s: float = 5.0, seed: int = 0, max_slope: float = 2.0, max_growth: float = 32.0,
          metrics_url: str | None = None) -> SoakReport:
@@ -256,9 +247,11 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
             try:
                 action, kind, status, ok = traffic.one()
             except (httpx.HTTPError, NoAnswer) as e:
+                lost = isinstance(e, NoAnswer) or lost_http(e)
                 with lock:
                     report.requests += 1
-                    report.lost += 1
+                    report.lost += lost
+                    report.wrong_answers += not lost  # answered, but unreadable (decoding, redirects)
                     statuses[f"{type(e).__name__}: {e}"[:80]] += 1
                 continue
             with lock:
@@ -304,8 +297,7 @@ def soak(base_url: str, pid: int, minutes: float, concurrency: int, grpc_url: st
 
 def worker_restarts(metrics_url: str) -> int:
     """Sum of kiln_worker_restarts_total over every model (a restart in a soak is a fault to explain)."""
-    text = httpx.get(metrics_url, timeout=10).text
-    return int(sum(float(v) for v in re.findall(r"^kiln_worker_restarts_total\{[^}]*\} (\S+)$", text, re.M)))
+    return int(metric_sum(metrics_url, "kiln_worker_restarts_total") or 0)
 
 
 def judge(report: SoakReport, fit_share: float = 0.8) -> None:

@@ -28,6 +28,14 @@ def latency_summary_us(latencies_ns: Sequence[int]) -> dict[str, float]:
     return summary
 
 
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank `p`th percentile of `values` (the rule latency_summary_us follows); nan when empty."""
+    if len(values) == 0:
+        return float("nan")
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    return float(ordered[_rank(p, ordered.size)])
+
+
 def _rank(percentile: float, n: int) -> int:
     """0-based index of the nearest-rank percentile: ceil(p/100 * n) - 1, clamped to [0, n - 1]."""
     return min(max(int(np.ceil(percentile / 100.0 * n)) - 1, 0), n - 1)

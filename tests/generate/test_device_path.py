@@ -246,15 +246,11 @@ def test_the_device_pool_and_buffers_are_freed_on_close(tiny_engine, cuda_engine
 
 def test_the_step_benchmark_runs_on_the_cpu(tiny_decoder, tmp_path):
     """bench/generate_step.py's logic (prefill, truncated steps, table, JSON) on the tiny decoder's CPU engine."""
-    import importlib.util
     import json
 
-    from tests.support.examples import ROOT
+    from tests.support.examples import ROOT, load_file
 
-    spec = importlib.util.spec_from_file_location("generate_step", ROOT / "bench" / "generate_step.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_file(ROOT / "bench" / "generate_step.py")
     out = tmp_path / "steps.json"
     assert bench.main([str(tiny_decoder), "--backend", "cpu", "--batches", "1,3", "--pasts", "8,20", "--iters", "2",
                        "--warmup", "1", "--json", str(out)]) == 0

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from load_tests import soak
 
 
@@ -49,3 +51,35 @@ def test_the_process_tree_counts_children():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_grpc_error_the_server_sent_is_an_answer_and_a_broken_transport_is_lost():
+    """fault_tally.py's rule: UNAVAILABLE from the server counts by its status (as HTTP's 503); gRPC's own
+    transport failure is a lost request."""
+    grpc = pytest.importorskip("grpc")
+
+    class Failure(grpc.RpcError):
+        def __init__(self, code, details: str) -> None:
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self) -> str:
+            return self._details
+
+    class Stub:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def ModelInfer(self, request, timeout):  # noqa: N802 - the gRPC method's name
+            raise self.error
+
+    traffic = object.__new__(soak.Traffic)
+    traffic.grpc = Stub(Failure(grpc.StatusCode.UNAVAILABLE, "Request for unknown model: 'add_sub' (not loaded)"))
+    assert traffic._model_infer(None) == ("good", 503, False)
+    traffic.grpc = Stub(Failure(grpc.StatusCode.INVALID_ARGUMENT, "bad shape"))
+    assert traffic._model_infer(None) == ("good", 400, False)
+    traffic.grpc = Stub(Failure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: ..."))
+    with pytest.raises(soak.NoAnswer):
+        traffic._model_infer(None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from load_tests.perf import input_specs, local_url, parse_range, split_level
-from load_tests.stats import is_stable, latency_summary_us, server_split
+from load_tests.stats import is_stable, latency_summary_us, percentile, server_split
 from load_tests.worker import InputSpec
 
 
@@ -22,6 +22,17 @@ def test_percentiles_ordered_on_skewed_data():
     rng = np.random.default_rng(0)
     summary = latency_summary_us(rng.lognormal(10, 1.5, 5001).astype(np.int64))
     assert summary["min"] <= summary["p50"] <= summary["p90"] <= summary["p95"] <= summary["p99"] <= summary["max"]
+
+
+def test_percentile_is_the_summary_s_nearest_rank():
+    """generate_bench and bench/generate_step.py report with it: the same figures latency_summary_us gives."""
+    rng = np.random.default_rng(1)
+    latencies_ns = rng.integers(1000, 10**7, 37).tolist()
+    summary = latency_summary_us(latencies_ns)
+    assert [percentile(latencies_ns, p) / 1e3 for p in (50, 90, 95, 99)] == [summary[f"p{p}"] for p in (50, 90, 95, 99)]
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.0  # a real sample: no interpolation, the lower middle
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == 4.0
+    assert np.isnan(percentile([], 50))
 
 
 def test_single_sample_and_empty():

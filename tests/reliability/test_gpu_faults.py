@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from load_tests import gpu_faults
-from load_tests.fault_tally import Record, ScenarioResult, lost_grpc, tally
+from load_tests.fault_tally import Record, ScenarioResult, lost_grpc, lost_http, tally
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -73,6 +74,8 @@ def test_lost_answers_and_failure_keys() -> None:
     assert not lost_grpc("StatusCode.UNAVAILABLE", "Request for unknown model: 'm' (not loaded)")
     assert not lost_grpc("StatusCode.UNAVAILABLE", "model 'm' version 1: the executor process ended during "
                                     "the execution (exit code -9: [Errno 104] Connection reset by peer)")
+    assert lost_http(httpx.ConnectError("refused")) and lost_http(httpx.ReadTimeout("slow"))
+    assert not lost_http(httpx.DecodingError("bad gzip"))  # the server answered, unreadably
     assert gpu_faults.failure_key("503", "executor  process 1234 ended\n(exit code -9)") == \
         "503: executor process N ended (exit code -N)"
 

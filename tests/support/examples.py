@@ -1,18 +1,8 @@
-"""The example scripts under examples/ as modules: they are scripts, not a package, so tests load them by path."""
+"""The example scripts under examples/ as modules, for the tests: the loader is load_tests/harness.py's, which the
+load tests and benchmarks use too."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
+from load_tests.harness import ROOT, load_example, load_file
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_example(filename: str) -> ModuleType:
-    """examples/<filename> imported as a module named after it."""
-    spec = importlib.util.spec_from_file_location(Path(filename).stem, ROOT / "examples" / filename)
-    assert spec is not None and spec.loader is not None, filename
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+__all__ = ["ROOT", "load_example", "load_file"]
