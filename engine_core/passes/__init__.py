@@ -5,6 +5,7 @@ from engine_core.passes.constant_folding import fold_constants
 from engine_core.passes.conv_1d_as_2d import conv_1d_as_2d
 from engine_core.passes.dead_code import eliminate_dead_code
 from engine_core.passes.decompose_batchnorm import decompose_batchnorm
+from engine_core.passes.eliminate_identity_casts import eliminate_identity_casts
 from engine_core.passes.eliminate_transposes import eliminate_transposes
 from engine_core.passes.fold_attention_heads import fold_attention_heads
 from engine_core.passes.fold_conv_batchnorm import fold_conv_batchnorm
@@ -32,7 +33,8 @@ from engine_core.passes.split_packed_projection import split_packed_projections
 #: Folding and rewriting passes, run before the precision pass (builder.build_plan). conv_1d_as_2d comes after
 #: fold_conv_batchnorm (which folds into 1-D convs too), so the BN is folded before the conv is rewritten.
 PRE_PASSES = (fold_constants, fold_conv_batchnorm, conv_1d_as_2d)
-#: Fusions, then clean-up, run after the precision pass. Order matters: the normalization, GELU and
+#: Fusions, then clean-up, run after the precision pass. Order matters: eliminate_identity_casts first (the
+#: precision pass leaves casts to the type a tensor already has, which would hide patterns); the normalization, GELU and
 #: attention patterns are matched while their parts are still plain ONNX nodes; the epilogue fusions
 #: then absorb the Gelu/Relu after a GEMM or conv; fuse_attention must see K's Transposes before
 #: eliminate_transposes merges them; fold_attention_heads then drops the head split/merge copies around each
@@ -48,7 +50,7 @@ PRE_PASSES = (fold_constants, fold_conv_batchnorm, conv_1d_as_2d)
 #: resolve_shape_operands, split_packed_projections and collapse_layout_chains see the normalization and GELU fusions'
 #: nodes (a chain passes a LayerNormalization) and leave the head split/merge that fuse_attention and
 #: fold_attention_heads match.
-FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, resolve_shape_operands,
+FUSION_PASSES = (eliminate_identity_casts, fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, resolve_shape_operands,
                  split_packed_projections, collapse_layout_chains, fuse_attention, fold_attention_heads,
                  narrow_attention_mask, fuse_rotary, fuse_skip_layer_norm, fuse_qdq_matmul, fuse_qdq_conv,
                  fuse_norm_quantize, fuse_norm_dequantize, fuse_attention_quantize, merge_parallel_qmatmuls,
@@ -58,7 +60,7 @@ FUSION_PASSES = (fuse_layer_norm, fuse_rms_norm, fuse_gelu, fuse_log_softmax, re
 PIPELINE = PRE_PASSES + FUSION_PASSES
 
 __all__ = ["FUSION_PASSES", "PIPELINE", "PRE_PASSES", "collapse_layout_chains", "conv_1d_as_2d", "decompose_batchnorm",
-           "eliminate_dead_code", "eliminate_transposes",
+           "eliminate_dead_code", "eliminate_identity_casts", "eliminate_transposes",
            "fold_attention_heads", "fold_constants", "fold_conv_batchnorm", "fuse_attention", "fuse_attention_quantize",
            "fuse_conv_epilogue", "fuse_gelu", "fuse_layer_norm", "fuse_log_softmax", "fuse_matmul_epilogue",
            "fuse_norm_dequantize", "fuse_norm_quantize", "fuse_pointwise_chain", "fuse_qdq_conv", "fuse_qdq_matmul",
