@@ -31,7 +31,7 @@ from engine_core.generate.kv_layout import ragged_layout as ragged_layout  # it 
 from engine_core.network import NetworkDefinition
 from engine_core.onnx import OnnxParser
 from engine_core.runtime import CudaEngine, Runtime
-from engine_core.types import BuilderFlag, TensorIOMode, nptype
+from engine_core.types import BuilderFlag, DataType, TensorIOMode, nptype
 
 
 def _past_names(names: set[str]) -> list[str]:
@@ -115,6 +115,17 @@ def _set_profile(network: NetworkDefinition, profile, max_batch_size: int, max_c
         profile.set_shape(tensor.name, *dims)
 
 
+def _half_kv_io(network: NetworkDefinition) -> None:
+    """In an fp16 build the pasts and presents are bound as fp16 (a float32 export's KV I/O would otherwise get a
+    reformat layer per layer and direction every step, casting the whole past, and the cache would hold float32:
+    twice the memory and the copies). The logits stay float32 for sampling."""
+    for tensors in ([network.get_input(i) for i in range(network.num_inputs)],
+                    [network.get_output(i) for i in range(network.num_outputs)]):
+        for tensor in tensors:
+            if tensor.name.startswith(("past_key_values.", "present.")) and tensor.dtype == DataType.FLOAT:
+                tensor.dtype = DataType.HALF
+
+
 def build_decoder_engine(model_path: Path, *, max_batch_size: int, max_context: int, backend: str = "cpu",
                          fp16: bool = False, tf32: bool = True) -> CudaEngine:
     """Parse and build a decoder ONNX model (the convention above) for ``backend`` with one optimization profile
@@ -132,6 +143,7 @@ def build_decoder_engine(model_path: Path, *, max_batch_size: int, max_context: 
     config.backend = backend
     if fp16:
         config.set_flag(BuilderFlag.FP16)
+        _half_kv_io(network)
     if not tf32:
         config.clear_flag(BuilderFlag.TF32)
     profile = builder.create_optimization_profile()

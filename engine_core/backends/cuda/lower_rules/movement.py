@@ -42,11 +42,18 @@ def lower_view(node: Node, ctx: LoweringContext) -> list:
 
 
 def is_view(node: Node, ctx: LoweringContext) -> bool:
-    """A layer whose output is its input's bytes: the view ops, and an Expand with nothing to broadcast at these
-    shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer)."""
-    if not node.inputs or not node.inputs[0] or node.op_type not in VIEW_OPS and node.op_type != "Expand":
+    """A layer whose output is its input's bytes: the view ops, an Expand with nothing to broadcast at these
+    shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer), and a
+    Transpose that moves only dims of size 1 at these shapes (a decoder's head split and merge of one new token,
+    [B, 1, H, D] <-> [B, H, 1, D]: two copies per layer and decode step otherwise). Bindings are per input shapes, so
+    the same layer is a copy at shapes where it moves data."""
+    if not node.inputs or not node.inputs[0] or node.op_type not in (*VIEW_OPS, "Expand", "Transpose"):
         return False
     shape = ctx.info(node.inputs[0]).shape  # unknown: Unsupported (the layer runs on the host)
+    if node.op_type == "Transpose":
+        perm = node.attr("perm", None) or list(reversed(range(len(shape))))
+        moved = [axis for axis in perm if shape[axis] != 1]
+        return moved == sorted(moved) and ctx.layouts.get(node.inputs[0], "linear") == "linear"
     return node.op_type in VIEW_OPS or shape == ctx.info(node.outputs[0]).shape
 
 
