@@ -152,9 +152,11 @@ class DeviceStepper:
             buffer.release()
         self._stream = None
 
-    def step(self, pool: DeviceKVPool, seqs: Sequence[Hashable], layout: StepLayout) -> np.ndarray:
+    def step(self, pool: DeviceKVPool, seqs: Sequence[Hashable], layout: StepLayout, copy: bool = True
+             ) -> np.ndarray:
         """Run ``layout`` (planned with shape buckets) for ``seqs``, whose blocks ``pool`` has reserved: the new rows
-        go into the pool and each sequence's next-token logits [len(seqs), vocab] (float32) come back."""
+        go into the pool and each sequence's next-token logits [len(seqs), vocab] (float32) come back; with
+        ``copy=False`` in the pinned host buffer itself when the engine writes float32, valid until the next step."""
         if self._stream is None:
             raise ExecutionError("the decoder's device buffers are closed")
         primary_context()
@@ -194,7 +196,7 @@ class DeviceStepper:
             raise
         pool.commit(seqs, layout)
         logits = logits_out.array[:layout.rows * row_bytes].view(self._logits_dtype)
-        return logits.reshape(layout.rows, self.signature.vocab_size).astype(np.float32)
+        return logits.reshape(layout.rows, self.signature.vocab_size).astype(np.float32, copy=copy)
 
     def _small_inputs(self, layout: StepLayout, tables: np.ndarray) -> dict[str, np.ndarray]:
         """The run's host-made inputs: the engine's (by their names) and the KV kernels' ("#" names)."""

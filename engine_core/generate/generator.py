@@ -291,7 +291,8 @@ class Generator:
         batch = pending[:len(chunks)]
         try:
             logits = self._runner.prefill(self._pool, [s.id for s in batch],
-                                          [s.prompt[s.prefilled:s.prefilled + n] for s, n in zip(batch, chunks)])
+                                          [s.prompt[s.prefilled:s.prefilled + n] for s, n in zip(batch, chunks)],
+                                          copy=False)  # sampled before the next step
         except Exception as e:
             for seq in batch:
                 self._finish(seq, "error", error=e)
@@ -308,7 +309,8 @@ class Generator:
         if not batch:
             return
         try:
-            logits = self._runner.decode(self._pool, [s.id for s in batch], [s.generated[-1] for s in batch])
+            logits = self._runner.decode(self._pool, [s.id for s in batch], [s.generated[-1] for s in batch],
+                                         copy=False)
         except Exception as e:
             for seq in batch:
                 self._finish(seq, "error", error=e)
