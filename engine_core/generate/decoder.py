@@ -195,18 +195,20 @@ class DecoderRunner:
         batched run; next-token logits [len(seqs), vocab] (a sequence's first token's once its last chunk is in)."""
         return self.step(pool, seqs, chunks, copy)
 
-    def decode(self, pool: BlockAccounting, seqs: Sequence[Hashable], tokens: Sequence[int], copy: bool = True
-               ) -> np.ndarray:
-        """Feed one token to each of ``seqs`` in one batched run; next-token logits [len(seqs), vocab]."""
-        return self.step(pool, seqs, [[int(t)] for t in tokens], copy)
+    def decode(self, pool: BlockAccounting, seqs: Sequence[Hashable], tokens: Sequence[int], copy: bool = True,
+               argmax: bool = False) -> np.ndarray:
+        """Feed one token to each of ``seqs`` in one batched run; next-token logits [len(seqs), vocab] (or with
+        ``argmax`` each sequence's greedy token [len(seqs)], found on the device for a device pool)."""
+        return self.step(pool, seqs, [[int(t)] for t in tokens], copy, argmax)
 
     def step(self, pool: BlockAccounting, seqs: Sequence[Hashable], chunks: Sequence[Sequence[int]],
-             copy: bool = True) -> np.ndarray:
+             copy: bool = True, argmax: bool = False) -> np.ndarray:
         """Feed ``chunks[b]`` (at least one token) after sequence ``seqs[b]``'s past; writes their rows into the pool
         (reserving blocks as needed: KVCacheFull when they run out) and returns each row's logits at its last new
         token [batch, vocab]. ValueError when the longest past and the longest chunk together pass the context.
         ``copy=False`` lets the device path hand over its pinned host buffer itself, valid until the next step (the
-        generator samples from it at once; 64 rows of a 128k vocabulary are a 33 MB copy a step otherwise)."""
+        generator samples from it at once; 64 rows of a 128k vocabulary are a 33 MB copy a step otherwise).
+        ``argmax``: each row's argmax token id [batch] (int64) instead of its logits (numpy's argmax)."""
         on_device = isinstance(pool, DeviceKVPool)
         if on_device and not self.on_device:
             raise ValueError(f"a device KV cache needs a CUDA engine; this one runs on '{self.engine.backend}'")
@@ -218,9 +220,10 @@ class DecoderRunner:
         for seq, length, count in zip(seqs, lengths, layout.counts.tolist()):
             pool.reserve(seq, length + count)
         if isinstance(pool, DeviceKVPool):
-            return self._device_stepper().step(pool, seqs, layout, copy)
+            return self._device_stepper().step(pool, seqs, layout, copy, argmax)
         assert isinstance(pool, KVBlockPool)
-        return self._host_step(pool, seqs, layout)
+        logits = self._host_step(pool, seqs, layout)
+        return np.argmax(logits, axis=1) if argmax else logits
 
     def close(self) -> None:
         """Free the device path's engine-side buffers (pools are their owners' to close). Idempotent; a later

@@ -26,6 +26,7 @@ from engine_core.cuda.driver import DeviceBuffer, Stream, copy_pinned_async, pri
 from engine_core.cuda.host_memory import HostRegistration
 from engine_core.error_recorder import ErrorRecorder
 from engine_core.errors import ExecutionError, ShapeError
+from engine_core.generate.device_argmax import launch_rows_argmax
 from engine_core.generate.device_kv import ALIGNMENT, DeviceKVPool, slice_bytes
 from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, row_runs
 from engine_core.runtime import ExecutionContext
@@ -152,17 +153,24 @@ class DeviceStepper:
             buffer.release()
         self._stream = None
 
-    def step(self, pool: DeviceKVPool, seqs: Sequence[Hashable], layout: StepLayout, copy: bool = True
-             ) -> np.ndarray:
+    def step(self, pool: DeviceKVPool, seqs: Sequence[Hashable], layout: StepLayout, copy: bool = True,
+             argmax: bool = False) -> np.ndarray:
         """Run ``layout`` (planned with shape buckets) for ``seqs``, whose blocks ``pool`` has reserved: the new rows
         go into the pool and each sequence's next-token logits [len(seqs), vocab] (float32) come back; with
-        ``copy=False`` in the pinned host buffer itself when the engine writes float32, valid until the next step."""
+        ``copy=False`` in the pinned host buffer itself when the engine writes float32, valid until the next step.
+        ``argmax``: each sequence's argmax token id instead [len(seqs)] (int64), found on the device
+        (device_argmax.py) when the logits are float32."""
+        on_device_argmax = argmax and self._logits_dtype == np.float32
         if self._stream is None:
             raise ExecutionError("the decoder's device buffers are closed")
         primary_context()
         stream = self._stream.handle
         tables = pool.tables_for(seqs, layout)
         small = self._small_inputs(layout, tables)
+        rows = np.arange(layout.rows) * layout.new + layout.last  # each sequence's last new token's logits
+        if on_device_argmax:  # where each row starts, and the ids' slot (written on the device, read back)
+            small["#rows"] = (rows * self.signature.vocab_size).astype(np.int64)
+            small["#ids"] = np.zeros(layout.rows, np.int32)
         offsets, total = pack(small)
         host, device = self._host_inputs.ensure(total), self._inputs.ensure(total)
         for name, array in small.items():
@@ -183,10 +191,15 @@ class DeviceStepper:
             pool.scatter_from(kv.present, kv.present_stride, device.ptr + offsets["#tables"],
                               device.ptr + offsets["#lengths"], device.ptr + offsets["#counts"], batch=batch,
                               past_len=past, new_len=new, max_blocks=tables.shape[1], stream=stream)
-            rows = np.arange(layout.rows) * new + layout.last  # each sequence's last new token's logits
-            for first, count, at in row_runs(rows):
-                copy_pinned_async(logits_out.ptr + at * row_bytes, kv.logits + first * row_bytes, count * row_bytes,
-                                  stream, to_device=False)
+            if on_device_argmax:
+                launch_rows_argmax(kv.logits, device.ptr + offsets["#rows"], layout.rows, self.signature.vocab_size,
+                                   device.ptr + offsets["#ids"], stream)
+                copy_pinned_async(host.ptr + offsets["#ids"], device.ptr + offsets["#ids"], layout.rows * 4, stream,
+                                  to_device=False)
+            else:
+                for first, count, at in row_runs(rows):
+                    copy_pinned_async(logits_out.ptr + at * row_bytes, kv.logits + first * row_bytes,
+                                      count * row_bytes, stream, to_device=False)
             waits.synchronize()
         except BaseException:
             try:  # nothing queued may still read the pinned inputs when the next step refills them
@@ -195,8 +208,14 @@ class DeviceStepper:
                 pass
             raise
         pool.commit(seqs, layout)
+        if on_device_argmax:
+            at = offsets["#ids"]
+            return host.array[at:at + layout.rows * 4].view(np.int32).astype(np.int64)
         logits = logits_out.array[:layout.rows * row_bytes].view(self._logits_dtype)
-        return logits.reshape(layout.rows, self.signature.vocab_size).astype(np.float32, copy=copy)
+        logits = logits.reshape(layout.rows, self.signature.vocab_size)
+        if argmax:
+            return np.argmax(logits, axis=1)
+        return logits.astype(np.float32, copy=copy)
 
     def _small_inputs(self, layout: StepLayout, tables: np.ndarray) -> dict[str, np.ndarray]:
         """The run's host-made inputs: the engine's (by their names) and the KV kernels' ("#" names)."""

@@ -309,13 +309,16 @@ class Generator:
         if not batch:
             return
         try:
-            logits = self._runner.decode(self._pool, [s.id for s in batch], [s.generated[-1] for s in batch],
-                                         copy=False)
+            greedy = all(s.sampler.plain_greedy for s in batch)  # then only the argmax crosses to the host
+            out = self._runner.decode(self._pool, [s.id for s in batch], [s.generated[-1] for s in batch],
+                                      copy=False, argmax=greedy)
         except Exception as e:
             for seq in batch:
                 self._finish(seq, "error", error=e)
         else:
-            for seq, choice in zip(batch, self._sampling.choose([s.sampler for s in batch], logits)):
+            choices = [(int(t), None) for t in out] if greedy else \
+                self._sampling.choose([s.sampler for s in batch], out)
+            for seq, choice in zip(batch, choices):
                 self._accept(seq, *choice)
         self._forget_done()
 

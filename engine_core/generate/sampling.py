@@ -200,6 +200,13 @@ class Sampler:
             for token in prompt:
                 self._seen.add(int(token), generated=False)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether this sequence's token is the logits' argmax and nothing else (no penalty, no logprobs): a step of
+        such sequences only needs the argmax, which a device can find without sending the logits (device_argmax)."""
+        params = self.params
+        return params.greedy and self._seen is None and params.logprobs is None
+
     def __call__(self, logits: np.ndarray) -> int:
         """The next token for one row of logits [vocab]."""
         return self.choose(logits)[0]

@@ -20,12 +20,13 @@ def test_kernel_compiles_for_sm90(stem, tmp_path, monkeypatch):
 
 def test_every_kernel_file_is_embedded_in_cuda_plans():
     """A launch names its module; the runner only has the modules prepare_plan compiled (pointwise.cu is the
-    template of the generated pointwise module; kv_cache.cu is the generative runner's, engine_core/generate/
-    device_kv.py, launched beside plans, never by them)."""
+    template of the generated pointwise module; kv_cache.cu and sampling.cu are the generative runner's,
+    engine_core/generate/device_kv.py and device_argmax.py, launched beside plans, never by them)."""
     from engine_core.backends.cuda import KERNEL_FILES, ON_DEMAND_KERNEL_FILES
+    from engine_core.generate.device_argmax import SAMPLING_KERNEL_FILE
     from engine_core.generate.device_kv import KV_KERNEL_FILE
 
-    outside_plans = {"pointwise", KV_KERNEL_FILE}
+    outside_plans = {"pointwise", KV_KERNEL_FILE, SAMPLING_KERNEL_FILE}
     assert sorted(KERNEL_FILES + ON_DEMAND_KERNEL_FILES) == sorted(set(kernel_sources()) - outside_plans)
 
 

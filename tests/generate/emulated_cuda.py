@@ -3,7 +3,7 @@
 A CPU engine runs by host address (``execute_async_v3`` on the CPU backend reads its inputs from, and writes its
 outputs to, the addresses set), so with "device memory" made of host memory, copies made of ``memmove`` and the KV
 kernels made of their numpy contract (``kv_layout.gather_reference`` / ``scatter_reference``, on the kernels' own
-arguments), a ``DecoderRunner`` takes the device path end to end without a GPU: shape buckets, pad rows, packed
+arguments; the argmax kernel of device_argmax.py as numpy's argmax of the rows it names), a ``DecoderRunner`` takes the device path end to end without a GPU: shape buckets, pad rows, packed
 inputs, addresses, block tables, logits rows. What it cannot check is the CUDA code itself: the GPU tests do.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine_core.backends.cpu import host_array
-from engine_core.generate import device_kv, device_step
+from engine_core.generate import device_argmax, device_kv, device_step
 from engine_core.generate.kv_layout import gather_reference, scatter_reference
 
 
@@ -68,6 +68,9 @@ class Launches:
 
     def __call__(self, function: str, grid: Any, block: int, args: list, stream: int) -> None:
         self.calls.append((function, grid, block))
+        if function == "rows_argmax_f32":
+            _rows_argmax(grid, *(a.value for a in args))
+            return
         kind, word = function.split("_")[1], int(function.split("_w")[1])
         values = [a.value for a in args]
         if kind == "gather":
@@ -113,6 +116,13 @@ def _scatter(word: int, grid: int, keys: int, values: int, present: int, tables:
     scatter_reference(*pools, dense, table, starts, news, past_len)
 
 
+def _rows_argmax(grid: int, logits: int, offsets: int, vocab: int, out: int) -> None:
+    starts = host_array(offsets, np.dtype(np.int64), (grid,))
+    ids = host_array(out, np.dtype(np.int32), (grid,))
+    for r, start in enumerate(starts.tolist()):
+        ids[r] = np.argmax(host_array(logits + 4 * start, np.dtype(np.float32), (vocab,)))
+
+
 def emulate(monkeypatch: pytest.MonkeyPatch) -> Launches:
     """Swap the device modules' driver calls for host ones (for one test); returns the launch log."""
     launches = Launches()
@@ -123,6 +133,8 @@ def emulate(monkeypatch: pytest.MonkeyPatch) -> Launches:
     monkeypatch.setattr(device_kv, "memset_d8_async", _memset)
     monkeypatch.setattr(device_kv, "launch_held", launches)
     monkeypatch.setattr(device_kv, "_kernel", lambda kind, word: f"kv_{kind}_w{word}")
+    monkeypatch.setattr(device_argmax, "launch_held", launches)
+    monkeypatch.setattr(device_argmax, "_kernel", lambda name: name)
     monkeypatch.setattr(device_kv, "copy_to_host",
                         lambda ptr, dtype, shape: host_array(ptr, np.dtype(dtype), tuple(shape)).copy())
     monkeypatch.setattr(device_step, "copy_pinned_async", _copy)

@@ -14,6 +14,7 @@ import pytest
 
 from engine_core.errors import KilnError
 from engine_core.generate import DecoderRunner, KVBlockPool, build_decoder_engine
+from engine_core.generate.device_argmax import SAMPLING_KERNEL_FILE
 from engine_core.generate.device_kv import KV_KERNEL_FILE, DeviceKVPool
 from tests.generate import emulated_cuda
 
@@ -145,6 +146,7 @@ def test_the_kv_kernels_compile_for_sm90(tmp_path, monkeypatch):
     for kind in ("gather", "scatter"):
         for word in (1, 2, 4, 8, 16):
             assert f"kv_{kind}_w{word}".encode() in cubin
+    assert b"rows_argmax_f32" in compile_kernel_file(SAMPLING_KERNEL_FILE, arch="sm_90")
 
 
 # -- on a GPU --------------------------------------------------------------------------------------------------------
@@ -192,6 +194,31 @@ def test_the_kv_kernels_match_their_contract(dtype, head_dim):
     keys, values = pool.read_blocks()
     np.testing.assert_array_equal(keys, blocks[0])
     np.testing.assert_array_equal(values, blocks[1])
+
+
+@pytest.mark.gpu
+def test_the_argmax_kernel_picks_what_numpy_picks():
+    """rows_argmax_f32 on rows that test its rule: ties (the first index), -inf everywhere, a NaN (first NaN wins),
+    the maximum in the last element, a vocabulary shorter than a block's threads and one not a multiple of them;
+    rows read at element offsets, not in order."""
+    from engine_core.cuda.driver import DeviceBuffer, Stream, copy_to_host
+    from engine_core.generate.device_argmax import launch_rows_argmax
+
+    rng = np.random.default_rng(3)
+    for vocab in (5, 1000, 128_256):
+        rows = rng.standard_normal((6, vocab)).astype(np.float32)
+        rows[0, [1, 3]] = 9.0  # a tie: index 1
+        rows[1] = -np.inf
+        rows[2, [2, 4]] = np.nan
+        rows[3, -1] = 50.0
+        rows[4] = 0.0
+        offsets = np.array([5, 0, 3, 1, 4, 2], np.int64)
+        logits, starts = DeviceBuffer.from_array(rows), DeviceBuffer.from_array(offsets * vocab)
+        out, stream = DeviceBuffer(4 * len(offsets)), Stream()
+        launch_rows_argmax(logits.ptr, starts.ptr, len(offsets), vocab, out.ptr, stream.handle)
+        stream.synchronize()
+        got = copy_to_host(out.ptr, np.dtype(np.int32), (len(offsets),))
+        np.testing.assert_array_equal(got, np.argmax(rows[offsets], axis=1), err_msg=f"vocab {vocab}")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fp32", "fp16"])
@@ -288,7 +315,8 @@ def _generate(engine, budget: int) -> list[list[int]]:
 @pytest.mark.parametrize("budget", [512, 5])
 def test_the_generator_takes_the_device_path_unchanged(tiny_engine, emulated, monkeypatch, budget):
     """A Generator on an engine that reports the CUDA backend steps a DeviceKVPool (emulated) and generates what it
-    does on the host path, prompts prefilled whole or in chunks of 5."""
+    does on the host path, prompts prefilled whole or in chunks of 5; its greedy decode steps take the argmax on
+    the device (device_argmax.py) and bring back only the token ids."""
     from engine_core.runtime import CudaEngine
 
     want = _generate(tiny_engine, budget)
@@ -296,6 +324,8 @@ def test_the_generator_takes_the_device_path_unchanged(tiny_engine, emulated, mo
     scatters = len([c for c in emulated.calls if c[0].startswith("kv_scatter")])
     assert _generate(tiny_engine, budget) == want
     assert len([c for c in emulated.calls if c[0].startswith("kv_scatter")]) > scatters + 20
+    argmaxes = [grid for name, grid, _ in emulated.calls if name == "rows_argmax_f32"]
+    assert len(argmaxes) > 20 and max(argmaxes) == len(PROMPTS)  # a row per sequence, every one in one step
 
 
 def test_a_failed_run_raises_with_its_message_and_writes_nothing(tiny_engine, emulated, monkeypatch):

@@ -79,13 +79,13 @@ def _record_runs(monkeypatch) -> list[tuple]:
     runs: list[tuple] = []
     prefill, decode = DecoderRunner.prefill, DecoderRunner.decode
 
-    def logged_prefill(self, pool, seqs, chunks, copy=True):
+    def logged_prefill(self, pool, seqs, chunks, **options):
         runs.append(("prefill", list(seqs), [len(c) for c in chunks]))
-        return prefill(self, pool, seqs, chunks, copy)
+        return prefill(self, pool, seqs, chunks, **options)
 
-    def logged_decode(self, pool, seqs, tokens, copy=True):
+    def logged_decode(self, pool, seqs, tokens, **options):
         runs.append(("decode", list(seqs)))
-        return decode(self, pool, seqs, tokens, copy)
+        return decode(self, pool, seqs, tokens, **options)
 
     monkeypatch.setattr(DecoderRunner, "prefill", logged_prefill)
     monkeypatch.setattr(DecoderRunner, "decode", logged_decode)
@@ -187,8 +187,8 @@ def test_cancelling_between_chunks_frees_the_blocks(tiny_engine, monkeypatch):
     handles, submitted, fed = {}, threading.Event(), []
     prefill = DecoderRunner.prefill
 
-    def cancel_after_the_first_chunk(self, pool, seqs, chunks, copy=True):
-        logits = prefill(self, pool, seqs, chunks, copy)
+    def cancel_after_the_first_chunk(self, pool, seqs, chunks, **options):
+        logits = prefill(self, pool, seqs, chunks, **options)
         fed.append([len(c) for c in chunks])
         assert submitted.wait(TIMEOUT)
         handles["long"].cancel()

@@ -135,9 +135,9 @@ def _prefilled(monkeypatch) -> list[int]:
     fed: list[int] = []
     prefill = DecoderRunner.prefill
 
-    def counted(self, pool, seqs, chunks, copy=True):
+    def counted(self, pool, seqs, chunks, **options):
         fed.append(sum(len(c) for c in chunks))
-        return prefill(self, pool, seqs, chunks, copy)
+        return prefill(self, pool, seqs, chunks, **options)
 
     monkeypatch.setattr(DecoderRunner, "prefill", counted)
     return fed
