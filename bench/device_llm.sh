@@ -12,7 +12,7 @@
 #            transformers' greedy tokens), then bench/generate_check.py on the CUDA backend in fp16: equal token for
 #            token over the first 32                                                                         ~5 min
 #   step     bench/generate_step.py: one decode step's time at batch 1/8/64, past 128/512 (needs `check`'s exports
-#            in /tmp/llm, so run it in the same call or after `check` on a warm machine)                      ~2 min
+#            in /tmp/llm, so run it in the same call or after `check` on a warm machine; --argmax: greedy too)  ~3 min
 #   serve    kiln serve on the GPT-2 export (KIND_GPU, fp16, 64 sequences) and load_tests/generate_bench.py at
 #            1 and 64 streams, then bench/generate_peer.py (transformers + torch.compile reduce-overhead, static cache)
 #            at batch 1 and 64 on the same model: tokens/s, TTFT, ITL side by side                            ~6 min
@@ -84,7 +84,7 @@ for stage in "$@"; do
     step)
       export_models
       for m in $MODELS; do
-        timeout 200 python3 bench/generate_step.py "$LLM/$m/1" --fp16 --json "$OUT/generate_step_$m.json" 2>&1 \
+        timeout 200 python3 bench/generate_step.py "$LLM/$m/1" --fp16 --argmax --json "$OUT/generate_step_$m.json" 2>&1 \
           | quiet | tail -12
       done ;;
     serve)

@@ -49,15 +49,17 @@ def prefill(runner: DecoderRunner, pool: Any, seqs: list[int], tokens: int, chun
             runner.prefill(pool, [seq], [prompt[start:start + chunk]])
 
 
-def time_steps(runner: DecoderRunner, pool: Any, seqs: list[int], past: int, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of ``iters`` decode steps of ``seqs`` after ``past`` cached tokens each (after ``warmup``)."""
+def time_steps(runner: DecoderRunner, pool: Any, seqs: list[int], past: int, warmup: int, iters: int,
+               argmax: bool = False) -> list[float]:
+    """Milliseconds of ``iters`` decode steps of ``seqs`` after ``past`` cached tokens each (after ``warmup``);
+    ``argmax``: steps that bring back each row's greedy token instead of its logits."""
     tokens = [int(t) for t in np.arange(len(seqs)) % runner.signature.vocab_size]
     times = []
     for i in range(warmup + iters):
         for seq in seqs:
             pool.truncate(seq, past)
         started = time.perf_counter()
-        runner.decode(pool, seqs, tokens)
+        runner.decode(pool, seqs, tokens, argmax=argmax)
         if i >= warmup:
             times.append((time.perf_counter() - started) * 1e3)
     for seq in seqs:
@@ -73,10 +75,11 @@ def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, A
 
 def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[int], args: argparse.Namespace,
             iters: int) -> list[dict[str, Any]]:
-    """Every (batch, past) of one path (``device``: the runner's default pool; ``host``: a host pool)."""
+    """Every (batch, past) of one path (``device``: the runner's default pool, logits back; ``argmax``: the same,
+    each row's greedy token back; ``host``: a host pool)."""
     most, longest = max(batches), max(pasts)
     blocks = most * -(-(longest + 1) // args.block_tokens)
-    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks, on_device=path == "device")
+    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks, on_device=path != "host")
     seqs = list(range(most))
     for seq in seqs:
         pool.reserve(seq, longest + 1)
@@ -84,7 +87,8 @@ def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[in
     rows = []
     for past in sorted(pasts, reverse=True):  # truncation only shortens: longest pasts first
         for batch in batches:
-            rows.append(summary(path, batch, past, time_steps(runner, pool, seqs[:batch], past, args.warmup, iters)))
+            times = time_steps(runner, pool, seqs[:batch], past, args.warmup, iters, argmax=path == "argmax")
+            rows.append(summary(path, batch, past, times))
     pool.close()
     return rows
 
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--host-path", action="store_true", help="also time the host KV pool (CUDA engines)")
+    p.add_argument("--argmax", action="store_true",
+                   help="also time greedy steps that bring back token ids, not logits (what the generator runs)")
     p.add_argument("--host-iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
         device = device_name()
     paths = [("device" if runner.on_device else "host", args.iters)]
+    if args.argmax and runner.on_device:
+        paths.append(("argmax", args.iters))
     if args.host_path and runner.on_device:
         paths.append(("host", args.host_iters))
     rows = [row for path, iters in paths for row in measure(runner, path, args.batches, args.pasts, args, iters)]
