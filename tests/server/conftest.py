@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 # the server harness: tests/support (on load_tests/harness.py); tests here import run_server/ServerProcess from either
-from tests.support.servers import ROOT, ServerProcess, run_server
+from tests.support.examples import load_example
+from tests.support.servers import ServerProcess, run_server
 
 STARTUP_MODELS = ["add_sub", "add_sub_fp32", "simple_cnn", "identity"]
 
@@ -44,15 +45,7 @@ def _install_pkg_resources_shim() -> None:
 _install_pkg_resources_shim()
 
 
-def _load_examples():
-    spec = importlib.util.spec_from_file_location("make_example_repository",
-                                                  ROOT / "examples" / "make_example_repository.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-examples = _load_examples()
+examples = load_example("make_example_repository.py")
 
 
 def require_grpc(server: ServerProcess) -> ServerProcess:

@@ -9,13 +9,11 @@ metrics must count the restarts.
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import tritonclient.http as http
@@ -23,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from engine_core.cuda.driver import CudaError
 from engine_core.errors import ShapeError
+from load_tests.harness import metric_sum
 from server.core.batcher import BatchingSettings, DynamicBatcher
 from server.core.errors import ErrorKind, ServerError
 from server.core.scheduler import DirectScheduler, Job
@@ -269,10 +268,9 @@ def _infer(url: str, model: str, x: np.ndarray) -> np.ndarray:
 
 
 def _metric(server: ServerProcess, name: str, model: str) -> float:
-    text = httpx.get(server.metrics_url, timeout=5).text
-    match = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.M)
-    assert match, f"{name} for {model} not in /metrics"
-    return float(match.group(1))
+    value = metric_sum(server.metrics_url, name, {"model": model, "version": "1"})
+    assert value is not None, f"{name} for {model} not in /metrics"
+    return value
 
 
 def _outcome(url: str, model: str, x: np.ndarray):
