@@ -269,8 +269,7 @@ class StepSampler:
 
     def choose(self, samplers: Sequence[Sampler], logits: np.ndarray) -> list[tuple[int, TokenLogprobs | None]]:
         """``samplers[i].choose(logits[i])`` for every row, in row order."""
-        costly = sum(1 for s in samplers if not s.params.greedy or s.params.penalized or s.params.logprobs is not None)
-        if costly < 2 or self.workers < 2:
+        if sum(not s.plain_greedy for s in samplers) < 2 or self.workers < 2:
             return [s.choose(row) for s, row in zip(samplers, logits)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kiln-sampling")
