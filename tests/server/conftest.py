@@ -19,7 +19,7 @@ import pytest
 
 # the server harness: tests/support (on load_tests/harness.py); tests here import run_server/ServerProcess from either
 from tests.support.examples import load_example
-from tests.support.servers import ServerProcess, run_server
+from tests.support.servers import ROOT, ServerProcess, run_server  # noqa: F401 - ROOT: tests import it from here
 
 STARTUP_MODELS = ["add_sub", "add_sub_fp32", "simple_cnn", "identity"]
 
