@@ -370,7 +370,7 @@ class _Rewriter:
             dtype = self.dtype[name]
             value = info.value if info is not None else None
             if value is not None and value.dtype != dtype:
-                value = saturated(value, dtype)
+                value = saturated(value, dtype)[0]
             args.append(TensorInfo(dtype, info.shape if info is not None else None, value))
         try:
             result = op.infer(node, *args)
@@ -402,11 +402,11 @@ class _Rewriter:
         graph = self.graph
         if name in graph.constants:
             value = graph.constants[name]
-            clamped = out_of_range(value, dtype)
+            converted, clamped = saturated(value, dtype)
             if clamped:
                 self.policy.warn(f"weight '{name}': {clamped} value(s) outside the {dtype_name(dtype)} range "
                                  f"clamped to its largest finite value (as TensorRT does)")
-            new = graph.add_constant(f"{name}_{dtype_name(dtype)}", saturated(value, dtype))
+            new = graph.add_constant(f"{name}_{dtype_name(dtype)}", converted)
             self.dtype[new] = dtype
             self.converted.setdefault(name, set()).add(new)
         else:
@@ -530,22 +530,20 @@ class _Rewriter:
                           len(node.inputs), len(node.outputs))
 
 
-def saturated(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def saturated(value: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, int]:
     """``value`` as ``dtype``, finite values beyond its range clamped to its largest finite value instead of
-    becoming infinite: a mask constant of float32's lowest (transformers' finfo.min) stays a huge negative
-    number, so ``(1 - mask) * lowest`` is 0 where the mask is 1, not 0 * -inf = NaN."""
-    if not out_of_range(value, dtype):
-        return value.astype(dtype)
-    bound = float(ml_dtypes.finfo(dtype).max)
-    return np.where(np.isfinite(value), np.clip(value, -bound, bound), value).astype(dtype)
-
-
-def out_of_range(value: np.ndarray, dtype: np.dtype) -> int:
-    """How many finite float values of ``value`` lie beyond float type ``dtype``'s largest finite value."""
+    becoming infinite (a mask constant of float32's lowest, transformers' finfo.min, stays a huge negative
+    number, so ``(1 - mask) * lowest`` is 0 where the mask is 1, not 0 * -inf = NaN), and how many were clamped.
+    One pass over the weight finds them (weights are the bulk of a build's host work)."""
     dtype = np.dtype(dtype)
     if value.dtype.kind != "f" or dtype.kind not in "fV" or dtype == value.dtype or value.size == 0:
-        return 0
-    return int(np.count_nonzero(np.isfinite(value) & (np.abs(value) > float(ml_dtypes.finfo(dtype).max))))
+        return value.astype(dtype), 0
+    bound = float(ml_dtypes.finfo(dtype).max)
+    beyond = np.abs(value) > bound  # infinities too: they stay as they are
+    if not beyond.any():
+        return value.astype(dtype), 0
+    clamped = beyond & np.isfinite(value)
+    return np.where(clamped, np.sign(value) * bound, value).astype(dtype), int(np.count_nonzero(clamped))
 
 
 def _is_qdq(node: Node, *op_types: str) -> bool:
