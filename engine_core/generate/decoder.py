@@ -220,9 +220,13 @@ class DecoderRunner:
         for seq, length, count in zip(seqs, lengths, layout.counts.tolist()):
             pool.reserve(seq, length + count)
         if isinstance(pool, DeviceKVPool):
-            return self._device_stepper().step(pool, seqs, layout, copy, argmax)
-        assert isinstance(pool, KVBlockPool)
-        logits = self._host_step(pool, seqs, layout)
+            stepper = self._device_stepper()
+            if argmax and stepper.finds_argmax:  # only the ids come back
+                return stepper.step(pool, seqs, layout, argmax=True)
+            logits = stepper.step(pool, seqs, layout, copy and not argmax)
+        else:
+            assert isinstance(pool, KVBlockPool)
+            logits = self._host_step(pool, seqs, layout)
         return np.argmax(logits, axis=1) if argmax else logits
 
     def close(self) -> None:

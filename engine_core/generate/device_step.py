@@ -158,9 +158,10 @@ class DeviceStepper:
         """Run ``layout`` (planned with shape buckets) for ``seqs``, whose blocks ``pool`` has reserved: the new rows
         go into the pool and each sequence's next-token logits [len(seqs), vocab] (float32) come back; with
         ``copy=False`` in the pinned host buffer itself when the engine writes float32, valid until the next step.
-        ``argmax``: each sequence's argmax token id instead [len(seqs)] (int64), found on the device
-        (device_argmax.py) when the logits are float32."""
-        on_device_argmax = argmax and self._logits_dtype == np.float32
+        ``argmax`` (only where ``finds_argmax``): each sequence's argmax token id instead [len(seqs)] (int64), found
+        on the device (device_argmax.py)."""
+        if argmax and not self.finds_argmax:
+            raise ValueError(f"the argmax kernel reads float32 logits; this engine writes {self._logits_dtype}")
         if self._stream is None:
             raise ExecutionError("the decoder's device buffers are closed")
         primary_context()
@@ -168,7 +169,7 @@ class DeviceStepper:
         tables = pool.tables_for(seqs, layout)
         small = self._small_inputs(layout, tables)
         rows = np.arange(layout.rows) * layout.new + layout.last  # each sequence's last new token's logits
-        if on_device_argmax:  # where each row starts, and the ids' slot (written on the device, read back)
+        if argmax:  # where each row starts, and the ids' slot (written on the device, read back)
             small["#rows"] = (rows * self.signature.vocab_size).astype(np.int64)
             small["#ids"] = np.zeros(layout.rows, np.int32)
         offsets, total = pack(small)
@@ -178,7 +179,7 @@ class DeviceStepper:
         kv = _EngineBuffers(self, layout)
         batch, past, new = layout.batch, layout.past, layout.new
         row_bytes = self.signature.vocab_size * self._logits_dtype.itemsize
-        logits_out = self._host_logits.ensure(layout.rows * row_bytes)
+        logits_out = None if argmax else self._host_logits.ensure(layout.rows * row_bytes)
         waits = self._stream
         context = self.decode_context if new == 1 else self.context
         try:
@@ -191,7 +192,7 @@ class DeviceStepper:
             pool.scatter_from(kv.present, kv.present_stride, device.ptr + offsets["#tables"],
                               device.ptr + offsets["#lengths"], device.ptr + offsets["#counts"], batch=batch,
                               past_len=past, new_len=new, max_blocks=tables.shape[1], stream=stream)
-            if on_device_argmax:
+            if logits_out is None:
                 launch_rows_argmax(kv.logits, device.ptr + offsets["#rows"], layout.rows, self.signature.vocab_size,
                                    device.ptr + offsets["#ids"], stream)
                 copy_pinned_async(host.ptr + offsets["#ids"], device.ptr + offsets["#ids"], layout.rows * 4, stream,
@@ -208,14 +209,16 @@ class DeviceStepper:
                 pass
             raise
         pool.commit(seqs, layout)
-        if on_device_argmax:
+        if logits_out is None:
             at = offsets["#ids"]
             return host.array[at:at + layout.rows * 4].view(np.int32).astype(np.int64)
         logits = logits_out.array[:layout.rows * row_bytes].view(self._logits_dtype)
-        logits = logits.reshape(layout.rows, self.signature.vocab_size)
-        if argmax:
-            return np.argmax(logits, axis=1)
-        return logits.astype(np.float32, copy=copy)
+        return logits.reshape(layout.rows, self.signature.vocab_size).astype(np.float32, copy=copy)
+
+    @property
+    def finds_argmax(self) -> bool:
+        """Whether ``step(argmax=True)`` can find the argmax on the device: the kernel reads float32 logits."""
+        return self._logits_dtype == np.float32
 
     def _small_inputs(self, layout: StepLayout, tables: np.ndarray) -> dict[str, np.ndarray]:
         """The run's host-made inputs: the engine's (by their names) and the KV kernels' ("#" names)."""
