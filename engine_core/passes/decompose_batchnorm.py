@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.errors import KilnError
 from engine_core.ir import Graph, Node
 from engine_core.ops import TensorInfo
 from engine_core.passes.fuse_pointwise_chain import chain_ops
 from engine_core.passes.pattern import Match, Uses, fuse_matches, is_op
-from engine_core.passes.shape_inference import infer_shapes, stand_in_shape
+from engine_core.passes.shape_inference import stand_in_infos
 
 #: input types the rewrite takes (numpy's floats and bfloat16, by name: ml_dtypes' type is no np.floating)
 _FLOATS = frozenset({"float16", "float32", "float64", "bfloat16"})
@@ -56,20 +55,6 @@ def _joins_a_chain(uses: Uses, bn: Node) -> bool:
     return (is_op(reader, *ops) or is_op(producer, *ops) and uses.sole_reader(bn.inputs[0]) is bn)
 
 
-def _input_infos(graph: Graph) -> dict[str, TensorInfo] | None:
-    """Types and shapes of every tensor, unknown input dims taken as 1; None when the graph cannot be typed so."""
-    inputs = {}
-    for v in graph.inputs:
-        if v.is_tensor and v.shape is not None:
-            inputs[v.name] = TensorInfo(v.dtype, stand_in_shape(v.shape))
-        else:
-            inputs[v.name] = TensorInfo(v.dtype, None)
-    try:
-        return infer_shapes(graph, inputs)
-    except KilnError:
-        return None
-
-
 def _affine(graph: Graph, bn: Node, params: list[np.ndarray], x: TensorInfo) -> Match | None:
     """Mul by a then Add of b (both [C, 1, ...] in x's type), the Add writing the BN's output under its name."""
     if x.shape is None or len(x.shape) < 2 or x.dtype.name not in _FLOATS:
@@ -96,7 +81,7 @@ def decompose_batchnorm(graph: Graph) -> int:
                   and (params := _inference_params(graph, n)) is not None}
     if not candidates:
         return 0
-    infos = _input_infos(graph)
+    infos = stand_in_infos(graph)
     if infos is None:
         return 0
 

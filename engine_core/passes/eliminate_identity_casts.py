@@ -12,21 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.errors import KilnError
 from engine_core.ir import Graph, has_subgraph, subgraph_reads
-from engine_core.ops import TensorInfo
-from engine_core.passes.shape_inference import infer_shapes, stand_in_shape
+from engine_core.passes.shape_inference import stand_in_infos
 from engine_core.types import onnx_to_np
-
-
-def _dtypes(graph: Graph) -> dict[str, np.dtype] | None:
-    """Every tensor's type (shapes stood in: no type depends on a dim), or None when the graph cannot be typed."""
-    inputs = {v.name: TensorInfo(v.dtype, stand_in_shape(v.shape) if v.is_tensor and v.shape is not None else None)
-              for v in graph.inputs}
-    try:
-        return {name: info.dtype for name, info in infer_shapes(graph, inputs, values=False).items()}
-    except (KilnError, ValueError, TypeError):
-        return None
 
 
 def eliminate_identity_casts(graph: Graph) -> int:
@@ -34,9 +22,10 @@ def eliminate_identity_casts(graph: Graph) -> int:
     casts = {id(n) for n in graph.nodes if n.op_type == "Cast" and not n.domain}
     if not casts:
         return 0
-    dtypes = _dtypes(graph)
-    if dtypes is None:
+    infos = stand_in_infos(graph, values=False)
+    if infos is None:
         return 0
+    dtypes = {name: info.dtype for name, info in infos.items()}
     kept_names = set(graph.output_names)
     for node in graph.nodes:
         if has_subgraph(node):

@@ -27,6 +27,17 @@ def stand_in_shape(shape: Sequence[Any]) -> tuple[int, ...]:
     return tuple(d if isinstance(d, int) and d >= 0 else 1 for d in shape)
 
 
+def stand_in_infos(graph: Graph, *, values: bool = True) -> dict[str, TensorInfo] | None:
+    """Types and shapes of every tensor with each unknown input dim taken as 1 (``stand_in_shape``), for passes that
+    need only types and ranks; None when the graph cannot be typed so."""
+    inputs = {v.name: TensorInfo(v.dtype, stand_in_shape(v.shape) if v.is_tensor and v.shape is not None else None)
+              for v in graph.inputs}
+    try:
+        return infer_shapes(graph, inputs, values=values)
+    except ShapeError:
+        return None
+
+
 def infer_shapes(graph: Graph, inputs: Mapping[str, TensorInfo], *, values: bool = True) -> dict[str, TensorInfo]:
     """Return TensorInfo for every tensor of ``graph`` given infos for its inputs.
 
