@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from server.core.latency import Histogram
+from server.core.metric_samples import add_histogram
 from server.core.model import ModelVersion
 from server.gpu_metrics import NvmlGpus, Sampled
 from server.metrics_flags import MetricsOptions
@@ -113,17 +115,12 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 def batch_size_family(stats: list[dict]) -> Metric:
     """`kiln_batch_size`: a histogram of executed batch sizes per version, made at scrape time from the
     statistics' per-batch-size execution counts (`batch_stats`), so nothing more is recorded per request."""
-    name = "kiln_batch_size"
-    family = Metric(name, "Batch sizes (items per model execution) executed", "histogram")
+    family = Metric("kiln_batch_size", "Batch sizes (items per model execution) executed", "histogram")
     for stat in stats:
-        labels = {"model": stat["name"], "version": stat["version"]}
-        counts = {b["batch_size"]: b["compute_infer"]["count"] for b in stat["batch_stats"]}
-        for bound in BATCH_SIZE_BUCKETS:
-            family.add_sample(f"{name}_bucket", {**labels, "le": str(bound)},
-                              float(sum(c for size, c in counts.items() if size <= bound)))
-        family.add_sample(f"{name}_bucket", {**labels, "le": "+Inf"}, float(sum(counts.values())))
-        family.add_sample(f"{name}_count", labels, float(sum(counts.values())))
-        family.add_sample(f"{name}_sum", labels, float(sum(size * c for size, c in counts.items())))
+        histogram = Histogram(BATCH_SIZE_BUCKETS)
+        for entry in stat["batch_stats"]:
+            histogram.observe(entry["batch_size"], weight=entry["compute_infer"]["count"])
+        add_histogram(family, {"model": stat["name"], "version": stat["version"]}, histogram)
     return family
 
 

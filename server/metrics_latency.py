@@ -7,12 +7,12 @@ version's histogram has its own buckets: the server-wide ones, or its config's `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
-from server.core.latency import FIRST_RESPONSE, Histogram, MetricsConfig
+from server.core.latency import FIRST_RESPONSE, MetricsConfig
+from server.core.metric_samples import add_histogram, label_number  # add_histogram: metrics_generative's too
 
 # recorder key -> (family, help): Triton's summary families
 _SUMMARIES = {
@@ -36,25 +36,6 @@ _SUMMARIES = {
 _CACHE_ONLY = ("cache_hit_duration", "cache_miss_duration")
 
 
-def _label_number(value: float) -> str:
-    """A quantile or bucket bound as Triton (prometheus-cpp) writes it: whole numbers without ".0" (le="100")."""
-    if math.isinf(value):
-        return "+Inf"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def add_histogram(family: Metric, labels: dict[str, str], histogram: Histogram) -> None:
-    """`histogram`'s samples, labelled `labels`, added to `family` in Triton's order (_count, _sum, then the
-    cumulative _bucket per bound and +Inf). Triton's first-response histogram and the generative models' latency
-    histograms (server/metrics_generative.py) are written here, so their bounds read alike."""
-    name = family.name
-    buckets = histogram.buckets()
-    family.add_sample(f"{name}_count", labels, float(buckets[-1][1]))
-    family.add_sample(f"{name}_sum", labels, histogram.sum)
-    for bound, count in buckets:
-        family.add_sample(f"{name}_bucket", {**labels, "le": _label_number(bound)}, float(count))
-
-
 def latency_families(config: MetricsConfig, versions: list, caches) -> Iterable[Metric]:
     """The summaries and histogram of `versions` (loaded model versions); `caches(version)` says whether the
     version uses the response cache: then, as in Triton, its request summary is left out (the cache's time is not
@@ -73,7 +54,7 @@ def latency_families(config: MetricsConfig, versions: list, caches) -> Iterable[
                 family.add_sample(f"{name}_count", labels, float(summary.count))
                 family.add_sample(f"{name}_sum", labels, float(summary.sum))
                 for q, value in summary.quantiles(quantiles).items():
-                    family.add_sample(name, {**labels, "quantile": _label_number(q)}, value)
+                    family.add_sample(name, {**labels, "quantile": label_number(q)}, value)
             if family.samples:
                 yield family
     if config.histogram_latencies:

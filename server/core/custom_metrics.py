@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
 
+from .latency import Histogram
+from .metric_samples import add_histogram
+
 KINDS = ("counter", "gauge", "histogram")
 
 
@@ -24,10 +27,7 @@ class _Value:
     family: str
     labels: tuple[tuple[str, str], ...]
     value: float = 0.0
-    buckets: tuple[float, ...] = ()  # a histogram's upper bounds (+Inf implied)
-    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative)
-    total: float = 0.0
-    observations: int = 0
+    histogram: Histogram | None = None  # a histogram's observations
     owners: set[int] = field(default_factory=set)  # the stubs that created it (instances of one model share it)
 
 
@@ -75,8 +75,8 @@ class CustomMetrics:
         metric_id = family.metrics.get(key)
         if metric_id is None:
             metric_id = family.metrics[key] = next(self._ids)
-            bounds = tuple(float(b) for b in buckets or ())
-            self._values[metric_id] = _Value(name, key, buckets=bounds, counts=[0] * (len(bounds) + 1))
+            histogram = Histogram(tuple(float(b) for b in buckets)) if buckets else None
+            self._values[metric_id] = _Value(name, key, histogram=histogram)
         self._values[metric_id].owners.add(owner)
         self._owned.setdefault(owner, set()).add(metric_id)
         return metric_id
@@ -91,18 +91,15 @@ class CustomMetrics:
             value.value += amount
         elif op == "set" and kind == "gauge":
             value.value = amount
-        elif op == "observe" and kind == "histogram":
-            index = next((i for i, bound in enumerate(value.buckets) if amount <= bound), len(value.buckets))
-            value.counts[index] += 1
-            value.total += amount
-            value.observations += 1
+        elif op == "observe" and value.histogram is not None:
+            value.histogram.observe(amount)
         else:
             raise ValueError(f"'{op}' is not an operation of a {kind} ('{value.family}')")
 
     def value(self, metric_id: int) -> float:
         """A counter's or gauge's value (a histogram's sum of observations)."""
         value = self._value(metric_id)
-        return value.total if value.buckets else value.value
+        return value.histogram.sum if value.histogram is not None else value.value
 
     def release(self, owner: int) -> None:
         """`owner` (a stub) ended: the metrics only it held go, and the families no one holds any more (another
@@ -125,22 +122,17 @@ class CustomMetrics:
                 del self._families[name]
 
     def families(self) -> Iterable[Metric]:
-        """Every family with its metrics, for /metrics (histograms as _bucket / _sum / _count samples)."""
+        """Every family with its metrics, for /metrics; histograms in the layout Kiln has exported for them since
+        they came in: _bucket (bounds as floats, le="1.0"), then _sum and _count."""
         for name, family in self._families.items():
             metric = Metric(name, family.description, family.kind)
             for metric_id in family.metrics.values():
                 value = self._values[metric_id]
                 labels = dict(value.labels)
-                if family.kind != "histogram":
+                if value.histogram is None:
                     metric.add_sample(name, labels, value.value)
-                    continue
-                running = 0
-                for bound, count in zip([*value.buckets, math.inf], value.counts):
-                    running += count
-                    le = "+Inf" if bound == math.inf else repr(bound)
-                    metric.add_sample(f"{name}_bucket", {**labels, "le": le}, running)
-                metric.add_sample(f"{name}_sum", labels, value.total)
-                metric.add_sample(f"{name}_count", labels, value.observations)
+                else:
+                    add_histogram(metric, labels, value.histogram, buckets_first=True, float_bounds=True)
             yield metric
 
     def _value(self, metric_id: int) -> _Value:
