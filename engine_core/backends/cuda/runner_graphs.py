@@ -140,17 +140,7 @@ class GraphsMixin:
         self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
         want = fetch()
         check(driver.cuGraphLaunch(graph.exec, stream), "cuGraphLaunch")
-        got = fetch()
-        for a, b in zip(want, got):
-            if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
-                a64, b64 = a.astype(np.float64), b.astype(np.float64)
-                scale = max(1.0, float(np.nanmax(np.abs(a64)))) if a64.size else 1.0
-                if a64.size and (not np.array_equal(np.isnan(a64), np.isnan(b64))
-                                 or float(np.nanmax(np.abs(a64 - b64))) > 1e-3 * scale):
-                    return False
-            elif not np.array_equal(a, b):
-                return False
-        return True
+        return all(outputs_match(a, b) for a, b in zip(want, fetch()))
 
     def _capture(self, binding: _Binding, schedule: RunSchedule, addresses: Mapping[str, int], stream: int,
                  consumed_event: Any, staged: StagedCopies | None = None) -> _Graph | None:
@@ -172,6 +162,32 @@ class GraphsMixin:
             binding.graph_failed = True
             self._launch_all(binding, schedule, addresses, stream, consumed_event, staged=staged)
             return None
+
+
+#: elements compared at a time where a replay's output is not bit-identical (bounds the float64 copies)
+COMPARE_CHUNK = 1 << 22
+
+
+def outputs_match(want: np.ndarray, got: np.ndarray) -> bool:
+    """Whether a replay's output ``got`` reproduces the layer-by-layer ``want``: bit-identical (the usual case, a
+    memcmp), else floats within 1e-3 of the largest magnitude with NaNs in the same places, compared in chunks.
+    Why chunks: a decoder step's present keys and values are gigabytes, and whole float64 copies of them made
+    each new shape's first capture take seconds."""
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return False
+    if not want.size or np.array_equal(want.reshape(-1).view(np.uint8), got.reshape(-1).view(np.uint8)):
+        return True
+    if not (want.dtype.kind in "fc" or want.dtype.name == "bfloat16"):
+        return False
+    a, b = want.reshape(-1), got.reshape(-1)
+    parts = [(a[i:i + COMPARE_CHUNK].astype(np.float64), b[i:i + COMPARE_CHUNK].astype(np.float64))
+             for i in range(0, a.size, COMPARE_CHUNK)]
+    scale = max([1.0] + [float(np.nanmax(np.abs(x))) for x, _ in parts if not np.isnan(x).all()])
+    for x, y in parts:
+        nan = np.isnan(x)
+        if not np.array_equal(nan, np.isnan(y)) or (not nan.all() and float(np.nanmax(np.abs(x - y))) > 1e-3 * scale):
+            return False
+    return True
 
 
 def graph_key(addresses: Mapping[str, int], consumed_event: Any, staged: StagedCopies | None = None) -> tuple:
