@@ -5,7 +5,8 @@
 #   bash bench/device_llm.sh STAGE [STAGE ...]    # there; carry [".ab", "wheels_llm"] (or the tree + "wheels_llm")
 #
 # Stages (issue #33's "Done when" lines, in the order to spend device minutes):
-#   (MODELS="gpt2" limits check/step/serve to one export; CONCURRENCY and DURATION set the serve stage's load)
+#   (MODELS="gpt2" limits check/step/serve to one export; CONCURRENCY and DURATION set the serve stage's load;
+#   TESTS="path ..." narrows the tests stage)
 #   tests    the @pytest.mark.gpu tests of tests/generate and tests/server/generative (tiny decoder: CUDA greedy
 #            tokens against the CPU engine's, batched and chunked prefill, the device KV cache, disconnects)  ~3 min
 #   check    exports GPT-2 124M and a Llama-3.2-1B-shaped model (seeded weights; bench/export_decoder.py, with
@@ -60,7 +61,7 @@ serve_model() {  # kiln serve on one export (KIND_GPU, fp16, 64 sequences), load
     echo "kiln serve $m: not ready"; grep -v "^I" "$OUT/llm_server_$m.log" | tail -5
     kill "$server"; wait "$server" 2> /dev/null; return 1
   fi
-  echo "kiln serve $m:"
+  echo "kiln serve $m: $(grep -o "generation loop ready.*" "$OUT/llm_server_$m.log")"
   timeout 150 python3 -m load_tests.generate_bench --url http://127.0.0.1:8000 --model "$m" --api completions \
     --concurrency "${CONCURRENCY:-1,64}" --max-tokens 128 --warmup 3 --duration "${DURATION:-15}" --processes 4 \
     --out "$OUT" 2>&1 | grep -v -e Warning -e "warnings.warn" | tail -4
@@ -73,8 +74,8 @@ for stage in "$@"; do
   echo "== $stage"
   case $stage in
     tests)
-      timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rfE --tb=short tests/generate \
-        tests/server/generative 2>&1 | grep -v -e Warning -e "warnings.warn" | grep -E "FAILED|ERROR|passed|failed|^E " \
+      timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 200 -rfE --tb=short \
+        ${TESTS:-tests/generate tests/server/generative} 2>&1 | grep -v -e Warning -e "warnings.warn" | grep -E "FAILED|ERROR|passed|failed|^E " \
         | tail -30 | tee "$OUT/llm_gpu_tests.txt" ;;
     check)
       export_models

@@ -26,7 +26,7 @@ from engine_core.errors import ParseError
 from engine_core.generate.device_kv import DeviceKVPool
 from engine_core.generate.device_step import DeviceStepper
 from engine_core.generate.kv_cache import BlockAccounting, KVBlockPool
-from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, plan_step
+from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, bucket_shapes, plan_step
 from engine_core.generate.kv_layout import ragged_layout as ragged_layout  # it lived here
 from engine_core.network import NetworkDefinition
 from engine_core.onnx import OnnxParser
@@ -228,6 +228,18 @@ class DecoderRunner:
             assert isinstance(pool, KVBlockPool)
             logits = self._host_step(pool, seqs, layout)
         return np.argmax(logits, axis=1) if argmax else logits
+
+    def warm_up(self, pool: BlockAccounting, max_prefill_tokens: int) -> int:
+        """Capture the CUDA graphs of every shape bucket a device ``pool``'s runs can have (``bucket_shapes``: each
+        decode batch and past, each prefill without a cached past) before serving, and return how many. Why: a
+        shape's first runs bind it (the whole graph lowered again), capture and check its graph, a stall of every
+        sequence in the step (~0.1-0.3 s for a 1B model); a server meets dozens of them in its first minute.
+        Nothing to do (0) for a host pool."""
+        if not isinstance(pool, DeviceKVPool):
+            return 0
+        shapes = bucket_shapes(self.max_batch_size, self.max_context, max_prefill_tokens)
+        self._device_stepper().warm_up(pool, shapes, pool.block_tokens)
+        return len(shapes)
 
     def close(self) -> None:
         """Free the device path's engine-side buffers (pools are their owners' to close). Idempotent; a later

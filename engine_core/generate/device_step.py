@@ -28,7 +28,7 @@ from engine_core.error_recorder import ErrorRecorder
 from engine_core.errors import ExecutionError, ShapeError
 from engine_core.generate.device_argmax import launch_rows_argmax
 from engine_core.generate.device_kv import ALIGNMENT, DeviceKVPool, slice_bytes
-from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, row_runs
+from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, pad_layout, row_runs
 from engine_core.runtime import ExecutionContext
 from engine_core.types import nptype
 
@@ -126,6 +126,7 @@ class DeviceStepper:
         #: memory for a long prefill drops every CUDA graph it captured; decode's shapes then stay put between blocks
         self.context, self.decode_context = context, context.engine.create_execution_context()
         self.signature = signature
+        self._max_batch, self._max_context = max_batch, max_context
         self._index_dtypes = dict(index_dtypes)
         self._logits_dtype = np.dtype(nptype(context.engine.get_tensor_dtype("logits")))
         self._stream: Stream | None = Stream()
@@ -215,6 +216,32 @@ class DeviceStepper:
         logits = logits_out.array[:layout.rows * row_bytes].view(self._logits_dtype)
         return logits.reshape(layout.rows, self.signature.vocab_size).astype(np.float32, copy=copy)
 
+    def warm_up(self, pool: DeviceKVPool, shapes: Sequence[tuple[int, int, int]], block_tokens: int) -> None:
+        """Capture the CUDA graph of every (batch, past, new) of ``shapes`` (largest first) before any sequence needs
+        it: each runs twice on pad rows (``pad_layout``: no block of ``pool`` is read or written), the first run
+        binding the shape and launching layer by layer, the second capturing and checking the graph. The buffers
+        are sized for the largest shapes first (and the run's small inputs for any run up to the engine's limits),
+        so no later run moves an address a captured graph holds."""
+        slices = 2 * self.signature.layers
+        sizes = [self._engine_bytes(*shape) for shape in shapes]
+        for buffer, most in ((self._past, max(p for p, _, _ in sizes)), (self._present, max(q for _, q, _ in sizes)),
+                             (self._logits, max(n for _, _, n in sizes))):
+            buffer.ensure(most * (1 if buffer is self._logits else slices))
+        batch, context = self._max_batch, self._max_context
+        index = batch * context * 8  # the widest index dtype, for ids, mask and positions
+        self._inputs.ensure(3 * index + batch * (-(-context // block_tokens) + 1) * 4 + batch * 16 + 8 * ALIGNMENT)
+        for shape in shapes:
+            layout = pad_layout(*shape)
+            for _ in range(2):
+                self.step(pool, [], layout, copy=False)
+
+    def _engine_bytes(self, batch: int, past: int, new: int) -> tuple[int, int, int]:
+        """(bytes of one layer's past slice, of one present slice, of the logits) of a run at these shapes."""
+        s, itemsize = self.signature, self.signature.kv_dtype.itemsize
+        return (slice_bytes(batch, s.kv_heads, past, s.head_dim, itemsize),
+                slice_bytes(batch, s.kv_heads, past + new, s.head_dim, itemsize),
+                batch * new * s.vocab_size * self._logits_dtype.itemsize)
+
     @property
     def finds_argmax(self) -> bool:
         """Whether ``step(argmax=True)`` can find the argmax on the device: the kernel reads float32 logits."""
@@ -273,12 +300,9 @@ class _EngineBuffers:
     (layer, part) slice after another, ``*_stride`` bytes apart) and the logits; grown to fit the run first."""
 
     def __init__(self, stepper: DeviceStepper, layout: StepLayout) -> None:
-        s = stepper.signature
-        itemsize, slices = s.kv_dtype.itemsize, 2 * s.layers
-        batch, past, new = layout.batch, layout.past, layout.new
-        self.past_stride = slice_bytes(batch, s.kv_heads, past, s.head_dim, itemsize)
-        self.present_stride = slice_bytes(batch, s.kv_heads, past + new, s.head_dim, itemsize)
-        logits_bytes = batch * new * s.vocab_size * stepper._logits_dtype.itemsize
+        slices = 2 * stepper.signature.layers
+        self.past_stride, self.present_stride, logits_bytes = stepper._engine_bytes(layout.batch, layout.past,
+                                                                                   layout.new)
         self.past = stepper._past.ensure(slices * self.past_stride).ptr
         self.present = stepper._present.ensure(slices * self.present_stride).ptr
         self.logits = stepper._logits.ensure(logits_bytes).ptr

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -134,11 +135,13 @@ class Generator:
     batch of full contexts). One iteration's prefill run feeds at most ``max_prefill_tokens`` token slots (its rows
     times its longest chunk): the most a waiting prompt delays the running sequences' next token, and what a long
     prompt is cut into. ``enable_prefix_caching`` shares the KV blocks of prompt prefixes computed before (the
-    module docstring)."""
+    module docstring). ``warm_up`` (a CUDA engine) captures every shape bucket's CUDA graph before the loop starts
+    (``DecoderRunner.warm_up``), so no live step stalls on a first capture; ``warm_up_seconds`` says how long it
+    took."""
 
     def __init__(self, engine: CudaEngine, *, max_batch_size: int, max_context: int, eos_token_ids: Collection[int],
                  block_tokens: int = 16, num_blocks: int | None = None, max_prefill_tokens: int = 512,
-                 enable_prefix_caching: bool = True, name: str = "generator") -> None:
+                 enable_prefix_caching: bool = True, warm_up: bool = True, name: str = "generator") -> None:
         self._runner = DecoderRunner(engine)
         if not 1 <= max_batch_size <= self._runner.max_batch_size or not 2 <= max_context <= self._runner.max_context:
             raise ValueError(f"max_batch_size {max_batch_size} and max_context {max_context} must be within the "
@@ -162,6 +165,14 @@ class Generator:
         self._prompt_tokens = self._completion_tokens = 0
         self._prefix_queries = self._prefix_hits = 0
         self._sampling = StepSampler()
+        started = time.perf_counter()
+        #: shape buckets captured before serving (0: a host engine, or ``warm_up`` off)
+        try:
+            self.warmed_shapes = self._runner.warm_up(self._pool, max_prefill_tokens) if warm_up else 0
+        except BaseException:
+            self._release()
+            raise
+        self.warm_up_seconds = time.perf_counter() - started
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 

@@ -5,11 +5,14 @@ are LEFT-padded to one length and the new tokens RIGHT-padded to one length (dec
 away from real tokens). ``plan_step`` computes those lengths and the arrays the engine reads besides the keys and
 values: token ids, the attention mask, position ids.
 
-Shape buckets (``bucket=True``, the CUDA path): every distinct set of input shapes costs a CUDA engine a binding and a
-CUDA graph capture the first time it runs, so a server should see few. The batch is rounded up to a power of two
-(pad rows: one dummy token whose mask covers only itself, never written back), a prefill chunk to a multiple of
-``NEW_TOKENS_MULTIPLE`` (decode's single token stays 1), and the past is always rounded up to whole blocks. The CPU
-path runs exact shapes (its engine has nothing to capture, and pads would only cost it time).
+Shape buckets (``max_batch`` given: the CUDA path): every distinct set of input shapes costs a CUDA engine a binding
+and a CUDA graph capture the first time it runs, so a server should see few, and few enough to capture them all
+before it serves (``bucket_shapes``, run by ``DecoderRunner.warm_up``). The batch is rounded up to a power of two (pad
+rows: one dummy token whose mask covers only itself, never written back), a prefill chunk to a power of two of at
+least ``MIN_CHUNK`` tokens (decode's single token stays 1), and the past to a multiple of ``PAST_STEP`` tokens, four
+steps per doubling beyond ``8 * PAST_STEP`` (at most a quarter of padding: 8 decode pasts for a 512-token context,
+24 for 8,192). The CPU path runs exact shapes, its past rounded up to whole blocks (its engine has nothing to
+capture, and pads would only cost it time).
 
 ``gather_reference`` and ``scatter_reference`` are the device kernels' contract (cuda_kernels/kv_cache.cu) in numpy:
 pool blocks -> the engine's past inputs, and the new rows of its present outputs -> pool blocks, every layer's keys
@@ -29,8 +32,10 @@ import numpy as np
 PAST = "past_key_values.{}.{}"
 PRESENT = "present.{}.{}"
 KV_PARTS = ("key", "value")
-#: prefill chunks are padded to a multiple of this many tokens on the CUDA path (few distinct shapes)
-NEW_TOKENS_MULTIPLE = 16
+#: the fewest new-token columns a bucketed prefill run has (its chunk is padded to a power of two from there)
+MIN_CHUNK = 16
+#: a bucketed past is a multiple of this many tokens (of a quarter of its power of two, when that is more)
+PAST_STEP = 64
 
 
 def bucket_batch(rows: int, max_batch: int) -> int:
@@ -41,21 +46,43 @@ def bucket_batch(rows: int, max_batch: int) -> int:
 
 def bucket_new(new: int, longest_past: int, max_context: int) -> int:
     """The new-token columns a run whose longest chunk is ``new`` is padded to: 1 stays 1 (decode), longer chunks
-    go up to a multiple of NEW_TOKENS_MULTIPLE, keeping the longest past plus them within ``max_context``."""
+    go up to a power of two of at least MIN_CHUNK, keeping the longest past plus them within ``max_context``."""
     if new <= 1:
         return new
-    rounded = -(-new // NEW_TOKENS_MULTIPLE) * NEW_TOKENS_MULTIPLE
+    rounded = max(MIN_CHUNK, 1 << (new - 1).bit_length())
     return max(new, min(rounded, max_context - longest_past))
 
 
-def padded_past(longest: int, new: int, block_tokens: int, max_context: int) -> int:
-    """The past length to feed: the longest past rounded up to whole blocks, keeping past + new within the
-    context (so a run never feeds the model more positions than it serves). ValueError when the longest past and
-    ``new`` tokens do not fit."""
+def bucket_past(longest: int) -> int:
+    """The past columns a run whose longest cached past is ``longest`` is padded to (before the context's cap): a
+    multiple of PAST_STEP up to 8 * PAST_STEP, then of a quarter of the power of two it lies under."""
+    step = max(PAST_STEP, 1 << max((longest - 1).bit_length() - 3, 0))
+    return -(-longest // step) * step
+
+
+def padded_past(longest: int, new: int, block_tokens: int, max_context: int, bucket: bool = False) -> int:
+    """The past length to feed: the longest past rounded up to whole blocks (``bucket``: to ``bucket_past``),
+    keeping past + new within the context (so a run never feeds the model more positions than it serves).
+    ValueError when the longest past and ``new`` tokens do not fit."""
     if longest + new > max_context:
         raise ValueError(f"{longest} cached + {new} new tokens exceed the engine's context of {max_context}")
-    rounded = -(-longest // block_tokens) * block_tokens
+    rounded = bucket_past(longest) if bucket else -(-longest // block_tokens) * block_tokens
     return min(rounded, max_context - new)
+
+
+def bucket_shapes(max_batch: int, max_context: int, max_prefill_tokens: int) -> list[tuple[int, int, int]]:
+    """Every (batch, past, new) a bucketed run can have for decode, and for prefill without a cached past, largest
+    first (an engine's activation memory and the stepper's buffers then grow once): what ``DecoderRunner.warm_up``
+    captures before serving. Prefill's rows times its longest chunk stays within ``max_prefill_tokens`` before
+    bucketing, so within four times it after (or MIN_CHUNK tokens a row)."""
+    batches = sorted({bucket_batch(rows, max_batch) for rows in range(1, max_batch + 1)}, reverse=True)
+    pasts = sorted({padded_past(p, 1, 1, max_context, bucket=True) for p in range(1, max_context)}, reverse=True)
+    decode = [(b, p, 1) for b in batches for p in pasts]
+    chunks = [n for n in (1 << k for k in range(MIN_CHUNK.bit_length() - 1, max_context.bit_length()))
+              if n <= max_context] + ([max_context] if max_context & (max_context - 1) else [])
+    prefill = [(b, 0, n) for b in batches for n in chunks
+               if max_context >= n and (n == MIN_CHUNK or b * n <= 4 * max_prefill_tokens)]
+    return decode + sorted(prefill, key=lambda shape: (shape[0] * shape[2], shape[0]), reverse=True)
 
 
 def ragged_layout(lengths: np.ndarray, counts: np.ndarray, past: int, new: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +137,7 @@ def plan_step(lengths: Sequence[int], chunks: Sequence[Sequence[int]], *, block_
             raise ValueError(f"{rows} sequences in one run; the engine takes at most {max_batch}")
         batch = bucket_batch(rows, max_batch)
         new = bucket_new(new, longest, max_context)
-    past = padded_past(longest, new, block_tokens, max_context)
+    past = padded_past(longest, new, block_tokens, max_context, bucket=max_batch is not None)
     cached = np.zeros(batch, np.int64)
     cached[:rows] = lengths
     written = np.zeros(batch, np.int64)
@@ -121,6 +148,14 @@ def plan_step(lengths: Sequence[int], chunks: Sequence[Sequence[int]], *, block_
         tokens[b, :len(chunk)] = chunk
     mask, positions = ragged_layout(cached, fed, past, new)
     return StepLayout(rows, past, tokens, mask, positions, cached, written)
+
+
+def pad_layout(batch: int, past: int, new: int) -> StepLayout:
+    """A run of pad rows only, at a bucket's shape: it reads and writes no sequence's keys and values, and so runs
+    the engine at that shape before any sequence needs it (``DecoderRunner.warm_up``)."""
+    none = np.zeros(batch, np.int64)
+    mask, positions = ragged_layout(none, np.ones(batch, np.int64), past, new)
+    return StepLayout(0, past, np.zeros((batch, new), np.int64), mask, positions, none, none.copy())
 
 
 def gather_reference(keys: np.ndarray, values: np.ndarray, tables: np.ndarray, lengths: np.ndarray,

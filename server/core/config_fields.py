@@ -119,6 +119,8 @@ KNOWN_PARAMETERS: dict[str, str] = {
                           "(generative_config.generation_settings)",
     "enable_prefix_caching": "a generative model shares the KV blocks of prompt prefixes computed before "
                              "(generative_config.generation_settings)",
+    "cuda_graph_warm_up": "a generative model on the GPU captures every shape bucket's CUDA graph before it is ready "
+                          "(generative_config.generation_settings)",
 }
 
 # One entry per field of model_config.proto, by its path from ModelConfig ("instance_group.gpus"; a map's value

@@ -375,12 +375,14 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
                               eos_token_ids=_eos_token_ids(tokenizer, path.parent, label),
                               block_tokens=settings.block_tokens, num_blocks=settings.num_blocks,
                               max_prefill_tokens=settings.max_prefill_tokens,
-                              enable_prefix_caching=settings.prefix_caching, name=f"kiln-llm-{source.name}-{version}")
+                              enable_prefix_caching=settings.prefix_caching, warm_up=settings.warm_up,
+                              name=f"kiln-llm-{source.name}-{version}")
     except ValueError as e:  # not a decoder the generation loop can run (its message names what is missing)
         raise invalid(f"{label}: {e}") from None
     log.info("%s: generation loop ready (%s, %d sequences per step, context %d tokens, %d KV blocks of %d tokens, "
-             "prefix caching %s)", label, backend, settings.max_batch_size, settings.max_context,
-             generator.stats().kv_blocks_total, settings.block_tokens, "on" if settings.prefix_caching else "off")
+             "prefix caching %s, %d shape buckets captured in %.1f s)", label, backend, settings.max_batch_size,
+             settings.max_context, generator.stats().kv_blocks_total, settings.block_tokens,
+             "on" if settings.prefix_caching else "off", generator.warmed_shapes, generator.warm_up_seconds)
     return GenerativeVersion(source.name, version, config, tokenizer, generator, backend)
 
 

@@ -10,7 +10,9 @@ carries one prompt. Parameters (string values): `max_context` (prompt + generate
 2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
 enough for every sequence of a full batch at max_context), `max_prefill_tokens` (prompt tokens, pads included, one
 loop iteration feeds; longer prompts go in chunks between decode steps; default 512), `enable_prefix_caching`
-(true/false, default true as vLLM's: prompts share the KV blocks of a prefix computed before).
+(true/false, default true as vLLM's: prompts share the KV blocks of a prefix computed before), `cuda_graph_warm_up`
+(true/false, default true: a KIND_GPU model captures the CUDA graph of every decode and prefill shape bucket before
+it reports ready, vLLM's graph capture at start; false loads faster and captures each bucket at its first step).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ KV_CACHE_BLOCKS = "kv_cache_blocks"
 KV_BLOCK_TOKENS = "kv_block_tokens"
 MAX_PREFILL_TOKENS = "max_prefill_tokens"
 ENABLE_PREFIX_CACHING = "enable_prefix_caching"
+CUDA_GRAPH_WARM_UP = "cuda_graph_warm_up"
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_PREFILL_TOKENS = 512
 DEFAULT_BLOCK_TOKENS = 16
@@ -66,6 +69,7 @@ class GenerationSettings:
     prefix_caching: bool  # the Generator's enable_prefix_caching
     fp16: bool  # kiln_precision fp16
     tf32: bool  # TF32 tensor cores for fp32 math: off only with kiln_precision fp32 (strict), as for ONNX models
+    warm_up: bool = True  # the Generator's warm_up: every shape bucket's CUDA graph captured before ready
 
 
 def is_generative(config: ModelConfig) -> bool:
@@ -165,7 +169,7 @@ def generation_settings(config: ModelConfig) -> GenerationSettings:
                       f"tf32 or fp16, got '{text}'")
     prefix_caching = bool_parameter(config, ENABLE_PREFIX_CACHING, default=True)
     return GenerationSettings(config.max_batch_size, max_context, block_tokens, blocks, prefill, prefix_caching,
-                              text == "fp16", text != "fp32")
+                              text == "fp16", text != "fp32", bool_parameter(config, CUDA_GRAPH_WARM_UP, default=True))
 
 
 def _positive(config: ModelConfig, key: str, parameter, default: int) -> int:

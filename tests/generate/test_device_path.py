@@ -81,15 +81,7 @@ def test_the_emulated_device_path_matches_the_host_path(tiny_engine, emulated):
     assert {name.split("_w")[1] for name, _, _ in emulated.calls} == {"16"}  # 16 fp32 elements a row: 16-byte words
 
 
-def test_decode_steps_of_one_shape_bind_nothing_new(tiny_engine, emulated):
-    """Between block boundaries a decode step sets no input shape and no address: the CUDA graph of the shape
-    is replayed. Buffers are allocated a few times while runs grow, never per step."""
-    runner = _device_runner(tiny_engine)
-    pool = runner.new_pool(block_tokens=8, num_blocks=40)
-    runner.prefill(pool, ["a", "b", "c"], [[1, 2, 3], [4] * 9, [5]])
-    stepper = runner._stepper
-    assert runner.context.get_tensor_shape("input_ids") == (4, 16)  # 3 rows -> 4, a chunk of 9 -> 16 columns
-    context, shapes = stepper.decode_context, []  # decode runs on a context of their own
+def _recording(context, shapes: list) -> None:
     set_shape = context.set_input_shape
 
     def recording(name, shape):
@@ -97,21 +89,59 @@ def test_decode_steps_of_one_shape_bind_nothing_new(tiny_engine, emulated):
         return set_shape(name, shape)
 
     context.set_input_shape = recording
+
+
+def test_decode_steps_of_one_shape_bind_nothing_new(tiny_engine, emulated):
+    """While the longest past stays in one bucket a decode step sets no input shape and no address: the CUDA graph
+    of the shape is replayed. Buffers are allocated a few times while runs grow, never per step."""
+    runner = _device_runner(tiny_engine)
+    pool = runner.new_pool(block_tokens=8, num_blocks=40)
+    runner.prefill(pool, ["a", "b", "c"], [[1, 2, 3], [4] * 9, [5]])
+    stepper = runner._stepper
+    assert runner.context.get_tensor_shape("input_ids") == (4, 16)  # 3 rows -> 4, a chunk of 9 -> 16 columns
+    context, shapes = stepper.decode_context, []  # decode runs on a context of their own
+    _recording(context, shapes)
     tokens = [1, 1, 1]
-    runner.decode(pool, ["a", "b", "c"], tokens)  # pasts 3, 9, 1 -> 16 columns
-    assert ("input_ids", (4, 1)) in shapes
+    runner.decode(pool, ["a", "b", "c"], tokens)  # pasts 3, 9, 1 -> 64 columns, capped at the context: 63
+    assert ("input_ids", (4, 1)) in shapes and ("attention_mask", (4, 64)) in shapes
     allocations = [stepper._past.allocations, stepper._present.allocations, stepper._logits.allocations]
     shapes.clear()
     addresses = {name: context.get_tensor_address(name) for name in ("input_ids", "logits", "present.1.value")}
-    for _ in range(7):  # longest pasts 10 .. 16: still 16 columns
+    for _ in range(20):  # longest pasts 10 .. 29: one bucket
         runner.decode(pool, ["a", "b", "c"], tokens)
     assert shapes == []
     assert {name: context.get_tensor_address(name) for name in addresses} == addresses
     assert [stepper._past.allocations, stepper._present.allocations, stepper._logits.allocations] == allocations
-    runner.decode(pool, ["a", "b", "c"], tokens)  # b's past of 17 takes a third block
-    assert shapes == [("attention_mask", (4, 25)), *((f"past_key_values.{i}.{p}", (4, 2, 24, 16))
-                                                      for i in range(2) for p in ("key", "value"))]
     assert runner.context.get_tensor_shape("input_ids") == (4, 16)  # the prefill context kept its shapes
+
+
+def test_warm_up_runs_every_bucket_on_pad_rows_before_any_sequence(tiny_engine, emulated):
+    """Warm-up runs each decode bucket and each prefill bucket without a past (largest first) and leaves the pool
+    as it was; the sequences after it run the same tokens as on a cold runner, their decode shapes are warmed ones,
+    and no buffer is allocated again (a captured graph keeps its addresses)."""
+    from engine_core.generate.kv_layout import bucket_shapes
+
+    runner = _device_runner(tiny_engine)
+    pool = runner.new_pool(block_tokens=8, num_blocks=40)
+    stepper = runner._device_stepper()
+    warmed: list = []
+    _recording(stepper.decode_context, warmed)
+    _recording(stepper.context, warmed)
+    shapes = bucket_shapes(4, 64, 32)
+    assert runner.warm_up(pool, max_prefill_tokens=32) == len(shapes)
+    assert shapes[0] == (4, 63, 1) and max(b * n for b, _, n in shapes if n > 1) == 4 * 32
+    assert pool.used_blocks == 0 and pool.free_blocks == 40
+    allocations = [stepper._past.allocations, stepper._present.allocations, stepper._logits.allocations,
+                   stepper._inputs.allocations]
+    seen: list = []
+    _recording(stepper.decode_context, seen)
+    got_tokens, _ = _scenario(runner, pool)
+    cold = _device_runner(tiny_engine)
+    want_tokens, _ = _scenario(cold, cold.new_pool(block_tokens=8, num_blocks=40))
+    assert got_tokens == want_tokens
+    assert set(seen) <= set(warmed)
+    assert [stepper._past.allocations, stepper._present.allocations, stepper._logits.allocations,
+            stepper._inputs.allocations] == allocations
 
 
 def test_closing_frees_the_device_memory(tiny_engine, emulated):

@@ -13,6 +13,7 @@ from engine_core.generate.kv_cache import BlockAccounting
 from engine_core.generate.kv_layout import (
     bucket_batch,
     bucket_new,
+    bucket_shapes,
     gather_reference,
     plan_step,
     row_runs,
@@ -29,8 +30,9 @@ def test_the_batch_goes_up_to_a_power_of_two_within_the_engine(rows, most, batch
 
 
 @pytest.mark.parametrize(("new", "past", "columns"), [(1, 0, 1), (1, 60, 1), (2, 0, 16), (16, 0, 16), (17, 0, 32),
-                                                      (10, 50, 14), (14, 50, 14), (64, 0, 64)])
-def test_prefill_chunks_go_up_to_a_multiple_of_16_within_the_context(new, past, columns):
+                                                      (33, 0, 64), (40, 10, 54), (10, 50, 14), (14, 50, 14),
+                                                      (64, 0, 64)])
+def test_prefill_chunks_go_up_to_a_power_of_two_within_the_context(new, past, columns):
     assert bucket_new(new, past, max_context=64) == columns
 
 
@@ -39,10 +41,10 @@ def test_a_bucketed_layout_pads_rows_and_columns_without_changing_the_real_ones(
     exact = plan_step(lengths, chunks, block_tokens=8, max_context=64)
     padded = plan_step(lengths, chunks, block_tokens=8, max_context=64, max_batch=4)
     assert (exact.batch, exact.new, exact.past) == (3, 5, 16)
-    assert (padded.batch, padded.new, padded.past, padded.rows) == (4, 16, 16, 3)
-    past = padded.past
-    np.testing.assert_array_equal(padded.mask[:3, :past + 5], exact.mask)
-    assert not padded.mask[:3, past + 5:].any()
+    assert (padded.batch, padded.new, padded.past, padded.rows) == (4, 16, 48, 3)  # past: 64, capped at 64 - 16
+    past, extra = padded.past, padded.past - exact.past  # more pad columns before every row's past
+    np.testing.assert_array_equal(padded.mask[:3, extra:past + 5], exact.mask)
+    assert not padded.mask[:3, past + 5:].any() and not padded.mask[:3, :extra].any()
     np.testing.assert_array_equal(padded.tokens[:3, :5], exact.tokens)
     np.testing.assert_array_equal(padded.positions[:3, :5], exact.positions)
     np.testing.assert_array_equal(padded.last, exact.last)
@@ -56,11 +58,34 @@ def test_a_bucketed_layout_pads_rows_and_columns_without_changing_the_real_ones(
     assert padded.positions.max() < past + padded.new <= 64
 
 
-def test_decode_keeps_one_column_and_the_past_in_whole_blocks():
-    layout = plan_step([17, 5], [[1], [2]], block_tokens=8, max_context=64, max_batch=64)
-    assert (layout.batch, layout.new, layout.past) == (2, 1, 24)
-    near_the_end = plan_step([62], [[1]], block_tokens=8, max_context=64, max_batch=64)
-    assert near_the_end.past == 63  # rounding to blocks never takes the run past the context
+def test_decode_keeps_one_column_and_the_past_in_few_buckets():
+    def past(lengths: list[int]) -> int:
+        layout = plan_step(lengths, [[1]] * len(lengths), block_tokens=8, max_context=1024, max_batch=64)
+        assert layout.new == 1
+        return layout.past
+
+    assert past([17, 5]) == 64 and past([64]) == 64 and past([65, 3]) == 128 and past([500]) == 512
+    assert past([513]) == 640 and past([900]) == 1024 - 1  # a quarter of the power of two, never past the context
+    exact = plan_step([17, 5], [[1], [2]], block_tokens=8, max_context=1024)
+    assert exact.past == 24  # the CPU path: whole blocks
+
+
+def test_the_buckets_to_warm_are_every_decode_shape_and_every_prefill_without_a_past():
+    shapes = bucket_shapes(64, 512, 512)
+    decode = [(b, p) for b, p, n in shapes if n == 1]
+    assert decode[0] == (64, 511) and len(decode) == 7 * 8  # batches 1..64, pasts 64..448 and the capped 511
+    assert {p for _, p in decode} == {64, 128, 192, 256, 320, 384, 448, 511}
+    prefill = [(b, n) for b, p, n in shapes if n > 1]
+    assert all(p == 0 for _, p, n in shapes if n > 1) and prefill[0][0] * prefill[0][1] == 2048
+    sizes = [b * n for b, n in prefill]
+    assert sizes == sorted(sizes, reverse=True) and (64, 16) in prefill and (1, 512) in prefill
+    assert (8, 512) not in prefill  # 4096 slots: more than a 512-token budget can pad up to
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # whatever plan_prefill feeds from an empty past lands on a warmed shape
+        rows = int(rng.integers(1, 65))
+        chunks = [[1] * int(rng.integers(1, max(2, 512 // rows))) for _ in range(rows)]
+        layout = plan_step([0] * rows, chunks, block_tokens=16, max_context=512, max_batch=64)
+        assert (layout.batch, layout.past, layout.new) in shapes
 
 
 def test_runs_the_engine_cannot_take_are_refused():

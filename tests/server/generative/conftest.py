@@ -94,13 +94,14 @@ def metric(server, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{wanted} in /metrics")
 
 
-def wait_until_idle(server, timeout_s: float = 10.0) -> None:
-    """Until no sequence runs or waits and no KV block is held (the generator frees blocks between steps)."""
+def wait_until_idle(server, timeout_s: float = 10.0, model: str = MODEL) -> None:
+    """Until no sequence of ``model`` runs or waits and none of its KV blocks is held (the generator frees blocks
+    between steps)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = (metric(server, "kiln_kv_cache_blocks_used"),
-                  metric(server, "kiln_generation_sequences", state="running"),
-                  metric(server, "kiln_generation_sequences", state="waiting"))
+        values = (metric(server, "kiln_kv_cache_blocks_used", model=model),
+                  metric(server, "kiln_generation_sequences", state="running", model=model),
+                  metric(server, "kiln_generation_sequences", state="waiting", model=model))
         if values == (0, 0, 0):
             return
         if time.monotonic() > deadline:

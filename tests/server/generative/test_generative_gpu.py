@@ -5,13 +5,25 @@ pasts in one decode step), and a client that disconnects frees its KV blocks. Ne
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from .conftest import CONFIG, MAX_CONTEXT, MODEL, generative, metric, run_server, wait_until_idle, write_repository
+from .conftest import (
+    CONFIG,
+    LONG_CONTEXT,
+    LONG_MODEL,
+    MAX_CONTEXT,
+    MODEL,
+    generative,
+    metric,
+    run_server,
+    wait_until_idle,
+    write_repository,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +37,9 @@ STEPS = 32
 def gpu_server(tmp_path_factory):
     base = tmp_path_factory.mktemp("generative_gpu")
     repository = write_repository(base, GPU_CONFIG)
-    with run_server(repository, base / "server.log", [MODEL], ready_timeout_s=600) as server:
+    long_config = repository / LONG_MODEL / "config.pbtxt"
+    long_config.write_text(long_config.read_text().replace("KIND_CPU", "KIND_GPU"))
+    with run_server(repository, base / "server.log", [MODEL, LONG_MODEL], ready_timeout_s=600) as server:
         yield server
 
 
@@ -48,10 +62,26 @@ def test_cuda_greedy_text_matches_the_reference_alone_and_batched(gpu_server):
 
 
 def test_cuda_stream_cut_by_the_client_frees_its_blocks(gpu_server):
-    body = {"model": MODEL, "prompt": "the system", "max_tokens": MAX_CONTEXT - 16, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    """A client that leaves mid-stream cancels its sequence and its blocks go back. The long model's 2,288 tokens keep
+    even an H100 busy for longer than the client takes to leave (the short model's finished first)."""
+    wait_until_idle(gpu_server, model=LONG_MODEL)
+    before = metric(gpu_server, "kiln_generation_tokens_total", kind="completion", model=LONG_MODEL)
+    wanted = LONG_CONTEXT - 16
+    body = {"model": LONG_MODEL, "prompt": "the system", "max_tokens": wanted, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     with httpx.Client(timeout=120) as client, client.stream("POST", f"{gpu_server.base_url}/v1/completions",
                                                           json=body) as response:
-        next(line for line in response.iter_lines() if line.startswith("data: "))
-        assert metric(gpu_server, "kiln_kv_cache_blocks_used") > 0
-    wait_until_idle(gpu_server)
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None, first
+    wait_until_idle(gpu_server, model=LONG_MODEL)  # the connection is gone: withdrawn, its blocks freed
+    generated = metric(gpu_server, "kiln_generation_tokens_total", kind="completion", model=LONG_MODEL) - before
+    assert 0 < generated < wanted, gpu_server.log_path.read_text()[-3000:]
+
+
+def test_cuda_generation_runs_to_the_end_of_the_context(gpu_server):
+    """Every decode past bucket up to the context (all captured at load) generates: max_tokens tokens come back."""
+    client = openai.OpenAI(base_url=f"{gpu_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    done = client.completions.create(model=MODEL, prompt="the system", max_tokens=MAX_CONTEXT - 16, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == MAX_CONTEXT - 16 and done.choices[0].finish_reason == "length"
+    assert "shape buckets captured" in gpu_server.log_path.read_text()
