@@ -14,12 +14,16 @@ time of the call: planning on the host, the small inputs' upload, the KV gather 
 kernel and the copy of each row's last logits back, which the call waits for (what a generated token costs).
 On CUDA the KV cache lives on the device (`DeviceKVPool`); `--host-path` also times the host pool (`KVBlockPool`:
 the whole cache across PCIe twice a step) for comparison. Prints a table; `--json` writes the rows.
+`--profile`: a few more decode steps at the largest batch and the shortest past with the decode context's profiler
+(IProfiler: each layer timed with CUDA events, launched layer by layer), the layers' mean times summed per kind
+(the node name's last part: Concat, MatMul, Attention...) and the slowest layers: where a step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -73,6 +77,52 @@ def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, A
             "p90_ms": percentile(times, 90), "min_ms": min(times), "tokens_per_s": batch / (median / 1e3)}
 
 
+class LayerTimes:
+    """An IProfiler that keeps every layer's reported times."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def report_layer_time(self, layer_name: str, ms: float) -> None:
+        self.times.setdefault(layer_name, []).append(ms)
+
+
+def layer_kind(name: str, op_types: set[str]) -> str:
+    """A layer's kind: the last op type named in its name ("/h.3/attn/Concat_1" -> "Concat"; a fused step's name
+    holds its nodes' names), else the name's last part."""
+    tokens = [t for t in re.split(r"[/_+:.\s]", name) if t]
+    return next((t for t in reversed(tokens) if t in op_types), tokens[-1] if tokens else name)
+
+
+def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Per-layer decode times at (``batch``, ``past``): every layer's mean ms, summed per kind, the slowest layers."""
+    from engine_core.runtime import IProfiler
+
+    blocks = batch * -(-(past + 1) // args.block_tokens)
+    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks)
+    seqs = list(range(batch))
+    for seq in seqs:
+        pool.reserve(seq, past + 1)
+    prefill(runner, pool, seqs, past, args.prefill_chunk, args.seed)
+    time_steps(runner, pool, seqs, past, 2, 0)  # the decode context bound at this shape
+    recorder = LayerTimes()
+    context = runner._stepper.decode_context if runner._stepper is not None else runner.context
+    context.profiler = type("Recorder", (IProfiler,), {"report_layer_time": lambda _, n, ms: recorder.report_layer_time(
+        n, ms)})()
+    steps = time_steps(runner, pool, seqs, past, 0, 5)
+    context.profiler = None
+    pool.close()
+    means = {name: statistics.mean(values) for name, values in recorder.times.items()}
+    op_types = {node.op_type for node in runner.engine.plan.graph.nodes} | {"Attention", "Gemm", "MatMul"}
+    kinds: dict[str, float] = {}
+    for name, ms in means.items():
+        kind = layer_kind(name, op_types)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    return {"batch": batch, "past": past, "profiled_step_ms": statistics.median(steps),
+            "layers_ms": sum(means.values()), "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "slowest": sorted(means.items(), key=lambda kv: -kv[1])[:20]}
+
+
 def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[int], args: argparse.Namespace,
             iters: int) -> list[dict[str, Any]]:
     """Every (batch, past) of one path (``device``: the runner's default pool, logits back; ``argmax``: the same,
@@ -108,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--argmax", action="store_true",
                    help="also time greedy steps that bring back token ids, not logits (what the generator runs)")
     p.add_argument("--host-iters", type=int, default=5)
+    p.add_argument("--profile", action="store_true",
+                   help="per-layer times of a decode step at the largest batch and shortest past (IProfiler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
@@ -129,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_path and runner.on_device:
         paths.append(("host", args.host_iters))
     rows = [row for path, iters in paths for row in measure(runner, path, args.batches, args.pasts, args, iters)]
+    profile = profile_steps(runner, max(args.batches), min(args.pasts), args) if args.profile else None
     runner.close()
     rows.sort(key=lambda r: (r["path"], r["batch"], r["past"]))
     print(f"{args.model} on {device} ({args.backend}{' fp16' if args.fp16 else ''}, built in {build_s:.0f} s): "
@@ -137,12 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['path']:>6} {r['batch']:>5} {r['past']:>5} {r['median_ms']:>9.2f} {r['p90_ms']:>7.2f} "
               f"{r['min_ms']:>7.2f} {r['tokens_per_s']:>9.0f}")
+    if profile is not None:
+        print(f"profile at batch {profile['batch']}, past {profile['past']}: layers {profile['layers_ms']:.2f} ms of "
+              f"a {profile['profiled_step_ms']:.2f} ms step (launched layer by layer)")
+        for kind, ms in profile["kinds_ms"].items():
+            print(f"kind {kind:<28} {ms:8.3f} ms")
+        for name, ms in profile["slowest"][:8]:
+            print(f"slowest {name:<60} {ms:8.3f} ms")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": str(args.model), "backend": args.backend, "fp16": args.fp16,
                                          "device": device, "build_s": build_s, "block_tokens": args.block_tokens,
                                          "command": " ".join(["python bench/generate_step.py", *(argv or sys.argv[1:])]),
-                                         "rows": rows}, indent=2))
+                                         "rows": rows, "profile": profile}, indent=2))
     return 0
 
 
