@@ -170,18 +170,24 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> l
 def fp16_conditioning(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> dict[str, Any]:
     """How well the model's greedy tokens survive fp16 in transformers itself (on CUDA when there is a GPU): the
     prompt and the reference tokens in one forward pass in fp32 and in fp16, the largest logit difference at the
-    reference's steps and the steps whose fp16 argmax is another token. What an fp16 engine can be asked for."""
+    reference's steps and the steps whose fp16 argmax is another token; and transformers' own greedy tokens in fp16
+    (``tokens``: the reference of an fp16 run, issue #33's "H100, fp16, same run"). What an fp16 engine can be asked
+    for."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids = torch.tensor([prompt + tokens], device=device)
     steps = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
     copy = copy_module.deepcopy(model).to(device)  # the exported weights stay fp32 as the reference used them
     exact = copy(ids).logits[0, steps].float()
     half = copy.to(torch.float16)(ids).logits[0, steps].float()
+    prompt_ids = torch.tensor([prompt], device=device)
+    generated = copy.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=len(tokens),
+                              do_sample=False, pad_token_id=0)
     del copy
     picked = half.argmax(-1).tolist()
     return {"device": device, "max_logit_error": float((half - exact).abs().max()),
             "logit_scale": float(exact.abs().max()),
-            "differing_steps": [i for i, (a, b) in enumerate(zip(picked, tokens)) if a != b]}
+            "differing_steps": [i for i, (a, b) in enumerate(zip(picked, tokens)) if a != b],
+            "tokens": [int(t) for t in generated[0, len(prompt):]]}
 
 
 def main() -> None:

@@ -79,6 +79,11 @@ def near_ties(tested: np.ndarray, exact: np.ndarray, expected: list[int]) -> dic
             "only_near_ties": all(s["fp32_margin"] <= 2 * error for s in steps)}
 
 
+def equal_prefix(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens of ``tokens`` equal ``reference``'s."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 def check(directory: Path, backend: str, fp16: bool, tf32: bool, max_context: int, teacher_forced: bool
           ) -> dict[str, Any]:
     reference = json.loads((directory / "reference.json").read_text())
@@ -91,10 +96,12 @@ def check(directory: Path, backend: str, fp16: bool, tf32: bool, max_context: in
         tokens = greedy(generator, reference["prompt"], len(reference["tokens"]))
         generate_s = time.perf_counter() - started
     expected = reference["tokens"]
-    same = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+    same = equal_prefix(tokens, expected)
+    half_tokens = (reference.get("transformers_fp16") or {}).get("tokens")
     row = {"model": str(directory), "backend": backend, "fp16": fp16, "tf32": tf32, "build_s": build_s,
            "generate_s": generate_s, "tokens": tokens, "reference": expected, "equal_prefix": same,
-           "equal": tokens == expected, "transformers_fp16": reference.get("transformers_fp16")}
+           "equal": tokens == expected, "transformers_fp16": reference.get("transformers_fp16"),
+           "equal_prefix_to_transformers_fp16": None if half_tokens is None else equal_prefix(tokens, half_tokens)}
     if teacher_forced:
         exact = build_decoder_engine(directory / "model.onnx", max_batch_size=1, max_context=max_context,
                                      backend="cpu", tf32=False)
@@ -130,6 +137,9 @@ def main() -> int:
         if peer is not None:
             print(f"  transformers in fp16 ({peer['device']}, at export): logits off by up to "
                   f"{peer['max_logit_error']:.4f}; another argmax at {len(peer['differing_steps'])} steps")
+            if row["equal_prefix_to_transformers_fp16"] is not None:
+                print(f"  equal to transformers' own fp16 greedy tokens: {row['equal_prefix_to_transformers_fp16']} "
+                      f"of {len(peer['tokens'])}")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0 if all(row["equal"] for row in rows) else 1
