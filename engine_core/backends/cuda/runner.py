@@ -306,8 +306,10 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
     # -- running ----------------------------------------------------------------------------------
     def execute(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                 values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
-        """Run once on ``stream`` (any thread: the primary context is made current here).
+                consumed_event: Any = None, staged: StagedCopies | None = None, binding: _Binding | None = None
+                ) -> None:
+        """Run once on ``stream`` (any thread: the primary context is made current here). ``binding``: what
+        ``bind(shapes, values)`` returned, when the caller has it (a run then builds no binding key again).
 
         A default stream (``DEFAULT_STREAMS``: what ``execute_async_v3(0)`` and torch's default stream give)
         cannot be captured into a CUDA graph, so the run forks onto the context's own stream and joins
@@ -321,7 +323,7 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         caller = int(stream)
         with self._run_lock:
             if caller not in DEFAULT_STREAMS:
-                self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged)
+                self._execute_on(shapes, addresses, caller, profiler, values, debug, consumed_event, staged, binding)
                 return
             from cuda.bindings import driver
 
@@ -329,25 +331,26 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
             check(driver.cuEventRecord(self._events["fork"], caller), "cuEventRecord(fork)")
             check(driver.cuStreamWaitEvent(own, self._events["fork"], 0), "cuStreamWaitEvent(fork)")
             try:
-                self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event, staged)
+                self._execute_on(shapes, addresses, own, profiler, values, debug, consumed_event, staged, binding)
             finally:  # whatever was enqueued, the caller's stream orders after it
                 check(driver.cuEventRecord(self._events["join"], own), "cuEventRecord(join)")
                 check(driver.cuStreamWaitEvent(caller, self._events["join"], 0), "cuStreamWaitEvent(join)")
 
     def _execute_on(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                     values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                    consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
+                    consumed_event: Any = None, staged: StagedCopies | None = None, binding: _Binding | None = None
+                    ) -> None:
         """Replay the captured graph when there is one; any other run (eager, capture, verification, profiled,
         debug) holds ``DEVICE_LOCK``: a library's first use or a synchronous copy on the legacy stream in one
         thread would break a capture going on in another (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)."""
         if profiler is None and not debug:
-            binding = self.bind(shapes, values)
+            binding = binding or self.bind(shapes, values)
             graph = binding.graphs.get(graph_key(addresses, consumed_event, staged))
             if graph is not None and self.graphs_possible(binding):
                 self._replay(graph, stream)
                 return
         with DEVICE_LOCK:
-            self._execute_locked(shapes, addresses, stream, profiler, values, debug, consumed_event, staged)
+            self._execute_locked(shapes, addresses, stream, profiler, values, debug, consumed_event, staged, binding)
 
     def _on_host(self, feeds: Mapping[str, np.ndarray], reason: str,
                  debug: tuple[Any, Sequence[str]] | None = None) -> dict[str, np.ndarray]:

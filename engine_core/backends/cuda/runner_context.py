@@ -47,7 +47,7 @@ class ContextOpsMixin:
 
         def execute(self, shapes: Any, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                     values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                    consumed_event: Any = None, staged: Any = None) -> None: ...
+                    consumed_event: Any = None, staged: Any = None, binding: Any = None) -> None: ...
 
         def warm_up(self, feeds: Mapping[str, np.ndarray]) -> None: ...
 
@@ -93,7 +93,7 @@ class ContextOpsMixin:
             return
         addresses, allocated = _output_addresses(ctx, ctx._output_names, stream)
         self.execute(ctx._input_shapes, addresses, int(stream), profiler_for(ctx),
-                     debug=active_debug(ctx), consumed_event=ctx._input_consumed_event or None)
+                     debug=active_debug(ctx), consumed_event=ctx._input_consumed_event or None, binding=binding)
         for allocator, name, shape in allocated:
             allocator.notify_shape(name, tuple(shape))
 
@@ -123,7 +123,7 @@ class ContextOpsMixin:
                                                   for n in reads if stages[n].nbytes))
             # the tail reads graph inputs after the run: only then are they consumed
             self.execute(ctx._input_shapes, addresses, int(stream), profiler, debug=active_debug(ctx),
-                         consumed_event=None if tail.graph_inputs else consumed, staged=staged)
+                         consumed_event=None if tail.graph_inputs else consumed, staged=staged, binding=binding)
             _synchronize(stream)
             if consumed and tail.graph_inputs:
                 from engine_core.cuda.driver import record_event

@@ -43,9 +43,10 @@ class GraphsMixin:
 
     def _execute_locked(self, shapes: Shapes, addresses: Mapping[str, int], stream: int, profiler: Any = None,
                         values: Mapping[str, np.ndarray] | None = None, debug: tuple[Any, Sequence[str]] | None = None,
-                        consumed_event: Any = None, staged: StagedCopies | None = None) -> None:
+                        consumed_event: Any = None, staged: StagedCopies | None = None, binding: _Binding | None = None
+                        ) -> None:
         """Launch every step on ``stream`` (never a default stream); host syncs happen only around
-        host-fallback layers.
+        host-fallback layers (``binding``: ``bind(shapes, values)``'s, when the caller has it).
 
         Why CUDA graphs: a layer costs ~10 us of Python to launch, more than most kernels run. The
         second run with the same shapes and I/O addresses is captured into a graph; later runs with
@@ -60,7 +61,7 @@ class GraphsMixin:
         one launch for copies and run together (each driver call releases the interpreter lock, and with
         other threads busy getting it back costs up to a switch interval).
         """
-        binding = self.bind(shapes, values)
+        binding = binding or self.bind(shapes, values)
         names = tuple(sorted(debug[1])) if debug is not None else ()
         schedule = binding.schedule(bool(consumed_event), names)
         self._ensure_slots(schedule)
