@@ -237,7 +237,7 @@ class ExecutorProcess:
         self._forgotten.put(None)
         _LIVE.discard(self)
         if process is not None:  # reaped off the caller's thread: the event loop retires schedulers, and a CUDA
-            threading.Thread(target=_stop, args=(process,), daemon=True,  # context's teardown takes a while
+            threading.Thread(target=stop_process, args=(process,), daemon=True,  # context's teardown takes a while
                              name=f"kiln-executor-stop-{process.pid}").start()
 
 
@@ -260,7 +260,8 @@ def plugin_modules(build_info: Mapping[str, Any]) -> list[str]:
     return modules
 
 
-def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Wait for ``process`` to exit; kill it after ``timeout_s``."""
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -43,6 +43,7 @@ from server.repository import ModelSource, select_versions
 
 from .decoupled import OnPart, Stream, StreamPart
 from .errors import ErrorKind, ServerError, invalid
+from .generation_process import RemoteGenerator, RemoteHandle, use_process
 from .generative_config import (
     GenerationSettings,
     complete_generative_config,
@@ -77,8 +78,8 @@ class GenerativeVersion(ServedModel):
 
     decoupled = True
 
-    def __init__(self, name: str, version: int, config: ModelConfig, tokenizer: Tokenizer, generator: Generator,
-                 backend: str) -> None:
+    def __init__(self, name: str, version: int, config: ModelConfig, tokenizer: Tokenizer,
+                 generator: Generator | RemoteGenerator, backend: str) -> None:
         super().__init__(name, version, config, labels={})
         self.tokenizer = tokenizer
         self.generator = generator
@@ -241,7 +242,7 @@ class _Generation:
         self.batched = batched
         self.started_ns = started_ns
         self.text = CompletionText(model.tokenizer, request.stops)
-        self.handle: GenerationHandle | None = None
+        self.handle: GenerationHandle | RemoteHandle | None = None
         self.last_token_ns: int | None = None
         self.logprobs: list[dict[str, dict[str, Any]]] = []  # the tokens' since the last response (return_logprobs)
         self._pump = model.pump()
@@ -368,19 +369,25 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
     except (TokenizerError, OSError, ValueError) as e:
         raise invalid(f"{label}: its tokenizer cannot be read: {e}") from None
     backend = _backend_for(config)
+    build: dict[str, Any] = {"max_batch_size": settings.max_batch_size, "max_context": settings.max_context,
+                             "backend": backend, "fp16": settings.fp16, "tf32": settings.tf32}
+    loop: dict[str, Any] = {"max_batch_size": settings.max_batch_size, "max_context": settings.max_context,
+                            "eos_token_ids": _eos_token_ids(tokenizer, path.parent, label),
+                            "block_tokens": settings.block_tokens, "num_blocks": settings.num_blocks,
+                            "max_prefill_tokens": settings.max_prefill_tokens,
+                            "enable_prefix_caching": settings.prefix_caching, "warm_up": settings.warm_up,
+                            "name": f"kiln-llm-{source.name}-{version}"}
+    generator: Generator | RemoteGenerator
     try:
-        engine = build_decoder_engine(path, max_batch_size=settings.max_batch_size, max_context=settings.max_context,
-                                      backend=backend, fp16=settings.fp16, tf32=settings.tf32)
-        generator = Generator(engine, max_batch_size=settings.max_batch_size, max_context=settings.max_context,
-                              eos_token_ids=_eos_token_ids(tokenizer, path.parent, label),
-                              block_tokens=settings.block_tokens, num_blocks=settings.num_blocks,
-                              max_prefill_tokens=settings.max_prefill_tokens,
-                              enable_prefix_caching=settings.prefix_caching, warm_up=settings.warm_up,
-                              name=f"kiln-llm-{source.name}-{version}")
+        if use_process(backend):
+            generator = RemoteGenerator(path, build=build, generator=loop, label=label)
+        else:
+            generator = Generator(build_decoder_engine(path, **build), **loop)
     except ValueError as e:  # not a decoder the generation loop can run (its message names what is missing)
         raise invalid(f"{label}: {e}") from None
-    log.info("%s: generation loop ready (%s, %d sequences per step, context %d tokens, %d KV blocks of %d tokens, "
-             "prefix caching %s, %d shape buckets captured in %.1f s)", label, backend, settings.max_batch_size,
+    log.info("%s: generation loop ready (%s, %s, %d sequences per step, context %d tokens, %d KV blocks of %d tokens, "
+             "prefix caching %s, %d shape buckets captured in %.1f s)", label, backend,
+             "own process" if isinstance(generator, RemoteGenerator) else "core thread", settings.max_batch_size,
              settings.max_context, generator.stats().kv_blocks_total, settings.block_tokens,
              "on" if settings.prefix_caching else "off", generator.warmed_shapes, generator.warm_up_seconds)
     return GenerativeVersion(source.name, version, config, tokenizer, generator, backend)

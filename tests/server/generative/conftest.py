@@ -61,8 +61,10 @@ def llm_server(llm_repository: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def llm_remote(llm_repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Everything out of the core's process: frontends in two processes, the generation loop in its own
+    (server/core/generation_process.py, the CUDA models' default)."""
     with run_server(llm_repository, tmp_path_factory.mktemp("llm_remote_log") / "server.log", [MODEL],
-                     ["--frontend-processes", "2"]) as server:
+                     ["--frontend-processes", "2"], env={"KILN_GENERATION_PROCESS": "1"}) as server:
         yield server
 
 
