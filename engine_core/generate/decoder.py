@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from engine_core.builder import Builder, build_plan
 from engine_core.errors import ParseError
@@ -28,6 +29,7 @@ from engine_core.generate.device_step import DeviceStepper
 from engine_core.generate.kv_cache import BlockAccounting, KVBlockPool
 from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, bucket_shapes, plan_step
 from engine_core.generate.kv_layout import ragged_layout as ragged_layout  # it lived here
+from engine_core.generate.logits_rows import LOGITS_ROWS, select_logits_rows
 from engine_core.network import NetworkDefinition
 from engine_core.onnx import OnnxParser
 from engine_core.runtime import CudaEngine, Runtime
@@ -55,7 +57,7 @@ def _layer_count(inputs: set[str], outputs: set[str]) -> int:
     missing = sorted((wanted_in - inputs) | (wanted_out - outputs))
     if missing:
         raise ValueError(f"decoder model with {layers} layers lacks {', '.join(missing)}")
-    extra = sorted(inputs - wanted_in - {"input_ids", "attention_mask", "position_ids"})
+    extra = sorted(inputs - wanted_in - {"input_ids", "attention_mask", "position_ids", LOGITS_ROWS})
     if extra:
         raise ValueError(f"decoder model has inputs Kiln does not feed: {', '.join(extra)}")
     return layers
@@ -71,6 +73,8 @@ class DecoderSignature:
     vocab_size: int
     has_position_ids: bool
     kv_dtype: np.dtype
+    #: the engine computes the head for the rows ``logits_rows`` names (logits_rows.py): logits [batch, 1, vocab]
+    has_logits_rows: bool = False
 
     @classmethod
     def from_engine(cls, engine: CudaEngine) -> DecoderSignature:
@@ -90,7 +94,7 @@ class DecoderSignature:
                              f"with vocab fixed")
         return cls(layers=layers, kv_heads=shape[1], head_dim=shape[3], vocab_size=logits[2],
                    has_position_ids="position_ids" in inputs,
-                   kv_dtype=np.dtype(nptype(engine.get_tensor_dtype(past))))
+                   kv_dtype=np.dtype(nptype(engine.get_tensor_dtype(past))), has_logits_rows=LOGITS_ROWS in inputs)
 
 
 def _set_profile(network: NetworkDefinition, profile, max_batch_size: int, max_context: int) -> None:
@@ -104,6 +108,8 @@ def _set_profile(network: NetworkDefinition, profile, max_batch_size: int, max_c
         dims: list[tuple[int, ...]]
         if tensor.name in ("input_ids", "position_ids"):
             dims = [(b, s) for b, s in zip(batch, lengths["new"])]
+        elif tensor.name == LOGITS_ROWS:
+            dims = [(b,) for b in batch]
         elif tensor.name == "attention_mask":
             dims = [(b, t) for b, t in zip(batch, lengths["total"])]
         elif tensor.name.startswith("past_key_values.") and len(tensor.shape) == 4 and min(
@@ -137,7 +143,12 @@ def build_decoder_engine(model_path: Path, *, max_batch_size: int, max_context: 
     builder = Builder()
     network = builder.create_network()
     parser = OnnxParser(network)
-    if not parser.parse_from_file(str(model_path)):
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)  # the parser reads external weights itself
+    except Exception as e:  # noqa: BLE001 - onnx raises DecodeError, OSError, ValueError ...
+        raise ParseError(f"{model_path}: not a readable ONNX model: {e}") from None
+    select_logits_rows(model)
+    if not parser.parse(model, str(model_path)):
         raise ParseError(f"{model_path}: " + "; ".join(str(e) for e in parser.errors))
     config = builder.create_builder_config()
     config.backend = backend
@@ -174,7 +185,8 @@ class DecoderRunner:
         self.engine = engine
         self.signature = signature or DecoderSignature.from_engine(engine)
         self.context = engine.create_execution_context()
-        indices = ["input_ids", "attention_mask"] + ["position_ids"] * self.signature.has_position_ids
+        indices = ["input_ids", "attention_mask"] + ["position_ids"] * self.signature.has_position_ids + \
+            [LOGITS_ROWS] * self.signature.has_logits_rows
         self._index_dtype = {n: np.dtype(nptype(engine.get_tensor_dtype(n))) for n in indices}
         self.max_batch_size, self.max_context = engine_limits(engine)
         #: whether the engine reads device addresses (CUDA engines): ``new_pool`` then keeps the cache in device memory
@@ -260,6 +272,8 @@ class DecoderRunner:
                  "attention_mask": layout.mask.astype(self._index_dtype["attention_mask"])}
         if self.signature.has_position_ids:
             feeds["position_ids"] = layout.positions.astype(self._index_dtype["position_ids"], copy=False)
+        if self.signature.has_logits_rows:
+            feeds[LOGITS_ROWS] = layout.logits_rows.astype(self._index_dtype[LOGITS_ROWS], copy=False)
         keys, values = pool.gather(seqs, layout.past)
         for i in range(self.signature.layers):
             feeds[PAST.format(i, "key")], feeds[PAST.format(i, "value")] = keys[i], values[i]
@@ -269,4 +283,6 @@ class DecoderRunner:
             new_kv = [np.stack([outputs[PRESENT.format(i, part)][b, :, rows] for i in range(self.signature.layers)])
                       .astype(pool.dtype, copy=False) for part in KV_PARTS]
             pool.write(seq, int(layout.lengths[b]), *new_kv)
+        if self.signature.has_logits_rows:
+            return np.asarray(outputs["logits"][:len(seqs), 0], np.float32)
         return np.asarray(outputs["logits"][np.arange(len(seqs)), layout.last], np.float32)

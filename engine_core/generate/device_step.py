@@ -29,6 +29,7 @@ from engine_core.errors import ExecutionError, ShapeError
 from engine_core.generate.device_argmax import launch_rows_argmax
 from engine_core.generate.device_kv import ALIGNMENT, DeviceKVPool, slice_bytes
 from engine_core.generate.kv_layout import KV_PARTS, PAST, PRESENT, StepLayout, pad_layout, row_runs
+from engine_core.generate.logits_rows import LOGITS_ROWS
 from engine_core.runtime import ExecutionContext
 from engine_core.types import nptype
 
@@ -128,6 +129,8 @@ class DeviceStepper:
         self.signature = signature
         self._max_batch, self._max_context = max_batch, max_context
         self._index_dtypes = dict(index_dtypes)
+        #: the engine computes the head for the rows ``logits_rows`` names: logits [batch, 1, vocab]
+        self._head_rows = LOGITS_ROWS in self._index_dtypes
         self._logits_dtype = np.dtype(nptype(context.engine.get_tensor_dtype("logits")))
         self._stream: Stream | None = Stream()
         s, itemsize = signature, signature.kv_dtype.itemsize
@@ -169,7 +172,9 @@ class DeviceStepper:
         stream = self._stream.handle
         tables = pool.tables_for(seqs, layout)
         small = self._small_inputs(layout, tables)
-        rows = np.arange(layout.rows) * layout.new + layout.last  # each sequence's last new token's logits
+        # each sequence's last new token's logits row: where its flat position is, or (an engine with logits_rows)
+        # the first rows in order
+        rows = np.arange(layout.rows) if self._head_rows else np.arange(layout.rows) * layout.new + layout.last
         if argmax:  # where each row starts, and the ids' slot (written on the device, read back)
             small["#rows"] = (rows * self.signature.vocab_size).astype(np.int64)
             small["#ids"] = np.zeros(layout.rows, np.int32)
@@ -229,7 +234,7 @@ class DeviceStepper:
             buffer.ensure(most * (1 if buffer is self._logits else slices))
         batch, context = self._max_batch, self._max_context
         index = batch * context * 8  # the widest index dtype, for ids, mask and positions
-        self._inputs.ensure(3 * index + batch * (-(-context // block_tokens) + 1) * 4 + batch * 16 + 8 * ALIGNMENT)
+        self._inputs.ensure(3 * index + batch * (-(-context // block_tokens) + 1) * 4 + batch * 32 + 10 * ALIGNMENT)
         for shape in shapes:
             layout = pad_layout(*shape)
             for _ in range(2):
@@ -240,7 +245,7 @@ class DeviceStepper:
         s, itemsize = self.signature, self.signature.kv_dtype.itemsize
         return (slice_bytes(batch, s.kv_heads, past, s.head_dim, itemsize),
                 slice_bytes(batch, s.kv_heads, past + new, s.head_dim, itemsize),
-                batch * new * s.vocab_size * self._logits_dtype.itemsize)
+                batch * (1 if self._head_rows else new) * s.vocab_size * self._logits_dtype.itemsize)
 
     @property
     def finds_argmax(self) -> bool:
@@ -254,6 +259,8 @@ class DeviceStepper:
                  "attention_mask": np.ascontiguousarray(layout.mask, dtypes["attention_mask"])}
         if "position_ids" in dtypes:
             small["position_ids"] = np.ascontiguousarray(layout.positions, dtypes["position_ids"])
+        if LOGITS_ROWS in dtypes:
+            small[LOGITS_ROWS] = np.ascontiguousarray(layout.logits_rows, dtypes[LOGITS_ROWS])
         small["#tables"] = np.ascontiguousarray(tables, np.int32)
         small["#lengths"] = layout.lengths.astype(np.int32)
         small["#counts"] = layout.counts.astype(np.int32)
@@ -268,6 +275,8 @@ class DeviceStepper:
         shapes: dict[str, tuple[int, ...]] = {"input_ids": (batch, new), "attention_mask": (batch, past + new)}
         if "position_ids" in small:
             shapes["position_ids"] = (batch, new)
+        if LOGITS_ROWS in small:
+            shapes[LOGITS_ROWS] = (batch,)
         addresses = dict(small)
         addresses["logits"] = kv.logits
         for i in range(s.layers):

@@ -121,6 +121,14 @@ class StepLayout:
         """Each sequence's last new token's column [rows]: where its next-token logits are."""
         return self.counts[:self.rows] - 1
 
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """The ``logits_rows`` input of an engine that has it (logits_rows.py) [batch] int64: each sequence's last
+        new token as a flat index into the run's batch x new tokens; pad rows read row 0."""
+        rows = np.zeros(self.batch, np.int64)
+        rows[:self.rows] = np.arange(self.rows) * self.new + self.last
+        return rows
+
 
 def plan_step(lengths: Sequence[int], chunks: Sequence[Sequence[int]], *, block_tokens: int, max_context: int,
               max_batch: int | None = None) -> StepLayout:

@@ -401,7 +401,7 @@ def test_the_tiny_decoders_tokenizer_files_agree(tiny_decoder):
 def test_the_signature_describes_the_cache(tiny_engine):
     assert DecoderSignature.from_engine(tiny_engine) == DecoderSignature(
         layers=2, kv_heads=2, head_dim=16, vocab_size=len(generative.tokenizer_vocab()), has_position_ids=True,
-        kv_dtype=np.dtype(np.float32))
+        kv_dtype=np.dtype(np.float32), has_logits_rows=True)  # the head runs for the rows read (logits_rows.py)
 
 
 @pytest.mark.gpu
