@@ -36,7 +36,14 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from server.core.executor_wire import Channel, ExecutorGone, RegionMap, RegionRef, error_reply  # noqa: E402
+from server.core.executor_wire import (  # noqa: E402
+    Channel,
+    ExecutorGone,
+    RegionMap,
+    RegionRef,
+    child_start,
+    error_reply,
+)
 from server.core.scheduler import REQUEST_ERRORS  # noqa: E402
 
 log = logging.getLogger("kiln.executor")
@@ -340,13 +347,10 @@ class Executor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln-executor[%(process)d] %(message)s")
-    control = Channel(socket.socket(fileno=int(args[0])))
-    try:
-        load, _ = control.recv()
-    except ExecutorGone:
+    started = child_start(argv, "kiln-executor")
+    if started is None:
         return 1
+    control, load = started
     try:
         for module in load.get("modules", ()):  # the plugins the plan uses register themselves on import
             importlib.import_module(module)

@@ -13,9 +13,11 @@ sent with the first batch that names it) and reads and writes it in place, on th
 from __future__ import annotations
 
 import array
+import logging
 import pickle
 import socket
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +151,19 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def child_start(argv: list[str] | None, name: str) -> tuple[Channel, Any] | None:
+    """A child process's start (executor_main.py, generation_main.py): logging as `name`, the channel on the
+    descriptor its first argument names, and the parent's first message; None when the parent closed first."""
+    args = argv if argv is not None else sys.argv[1:]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}[%(process)d] %(message)s")
+    channel = Channel(socket.socket(fileno=int(args[0])))
+    try:
+        first, _ = channel.recv()
+    except ExecutorGone:
+        return None
+    return channel, first
 
 
 def to_wire(value: Any) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 from dataclasses import replace
@@ -29,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 from engine_core.generate.decoder import build_decoder_engine  # noqa: E402
 from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator  # noqa: E402
-from server.core.executor_wire import Channel, ExecutorGone, error_reply  # noqa: E402
+from server.core.executor_wire import Channel, ExecutorGone, child_start, error_reply  # noqa: E402
 
 log = logging.getLogger("kiln.generation")
 
@@ -141,13 +140,10 @@ def load(request: dict[str, Any]) -> tuple[Generator, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln-generation[%(process)d] %(message)s")
-    channel = Channel(socket.socket(fileno=int(args[0])))
-    try:
-        request, _ = channel.recv()
-    except ExecutorGone:
+    started = child_start(argv, "kiln-generation")
+    if started is None:
         return 0
+    channel, request = started
     try:
         generator, info = load(request)
     except Exception as e:  # noqa: BLE001 - the parent fails the load with the message
