@@ -9,8 +9,14 @@ request with `stream: true` and `stream_options.include_usage`, reads the server
 the next request at once (closed loop, like perf_analyzer's concurrency mode). Per request it records the time to
 the first content chunk (TTFT), the gaps between content chunks (inter-token latency, ITL: a chunk carries one
 token's text, or several when a token completes held-back UTF-8 bytes) and the usage's completion tokens.
-Output tokens/s counts the completion tokens of requests that finished inside the window. `--ignore-eos` (Kiln's
-and vLLM's extension field) makes every request generate exactly `--max-tokens`, so levels compare like for like.
+Output tokens/s is the steady state: the tokens that arrived inside the window (`--duration` after `--warmup`), of
+every request, over the window's length (`window_tokens`: each content chunk's arrival, weighted by its request's
+completion tokens per chunk). `finished_tokens_per_s` is the older figure: the completion tokens of requests that
+started inside the window, over the time until the last of them finished; it includes the ramp-down after the
+window (fewer streams each moment) and leaves out the tokens of requests still going at its start, so it reads low
+when a request lasts a sizeable part of the window (64 streams of 128 tokens at ~8 ms a token: ~1 s of 10).
+TTFT and ITL are those of requests that started inside the window. `--ignore-eos` (Kiln's and vLLM's extension
+field) makes every request generate exactly `--max-tokens`, so levels compare like for like.
 
 Client processes (`--processes`) each run an asyncio loop with their share of the streams over httpx, so the
 client is not the bottleneck at 64 streams. Results: a table on stdout and `generate_<timestamp>.json` in `--out`
@@ -151,27 +157,45 @@ def run_level(load: Load, processes: int) -> dict[str, Any]:
     return summarize(records, started + int(load.warmup_s * 1e9), load)
 
 
+def window_tokens(record: StreamRecord, start_ns: int, end_ns: int) -> float:
+    """The completion tokens of ``record`` that arrived in [start_ns, end_ns): its content chunks there, each
+    weighted by the request's tokens per chunk (a chunk is one token unless held-back UTF-8 bytes joined two)."""
+    if record.error or not record.first:
+        return 0.0
+    arrivals, at = [record.first], record.first
+    for gap in record.gaps_ns:
+        at += gap
+        arrivals.append(at)
+    inside = sum(start_ns <= t < end_ns for t in arrivals)
+    return inside * (record.completion_tokens or len(arrivals)) / len(arrivals)
+
+
 def summarize(records: list[StreamRecord], window_start: int, load: Load) -> dict[str, Any]:
-    """Requests that started after the warm-up and finished: tokens/s over the window they span, TTFT and ITL."""
+    """Tokens/s in the window (the module docstring), and of the requests that started in it and finished: their
+    count, errors, tokens/s until the last finished, TTFT and ITL."""
     counted = [r for r in records if r.start >= window_start and r.end]
     good = [r for r in counted if not r.error]
     errors = [r.error for r in counted if r.error]
     span_s = (max((r.end for r in counted), default=window_start) - window_start) / 1e9 or float("nan")
     tokens = sum(r.completion_tokens for r in good)
+    window_end = window_start + int(load.duration_s * 1e9)
+    in_window = sum(window_tokens(r, window_start, window_end) for r in records)
     ttft_ms = [(r.first - r.start) / 1e6 for r in good if r.first]
     itl_ms = [g / 1e6 for r in good for g in r.gaps_ns]
     return {"streams": load.streams, "requests": len(good), "errors": len(errors), "first_error": errors[0] if errors else "",
-            "output_tokens": tokens, "window_s": span_s, "output_tokens_per_s": tokens / span_s,
+            "output_tokens": tokens, "window_s": span_s, "finished_tokens_per_s": tokens / span_s,
+            "window_tokens": in_window, "output_tokens_per_s": in_window / load.duration_s,
             "tokens_per_request": statistics.mean([r.completion_tokens for r in good]) if good else 0.0,
             "ttft_ms": {f"p{q}": percentile(ttft_ms, q) for q in (50, 90, 99)},
             "itl_ms": {f"p{q}": percentile(itl_ms, q) for q in (50, 90, 99)}}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'streams':>8} {'requests':>9} {'tok/s':>10} {'tok/req':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(f"{'streams':>8} {'requests':>9} {'tok/s':>10} {'finished':>9} {'tok/req':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>8} {'ITL p99':>8} {'errors':>7}")
     for row in rows:
         print(f"{row['streams']:>8} {row['requests']:>9} {row['output_tokens_per_s']:>10.1f} "
+              f"{row['finished_tokens_per_s']:>9.1f} "
               f"{row['tokens_per_request']:>8.1f} {row['ttft_ms']['p50']:>9.2f} {row['ttft_ms']['p99']:>9.2f} "
               f"{row['itl_ms']['p50']:>8.2f} {row['itl_ms']['p99']:>8.2f} {row['errors']:>7}")
 
