@@ -31,6 +31,8 @@ from engine_core.generate.generator import GenerationEvent, GenerationHandle, Ge
 from server.core.executor_wire import Channel, ExecutorGone, child_start, error_reply  # noqa: E402
 
 log = logging.getLogger("kiln.generation")
+#: the process's interpreter switch interval (the server's default, server/cli.py)
+SWITCH_INTERVAL_S = 200e-6
 
 
 class Outbox:
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 0
     channel, request = started
+    # the generator's thread runs Python between driver calls; the command and outbox threads must get the lock back
+    # within a fraction of a step (a submit is a round trip the core's event loop waits for), not Python's 5 ms
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         generator, info = load(request)
     except Exception as e:  # noqa: BLE001 - the parent fails the load with the message
