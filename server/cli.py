@@ -18,6 +18,7 @@ import sys
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process, latency
+from server.core.executor_wire import SWITCH_INTERVAL_S
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.response_cache import CacheConfig, parse_cache_config
@@ -34,11 +35,10 @@ from server.trace_flags import add_trace_arguments, apply_trace_config
 
 log = logging.getLogger("kiln.server")
 
-# How long a thread may hold the interpreter lock while another waits for it (Python's default: 5 ms). The
-# execution workers release the lock in every CUDA call and need it back to go on; with 5 ms, an execution of a
-# dozen calls could wait tens of ms for the event loop's threads (docs/performance.md). 200 us bounds that wait
-# at a cost of a few us per forced switch. KILN_SWITCH_INTERVAL_US sets another value (measurements).
-SWITCH_INTERVAL_S = float(os.environ.get("KILN_SWITCH_INTERVAL_US", "200")) / 1e6
+# sys.setswitchinterval(SWITCH_INTERVAL_S): how long a thread may hold the interpreter lock while another waits for
+# it (Python's default: 5 ms). The execution workers release the lock in every CUDA call and need it back to go on;
+# with 5 ms, an execution of a dozen calls could wait tens of ms for the event loop's threads (docs/performance.md).
+# 200 us bounds that wait at a cost of a few us per forced switch. KILN_SWITCH_INTERVAL_US sets another value.
 
 
 def _memory_size(text: str) -> int:

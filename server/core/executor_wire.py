@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -25,6 +26,9 @@ from engine_core.cuda.view import DeviceView
 from engine_core.errors import KilnError, ShapeError
 
 _HEADER = struct.Struct("<Q")
+#: the interpreter switch interval of the server process and the generation processes: a thread that gave the lock
+#: away for a driver call or a socket gets it back within this, not Python's 5 ms (KILN_SWITCH_INTERVAL_US)
+SWITCH_INTERVAL_S = float(os.environ.get("KILN_SWITCH_INTERVAL_US", "200")) / 1e6
 #: descriptors a message may carry (a batch names at most a few new regions)
 MAX_FDS = 64
 

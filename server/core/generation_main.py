@@ -28,11 +28,15 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 from engine_core.generate.decoder import build_decoder_engine  # noqa: E402
 from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator  # noqa: E402
-from server.core.executor_wire import Channel, ExecutorGone, child_start, error_reply  # noqa: E402
+from server.core.executor_wire import (  # noqa: E402
+    SWITCH_INTERVAL_S,
+    Channel,
+    ExecutorGone,
+    child_start,
+    error_reply,
+)
 
 log = logging.getLogger("kiln.generation")
-#: the process's interpreter switch interval (the server's default, server/cli.py)
-SWITCH_INTERVAL_S = 200e-6
 
 
 class Outbox:
