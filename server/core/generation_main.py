@@ -1,7 +1,7 @@
 """The generation process: one generative model version's engine and `Generator`, out of the core's interpreter lock.
 
-Started by `generation_process.RemoteGenerator` as `python -m server.core.generation_main FD` with one end of a
-socket pair. Why a process: the generator's thread steps the engine, and each of its driver calls gives the
+Started by `generation_process.RemoteGenerator` as `python -m server.core.generation_main FD` (the repository root on
+PYTHONPATH) with one end of a socket pair. Why a process: the generator's thread steps the engine, and each of its driver calls gives the
 interpreter lock away; in the core the event loop (streaming 64 sequences' tokens, detokenising them) holds it
 most of the time, so every step waited for it several times (vLLM runs its engine core in a process for this).
 
@@ -23,18 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: the repository root on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from engine_core.generate.decoder import build_decoder_engine  # noqa: E402
-from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator  # noqa: E402
-from server.core.executor_wire import (  # noqa: E402
-    SWITCH_INTERVAL_S,
-    Channel,
-    ExecutorGone,
-    child_start,
-    error_reply,
-)
+from engine_core.generate.decoder import build_decoder_engine
+from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator
+from server.core.executor_wire import SWITCH_INTERVAL_S, Channel, ExecutorGone, child_start, error_reply
 
 log = logging.getLogger("kiln.generation")
 
