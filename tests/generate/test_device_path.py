@@ -281,6 +281,33 @@ def test_the_device_path_generates_the_cpu_engines_tokens(tiny_engine, cuda_engi
 
 
 @pytest.mark.gpu
+def test_after_warm_up_decode_steps_bind_and_capture_nothing_new(tiny_engine, cuda_engine):
+    """DecoderRunner.warm_up captures every decode bucket: a scenario afterwards (chunked prefill, batched decode of
+    pasts of different lengths) adds no binding and no graph to the decode context and replays its graphs, and its
+    tokens are the cold runner's."""
+    fp16, engine = cuda_engine
+    runner = DecoderRunner(engine)
+    pool = runner.new_pool(block_tokens=8, num_blocks=40)
+    assert runner.warm_up(pool, max_prefill_tokens=32) > 0 and pool.used_blocks == 0
+    state = runner._stepper.decode_context._backend_context
+    bindings = len(state._bindings)
+    graphs = sum(len(b.graphs) for b in state._bindings.values())
+    replays = state.graph_replays
+    got, _ = _scenario(runner, pool)
+    assert len(state._bindings) == bindings and sum(len(b.graphs) for b in state._bindings.values()) == graphs
+    if getattr(state, "use_graphs", False):
+        assert state.graph_replays >= replays + 32
+    cold = DecoderRunner(engine)
+    cold_pool = cold.new_pool(block_tokens=8, num_blocks=40)
+    want, _ = _scenario(cold, cold_pool)
+    steps = 16 if fp16 else 32
+    assert {s: t[:steps] for s, t in got.items()} == {s: t[:steps] for s, t in want.items()}
+    for each, each_pool in ((runner, pool), (cold, cold_pool)):
+        each.close()
+        each_pool.close()
+
+
+@pytest.mark.gpu
 def test_the_device_pool_and_buffers_are_freed_on_close(tiny_engine, cuda_engine):
     from engine_core.cuda.driver import memory_info
 
