@@ -3,8 +3,10 @@
 
 Why: in the core, the generator's thread and the event loop share one interpreter lock. The loop streams every
 sequence's tokens (detokenising, one response per token and stream), and each of the generator's driver calls in a
-step gives the lock away and waits to get it back: on an H100 a 1B model's 5.3 ms decode step became a 7.9 ms
-inter-token latency at 64 streams. vLLM runs its engine core in a process for the same reason.
+step gives the lock away and waits to get it back. On an H100 a 1B model's 5.3 ms decode step served a 7.9 ms
+inter-token latency at 64 streams in the core's thread; prefill runs between decode steps account for part of that,
+the lock for the rest (not yet measured apart: docs/next-steps.md). vLLM runs its engine core in a process for the
+same reason.
 
 `RemoteGenerator` starts the process, hands it the model and the generator's settings, and waits until the engine is
 built and warm (a failure fails the load with the process's message). `submit` is one round trip (the process
