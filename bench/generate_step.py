@@ -16,14 +16,13 @@ On CUDA the KV cache lives on the device (`DeviceKVPool`); `--host-path` also ti
 the whole cache across PCIe twice a step) for comparison. Prints a table; `--json` writes the rows.
 `--profile`: a few more decode steps at the largest batch and the shortest past with the decode context's profiler
 (IProfiler: each layer timed with CUDA events, launched layer by layer), the layers' mean times summed per kind
-(the node name's last part: Concat, MatMul, Attention...) and the slowest layers: where a step's time goes.
+(the plan's layer types: Concat, FusedMatMul, Attention...) and the slowest layers: where a step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine_core.generate import DecoderRunner, build_decoder_engine  # noqa: E402
+from engine_core.runtime import LayerTimes  # noqa: E402
 from load_tests.stats import percentile  # noqa: E402
 
 
@@ -77,27 +77,8 @@ def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, A
             "p90_ms": percentile(times, 90), "min_ms": min(times), "tokens_per_s": batch / (median / 1e3)}
 
 
-class LayerTimes:
-    """An IProfiler that keeps every layer's reported times."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {}
-
-    def report_layer_time(self, layer_name: str, ms: float) -> None:
-        self.times.setdefault(layer_name, []).append(ms)
-
-
-def layer_kind(name: str, op_types: set[str]) -> str:
-    """A layer's kind: the last op type named in its name ("/h.3/attn/Concat_1" -> "Concat"; a fused step's name
-    holds its nodes' names), else the name's last part."""
-    tokens = [t for t in re.split(r"[/_+:.\s]", name) if t]
-    return next((t for t in reversed(tokens) if t in op_types), tokens[-1] if tokens else name)
-
-
 def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> dict[str, Any]:
     """Per-layer decode times at (``batch``, ``past``): every layer's mean ms, summed per kind, the slowest layers."""
-    from engine_core.runtime import IProfiler
-
     blocks = batch * -(-(past + 1) // args.block_tokens)
     pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks)
     seqs = list(range(batch))
@@ -107,16 +88,15 @@ def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.N
     time_steps(runner, pool, seqs, past, 2, 0)  # the decode context bound at this shape
     recorder = LayerTimes()
     context = runner._stepper.decode_context if runner._stepper is not None else runner.context
-    context.profiler = type("Recorder", (IProfiler,), {"report_layer_time": lambda _, n, ms: recorder.report_layer_time(
-        n, ms)})()
+    context.profiler = recorder
     steps = time_steps(runner, pool, seqs, past, 0, 5)
     context.profiler = None
     pool.close()
     means = {name: statistics.mean(values) for name, values in recorder.times.items()}
-    op_types = {node.op_type for node in runner.engine.plan.graph.nodes} | {"Attention", "Gemm", "MatMul"}
+    types = {layer["name"]: layer["type"] for layer in runner.engine.plan.layers}
     kinds: dict[str, float] = {}
-    for name, ms in means.items():
-        kind = layer_kind(name, op_types)
+    for name, ms in means.items():  # (reformat layers the builder added have no node: named for what they are)
+        kind = types.get(name, "Reformat" if name.startswith("reformat") else name)
         kinds[kind] = kinds.get(kind, 0.0) + ms
     return {"batch": batch, "past": past, "profiled_step_ms": statistics.median(steps),
             "layers_ms": sum(means.values()), "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),

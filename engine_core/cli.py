@@ -29,6 +29,7 @@ from engine_core.compat import check_plan_compatibility, device_arch
 from engine_core.errors import KilnError
 from engine_core.inspector import add_build_arguments, apply_build_arguments, engine_summary
 from engine_core.plan import deserialize_plan
+from engine_core.runtime import LayerTimes
 
 PRECISION_FLAGS = {
     "fp16": kiln.BuilderFlag.FP16,
@@ -314,14 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         shape = shapes.get(name) or engine.get_tensor_profile_shape(name, 0)[1]
         feeds[name] = _random_input(engine, name, tuple(shape), rng)
 
-    class _Profiler(kiln.IProfiler):
-        def __init__(self) -> None:
-            self.times: dict[str, list[float]] = {}
-
-        def report_layer_time(self, layer_name: str, ms: float) -> None:
-            self.times.setdefault(layer_name, []).append(ms)
-
-    profiler = _Profiler() if args.profile else None
+    profiler = LayerTimes() if args.profile else None
     context.profiler = profiler
     timings = []
     try:

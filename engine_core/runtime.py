@@ -95,6 +95,17 @@ class IProfiler:
         raise NotImplementedError
 
 
+class LayerTimes(IProfiler):
+    """An IProfiler that keeps every reported time (ms) by layer name, run after run (`kiln profile`,
+    bench/generate_step.py --profile)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def report_layer_time(self, layer_name: str, ms: float) -> None:
+        self.times.setdefault(layer_name, []).append(ms)
+
+
 class Runtime:
     """Deserializes plans (IRuntime)."""
 
