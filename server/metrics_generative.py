@@ -14,7 +14,7 @@ from prometheus_client.core import Metric
 
 from server.core.generative import GenerativeVersion
 from server.core.latency import Histogram
-from server.metrics_latency import add_histogram
+from server.core.metric_samples import add_histogram
 
 #: gauge or counter name -> (help, type, extra labels, how to read it from a version's GeneratorStats)
 _FAMILIES: dict[str, tuple[str, str, list[tuple[dict[str, str], Callable[[Any], float]]]]] = {

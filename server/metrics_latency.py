@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from server.core.latency import FIRST_RESPONSE, MetricsConfig
-from server.core.metric_samples import add_histogram, label_number  # add_histogram: metrics_generative's too
+from server.core.metric_samples import add_histogram, label_number
 
 # recorder key -> (family, help): Triton's summary families
 _SUMMARIES = {

@@ -109,7 +109,7 @@ class RemoteGenerator:
                 raise RuntimeError(f"{label}: the generation process exited with code {self._process.wait()} "
                                    "while loading (its log above says why)") from None
             ours.settimeout(None)
-            info = _loaded(reply)
+            info = raise_reply(reply)  # ValueError (not a decoder) as raised; others as RemoteError
         except BaseException:
             self._channel.close()
             stop_process(self._process, 30.0)
@@ -243,12 +243,3 @@ class RemoteGenerator:
                 handler(GenerationEvent(None, "error" if self._exit else "cancelled", 0, 0, error))
             except Exception:  # noqa: BLE001
                 log.exception("%s: generation event handler failed", self.label)
-
-
-def _loaded(reply: tuple) -> dict[str, Any]:
-    """The load's info, or its error raised as the process raised it (ValueError: the model is not a decoder)."""
-    if reply[0] == "error":
-        _, kind, message = reply
-        raise (ValueError if kind == "ValueError" else RuntimeError)(f"{kind}: {message}" if kind != "ValueError"
-                                                                     else message)
-    return raise_reply(reply)

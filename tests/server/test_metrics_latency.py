@@ -15,8 +15,8 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.core.latency import Histogram, MetricsConfig, WindowQuantiles, parse_metrics_config
+from server.core.metric_samples import add_histogram
 from server.gpu_metrics import NvmlGpus, Sampled
-from server.metrics_latency import add_histogram
 from tests.server.conftest import examples, run_server
 from tests.support.servers import infer_add_sub_int32
 
