@@ -228,10 +228,10 @@ class DeviceStepper:
         are sized for the largest shapes first (and the run's small inputs for any run up to the engine's limits),
         so no later run moves an address a captured graph holds."""
         slices = 2 * self.signature.layers
-        sizes = [self._engine_bytes(*shape) for shape in shapes]
-        for buffer, most in ((self._past, max(p for p, _, _ in sizes)), (self._present, max(q for _, q, _ in sizes)),
-                             (self._logits, max(n for _, _, n in sizes))):
-            buffer.ensure(most * (1 if buffer is self._logits else slices))
+        pasts, presents, logits = zip(*(self._engine_bytes(*shape) for shape in shapes))
+        self._past.ensure(slices * max(pasts))
+        self._present.ensure(slices * max(presents))
+        self._logits.ensure(max(logits))
         batch, context = self._max_batch, self._max_context
         index = batch * context * 8  # the widest index dtype, for ids, mask and positions
         self._inputs.ensure(3 * index + batch * (-(-context // block_tokens) + 1) * 4 + batch * 32 + 10 * ALIGNMENT)

@@ -80,8 +80,7 @@ def bucket_shapes(max_batch: int, max_context: int, max_prefill_tokens: int) -> 
     decode = [(b, p, 1) for b in batches for p in pasts]
     chunks = [n for n in (1 << k for k in range(MIN_CHUNK.bit_length() - 1, max_context.bit_length()))
               if n <= max_context] + ([max_context] if max_context & (max_context - 1) else [])
-    prefill = [(b, 0, n) for b in batches for n in chunks
-               if max_context >= n and (n == MIN_CHUNK or b * n <= 4 * max_prefill_tokens)]
+    prefill = [(b, 0, n) for b in batches for n in chunks if n == MIN_CHUNK or b * n <= 4 * max_prefill_tokens]
     return decode + sorted(prefill, key=lambda shape: (shape[0] * shape[2], shape[0]), reverse=True)
 
 
