@@ -14,7 +14,8 @@
 #            token over the first 32                                                                         ~5 min
 #   step     bench/generate_step.py: one decode step's time at batch 1/8/64, past 128/512 (needs `check`'s exports
 #            in /tmp/llm, so run it in the same call or after `check` on a warm machine; --argmax: greedy too)  ~3 min
-#   profile  generate_step --profile at batch 64, past 128: a decode step's layers timed one by one, per kind  ~1 min
+#   profile  generate_step --profile --kernels at batch 64, past 128: the layers timed one by one, per kind, and
+#            CUPTI's kernel times of graph-replayed steps (their sum against the step's wall time)        ~1 min
 #   serve    kiln serve on the GPT-2 export (KIND_GPU, fp16, 64 sequences) and load_tests/generate_bench.py at
 #            1 and 64 streams, then bench/generate_peer.py (transformers + torch.compile reduce-overhead, static cache)
 #            at batch 1 and 64 on the same model: tokens/s, TTFT, ITL side by side                            ~6 min
@@ -92,8 +93,8 @@ for stage in "$@"; do
     profile)
       export_models
       for m in $MODELS; do
-        timeout 200 python3 bench/generate_step.py "$LLM/$m/1" --fp16 --batches 1,64 --pasts 128 --iters 10 --profile \
-          --json "$OUT/generate_profile_$m.json" 2>&1 | quiet | tail -40
+        timeout 200 python3 bench/generate_step.py "$LLM/$m/1" --fp16 --batches 1,64 --pasts 128 --iters 10 --profile --kernels \
+          --json "$OUT/generate_profile_$m.json" 2>&1 | quiet | tail -70
       done ;;
     serve)
       export_models

@@ -2,6 +2,7 @@
 # GPU checks and benchmarks for one `device` call (H100 machine, repo root, results under $OUT).
 #
 #   bash bench/device_session.sh STAGE [STAGE ...]     (carry ["wheels"]; wheels/ from ../shared/tools/device-wheels.sh)
+#   (WHEELS=dir: another wheel folder, e.g. a subset of wheels/ without transformers that fits the 64 MiB carry)
 #
 # Stages, in the order a session should spend its 30 device minutes (each stage is time-boxed):
 #   tests        tests/cuda's @pytest.mark.gpu tests but the model ones (CUDA backend, fused layers, flash attention,
@@ -36,7 +37,7 @@ set -o pipefail
 export PYTHONPATH=$PWD KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kc} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --find-links wheels nvidia-cudnn-frontend fastapi starlette pydantic \
+python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-wheels}" nvidia-cudnn-frontend fastapi starlette pydantic \
   pydantic-core typing-inspection annotated-types uvicorn h11 click anyio sniffio python-rapidjson prometheus-client \
   tritonclient==2.73.0 httpx httpcore idna certifi gevent geventhttpclient greenlet zope.event zope.interface brotli \
   urllib3 six protobuf==7.36.2 grpcio==1.85.1 grpcio-reflection==1.85.1 watchfiles opentelemetry-api \
@@ -109,7 +110,7 @@ for stage in "$@"; do
         --markdown "$OUT/conformance_cuda.md" --json "$OUT/conformance_cuda.json" | tail -2
       cat /tmp/conf/failed 2>/dev/null ;;
     faults)  # nvidia-ml-py (from wheels/ when there) gives the server's nv_gpu_memory_used_bytes; else nvidia-smi's figure
-      python3 -m pip install -q --no-index --no-deps --find-links wheels nvidia-ml-py 2>&1 | tail -1
+      python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-wheels}" nvidia-ml-py 2>&1 | tail -1
       timeout 570 python3 load_tests/gpu_faults.py --device gpu --out "$OUT" --after-s 2 --budget-s 540 2>&1 \
         | grep -v -e Warning -e "warnings.warn" | tail -30 ;;
     *) echo "unknown stage $stage" ;;

@@ -17,6 +17,9 @@ the whole cache across PCIe twice a step) for comparison. Prints a table; `--jso
 `--profile`: a few more decode steps at the largest batch and the shortest past with the decode context's profiler
 (IProfiler: each layer timed with CUDA events, launched layer by layer), the layers' mean times summed per kind
 (the plan's layer types: Concat, FusedMatMul, Attention...) and the slowest layers: where a step's time goes.
+`--kernels` (needs torch, for CUPTI): the kernels of graph-replayed greedy steps at that shape, by name, with their
+sum beside the step's wall time: what the kernels cost against the gaps between them (per-layer events add a launch
+and a wait to every layer, which hides that split).
 """
 
 from __future__ import annotations
@@ -103,6 +106,26 @@ def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.N
             "slowest": sorted(means.items(), key=lambda kv: -kv[1])[:20]}
 
 
+def kernel_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> dict[str, Any]:
+    """CUPTI's kernels of ``args.iters`` greedy decode steps at (``batch``, ``past``), as replayed (bench.engine)."""
+    import torch
+
+    from bench.engine import kernel_profile
+
+    blocks = batch * -(-(past + 1) // args.block_tokens)
+    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks)
+    seqs = list(range(batch))
+    for seq in seqs:
+        pool.reserve(seq, past + 1)
+    prefill(runner, pool, seqs, past, args.prefill_chunk, args.seed)
+    step_ms = statistics.median(time_steps(runner, pool, seqs, past, 3, args.iters, argmax=True))
+    kernels = kernel_profile(lambda: time_steps(runner, pool, seqs, past, 0, 1, argmax=True),
+                             torch.cuda.current_stream(), runs=args.iters, top=40)
+    pool.close()
+    return {"batch": batch, "past": past, "step_ms": step_ms, "kernels_ms": sum(k["ms"] for k in kernels),
+            "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
+
+
 def measure(runner: DecoderRunner, path: str, batches: list[int], pasts: list[int], args: argparse.Namespace,
             iters: int) -> list[dict[str, Any]]:
     """Every (batch, past) of one path (``device``: the runner's default pool, logits back; ``argmax``: the same,
@@ -140,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-iters", type=int, default=5)
     p.add_argument("--profile", action="store_true",
                    help="per-layer times of a decode step at the largest batch and shortest past (IProfiler)")
+    p.add_argument("--kernels", action="store_true",
+                   help="CUPTI kernel times of greedy steps at the largest batch and shortest past (needs torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
@@ -162,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(("host", args.host_iters))
     rows = [row for path, iters in paths for row in measure(runner, path, args.batches, args.pasts, args, iters)]
     profile = profile_steps(runner, max(args.batches), min(args.pasts), args) if args.profile else None
+    kernels = kernel_steps(runner, max(args.batches), min(args.pasts), args) if args.kernels else None
     runner.close()
     rows.sort(key=lambda r: (r["path"], r["batch"], r["past"]))
     print(f"{args.model} on {device} ({args.backend}{' fp16' if args.fp16 else ''}, built in {build_s:.0f} s): "
@@ -177,12 +203,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kind {kind:<28} {ms:8.3f} ms")
         for name, ms in profile["slowest"][:8]:
             print(f"slowest {name:<60} {ms:8.3f} ms")
+    if kernels is not None:
+        print(f"kernels at batch {kernels['batch']}, past {kernels['past']}: {kernels['launches']} launches, "
+              f"{kernels['kernels_ms']:.3f} ms of kernels in a {kernels['step_ms']:.3f} ms greedy step (top 40 names)")
+        for k in kernels["kernels"][:25]:
+            print(f"{k['ms']:8.4f} ms {k['launches']:4d}x  {k['kernel'][:100]}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": str(args.model), "backend": args.backend, "fp16": args.fp16,
                                          "device": device, "build_s": build_s, "block_tokens": args.block_tokens,
                                          "command": " ".join(["python bench/generate_step.py", *(argv or sys.argv[1:])]),
-                                         "rows": rows, "profile": profile}, indent=2))
+                                         "rows": rows, "profile": profile, "kernels": kernels},
+                                        indent=2))
     return 0
 
 
