@@ -3,6 +3,8 @@
     python load_tests/gpu_serving.py --out $OUT                   # GPU machine: the issue's points, ~5 minutes
     python load_tests/gpu_serving.py --out $OUT --models bert --transports grpc,http --concurrency 1,4,16,64,256
     python load_tests/gpu_serving.py --out /tmp/gs --smoke        # any machine: tiny models, under a minute
+    python load_tests/gpu_serving.py --out $OUT --models bert --transports grpc --variants batched \
+        --concurrency 128 --gpus 0 --gpus 0,1                         # one GPU against two, in one run
 
 Models (seeded weights, tools/make_models.py), `--precision` (default fp16) through the config parameter
 `kiln_precision`, max batch `--max-batch` (default 128):
@@ -13,6 +15,8 @@ Transports (`kiln perf`, tritonclient's asyncio clients, several processes): grp
 tensors), system (gRPC + system shared memory), cuda (gRPC + CUDA shared memory); shared-memory regions are
 registered once per client process and reused, as perf_analyzer --shared-memory does. Variants: `batched`
 (dynamic_batching) and `direct` (no batcher: each request runs alone), one model each, same ONNX bytes.
+`--gpus LIST` (repeatable) writes `gpus: [LIST]` into the instance_group, one model per list (`<name>@0,1`):
+each row then says its GPUs, and the ratios compare each list with the first.
 
 One server process (`python -m server`, what `kiln serve` runs; `--frontend-processes` passed on when its
 --help lists it) loads every model. Right after a model loads, a child process times the raw engine on the
@@ -112,15 +116,17 @@ def build_onnx(spec: ModelSpec) -> onnx.ModelProto:
     return getattr(make_models, spec.builder)(**dict(spec.kwargs))
 
 
-def model_config(name: str, spec: ModelSpec, setup: Setup, batched: bool) -> str:
-    """Triton-style config.pbtxt; precision goes in the `kiln_precision` parameter (the one the server reads)."""
+def model_config(name: str, spec: ModelSpec, setup: Setup, batched: bool, gpus: str = "") -> str:
+    """Triton-style config.pbtxt; precision goes in the `kiln_precision` parameter (the one the server reads);
+    `gpus` ("0,1"): the instance group's GPUs (count instances on each)."""
     def tensors(items: tuple[Tensor, ...]) -> str:
         return ", ".join(f'{{ name: "{t.name}" data_type: TYPE_{t.datatype} dims: [ {", ".join(map(str, t.dims))} ] }}'
                          for t in items)
     batching = f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us} }}\n" if batched else ""
+    placed = f" gpus: [ {gpus} ]" if gpus else ""
     return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {setup.max_batch}\n'
             f"input [ {tensors(spec.inputs)} ]\noutput [ {tensors(spec.outputs)} ]\n"
-            f"instance_group [ {{ count: {setup.instances} kind: {setup.instance_kind} }} ]\n{batching}"
+            f"instance_group [ {{ count: {setup.instances} kind: {setup.instance_kind}{placed} }} ]\n{batching}"
             f'parameters {{ key: "kiln_precision" value {{ string_value: "{setup.precision}" }} }}\n')
 
 
@@ -135,21 +141,28 @@ def onnx_file(spec: ModelSpec, cache: Path) -> Path:
     return path
 
 
+def placed(variant: str, gpus: str) -> str:
+    """The key of one served model of a spec: its variant, and its GPUs when --gpus places it ("batched@0,1")."""
+    return f"{variant}@{gpus}" if gpus else variant
+
+
 def write_model(repo: Path, spec: ModelSpec, source: Path, setup: Setup) -> dict[str, str]:
-    """Each variant of `spec` in `repo`, from the same ONNX bytes (the second load is a plan-cache hit);
-    returns variant -> served name. Hard links where possible (a symlink would resolve outside the model)."""
+    """Each variant of `spec` (on each --gpus list) in `repo`, from the same ONNX bytes (later loads are plan-cache
+    hits); returns `placed(variant, gpus)` -> served name. Hard links where possible (a symlink would resolve
+    outside the model)."""
     names = {}
-    for variant in setup.variants:
-        name = f"{spec.name}_{variant}"
-        target = repo / name / "1" / "model.onnx"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copyfile(source, target)
-        (repo / name / "config.pbtxt").write_text(model_config(name, spec, setup, variant == "batched"))
-        names[variant] = name
+    for gpus in setup.gpus or ("",):
+        for variant in setup.variants:
+            name = f"{spec.name}_{variant}" + (f"_g{gpus.replace(',', '-')}" if gpus else "")
+            target = repo / name / "1" / "model.onnx"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copyfile(source, target)
+            (repo / name / "config.pbtxt").write_text(model_config(name, spec, setup, variant == "batched", gpus))
+            names[placed(variant, gpus)] = name
     return names
 
 
@@ -173,9 +186,10 @@ class Setup:
     raw_seconds: float
     instance_kind: str  # KIND_GPU on the device; KIND_AUTO for the smoke run (CPU here)
     queue_delay_us: int
-    instances: int  # execution contexts (instance_group count) of each model
+    instances: int  # execution contexts (instance_group count) of each model, on each of its GPUs
     frontend_processes: int | None
     smoke: bool
+    gpus: tuple[str, ...] = ()  # --gpus: the instance group's GPUs, one served model per list ("0", "0,1")
 
 
 def _names(text: str, allowed: Any, what: str) -> tuple[str, ...]:
@@ -184,6 +198,19 @@ def _names(text: str, allowed: Any, what: str) -> tuple[str, ...]:
     if unknown or not names:
         raise SystemExit(f"--{what}: unknown {unknown or text!r}; choose from {', '.join(allowed)}")
     return names
+
+
+def _gpu_lists(values: list[str] | None) -> tuple[str, ...]:
+    lists = []
+    for value in values or []:
+        try:
+            ids = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            ids = []
+        if not ids or min(ids) < 0:
+            raise SystemExit(f"--gpus: expected GPU ids such as 0,1, got {value!r}")
+        lists.append(",".join(map(str, ids)))
+    return tuple(dict.fromkeys(lists))
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
@@ -208,6 +235,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         instances=args.instances,
         frontend_processes=args.frontend_processes,
         smoke=smoke,
+        gpus=_gpu_lists(args.gpus),
     )
 
 
@@ -444,8 +472,10 @@ def measure_raw(plan_file: str, spec: ModelSpec, batches: list[int], seconds: fl
 
 # ----------------------------------------------------------------------------------------------- report
 
-def served_rows(model: str, transport: str, variant: str, document: dict, raw: list[dict], max_batch: int) -> list[dict]:
-    """One row per concurrency level: served figures, the server's average batch, the raw engine at its bucket."""
+def served_rows(model: str, transport: str, variant: str, document: dict, raw: list[dict], max_batch: int,
+                gpus: str | None = None) -> list[dict]:
+    """One row per concurrency level: served figures, the server's average batch, the raw engine at its bucket
+    (`gpus`: the --gpus list the model was placed on, None without --gpus)."""
     raw_by_batch = {r["batch"]: r["infer_per_s"] for r in raw}
     rows = []
     for result in document["results"]:
@@ -461,7 +491,7 @@ def served_rows(model: str, transport: str, variant: str, document: dict, raw: l
                      "efficiency": served_rate / raw_rate if raw_rate else None,
                      "server_queue_us": server.get("queue_us"), "server_infer_us": server.get("compute_infer_us"),
                      "errors": result["errors"], "client_bound": result["client"]["client_bound"],
-                     "stable": result["stable"]})
+                     "stable": result["stable"], "gpus": gpus})
     return rows
 
 
@@ -470,22 +500,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def peer_ratios(rows: list[dict]) -> list[dict]:
-    """Same-run comparisons: batched / direct (same model, transport, level) and transport / grpc (same model,
-    variant, level), for req/s and p99."""
-    index = {(r["model"], r["transport"], r["variant"], r["concurrency"]): r for r in rows}
+    """Same-run comparisons: batched / direct (same model, transport, level, GPUs), transport / grpc (same model,
+    variant, level, GPUs) and, with several --gpus lists, each list / the first (same model, transport, variant,
+    level), for req/s and p99."""
+    index = {(r["model"], r["transport"], r["variant"], r["concurrency"], r.get("gpus")): r for r in rows}
+    first_gpus = rows[0].get("gpus") if rows else None
     ratios = []
-    for (model, transport, variant, level), row in index.items():
+    for (model, transport, variant, level, gpus), row in index.items():
         peers = []
         if variant == "batched":
-            peers.append(("batched / direct", index.get((model, transport, "direct", level))))
+            peers.append(("batched / direct", transport, index.get((model, transport, "direct", level, gpus))))
         if transport != "grpc":
-            peers.append((f"{transport} / grpc", index.get((model, "grpc", variant, level))))
-        for what, other in peers:
+            peers.append((f"{transport} / grpc", variant, index.get((model, "grpc", variant, level, gpus))))
+        if gpus != first_gpus:
+            peers.append((f"gpus {gpus} / {first_gpus}", f"{transport} {variant}",
+                          index.get((model, transport, variant, level, first_gpus))))
+        for what, of, other in peers:
             if other is not None:
-                ratios.append({"model": model, "comparison": what,
-                               "transport": transport if what.startswith("batched") else variant,
-                               "concurrency": level, "infer_per_s": _ratio(row["infer_per_s"], other["infer_per_s"]),
-                               "p99": _ratio(row["p99_ms"], other["p99_ms"])})
+                ratios.append({"model": model, "comparison": what, "transport": of, "concurrency": level,
+                               "infer_per_s": _ratio(row["infer_per_s"], other["infer_per_s"]),
+                               "p99": _ratio(row["p99_ms"], other["p99_ms"]),
+                               **({"gpus": gpus} if gpus is not None else {})})
     return ratios
 
 
@@ -506,7 +541,8 @@ def print_report(document: dict[str, Any], out=sys.stdout) -> None:
         print(f"{r['model']:<12} {r['transport']:<9} {r['variant']:<8} {r['concurrency']:>5} {r['infer_per_s']:>9.1f} "
               f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {_f(r['server_avg_batch'], '.1f'):>6} {r['raw_batch']:>5} "
               f"{_f(r['raw_infer_per_s'], '.1f'):>9} {effic:>7} {r['errors']:>4}"
-              + ("  client-bound" if r["client_bound"] else ""), file=out)
+              + (f"  gpus {r['gpus']}" if r.get("gpus") else "") + ("  client-bound" if r["client_bound"] else ""),
+              file=out)
     print("avg b: the server's average executed batch (inference_count / execution_count); raw b: the "
           "bucket it pads to; raw/s: the raw engine there; effic. = infer/s / raw/s", file=out)
     if document["ratios"]:
@@ -594,16 +630,19 @@ def measure_model(run: Run, server: ServerHandle, model: str, transports: list[s
         if name not in run.load_s:
             run.load_s[name] = load_model(server, name)
     plans = plan_files(server.log.read_text(errors="replace"))
-    plan = plans.get(names[setup.variants[0]])
+    first = next(iter(names.values()))
+    plan = plans.get(first)
     if plan is None:
-        raise RuntimeError(f"the server log names no plan file for {names[setup.variants[0]]}: {server.log}")
+        raise RuntimeError(f"the server log names no plan file for {first}: {server.log}")
     run.plans[model] = plan
     run.raw[spec.name] = measure_raw(plan, spec, batch_buckets(setup.max_batch), setup.raw_seconds)
     run.save()
     for transport in transports:
-        for variant, name in names.items():
+        for key, name in names.items():
+            variant, _, gpus = key.partition("@")
             document = sweep(server, name, spec, transport, setup, run.args.out)
-            run.rows += served_rows(spec.name, transport, variant, document, run.raw[spec.name], setup.max_batch)
+            run.rows += served_rows(spec.name, transport, variant, document, run.raw[spec.name], setup.max_batch,
+                                    gpus or None)
             run.save()
 
 
@@ -619,7 +658,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for model in setup.models}
     extra, frontend = frontend_arguments(setup.frontend_processes, server_flags())
     state = Run(args, setup, started, names, skipped, frontend, {}, {}, {}, [], _device(), started_utc)
-    first = names[setup.models[0]][setup.variants[0]]
+    first = next(iter(names[setup.models[0]].values()))
     with kiln_server(repo, cache / "plans", out / "server.log", first, extra) as server:
         state.load_s[first] = time.monotonic() - started  # model generation, process start, first build or cache hit
         for model in setup.models:
@@ -648,7 +687,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=None,
                    help="kiln perf client processes (default: half the CPUs, at most 8; smoke 1)")
     p.add_argument("--queue-delay-us", type=int, default=500, help="dynamic batcher max_queue_delay_microseconds")
-    p.add_argument("--instances", type=int, default=1, help="instance_group count of every model (default 1)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="instance_group count of every model (default 1), on each of its GPUs")
+    p.add_argument("--gpus", action="append", default=None, metavar="LIST",
+                   help="gpus: [LIST] in every model's instance_group, e.g. 0,1; repeat it (--gpus 0 --gpus 0,1) to "
+                        "serve one model per list and compare them in the same run (default: no gpus, every GPU)")
     p.add_argument("--frontend-processes", type=int, default=None, metavar="N",
                    help="passed to the server when its --help lists --frontend-processes")
     p.add_argument("--cache-dir", type=Path, default=None,

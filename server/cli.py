@@ -21,6 +21,7 @@ from server.core import CoreOptions, ServerCore, build_process, latency
 from server.core.executor_wire import SWITCH_INTERVAL_S
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
+from server.core.placement import restricted_visible_devices
 from server.core.response_cache import CacheConfig, parse_cache_config
 from server.core.settings import AdaptiveSettings
 from server.core.tensor_arena import DEFAULT_ARENA_MB
@@ -139,12 +140,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "KILN_EXECUTOR): one executor process per model version, out of this process's "
                              "interpreter lock, restarted if it dies (server/core/executor.py); 'thread': worker "
                              "threads of this process, as before")
+    parser.add_argument("--gpus", default=None, metavar="IDS",
+                        help="serve on these GPUs only, e.g. 0,1: sets CUDA_VISIBLE_DEVICES before any CUDA call "
+                             "(the ids index an existing CUDA_VISIBLE_DEVICES when set); instance_group gpus then "
+                             "count within them (docs/server.md, Several GPUs)")
     add_drain_arguments(parser)
     add_limit_arguments(parser)
     add_auth_arguments(parser)
     add_tls_arguments(parser)
     add_metrics_arguments(parser)
     add_trace_arguments(parser)
+
+
+def restrict_gpus(ids: str | None) -> None:
+    """`--gpus IDS`: CUDA_VISIBLE_DEVICES narrowed to those devices (ValueError for bad ids). Must run before
+    anything initialises CUDA: the driver reads the variable once."""
+    if ids is None:
+        return
+    visible = restricted_visible_devices(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    log.info("--gpus %s: CUDA_VISIBLE_DEVICES=%s", ids, visible)
 
 
 def build_limits(args: argparse.Namespace) -> build_process.BuildLimits:
@@ -201,6 +216,7 @@ async def serve(args: argparse.Namespace) -> int:
     from server.metrics import create_metrics_app
 
     try:
+        restrict_gpus(args.gpus)  # first: every CUDA call after it (this process and its children) sees only those
         limits_from_args(args)  # bad limits fail here, before anything starts
         restrictions_from_args(args)
         _, _, metrics_tls = tls_from_args(args)

@@ -103,6 +103,12 @@ def _cacheable(_: Any, config: ModelConfig) -> bool:
     return not config.HasField("sequence_batching") and not config.model_transaction_policy.decoupled
 
 
+def _on_gpu_zero_or_placed(value: Any, config: ModelConfig) -> bool:
+    """instance_group.gpus: ONNX models are placed on any GPUs (placement.place_instances checks the ids); Python and
+    generative models run on GPU 0."""
+    return list(value) == [0] or config.backend not in ("python", "kiln_llm")
+
+
 # Model config parameters Kiln reads, and where (each reader checks its value when the model loads).
 KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_precision": "builder precision flags (model.apply_precision)",
@@ -306,10 +312,15 @@ FIELDS: dict[str, Rule] = {
     "instance_group.rate_limiter.priority": refused(
         f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
         "--rate-limit=off, ignores it too)"),
-    "instance_group.gpus": partly(f"[0] honoured ({_CUDA_BACKEND} runs on device 0); other GPUs refused",
-                                  lambda value, _: list(value) == [0],
-                                  f"{_NOT_YET} instances on GPUs other than 0. Use gpus: [0] (or leave it out) and "
-                                  "run one server per GPU with CUDA_VISIBLE_DEVICES"),
+    "instance_group.gpus": partly("ONNX models: count instances on each listed GPU, each GPU's in an executor process "
+                                  "of its own; left out, every visible GPU (KIND_GPU, and KIND_AUTO on a GPU); the "
+                                  "completed config lists them (placement.place_instances). Refused at load: an id "
+                                  "past the visible devices, GPUs of different compute capabilities, and GPUs other "
+                                  "than 0 for models that run in the server process (max_batch_size 0, sequence "
+                                  "models, --gpu-executor thread), with the reason. Python and generative models run "
+                                  "on GPU 0", _on_gpu_zero_or_placed,
+                                  f"{_NOT_YET} placing Python or generative models on GPUs other than 0. Use gpus: [0] "
+                                  "(or leave it out), or run one server per GPU with --gpus"),
     "instance_group.secondary_devices": refused(f"{_NOT_YET} secondary devices (NVDLA). Remove secondary_devices",
                                                 whole=True),
     "instance_group.profile": refused("Kiln picks the optimization profile for each request itself "

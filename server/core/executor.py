@@ -1,8 +1,9 @@
 """Model executions in an executor process of their own, out of the core's interpreter lock.
 
-A CUDA model version that batches runs its executions in one child process (`executor_main.py`) that holds the
-engine, its execution contexts and their CUDA graphs; the core keeps checks, batching, statistics and responses.
-The core's schedulers and `Workers` are unchanged: each worker lane's "context" is a `RemoteContext` whose
+A CUDA model version that batches runs its executions in one child process per GPU it is placed on
+(`executor_main.py`, `placement.py`) that holds the engine, its execution contexts and their CUDA graphs; the core
+keeps checks, batching, statistics and responses. The core's schedulers and `Workers` are unchanged (one batcher
+feeds the lanes of every GPU): each worker lane's "context" is a `RemoteContext` whose
 `infer_batch` sends the batch over the lane's socket and waits for the outputs with the interpreter lock released.
 Inputs and outputs in registered shared memory (client regions, frontend tensor arenas) cross as references; the
 executor maps each region once, page-locked, and gathers and delivers on the device.
@@ -16,7 +17,8 @@ held. Learned from vLLM's engine-core process and Triton's backends in C++ besid
 
 Faults: an execution error comes back as the engine raised it (a request error) or as `RemoteError` (a fault: the
 executor replaced the context already); a process that exits is started again by the next call of any lane, and
-the calls that were waiting on it fail with UNAVAILABLE naming the exit (503: retry; the other requests go on).
+the calls that were waiting on it fail with UNAVAILABLE naming the exit (503: retry; the other requests go on). Each
+GPU's process restarts alone: the other GPUs keep serving.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 
 from .errors import unavailable
 from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
+from .placement import child_visible_devices
 
 log = logging.getLogger("kiln.server.executor")
 
@@ -64,11 +67,25 @@ def _cpu_too() -> bool:
     return os.environ.get("KILN_EXECUTOR_CPU", "") not in ("", "0")
 
 
+def why_in_core(backend: str, max_batch_size: int, sequence: bool) -> str:
+    """Why a model version's executions stay in the server process ("" when they run in executor processes): an
+    executor runs models that batch (the engine gathers their jobs) and are no sequence models (whose state the
+    core's batcher keeps), on CUDA (or the CPU with KILN_EXECUTOR_CPU). The reason also says why such a model
+    cannot be placed on GPUs other than 0 (server/core/placement.py)."""
+    if backend != "cuda" and not (backend == "cpu" and _cpu_too()):
+        return f"the {backend} backend runs in the server process"
+    if mode() != "process":
+        return "KILN_EXECUTOR=thread (--gpu-executor thread) runs executions in the server process"
+    if max_batch_size <= 0:
+        return "a model with max_batch_size 0 runs in the server process (executor processes run models that batch)"
+    if sequence:
+        return "a sequence model runs in the server process (its batcher keeps the sequences' states there)"
+    return ""
+
+
 def runs_remote(backend: str, max_batch_size: int, sequence: bool) -> bool:
-    """Whether a model version runs in an executor process: one that batches (the engine gathers its jobs) and is
-    no sequence model (whose state the core's batcher keeps), on CUDA (or the CPU with KILN_EXECUTOR_CPU)."""
-    return (mode() == "process" and max_batch_size > 0 and not sequence
-            and (backend == "cuda" or (backend == "cpu" and _cpu_too())))
+    """Whether a model version runs in executor processes (`why_in_core` says why not)."""
+    return not why_in_core(backend, max_batch_size, sequence)
 
 
 def remote_regions(cuda_available: bool) -> bool:
@@ -84,13 +101,21 @@ def region_released(region_id: int) -> None:
 
 
 class ExecutorProcess:
-    """One model version's executor process, its control socket and one socket per worker lane."""
+    """One model version's executor process on one device, its control socket and one socket per worker lane.
 
-    def __init__(self, label: str, engine: Any, config_bytes: bytes, instances: int) -> None:
+    `device`: the visible CUDA ordinal its instances run on (None: no GPU of its own, as a CPU plan's). The child's
+    CUDA_VISIBLE_DEVICES lists that device first (`placement.child_visible_devices`), so the engine's ordinal 0
+    there is it, and the other devices follow (a client's CUDA shared memory on another GPU opens by peer access).
+    """
+
+    def __init__(self, label: str, engine: Any, config_bytes: bytes, instances: int, device: int | None = None,
+                 device_count: int = 0) -> None:
         self.label = label
         self.engine = engine  # described only (Runtime.describe): the executor holds the loaded one
         self._config = config_bytes
         self.instances = max(instances, 1)
+        self.device = device
+        self._device_count = device_count
         self.restarts = 0
         self._lock = threading.Lock()
         self._generation = 0
@@ -111,6 +136,8 @@ class ExecutorProcess:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
+        if self.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(self.device, self._device_count, os.environ)
         process = subprocess.Popen([sys.executable, "-m", "server.core.executor_main", str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
@@ -144,7 +171,8 @@ class ExecutorProcess:
         self._process, self._control = process, control
         self._lanes = [Channel(ours) for ours, _ in pairs]
         self._mapped = set()
-        log.info("%s: executor process %d ready with %d lane(s)", self.label, process.pid, len(self._lanes))
+        log.info("%s: executor process %d ready with %d lane(s)%s", self.label, process.pid, len(self._lanes),
+                 "" if self.device is None else f" on GPU {self.device} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})")
 
     def _channel(self, lane: int) -> tuple[Channel, int]:
         """The lane's socket now, starting the process again first when it has exited."""

@@ -15,6 +15,9 @@ time there while the GPU idled (docs/performance.md). Here a lane's Python runs 
 
 Faults: an execution that raises anything but a request error gets its context replaced before the reply (the
 core's `Workers` policy, applied where the context lives); a process that dies is restarted by the core.
+
+Devices: the process runs on one GPU, its CUDA ordinal 0 (the core lists that GPU first in CUDA_VISIBLE_DEVICES and
+the others after it: server/core/placement.py), so the engine's default device is the one it was placed on.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ STICKY_CUDA_ERRORS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCT
                       "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_ASSERT")
 #: exit status after a sticky CUDA error (the core's log names it)
 STICKY_EXIT = 70
+#: the CUDA ordinal the engine runs on: the executor's GPU comes first in its CUDA_VISIBLE_DEVICES
+ENGINE_DEVICE = 0
 
 
 class Regions:
@@ -78,7 +83,9 @@ class Regions:
         if spec.kind == "cuda":
             from engine_core.cuda.ipc import open_ipc_handle
 
-            region: Any = _IpcRegion(open_ipc_handle(spec.ipc_handle, spec.device_id))
+            # opened on the engine's device (ordinal 0 here: `placement.child_visible_devices`), not the client's
+            # `device_id` (the core's numbering): an allocation on another GPU maps by peer access
+            region: Any = _IpcRegion(open_ipc_handle(spec.ipc_handle, ENGINE_DEVICE))
         else:
             fd = fds[spec.fd_index]
             mapping = mmap.mmap(fd, spec.offset + spec.nbytes)

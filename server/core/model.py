@@ -13,7 +13,10 @@ import dataclasses
 import functools
 import math
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from server.plan_cache import build_description, cache_key, files_digest, server
 from server.protos import model_config_pb2
 from server.repository import ModelSource
 
-from . import build_process, execution, executor, model_description, warmup
+from . import build_process, execution, executor, model_description, placement, warmup
 from .adaptive import ProfileRanges, ShapeHistogram, variable_dims
 from .batcher import BatchingSettings, DynamicBatcher, Padding
 from .errors import invalid
@@ -39,6 +42,7 @@ from .model_config import (
     datatype_of,
     model_shape,
 )
+from .placement import Placement
 from .scheduler import INLINE_BELOW_NS, DirectScheduler, Executor, Scheduler, Workers
 from .sequence import sequence_batcher
 from .sequence_config import SequenceSettings, sequence_settings, server_filled_inputs
@@ -187,7 +191,8 @@ class ModelVersion(ServedModel):
 
     def __init__(self, name: str, version: int, config: ModelConfig, engine: kiln.CudaEngine,
                  labels: dict[str, list[str]], sequence: SequenceSettings | None = None,
-                 remote: bool = False) -> None:
+                 remote: bool = False, placements: Sequence[Placement] | None = None,
+                 device_count: int = 0) -> None:
         super().__init__(name, version, config, labels)
         self.engine = engine
         self.sequence = sequence  # the sequence batcher's settings (None: not a sequence model)
@@ -203,10 +208,12 @@ class ModelVersion(ServedModel):
         self.output_shapes = ShapeOracle(engine).output_shapes
         self.traffic = ShapeHistogram(variable_dims(_profile_ranges(config, max(config.max_batch_size, 1)), batched))
         count = sum(group.count for group in config.instance_group) or 1
-        #: the executor process its executions run in (`remote`: the engine is then only described here)
-        self.executor = (executor.ExecutorProcess(f"model '{name}' version {version}", engine,
-                                                  config.SerializeToString(), count) if remote else None)
-        contexts: list[object] = (list(self.executor.lanes) if self.executor is not None
+        placements = list(placements or [Placement(None, count)])
+        #: the executor processes its executions run in, one per device (`remote`: the engine is then only described
+        #: here); empty when they run in this process
+        self.executors = (_start_executors(f"model '{name}' version {version}", engine, config.SerializeToString(),
+                                           placements, device_count) if remote else [])
+        contexts: list[object] = (_interleaved([e.lanes for e in self.executors]) if self.executors
                                   else [engine.create_execution_context() for _ in range(count)])
         #: runs one job on a context: padded to its batch bucket on CUDA models that batch (execution.py)
         self.execute = execution.execute_bucketed if _bucketed(config, engine) else execution.execute
@@ -215,20 +222,23 @@ class ModelVersion(ServedModel):
                                                    self._record_execution, engine, self.execute, self.output_shapes,
                                                    sequence, remote)
         except BaseException:
-            if self.executor is not None:
-                self.executor.close()
+            self._close_executors()
             raise
-        if self.executor is not None:
-            self.workers.on_retire = self.executor.close  # once the scheduler's last execution returned
+        if self.executors:
+            self.workers.on_retire = self._close_executors  # once the scheduler's last execution returned
+
+    def _close_executors(self) -> None:
+        for process in self.executors:
+            process.close()
 
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
         (blocking: part of loading). Raises ServerError naming a sample that does not fit the model."""
-        contexts = list(dict.fromkeys(self.workers.initial))  # a pipelined context is in the pool twice
-        if self.executor is not None:  # the executor bound every bucket before it said ready; one lane per context
-            runs = len(self.executor.lanes) // self.executor.instances
-            warmup.run_model_warmup(self, contexts[::runs], directory)
+        if self.executors:  # each executor bound every bucket before it said ready; one lane per context
+            lanes = [lane for e in self.executors for lane in e.lanes[::len(e.lanes) // e.instances]]
+            warmup.run_model_warmup(self, lanes, directory)
             return
+        contexts = list(dict.fromkeys(self.workers.initial))  # a pipelined context is in the pool twice
         warmup.warm_up_buckets(self.config, contexts, self.engine)
         warmup.run_model_warmup(self, contexts, directory)
         warmup.prime_inline(self, contexts)
@@ -306,6 +316,33 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     if engine.backend == "cpu" and timeout_s is None and not remote:  # an inline one could not be abandoned
         workers.inline_below_ns = INLINE_BELOW_NS
     return scheduler
+
+
+def _start_executors(label: str, engine: kiln.CudaEngine, config_bytes: bytes, placements: list[Placement],
+                     device_count: int) -> list[executor.ExecutorProcess]:
+    """One executor process per placement, started together (each loads the plan and binds every bucket on its
+    own GPU); if one fails, the others are stopped and the first failure is raised."""
+    def start(place: Placement) -> executor.ExecutorProcess:
+        where = "" if place.device is None else f" on GPU {place.device}"
+        return executor.ExecutorProcess(label + where, engine, config_bytes, place.count, place.device, device_count)
+
+    if len(placements) == 1:
+        return [start(placements[0])]
+    with ThreadPoolExecutor(len(placements), thread_name_prefix="kiln-executor-start") as pool:
+        futures = [pool.submit(start, place) for place in placements]
+    failed = [error for future in futures if (error := future.exception()) is not None]
+    started = [future.result() for future in futures if future.exception() is None]
+    if failed:
+        for process in started:
+            process.close()
+        raise failed[0]
+    return started
+
+
+def _interleaved(lanes: Sequence[Sequence[object]]) -> list[object]:
+    """Every executor's lanes, alternating between executors (GPUs), so that the scheduler's free list, which
+    hands out the lane freed last, spreads a burst over the GPUs instead of filling one first."""
+    return [lane for group in zip_longest(*lanes) for lane in group if lane is not None]
 
 
 def _lanes(contexts: list[object]) -> list[object]:
@@ -555,7 +592,10 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
             profile.set_shape(name, low, opt, high)
         builder_config.add_optimization_profile(profile)
     key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend), path.name)
-    remote = executor.runs_remote(builder_config.backend, config.max_batch_size, sequence is not None)
+    in_core = executor.why_in_core(builder_config.backend, config.max_batch_size, sequence is not None)
+    devices = placement.visible_devices() if builder_config.backend == "cuda" else placement.Devices(0, str)
+    placements = placement.place_instances(config, builder_config.backend, in_core, lambda: devices)
+    remote = not in_core
     cached = server_cache().load_or_build(key, lambda: build_process.build_plan(path, builder_config, label), label,
                                           source.name, describe=remote)
     engine = cached.engine
@@ -563,7 +603,7 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     _check_declared_outputs(config, engine)
     labels = _read_labels(source, config)
     try:
-        model = ModelVersion(source.name, version, config, engine, labels, sequence, remote)
+        model = ModelVersion(source.name, version, config, engine, labels, sequence, remote, placements, devices.count)
     except executor.RemoteError as e:
         raise invalid(f"{label}: {e}") from None
     try:

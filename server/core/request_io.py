@@ -186,7 +186,7 @@ def device_io(model: ServedModel) -> bool:
     through the host for now. A model run by an executor process (`executor.py`, also CPU models in tests) takes
     region tensors by reference, whatever its backend."""
     return (isinstance(model, ModelVersion) and model.max_batch_size > 0 and model.sequence is None
-            and (model.engine.backend == "cuda" or model.executor is not None))
+            and (model.engine.backend == "cuda" or bool(model.executors)))
 
 
 def reads_in_place(model: ServedModel, datatype: str) -> bool:

@@ -111,3 +111,23 @@ def test_smoke_run(tmp_path):
             assert (tmp_path / f"perf_{name}_system.json").is_file()
     perf_doc = json.loads((tmp_path / "perf_bert_tiny_batched_system.json").read_text())
     assert perf_doc["shared_memory"] == "system" and perf_doc["input_data"] == "zero"
+
+
+def test_gpus_lists_place_one_model_each_and_compare_with_the_first(tmp_path):
+    args = gpu_serving.build_parser().parse_args(["--out", "x", "--models", "bert", "--variants", "batched",
+                                                  "--gpus", "0", "--gpus", "0, 1"])
+    setup = gpu_serving.make_setup(args)
+    assert setup.gpus == ("0", "0,1")
+    source = tmp_path / "m.onnx"
+    source.write_bytes(b"onnx")
+    names = gpu_serving.write_model(tmp_path / "repo", gpu_serving.spec_of(setup, "bert"), source, setup)
+    assert names == {"batched@0": "bert_cls_batched_g0", "batched@0,1": "bert_cls_batched_g0-1"}
+    assert "kind: KIND_GPU gpus: [ 0,1 ] }" in (tmp_path / "repo" / "bert_cls_batched_g0-1" / "config.pbtxt").read_text()
+    rows = (gpu_serving.served_rows("m", "grpc", "batched", _perf_doc([(128, 1000.0)], 4.0, 1000.0), RAW, 4, "0")
+            + gpu_serving.served_rows("m", "grpc", "batched", _perf_doc([(128, 1900.0)], 4.0, 500.0), RAW, 4, "0,1"))
+    assert [r["gpus"] for r in rows] == ["0", "0,1"]
+    (ratio,) = gpu_serving.peer_ratios(rows)
+    assert (ratio["comparison"], ratio["transport"], ratio["gpus"]) == ("gpus 0,1 / 0", "grpc batched", "0,1")
+    assert (ratio["infer_per_s"], ratio["p99"]) == pytest.approx((1.9, 0.5))
+    with pytest.raises(SystemExit, match="--gpus"):
+        gpu_serving.make_setup(gpu_serving.build_parser().parse_args(["--out", "x", "--gpus", "a"]))
