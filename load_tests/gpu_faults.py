@@ -17,8 +17,9 @@ Scenarios (each injects its fault after `--warm-s` of traffic):
   oversize  a model larger than the free device memory (this process holds device memory until `--oversize-gib` / 2
             is free; the model's weights are `--oversize-gib`) is loaded while resnet serves: the load must fail with
             a message naming the bytes needed and free, resnet must keep answering            (needs a GPU)
-  cuda      one request holds the fault plugin's STICKY value: its execution raises CUDA_ERROR_ILLEGAL_ADDRESS, the
-            batch fails (500 / INTERNAL) and the executor exits so that a fresh device context serves next
+  cuda      one request makes a real CUDA_ERROR_ILLEGAL_ADDRESS (the fault plugin's ILLEGAL_ADDRESS value: a kernel that
+            writes to an unmapped address; on the CPU its STICKY value raises the error's text), the batch fails
+            (500 / INTERNAL) and the executor exits so that a fresh device context serves next
   kill      resnet's executor process gets SIGKILL: the batches it was running answer 503 / UNAVAILABLE, it is started
             again, the frontends keep answering health
   reload    resnet unloaded and loaded again (requests meanwhile answer 503 / UNAVAILABLE "not loaded")
@@ -248,7 +249,7 @@ class FaultServer:
 
     def executor_pid(self, model: str) -> int | None:
         """The pid of `model`'s newest executor process, as the server logged it."""
-        pattern = re.compile(rf"model '{re.escape(model)}' version \d+: executor process (\d+) ready")
+        pattern = re.compile(rf"model '{re.escape(model)}' version \d+(?: on GPU \d+)?: executor process (\d+) ready")
         found = pattern.findall(self.log_path.read_text(errors="replace"))
         return int(found[-1]) if found else None
 
@@ -441,10 +442,11 @@ def settle(load: Load, fault_at: float, settings: Settings) -> None:
 # ---------------------------------------------------------------------------------------------- scenarios
 
 def scenario_cuda(server: FaultServer, settings: Settings) -> ScenarioResult:
-    """A sticky CUDA error in one execution of `faulty` (the plugin's real illegal-address kernel where it has one)."""
+    """A sticky CUDA error in one execution of `faulty`: on a GPU the plugin's kernel that writes to an unmapped
+    address (a real CUDA_ERROR_ILLEGAL_ADDRESS), on the CPU the error's text raised (STICKY)."""
     from tests.reliability import fault_plugin
 
-    value = float(getattr(fault_plugin, "ILLEGAL_ADDRESS", fault_plugin.STICKY))
+    value = fault_plugin.ILLEGAL_ADDRESS if settings.gpu else fault_plugin.STICKY
     result = ScenarioResult("cuda", "faulty")
     before = server.executor_pid("faulty")
     restarts = server.metric("kiln_worker_restarts_total", "faulty") or 0.0
