@@ -22,7 +22,7 @@ from engine_core.backends.cuda.lower_rules.movement import (
     concat_part,
     concat_table,
 )
-from engine_core.backends.cuda.lowering import Launch, LoweringOptions, Ref
+from engine_core.backends.cuda.lowering import Copy, Launch, LoweringOptions, Ref
 from engine_core.backends.cuda.lowering_context import THREADS, nhwc_strides
 from engine_core.backends.cuda.pointwise import contiguous_strides
 from engine_core.cuda.nvrtc import compile_kernel_file
@@ -252,12 +252,13 @@ def test_concats_of_graph_inputs_lower_to_concat_launches(name):
 
 
 def test_one_input_and_empty_inputs():
-    """A Concat with one non-empty input keeps the strided copy; empty inputs have no row."""
+    """A Concat with one non-empty input is a view of it (movement.view_source): as the graph output, one copy of
+    its bytes; empty inputs have no part."""
     case = _Case(np.float32, ((2, 0), (2, 3), (2, 0)), 1, ("linear",) * 3)
     feeds = {f"in{k}": x for k, x in enumerate(case.inputs())}
     graph, lowered = _lowered(_concat_model(case), {k: v.shape for k, v in feeds.items()}, LoweringOptions())
-    (launch,) = _concat_ops(lowered, "cat")
-    assert launch.module == "pointwise"
+    (copy,) = _concat_ops(lowered, "cat")
+    assert isinstance(copy, Copy) and copy.src == Ref("in1") and copy.nbytes == 2 * 3 * 4
     np.testing.assert_array_equal(Emulator(graph, lowered, feeds).run()["y"], feeds["in1"])
 
 

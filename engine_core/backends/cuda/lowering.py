@@ -11,6 +11,11 @@ layout through strides. Strict fp32 convolutions (no TF32) stay NCHW: cuDNN's fa
 NCHW kernels (``LoweringOptions.strict_fp32_nchw``). A layer that needs the logical (linear) layout gets
 a visible reformat step in front of it, and graph outputs are always linear.
 
+Strided views: a Split of an arena tensor writes nothing; each part is the input's bytes from its offset on, read
+through the input's strides (layout "strided", ``LoweringContext.view``), and so are the views of such a part that
+strides can describe (a decoder's head Reshape and Transpose of its q, k, v parts). Layers that read any strides
+(STRIDED_READERS, pointwise kernels) take them as they are; others get a reformat, as for channels-last.
+
 This module is the driver: it lowers each layer with the rule registered for its op type (``LOWERING_RULES``,
 lowering_context.py), places the tensors and plans the arena. The rules live by family in lower_rules/ (pointwise,
 movement, rows, norm, pool, gemm, attention, conv) and, for the INT8 layers, in int8_gemm.py and int8_conv.py; each
@@ -43,7 +48,13 @@ from engine_core.backends.cuda.lower_rules import rows as rows
 from engine_core.backends.cuda.lower_rules.attention import flash_shared_bytes as flash_shared_bytes  # lived here
 from engine_core.backends.cuda.lower_rules.conv import conv_layout as conv_layout  # lived here
 from engine_core.backends.cuda.lower_rules.gemm import GEMM_TACTICS as GEMM_TACTICS  # lived here
-from engine_core.backends.cuda.lower_rules.movement import VIEW_OPS, is_view, lower_view
+from engine_core.backends.cuda.lower_rules.movement import (
+    STRIDED_READERS,
+    VIEW_OPS,
+    lower_view,
+    view_source,
+    view_strides,
+)
 from engine_core.backends.cuda.lower_rules.pointwise import lower_pointwise
 from engine_core.backends.cuda.lowering_context import F16 as F16  # re-exported: lived here
 from engine_core.backends.cuda.lowering_context import F32 as F32  # re-exported: lived here
@@ -119,10 +130,10 @@ def lower_node(node: Node, ctx: LoweringContext) -> tuple[str, list, Node]:
         for name in node.outputs:
             if name:
                 ctx.info(name)
-        if node.op_type not in LAYOUT_AWARE or node.op_type in VIEW_OPS:  # a view (Identity too) aliases bytes
-            node = _with_linear_inputs(node, ctx)
-        if is_view(node, ctx):
-            return "view", lower_view(node, ctx), node
+        node = _with_readable_inputs(node, ctx)
+        view = view_source(node, ctx)
+        if view is not None:
+            return "view", lower_view(view, ctx), view
         if node.op_type == "Split" and node.inputs[0] in ctx.split_written:  # the GEMM wrote the parts
             return "fused:qgemm_split", [], replace(node, inputs=[], outputs=[])
         if node.op_type in POINTWISE_OPS or node.op_type == "Gelu":
@@ -133,20 +144,41 @@ def lower_node(node: Node, ctx: LoweringContext) -> tuple[str, list, Node]:
                 node = replace(node, inputs=[ctx.renamed.get(n, n) for n in node.inputs])
             if node.outputs and node.outputs[0] in ctx.split_written:
                 node = replace(node, outputs=list(ctx.split_readers[node.outputs[0]].outputs))
+            if not ops and all(name in ctx.views for name in node.outputs if name):  # a Split into views
+                return "view", ops, node
             return _tactic(node, ops), ops, node
         raise Unsupported(f"no CUDA implementation of {node.op_type}")
     except Unsupported:
         for name in node.outputs:
             ctx.layouts.pop(name, None)
+            ctx.views.pop(name, None)
         ctx.scratch = []
         node = _with_linear_inputs(node, ctx)
         return "host", [Host(node)], node
 
 
-def _with_linear_inputs(node: Node, ctx: LoweringContext) -> Node:
-    if not any(ctx.layouts.get(n) == "nhwc" for n in node.inputs if n):
+def _with_readable_inputs(node: Node, ctx: LoweringContext) -> Node:
+    """``node`` with each input in a layout its rule reads, others reformatted to linear first: channels-last for
+    LAYOUT_AWARE layers (a view aliases bytes: linear only), a strided view for STRIDED_READERS and for views that
+    can describe it by strides (``view_strides``; a Reshape that merges a Split part's rows cannot)."""
+    channels_last = node.op_type in LAYOUT_AWARE and node.op_type not in VIEW_OPS
+    strided = node.op_type in POINTWISE_OPS or node.op_type in STRIDED_READERS or (
+        node.op_type in (*VIEW_OPS, "Expand") and ctx.layouts.get(node.inputs[0]) == "strided"
+        and view_strides(node, ctx) is not None)
+
+    def readable(name: str) -> bool:
+        layout = ctx.layouts.get(name, "linear")
+        return layout == "linear" or layout == "nhwc" and channels_last or layout == "strided" and strided
+
+    if all(readable(n) for n in node.inputs if n):
         return node
-    inputs = [ctx.as_layout(n, "linear") if n and ctx.layouts.get(n) == "nhwc" else n for n in node.inputs]
+    return replace(node, inputs=[ctx.as_layout(n, "linear") if n and not readable(n) else n for n in node.inputs])
+
+
+def _with_linear_inputs(node: Node, ctx: LoweringContext) -> Node:
+    if all(ctx.layouts.get(n, "linear") == "linear" for n in node.inputs if n):
+        return node
+    inputs = [ctx.as_layout(n, "linear") if n and ctx.layouts.get(n, "linear") != "linear" else n for n in node.inputs]
     return replace(node, inputs=inputs)
 
 
@@ -168,13 +200,19 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
                 options: LoweringOptions | None = None) -> Lowered:
     """Lower every layer that is not a pure shape computation, place tensors, plan the arena."""
     graph_outputs = frozenset(graph.output_names)
-    ctx = LoweringContext(dict(infos), graph_outputs, gemm_choice or {}, options or LoweringOptions(), graph.constants)
+    ctx = LoweringContext(dict(infos), graph_outputs, gemm_choice or {}, options or LoweringOptions(), graph.constants,
+                          graph_inputs=frozenset(graph.input_names))
     io = set(graph.input_names) | graph_outputs
     locations: dict[str, tuple[str, Any]] = {n: ("io", n) for n in io}
     for name in graph.constants:
         locations.setdefault(name, ("weight", name))
     ctx.split_readers = _qmatmul_splits(graph)
-    alias: dict[str, str] = {}
+    alias = ctx.aliases  # tensor -> (the tensor whose bytes it is, byte offset into them)
+
+    def alias_of(name: str, source: str, offset: int = 0) -> None:
+        root, base = alias.get(source, (source, 0))
+        alias[name] = (root, base + offset)
+
     steps: list[Step] = []
     for node in graph.nodes:
         if node.outputs and all(infos.get(o) is not None and infos[o].value is not None for o in node.outputs if o):
@@ -182,18 +220,21 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
         tactic, ops, lowered_node = lower_node(node, ctx)
         for pre in ctx.pre_steps:  # reformats; a layout change that moves no bytes is an alias (as_layout)
             if pre.tactic == "view" and not pre.ops:
-                alias[pre.node.outputs[0]] = alias.get(pre.node.inputs[0], pre.node.inputs[0])
+                alias_of(pre.node.outputs[0], pre.node.inputs[0])
         steps.extend(ctx.pre_steps)
         ctx.pre_steps = []
-        if tactic == "view" and not ops:
-            alias[node.outputs[0]] = alias.get(lowered_node.inputs[0], lowered_node.inputs[0])
+        for name in lowered_node.outputs:  # views a rule made (Split parts, views of strided views)
+            if name in ctx.views:
+                alias_of(name, *ctx.views[name])
+        if tactic == "view" and not ops and lowered_node.outputs[0] not in alias:
+            alias_of(lowered_node.outputs[0], lowered_node.inputs[0])
         steps.append(Step(lowered_node, tactic, ops, list(ctx.scratch)))
     for name in ctx.weight_transforms:
         locations[name] = ("weight", name)
     folded = {}
     for step in steps:
         for name in step.node.inputs + _refs_of(step):
-            root = alias.get(name, name)
+            root = alias.get(name, (name, 0))[0]
             if root in ctx.folded_extra:
                 folded[root] = ctx.folded_extra[root]
                 locations[root] = ("folded", root)
@@ -209,7 +250,7 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
                                                                folded[f"{name}#value"].nbytes)]))
     sizes, sequence = {}, []
     for step in steps:
-        ins = [alias.get(n, n) for n in step.node.inputs if n]
+        ins = [alias.get(n, (n, 0))[0] for n in step.node.inputs if n]
         outs = [n for n in step.node.outputs if n and n not in alias] + step.scratch
         sequence.append((ins, outs))
         for name in outs:
@@ -219,11 +260,14 @@ def lower_graph(graph: Graph, infos: Mapping[str, TensorInfo], gemm_choice: Mapp
     memory = plan_memory(liveness(sequence, sizes))
     for name, offset in memory.offsets.items():
         locations[name] = ("arena", offset)
-    for name, root in alias.items():
+    for name, (root, offset) in alias.items():
         if name not in locations:
-            locations[name] = locations.get(root, ("arena", 0))
+            kind, key = locations.get(root, ("arena", 0))
+            if offset and kind != "arena":  # ctx.in_arena keeps views at an offset to arena tensors
+                raise AssertionError(f"'{name}' views '{root}' ({kind}) at byte {offset}")
+            locations[name] = (kind, key + offset) if offset else (kind, key)
     return Lowered(steps, locations, memory, folded, list(dict.fromkeys(ctx.kernels)), ctx.infos,
-                   dict(ctx.weight_transforms), dict(ctx.layouts))
+                   dict(ctx.weight_transforms), dict(ctx.layouts), dict(ctx.view_strides))
 
 
 def _qmatmul_splits(graph: Graph) -> dict[str, Node]:

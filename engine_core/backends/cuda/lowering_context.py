@@ -239,6 +239,8 @@ class Lowered:
     #: derived weights: name -> (source weight, transform), e.g. ("w", "krsc") for channels-last filters
     weight_transforms: dict[str, tuple[str, str]] = field(default_factory=dict)
     layouts: dict[str, str] = field(default_factory=dict)
+    #: element strides of the tensors whose layout is "strided" (views of another tensor's bytes: Split parts)
+    view_strides: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: the layers after the first data-dependent ones (host_tail.py): these steps are the device part's
     tail: HostTail | None = None
 
@@ -299,6 +301,14 @@ class LoweringContext:
     #: write the parts itself (qgemm.lower adds the output to ``split_written``); that Split then has no step
     split_readers: dict[str, Node] = field(default_factory=dict)
     split_written: set[str] = field(default_factory=set)
+    #: the graph's inputs: like its outputs, bound by the caller (no arena offset can address a part of one)
+    graph_inputs: frozenset[str] = frozenset()
+    #: tensor -> (the tensor it aliases at last, byte offset into it): lower_graph keeps it, from the views below
+    aliases: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: tensors a rule made views of another's bytes: name -> (the tensor viewed, byte offset into it)
+    views: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: element strides of the tensors whose layout is "strided" (views that are not contiguous, e.g. a Split part)
+    view_strides: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def info(self, name: str) -> TensorInfo:
         info = self.infos.get(name)
@@ -318,7 +328,28 @@ class LoweringContext:
     def strides(self, name: str) -> tuple[int, ...]:
         """Element strides of ``name``'s physical layout (logical dims)."""
         shape = self.info(name).shape
-        return nhwc_strides(shape) if self.layouts.get(name) == "nhwc" else contiguous_strides(shape)
+        layout = self.layouts.get(name)
+        if layout == "strided":
+            return self.view_strides[name]
+        return nhwc_strides(shape) if layout == "nhwc" else contiguous_strides(shape)
+
+    def view(self, name: str, source: str, byte_offset: int, strides: tuple[int, ...]) -> None:
+        """``name`` is ``source``'s bytes from ``byte_offset`` on, read through ``strides`` (no step writes it):
+        "strided" unless those are the contiguous strides."""
+        self.views[name] = (source, byte_offset)
+        if tuple(strides) == contiguous_strides(self.info(name).shape):
+            self.layouts.pop(name, None)
+        else:
+            self.layouts[name] = "strided"
+            self.view_strides[name] = tuple(strides)
+
+    def in_arena(self, name: str) -> bool:
+        """Whether ``name``'s bytes are an arena tensor's (or a view of one): what a view at an offset may alias.
+        Graph inputs and outputs are the caller's buffers, weights and host-known values have their own."""
+        root = self.aliases.get(name, (name, 0))[0]
+        info = self.infos.get(root)
+        return (root not in self.graph_inputs and root not in self.graph_outputs and root not in self.constants
+                and root not in self.weight_transforms and info is not None and info.value is None)
 
     def kernel(self, kernel: PointwiseKernel) -> PointwiseKernel:
         self.kernels.append(kernel)
@@ -337,7 +368,7 @@ class LoweringContext:
             if layout == "nhwc":
                 self.layouts[out] = "nhwc"
             node = Node("Identity", [name], [out], {}, f"reformat:{name}->{layout}", "", 1, [name])
-            if same_bytes_in_both_layouts(info.shape):  # [N, C, 1, 1] (squeeze-and-excitation) or [N, 1, H, W]
+            if current != "strided" and same_bytes_in_both_layouts(info.shape):  # [N, C, 1, 1] (squeeze-and-excitation) or [N, 1, H, W]
                 self.pre_steps.append(Step(node, "view", []))  # an alias of the same bytes (lower_graph)
             else:
                 launch = copy_launch(self, info.dtype, Ref(out), Ref(name), info.shape, self.strides(out),

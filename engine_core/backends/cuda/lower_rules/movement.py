@@ -1,4 +1,5 @@
-"""Lowering rules that move data: views (aliases), Transpose, Expand, Slice, Split (strided copies), Concat (one
+"""Lowering rules that move data: views (aliases, strided views of strided views), Transpose, Expand, Slice
+(strided copies), Split (views at offsets where the input lives in the arena, else strided copies), Concat (one
 concat.cu launch for all its inputs) and Gather (gather.cu).
 """
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,30 +32,105 @@ from engine_core.ir import Node
 from engine_core.ops.registry import normalize_axis
 
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+#: ops whose rules read every input through ``ctx.strides``, so a strided view (a Split part, a head transpose of
+#: one) needs no copy in front of them: the generated pointwise kernels, the concat kernel and strided copies,
+#: flash attention (its operands' batch, head and row strides are arguments)
+STRIDED_READERS = frozenset({"Gelu", "PointwiseChain", "Concat", "Transpose", "Split", "Attention",
+                             "AttentionQuantize"})
+
+
+def view_source(node: Node, ctx: LoweringContext) -> Node | None:
+    """``node`` as a view of one input's bytes (that input first), or None when it moves data at these shapes.
+
+    Views: the view ops; an Expand with nothing to broadcast (fuse_attention's key-count Expand of a mask that
+    already has the key count: one per layer); a Transpose that moves only dims of size 1 (a decoder's head split
+    and merge of one new token, [B, 1, H, D] <-> [B, H, 1, D]) or whose input is a strided view already (then only
+    its strides move); a Concat whose other inputs are empty (an export's Concat of the one past, a prefill's
+    Concat of an empty past). An input that is a strided view must have strides for the result (``view_strides``:
+    a Reshape may need a copy first). Bindings are per input shapes, so the same layer is a copy at shapes where
+    it moves data."""
+    if not node.inputs or not node.inputs[0] or node.op_type not in (*VIEW_OPS, "Expand", "Transpose", "Concat"):
+        return None
+    if node.op_type == "Concat":
+        filled = [n for n in node.inputs if n and int(np.prod(ctx.info(n).shape, dtype=np.int64))]
+        if len(filled) != 1 or ctx.layouts.get(filled[0], "linear") == "nhwc":
+            return None
+        node = replace(node, inputs=filled)
+    shape = ctx.info(node.inputs[0]).shape  # unknown: Unsupported (the layer runs on the host)
+    layout = ctx.layouts.get(node.inputs[0], "linear")
+    if layout == "strided":
+        return node if view_strides(node, ctx) is not None else None
+    if node.op_type == "Transpose":
+        moved = [axis for axis in _perm(node, len(shape)) if shape[axis] != 1]
+        return node if moved == sorted(moved) and layout == "linear" else None
+    if node.op_type in VIEW_OPS or shape == ctx.info(node.outputs[0]).shape:
+        return node
+    return None
+
+
+def view_strides(node: Node, ctx: LoweringContext) -> tuple[int, ...] | None:
+    """Element strides of a view layer's output over its first input's bytes (read through that input's strides),
+    or None when no strides describe it (a Reshape merging dims that are not contiguous)."""
+    src, shape = ctx.strides(node.inputs[0]), ctx.info(node.inputs[0]).shape
+    out = ctx.info(node.outputs[0]).shape
+    if node.op_type == "Transpose":
+        return tuple(src[axis] for axis in _perm(node, len(shape)))
+    if node.op_type in ("Expand", "Concat"):
+        return tuple(src) if tuple(shape) == tuple(out) else None
+    return reshape_strides(shape, src, out)
+
+
+def reshape_strides(shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """Strides that read ``shape`` (at ``strides``) as ``new_shape`` without a copy, or None (numpy's rule: each
+    group of old dims merged or split into new ones must be contiguous within itself)."""
+    if int(np.prod(new_shape, dtype=np.int64)) == 0:
+        return contiguous_strides(tuple(new_shape))
+    old = [(int(d), int(s)) for d, s in zip(shape, strides) if d != 1]
+    new = [int(d) for d in new_shape]
+    result = [0] * len(new)
+    i = j = 0  # next old dim, next new dim
+    while i < len(old):
+        group_end, size = i + 1, old[i][0]  # old dims i..group_end-1 become new dims j..k-1
+        k, new_size = j, 1
+        while new_size != size:
+            if new_size < size:
+                if k == len(new):
+                    return None
+                new_size *= new[k]
+                k += 1
+            elif group_end == len(old):
+                return None
+            else:
+                size *= old[group_end][0]
+                group_end += 1
+        if any(old[a][1] != old[a + 1][0] * old[a + 1][1] for a in range(i, group_end - 1)):
+            return None
+        stride = old[group_end - 1][1]
+        for d in range(k - 1, j - 1, -1):
+            result[d] = stride
+            stride *= new[d]
+        i, j = group_end, k
+    return tuple(result)  # new dims of size 1 left over keep stride 0: nothing steps along them
+
+
+def _perm(node: Node, rank: int) -> list[int]:
+    return node.attr("perm", None) or list(reversed(range(rank)))
 
 
 def lower_view(node: Node, ctx: LoweringContext) -> list:
-    """Views alias their input; only a view that is a graph output needs a copy."""
-    if node.outputs[0] not in ctx.graph_outputs:
+    """Views alias their input (``node`` as ``view_source`` gives it); the view of a strided view is one too. Only a
+    view that is a graph output needs a copy."""
+    src, out_name = node.inputs[0], node.outputs[0]
+    out = ctx.info(out_name)
+    strided = ctx.layouts.get(src) == "strided"
+    if out_name not in ctx.graph_outputs:
+        if strided:
+            ctx.view(out_name, src, 0, view_strides(node, ctx) or ())
         return []
-    out = ctx.info(node.outputs[0])
-    return [Copy(Ref(node.outputs[0]), Ref(node.inputs[0]), int(np.prod(out.shape)) * out.dtype.itemsize)]
-
-
-def is_view(node: Node, ctx: LoweringContext) -> bool:
-    """A layer whose output is its input's bytes: the view ops, an Expand with nothing to broadcast at these
-    shapes (fuse_attention's key-count Expand of a mask that already has the key count: one per layer), and a
-    Transpose that moves only dims of size 1 at these shapes (a decoder's head split and merge of one new token,
-    [B, 1, H, D] <-> [B, H, 1, D]: two copies per layer and decode step otherwise). Bindings are per input shapes, so
-    the same layer is a copy at shapes where it moves data."""
-    if not node.inputs or not node.inputs[0] or node.op_type not in (*VIEW_OPS, "Expand", "Transpose"):
-        return False
-    shape = ctx.info(node.inputs[0]).shape  # unknown: Unsupported (the layer runs on the host)
-    if node.op_type == "Transpose":
-        perm = node.attr("perm", None) or list(reversed(range(len(shape))))
-        moved = [axis for axis in perm if shape[axis] != 1]
-        return moved == sorted(moved) and ctx.layouts.get(node.inputs[0], "linear") == "linear"
-    return node.op_type in VIEW_OPS or shape == ctx.info(node.outputs[0]).shape
+    if strided:
+        return [copy_launch(ctx, out.dtype, Ref(out_name), Ref(src), out.shape, contiguous_strides(out.shape),
+                            view_strides(node, ctx))]
+    return [Copy(Ref(out_name), Ref(src), int(np.prod(out.shape)) * out.dtype.itemsize)]
 
 
 @lowering_rule("Transpose")
@@ -224,17 +300,23 @@ def _lower_slice(node: Node, ctx: LoweringContext) -> list:
 
 @lowering_rule("Split")
 def _lower_split(node: Node, ctx: LoweringContext) -> list:
-    """Split: one strided copy per output, each reading the input from its offset along the axis (the
-    output shapes, known from shape inference, give the sizes whichever way the split was declared)."""
+    """Split: each output a view of the input at its offset along the axis, read through the input's strides
+    (``ctx.view``; a decoder's q, k, v parts of one packed projection: three copies per layer and step otherwise),
+    where the input lives in the arena and the part is no graph output; else one strided copy per output. The
+    output shapes, known from shape inference, give the sizes whichever way the split was declared."""
     x = ctx.info(node.inputs[0])
     axis = normalize_axis(node.attr("axis", 0), len(x.shape))
-    strides = contiguous_strides(x.shape)
+    strides = ctx.strides(node.inputs[0])
+    viewable = ctx.in_arena(node.inputs[0])
     ops, start = [], 0
     for name in node.outputs:
         out = ctx.info(name)
-        if name and int(np.prod(out.shape, dtype=np.int64)):
-            ops.append(copy_launch(ctx, x.dtype, Ref(name), Ref(node.inputs[0], start * strides[axis] * x.dtype.itemsize),
-                                   out.shape, contiguous_strides(out.shape), strides))
+        offset = start * strides[axis] * x.dtype.itemsize
+        if viewable and name not in ctx.graph_outputs:
+            ctx.view(name, node.inputs[0], offset, strides)
+        elif int(np.prod(out.shape, dtype=np.int64)):
+            ops.append(copy_launch(ctx, x.dtype, Ref(name), Ref(node.inputs[0], offset), out.shape,
+                                   contiguous_strides(out.shape), strides))
         start += out.shape[axis]
     return ops
 
