@@ -18,7 +18,10 @@ held. Learned from vLLM's engine-core process and Triton's backends in C++ besid
 Faults: an execution error comes back as the engine raised it (a request error) or as `RemoteError` (a fault: the
 executor replaced the context already); a process that exits is started again by the next call of any lane, and
 the calls that were waiting on it fail with UNAVAILABLE naming the exit (503: retry; the other requests go on). Each
-GPU's process restarts alone: the other GPUs keep serving.
+GPU's process restarts alone: the other GPUs keep serving. A restarted process serves as soon as its plan is loaded
+and binds each batch bucket on its first batch (`warm_buckets` False): binding every bucket first made every queued
+request wait for all of them (ResNet-50 fp16 on an H200: ~11 s for 10 buckets, mostly cuDNN graph builds), where one
+bucket's binding is ~1 s. A first load still binds every bucket before the model is ready (#30's first request).
 """
 
 from __future__ import annotations
@@ -131,8 +134,9 @@ class ExecutorProcess:
         threading.Thread(target=self._forget_loop, daemon=True, name=f"kiln-executor-forget-{label}").start()
 
     # -- process ------------------------------------------------------------------------------------------
-    def _start(self) -> None:
-        """Start the process, hand it the plan, wait until it is warm, then give it the lane sockets."""
+    def _start(self, restart: bool = False) -> None:
+        """Start the process, hand it the plan, wait until it is warm (a `restart`: until the plan is loaded), then
+        give it the lane sockets."""
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
@@ -144,7 +148,7 @@ class ExecutorProcess:
         control = Channel(ours)
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
-                          "modules": plugin_modules(self.engine.plan.build_info)})
+                          "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not restart})
             timeout_s = start_timeout_s()
             ours.settimeout(timeout_s)  # a hung start fails the load instead of leaving it loading forever
             try:
@@ -198,7 +202,7 @@ class ExecutorProcess:
         self._close_channels()
         self._generation += 1
         self.restarts += 1
-        self._start()
+        self._start(restart=True)
 
     def _close_channels(self) -> None:
         for channel in [*self._lanes, *([self._control] if self._control else [])]:

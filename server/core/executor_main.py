@@ -235,7 +235,7 @@ class _LaneStats:
 class Executor:
     """The engine, its contexts and the lanes that run batches on them."""
 
-    def __init__(self, plan: bytes, config_bytes: bytes, instances: int) -> None:
+    def __init__(self, plan: bytes, config_bytes: bytes, instances: int, warm_buckets: bool = True) -> None:
         import engine_core as kiln
         from server.core import warmup
         from server.core.model_config import ModelConfig
@@ -246,7 +246,10 @@ class Executor:
         self.runs = getattr(self.contexts[0], "concurrent_runs", 1)
         self.regions = Regions(self.engine.backend == "cuda")
         self._lock = threading.Lock()
-        warmup.warm_up_buckets(self.config, self.contexts, self.engine)  # honours kiln_warmup_buckets
+        if warm_buckets:  # honours kiln_warmup_buckets
+            warmup.warm_up_buckets(self.config, self.contexts, self.engine)
+        else:  # a restart: requests are waiting, so each bucket is bound on its first batch (executor.py)
+            log.info("model '%s': a restarted executor; batch buckets are bound on first use", self.config.name)
 
     def context(self, lane: int) -> Any:
         return self.contexts[(lane // self.runs) % len(self.contexts)]
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for module in load.get("modules", ()):  # the plugins the plan uses register themselves on import
             importlib.import_module(module)
-        executor = Executor(load["plan"], load["config"], load["instances"])
+        executor = Executor(load["plan"], load["config"], load["instances"], load.get("warm_buckets", True))
     except BaseException as error:  # noqa: BLE001 - the core fails the model's load with this message
         control.send(error_reply(error))
         return 1

@@ -119,6 +119,28 @@ def test_a_killed_executor_fails_only_the_call_it_was_running_and_is_started_aga
     assert executor.restarts == 1 and executor._process is not old
 
 
+def test_a_restarted_executor_serves_before_binding_its_buckets(executor, monkeypatch) -> None:
+    """A first start binds every batch bucket before ready; a restart (requests waiting) binds each on first use."""
+    from server.core import executor as executor_module
+
+    loads: list[dict] = []
+
+    class Recording(executor_module.Channel):
+        def send(self, message, fds=()):
+            if isinstance(message, dict) and "plan" in message:
+                loads.append(message)
+            return super().send(message, fds)
+
+    monkeypatch.setattr(executor_module, "Channel", Recording)
+    old = executor._process
+    assert old is not None
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    parts = [_rows(1, 5)]
+    np.testing.assert_array_equal(executor.lanes[0].infer_batch(parts)[0]["SUM"], parts[0]["A"] + parts[0]["B"][:, :1])
+    assert [load["warm_buckets"] for load in loads] == [False]
+
+
 def _executor_pids(root: int) -> list[int]:
     """Executor processes among `root`'s descendants."""
     found = []
