@@ -45,14 +45,23 @@ class LaunchMixin:
                          staged: StagedCopies | None = None) -> None:
         from cuda.bindings import driver
 
-        events = [check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(len(binding.lowered.steps) + 1)]
-        check(driver.cuEventRecord(events[0], stream), "cuEventRecord")
-        self._launch_all(binding, schedule, addresses, stream, consumed_event, after_step=events[1:],
+        # an event after each step that launches something; views (no ops) get none and are not reported, as
+        # layers TensorRT removed are not: events around them timed only the host's gap between two launches
+        start = check(driver.cuEventCreate(0), "cuEventCreate")
+        after = [check(driver.cuEventCreate(0), "cuEventCreate") if step.ops else None
+                 for step in binding.lowered.steps]
+        check(driver.cuEventRecord(start, stream), "cuEventRecord")
+        self._launch_all(binding, schedule, addresses, stream, consumed_event, after_step=after,
                          listener=listener, staged=staged)
-        check(driver.cuEventSynchronize(events[-1]), "cuEventSynchronize")
-        for step, start, stop in zip(binding.lowered.steps, events, events[1:]):
-            profiler.report_layer_time(step.node.name, float(check(driver.cuEventElapsedTime(start, stop), "time")))
-        for event in events:
+        recorded = [event for event in after if event is not None]
+        check(driver.cuEventSynchronize(recorded[-1] if recorded else start), "cuEventSynchronize")
+        previous = start
+        for step, event in zip(binding.lowered.steps, after):
+            if event is not None:
+                profiler.report_layer_time(step.node.name, float(check(driver.cuEventElapsedTime(previous, event),
+                                                                       "time")))
+                previous = event
+        for event in [start, *recorded]:
             driver.cuEventDestroy(event)
 
     def _ensure_slots(self, schedule: RunSchedule) -> None:
@@ -97,7 +106,7 @@ class LaunchMixin:
                 for key, (slot, offset) in schedule.streamed.get(index, {}).items():
                     current[key] = self._slots[slot].ptr + offset
                 self._run_step(steps[index], binding, resolve, stream)
-                if after_step is not None:
+                if after_step is not None and after_step[index] is not None:
                     check(driver.cuEventRecord(after_step[index], stream), "cuEventRecord")
             elif kind == "record":
                 check(driver.cuEventRecord(events[action[2]], streams[action[1]]), "cuEventRecord")
