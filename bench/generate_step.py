@@ -80,14 +80,19 @@ def summary(path: str, batch: int, past: int, times: list[float]) -> dict[str, A
             "p90_ms": percentile(times, 90), "min_ms": min(times), "tokens_per_s": batch / (median / 1e3)}
 
 
-def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Per-layer decode times at (``batch``, ``past``): every layer's mean ms, summed per kind, the slowest layers."""
-    blocks = batch * -(-(past + 1) // args.block_tokens)
-    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks)
+def prefilled_pool(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> tuple[Any, list[int]]:
+    """A device pool of ``batch`` sequences, each prefilled with ``past`` random tokens and room for one more."""
+    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=batch * -(-(past + 1) // args.block_tokens))
     seqs = list(range(batch))
     for seq in seqs:
         pool.reserve(seq, past + 1)
     prefill(runner, pool, seqs, past, args.prefill_chunk, args.seed)
+    return pool, seqs
+
+
+def profile_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Per-layer decode times at (``batch``, ``past``): every layer's mean ms, summed per kind, the slowest layers."""
+    pool, seqs = prefilled_pool(runner, batch, past, args)
     time_steps(runner, pool, seqs, past, 2, 0)  # the decode context bound at this shape
     recorder = LayerTimes()
     context = runner._stepper.decode_context if runner._stepper is not None else runner.context
@@ -112,12 +117,7 @@ def kernel_steps(runner: DecoderRunner, batch: int, past: int, args: argparse.Na
 
     from bench.engine import kernel_profile
 
-    blocks = batch * -(-(past + 1) // args.block_tokens)
-    pool = runner.new_pool(block_tokens=args.block_tokens, num_blocks=blocks)
-    seqs = list(range(batch))
-    for seq in seqs:
-        pool.reserve(seq, past + 1)
-    prefill(runner, pool, seqs, past, args.prefill_chunk, args.seed)
+    pool, seqs = prefilled_pool(runner, batch, past, args)
     step_ms = statistics.median(time_steps(runner, pool, seqs, past, 3, args.iters, argmax=True))
     kernels = kernel_profile(lambda: time_steps(runner, pool, seqs, past, 0, 1, argmax=True),
                              torch.cuda.current_stream(), runs=args.iters, top=40)
