@@ -19,6 +19,8 @@
 #                kernel, cuBLASLt + epilogue kernel) vs fp16 (Kiln, torch) and torch._int_mm                ~3 min
 #   bert         bench.engine BERT-base tf32+fp16 at batch 1, 8, 64 vs torch eager + compile reduce-overhead  ~4 min
 #   resnet       bench.engine ResNet-50 tf32+fp16 at batch 1, 8, 32, 128, same peers                          ~5 min
+#   strict       bench.engine ResNet-50 strict fp32 against TF32 at batch 128, torch eager beside it (#34's line: strict
+#                fp32 <= 3x TF32; 4.1x on an H100, torch with cudnn.benchmark 5.3x)                          ~3 min
 #   autotune     torch.compile max-autotune-no-cudagraphs peer, tf32: BERT 8, ResNet 128 and 8 (compiles ~2 min each) ~9 min
 #   int8         bench.int8 (ResNet-50 / BERT-base INT8 vs Kiln fp16) and bench.accuracy (1,000 images)       ~9 min
 #   cudnn_int8   bench.cudnn_int8: every ResNet-50 convolution as one requantizing INT8 cuDNN graph vs fp16          ~2 min
@@ -84,6 +86,9 @@ for stage in "$@"; do
     resnet)
       timeout 330 python3 -m bench.engine --models resnet50 --precisions tf32,fp16 --batches 1,8,32,128 \
         --peers eager,reduce-overhead --compile-batches 1,8,32,128 --out "$OUT" 2>&1 | quiet | tail -14 ;;
+    strict)
+      timeout 240 python3 -m bench.engine --models resnet50 --precisions fp32,tf32 --batches 128 --peers eager \
+        --out "$OUT" 2>&1 | quiet | tail -8 ;;
     autotune)
       # compiles take 80-115 s per BERT shape: session 4 measured BERT batch 1 and 64 (bench/results/engine_autotune_*);
       # this runs what is left, one invocation per shape so a timeout keeps the shapes already measured
