@@ -12,6 +12,7 @@
 #   models       tests/cuda/test_models_gpu.py: every tools/make_models.py model at fp32/TF32/FP16 vs the CPU
 #                backend (split from tests in session 6; ~5.5 min on a cold kernel cache, session 10)     ~6 min
 #   pointwise    bench.pointwise: generated kernels at BERT-base sizes vs a same-size copy and torch eager    ~1 min
+#   pool         bench.global_pool: channels-last global pooling's band kernel vs the per-output kernel it replaced  ~1 min
 #   norm         bench.norm: residual-add + LayerNorm (and its int8-quantizing form) vs torch eager and a copy  ~1 min
 #   attention    the flash attention GPU tests, then bench.attention: fused attention (and attention -> int8) at
 #                BERT-base sizes, seq 512 and causal head size 128 vs torch scaled_dot_product_attention   ~2 min
@@ -67,6 +68,8 @@ for stage in "$@"; do
         2>&1 | quiet | tail -40 | tee "$OUT/gpu_model_tests.txt" ;;
     pointwise)
       timeout 150 python3 -m bench.pointwise --out "$OUT" 2>&1 | quiet | tail -8 ;;
+    pool)
+      timeout 120 python3 -m bench.global_pool --out "$OUT" 2>&1 | quiet | tail -7 ;;
     norm)
       timeout 150 python3 -m bench.norm --out "$OUT" 2>&1 | quiet | tail -4 ;;
     attention)

@@ -2,11 +2,10 @@
 group of channel runs, its threads spread over the positions; split into bands of rows when there are few blocks),
 long linear (NCHW) inputs reduce.cu's row reduction. Without a GPU: the kernels the lowering picks, and the lowered
 launches emulated on the host against the CPU backend. On the device (``gpu``): the CUDA backend against the CPU
-backend, each storage type against numpy, and the time against the per-output kernel (pool2d_nhwc) it replaces."""
+backend and each storage type against numpy. How fast against the per-output kernel (pool2d_nhwc) it replaced:
+`python -m bench.global_pool` (device_session.sh's `pool` stage)."""
 
 from __future__ import annotations
-
-import ctypes
 
 import ml_dtypes
 import numpy as np
@@ -15,19 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import engine_core as kiln
-from engine_core.backends.cuda.lower_rules.pool import PoolGeom, _pool_geom
+from bench.global_pool import device_setup, run_launches
 from engine_core.backends.cuda.lowering import LoweringOptions, lower_graph
-from engine_core.backends.cuda.lowering_context import (
-    LOWERING_RULES,
-    THREADS,
-    Launch,
-    LoweringContext,
-    Ref,
-    grid_for,
-)
+from engine_core.backends.cuda.lowering_context import THREADS, Launch
 from engine_core.interpret import GraphRunner
-from engine_core.ir import Node
-from engine_core.ops import TensorInfo
 from tests.cuda.emulate import Emulator
 from tests.cuda.test_backend_cpu import _graph_and_infos
 
@@ -169,42 +159,6 @@ def test_global_pools_match_the_cpu_backend(shape, precision):
                                    err_msg=name)
 
 
-def _lower_one(op: str, shape: tuple[int, int, int, int], dtype) -> tuple[LoweringContext, Node, list[Launch]]:
-    """One channels-last pool lowered on its own: its context (tensor infos, scratch), node and launches."""
-    n, c, h, w = shape
-    attrs = {"kernel_shape": [h, w]} if op == "AveragePool" else {}
-    node = Node(op, ["x"], ["y"], attrs, "pool", "", 17)
-    infos = {"x": TensorInfo(np.dtype(dtype), shape), "y": TensorInfo(np.dtype(dtype), (n, c, 1, 1))}
-    ctx = LoweringContext(infos, frozenset(), {}, LoweringOptions(), {}, layouts={"x": "nhwc"})
-    return ctx, node, LOWERING_RULES[op](node, ctx)
-
-
-def _run(module, launches: list[Launch], buffers: dict, stream: int) -> None:
-    """The launches as the runner makes them (a parameter block of addresses: the geometry struct by value)."""
-    from engine_core.backends.cuda.runner_binding import _PreparedLaunch
-
-    for op in launches:
-        _PreparedLaunch(op, module.function(op.function)).run(lambda ref: buffers[ref.tensor].ptr + ref.offset,
-                                                             stream)
-
-
-def _device_setup(op: str, shape, dtype, seed: int = 0):
-    """The pool module, the lowered launches, device buffers (x channels-last) and the logical input."""
-    from engine_core.cuda import driver
-    from engine_core.cuda.driver import DeviceBuffer, Module
-    from engine_core.cuda.nvrtc import compile_kernel_file
-
-    major, minor = driver.compute_capability()
-    module = Module(compile_kernel_file("pool", arch=f"sm_{major}{minor}"))
-    ctx, node, launches = _lower_one(op, shape, dtype)
-    x = pool_feed(shape, np.float32, seed).astype(dtype)
-    buffers = {"x": DeviceBuffer.from_array(np.ascontiguousarray(x.transpose(0, 2, 3, 1)))}
-    for name in ["y", *ctx.scratch]:
-        info = ctx.infos[name]
-        buffers[name] = DeviceBuffer(int(np.prod(info.shape)) * info.dtype.itemsize)
-    return module, ctx, node, launches, buffers, x
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (np.float16, 2e-3), (ml_dtypes.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("shape", [*DEVICE_SHAPES, (1, 8, 3, 5), (2, 1000, 1, 1), (3, 264, 9, 17)])
@@ -212,9 +166,10 @@ def _device_setup(op: str, shape, dtype, seed: int = 0):
 def test_band_kernel_matches_numpy_in_every_storage_type(op, shape, dtype, tol):
     from engine_core.cuda import driver
 
-    module, ctx, node, launches, buffers, x = _device_setup(op, shape, dtype)
+    x = pool_feed(shape, np.float32).astype(dtype)
+    module, _, _, launches, buffers = device_setup(op, x)
     assert all("global" in launch.function for launch in launches), [launch.function for launch in launches]
-    _run(module, launches, buffers, 0)
+    run_launches(module, launches, buffers, 0)
     driver.synchronize()
     got = buffers["y"].to_array(np.dtype(dtype), (shape[0], shape[1], 1, 1)).astype(np.float32)
     values = x.astype(np.float32)
@@ -222,32 +177,3 @@ def test_band_kernel_matches_numpy_in_every_storage_type(op, shape, dtype, tol):
         np.testing.assert_array_equal(got, values.max(axis=(2, 3), keepdims=True))
     else:
         np.testing.assert_allclose(got, values.mean(axis=(2, 3), keepdims=True), rtol=tol, atol=tol)
-
-
-def _device_ms(module, launches: list[Launch], buffers: dict, runs: int = 50) -> float:
-    from engine_core.cuda.driver import EventTimer, Stream
-
-    stream = Stream()
-    _run(module, launches, buffers, stream.handle)  # warm
-    timer = EventTimer(stream.handle)
-    timer.start()
-    for _ in range(runs):
-        _run(module, launches, buffers, stream.handle)
-    return timer.stop() / runs
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 32, 112, 112), (1, 1152, 7, 7), (128, 32, 112, 112), (128, 1152, 7, 7)])
-def test_band_kernel_is_faster_than_the_per_output_kernel(shape):
-    """pool_band_nhwc against pool2d_nhwc (what channels-last global pools ran before: a thread per 16-byte run of
-    an output walking the whole window) on the same fp16 input; prints both times and the bandwidth."""
-    module, ctx, node, launches, buffers, x = _device_setup("GlobalAveragePool", shape, np.float16)
-    geom = _pool_geom(node, ctx)
-    runs = shape[0] * shape[1] // 8
-    old = [Launch("pool", "avg_pool_nhwc_f16", grid_for(runs), (THREADS, 1, 1),
-                  [(Ref("x"), ctypes.c_void_p), (Ref("y"), ctypes.c_void_p), (geom, PoolGeom)])]
-    old_ms, new_ms = _device_ms(module, old, buffers), _device_ms(module, launches, buffers)
-    gbps = x.nbytes / new_ms / 1e6
-    print(f"\n{shape} fp16 GlobalAveragePool: pool2d_nhwc {old_ms * 1e3:.1f} us, pool_band_nhwc {new_ms * 1e3:.1f} us "
-          f"({len(launches)} launches, grid {launches[0].grid}, block {launches[0].block}, {gbps:.0f} GB/s)")
-    assert new_ms < old_ms
