@@ -104,9 +104,9 @@ def _cacheable(_: Any, config: ModelConfig) -> bool:
 
 
 def _on_gpu_zero_or_placed(value: Any, config: ModelConfig) -> bool:
-    """instance_group.gpus: ONNX models are placed on any GPUs (placement.place_instances checks the ids); Python and
-    generative models run on GPU 0."""
-    return list(value) == [0] or config.backend not in ("python", "kiln_llm")
+    """instance_group.gpus: ONNX models are placed on any GPUs (placement.place_instances checks the ids), Python
+    models get an instance on each (python_model._instances); generative models run on GPU 0."""
+    return list(value) == [0] or config.backend != "kiln_llm"
 
 
 # Model config parameters Kiln reads, and where (each reader checks its value when the model loads).
@@ -317,10 +317,11 @@ FIELDS: dict[str, Rule] = {
                                   "completed config lists them (placement.place_instances). Refused at load: an id "
                                   "past the visible devices, GPUs of different compute capabilities, and GPUs other "
                                   "than 0 for models that run in the server process (max_batch_size 0, sequence "
-                                  "models, --gpu-executor thread), with the reason. Python and generative models run "
-                                  "on GPU 0", _on_gpu_zero_or_placed,
-                                  f"{_NOT_YET} placing Python or generative models on GPUs other than 0. Use gpus: [0] "
-                                  "(or leave it out), or run one server per GPU with --gpus"),
+                                  "models, --gpu-executor thread), with the reason. Python models: count instances "
+                                  "on each listed GPU, model_instance_device_id set (python_model._instances). "
+                                  "Generative models run on GPU 0", _on_gpu_zero_or_placed,
+                                  f"{_NOT_YET} placing generative models on GPUs other than 0. Use gpus: [0] (or leave "
+                                  "it out), or run one server per GPU with --gpus"),
     "instance_group.secondary_devices": refused(f"{_NOT_YET} secondary devices (NVDLA). Remove secondary_devices",
                                                 whole=True),
     "instance_group.profile": refused("Kiln picks the optimization profile for each request itself "

@@ -76,7 +76,7 @@ def place_instances(config: ModelConfig, backend: str, why_in_core: str,
             _keep_on_device_zero(config, group, why_in_core)
         elif not group.gpus:
             group.gpus.extend(range(found.count))
-        _check_ids(config, group, found.count)
+        check_ids(config, group, found.count)
     if why_in_core:
         return [Placement(None, total)]
     _check_one_architecture(config, found)
@@ -95,7 +95,8 @@ def _keep_on_device_zero(config: ModelConfig, group: InstanceGroup, why_in_core:
         group.gpus.append(0)
 
 
-def _check_ids(config: ModelConfig, group: InstanceGroup, count: int) -> None:
+def check_ids(config: ModelConfig, group: InstanceGroup, count: int) -> None:
+    """INVALID_ARGUMENT when `group` lists a GPU at or past the `count` visible devices."""
     for gpu in group.gpus:
         if not 0 <= gpu < count:
             raise invalid(f"model '{config.name}': instance group '{group.name}' lists GPU {gpu}, but this server "

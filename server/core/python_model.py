@@ -38,7 +38,7 @@ from server.protos import model_config_pb2
 from server.python_backend import wire
 from server.repository import ModelSource, select_versions
 
-from . import warmup
+from . import placement, warmup
 from .batcher import BatchingSettings, DynamicBatcher
 from .config_fields import refusals
 from .errors import ErrorKind, ServerError, invalid
@@ -131,6 +131,11 @@ def complete_python_config(config: ModelConfig, name: str) -> ModelConfig:
         group.count = group.count or 1
         if group.kind == _KIND.KIND_AUTO:  # Triton's choice: the GPU when there is one
             group.kind = _KIND.KIND_GPU if "cuda" in kiln.available_backends() else _KIND.KIND_CPU
+        if group.kind == _KIND.KIND_GPU and "cuda" in kiln.available_backends():
+            devices = placement.visible_devices().count
+            if not group.gpus:  # Triton's: every visible GPU
+                group.gpus.extend(range(devices))
+            placement.check_ids(config, group, devices)
     return config
 
 
@@ -549,14 +554,17 @@ async def _auto_complete(stub: Stub, config: ModelConfig, model_file: Path, vers
 
 def _instances(config: ModelConfig, source: ModelSource, version: int, model_file: Path, python: str,
                environment: dict[str, str], core: BlsRunner) -> list[Instance]:
-    """One Instance per instance_group count, with Triton's initialize args (the completed config as JSON)."""
+    """One Instance per instance_group count (on each of a KIND_GPU group's GPUs), with Triton's initialize args (the
+    completed config as JSON; `model_instance_device_id` the GPU). Stubs see every GPU: the model places its own
+    work there, as under Triton's Python backend."""
     timeout_s = execution_timeout_s(config)
     config_json = json.dumps(config_to_dict(config))
     instances = []
     for group in config.instance_group:
-        for index in range(group.count):
+        # Triton's: `count` instances on each listed GPU of a KIND_GPU group, named alike on every GPU
+        devices = list(group.gpus) if group.kind == _KIND.KIND_GPU and group.gpus else [0]
+        for index, device in ((index, device) for index in range(group.count) for device in devices):
             label = f"{group.name}_{index}"
-            device = group.gpus[index % len(group.gpus)] if group.gpus else 0
             args = {"model_config": config_json, "model_instance_kind": _INSTANCE_KINDS.get(group.kind, "CPU"),
                     "model_instance_name": label, "model_instance_device_id": str(device),
                     "model_repository": str(source.directory), "model_version": str(version),

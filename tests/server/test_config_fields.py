@@ -71,7 +71,7 @@ REFUSED_EXAMPLES = {
     "instance_group.rate_limiter.resources": 'instance_group [{ rate_limiter { resources [{ name: "R1" count: 2 }] '
                                              "} }]",
     "instance_group.rate_limiter.priority": "instance_group [{ rate_limiter { priority: 2 } }]",
-    "instance_group.gpus": 'backend: "python"\ninstance_group [{ kind: KIND_GPU gpus: [0, 1] }]',
+    "instance_group.gpus": 'backend: "kiln_llm"\ninstance_group [{ kind: KIND_GPU gpus: [0, 1] }]',
     "instance_group.secondary_devices": "instance_group [{ secondary_devices [{ kind: KIND_NVDLA device_id: 0 }] }]",
     "instance_group.profile": 'instance_group [{ profile: ["0"] }]',
     "instance_group.passive": "instance_group [{ passive: true }]",
@@ -238,7 +238,7 @@ def test_a_refused_field_fails_the_load_naming_field_and_model(repository: Path,
 
 
 def test_the_refusal_shows_the_value_and_lists_every_refused_field():
-    config = parse_config_text('backend: "python"\ninstance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\n'
+    config = parse_config_text('backend: "kiln_llm"\ninstance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\n'
                                "sequence_batching { iterative_sequence: true }", "m")
     found = [(r.path, r.shown) for r in refusals(config)]
     assert found == [("instance_group.gpus", "[0, 1]"), ("instance_group.kind", "KIND_MODEL"),
@@ -247,7 +247,7 @@ def test_the_refusal_shows_the_value_and_lists_every_refused_field():
         ConfigFieldCheck().check(config, "m")
     message = failure.value.message
     assert message.startswith("model 'm': config field 'instance_group.gpus' ([0, 1]) is refused: Kiln does not yet "
-                              "support placing Python or generative models on GPUs other than 0")
+                              "support placing generative models on GPUs other than 0")
     assert "'instance_group.kind' (KIND_MODEL)" in message
     assert "'sequence_batching.iterative_sequence' (True) is refused" in message
 

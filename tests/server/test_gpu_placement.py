@@ -248,3 +248,19 @@ def test_when_one_gpu_s_executor_fails_to_start_the_others_are_stopped(monkeypat
     with pytest.raises(executor.RemoteError, match="model 'm' version 1 on GPU 1: out of memory"):
         model_module._start_executors("model 'm' version 1", None, b"", [Placement(0, 1), Placement(1, 1)], 2)
     assert len(made) == 1 and made[0].closed
+
+
+def test_python_models_get_count_instances_on_each_listed_gpu_with_triton_s_device_ids(tmp_path):
+    """Triton's Python backend: a KIND_GPU group makes `count` instances on each of its GPUs, named alike on every
+    GPU, each told its GPU in model_instance_device_id; a KIND_CPU group's instances say device 0."""
+    from server.core.python_model import _instances
+    from server.repository import ModelSource
+
+    config = parse_config_text('name: "m"\nbackend: "python"\ninstance_group [{ name: "g" count: 2 kind: KIND_GPU '
+                               'gpus: [0, 1] }, { name: "c" count: 1 kind: KIND_CPU }]', "m")
+    source = ModelSource("m", tmp_path, None, {1: tmp_path / "1"})
+    instances = _instances(config, source, 1, tmp_path / "1" / "model.py", "python3", {}, None)  # type: ignore[arg-type]
+    seen = [(i.args["model_instance_name"], i.args["model_instance_kind"], i.args["model_instance_device_id"])
+            for i in instances]
+    assert seen == [("g_0", "GPU", "0"), ("g_0", "GPU", "1"), ("g_1", "GPU", "0"), ("g_1", "GPU", "1"),
+                    ("c_0", "CPU", "0")]
