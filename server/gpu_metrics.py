@@ -4,6 +4,8 @@ Triton reads them through DCGM; NVML (the `nvidia-ml-py` package, imported as `p
 gives the same numbers without a DCGM daemon. Without the package, without a driver or without a GPU the families
 are simply not exported (logged once at info), never an error: a CPU-only server scrapes as before. Values are
 read at most once per `--metrics-interval-ms` (Triton's "per interval" metrics), `Sampled` keeping the last ones.
+Only the GPUs CUDA shows the server are reported (CUDA_VISIBLE_DEVICES, `kiln serve --gpus`), matched to NVML's by
+PCI bus id as Triton matches DCGM's; when CUDA cannot say (no driver bindings), every GPU NVML sees.
 """
 
 from __future__ import annotations
@@ -35,12 +37,31 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def bus_key(bus_id: str) -> tuple[int, ...]:
+    """A PCI bus id as numbers, so CUDA's "0000:19:00.0" and NVML's "00000000:19:00.0" compare equal."""
+    domain, bus, rest = bus_id.strip().lower().split(":")
+    device, function = rest.split(".")
+    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+
+
+def cuda_bus_ids() -> set[tuple[int, ...]] | None:
+    """The PCI bus ids of the GPUs CUDA shows this process, None when CUDA cannot be asked."""
+    try:
+        from engine_core.cuda import driver
+
+        return {bus_key(driver.pci_bus_id(i)) for i in range(driver.device_count())}
+    except Exception:  # noqa: BLE001 - no cuda-python, no driver: NVML's whole list
+        return None
+
+
 class NvmlGpus:
     """The GPUs NVML sees; `families()` reads them. Set up on first use, so a server that is never scraped never
     loads NVML. `load` imports the module (tests pass a fake)."""
 
-    def __init__(self, load: Callable[[], ModuleType] = lambda: importlib.import_module("pynvml")) -> None:
+    def __init__(self, load: Callable[[], ModuleType] = lambda: importlib.import_module("pynvml"),
+                 visible: Callable[[], set[tuple[int, ...]] | None] = cuda_bus_ids) -> None:
         self._load = load
+        self._visible = visible
         self._nvml: ModuleType | None = None
         self._devices: list[tuple[str, Any]] = []  # (uuid, handle)
         self._energy_start_mj: dict[str, int] = {}
@@ -52,13 +73,16 @@ class NvmlGpus:
             nvml = self._load()
             nvml.nvmlInit()
             devices = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            visible = self._visible()
+            if visible is not None:  # the GPUs this server may use, as Triton reports them
+                devices = [h for h in devices if bus_key(_text(nvml.nvmlDeviceGetPciInfo(h).busId)) in visible]
             self._devices = [(_text(nvml.nvmlDeviceGetUUID(handle)), handle) for handle in devices]
         except Exception as e:  # noqa: BLE001 - no package, no driver (NVMLError), no permission: no GPU metrics
             log.info("GPU metrics are not exported: NVML is not usable (%s: %s); install kiln[gpu] on a machine "
                      "with an NVIDIA driver for them", type(e).__name__, e)
             return
         if not self._devices:
-            log.info("GPU metrics are not exported: NVML sees no GPU")
+            log.info("GPU metrics are not exported: NVML sees no GPU this server may use")
             return
         self._nvml = nvml
         for uuid, handle in self._devices:

@@ -188,6 +188,16 @@ def device_name(ordinal: int = 0) -> str:
     return name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
 
 
+def pci_bus_id(ordinal: int = 0) -> str:
+    """The device's PCI bus id as the driver writes it ("0000:19:00.0"): how NVML's view of the same GPU is found."""
+    from cuda.bindings import driver
+
+    _init()
+    device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
+    text = check(driver.cuDeviceGetPCIBusId(32, device), "cuDeviceGetPCIBusId")
+    return (text.split(b"\0", 1)[0].decode() if isinstance(text, bytes) else str(text)).strip()
+
+
 def memory_info(ordinal: int = 0) -> tuple[int, int]:
     """(free, total) bytes of the device's memory, as the driver reports them in its primary context."""
     from cuda.bindings import driver

@@ -130,6 +130,7 @@ def _fake_nvml(energy_mj: list[int]) -> types.ModuleType:
     nvml.nvmlDeviceGetCount = lambda: 2
     nvml.nvmlDeviceGetHandleByIndex = lambda i: i
     nvml.nvmlDeviceGetUUID = lambda h: [b"GPU-aaaa", "GPU-bbbb"][h]
+    nvml.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=[b"00000000:19:00.0", "00000000:3B:00.0"][h])
     nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=[37, 0][h], memory=5)
     nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=80 << 30, used=[3 << 30, 0][h], free=0)
 
@@ -147,7 +148,7 @@ def _fake_nvml(energy_mj: list[int]) -> types.ModuleType:
 def test_nvml_gauges_with_a_fake_nvml():
     energy = [5_000_000]
     fake = _fake_nvml(energy)
-    gpus = NvmlGpus(load=lambda: fake)
+    gpus = NvmlGpus(load=lambda: fake, visible=lambda: None)  # CUDA not asked: every GPU NVML sees
     first = {f.name: f for f in gpus.families()}
     energy[0] += 2_500  # 2.5 J later
     families = {f.name: {s.labels["gpu_uuid"]: s.value for s in f.samples} for f in gpus.families()}
@@ -160,23 +161,34 @@ def test_nvml_gauges_with_a_fake_nvml():
     assert first["nv_energy_consumption"].type == "counter" and first["nv_gpu_utilization"].type == "gauge"
 
 
+def test_only_the_gpus_cuda_shows_the_server_are_reported():
+    """CUDA_VISIBLE_DEVICES / --gpus: NVML lists every GPU of the machine; the server reports those CUDA shows it,
+    matched by PCI bus id (CUDA writes a 4-digit domain, NVML an 8-digit one), as Triton does."""
+    from server.gpu_metrics import bus_key
+
+    visible = {bus_key("0000:3b:00.0")}
+    families = {f.name: f for f in NvmlGpus(load=lambda: _fake_nvml([0]), visible=lambda: visible).families()}
+    assert {s.labels["gpu_uuid"] for s in families["nv_gpu_memory_total_bytes"].samples} == {"GPU-bbbb"}
+    assert list(NvmlGpus(load=lambda: _fake_nvml([0]), visible=set).families()) == []  # CUDA shows none
+
+
 def test_no_nvml_means_no_gpu_families_logged_once(caplog):
     def missing():
         raise ModuleNotFoundError("No module named 'pynvml'")
 
-    gpus = NvmlGpus(load=missing)
+    gpus = NvmlGpus(load=missing, visible=lambda: None)
     with caplog.at_level(logging.INFO, logger="kiln.server.metrics"):
         assert list(gpus.families()) == [] and list(gpus.families()) == []
     assert len([r for r in caplog.records if "GPU metrics are not exported" in r.message]) == 1
     no_gpu = _fake_nvml([0])
     no_gpu.nvmlDeviceGetCount = lambda: 0
-    assert list(NvmlGpus(load=lambda: no_gpu).families()) == []
+    assert list(NvmlGpus(load=lambda: no_gpu, visible=lambda: None).families()) == []
 
 
 def test_nvml_module_monkeypatched_in_sys_modules(monkeypatch):
     """The default loader imports `pynvml` lazily: a module put in its place is what gets read."""
     monkeypatch.setitem(__import__("sys").modules, "pynvml", _fake_nvml([0]))
-    names = {f.name for f in NvmlGpus().families()}
+    names = {f.name for f in NvmlGpus(visible=lambda: None).families()}
     assert {"nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
             "nv_gpu_power_limit", "nv_energy_consumption"} <= names
 
