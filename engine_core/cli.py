@@ -349,6 +349,24 @@ def runs_here(summary: dict) -> str | None:
     return check_plan_compatibility(meta, device_arch() if summary["backend"] == "cuda" else None, kiln.__version__)
 
 
+def devices_here(summary: dict) -> list[dict]:
+    """Each GPU this process sees (CUDA_VISIBLE_DEVICES applies) and whether a CUDA plan can be placed on it: what
+    a server's instance_group gpus may list for it. Empty for CPU plans and machines without a GPU."""
+    if summary["backend"] != "cuda" or "cuda" not in kiln.available_backends():
+        return []
+    from engine_core.cuda import device_count
+    from engine_core.cuda.driver import device_name
+
+    meta = {k: summary[k] for k in ("engine_version", "backend", "arch", "build_info")}
+    found = []
+    for ordinal in range(device_count()):
+        arch = device_arch(ordinal)
+        refusal = check_plan_compatibility(meta, arch, kiln.__version__)
+        found.append({"gpu": ordinal, "name": device_name(ordinal), "arch": arch, "ok": refusal is None,
+                      "reason": refusal})
+    return found
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         with open(args.plan, "rb") as f:
@@ -359,6 +377,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     summary = engine_summary(plan)
     refusal = runs_here(summary)
     summary["runs_here"] = {"ok": refusal is None, "reason": refusal}
+    summary["gpus_here"] = devices_here(summary)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -371,6 +390,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"needs: Kiln {needs['kiln_versions']} (version_compatible={needs['version_compatible']}); "
               f"{needs['devices']}; hardware compatibility level {needs['hardware_compatibility_level']}")
     print(f"runs here (Kiln {kiln.__version__}): " + ("yes" if refusal is None else f"no: {refusal}"))
+    for gpu in summary["gpus_here"]:  # where a server may place its instances (instance_group gpus)
+        print(f"GPU {gpu['gpu']} ({gpu['name']}, {gpu['arch']}): " + ("can run it" if gpu["ok"] else
+                                                                     f"cannot: {gpu['reason']}"))
     print(io_table(summary))
     for index, profile in enumerate(summary["profiles"]):
         for name, s in profile.items():

@@ -221,9 +221,9 @@ def check_plan_compatibility(plan_meta: Mapping[str, Any], device_arch: str | No
     return check_version(plan_meta, kiln_version) or check_hardware(plan_meta, device_arch)
 
 
-def device_arch() -> str | None:
-    """This machine's GPU 0 as "sm_XY", or None without a usable CUDA backend."""
+def device_arch(ordinal: int = 0) -> str | None:
+    """This machine's GPU ``ordinal`` (as CUDA numbers them here) as "sm_XY", or None without a usable CUDA backend."""
     if "cuda" not in registry.available_backends():
         return None
-    major, minor = compute_capability()
+    major, minor = compute_capability(ordinal)
     return f"sm_{major}{minor}"

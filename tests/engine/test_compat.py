@@ -184,6 +184,28 @@ def test_kiln_inspect_shows_what_a_plan_needs(tmp_path, capsys):
     assert summary["runs_here"] == {"ok": True, "reason": None}
 
 
+def test_kiln_inspect_lists_the_gpus_a_cuda_plan_can_be_placed_on(tmp_path, capsys, monkeypatch):
+    """`kiln inspect` names each GPU this process sees and whether the plan runs there (what instance_group gpus
+    may list), here one sm_90 and one sm_86 GPU for an sm_90 plan."""
+    import engine_core.cuda
+    import engine_core.cuda.driver
+
+    path = tmp_path / "gpu.plan"
+    path.write_bytes(resign(build(), lambda m: m.update(backend="cuda", arch="sm_90")))
+    archs = ["sm_90", "sm_86"]
+    monkeypatch.setattr(cli.kiln, "available_backends", lambda: ["cuda", "cpu"])
+    monkeypatch.setattr(cli, "device_arch", lambda ordinal=0: archs[ordinal])
+    monkeypatch.setattr(engine_core.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(engine_core.cuda.driver, "device_name", lambda ordinal=0: f"GPU model {ordinal}")
+    assert cli.main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "GPU 0 (GPU model 0, sm_90): can run it" in text
+    assert "GPU 1 (GPU model 1, sm_86): cannot: plan was built on an incompatible device" in text
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    gpus = json.loads(capsys.readouterr().out)["gpus_here"]
+    assert [(g["gpu"], g["ok"]) for g in gpus] == [(0, True), (1, False)]
+
+
 def test_kiln_build_compatibility_flags(tmp_path, capsys):
     import onnx
 
