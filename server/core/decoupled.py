@@ -14,8 +14,9 @@ returns (the responses sent later count as that request's), queue and compute ti
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -179,14 +180,28 @@ def _executed(done: asyncio.Future, model: ServedModel, stream: Stream, batch: i
 async def stream_parts(submit: Callable[[InferRequest, OnPart], Any], request: InferRequest
                        ) -> AsyncIterator[StreamPart]:
     """`submit_stream` as an async iterator of its parts, up to the final one; leaving early withdraws the request."""
-    parts: asyncio.Queue[StreamPart] = asyncio.Queue()
-    handle = submit(request, parts.put_nowait)
-    final = False
+    async for _, part in merged_stream_parts(submit, [request]):
+        yield part
+
+
+async def merged_stream_parts(submit: Callable[[InferRequest, OnPart], Any], requests: Sequence[InferRequest]
+                              ) -> AsyncIterator[tuple[int, StreamPart]]:
+    """Several requests' streams as one async iterator of (request index, part), in arrival order, until every
+    stream's final part (OpenAI's `n` choices); leaving early withdraws the requests still running."""
+    parts: asyncio.Queue[tuple[int, StreamPart]] = asyncio.Queue()
+    handles = [submit(request, functools.partial(_tagged, parts, index)) for index, request in enumerate(requests)]
+    running = set(range(len(requests)))
     try:
-        while not final:
-            part = await parts.get()
-            final = part.final
-            yield part
+        while running:
+            index, part = await parts.get()
+            if part.final:
+                running.discard(index)
+            yield index, part
     finally:
-        if not final and handle is not None:
-            handle.cancel()
+        for index in running:
+            if handles[index] is not None:
+                handles[index].cancel()
+
+
+def _tagged(parts: asyncio.Queue[tuple[int, StreamPart]], index: int, part: StreamPart) -> None:
+    parts.put_nowait((index, part))

@@ -108,11 +108,40 @@ def test_stop_and_seeded_sampling(llm_server, llm_repository, tokenizer):
     assert sampled[0] == sampled[1]
 
 
+def test_n_choices_whole_and_streamed(llm_server, llm_repository, tokenizer):
+    """`n` choices: each its own sampled sequence (choice i seeded seed + i, so choice 0 replays an n=1 request with
+    the seed), indexed 0..n-1; the usage counts the prompt once and every choice's tokens; a stream carries every
+    choice's chunks under its index, each choice's finish reason, and the usage once at the end."""
+    client = _client(llm_server)
+    sampled = dict(model=MODEL, prompt="the", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    whole = client.completions.create(n=3, **sampled)
+    single = client.completions.create(**sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.choices[0].text == single.choices[0].text
+    assert len({c.text for c in whole.choices}) > 1  # other seeds, other samples
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens == len(tokenizer.encode("the"))
+    assert whole.usage.completion_tokens == 3 * single.usage.completion_tokens == 3 * 6
+
+    text, reason = greedy_text(llm_repository, tokenizer, _chat_prompt_ids(tokenizer), STEPS)
+    greedy = dict(model=MODEL, messages=MESSAGES, max_tokens=STEPS, temperature=0, stream=True,
+                  stream_options={"include_usage": True})
+    chunks = list(client.chat.completions.create(n=2, **greedy))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == text  # greedy: both choices the reference's
+        assert [c.finish_reason for c in mine if c.finish_reason] == [reason]
+    usages = [c.usage for c in chunks if c.usage is not None]
+    one = [c.usage for c in client.chat.completions.create(**greedy) if c.usage is not None]
+    assert len(usages) == 1 and not chunks[-1].choices
+    assert usages[0].completion_tokens == 2 * one[0].completion_tokens and usages[0].prompt_tokens == one[0].prompt_tokens
+
+
 @pytest.mark.parametrize(("call", "error", "param", "words"), [
     ({"model": "nope"}, openai.NotFoundError, "model", ["nope"]),
     ({"model": "identity"}, openai.NotFoundError, "model", ["not a generative model"]),
     ({"temperature": 3}, openai.BadRequestError, "temperature", ["temperature", "[0, 2]"]),
-    ({"n": 2}, openai.BadRequestError, "n", ["'n' must be 1"]),
+    ({"n": 0}, openai.BadRequestError, "n", ["'n' must be between 1 and 128"]),
     ({"extra_body": {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}},
      openai.BadRequestError, "response_format", ["response_format", "tools"]),
     ({"presence_penalty": 2.5}, openai.BadRequestError, "presence_penalty", ["presence_penalty", "[-2, 2]"]),

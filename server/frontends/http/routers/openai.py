@@ -11,8 +11,10 @@ a stream early (the client disconnects) withdraws the request, which frees its K
 Log-probabilities (completions' `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N`) ask the model for its
 `logprobs` output (`return_logprobs`, the vLLM backend's JSON per token) and are reshaped as OpenAI's: completions'
 `{tokens, token_logprobs, top_logprobs, text_offset}`, chat's `{content: [{token, logprob, bytes, top_logprobs}]}`,
-each chunk of a stream with its own tokens'. Only what Kiln does is accepted: `n` 1, no `echo` (prompt
-log-probabilities), tools or other fields (a field it does not take is 400, named); OpenAI's `presence_penalty` and
+each chunk of a stream with its own tokens'. `n` choices (up to MAX_CHOICES) are `n` requests to the core, merged
+into one answer: each choice's chunks carry its `index`, the usage counts the prompt once and every choice's tokens,
+and with a `seed` choice `i` samples with `seed + i` (so choices differ and a request replays). Only what Kiln does is
+accepted: no `echo` (prompt log-probabilities), tools or other fields (a field it does not take is 400, named); OpenAI's `presence_penalty` and
 `frequency_penalty` and vLLM's `repetition_penalty`, `top_k` and `ignore_eos` are taken. Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for a model that is not a loaded
 generative model.
@@ -33,7 +35,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.core import InferInput, InferRequest, InferResponse
-from server.core.decoupled import StreamPart, stream_parts
+from server.core.decoupled import StreamPart, merged_stream_parts
 from server.core.errors import ErrorKind, ServerError
 from server.core.generative_config import GENERATIVE_BACKEND
 from server.core.generative_request import chat_messages, stop_strings
@@ -45,6 +47,7 @@ router = APIRouter(tags=["openai"])
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs (and vLLM's default max_logprobs; OpenAI's completions stop at 5)
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_CHOICES = 128  # OpenAI's bound on n
 
 #: fields every request may carry, with the checks of their values (None: any value is taken as null)
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop", "user",
@@ -91,6 +94,7 @@ class Call:
     sampling: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -103,15 +107,19 @@ class Call:
         """How many most likely tokens each token's log-probabilities list (None: no log-probabilities)."""
         return self.sampling.get("logprobs")
 
-    def infer_request(self) -> InferRequest:
+    def infer_request(self, choice: int = 0) -> InferRequest:
+        """The core's request for choice `choice` (its own id and, with a seed, seed + choice)."""
         prompt = json.dumps(self.prompt) if self.chat else self.prompt
+        sampling = dict(self.sampling)
+        if choice and "seed" in sampling:
+            sampling["seed"] += choice
         inputs = [_bytes_input("messages" if self.chat else "text_input", str(prompt)),
-                  _bytes_input("sampling_parameters", json.dumps(self.sampling)),
+                  _bytes_input("sampling_parameters", json.dumps(sampling)),
                   InferInput("stream", "BOOL", (1,), np.array([self.stream])),
                   InferInput("exclude_input_in_output", "BOOL", (1,), np.array([True]))]
         if self.logprobs is not None:
             inputs.append(InferInput("return_logprobs", "BOOL", (1,), np.array([True])))
-        return InferRequest(self.model, inputs, id=self.id)
+        return InferRequest(self.model, inputs, id=self.id if self.n == 1 else f"{self.id}-{choice}")
 
 
 def _bytes_input(name: str, text: str) -> InferInput:
@@ -140,7 +148,10 @@ def parse_call(body: Any, chat: bool) -> Call:
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise OpenAIError(400, "'stream_options.include_usage' must be true or false", "stream_options")
-    return Call(chat, model, prompt, _sampling(body, chat), stream, include_usage)
+    n = _typed(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise OpenAIError(400, f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
+    return Call(chat, model, prompt, _sampling(body, chat), stream, include_usage, n or 1)
 
 
 def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -162,9 +173,6 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: 
 
 def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The request's sampling fields as the model's `sampling_parameters`."""
-    n = _typed(body, "n", int)
-    if n not in (None, 1):
-        raise OpenAIError(400, f"'n' must be 1: Kiln generates one choice per request, got {n}", "n")
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _typed(body, limit, int)
     if max_tokens is not None and max_tokens < 1:
@@ -298,21 +306,25 @@ def _top_by_text(token: ListedToken) -> dict[str, float]:
     return top
 
 
-def _usage(piece: Piece) -> dict[str, int]:
-    return {"prompt_tokens": piece.prompt_tokens, "completion_tokens": piece.completion_tokens,
-            "total_tokens": piece.prompt_tokens + piece.completion_tokens}
+def _usage(lasts: list[Piece]) -> dict[str, int]:
+    """The usage of choices whose last pieces are `lasts`: the prompt once, every choice's completion tokens."""
+    prompt, completion = lasts[0].prompt_tokens, sum(piece.completion_tokens for piece in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _whole(call: Call, pieces: list[Piece]) -> dict[str, Any]:
-    """The non-streamed answer."""
-    text, last, logprobs = "".join(p.text for p in pieces), pieces[-1], LogprobsShape(call)(pieces)
-    if call.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": last.finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+def _whole(call: Call, choices: list[list[Piece]]) -> dict[str, Any]:
+    """The non-streamed answer: one choice per list of pieces, in index order."""
+    listed = []
+    for index, pieces in enumerate(choices):
+        text, last, logprobs = "".join(p.text for p in pieces), pieces[-1], LogprobsShape(call)(pieces)
+        if call.chat:
+            listed.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                           "finish_reason": last.finish_reason})
+        else:
+            listed.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason})
     return {"id": call.response_id, "object": "chat.completion" if call.chat else "text_completion",
-            "created": call.created, "model": call.model, "choices": [choice], "usage": _usage(last)}
+            "created": call.created, "model": call.model, "choices": listed,
+            "usage": _usage([pieces[-1] for pieces in choices])}
 
 
 def _chunk(call: Call, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -323,39 +335,43 @@ def _chunk(call: Call, choices: list[dict[str, Any]], usage: dict[str, int] | No
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _choice(call: Call, text: str | None, reason: str | None, role: bool = False,
+def _choice(call: Call, index: int, text: str | None, reason: str | None, role: bool = False,
             logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if not call.chat:
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
     delta: dict[str, Any] = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _piece_chunks(call: Call, piece: Piece, shape: LogprobsShape) -> list[bytes]:
-    """The events of one response of a stream: its text and tokens, then (chat) the finish reason on its own, and
-    the usage after the last."""
+def _piece_chunks(call: Call, index: int, piece: Piece, shape: LogprobsShape) -> list[bytes]:
+    """The events of one response of choice `index`'s stream: its text and tokens, then (chat) the finish reason
+    on its own."""
     chunks = []
     if piece.text or piece.logprobs or (piece.finish_reason and not call.chat):
         reason = None if call.chat else piece.finish_reason
-        chunks.append(_chunk(call, [_choice(call, piece.text, reason, logprobs=shape([piece]))]))
-    if piece.finish_reason:
-        if call.chat:
-            chunks.append(_chunk(call, [_choice(call, None, piece.finish_reason)]))
-        if call.include_usage:
-            chunks.append(_chunk(call, [], _usage(piece)))
+        chunks.append(_chunk(call, [_choice(call, index, piece.text, reason, logprobs=shape([piece]))]))
+    if piece.finish_reason and call.chat:
+        chunks.append(_chunk(call, [_choice(call, index, None, piece.finish_reason)]))
     return chunks
 
 
-async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed answer. Leaving early (the client went away) withdraws the request."""
-    shape = LogprobsShape(call)
+Parts = AsyncIterator[tuple[int, StreamPart]]
+
+
+async def _events(call: Call, first: tuple[int, StreamPart], rest: Parts) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed answer, every choice's as they come, then the usage once all have
+    finished. Leaving early (the client went away) withdraws the requests."""
+    shapes = [LogprobsShape(call) for _ in range(call.n)]
+    lasts: dict[int, Piece] = {}
     try:
         if call.chat:
-            yield _chunk(call, [_choice(call, "", None, role=True)])
-        part: StreamPart | None = first
-        while part is not None:
+            for index in range(call.n):
+                yield _chunk(call, [_choice(call, index, "", None, role=True)])
+        item: tuple[int, StreamPart] | None = first
+        while item is not None:
+            index, part = item
             if part.error is not None:
                 error = part.error
                 status = http_status(error) if isinstance(error, ServerError) else 500
@@ -363,30 +379,36 @@ async def _events(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]
                 yield b"data: " + json.dumps(_error_body(status, message, None, None)).encode() + b"\n\n"
                 return
             if part.response is not None:
-                for chunk in _piece_chunks(call, read_piece(part.response), shape):
+                piece = read_piece(part.response)
+                if piece.finish_reason:
+                    lasts[index] = piece
+                for chunk in _piece_chunks(call, index, piece, shapes[index]):
                     yield chunk
-            part = None if part.final else await anext(rest, None)
+            item = await anext(rest, None)
+        if call.include_usage and lasts:
+            yield _chunk(call, [], _usage([lasts[i] for i in sorted(lasts)]))
         yield b"data: [DONE]\n\n"
     finally:
         await rest.aclose()
 
 
-async def _answer(call: Call, first: StreamPart, rest: AsyncIterator[StreamPart]) -> Response:
-    """The non-streamed answer: the pieces joined (the model sends one when not streaming)."""
-    pieces: list[Piece] = []
-    part: StreamPart | None = first
+async def _answer(call: Call, first: tuple[int, StreamPart], rest: Parts) -> Response:
+    """The non-streamed answer: each choice's pieces joined (the model sends one when not streaming)."""
+    choices: list[list[Piece]] = [[] for _ in range(call.n)]
+    item: tuple[int, StreamPart] | None = first
     try:
-        while part is not None:
+        while item is not None:
+            index, part = item
             if part.error is not None:
                 return _error_response(part.error)
             if part.response is not None:
-                pieces.append(read_piece(part.response))
-            part = None if part.final else await anext(rest, None)
+                choices[index].append(read_piece(part.response))
+            item = await anext(rest, None)
     finally:
         await rest.aclose()
-    if not pieces:
+    if not all(choices):
         return _error_response(ServerError(ErrorKind.INTERNAL, f"model '{call.model}' sent no response"))
-    return JSONResponse(_whole(call, pieces))
+    return JSONResponse(_whole(call, choices))
 
 
 # -- the routes ---------------------------------------------------------------------------------------------------
@@ -418,11 +440,11 @@ async def _serve(request: Request, core: Any, chat: bool) -> Response:
         await _generative_model(core, call.model)
     except (OpenAIError, ServerError) as e:
         return _error_response(e)
-    parts = stream_parts(core.submit_stream, call.infer_request())
+    parts = merged_stream_parts(core.submit_stream, [call.infer_request(i) for i in range(call.n)])
     first = await anext(parts)
-    if first.final and first.error is not None:  # refused before it ran (a bad value, a prompt too long)
+    if first[1].final and first[1].error is not None:  # refused before it ran (a bad value, a prompt too long)
         await parts.aclose()
-        return _error_response(first.error)
+        return _error_response(first[1].error)
     if call.stream:
         return StreamingResponse(_events(call, first, parts), media_type="text/event-stream; charset=utf-8")
     return await _answer(call, first, parts)
