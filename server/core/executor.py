@@ -49,6 +49,8 @@ log = logging.getLogger("kiln.server.executor")
 _ROOT = Path(__file__).resolve().parents[2]
 #: live executors: a released region is forgotten in each of them (`region_released`)
 _LIVE: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
+#: the frontends' arenas registered now (weakly: the registry owns them), mapped by every executor at its start
+_ARENAS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def mode() -> str:
@@ -99,8 +101,19 @@ def remote_regions(cuda_available: bool) -> bool:
 def region_released(region_id: int) -> None:
     """A region's last core-side reference is gone (no queued job names it): executors that mapped it unmap it.
     Safe from a finalizer: it only queues."""
+    _ARENAS.pop(region_id, None)
     for executor in list(_LIVE):
         executor.forget(region_id)
+
+
+def arena_registered(region: Any) -> None:
+    """A frontend's tensor arena was registered: every executor maps (and on a GPU page-locks) it now, and every
+    executor started later maps it at its start. Else the first batch with a request from that frontend paid for
+    mapping and pinning the whole arena (tens of MB) in each executor: #30's first request after ready. Client
+    regions stay mapped on first use: a large one pinned in every executor, used or not, would cost more."""
+    _ARENAS[region.region_id] = region
+    for executor in list(_LIVE):
+        executor.premap([region])
 
 
 class ExecutorProcess:
@@ -175,6 +188,7 @@ class ExecutorProcess:
         self._process, self._control = process, control
         self._lanes = [Channel(ours) for ours, _ in pairs]
         self._mapped = set()
+        self._send_maps(list(_ARENAS.values()))
         log.info("%s: executor process %d ready with %d lane(s)%s", self.label, process.pid, len(self._lanes),
                  "" if self.device is None else f" on GPU {self.device} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})")
 
@@ -234,6 +248,35 @@ class ExecutorProcess:
             raise unavailable(f"{self.label}: the executor process ended during the execution ({how}: {e}); it "
                               f"was started again, retry the request") from None
         return raise_reply(reply)
+
+    def premap(self, regions: Sequence[Any]) -> None:
+        """Map `regions` in the process now, over its control socket, not with the first batch that reads them."""
+        with self._lock:
+            if not self._closed:
+                self._send_maps(regions)
+
+    def _send_maps(self, regions: Sequence[Any]) -> None:
+        """(Holding the lock, or before any lane runs.) The maps of `regions` not mapped yet, on the control socket;
+        a lane that reads one meanwhile waits for it there (`executor_main.Regions`)."""
+        control = self._control
+        if control is None:
+            return
+        maps: list[Any] = []
+        fds: list[int] = []
+        for region in regions:
+            if region.region_id in self._mapped:
+                continue
+            spec, fd = region.executor_map(len(fds))
+            maps.append(spec)
+            if fd is not None:
+                fds.append(fd)
+            self._mapped.add(region.region_id)
+        if not maps:
+            return
+        try:
+            control.send(("map", maps), fds)
+        except (ExecutorGone, OSError):  # the process is gone: its next start maps them again
+            pass
 
     def forget(self, region_id: int) -> None:
         self._forgotten.put(region_id)

@@ -341,19 +341,27 @@ class Executor:
                 log.exception("lane %d: could not create a replacement execution context", lane)
 
     def serve_control(self, channel: Channel) -> None:
-        """Forget regions the core released, until the core closes the socket (then exit)."""
+        """Map the regions the core sends ahead (frontends' arenas) and forget those it released, until the core
+        closes the socket (then exit)."""
         while True:
             try:
                 message, fds = channel.recv()
             except (ExecutorGone, OSError):
                 return
-            for fd in fds:
-                os.close(fd)
-            if message[0] == "forget":
-                for region_id in message[1]:
-                    self.regions.forget(region_id)
-            elif message[0] == "close":
-                return
+            try:
+                if message[0] == "map":  # frontends' arenas, mapped (pinned) before a batch reads them
+                    for spec in message[1]:
+                        self.regions.map(spec, fds)
+                elif message[0] == "forget":
+                    for region_id in message[1]:
+                        self.regions.forget(region_id)
+                elif message[0] == "close":
+                    return
+            except Exception:  # noqa: BLE001 - a batch that reads the region maps it then, and says what is wrong
+                log.exception("could not map a region ahead of its first batch")
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -211,6 +211,8 @@ class SharedMemory:
                 region.close()
                 raise
             self._regions[name] = region
+        if internal and region.fd >= 0:  # a frontend's arena: executors map it now, not on its first batch
+            executor.arena_registered(region)
 
     def unregister_arena(self, name: str) -> None:
         """Forget a frontend's arena (its connection closed); runs still reading it keep it mapped until done."""

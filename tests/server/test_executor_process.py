@@ -107,6 +107,46 @@ def test_region_tensors_are_read_and_written_in_place_and_forgotten_once_release
         block.unlink()
 
 
+def test_frontend_arenas_are_mapped_ahead_in_running_and_new_executors(executor, described, monkeypatch) -> None:
+    """A frontend's arena is mapped by every executor when it is registered, and by an executor started later at its
+    start, so no batch carries its map (on a GPU: pins tens of MB on a live request); client regions stay lazy."""
+    from server.core import executor as executor_module
+    from server.core.tensor_arena import ARENA_PREFIX
+
+    sent: list[dict] = []
+    original = executor_module.ExecutorProcess.call
+
+    def recording(self, lane, message, regions):
+        result = original(self, lane, message, regions)
+        sent.append(message)
+        return result
+
+    monkeypatch.setattr(executor_module.ExecutorProcess, "call", recording)
+    rows = _rows(2, 7)
+    block = shared_memory.SharedMemory(create=True, size=rows["A"].nbytes)
+    regions = SharedMemory(remote=True)
+    later = None
+    try:
+        regions.register_arena(ARENA_PREFIX + "test", "/" + block.name, block.size)
+        np.ndarray(rows["A"].shape, np.float32, block.buf)[:] = rows["A"]
+        view = regions.device_view(ARENA_PREFIX + "test", 0, rows["A"].nbytes, rows["A"].shape, np.dtype(np.float32))
+        assert isinstance(view, RegionView) and view.region in executor._mapped  # before any batch read it
+        later = ExecutorProcess("model 'wide_add'", described, ModelConfig(name="wide_add").SerializeToString(), 1)
+        assert view.region in later._mapped
+        for process in (executor, later):
+            out = process.lanes[0].infer_batch([{"A": view, "B": rows["B"]}])
+            np.testing.assert_array_equal(out[0]["SUM"], rows["A"] + rows["B"][:, :1])
+        assert len(sent) == 2 and not any("maps" in message for message in sent)
+        del view
+    finally:
+        if later is not None:
+            later.close()
+        regions.unregister_arena(ARENA_PREFIX + "test")
+        gc.collect()
+        block.close()
+        block.unlink()
+
+
 def test_a_killed_executor_fails_only_the_call_it_was_running_and_is_started_again(executor) -> None:
     lane = executor.lanes[0]
     old = executor._process
