@@ -31,6 +31,8 @@ _FAMILIES: dict[str, tuple[str, str, list[tuple[dict[str, str], Callable[[Any], 
                                         [({}, lambda s: s.prefix_cache_queries_total)]),
     "kiln_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache (their keys and values not computed "
                                      "again)", "counter", [({}, lambda s: s.prefix_cache_hits_total)]),
+    "kiln_generation_preemptions_total": ("Running sequences preempted for KV-cache blocks (freed, queued again and "
+                                          "recomputed)", "counter", [({}, lambda s: s.preemptions_total)]),
 }
 _HISTOGRAMS: dict[str, tuple[str, Callable[[GenerativeVersion], Histogram]]] = {
     "kiln_time_to_first_token_seconds": ("Seconds from a request's arrival to its first generated token",

@@ -2,14 +2,26 @@
 
 One thread owns the engine's context and the KV cache. Each iteration it
 1. drops cancelled sequences (their blocks go back to the pool), waiting, part-prefilled or decoding,
-2. admits waiting sequences, oldest first, while the batch has room and the pool has blocks for a sequence's
-   prompt plus ``max_tokens`` (reserved whole at admission, so a running sequence never waits for memory); with
-   prefix caching (on by default, as vLLM's), the cached blocks its prompt starts with are shared rather than
-   reserved, and its prefill starts after them (kv_cache.py's module docstring),
-3. runs one batched prefill step: the next chunk of the prompts not yet fed, oldest first, as many as fit in
+2. gives every decoding sequence whose next token passes its last block a new block (``BlockAccounting.grow``);
+   when the pool has none (cached prefixes no one holds evicted first), it preempts the most recently admitted
+   running sequences, the growing one included when it is the newest, until the block is free: their blocks are
+   freed and they go back to the front of the queue (oldest first),
+3. admits waiting sequences, oldest first, while the batch has room and the pool has blocks for a sequence's
+   prompt plus its first new token (blocks come as tokens do, vLLM's way: a sequence holds what it wrote, not the
+   ``max_tokens`` it may never reach, so many more run at once); with prefix caching (on by default, as vLLM's),
+   the cached blocks its prompt starts with are shared rather than taken, and its prefill starts after them
+   (kv_cache.py's module docstring),
+4. runs one batched prefill step: the next chunk of the prompts not yet fed, oldest first, as many as fit in
    ``max_prefill_tokens`` token slots (rows times the longest chunk, pads included); a sequence whose last chunk is
-   in samples its first token,
-4. runs one batched decode step for every sequence that had a token before this iteration (one new token each).
+   in samples its first token (its chunks' blocks were all taken at admission),
+5. runs one batched decode step for every sequence that had a token and nothing left to prefill when the
+   iteration began (one new token each).
+A preempted sequence is recomputed when it is admitted again (vLLM's preemption by recompute): its prefill feeds
+its prompt and every token it generated but the last (chunked like any prompt; the prefix cache may hold its
+prompt's blocks still), samples nothing, and decoding goes on from its last token. Its tokens were sent already and
+its ``Sampler`` (penalty counts, seeded generator) never saw the preemption, so its tokens are those it would have
+generated without one. ``submit`` refuses a sequence whose prompt + ``max_tokens`` the whole pool cannot hold, so
+the oldest running sequence always gets its blocks and finishes.
 Prefilling many prompts in one run keeps the time to a first token from growing with the queue (one engine run per
 prompt would), and the budget bounds how long one iteration's prefill delays the decoding sequences' next token: a
 prompt longer than it is fed over several iterations, each chunk after the ones before it (from the pool).
@@ -86,6 +98,7 @@ class GeneratorStats:
     kv_blocks_cached: int = 0  # held by none, keeping a cached prefix (evictable)
     prefix_cache_queries_total: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # prompt tokens found there: their keys and values were not computed again
+    preemptions_total: int = 0  # running sequences whose blocks were freed for an older one's (recomputed later)
 
 
 @dataclass(eq=False)
@@ -96,20 +109,22 @@ class _Sequence:
     on_event: Callable[[GenerationEvent], None]
     handle: GenerationHandle
     sampler: Sampler
-    blocks: PromptBlocks | None  # its prompt's blocks for the prefix cache (None: prefix caching off)
+    blocks: PromptBlocks | None  # ``feed``'s blocks for the prefix cache (None: prefix caching off)
+    feed: tuple[int, ...]  # what its prefill feeds: the prompt, or after a preemption the prompt + generated[:-1]
     generated: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the KV cache
+    prefilled: int = 0  # tokens of ``feed`` in the KV cache
+    admitted: bool = False  # once: its prompt is counted in the statistics
     done: bool = False
 
     @property
-    def kv_tokens(self) -> int:
-        """Tokens the sequence may hold in the cache: what its blocks are reserved for."""
-        return len(self.prompt) + self.params.max_tokens
+    def admission_tokens(self) -> int:
+        """Tokens its blocks hold when it is admitted: what it prefills and the next token's row."""
+        return len(self.feed) + 1
 
     @property
     def unfed(self) -> int:
-        """Prompt tokens still to prefill."""
-        return len(self.prompt) - self.prefilled
+        """Tokens of ``feed`` still to prefill."""
+        return len(self.feed) - self.prefilled
 
 
 def plan_prefill(pending: Sequence[tuple[int, int]], budget: int, max_context: int) -> list[int]:
@@ -163,7 +178,7 @@ class Generator:
         self._ids = itertools.count()
         self._closed = False
         self._prompt_tokens = self._completion_tokens = 0
-        self._prefix_queries = self._prefix_hits = 0
+        self._prefix_queries = self._prefix_hits = self._preemptions = 0
         self._sampling = StepSampler()
         started = time.perf_counter()
         #: shape buckets captured before serving (0: a host engine, or ``warm_up`` off)
@@ -185,7 +200,7 @@ class Generator:
         tokens = self._check(prompt, params)
         handle = GenerationHandle(self._lock)
         blocks = PromptBlocks.of(tokens, self._pool.block_tokens) if self.prefix_caching else None
-        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params, tokens), blocks)
+        seq = _Sequence(next(self._ids), tokens, params, on_event, handle, Sampler(params, tokens), blocks, tokens)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the generator is closed")
@@ -218,7 +233,8 @@ class Generator:
                                   completion_tokens_total=self._completion_tokens,
                                   kv_blocks_cached=self._pool.cached_blocks,
                                   prefix_cache_queries_total=self._prefix_queries,
-                                  prefix_cache_hits_total=self._prefix_hits)
+                                  prefix_cache_hits_total=self._prefix_hits,
+                                  preemptions_total=self._preemptions)
 
     def close(self) -> None:
         """Stop the thread; sequences still running or waiting get a final "cancelled", and the device memory of
@@ -241,8 +257,8 @@ class Generator:
         while self._wait_for_work():
             try:
                 self._drop_cancelled()
+                decoding = self._grow([s for s in self._running if s.generated and not s.unfed])
                 self._admit()
-                decoding = [s for s in self._running if s.generated]
                 self._prefill()
                 self._decode([s for s in decoding if not s.done])
             except Exception as e:  # a bug in the loop itself: end what runs rather than hang its clients
@@ -279,22 +295,47 @@ class Generator:
             self._finish(seq, "cancelled")
         self._forget_done()
 
+    def _grow(self, decoding: list[_Sequence]) -> list[_Sequence]:
+        """A block for each of ``decoding`` whose next token passes its last one, oldest first; while the pool has
+        none, preempt the newest running sequence (the module docstring). The sequences of ``decoding`` still
+        running."""
+        with self._lock:
+            for seq in decoding:
+                while seq.id in self._pool and not self._pool.grow(seq.id, self._pool.length(seq.id) + 1):
+                    self._preempt(self._running[-1])  # a preempted sequence holds no blocks: not in the pool
+            return [s for s in decoding if s.id in self._pool]
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first, to prefill its prompt and generated tokens again (all but the
+        last, which its next decode step feeds). Called with the lock held."""
+        self._pool.free(seq.id)
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self._preemptions += 1
+        seq.feed = seq.prompt + tuple(seq.generated[:-1])
+        seq.prefilled = 0
+        seq.blocks = PromptBlocks.of(seq.feed, self._pool.block_tokens) if self.prefix_caching else None
+        log.debug("preempted sequence %d after %d tokens", seq.id, len(seq.generated))
+
     def _admit(self) -> None:
-        """Reserve the oldest waiting sequences' blocks (cached prompt blocks shared: their prefill starts after
+        """Take the oldest waiting sequences' first blocks (cached prompt blocks shared: their prefill starts after
         them) while the batch has room and the pool blocks (cached blocks no one holds count as free)."""
         with self._lock:
             while self._waiting and len(self._running) < self.max_batch_size and (
-                    self._pool.fits(self._waiting[0].kv_tokens, self._waiting[0].blocks)):
+                    self._pool.fits(self._waiting[0].admission_tokens, self._waiting[0].blocks)):
                 seq = self._waiting.popleft()
-                seq.prefilled = self._pool.reserve(seq.id, seq.kv_tokens, seq.blocks)
+                seq.prefilled = self._pool.reserve(seq.id, seq.admission_tokens, seq.blocks)
                 self._running.append(seq)
-                self._prompt_tokens += len(seq.prompt)
-                if seq.blocks is not None:
-                    self._prefix_queries += len(seq.prompt)
-                    self._prefix_hits += seq.prefilled
+                if not seq.admitted:  # a recomputed sequence's prompt is not counted again
+                    seq.admitted = True
+                    self._prompt_tokens += len(seq.prompt)
+                    if seq.blocks is not None:
+                        self._prefix_queries += len(seq.prompt)
+                        self._prefix_hits += seq.prefilled
 
     def _prefill(self) -> None:
-        """One batched run over the next chunks of the running sequences' unfed prompts (``plan_prefill``)."""
+        """One batched run over the next chunks of the running sequences' unfed prompts (``plan_prefill``); a
+        sequence whose prompt is in samples its first token (a recomputed one none: it has its tokens)."""
         pending = [s for s in self._running if s.unfed]
         chunks = plan_prefill([(s.prefilled, s.unfed) for s in pending], self.max_prefill_tokens, self.max_context)
         if not chunks:
@@ -302,7 +343,7 @@ class Generator:
         batch = pending[:len(chunks)]
         try:
             logits = self._runner.prefill(self._pool, [s.id for s in batch],
-                                          [s.prompt[s.prefilled:s.prefilled + n] for s, n in zip(batch, chunks)],
+                                          [s.feed[s.prefilled:s.prefilled + n] for s, n in zip(batch, chunks)],
                                           copy=False)  # sampled before the next step
         except Exception as e:
             for seq in batch:
@@ -310,7 +351,7 @@ class Generator:
         else:
             for seq, n in zip(batch, chunks):
                 seq.prefilled += n
-            done = [i for i, seq in enumerate(batch) if not seq.unfed]
+            done = [i for i, seq in enumerate(batch) if not seq.unfed and not seq.generated]
             choices = self._sampling.choose([batch[i].sampler for i in done], logits[done])
             for i, choice in zip(done, choices):
                 self._accept(batch[i], *choice)

@@ -8,7 +8,9 @@ a batch's pasts out of the blocks, left-padded to one length, and ``write`` puts
 
 ``BlockAccounting`` is the part that does not care where the blocks live (free list, block tables, lengths,
 reference counts, the prefix cache); ``KVBlockPool`` keeps them in host memory, ``device_kv.DeviceKVPool`` in device
-memory for CUDA engines.
+memory for CUDA engines. A sequence takes blocks as its tokens come: ``reserve`` for its prompt when it is admitted,
+``grow`` before a step that passes its last block; when ``grow`` finds none free the generator preempts a sequence
+(generator.py) rather than fail one.
 
 Prefix caching (vLLM's automatic prefix caching): chat requests repeat a system prompt and a conversation's earlier
 turns, whose keys and values are the same for every request that starts with them. A full block of a prompt is
@@ -172,6 +174,19 @@ class BlockAccounting:
         table.blocks += [self._take() for _ in range(new)]
         self._tables[seq] = table
         return len(shared) * self.block_tokens
+
+    def grow(self, seq: Hashable, tokens: int) -> bool:
+        """Make room for ``tokens`` tokens in all of a sequence that holds blocks already, taking the blocks it lacks
+        (clean ones first, then evicting cached prefixes least recently used first, as ``reserve`` does); False, and
+        nothing taken, when the free blocks are too few. Why not ``reserve``: a running sequence's blocks are taken
+        as its tokens come (the generator's blocks on demand), and running out is the caller's cue to preempt a
+        sequence, not an error."""
+        table = self._table(seq)
+        new = self._new_blocks(tokens, [], len(table.blocks))
+        if new > self.free_blocks:
+            return False
+        table.blocks += [self._take() for _ in range(new)]
+        return True
 
     def free(self, seq: Hashable) -> int:
         """Let go of ``seq``'s blocks (an unknown ``seq``: nothing); how many it held. A block no one else holds is

@@ -225,9 +225,9 @@ def test_cancel_frees_the_blocks(tiny_engine):
 
 
 def test_a_full_cache_queues_sequences_until_blocks_free(tiny_engine, references):
-    # 2 blocks of 16 tokens: one sequence of 3 + 20 tokens fills the cache, the next waits for it to end
+    # 2 blocks of 16 tokens: a prompt of 25 tokens takes both at admission, the next waits for it to end
     order: list[tuple[str, bool]] = []
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     with _generator(tiny_engine, block_tokens=16, num_blocks=2) as generator:
         seen, submitted = {}, threading.Event()
 
@@ -237,11 +237,11 @@ def test_a_full_cache_queues_sequences_until_blocks_free(tiny_engine, references
                 seen["stats"] = generator.stats()
 
         first, second = Events(order, "first", then=watch), Events(order, "second")
-        generator.submit(PROMPTS[0], params, first)
+        generator.submit(PROMPTS[3], params, first)
         generator.submit(PROMPTS[1], params, second)
         submitted.set()
-        assert first.wait().tokens == references[0][:20]
-        assert second.wait().tokens == references[1][:20]
+        assert first.wait().tokens == references[3][:7]
+        assert second.wait().tokens == references[1][:7]
         assert order.index(("first", True)) < order.index(("second", False))
         assert (seen["stats"].running, seen["stats"].waiting, seen["stats"].kv_blocks_used) == (1, 1, 2)
         assert generator.stats().kv_blocks_used == 0
@@ -256,13 +256,13 @@ def test_cancelling_a_waiting_sequence_ends_it_without_tokens(tiny_engine):
                 assert submitted.wait(TIMEOUT)
                 handles["waiting"].cancel()
 
-        first, waiting = Events(then=cancel_the_waiting_one), Events()
-        generator.submit(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0), first)
+        first, waiting = Events(then=cancel_the_waiting_one), Events()  # the first's 25 tokens take both blocks
+        generator.submit(PROMPTS[3], SamplingParams(max_tokens=7, temperature=0), first)
         handles["waiting"] = generator.submit(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0), waiting)
         submitted.set()
         assert waiting.wait().events == [GenerationEvent(None, "cancelled", len(PROMPTS[1]), 0)]
         first.wait()
-        assert generator.stats().prompt_tokens_total == len(PROMPTS[0])  # the cancelled one never ran
+        assert generator.stats().prompt_tokens_total == len(PROMPTS[3])  # the cancelled one never ran
 
 
 def test_requests_that_can_never_run_are_refused(tiny_engine):
