@@ -46,6 +46,8 @@ from engine_core.generate.kv_cache import PromptBlocks
 from engine_core.generate.sampling import Sampler, SamplingParams, StepSampler, TokenLogprobs
 from engine_core.runtime import CudaEngine
 
+#: the share of the KV pool admission leaves free while sequences run (vLLM's default watermark)
+WATERMARK = 0.01
 log = logging.getLogger("kiln.generate")
 
 
@@ -319,10 +321,14 @@ class Generator:
 
     def _admit(self) -> None:
         """Take the oldest waiting sequences' first blocks (cached prompt blocks shared: their prefill starts after
-        them) while the batch has room and the pool blocks (cached blocks no one holds count as free)."""
+        them) while the batch has room and the pool blocks (cached blocks no one holds count as free), keeping
+        WATERMARK of the pool free while others run (vLLM's watermark: a sequence admitted into the last blocks would
+        soon be preempted by the running ones' growth, its prefill wasted)."""
+        spare = int(WATERMARK * self._pool.total_blocks)
         with self._lock:
             while self._waiting and len(self._running) < self.max_batch_size and (
-                    self._pool.fits(self._waiting[0].admission_tokens, self._waiting[0].blocks)):
+                    self._pool.fits(self._waiting[0].admission_tokens, self._waiting[0].blocks,
+                                    spare if self._running else 0)):
                 seq = self._waiting.popleft()
                 seq.prefilled = self._pool.reserve(seq.id, seq.admission_tokens, seq.blocks)
                 self._running.append(seq)

@@ -149,10 +149,11 @@ class BlockAccounting:
             blocks.append(block)
         return blocks
 
-    def fits(self, tokens: int, prompt: PromptBlocks | None = None) -> bool:
-        """Whether a new sequence of ``tokens`` tokens could be reserved now (with ``prompt``'s cached prefix)."""
+    def fits(self, tokens: int, prompt: PromptBlocks | None = None, spare: int = 0) -> bool:
+        """Whether a new sequence of ``tokens`` tokens could be reserved now (with ``prompt``'s cached prefix),
+        leaving at least ``spare`` blocks free."""
         shared = self.cached_prefix(prompt) if prompt else []
-        return self._new_blocks(tokens, shared) + self._revived(shared) <= self.free_blocks
+        return self._new_blocks(tokens, shared) + self._revived(shared) + spare <= self.free_blocks
 
     def reserve(self, seq: Hashable, tokens: int, prompt: PromptBlocks | None = None) -> int:
         """Make room for ``tokens`` tokens of ``seq`` in all (a new ``seq`` starts empty). A new ``seq`` with its

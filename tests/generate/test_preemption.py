@@ -117,6 +117,30 @@ def test_a_pool_too_small_for_every_max_tokens_runs_the_sequences_together(tiny_
         _assert_clean(generator)
 
 
+def test_admission_keeps_the_watermark_free_while_sequences_run(tiny_decoder, tiny_engine, monkeypatch):
+    """vLLM's watermark: while others run, a sequence is admitted only if its blocks leave WATERMARK of the pool
+    free (here 90% of 6 blocks: 5, so the second 1-block prompt waits); alone, it is admitted whatever is left."""
+    from engine_core.generate import generator as generator_module
+
+    monkeypatch.setattr(generator_module, "WATERMARK", 0.9)
+    prompts = [PROMPTS[0][:4], [7, 8, 9, 10]]
+    references = [generative.reference_greedy(tiny_decoder, p, 8) for p in prompts]
+    batches = _record_decode_batches(monkeypatch)
+    with _generator(tiny_engine, num_blocks=6) as generator:
+        # the first takes 1 block (alone: no watermark), leaving 5 free; the second's block would leave 4 < 5 spare,
+        # so it runs once the first has finished
+        results = _run_all(generator, prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 2)
+        assert [events.tokens for events in results] == references
+        assert max(batches) == 1 and generator.stats().preemptions_total == 0
+        _assert_clean(generator)
+    monkeypatch.setattr(generator_module, "WATERMARK", 0.0)
+    batches.clear()
+    with _generator(tiny_engine, num_blocks=6) as generator:
+        assert [events.tokens for events in _run_all(generator, prompts, [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 2)] == references
+        assert max(batches) == 2  # without it, both run together
+
+
 @pytest.mark.parametrize("budget", [512, 5], ids=["whole_prompts", "chunks_of_5"])
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix_cache", "no_prefix_cache"])
 def test_preempted_sequences_are_recomputed_and_generate_the_same_tokens(tiny_engine, references, budget, caching):
