@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import unavailable
+from .errors import ServerError, unavailable
 from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
 from .placement import child_visible_devices
 
@@ -225,29 +225,49 @@ class ExecutorProcess:
     # -- calls --------------------------------------------------------------------------------------------
     def call(self, lane: int, message: dict[str, Any], regions: Sequence[Any]) -> Any:
         """Send `message` on `lane` (with the maps of `regions` this process has not mapped yet) and return the
-        reply's value; raises the executor's error, or RemoteError when the process went away meanwhile."""
-        channel, generation = self._channel(lane)
+        reply's value; raises the executor's error, or UNAVAILABLE when the process went away meanwhile. A message
+        the socket refused was never delivered (the process was exiting, not yet reapable: its threads still
+        ending): it goes once more, to the process started in its place."""
+        for attempt in (1, 2):
+            channel, generation = self._channel(lane)
+            maps, fds = self._maps_for(regions)
+            try:
+                channel.send({**message, "maps": maps} if maps else message, fds)
+            except (ExecutorGone, OSError) as e:
+                how = self._died(generation)
+                if attempt == 1:
+                    continue
+                raise self._gone(how, e) from None
+            try:
+                reply, _ = channel.recv()
+            except (ExecutorGone, OSError) as e:
+                raise self._gone(self._died(generation), e) from None
+            return raise_reply(reply)
+        raise AssertionError("unreachable")
+
+    def _maps_for(self, regions: Sequence[Any]) -> tuple[list[Any], list[int]]:
+        """The maps (and descriptors) of `regions` the process has not mapped yet, marked as mapped."""
+        if not regions:
+            return [], []
+        with self._lock:
+            return self._unmapped(regions)
+
+    def _unmapped(self, regions: Sequence[Any]) -> tuple[list[Any], list[int]]:
+        """(Holding the lock.) `_maps_for`'s answer."""
         maps: list[Any] = []
         fds: list[int] = []
-        if regions:
-            with self._lock:
-                for region in regions:
-                    if region.region_id not in self._mapped:
-                        self._mapped.add(region.region_id)
-                        spec, fd = region.executor_map(len(fds))
-                        maps.append(spec)
-                        if fd is not None:
-                            fds.append(fd)
-        if maps:
-            message["maps"] = maps
-        try:
-            channel.send(message, fds)
-            reply, _ = channel.recv()
-        except (ExecutorGone, OSError) as e:
-            how = self._died(generation)
-            raise unavailable(f"{self.label}: the executor process ended during the execution ({how}: {e}); it "
-                              f"was started again, retry the request") from None
-        return raise_reply(reply)
+        for region in regions:
+            if region.region_id not in self._mapped:
+                self._mapped.add(region.region_id)
+                spec, fd = region.executor_map(len(fds))
+                maps.append(spec)
+                if fd is not None:
+                    fds.append(fd)
+        return maps, fds
+
+    def _gone(self, how: str, error: BaseException) -> ServerError:
+        return unavailable(f"{self.label}: the executor process ended during the execution ({how}: {error}); it "
+                           f"was started again, retry the request")
 
     def premap(self, regions: Sequence[Any]) -> None:
         """Map `regions` in the process now, over its control socket, not with the first batch that reads them."""
@@ -261,16 +281,7 @@ class ExecutorProcess:
         control = self._control
         if control is None:
             return
-        maps: list[Any] = []
-        fds: list[int] = []
-        for region in regions:
-            if region.region_id in self._mapped:
-                continue
-            spec, fd = region.executor_map(len(fds))
-            maps.append(spec)
-            if fd is not None:
-                fds.append(fd)
-            self._mapped.add(region.region_id)
+        maps, fds = self._unmapped(regions)
         if not maps:
             return
         try:

@@ -122,8 +122,22 @@ def run_server(repository: Path, log_path: Path, models: list[str] | None, extra
     try:
         wait_ready(server, ready_timeout_s)
         yield server
+    except Exception:  # a failing test: its report shows the server's side (a GPU run brings back no log file)
+        print(f"--- the server's log ({log_path}), last {LOG_TAIL_LINES} lines ---\n" + _log_tail(log_path))
+        raise
     finally:
         harness.stop(process)
+
+
+#: how much of the server's log a failing test prints
+LOG_TAIL_LINES = 80
+
+
+def _log_tail(log_path: Path) -> str:
+    try:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 def infer_add_sub_int32(url: str, rows: int, model: str = "add_sub") -> None:
