@@ -103,12 +103,6 @@ def _cacheable(_: Any, config: ModelConfig) -> bool:
     return not config.HasField("sequence_batching") and not config.model_transaction_policy.decoupled
 
 
-def _on_gpu_zero_or_placed(value: Any, config: ModelConfig) -> bool:
-    """instance_group.gpus: ONNX models are placed on any GPUs (placement.place_instances checks the ids), Python
-    models get an instance on each (python_model._instances); generative models run on GPU 0."""
-    return list(value) == [0] or config.backend != "kiln_llm"
-
-
 # Model config parameters Kiln reads, and where (each reader checks its value when the model loads).
 KNOWN_PARAMETERS: dict[str, str] = {
     "kiln_precision": "builder precision flags (model.apply_precision)",
@@ -304,7 +298,8 @@ FIELDS: dict[str, Rule] = {
                                   "KIND_AUTO"),
     "instance_group.count": honoured("execution contexts serving requests concurrently (model.ModelVersion); on "
                                      "the GPU two worker lanes each, one gathering while the other's run is on "
-                                     "the device (kiln_workers counts lanes), except under the sequence batcher"),
+                                     "the device (kiln_workers counts lanes), except under the sequence batcher; "
+                                     "generative models: generation loops (generation_replicas)"),
     "instance_group.rate_limiter": container(),
     "instance_group.rate_limiter.resources": refused(
         f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
@@ -312,16 +307,16 @@ FIELDS: dict[str, Rule] = {
     "instance_group.rate_limiter.priority": refused(
         f"{_NOT_YET} a rate limiter (Triton's --rate-limit=execution_count). Remove rate_limiter (Triton's default, "
         "--rate-limit=off, ignores it too)"),
-    "instance_group.gpus": partly("ONNX models: count instances on each listed GPU, each GPU's in an executor process "
-                                  "of its own; left out, every visible GPU (KIND_GPU, and KIND_AUTO on a GPU); the "
-                                  "completed config lists them (placement.place_instances). Refused at load: an id "
-                                  "past the visible devices, GPUs of different compute capabilities, and GPUs other "
-                                  "than 0 for models that run in the server process (max_batch_size 0, sequence "
-                                  "models, --gpu-executor thread), with the reason. Python models: count instances "
-                                  "on each listed GPU, model_instance_device_id set (python_model._instances). "
-                                  "Generative models run on GPU 0", _on_gpu_zero_or_placed,
-                                  f"{_NOT_YET} placing generative models on GPUs other than 0. Use gpus: [0] (or leave "
-                                  "it out), or run one server per GPU with --gpus"),
+    "instance_group.gpus": honoured("count instances on each listed GPU; left out, every visible GPU (KIND_GPU, and "
+                                    "KIND_AUTO on a GPU); the completed config lists them. ONNX models: each GPU's "
+                                    "instances in an executor process of its own (placement.place_instances). "
+                                    "Generative models: count generation loops per GPU, each in a process that sees "
+                                    "its GPU as device 0 (generative_config.place_replicas). Python models: "
+                                    "model_instance_device_id set (python_model._instances). Refused at load: an id "
+                                    "past the visible devices, GPUs of different compute capabilities, gpus on the "
+                                    "cpu backend, and GPUs other than 0 for ONNX models that run in the server "
+                                    "process (max_batch_size 0, sequence models, --gpu-executor thread), with the "
+                                    "reason"),
     "instance_group.secondary_devices": refused(f"{_NOT_YET} secondary devices (NVDLA). Remove secondary_devices",
                                                 whole=True),
     "instance_group.profile": refused("Kiln picks the optimization profile for each request itself "

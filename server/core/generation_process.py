@@ -15,6 +15,9 @@ a reader thread and go to each request's callback, as the in-process generator's
 that exits ends every sequence it was running with an error event; the version then refuses new requests
 (RuntimeError -> UNAVAILABLE) until it is loaded again.
 
+A replica on a GPU other than the server's device 0 (generation_replicas.py) always runs in a process: its
+CUDA_VISIBLE_DEVICES lists that GPU first, so the engine's device 0 there is that GPU.
+
 `KILN_GENERATION_PROCESS` picks where generative models run: `1` a process for every backend, `0` the core's thread
 for every backend; unset, CUDA models get a process and CPU models the thread.
 """
@@ -28,7 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +82,11 @@ class _Reply:
 
 class RemoteGenerator:
     """`Generator`'s interface over a generation process (module docstring). ``build`` are
-    `build_decoder_engine`'s keyword arguments, ``generator`` `Generator`'s."""
+    `build_decoder_engine`'s keyword arguments, ``generator`` `Generator`'s; ``env`` variables the process gets on
+    top of the server's (a GPU replica's CUDA_VISIBLE_DEVICES, its GPU first: `placement.child_visible_devices`)."""
 
-    def __init__(self, model_path: Path, *, build: dict[str, Any], generator: dict[str, Any], label: str) -> None:
+    def __init__(self, model_path: Path, *, build: dict[str, Any], generator: dict[str, Any], label: str,
+                 env: Mapping[str, str] | None = None) -> None:
         self.label = label
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -91,10 +96,10 @@ class RemoteGenerator:
         self._closed = False
         self._exit: str | None = None
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
+        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+                     "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
         self._process = subprocess.Popen([sys.executable, "-m", "server.core.generation_main", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=child_env)
         theirs.close()
         self._channel = Channel(ours)
         try:

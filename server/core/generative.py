@@ -3,8 +3,10 @@ loop (engine_core/generate), streamed as text.
 
 Loading (`load_versions`): the config is completed (generative_config.py), then per version the tokenizer is read
 from the version directory (tokenizer.json, tokenizer_config.json; generation_config.json's eos_token_id adds end
-tokens), the decoder engine is built in a thread (`build_decoder_engine`: instance_group KIND_CPU -> cpu, KIND_GPU ->
-cuda) and a `Generator` starts its loop. Unloading closes the generator: sequences still going end with an error.
+tokens), and each replica the instance groups place (`generative_config.place_replicas`: count loops per listed GPU,
+or on the CPU) builds the decoder engine (`build_decoder_engine`: instance_group KIND_CPU -> cpu, KIND_GPU -> cuda)
+and starts a `Generator` loop, all replicas together; several are served as one (generation_replicas.Replicas).
+Unloading closes the generator(s): sequences still going end with an error.
 
 Serving: the version is decoupled and has its own `submit_stream` (decoupled.py hands it every stream: gRPC
 ModelStreamInfer, HTTP generate / generate_stream, the OpenAI routes). A request is read (generative_request.py),
@@ -27,6 +29,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,17 +47,20 @@ from server.repository import ModelSource, select_versions
 from .decoupled import OnPart, Stream, StreamPart
 from .errors import ErrorKind, ServerError, invalid
 from .generation_process import RemoteGenerator, RemoteHandle, use_process
+from .generation_replicas import Replicas, start_together
 from .generative_config import (
     GenerationSettings,
     complete_generative_config,
     generation_settings,
     is_generative,
+    place_replicas,
 )
 from .generative_request import CompletionText, GenerationRequest, read_request
 from .latency import Histogram
 from .loading import load_together
 from .model import ServedModel, _backend_for
 from .model_config import ModelConfig
+from .placement import Devices, child_visible_devices, visible_devices
 from .statistics import ExecutionTimes
 from .types import InferRequest
 
@@ -79,7 +85,7 @@ class GenerativeVersion(ServedModel):
     decoupled = True
 
     def __init__(self, name: str, version: int, config: ModelConfig, tokenizer: Tokenizer,
-                 generator: Generator | RemoteGenerator, backend: str) -> None:
+                 generator: Generator | RemoteGenerator | Replicas, backend: str) -> None:
         super().__init__(name, version, config, labels={})
         self.tokenizer = tokenizer
         self.generator = generator
@@ -147,7 +153,7 @@ class GenerativeVersion(ServedModel):
         return error if isinstance(error, ServerError) else _internal(self, error)
 
     def close(self) -> None:
-        """Stop the generation loop; the sequences still going end (their streams with an error)."""
+        """Stop the generation loop(s); the sequences still going end (their streams with an error)."""
         self.generator.close()
 
 
@@ -353,13 +359,18 @@ async def load_versions(source: ModelSource, config: ModelConfig, default_max_ba
     """Every version the config's policy selects, loaded together (all or none)."""
     config = complete_generative_config(config, source.name, default_max_batch_size)
     settings = generation_settings(config)
+    backend = _backend_for(config)
+    devices = visible_devices() if backend == "cuda" else Devices(0, str)
+    replicas = place_replicas(config, backend, lambda: devices)  # the config now lists the GPUs
     wanted = select_versions(config.version_policy, list(source.versions))
-    return dict(await load_together(asyncio.to_thread(_load_version, source, v, config, settings) for v in wanted))
+    return dict(await load_together(asyncio.to_thread(_load_version, source, v, config, settings, backend, replicas,
+                                                      devices.count) for v in wanted))
 
 
-def _load_version(source: ModelSource, version: int, config: ModelConfig,
-                  settings: GenerationSettings) -> GenerativeVersion:
-    """One version (blocking: runs in a thread)."""
+def _load_version(source: ModelSource, version: int, config: ModelConfig, settings: GenerationSettings, backend: str,
+                  replicas: list[int | None], device_count: int) -> GenerativeVersion:
+    """One version (blocking: runs in a thread): its replicas (one per entry of `replicas`: a GPU, or None for the
+    CPU) started together."""
     label = f"model '{source.name}' version {version}"
     path: Path = source.model_file(version, config.default_model_filename)
     if not path.is_file():
@@ -368,7 +379,6 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
         tokenizer = Tokenizer.from_directory(path.parent)
     except (TokenizerError, OSError, ValueError) as e:
         raise invalid(f"{label}: its tokenizer cannot be read: {e}") from None
-    backend = _backend_for(config)
     build: dict[str, Any] = {"max_batch_size": settings.max_batch_size, "max_context": settings.max_context,
                              "backend": backend, "fp16": settings.fp16, "tf32": settings.tf32}
     loop: dict[str, Any] = {"max_batch_size": settings.max_batch_size, "max_context": settings.max_context,
@@ -377,20 +387,45 @@ def _load_version(source: ModelSource, version: int, config: ModelConfig,
                             "max_prefill_tokens": settings.max_prefill_tokens,
                             "enable_prefix_caching": settings.prefix_caching, "warm_up": settings.warm_up,
                             "name": f"kiln-llm-{source.name}-{version}"}
-    generator: Generator | RemoteGenerator
+    several = len(replicas) > 1
+    starts = [functools.partial(_start_replica, path, build,
+                                {**loop, "name": f"{loop['name']}-{index}"} if several else loop,
+                                f"{label} replica {index} ({_device_name(device)})" if several else label,
+                                device, device_count)
+              for index, device in enumerate(replicas)]
     try:
-        if use_process(backend):
-            generator = RemoteGenerator(path, build=build, generator=loop, label=label)
-        else:
-            generator = Generator(build_decoder_engine(path, **build), **loop)
+        generator = start_together(starts)
     except ValueError as e:  # not a decoder the generation loop can run (its message names what is missing)
         raise invalid(f"{label}: {e}") from None
-    log.info("%s: generation loop ready (%s, %s, %d sequences per step, context %d tokens, %d KV blocks of %d tokens, "
-             "prefix caching %s, %d shape buckets captured in %.1f s)", label, backend,
-             "own process" if isinstance(generator, RemoteGenerator) else "core thread", settings.max_batch_size,
-             settings.max_context, generator.stats().kv_blocks_total, settings.block_tokens,
-             "on" if settings.prefix_caching else "off", generator.warmed_shapes, generator.warm_up_seconds)
+    log.info("%s: generation loop%s ready (%s, %s, %d sequences per step, context %d tokens, %d KV blocks of %d "
+             "tokens, prefix caching %s, %d shape buckets captured in %.1f s)", label, "s" if several else "",
+             backend, _where(generator, replicas), settings.max_batch_size, settings.max_context,
+             generator.stats().kv_blocks_total, settings.block_tokens, "on" if settings.prefix_caching else "off",
+             generator.warmed_shapes, generator.warm_up_seconds)
     return GenerativeVersion(source.name, version, config, tokenizer, generator, backend)
+
+
+def _start_replica(path: Path, build: dict[str, Any], loop: dict[str, Any], label: str, device: int | None,
+                   device_count: int) -> Generator | RemoteGenerator:
+    """One generation loop: a GPU other than the server's device 0 always in a process of its own that sees that GPU
+    as its device 0; else where `use_process` says."""
+    if device is not None and (device != 0 or use_process(build["backend"])):
+        env = {"CUDA_VISIBLE_DEVICES": child_visible_devices(device, device_count, os.environ)}
+        return RemoteGenerator(path, build=build, generator=loop, label=label, env=env)
+    if use_process(build["backend"]):
+        return RemoteGenerator(path, build=build, generator=loop, label=label)
+    return Generator(build_decoder_engine(path, **build), **loop)
+
+
+def _device_name(device: int | None) -> str:
+    return "CPU" if device is None else f"GPU {device}"
+
+
+def _where(generator: Generator | RemoteGenerator | Replicas, replicas: list[int | None]) -> str:
+    """Where the version's loops run, for the load's log line."""
+    if isinstance(generator, Replicas):
+        return f"{len(replicas)} replicas: " + ", ".join(_device_name(device) for device in replicas)
+    return "own process" if isinstance(generator, RemoteGenerator) else "core thread"
 
 
 def _eos_token_ids(tokenizer: Tokenizer, directory: Path, label: str) -> frozenset[int]:

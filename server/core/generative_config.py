@@ -5,18 +5,22 @@ not the client's. Clients send text, as to Triton's vLLM backend, so the served 
 backend's, filled in here (a config may spell them out; they must then be exactly these), plus `messages` for chat
 requests (`return_logprobs` asks for the vLLM backend's additional output `logprobs`). The model is decoupled (one
 response per token delta when streaming): implied and completed.
-`max_batch_size` is the sequences per decode step (0 takes the server's --default-max-batch-size); a request
-carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default
-2048), `kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default:
-enough for every sequence of a full batch at max_context), `max_prefill_tokens` (prompt tokens, pads included, one
-loop iteration feeds; longer prompts go in chunks between decode steps; default 512), `enable_prefix_caching`
-(true/false, default true as vLLM's: prompts share the KV blocks of a prefix computed before), `cuda_graph_warm_up`
-(true/false, default true: a KIND_GPU model captures the CUDA graph of every decode and prefill shape bucket before
-it reports ready, vLLM's graph capture at start; false loads faster and captures each bucket at its first step).
+`instance_group` places generation loops (replicas) as Triton places instances: `count` loops on each listed GPU (a
+KIND_GPU group without `gpus`: every visible GPU, completed into the config at load: `place_replicas`), or `count`
+on the CPU; several groups' loops together (groups of one kind). Each loop has its own engine and KV cache.
+`max_batch_size` is the sequences per decode step of one loop (0 takes the server's --default-max-batch-size); a request
+carries one prompt. Parameters (string values): `max_context` (prompt + generated tokens of one sequence, default 2048),
+`kv_block_tokens` (tokens per KV-cache block, default 16), `kv_cache_blocks` (blocks in the pool; default: enough for
+every sequence of a full batch at max_context), `max_prefill_tokens` (prompt tokens, pads included, one loop iteration
+feeds; longer prompts go in chunks between decode steps; default 512), `enable_prefix_caching` (true/false, default true
+as vLLM's: prompts share the KV blocks of a prefix computed before), `cuda_graph_warm_up` (true/false, default true: a
+KIND_GPU model captures the CUDA graph of every decode and prefill shape bucket before it reports ready, vLLM's graph
+capture at start; false loads faster and captures each bucket at its first step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.protos import model_config_pb2
@@ -24,6 +28,7 @@ from server.protos import model_config_pb2
 from .errors import invalid
 from .model import EXECUTION_TIMEOUT_MS, PAD_BATCH, PRECISION, PROFILE_BATCH_SIZES
 from .model_config import DEFAULT_MODEL_FILENAME, ModelConfig, bool_parameter
+from .placement import Devices, place_instances, visible_devices
 from .warmup import WARMUP_BUCKETS
 
 GENERATIVE_BACKEND = "kiln_llm"
@@ -105,13 +110,28 @@ def complete_generative_config(config: ModelConfig, name: str, default_max_batch
         config.version_policy.latest.num_versions = 1
     if not config.instance_group:
         config.instance_group.add(kind=_T.ModelInstanceGroup.KIND_AUTO)
-    if len(config.instance_group) > 1 or config.instance_group[0].count > 1:
-        raise invalid(f"model '{name}': a {GENERATIVE_BACKEND} model runs one generation loop per version; give one "
-                      "instance_group with count 1 and raise max_batch_size for more sequences at once")
-    group = config.instance_group[0]
-    group.name, group.count = group.name or f"{name}_0", 1
+    if len({group.kind for group in config.instance_group}) > 1:
+        raise invalid(f"model '{name}': instance groups of different kinds are not supported (a model runs on one "
+                      "backend); give every group the same kind")
+    for index, group in enumerate(config.instance_group):
+        if group.count < 0:
+            raise invalid(f"model '{name}': instance group '{group.name or index}' count must be >= 0 (0 means 1), "
+                          f"got {group.count}")
+        group.name, group.count = group.name or f"{name}_{index}", group.count or 1
     generation_settings(config)  # the parameters checked now, with the config's other errors
     return config
+
+
+def place_replicas(config: ModelConfig, backend: str, devices: Callable[[], Devices] = visible_devices
+                   ) -> list[int | None]:
+    """Where each generation loop of a completed config runs, as Triton places instances: `count` loops on each of a
+    group's `gpus` (a KIND_GPU group without gpus: every visible GPU, listed in the config in place), or on the CPU
+    (None) for the cpu backend. Replicas of different GPUs alternate in the list, so requests that tie on the load
+    spread over the GPUs. INVALID_ARGUMENT as `placement.place_instances` says (an id past the visible GPUs, GPUs
+    of different architectures, gpus on the cpu backend)."""
+    placements = place_instances(config, backend, "", devices)
+    rounds = max(p.count for p in placements)
+    return [p.device for r in range(rounds) for p in placements if r < p.count]
 
 
 def _complete_inputs(config: ModelConfig) -> None:

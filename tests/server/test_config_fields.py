@@ -71,7 +71,6 @@ REFUSED_EXAMPLES = {
     "instance_group.rate_limiter.resources": 'instance_group [{ rate_limiter { resources [{ name: "R1" count: 2 }] '
                                              "} }]",
     "instance_group.rate_limiter.priority": "instance_group [{ rate_limiter { priority: 2 } }]",
-    "instance_group.gpus": 'backend: "kiln_llm"\ninstance_group [{ kind: KIND_GPU gpus: [0, 1] }]',
     "instance_group.secondary_devices": "instance_group [{ secondary_devices [{ kind: KIND_NVDLA device_id: 0 }] }]",
     "instance_group.profile": 'instance_group [{ profile: ["0"] }]',
     "instance_group.passive": "instance_group [{ passive: true }]",
@@ -238,16 +237,17 @@ def test_a_refused_field_fails_the_load_naming_field_and_model(repository: Path,
 
 
 def test_the_refusal_shows_the_value_and_lists_every_refused_field():
-    config = parse_config_text('backend: "kiln_llm"\ninstance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\n'
+    config = parse_config_text('input [{ name: "INPUT0" is_shape_tensor: true }]\n'
+                               "instance_group [{ kind: KIND_MODEL gpus: [0, 1] }]\n"
                                "sequence_batching { iterative_sequence: true }", "m")
     found = [(r.path, r.shown) for r in refusals(config)]
-    assert found == [("instance_group.gpus", "[0, 1]"), ("instance_group.kind", "KIND_MODEL"),
+    assert found == [("input.is_shape_tensor", "True"), ("instance_group.kind", "KIND_MODEL"),
                      ("sequence_batching.iterative_sequence", "True")]  # in field-number order
     with pytest.raises(ServerError) as failure:
         ConfigFieldCheck().check(config, "m")
     message = failure.value.message
-    assert message.startswith("model 'm': config field 'instance_group.gpus' ([0, 1]) is refused: Kiln does not yet "
-                              "support placing generative models on GPUs other than 0")
+    assert message.startswith("model 'm': config field 'input.is_shape_tensor' (True) is refused: Kiln does not yet "
+                              "support shape-tensor inputs")
     assert "'instance_group.kind' (KIND_MODEL)" in message
     assert "'sequence_batching.iterative_sequence' (True) is refused" in message
 
@@ -255,6 +255,7 @@ def test_the_refusal_shows_the_value_and_lists_every_refused_field():
 @pytest.mark.parametrize("text", [
     "instance_group [{ kind: KIND_GPU gpus: [0] count: 2 }]",
     "instance_group [{ kind: KIND_GPU gpus: [0, 1] count: 2 }]",  # an ONNX model: placed (placement.py)
+    'backend: "kiln_llm"\ninstance_group [{ kind: KIND_GPU gpus: [0, 1] count: 2 }]',  # generative replicas
     "optimization { input_pinned_memory { enable: true } output_pinned_memory { enable: true } }",
     'platform: "ensemble"\nensemble_scheduling { step [{ model_name: "add_sub" model_version: -1 }] }',
     "instance_group [{ rate_limiter { } }]\nmodel_repository_agents { }\nmodel_metrics { }\nresponse_cache { }",

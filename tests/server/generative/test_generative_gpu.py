@@ -86,3 +86,41 @@ def test_cuda_generation_runs_to_the_end_of_the_context(gpu_server):
     assert done.usage.completion_tokens == MAX_CONTEXT - 16 and done.choices[0].finish_reason == "length"
     log = gpu_server.log_path.read_text()
     assert "shape buckets captured" in log and "(cuda, own process," in log  # the loop out of the core's process
+
+
+@pytest.fixture(scope="module")
+def replicated_gpu_server(tmp_path_factory):
+    """The tiny decoder with two generation loops on every visible GPU (a KIND_GPU group without gpus)."""
+    base = tmp_path_factory.mktemp("generative_gpu_replicas")
+    repository = base / "models"
+    generative.write_tiny_decoder(repository / "tiny_llm_x2" / "1", max_positions=MAX_CONTEXT)
+    (repository / "tiny_llm_x2" / "config.pbtxt").write_text(
+        GPU_CONFIG.replace("{ kind: KIND_GPU }", "{ kind: KIND_GPU count: 2 }"))
+    with run_server(repository, base / "server.log", ["tiny_llm_x2"], ready_timeout_s=600) as server:
+        yield server
+
+
+def test_cuda_replicas_on_every_gpu_give_the_reference_text(replicated_gpu_server):
+    from engine_core.cuda import device_count
+    from engine_core.generate.tokenizer import Tokenizer
+
+    server, gpus = replicated_gpu_server, device_count()
+    config = httpx.get(f"{server.base_url}/v2/models/tiny_llm_x2/config", timeout=10).json()
+    assert [(g["count"], g["gpus"]) for g in config["instance_group"]] == [(2, list(range(gpus)))]
+    directory = server.repository / "tiny_llm_x2" / "1"
+    tokenizer = Tokenizer.from_directory(directory)
+    expected = [tokenizer.decode(generative.reference_greedy(directory, tokenizer.encode(p), STEPS)) for p in PROMPTS]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def complete(prompt: str) -> str:
+        return client.completions.create(model="tiny_llm_x2", prompt=prompt, max_tokens=STEPS, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(complete, PROMPTS)) == expected
+    wait_until_idle(server, model="tiny_llm_x2")
+    assert metric(server, "kiln_kv_cache_blocks_total", model="tiny_llm_x2") == 2 * gpus * 4 * MAX_CONTEXT // 8
+    assert metric(server, "kiln_generation_tokens_total", kind="completion", model="tiny_llm_x2") == \
+        len(PROMPTS) * STEPS
+    placed = ", ".join(f"GPU {gpu}" for _ in range(2) for gpu in range(gpus))
+    assert f"{2 * gpus} replicas: {placed}" in server.log_path.read_text()
