@@ -156,10 +156,13 @@ def load_example(filename: str) -> ModuleType:
     return load_file(ROOT / "examples" / filename)
 
 
-def load_file(path: Path) -> ModuleType:
-    """The Python file at ``path`` imported as a module named after its stem (not entered in sys.modules)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+def load_file(path: Path, register_as: str | None = None) -> ModuleType:
+    """The Python file at ``path`` imported as a module named after its stem, not entered in sys.modules unless
+    ``register_as`` names it there (a file that defines dataclasses needs that: they look their module up)."""
+    spec = importlib.util.spec_from_file_location(register_as or path.stem, path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    if register_as is not None:
+        sys.modules[register_as] = module
     spec.loader.exec_module(module)
     return module

@@ -8,13 +8,12 @@ ServiceMonitor CRD is not in them: it is checked against the part of prometheus-
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from load_tests.harness import load_file
 from server.lifecycle import ENV_DRAIN_DELAY, ENV_DRAIN_TIMEOUT
 from server.metrics import _COUNTERS
 
@@ -24,15 +23,7 @@ yaml = pytest.importorskip("yaml")  # both come with kubernetes-validate
 jsonschema = pytest.importorskip("jsonschema")
 
 
-def _load_render():
-    spec = importlib.util.spec_from_file_location("kiln_deploy_render", ROOT / "deploy" / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load_render()
+render = load_file(ROOT / "deploy" / "render.py", register_as="kiln_deploy_render")  # it defines dataclasses
 K8S_VERSIONS = ["1.29.0", kv.latest_version()]
 
 SERVICE_MONITOR_SCHEMA = {
