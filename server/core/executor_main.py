@@ -209,16 +209,19 @@ class _SystemMapping:
 
 
 class _LaneStats:
-    """A lane's executions since its last log line: count, rows and time from message in to reply ready."""
+    """A lane's executions since its last log line: count, rows, the time from message in to reply ready (maps,
+    inputs, the run, outputs) and to reply sent, and how busy the lane was: a lane near 100% is the served path's
+    ceiling (docs/performance.md, "Two GPUs")."""
 
     def __init__(self, lane: int) -> None:
         self.lane = lane
-        self.calls = self.rows = self.ns = 0
+        self.calls = self.rows = self.run_ns = self.reply_ns = 0
         self.since = time.monotonic()
 
-    def add(self, message: Mapping[str, Any], ns: int) -> None:
+    def add(self, message: Mapping[str, Any], run_ns: int, reply_ns: int) -> None:
         self.calls += 1
-        self.ns += ns
+        self.run_ns += run_ns
+        self.reply_ns += reply_ns
         for part in message.get("parts", ()):
             first = next(iter(part.values()), None)
             self.rows += int(first.shape[0]) if first is not None and len(first.shape) else 1
@@ -226,9 +229,12 @@ class _LaneStats:
             self.rows += int(spec.shape[0]) if isinstance(spec, np.ndarray) else int(spec[3].sum())
         now = time.monotonic()
         if now - self.since >= STATS_EVERY_S:
-            log.info("lane %d: %d executions in %.0f s, %.1f rows and %.3f ms each (message in to reply ready)",
-                     self.lane, self.calls, now - self.since, self.rows / self.calls, self.ns / self.calls / 1e6)
-            self.calls = self.rows = self.ns = 0
+            elapsed = now - self.since
+            log.info("lane %d: %d executions in %.0f s (busy %.0f%%), %.1f rows and %.3f ms each from message in to "
+                     "reply ready, %.3f ms to send it", self.lane, self.calls, elapsed,
+                     100 * (self.run_ns + self.reply_ns) / 1e9 / elapsed, self.rows / self.calls,
+                     self.run_ns / self.calls / 1e6, self.reply_ns / self.calls / 1e6)
+            self.calls = self.rows = self.run_ns = self.reply_ns = 0
             self.since = now
 
 
@@ -277,11 +283,12 @@ class Executor:
                 sticky = any(code in str(error) for code in STICKY_CUDA_ERRORS)
                 if not isinstance(error, REQUEST_ERRORS) and not sticky:
                     self._replace(lane, error)
-            stats.add(message, time.perf_counter_ns() - started)
+            ready = time.perf_counter_ns()
             try:
                 channel.send(reply)
             except (ExecutorGone, OSError):
                 return
+            stats.add(message, ready - started, time.perf_counter_ns() - ready)
             if sticky:
                 log.error("lane %d: %s; the device context is unusable, exiting so that a new executor starts",
                           lane, reply[2])
