@@ -21,11 +21,9 @@ from typing import Any, Protocol, TypeVar
 from engine_core.generate.generator import GenerationEvent, GeneratorStats
 from engine_core.generate.sampling import SamplingParams
 
+from .placement import start_all
+
 log = logging.getLogger("kiln.server.generation")
-
-
-class Handle(Protocol):
-    def cancel(self) -> None: ...
 
 
 class LoopLike(Protocol):
@@ -162,16 +160,8 @@ def close_all(generators: Sequence[LoopLike]) -> None:
 
 
 def start_together(starts: Sequence[Callable[[], Loop]]) -> Loop | Replicas:
-    """Start every replica at once (each in a thread: builds and warm-ups overlap) and return the one generator,
+    """Start every replica at once (`placement.start_all`: builds and warm-ups overlap) and return the one generator,
     or `Replicas` over several. When one fails, the others (once started) are closed and its exception (the first
     replica's, in order, among those that failed) is raised."""
-    if len(starts) == 1:
-        return starts[0]()
-    with ThreadPoolExecutor(len(starts), thread_name_prefix="kiln-generation-start") as pool:
-        futures = [pool.submit(start) for start in starts]
-        started = [f.result() for f in futures if f.exception() is None]
-        failures = [error for error in (f.exception() for f in futures) if error is not None]
-    if failures:
-        close_all(started)
-        raise failures[0]
-    return Replicas(started)
+    started = start_all(starts, close_all, "kiln-generation-start")
+    return started[0] if len(started) == 1 else Replicas(started)

@@ -14,7 +14,6 @@ import functools
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -326,17 +325,12 @@ def _start_executors(label: str, engine: kiln.CudaEngine, config_bytes: bytes, p
         where = "" if place.device is None else f" on GPU {place.device}"
         return executor.ExecutorProcess(label + where, engine, config_bytes, place.count, place.device, device_count)
 
-    if len(placements) == 1:
-        return [start(placements[0])]
-    with ThreadPoolExecutor(len(placements), thread_name_prefix="kiln-executor-start") as pool:
-        futures = [pool.submit(start, place) for place in placements]
-    failed = [error for future in futures if (error := future.exception()) is not None]
-    started = [future.result() for future in futures if future.exception() is None]
-    if failed:
-        for process in started:
+    def stop(processes: list[executor.ExecutorProcess]) -> None:
+        for process in processes:
             process.close()
-        raise failed[0]
-    return started
+
+    return placement.start_all([functools.partial(start, place) for place in placements], stop,
+                               "kiln-executor-start")
 
 
 def _interleaved(lanes: Sequence[Sequence[object]]) -> list[object]:

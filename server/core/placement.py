@@ -14,8 +14,10 @@ runs them without a GPU. `restricted_visible_devices` is `kiln serve --gpus`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from server.protos import model_config_pb2
 
@@ -23,6 +25,7 @@ from .errors import invalid
 from .model_config import ModelConfig
 
 InstanceGroup = model_config_pb2.ModelInstanceGroup
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -160,3 +163,19 @@ def restricted_visible_devices(text: str, parent: str | None) -> str:
         raise ValueError(f"--gpus {text}: GPU {beyond[0]} is not visible (CUDA_VISIBLE_DEVICES={parent} lists "
                          f"{len(entries)} device(s))")
     return ",".join(entries[i] for i in ids)
+
+
+def start_all(starts: Sequence[Callable[[], T]], close: Callable[[list[T]], None], thread_name: str) -> list[T]:
+    """What runs on each placement (an executor process, a generation loop), started together: each start in a
+    thread of its own, so loads and warm-ups overlap (one alone runs here). When one fails, `close` gets the started
+    ones and the first failure, in order, is raised: a version runs on all its devices or on none."""
+    if len(starts) == 1:
+        return [starts[0]()]
+    with ThreadPoolExecutor(len(starts), thread_name_prefix=thread_name) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failures = [error for future in futures if (error := future.exception()) is not None]
+    started = [future.result() for future in futures if future.exception() is None]
+    if failures:
+        close(started)
+        raise failures[0]
+    return started

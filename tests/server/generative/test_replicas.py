@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import engine_core as kiln
+from bench.generate_check import greedy
 from engine_core.generate.generator import GenerationEvent, GeneratorStats
 from engine_core.generate.sampling import SamplingParams
 from server.core import generation_process, generative
@@ -205,21 +206,6 @@ def _load(repository: Path, config_text: str) -> dict:
     return asyncio.run(generative.load_versions(source, parse_config_text(config_text, MODEL), 8))
 
 
-def _greedy(generator, prompt_ids: list[int]) -> list[int]:
-    """The tokens of one greedy request, submitted straight to the version's generator."""
-    done, tokens = threading.Event(), []
-
-    def on_event(event: GenerationEvent) -> None:
-        if event.token_id is not None:
-            tokens.append(event.token_id)
-        if event.final:
-            done.set()
-
-    generator.submit(prompt_ids, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True), on_event)
-    assert done.wait(60)
-    return tokens
-
-
 def test_two_cpu_loops_share_the_requests_and_give_one_loops_tokens(llm_repository: Path, tokenizer):
     version = _load(llm_repository, TWO_LOOPS)[1]
     try:
@@ -228,7 +214,7 @@ def test_two_cpu_loops_share_the_requests_and_give_one_loops_tokens(llm_reposito
         prompts = [tokenizer.encode(p) for p in PROMPTS]
         expected = [example.reference_greedy(llm_repository / MODEL / "1", ids, STEPS) for ids in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            assert list(pool.map(lambda ids: _greedy(replicas, ids), prompts)) == expected
+            assert list(pool.map(lambda ids: greedy(replicas, ids, STEPS, 60), prompts)) == expected
         each = [loop.stats() for loop in replicas.replicas]
         assert all(s.completion_tokens_total > 0 for s in each), each  # both replicas generated
         assert sum(replicas.submitted) == len(prompts) and replicas.in_flight == [0, 0]
