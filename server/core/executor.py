@@ -35,18 +35,16 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import ServerError, unavailable
-from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, raise_reply, to_wire
+from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, child_launch, raise_reply, to_wire
 from .placement import child_visible_devices
 
 log = logging.getLogger("kiln.server.executor")
 
-_ROOT = Path(__file__).resolve().parents[2]
 #: live executors: a released region is forgotten in each of them (`region_released`)
 _LIVE: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
 #: the frontends' arenas registered now (weakly: the registry owns them), mapped by every executor at its start
@@ -150,15 +148,11 @@ class ExecutorProcess:
     def _start(self, restart: bool = False) -> None:
         """Start the process, hand it the plan, wait until it is warm (a `restart`: until the plan is loaded), then
         give it the lane sockets."""
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
-        if self.device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(self.device, self._device_count, os.environ)
-        process = subprocess.Popen([sys.executable, "-m", "server.core.executor_main", str(theirs.fileno())],
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
-        theirs.close()
-        control = Channel(ours)
+        visible = (None if self.device is None else
+                   child_visible_devices(self.device, self._device_count, os.environ))
+        process, control = child_launch("server.core.executor_main",
+                                        None if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+        ours = control.sock
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
                           "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not restart})
@@ -190,7 +184,7 @@ class ExecutorProcess:
         self._mapped = set()
         self._send_maps(list(_ARENAS.values()))
         log.info("%s: executor process %d ready with %d lane(s)%s", self.label, process.pid, len(self._lanes),
-                 "" if self.device is None else f" on GPU {self.device} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})")
+                 "" if visible is None else f" on GPU {self.device} (CUDA_VISIBLE_DEVICES={visible})")
 
     def _channel(self, lane: int) -> tuple[Channel, int]:
         """The lane's socket now, starting the process again first when it has exited."""

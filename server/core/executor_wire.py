@@ -18,8 +18,11 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine_core.cuda.view import DeviceView
@@ -155,6 +158,21 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_launch(module: str, env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, Channel]:
+    """A child process (`python -m <module> <fd>`: executor_main.py, generation_main.py) and the parent's end of its
+    socket; the child gets the server's environment, the repository on its path, unbuffered output and ``env``."""
+    ours, theirs = socket.socketpair()
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
+    process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                               stdin=subprocess.DEVNULL, env=child_env)
+    theirs.close()
+    return process, Channel(ours)
 
 
 def child_start(argv: list[str] | None, name: str) -> tuple[Channel, Any] | None:

@@ -27,9 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,11 +36,10 @@ from engine_core.generate.generator import GenerationEvent, GeneratorStats
 from engine_core.generate.sampling import SamplingParams
 
 from .executor import stop_process
-from .executor_wire import Channel, ExecutorGone, raise_reply
+from .executor_wire import ExecutorGone, child_launch, raise_reply
 
 log = logging.getLogger("kiln.server.generation")
 
-_ROOT = Path(__file__).resolve().parents[2]
 #: seconds a load may take (build and warm-up of a large model on a cold machine)
 START_TIMEOUT_S = float(os.environ.get("KILN_GENERATION_START_TIMEOUT_S", "900"))
 #: seconds a command's reply may take before the process counts as hung
@@ -95,13 +91,8 @@ class RemoteGenerator:
         self._ids = itertools.count()
         self._closed = False
         self._exit: str | None = None
-        ours, theirs = socket.socketpair()
-        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
-                     "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))}
-        self._process = subprocess.Popen([sys.executable, "-m", "server.core.generation_main", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=child_env)
-        theirs.close()
-        self._channel = Channel(ours)
+        self._process, self._channel = child_launch("server.core.generation_main", env)
+        ours = self._channel.sock
         try:
             self._channel.send({"model_path": str(model_path), "build": build, "generator": generator})
             ours.settimeout(START_TIMEOUT_S)

@@ -161,17 +161,17 @@ def test_a_killed_executor_fails_only_the_call_it_was_running_and_is_started_aga
 
 def test_a_restarted_executor_serves_before_binding_its_buckets(executor, monkeypatch) -> None:
     """A first start binds every batch bucket before ready; a restart (requests waiting) binds each on first use."""
-    from server.core import executor as executor_module
+    from server.core import executor_wire
 
     loads: list[dict] = []
 
-    class Recording(executor_module.Channel):
+    class Recording(executor_wire.Channel):
         def send(self, message, fds=()):
             if isinstance(message, dict) and "plan" in message:
                 loads.append(message)
             return super().send(message, fds)
 
-    monkeypatch.setattr(executor_module, "Channel", Recording)
+    monkeypatch.setattr(executor_wire, "Channel", Recording)  # child_launch makes the control channel
     old = executor._process
     assert old is not None
     os.kill(old.pid, signal.SIGKILL)

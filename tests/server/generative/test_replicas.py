@@ -19,7 +19,7 @@ import engine_core as kiln
 from bench.generate_check import greedy
 from engine_core.generate.generator import GenerationEvent, GeneratorStats
 from engine_core.generate.sampling import SamplingParams
-from server.core import generation_process, generative
+from server.core import executor_wire, generation_process, generative
 from server.core.errors import ErrorKind, ServerError
 from server.core.generation_replicas import Replicas, start_together, sum_stats
 from server.core.generative_config import complete_generative_config, place_replicas
@@ -193,7 +193,7 @@ def test_the_generation_process_gets_the_replicas_environment(monkeypatch: pytes
         seen.update(env)
         raise OSError("not started in this test")
 
-    monkeypatch.setattr(generation_process.subprocess, "Popen", popen)
+    monkeypatch.setattr(executor_wire.subprocess, "Popen", popen)  # child_launch starts every child process
     with pytest.raises(OSError):
         generation_process.RemoteGenerator(Path("m.onnx"), build={}, generator={}, label="l",
                                            env={"CUDA_VISIBLE_DEVICES": "1,0"})
