@@ -24,7 +24,7 @@ registers itself when its module is imported, which this module does for all of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -165,21 +165,21 @@ def _with_readable_inputs(node: Node, ctx: LoweringContext) -> Node:
     strided = node.op_type in POINTWISE_OPS or node.op_type in STRIDED_READERS or (
         node.op_type in (*VIEW_OPS, "Expand") and ctx.layouts.get(node.inputs[0]) == "strided"
         and view_strides(node, ctx) is not None)
-
-    def readable(name: str) -> bool:
-        layout = ctx.layouts.get(name, "linear")
-        return layout == "linear" or layout == "nhwc" and channels_last or layout == "strided" and strided
-
-    if all(readable(n) for n in node.inputs if n):
-        return node
-    return replace(node, inputs=[ctx.as_layout(n, "linear") if n and not readable(n) else n for n in node.inputs])
+    return _reformatted(node, ctx, lambda layout: layout == "linear" or layout == "nhwc" and channels_last
+                        or layout == "strided" and strided)
 
 
 def _with_linear_inputs(node: Node, ctx: LoweringContext) -> Node:
-    if all(ctx.layouts.get(n, "linear") == "linear" for n in node.inputs if n):
+    """``node`` with every input linear (a host layer reads numpy arrays)."""
+    return _reformatted(node, ctx, lambda layout: layout == "linear")
+
+
+def _reformatted(node: Node, ctx: LoweringContext, readable: Callable[[str], bool]) -> Node:
+    """``node`` with each input whose layout is not ``readable`` reformatted to linear first."""
+    if all(readable(ctx.layouts.get(n, "linear")) for n in node.inputs if n):
         return node
-    inputs = [ctx.as_layout(n, "linear") if n and ctx.layouts.get(n, "linear") != "linear" else n for n in node.inputs]
-    return replace(node, inputs=inputs)
+    return replace(node, inputs=[ctx.as_layout(n, "linear") if n and not readable(ctx.layouts.get(n, "linear"))
+                                 else n for n in node.inputs])
 
 
 # -- the whole graph --------------------------------------------------------------------------------
