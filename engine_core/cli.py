@@ -341,12 +341,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_meta(summary: dict) -> dict:
+    """What `check_plan_compatibility` reads of a plan, from its summary."""
+    return {k: summary[k] for k in ("engine_version", "backend", "arch", "build_info")}
+
+
 def runs_here(summary: dict) -> str | None:
     """Why this Kiln on this machine would refuse the plan (None: it would run it)."""
-    meta = {k: summary[k] for k in ("engine_version", "backend", "arch", "build_info")}
     if summary["backend"] not in ("cpu", "cuda"):
         return f"plan was built for the '{summary['backend']}' backend, which this machine lacks"
-    return check_plan_compatibility(meta, device_arch() if summary["backend"] == "cuda" else None, kiln.__version__)
+    return check_plan_compatibility(_plan_meta(summary), device_arch() if summary["backend"] == "cuda" else None,
+                                    kiln.__version__)
 
 
 def devices_here(summary: dict) -> list[dict]:
@@ -357,11 +362,10 @@ def devices_here(summary: dict) -> list[dict]:
     from engine_core.cuda import device_count
     from engine_core.cuda.driver import device_name
 
-    meta = {k: summary[k] for k in ("engine_version", "backend", "arch", "build_info")}
     found = []
     for ordinal in range(device_count()):
         arch = device_arch(ordinal)
-        refusal = check_plan_compatibility(meta, arch, kiln.__version__)
+        refusal = check_plan_compatibility(_plan_meta(summary), arch, kiln.__version__)
         found.append({"gpu": ordinal, "name": device_name(ordinal), "arch": arch, "ok": refusal is None,
                       "reason": refusal})
     return found
