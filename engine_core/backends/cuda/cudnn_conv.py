@@ -14,15 +14,19 @@ Handle, workspace, stream and release at exit: ``cudnn_graph.CudnnGraphs``.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
 import numpy as np
 
+from engine_core.backends.cuda import cudnn_plan_cache as plan_cache
 from engine_core.backends.cuda.cudnn_graph import CudnnGraphs, plan_graph
 from engine_core.backends.cuda.lowering import Conv, Ref
 from engine_core.backends.cuda.tactics import time_first_runnable
 from engine_core.cuda.driver import CudaError, DeviceBuffer
+
+log = logging.getLogger("kiln.cudnn")
 
 
 @cache
@@ -69,8 +73,11 @@ def autotune_plans(op: Conv) -> int:
 
 
 class _Built:
-    def __init__(self, graph: Any, tensors: dict[str, Any], index: int, workspace: int) -> None:
-        self.graph, self.tensors, self.index, self.workspace = graph, tensors, index, workspace
+    """A graph with one plan built: ``index`` in the graph's own plan list, ``ranked`` the heuristics rank it has
+    (the same for a graph the heuristics planned; a remembered plan is its graph's only one)."""
+
+    def __init__(self, graph: Any, tensors: dict[str, Any], index: int, workspace: int, ranked: int) -> None:
+        self.graph, self.tensors, self.index, self.workspace, self.ranked = graph, tensors, index, workspace, ranked
 
 
 def signature(op: Conv) -> str:
@@ -87,6 +94,9 @@ class CudnnConvs(CudnnGraphs):
         #: fused graphs cuDNN has no engine for: their bare convolution runs, the caller adds the epilogue
         self._unfusable: set[tuple] = set()
         self._fusable: set[tuple] = set()
+        #: graphs ``fusable`` described to decide, kept for the ``build`` that follows (describing one asks cuDNN's
+        #: heuristics and checks every plan's support: most of a binding's time on convolution networks)
+        self._described: dict[tuple, tuple[Any, dict[str, Any]]] = {}
 
     def close(self) -> None:
         """Drop every cuDNN graph (and its tensors) built here. Safe while in use: a later run builds again; the
@@ -94,11 +104,13 @@ class CudnnConvs(CudnnGraphs):
         self._built.clear()
         self._fusable.clear()
         self._unfusable.clear()
+        self._described.clear()
 
-    def _graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
-        """The validated cuDNN graph of ``op`` with its execution plans created (not built)."""
+    def _graph(self, op: Conv, heuristics: bool = True) -> tuple[Any, dict[str, Any]]:
+        """The validated cuDNN graph of ``op`` with its execution plans created (not built); without ``heuristics``
+        with none (a remembered plan is added)."""
         if op.int8:
-            return self._int8_graph(op)
+            return self._int8_graph(op, heuristics)
         cudnn = self.cudnn
         io = _data_type(cudnn, op.dtype.name)
         f32 = cudnn.data_type.FLOAT
@@ -120,7 +132,9 @@ class CudnnConvs(CudnnGraphs):
             y = graph.relu(input=y, name="relu")
         y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides)).set_data_type(io)
         tensors["y"] = y
-        plan_graph(cudnn, graph, check=False)
+        plan_graph(cudnn, graph, check=False, heuristics=heuristics)
+        if not heuristics:
+            return graph, tensors
         if strict_fp32(op):  # exact fp32: no TF32 (tensor-core) or down-converting engines, as PyTorch filters them
             notes = cudnn.numerical_note
             graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
@@ -128,7 +142,7 @@ class CudnnConvs(CudnnGraphs):
         graph.check_support()
         return graph, tensors
 
-    def _int8_graph(self, op: Conv) -> tuple[Any, dict[str, Any]]:
+    def _int8_graph(self, op: Conv, heuristics: bool = True) -> tuple[Any, dict[str, Any]]:
         """An INT8 convolution with its requantizing epilogue as one graph: int8 x and w, INT32 sums, then in
         float32 ``* scale[k] + b[k] (+ z * z_scale[k])``, ReLU, written as ``y_dtype`` (int8: rounded to
         nearest even and saturated by cuDNN's conversion). Why one graph: the INT32 sums never reach memory,
@@ -160,17 +174,27 @@ class CudnnConvs(CudnnGraphs):
         y.set_output(True).set_dim(list(op.y_dims)).set_stride(list(op.y_strides))
         y.set_data_type(_data_type(cudnn, np.dtype(op.y_dtype).name))
         tensors["y"] = y
-        plan_graph(cudnn, graph)
+        plan_graph(cudnn, graph, heuristics=heuristics)
         return graph, tensors
 
     def build(self, op: Conv, index: int = 0) -> _Built:
         """``op``'s graph with execution plan ``index`` (heuristics order) built; the first plan that
-        builds when ``index`` does not."""
+        builds when ``index`` does not. A plan built before for this graph and index (in any process:
+        cudnn_plan_cache.py) is built again without asking the heuristics."""
         key = (op.key(), index)
         built = self._built.get(key)
         if built is not None:
             return built
-        graph, tensors = self._graph(op)
+        built = self._build_remembered(op, index) or self._build_ranked(op, index)
+        self._built[key] = built
+        if built.workspace:
+            self._grow_workspace(built.workspace, 32 << 20)
+        return built
+
+    def _build_ranked(self, op: Conv, index: int) -> _Built:
+        """Ask the heuristics for the ranked plans and build ``index`` (or the first that builds); remember it."""
+        described = self._described.pop(op.key(), None)
+        graph, tensors = described if described is not None else self._graph(op)
         count = int(graph.get_execution_plan_count())
         for candidate in dict.fromkeys([index, *range(count)]):
             if candidate >= count:
@@ -182,13 +206,43 @@ class CudnnConvs(CudnnGraphs):
                 continue
             if workspace > MAX_WORKSPACE_BYTES:
                 continue
-            built = self._built[key] = _Built(graph, tensors, candidate, workspace)
-            break
-        else:
-            raise CudaError(f"cuDNN has no buildable plan for convolution {signature(op)}")
-        if built.workspace:
-            self._grow_workspace(built.workspace, 32 << 20)
-        return built
+            self._remember(op, index, graph, candidate)
+            return _Built(graph, tensors, candidate, workspace, candidate)
+        raise CudaError(f"cuDNN has no buildable plan for convolution {signature(op)}")
+
+    def _build_remembered(self, op: Conv, index: int) -> _Built | None:
+        """The remembered plan of ``op`` at ``index`` built on a graph without heuristics, or None (none remembered,
+        or it no longer builds: then it is forgotten)."""
+        choices = plan_cache.choices(self.cudnn)
+        remembered = choices.get(signature(op), index) if choices is not None else None
+        if remembered is None:
+            return None
+        engine_id, knobs, ranked = remembered
+        try:
+            graph, tensors = self._graph(op, heuristics=False)
+            graph.create_execution_plan(engine_id, {self.cudnn.knob_type(k): v for k, v in knobs.items()})
+            if hasattr(graph, "_cpp_plans_created"):  # frontend 1.32's pygraph asks the heuristics before any
+                graph._cpp_plans_created = True  # build (~9 ms a graph, for plans nobody uses here): it has its plan
+            built = int(graph.get_execution_plan_count()) - 1
+            graph.build_plan_at_index(built)
+            workspace = int(graph.get_workspace_size_plan_at_index(built))
+        except Exception as e:  # noqa: BLE001 - a stale hint: the heuristics decide again
+            log.info("a remembered cuDNN plan of %s did not build (%s); asking the heuristics", signature(op), e)
+            assert choices is not None
+            choices.forget(signature(op), index)
+            return None
+        return _Built(graph, tensors, built, workspace, ranked) if workspace <= MAX_WORKSPACE_BYTES else None
+
+    def _remember(self, op: Conv, index: int, graph: Any, built: int) -> None:
+        choices = plan_cache.choices(self.cudnn)
+        if choices is None:
+            return
+        try:
+            engine_id, knobs = graph.get_engine_and_knobs_at_index(built)
+            choices.put(signature(op), index, int(engine_id), {int(k): int(v) for k, v in (knobs or {}).items()},
+                        built)
+        except Exception as e:  # noqa: BLE001 - an engine the frontend cannot name (e.g. a delegating entry)
+            log.debug("cuDNN plan of %s not remembered: %s", signature(op), e)
 
     def fusable(self, op: Conv) -> Conv:
         """``op`` itself, or its bare convolution when cuDNN has no engine for the fused graph (remembered)."""
@@ -197,8 +251,12 @@ class CudnnConvs(CudnnGraphs):
             return op.bare()
         if op.int8 or key in self._fusable or (op.b is None and op.z is None and not op.activation):
             return op  # an INT8 graph has no bare form: its requantization is the layer (the build checked it)
+        choices = plan_cache.choices(self.cudnn)
+        if choices is not None and choices.known(signature(op)):  # it built before: no need to ask
+            self._fusable.add(key)
+            return op
         try:  # decided once, in the first (eager) run: nothing cuDNN does here may land in a CUDA-graph capture
-            self._graph(op)
+            self._described[key] = self._graph(op)
             self._fusable.add(key)
             return op
         except Exception:  # cuDNN: no engine supports this epilogue here (e.g. exact fp32, odd channel counts)
@@ -260,7 +318,7 @@ class CudnnConvs(CudnnGraphs):
 
         def time_plan(index: int) -> float:
             self.run(timed, refs.__getitem__, stream, index)
-            if self._built[(op.key(), index)].index != index:
+            if self._built[(op.key(), index)].ranked != index:
                 raise CudaError(f"plan {index} does not build")  # deselected or unsupported: another one ran
             start = check(driver.cuEventCreate(0), "cuEventCreate")
             stop = check(driver.cuEventCreate(0), "cuEventCreate")

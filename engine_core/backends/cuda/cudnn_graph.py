@@ -17,11 +17,14 @@ from typing import Any
 from engine_core.cuda.driver import DeviceBuffer
 
 
-def plan_graph(cudnn: Any, graph: Any, check: bool = True) -> None:
+def plan_graph(cudnn: Any, graph: Any, check: bool = True, heuristics: bool = True) -> None:
     """A described cuDNN graph validated, lowered to an operation graph, and given the execution plans of the
-    heuristics (mode A, then the fallback list); with ``check``, the plans' support checked too."""
+    heuristics (mode A, then the fallback list); with ``check``, the plans' support checked too. Without
+    ``heuristics`` the graph gets no plans (the caller adds a remembered one: cudnn_plan_cache.py)."""
     graph.validate()
     graph.build_operation_graph()
+    if not heuristics:
+        return
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     if check:
         graph.check_support()

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.backends.cuda import cudnn_plan_cache
 from engine_core.backends.cuda.lowering_context import (
     ON_DEMAND_KERNEL_FILES,
     LoweringOptions,
@@ -473,6 +474,12 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
         primary_context()
         if self._host_only():
             return
+        try:
+            self._warm_up(feeds)
+        finally:
+            cudnn_plan_cache.flush()  # what the binding learned, for the next process (executors skip exit hooks)
+
+    def _warm_up(self, feeds: Mapping[str, np.ndarray]) -> None:
         shapes = {name: tuple(np.shape(value)) for name, value in feeds.items()}
         try:
             with self._run_lock:
