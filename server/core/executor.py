@@ -18,10 +18,11 @@ held. Learned from vLLM's engine-core process and Triton's backends in C++ besid
 Faults: an execution error comes back as the engine raised it (a request error) or as `RemoteError` (a fault: the
 executor replaced the context already); a process that exits is started again by the next call of any lane, and
 the calls that were waiting on it fail with UNAVAILABLE naming the exit (503: retry; the other requests go on). Each
-GPU's process restarts alone: the other GPUs keep serving. A restarted process serves as soon as its plan is loaded
-and binds each batch bucket on its first batch (`warm_buckets` False): binding every bucket first made every queued
-request wait for all of them (ResNet-50 fp16 on an H200: ~11 s for 10 buckets, mostly cuDNN graph builds), where one
-bucket's binding is ~1 s. A first load still binds every bucket before the model is ready (#30's first request).
+GPU's process restarts alone: the other GPUs keep serving. A restarted process, and a reload of a version this server
+served before, serves as soon as its plan is loaded and binds the batch buckets in the background (`warm_buckets`
+False; a batch whose bucket is not bound yet binds it): binding every bucket first made every queued request wait for
+all of them (ResNet-50 fp16 on an H200: 7-18 s for 10 buckets, mostly cuDNN graph builds), where one bucket's binding
+is ~0.5-1 s. A first load still binds every bucket before the model is ready (#30's first request).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ log = logging.getLogger("kiln.server.executor")
 _LIVE: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
 #: the frontends' arenas registered now (weakly: the registry owns them), mapped by every executor at its start
 _ARENAS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: the labels (model, version, GPU) an executor served in this server process: loading one again is a reload
+_SERVED: set[str] = set()
 
 
 def mode() -> str:
@@ -139,15 +142,17 @@ class ExecutorProcess:
         self._process: subprocess.Popen | None = None
         self._control: Channel | None = None
         self._lanes: list[Channel] = []
-        self._start()
+        self._start(quick=label in _SERVED)
+        _SERVED.add(label)
         self.lanes = [RemoteContext(self, index) for index in range(len(self._lanes))]
         _LIVE.add(self)
         threading.Thread(target=self._forget_loop, daemon=True, name=f"kiln-executor-forget-{label}").start()
 
     # -- process ------------------------------------------------------------------------------------------
-    def _start(self, restart: bool = False) -> None:
-        """Start the process, hand it the plan, wait until it is warm (a `restart`: until the plan is loaded), then
-        give it the lane sockets."""
+    def _start(self, quick: bool = False) -> None:
+        """Start the process, hand it the plan, wait until it is warm, then give it the lane sockets. `quick` (a
+        restart, or a reload of a version this server served): ready once the plan is loaded, the batch buckets
+        bound in the background (or by the first batch that needs one)."""
         visible = (None if self.device is None else
                    child_visible_devices(self.device, self._device_count, os.environ))
         process, control = child_launch("server.core.executor_main",
@@ -155,7 +160,7 @@ class ExecutorProcess:
         ours = control.sock
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
-                          "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not restart})
+                          "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not quick})
             timeout_s = start_timeout_s()
             ours.settimeout(timeout_s)  # a hung start fails the load instead of leaving it loading forever
             try:
@@ -210,7 +215,7 @@ class ExecutorProcess:
         self._close_channels()
         self._generation += 1
         self.restarts += 1
-        self._start(restart=True)
+        self._start(quick=True)
 
     def _close_channels(self) -> None:
         for channel in [*self._lanes, *([self._control] if self._control else [])]:

@@ -180,6 +180,7 @@ def child_start(argv: list[str] | None, name: str) -> tuple[Channel, Any] | None
     descriptor its first argument names, and the parent's first message; None when the parent closed first."""
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}[%(process)d] %(message)s")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # lanes (or the loop) beside other threads get the lock back soon
     channel = Channel(socket.socket(fileno=int(args[0])))
     try:
         first, _ = channel.recv()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 from engine_core.generate.decoder import build_decoder_engine
 from engine_core.generate.generator import GenerationEvent, GenerationHandle, Generator
-from server.core.executor_wire import SWITCH_INTERVAL_S, Channel, ExecutorGone, child_start, error_reply
+from server.core.executor_wire import Channel, ExecutorGone, child_start, error_reply
 
 log = logging.getLogger("kiln.generation")
 
@@ -140,10 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     started = child_start(argv, "kiln-generation")
     if started is None:
         return 0
-    channel, request = started
-    # the generator's thread runs Python between driver calls; the command and outbox threads must get the lock back
-    # within a fraction of a step (a submit is a round trip the core's event loop waits for), not Python's 5 ms
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    channel, request = started  # child_start set the switch interval: the command and outbox threads get the lock
+    # back within a fraction of a step (a submit is a round trip the core's event loop waits for), not Python's 5 ms
     try:
         generator, info = load(request)
     except Exception as e:  # noqa: BLE001 - the parent fails the load with the message

@@ -159,19 +159,26 @@ def test_a_killed_executor_fails_only_the_call_it_was_running_and_is_started_aga
     assert executor.restarts == 1 and executor._process is not old
 
 
-def test_a_restarted_executor_serves_before_binding_its_buckets(executor, monkeypatch) -> None:
-    """A first start binds every batch bucket before ready; a restart (requests waiting) binds each on first use."""
+@pytest.fixture()
+def loads(monkeypatch) -> list[dict]:
+    """The load messages the core sends executor processes from now on (plan, config, warm_buckets...)."""
     from server.core import executor_wire
 
-    loads: list[dict] = []
+    sent: list[dict] = []
 
     class Recording(executor_wire.Channel):
         def send(self, message, fds=()):
             if isinstance(message, dict) and "plan" in message:
-                loads.append(message)
+                sent.append(message)
             return super().send(message, fds)
 
     monkeypatch.setattr(executor_wire, "Channel", Recording)  # child_launch makes the control channel
+    return sent
+
+
+def test_a_restarted_executor_serves_before_binding_its_buckets(executor, loads) -> None:
+    """A first start binds every batch bucket before ready; a restart (requests waiting) binds them in the background
+    or on first use."""
     old = executor._process
     assert old is not None
     os.kill(old.pid, signal.SIGKILL)
@@ -179,6 +186,21 @@ def test_a_restarted_executor_serves_before_binding_its_buckets(executor, monkey
     parts = [_rows(1, 5)]
     np.testing.assert_array_equal(executor.lanes[0].infer_batch(parts)[0]["SUM"], parts[0]["A"] + parts[0]["B"][:, :1])
     assert [load["warm_buckets"] for load in loads] == [False]
+
+
+def test_a_reloaded_version_serves_before_binding_its_buckets(described, loads) -> None:
+    """Loading a version this server served before (unload, then load) is a reload: it serves once its plan is
+    loaded, as a restart does; another version's first load binds first."""
+    config = ModelConfig(name="wide_add").SerializeToString()
+    for label in ("model 'wide_add' version 7", "model 'wide_add' version 7", "model 'wide_add' version 8"):
+        process = ExecutorProcess(label, described, config, 1)
+        try:
+            parts = [_rows(1, 6)]
+            np.testing.assert_array_equal(process.lanes[0].infer_batch(parts)[0]["SUM"],
+                                          parts[0]["A"] + parts[0]["B"][:, :1])
+        finally:
+            process.close()
+    assert [load["warm_buckets"] for load in loads] == [True, False, True]
 
 
 def _executor_pids(root: int) -> list[int]:
