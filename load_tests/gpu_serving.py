@@ -180,6 +180,7 @@ class Setup:
     precision: str
     window_s: float
     profile_s: float  # process CPU (and py-spy) of the server during each sweep's first level; 0: off
+    profile_idle: bool  # py-spy samples waiting threads too (wall time: where a lane's execution goes)
     max_trials: int
     warmup_s: float
     processes: int
@@ -226,6 +227,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         precision=args.precision,
         window_s=args.window_s or (0.3 if smoke else 1.0),
         profile_s=args.profile_s,
+        profile_idle=args.profile_idle,
         max_trials=args.max_trials or (3 if smoke else 4),
         warmup_s=0.2 if smoke else args.warmup_s,
         processes=args.processes or (1 if smoke else max(1, min(8, (os.cpu_count() or 2) // 2))),
@@ -310,7 +312,8 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
     profiler = None
     if setup.profile_s:  # during the first level's windows, after its warm-up
         profiler = threading.Thread(target=profile_server, args=(server.pid, setup.warmup_s + 0.5, setup.profile_s,
-                                                                 out / f"profile_{name}_{transport}"), daemon=True)
+                                                                 out / f"profile_{name}_{transport}",
+                                                                 setup.profile_idle), daemon=True)
         profiler.start()
     perf.main(["-m", name, "-i", protocol, "-u", url, "--shared-memory", shared, "--input-data", spec.input_data,
                "--concurrency-range", ",".join(map(str, setup.concurrency)), "-p", str(int(setup.window_s * 1000)),
@@ -321,14 +324,16 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
     return json.loads(path.read_text())
 
 
-def profile_server(pid: int, delay_s: float, seconds: float, stem: Path) -> None:
+def profile_server(pid: int, delay_s: float, seconds: float, stem: Path, idle: bool = False) -> None:
     """CPU per process and thread of the server's tree (`process_cpu`) over `seconds`, and py-spy's raw stacks of
-    the server process meanwhile when py-spy is installed: STEM.txt / STEM.json / STEM.pyspy.txt."""
+    the server process and its children (frontends, executors) meanwhile when py-spy is installed: STEM.txt /
+    STEM.json / STEM.pyspy.txt. `idle`: waiting threads are sampled too."""
     time.sleep(delay_s)
     spy = None
     if shutil.which("py-spy"):
         spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "100",
-                                "--nonblocking", "--threads", "--subprocesses", "-f", "raw", "-o", f"{stem}.pyspy.txt"],
+                                "--nonblocking", "--threads", "--subprocesses", *(["--idle"] if idle else []),
+                                "-f", "raw", "-o", f"{stem}.pyspy.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_before = _host_ticks()
     rows = process_cpu.measure(pid, seconds)
@@ -700,6 +705,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-s", type=float, default=0.0,
                    help="during each sweep's first level: CPU per process and thread of the server and its frontends "
                         "for this long, and py-spy of the server process when installed (profile_*.txt in --out)")
+    p.add_argument("--profile-idle", action="store_true",
+                   help="py-spy samples waiting threads too (with --profile-s): wall time, not CPU")
     p.add_argument("--smoke", action="store_true", help="tiny models, short windows: a check that runs anywhere")
     return p
 

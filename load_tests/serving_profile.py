@@ -55,6 +55,36 @@ def summarize(folded: Path, top: int = 25) -> dict:
             "inclusive": [(f, share(n)) for f, n in inclusive.most_common(top)]}
 
 
+def summarize_tree(folded: Path, top: int = 12) -> str:
+    """A py-spy raw file of a process tree (`--subprocesses`) as text: per kind of process (core, frontend,
+    executor, generation), its samples and the frames with the most samples, own and inclusive."""
+    kinds: dict[str, tuple[collections.Counter[str], collections.Counter[str]]] = {}
+    totals: collections.Counter[str] = collections.Counter()
+    for line in folded.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        head = frames[0]
+        kind = ("executor" if "executor_main" in head else "generation" if "generation_main" in head
+                else "frontend" if "spawn_main" in head or "multiprocessing" in head else "core")
+        own, inclusive = kinds.setdefault(kind, (collections.Counter(), collections.Counter()))
+        samples = int(count)
+        totals[kind] += samples
+        body = [f for f in frames[1:] if not f.startswith("thread ")]
+        if body:
+            own[body[-1]] += samples
+        for frame in set(body):
+            inclusive[frame] += samples
+    lines = []
+    for kind, samples in totals.most_common():
+        own, inclusive = kinds[kind]
+        lines.append(f"== {kind}: {samples} samples")
+        lines += [f"  {100 * n / samples:5.1f}% self  {frame}" for frame, n in own.most_common(top)]
+        lines += [f"  {100 * n / samples:5.1f}% incl  {frame}" for frame, n in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -100,6 +130,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["--summarize"]:  # a raw file from gpu_serving.py --profile-s
+        print(summarize_tree(Path(sys.argv[2])))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m load_tests.serving_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--repository", required=True)
     parser.add_argument("--model", required=True)
