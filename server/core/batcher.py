@@ -358,10 +358,8 @@ class DynamicBatcher:
         if gone is not None:
             self._fail_queued(gone)
         if not any(self._queues.values()):
-            if self._closed:
-                self._pool.shutdown(wait=False)  # running executions still finish
-                if not self._running:
-                    self.workers.retire()
+            if self._closed and not self._running:  # a started batch's task may not have reached the pool yet
+                self._retire()
             return
         wait_ns = None
         inline_left = _INLINE_PER_DISPATCH
@@ -494,7 +492,12 @@ class DynamicBatcher:
     def _finished(self, task: asyncio.Task) -> None:
         self._running.discard(task)
         if self._closed and not self._running and not any(self._queues.values()):
-            self.workers.retire()
+            self._retire()
+
+    def _retire(self) -> None:
+        """Closed and idle: the worker threads end and the contexts let go of what they hold."""
+        self._pool.shutdown(wait=False)
+        self.workers.retire()
 
     async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
@@ -637,5 +640,4 @@ class DynamicBatcher:
         """Take no new jobs; the queued and running ones still finish (a hot swap fails no request)."""
         self._closed = True
         if not any(self._queues.values()) and not self._running:
-            self._pool.shutdown(wait=False)
-            self.workers.retire()
+            self._retire()
