@@ -241,8 +241,7 @@ class CudnnConvs(CudnnGraphs):
             return
         try:
             engine_id, knobs = graph.get_engine_and_knobs_at_index(built)
-            choices.put(signature(op), index, int(engine_id), {int(k): int(v) for k, v in (knobs or {}).items()},
-                        built)
+            choices.put(signature(op), index, int(engine_id), dict(knobs or {}), built)
         except Exception as e:  # noqa: BLE001 - an engine the frontend cannot name (e.g. a delegating entry)
             log.debug("cuDNN plan of %s not remembered: %s", signature(op), e)
 
@@ -316,7 +315,7 @@ class CudnnConvs(CudnnGraphs):
         limit = candidates or autotune_plans(op)
         op = self.fusable(op)
         timed = timed if op.key() == timed.key() else timed.bare()
-        graph, _ = self._graph(op)
+        graph, _ = self._described.get(op.key()) or self._graph(op)  # the graph fusable() described, if it did
 
         def time_plan(index: int) -> float:
             self.run(timed, refs.__getitem__, stream, index)

@@ -43,15 +43,21 @@ class PlanChoices:
     def __init__(self, path: Path, section: str) -> None:
         self.path, self.section = path, section
         self._lock = threading.Lock()
-        self._entries: dict[str, list] = self._read().get(section, {})
-        self._added: dict[str, list] = {}
+        #: signature -> heuristics rank asked for -> entry; the file keys them "signature#rank"
+        self._entries: dict[str, dict[int, list]] = {}
+        stored = self._read().get(section, {})
+        for key, entry in (stored.items() if isinstance(stored, dict) else ()):
+            signature, _, index = key.rpartition("#")
+            if signature and index.isdigit():
+                self._entries.setdefault(signature, {})[int(index)] = entry
+        self._added: dict[str, list] = {}  # what this process learned, keyed as in the file
         self._written = time.monotonic()
 
     def get(self, signature: str, index: int) -> tuple[int, dict[int, int], int] | None:
         """(engine id, knobs as {knob type value: knob value}, its heuristics rank) of the plan built for
         ``signature`` when rank ``index`` was asked for (the rank built may be another: ``index`` did not build)."""
         with self._lock:
-            entry = self._entries.get(f"{signature}#{index}")
+            entry = self._entries.get(signature, {}).get(index)
         try:
             engine_id, knobs, ranked = entry  # type: ignore[misc]
             return int(engine_id), {int(k): int(v) for k, v in knobs.items()}, int(ranked)
@@ -60,14 +66,13 @@ class PlanChoices:
 
     def known(self, signature: str) -> bool:
         """Whether some plan of ``signature`` was built here before (so the graph has a buildable plan)."""
-        prefix = f"{signature}#"
         with self._lock:
-            return any(key.startswith(prefix) for key in self._entries)
+            return bool(self._entries.get(signature))
 
     def put(self, signature: str, index: int, engine_id: int, knobs: dict[int, int], ranked: int) -> None:
         entry = [int(engine_id), {str(int(k)): int(v) for k, v in knobs.items()}, int(ranked)]
         with self._lock:
-            self._entries[f"{signature}#{index}"] = self._added[f"{signature}#{index}"] = entry
+            self._entries.setdefault(signature, {})[index] = self._added[f"{signature}#{index}"] = entry
             due = time.monotonic() - self._written >= WRITE_EVERY_S
         if due:
             self.flush()
@@ -75,7 +80,7 @@ class PlanChoices:
     def forget(self, signature: str, index: int) -> None:
         """An entry that did not build again (another cuDNN build under the same version string, a driver change)."""
         with self._lock:
-            self._entries.pop(f"{signature}#{index}", None)
+            self._entries.get(signature, {}).pop(index, None)
             self._added.pop(f"{signature}#{index}", None)
 
     def flush(self) -> None:
