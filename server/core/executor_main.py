@@ -395,10 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 1
     control, load = started
+    warm_buckets = load.get("warm_buckets", True)
     try:
         for module in load.get("modules", ()):  # the plugins the plan uses register themselves on import
             importlib.import_module(module)
-        executor = Executor(load["plan"], load["config"], load["instances"], load.get("warm_buckets", True))
+        executor = Executor(load["plan"], load["config"], load["instances"], warm_buckets)
     except BaseException as error:  # noqa: BLE001 - the core fails the model's load with this message
         control.send(error_reply(error))
         return 1
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, fd in enumerate(fds):
         threading.Thread(target=executor.serve_lane, args=(index, Channel(socket.socket(fileno=fd))), daemon=True,
                          name=f"kiln-executor-lane-{index}").start()
-    if not load.get("warm_buckets", True):
+    if not warm_buckets:
         executor.bind_in_background()
     executor.serve_control(control)
     return 0

@@ -233,7 +233,7 @@ class ModelVersion(ServedModel):
     def warm_up(self, directory: Path) -> None:
         """Bind and capture every batch bucket, then run the config's model_warmup samples, on every instance
         (blocking: part of loading). Raises ServerError naming a sample that does not fit the model."""
-        if self.executors:  # each executor bound every bucket before it said ready; one lane per context
+        if self.executors:  # each executor binds the buckets itself (executor_main.py); one lane per context
             lanes = [lane for e in self.executors for lane in e.lanes[::len(e.lanes) // e.instances]]
             warmup.run_model_warmup(self, lanes, directory)
             return

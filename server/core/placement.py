@@ -39,12 +39,13 @@ class Devices:
 def visible_devices() -> Devices:
     """This process's CUDA devices, asked of the driver (only for CUDA models: the core already initialised CUDA
     to pick the plan's target)."""
+    from engine_core.compat import device_arch
     from engine_core.cuda import device_count
-    from engine_core.cuda.driver import compute_capability
 
     def arch(ordinal: int) -> str:
-        major, minor = compute_capability(ordinal)
-        return f"sm_{major}{minor}"
+        found = device_arch(ordinal)  # the form plans record their target in
+        assert found is not None, "visible_devices is asked only for CUDA models"
+        return found
 
     return Devices(device_count(), arch)
 
@@ -126,8 +127,12 @@ def device_list(parent: str | None, count: int) -> list[str]:
     stops at the first entry it cannot use, so only the first `count` count."""
     if parent is None:
         return [str(i) for i in range(count)]
-    entries = [entry.strip() for entry in parent.split(",") if entry.strip()]
-    return entries[:count]
+    return _entries(parent)[:count]
+
+
+def _entries(parent: str) -> list[str]:
+    """A CUDA_VISIBLE_DEVICES value's entries, blanks dropped."""
+    return [entry.strip() for entry in parent.split(",") if entry.strip()]
 
 
 def child_visible_devices(device: int, count: int, environ: Mapping[str, str]) -> str:
@@ -157,7 +162,7 @@ def restricted_visible_devices(text: str, parent: str | None) -> str:
     ids = parse_gpu_ids(text)
     if parent is None:
         return ",".join(map(str, ids))
-    entries = [entry.strip() for entry in parent.split(",") if entry.strip()]
+    entries = _entries(parent)
     beyond = [i for i in ids if i >= len(entries)]
     if beyond:
         raise ValueError(f"--gpus {text}: GPU {beyond[0]} is not visible (CUDA_VISIBLE_DEVICES={parent} lists "
