@@ -184,8 +184,7 @@ def device_name(ordinal: int = 0) -> str:
 
     _init()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
-    name = check(driver.cuDeviceGetName(256, device), "cuDeviceGetName")
-    return name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+    return _c_string(check(driver.cuDeviceGetName(256, device), "cuDeviceGetName"))
 
 
 def pci_bus_id(ordinal: int = 0) -> str:
@@ -194,8 +193,12 @@ def pci_bus_id(ordinal: int = 0) -> str:
 
     _init()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
-    text = check(driver.cuDeviceGetPCIBusId(32, device), "cuDeviceGetPCIBusId")
-    return (text.split(b"\0", 1)[0].decode() if isinstance(text, bytes) else str(text)).strip()
+    return _c_string(check(driver.cuDeviceGetPCIBusId(32, device), "cuDeviceGetPCIBusId")).strip()
+
+
+def _c_string(value: Any) -> str:
+    """A string the driver filled into a fixed-size buffer: bytes up to the first NUL (or the binding's str)."""
+    return value.split(b"\0", 1)[0].decode() if isinstance(value, bytes) else str(value)
 
 
 def memory_info(ordinal: int = 0) -> tuple[int, int]:
