@@ -133,11 +133,12 @@ def test_warm_up_captures_so_the_first_request_replays():
     context = gpu.create_execution_context()
     context.warm_up({"x": (8, 64)})
     binding = _binding(context)
-    assert len(binding.graphs) == STAGING_SLOTS and binding.verified and not binding.graph_failed  # one per slot
+    # one per slot for infer's staged copies, one for batches gathered on the device (the slots share its buffers)
+    assert len(binding.graphs) == STAGING_SLOTS + 1 and binding.verified and not binding.graph_failed
     runs, replays = binding.runs, _replays(context)
     x = _x(30, 8)
     y = context.infer({"x": x})["y"]
-    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == STAGING_SLOTS
+    assert _replays(context) == replays + 1 and binding.runs == runs and len(binding.graphs) == STAGING_SLOTS + 1
     np.testing.assert_allclose(y, cpu.create_execution_context().infer({"x": x})["y"], rtol=1e-5, atol=1e-6)
 
 
@@ -151,10 +152,34 @@ def test_infer_batch_after_warm_up_replays_the_graph_infer_uses():
     results = context.infer_batch([{"x": p} for p in parts], pad_to=8)
     assert _replays(context) == replays + 1 and len(context._backend_context._bindings) == 1
     want = context.infer({"x": padded})["y"]
-    assert _replays(context) == replays + 2 and len(binding.graphs) == STAGING_SLOTS  # the same buffers and graphs
+    assert _replays(context) == replays + 2 and len(binding.graphs) == STAGING_SLOTS + 1  # the same graphs
     for (start, stop), result in zip(((0, 2), (2, 5), (5, 6)), results):
         assert list(result) == ["y"]
         np.testing.assert_array_equal(result["y"], want[start:stop])
+
+
+def test_batches_gathered_on_the_device_after_warm_up_replay_without_a_capture():
+    """Requests in shared memory and a server's frontend arenas reach the engine as ``DeviceRows``: after
+    ``warm_up`` their first batch replays a graph captured at warm-up (no capture on a live request), in either
+    staging slot, and answers as the CPU backend."""
+    from engine_core.cuda.driver import DeviceBuffer, copy_to_host
+
+    gpu, cpu = build_engine(mlp(), "cuda", PROFILE), build_engine(mlp(), "cpu", PROFILE)
+    context = gpu.create_execution_context()
+    context.warm_up({"x": (8, 64)})
+    graphs, replays = _graphs(context), _replays(context)
+    x = _x(31, 8)
+    source, target = DeviceBuffer.from_array(x), DeviceBuffer(8 * 32 * 4)
+    rows = np.ones(8, np.int64)
+    inputs = {"x": kiln.DeviceRows(source.ptr + np.arange(8, dtype=np.uint64) * 256, rows, (64,), np.float32)}
+    outputs = {"y": kiln.DeviceRows(target.ptr + np.arange(8, dtype=np.uint64) * 128, rows, (32,), np.float32)}
+    assert context.infer_rows(inputs, destinations=outputs) == {}
+    host = context.infer_rows(inputs)["y"]
+    assert _graphs(context) == graphs and _replays(context) == replays + 2
+    expected = cpu.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(copy_to_host(target.ptr, np.dtype(np.float32), (8, 32)), expected, rtol=2e-3,
+                               atol=2e-5)
+    np.testing.assert_allclose(host, expected, rtol=2e-3, atol=2e-5)
 
 
 def test_two_threads_on_one_context_overlap_and_each_gets_its_rows():
@@ -184,7 +209,7 @@ def test_two_threads_on_one_context_overlap_and_each_gets_its_rows():
     for thread in threads:
         thread.join(120)
     assert not failures, failures[:3]
-    assert sum(len(b.graphs) for b in context._backend_context._bindings.values()) == 2 * STAGING_SLOTS  # warmed: no capture
+    assert _graphs(context) == 2 * (STAGING_SLOTS + 1)  # warmed: no capture
 
 
 def test_infer_batch_reads_and_writes_device_views():

@@ -136,6 +136,7 @@ def fake(monkeypatch):
     # the calls made with the interpreter lock held go to libcuda through ctypes: here to the fake as well
     monkeypatch.setattr(runner_staging, "record_event", lambda event, stream: fake.cuEventRecord(event, stream))
     monkeypatch.setattr(runner_staging, "memset_d8_async", lambda *args: fake.cuMemsetD8Async(*args))
+    monkeypatch.setattr(runner, "memset_d8_async", lambda *args: fake.cuMemsetD8Async(*args))
     monkeypatch.setattr(runner_staging, "copy_pinned_async", lambda dst, src, nbytes, stream, to_device: (
         fake.cuMemcpyHtoDAsync if to_device else fake.cuMemcpyDtoHAsync)(dst, src, nbytes, stream))
     monkeypatch.setattr(runner_staging, "memcpy_dtod_async", lambda *args: fake.cuMemcpyDtoDAsync(*args))
@@ -305,12 +306,16 @@ def test_device_copies_go_one_call_each_where_the_driver_has_no_batch_copy(fake,
 def test_infer_batch_at_a_padded_total_shares_infer_buffers_and_warm_up_stops_once_captured(setup) -> None:
     reference, context, fake = setup
     context.warm_up({"x": (8, 3), "ids": (8, 2)})
-    assert fake.calls.count("run") == 3  # eager, then "captured" in slot 0; captured at once in slot 1
+    # eager, then "captured" in slot 0; captured at once in slot 1; a batch gathered on the device in each slot
+    # (captured in slot 0: the slots share the device buffers), which also made each slot's copy tables
+    assert fake.calls.count("run") == 5 and fake.calls.count("segments x16") == 4  # 8 rows of two tensors each way
+    assert set(context._backend_context._copy_tables) == {(0, "gather"), (1, "gather"), (0, "deliver"),
+                                                          (1, "deliver")}
     (binding,) = context._backend_context._bindings.values()
     addresses = {name: stage.device.ptr for name, stage in binding.stages.items()}
     context.infer_batch([_part(5, 3), _part(6, 4)], pad_to=8)
     context.infer(_part(7, 8))
-    assert len(context._backend_context._bindings) == 1 and len(binding.graphs) == runner.STAGING_SLOTS  # no new captures
+    assert len(context._backend_context._bindings) == 1 and len(binding.graphs) == runner.STAGING_SLOTS + 1  # none new
     assert {name: stage.device.ptr for name, stage in binding.stages.items()} == addresses
     (twin, _), = binding.twins.values()  # slot 1: the same device buffers, mirrors of its own
     assert {name: stage.device.ptr for name, stage in twin.items()} == addresses

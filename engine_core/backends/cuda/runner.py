@@ -85,6 +85,7 @@ from engine_core.cuda.driver import (
     Module,
     check,
     memory_info,
+    memset_d8_async,
     primary_context,
 )
 from engine_core.cuda.view import DeviceRows, DeviceView
@@ -497,16 +498,47 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
                         break
             if not self.graphs_possible(binding):
                 return
+        self._warm_up_device_rows(binding, shapes)
+
+    def _warm_up_device_rows(self, binding: _Binding, shapes: Shapes) -> None:
+        """Capture the graph that batches gathered on the device replay, in every staging slot: inputs as one-row
+        parts (``DeviceRows``) of zeros in scratch memory, outputs delivered to parts the same way.
+        Why: such batches (requests in shared memory, a server's frontend arenas) run without ``infer``'s staged
+        copies, so their graph has a key of its own; without this, the first live batch of every bucket captured it
+        (ResNet-50's first request after ready took 3.35x the hundredth), and the first in each slot made that slot's
+        copy tables."""
+        if binding.tail is not None or not self.graphs_possible(binding):
+            return
+        with self._run_lock:
+            stages, _ = self._staging(binding, shapes, 0)
+        total = next(iter(stages[name].shape[0] for name in shapes if stages[name].shape), 0)
+        if not total or any(not stages[name].shape or stages[name].shape[0] != total for name in shapes):
+            return
+        largest = max(stage.nbytes for stage in stages.values())
+        sources, targets = DeviceBuffer(largest), DeviceBuffer(largest)
+        memset_d8_async(sources.ptr, 0, largest, self.stream())  # before the gathers, on their stream
+
+        def rows(name: str, base: int) -> DeviceRows:
+            stage = stages[name]
+            return DeviceRows(base + stage.row_bytes * np.arange(total, dtype=np.uint64), np.ones(total, np.int64),
+                              stage.shape[1:], stage.dtype)
+
+        inputs = {name: [rows(name, sources.ptr)] for name in shapes}
+        outputs = {name: rows(name, targets.ptr) for name in self.engine.plan.graph.output_names
+                   if stages[name].shape and stages[name].shape[0] == total}
+        for slot in range(self._io_slots.count):
+            self.infer_batch(inputs, [(0, total)], total, [outputs], slot=slot)
 
     def infer_batch(self, inputs: Mapping[str, Sequence[np.ndarray | DeviceView]], spans: Sequence[Span],
                     total: int, destinations: Sequence[Mapping[str, DeviceView]], profiler: Any = None,
-                    debug: tuple[Any, Sequence[str]] | None = None) -> list[dict[str, np.ndarray]]:
+                    debug: tuple[Any, Sequence[str]] | None = None, slot: int | None = None
+                    ) -> list[dict[str, np.ndarray]]:
         """``ExecutionContext.infer_batch`` on the device (inputs checked there): each input's parts are
         gathered into its staging buffers of the binding at ``total`` rows (the ones ``infer`` uses), padding
         zeroed on the device, one run, then each part's rows go to its destination (device to device) or
         through the pinned mirror to a fresh host array. Plans the device cannot run as a whole, or whose
         shapes need input values, gather on the host and go through ``infer``'s fallbacks. Two threads may
-        call it at once, as ``infer``."""
+        call it at once, as ``infer``; ``slot``: the staging slot to run in (default: the first free one)."""
         primary_context()
         shapes = {name: (total, *values[0].shape[1:]) for name, values in inputs.items()}
         reason = self._host_only()
@@ -522,7 +554,7 @@ class CudaContextState(ContextOpsMixin, BindingMixin, GraphsMixin, LaunchMixin, 
             outputs = self.infer(self._gathered_on_host(inputs, total), profiler, debug)
             return self._scatter(outputs, spans, total, destinations)
         stream = self.stream()
-        with self._io_slots.take() as slot:
+        with self._io_slots.take(slot) as slot:
             with self._run_lock:
                 stages, staged = self._staging(binding, shapes, slot)
             for index, (span, targets) in enumerate(zip(spans, destinations)):
