@@ -3,6 +3,7 @@
     python load_tests/warmup_latency.py --out $OUT                 # GPU: BERT-base CLS fp16, dynamic batching
     python load_tests/warmup_latency.py --models resnet50,bert --out $OUT
     python load_tests/warmup_latency.py --smoke --out /tmp/wl      # any machine: tiny models on the CPU, seconds
+    python load_tests/warmup_latency.py --trace --out $OUT         # also the server's and the execution's share
 
 Issue #30 asks that the first live request after ready be as fast as the hundredth (within 20%) on a GPU: every
 batch bucket's binding and CUDA graph is made while the model loads (server/core/warmup.py), so no live request
@@ -11,7 +12,9 @@ loaded, a fresh plan cache), waits for ready, asks once whether the model is rea
 sends `--requests` single-row requests one after another over HTTP with tritonclient and writes each one's
 latency. The figure is the first request's latency over the median
 of requests 90-110 (the hundredth alone is one noisy sample; it is reported too). Models, configs and ONNX
-files are load_tests/gpu_serving.py's. Output: a table and `warmup_latency.json` in `--out`.
+files are load_tests/gpu_serving.py's. `--trace` runs the server with trace timestamps and reports the same figures
+for each request's time in the server and in its execution (what is left is the client, its connection and the
+frontend's parsing). Output: a table and `warmup_latency.json` in `--out`.
 """
 
 from __future__ import annotations
@@ -75,17 +78,49 @@ def measure(model: str, args: argparse.Namespace, work: Path) -> dict:
     repo = work / "repository"
     source = gpu_serving.onnx_file(spec, args.cache_dir or work)
     name = gpu_serving.write_model(repo, spec, source, setup)["batched"]
+    trace = work / "trace.jsonl"
+    trace.unlink(missing_ok=True)
+    extra = (["--trace-config", f"triton,file={trace}", "--trace-config", "level=TIMESTAMPS",
+              "--trace-config", "rate=1"] if args.trace else [])
     started = time.monotonic()
-    with gpu_serving.kiln_server(repo, work / "plans", work / f"server_{model}.log", name, []) as server:
+    with gpu_serving.kiln_server(repo, work / "plans", work / f"server_{model}.log", name, extra) as server:
         ready_s = time.monotonic() - started
         latencies = time_requests(server.http, name, spec, args.requests)
-    later = latencies[89:110] if len(latencies) >= 110 else latencies[1:]
-    steady = statistics.median(later)
-    return {"model": spec.name, "served": name, "precision": args.precision, "ready_s": round(ready_s, 1),
-            "first_ms": round(latencies[0], 3), "second_ms": round(latencies[1], 3),
-            "hundredth_ms": round(latencies[99], 3) if len(latencies) >= 100 else None,
-            "median_90_110_ms": round(steady, 3), "first_over_steady": round(latencies[0] / steady, 3),
-            "within_bound": latencies[0] <= BOUND * steady, "latencies_ms": [round(v, 3) for v in latencies]}
+    row = {"model": spec.name, "served": name, "precision": args.precision, "ready_s": round(ready_s, 1),
+           "traced": args.trace, **_first_and_steady("", latencies),
+           "within_bound": latencies[0] <= BOUND * _steady(latencies)}
+    if args.trace:  # the same split for the server's own time and the execution's, from its trace timestamps
+        spans = server_spans(trace)
+        for key in ("server", "compute"):
+            row.update(_first_and_steady(f"{key}_", spans[key]))
+    return row
+
+
+def _steady(latencies: list[float]) -> float:
+    """The median of requests 90-110 (all but the first when fewer were sent)."""
+    return statistics.median(latencies[89:110] if len(latencies) >= 110 else latencies[1:])
+
+
+def _first_and_steady(prefix: str, latencies: list[float]) -> dict:
+    steady = _steady(latencies)
+    return {f"{prefix}first_ms": round(latencies[0], 3), f"{prefix}second_ms": round(latencies[1], 3),
+            f"{prefix}hundredth_ms": round(latencies[99], 3) if len(latencies) >= 100 else None,
+            f"{prefix}median_90_110_ms": round(steady, 3), f"{prefix}first_over_steady": round(latencies[0] / steady, 3),
+            f"{prefix}latencies_ms": [round(v, 3) for v in latencies]}
+
+
+def server_spans(trace: Path) -> dict[str, list[float]]:
+    """Milliseconds of each traced request in request order: in the server (REQUEST_START to REQUEST_END) and in
+    its execution (COMPUTE_START to COMPUTE_END)."""
+    spans: dict[str, list[float]] = {"server": [], "compute": []}
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        if "timestamps" not in record:
+            continue
+        ns = {t["name"]: t["ns"] for t in record["timestamps"]}
+        spans["server"].append((ns["REQUEST_END"] - ns["REQUEST_START"]) / 1e6)
+        spans["compute"].append((ns["COMPUTE_END"] - ns["COMPUTE_START"]) / 1e6)
+    return spans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,14 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated ONNX files are kept")
     parser.add_argument("--out", type=Path, default=None, help="directory for warmup_latency.json (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on any machine")
+    parser.add_argument("--trace", action="store_true",
+                        help="also split each request's time in the server and in its execution (trace timestamps)")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="kiln-warmup-"))
     out.mkdir(parents=True, exist_ok=True)
     rows = [measure(model, args, out / model) for model in args.models.split(",")]
-    print(f"{'model':<12}{'ready s':>9}{'first ms':>10}{'2nd ms':>9}{'100th ms':>10}{'med 90-110':>12}{'ratio':>8}")
+    print(f"{'model':<20}{'ready s':>9}{'first ms':>10}{'2nd ms':>9}{'100th ms':>10}{'med 90-110':>12}{'ratio':>8}")
     for r in rows:
-        print(f"{r['model']:<12}{r['ready_s']:>9.1f}{r['first_ms']:>10.2f}{r['second_ms']:>9.2f}"
-              f"{r['hundredth_ms'] or float('nan'):>10.2f}{r['median_90_110_ms']:>12.2f}{r['first_over_steady']:>8.2f}")
+        for prefix in ("", "server_", "compute_")[:3 if r["traced"] else 1]:
+            print(f"{r['model'] + (' ' + prefix[:-1] if prefix else ''):<20}{r['ready_s']:>9.1f}"
+                  f"{r[prefix + 'first_ms']:>10.2f}{r[prefix + 'second_ms']:>9.2f}"
+                  f"{r[prefix + 'hundredth_ms'] or float('nan'):>10.2f}{r[prefix + 'median_90_110_ms']:>12.2f}"
+                  f"{r[prefix + 'first_over_steady']:>8.2f}")
     document = {"tool": "load_tests/warmup_latency.py", "command": " ".join(sys.argv), "bound": BOUND,
                 "device": gpu_serving._device(), "rows": rows}
     (out / "warmup_latency.json").write_text(json.dumps(document, indent=1))

@@ -16,3 +16,11 @@ def test_smoke_run_times_the_first_request_and_the_steady_ones(tmp_path):
     assert row["first_ms"] == row["latencies_ms"][0] and row["hundredth_ms"] is None  # fewer than 100 requests
     assert abs(row["first_over_steady"] - row["first_ms"] / row["median_90_110_ms"]) < 0.01
     assert document["bound"] == warmup_latency.BOUND and row["ready_s"] > 0
+
+
+def test_trace_splits_each_request_into_the_servers_time_and_its_execution(tmp_path):
+    warmup_latency.main(["--smoke", "--models", "bert", "--requests", "6", "--trace", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "warmup_latency.json").read_text())["rows"]
+    assert row["traced"] and len(row["server_latencies_ms"]) == len(row["compute_latencies_ms"]) == 6
+    for client, server, compute in zip(row["latencies_ms"], row["server_latencies_ms"], row["compute_latencies_ms"]):
+        assert 0 < compute <= server <= client  # nested: the execution in the server's time in the client's
