@@ -41,7 +41,16 @@ from typing import Any
 import numpy as np
 
 from .errors import ServerError, unavailable
-from .executor_wire import Channel, ExecutorGone, RegionView, RemoteError, child_launch, raise_reply, to_wire
+from .executor_wire import (
+    Channel,
+    ExecutorGone,
+    RegionView,
+    RemoteError,
+    child_launch,
+    env_number,
+    raise_reply,
+    to_wire,
+)
 from .placement import child_visible_devices
 
 log = logging.getLogger("kiln.server.executor")
@@ -63,10 +72,7 @@ def mode() -> str:
 def start_timeout_s() -> float:
     """How long an executor may take to load its plan and bind every bucket (KILN_EXECUTOR_START_TIMEOUT_S, default
     900: a cold kernel cache compiles for about a minute, and large models capture many buckets)."""
-    try:
-        return max(float(os.environ.get("KILN_EXECUTOR_START_TIMEOUT_S", "900")), 0.001)
-    except ValueError:
-        return 900.0
+    return env_number("KILN_EXECUTOR_START_TIMEOUT_S", 900, 0.001)
 
 
 def _cpu_too() -> bool:

@@ -45,6 +45,7 @@ from server.core.executor_wire import (  # noqa: E402
     RegionMap,
     RegionRef,
     child_start,
+    env_number,
     error_reply,
 )
 from server.core.scheduler import REQUEST_ERRORS  # noqa: E402
@@ -56,7 +57,7 @@ MAP_WAIT_S = 30.0
 #: how often a lane logs what its executions took (calls, rows, run time): where a batch's time goes, beside the
 #: core's statistics (which also count the hop to this process); KILN_EXECUTOR_STATS_S sets another period
 #: (benchmarks with short windows)
-STATS_EVERY_S = float(os.environ.get("KILN_EXECUTOR_STATS_S", "10") or 10)
+STATS_EVERY_S = env_number("KILN_EXECUTOR_STATS_S", 10, 0.1)
 #: CUDA errors that leave the process's context unusable ("sticky"): every later call fails too, so a fresh
 #: execution context cannot help; the executor answers the batch, then exits, and the core starts a new one
 STICKY_CUDA_ERRORS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",

@@ -29,9 +29,25 @@ from engine_core.cuda.view import DeviceView
 from engine_core.errors import KilnError, ShapeError
 
 _HEADER = struct.Struct("<Q")
+log = logging.getLogger("kiln.server.executor")
+
+
+def env_number(name: str, default: float, minimum: float = 0.0) -> float:
+    """A number from the environment variable `name` (at least `minimum`); `default` when unset, and when it is not
+    a number (said once in the log: a typo in a tuning variable must not stop a model from loading)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return max(float(text), minimum)
+    except ValueError:
+        log.warning("%s=%r is not a number; using %g", name, text, default)
+        return default
+
+
 #: the interpreter switch interval of the server process and the generation processes: a thread that gave the lock
 #: away for a driver call or a socket gets it back within this, not Python's 5 ms (KILN_SWITCH_INTERVAL_US)
-SWITCH_INTERVAL_S = float(os.environ.get("KILN_SWITCH_INTERVAL_US", "200")) / 1e6
+SWITCH_INTERVAL_S = env_number("KILN_SWITCH_INTERVAL_US", 200, 1) / 1e6
 #: descriptors a message may carry (a batch names at most a few new regions)
 MAX_FDS = 64
 

@@ -36,12 +36,12 @@ from engine_core.generate.generator import GenerationEvent, GeneratorStats
 from engine_core.generate.sampling import SamplingParams
 
 from .executor import stop_process
-from .executor_wire import ExecutorGone, child_launch, raise_reply
+from .executor_wire import ExecutorGone, child_launch, env_number, raise_reply
 
 log = logging.getLogger("kiln.server.generation")
 
 #: seconds a load may take (build and warm-up of a large model on a cold machine)
-START_TIMEOUT_S = float(os.environ.get("KILN_GENERATION_START_TIMEOUT_S", "900"))
+START_TIMEOUT_S = env_number("KILN_GENERATION_START_TIMEOUT_S", 900, 0.001)
 #: seconds a command's reply may take before the process counts as hung
 REPLY_TIMEOUT_S = 60.0
 

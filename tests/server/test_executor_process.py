@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 import engine_core as kiln
 from engine_core.errors import ShapeError
 from server.core.executor import ExecutorProcess
-from server.core.executor_wire import RegionView, RemoteError
+from server.core.executor_wire import RegionView, RemoteError, env_number
 from server.core.model_config import ModelConfig
 from server.core.shared_memory import SharedMemory
 from tests.cuda.models import build_engine
@@ -58,6 +58,17 @@ def _rows(count: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"A": rng.standard_normal((count, WIDTH)).astype(np.float32),
             "B": rng.standard_normal((count, 4)).astype(np.float32)}
+
+
+def test_tuning_variables_that_are_not_numbers_fall_back_to_their_default(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("KILN_TEST_SECONDS", "2.5")
+    assert env_number("KILN_TEST_SECONDS", 10) == 2.5
+    monkeypatch.setenv("KILN_TEST_SECONDS", "-1")
+    assert env_number("KILN_TEST_SECONDS", 10, minimum=0.1) == 0.1
+    monkeypatch.setenv("KILN_TEST_SECONDS", "10s")
+    assert env_number("KILN_TEST_SECONDS", 10) == 10 and "KILN_TEST_SECONDS='10s' is not a number" in caplog.text
+    monkeypatch.delenv("KILN_TEST_SECONDS")
+    assert env_number("KILN_TEST_SECONDS", 7) == 7
 
 
 def test_a_described_engine_has_the_plan_s_description_but_no_contexts(described) -> None:
