@@ -27,7 +27,7 @@ def test_choices_survive_a_new_process_and_keep_their_section(tmp_path):
     assert PlanChoices(path, "cudnn 2 | GPU A").get("conv|a", 0) is None  # another cuDNN: its own section
 
 
-def test_two_writers_merge_and_a_forgotten_entry_is_not_read_again(tmp_path):
+def test_two_writers_merge_and_a_refused_entry_asks_the_heuristics_from_then_on(tmp_path):
     path = tmp_path / "cudnn_plans.json"
     one, two = PlanChoices(path, "s"), PlanChoices(path, "s")
     one.put("conv|a", 0, 1, {}, 0)
@@ -36,8 +36,11 @@ def test_two_writers_merge_and_a_forgotten_entry_is_not_read_again(tmp_path):
     two.flush()  # merges with what `one` wrote
     three = PlanChoices(path, "s")
     assert three.get("conv|a", 0) == (1, {}, 0) and three.get("conv|b", 0) == (2, {}, 0)
-    three.forget("conv|a", 0)
-    assert three.get("conv|a", 0) is None
+    three.refuse("conv|a", 0)
+    three.put("conv|a", 0, 1, {}, 0)  # what the heuristics built next: not remembered over the refusal
+    assert three.get("conv|a", 0) is None and three.known("conv|a")
+    three.flush()
+    assert PlanChoices(path, "s").get("conv|a", 0) is None  # a later process asks the heuristics too
 
 
 def test_a_damaged_file_or_entry_reads_as_nothing_remembered(tmp_path):

@@ -226,12 +226,12 @@ class CudnnConvs(CudnnGraphs):
             built = int(graph.get_execution_plan_count()) - 1
             graph.build_plan_at_index(built)
             workspace = int(graph.get_workspace_size_plan_at_index(built))
-        except Exception as e:  # noqa: BLE001 - a stale hint: the heuristics decide again
+        except Exception as e:  # noqa: BLE001 - a stale hint: the heuristics decide, now and from now on
             # seen for ResNet-50's stem (7x7, 3 channels) on cuDNN 9.19: one of its knobs does not convert back
-            # ("convert_to_backend_knob_type ... CUDNN_STATUS_INVALID_VALUE"), so it is asked for every time
+            # ("convert_to_backend_knob_type ... CUDNN_STATUS_INVALID_VALUE")
             log.debug("a remembered cuDNN plan of %s did not build (%s); asking the heuristics", signature(op), e)
             assert choices is not None
-            choices.forget(signature(op), index)
+            choices.refuse(signature(op), index)
             return None
         return _Built(graph, tensors, built, workspace, ranked) if workspace <= MAX_WORKSPACE_BYTES else None
 

@@ -7,7 +7,9 @@ version, so a graph whose plan is remembered is built from that one plan (`pygra
 the query: a restarted executor or a reloaded model binds faster (#35's recovery), and so does every later process.
 
 The file is `$KILN_CACHE_DIR/cudnn_plans.json` (default ~/.cache/kiln), one section per cuDNN version and GPU.
-Entries are only hints: one that no longer builds is dropped and the heuristics run as before. Writers merge with
+Entries are only hints: one that does not build again is kept as "ask the heuristics" (`refuse`), so later
+bindings neither try it again nor remember it anew (ResNet-50's stem on cuDNN 9.19: a knob of its plan does not
+convert back). Writers merge with
 what is on disk and replace the file atomically, so processes binding at once lose at most each other's latest
 entries (they are found again next time).
 """
@@ -26,6 +28,8 @@ log = logging.getLogger("kiln.cudnn")
 
 #: at most one write of the file this often while entries arrive (`flush` writes the rest)
 WRITE_EVERY_S = 2.0
+#: the engine id of an entry that says "ask the heuristics": its remembered plan did not build again
+ASK_HEURISTICS = -1
 
 
 def cache_file() -> Path:
@@ -60,9 +64,10 @@ class PlanChoices:
             entry = self._entries.get(signature, {}).get(index)
         try:
             engine_id, knobs, ranked = entry  # type: ignore[misc]
-            return int(engine_id), {int(k): int(v) for k, v in knobs.items()}, int(ranked)
+            choice = int(engine_id), {int(k): int(v) for k, v in knobs.items()}, int(ranked)
         except (TypeError, ValueError, AttributeError):  # None, or written by another format
             return None
+        return None if choice[0] == ASK_HEURISTICS else choice
 
     def known(self, signature: str) -> bool:
         """Whether some plan of ``signature`` was built here before (so the graph has a buildable plan)."""
@@ -70,18 +75,23 @@ class PlanChoices:
             return bool(self._entries.get(signature))
 
     def put(self, signature: str, index: int, engine_id: int, knobs: dict[int, int], ranked: int) -> None:
+        """Remember the plan built for ``signature`` at rank ``index`` (not over a refusal: that one stays asked)."""
         entry = [int(engine_id), {str(int(k)): int(v) for k, v in knobs.items()}, int(ranked)]
         with self._lock:
+            stored = self._entries.get(signature, {}).get(index)
+            if isinstance(stored, list) and stored[:1] == [ASK_HEURISTICS]:
+                return
             self._entries.setdefault(signature, {})[index] = self._added[f"{signature}#{index}"] = entry
             due = time.monotonic() - self._written >= WRITE_EVERY_S
         if due:
             self.flush()
 
-    def forget(self, signature: str, index: int) -> None:
-        """An entry that did not build again (another cuDNN build under the same version string, a driver change)."""
+    def refuse(self, signature: str, index: int) -> None:
+        """An entry that did not build again (a knob that does not convert back, another cuDNN build under the same
+        version string, a driver change): from now on this graph asks the heuristics, here and in later processes."""
+        entry = [ASK_HEURISTICS, {}, -1]
         with self._lock:
-            self._entries.get(signature, {}).pop(index, None)
-            self._added.pop(f"{signature}#{index}", None)
+            self._entries.setdefault(signature, {})[index] = self._added[f"{signature}#{index}"] = entry
 
     def flush(self) -> None:
         """Merge what this process added into the file (atomic replace); errors are logged, never raised."""
