@@ -18,9 +18,13 @@ def test_smoke_run_times_the_first_request_and_the_steady_ones(tmp_path):
     assert document["bound"] == warmup_latency.BOUND and row["ready_s"] > 0
 
 
-def test_trace_splits_each_request_into_the_servers_time_and_its_execution(tmp_path):
-    warmup_latency.main(["--smoke", "--models", "bert", "--requests", "6", "--trace", "--out", str(tmp_path)])
+def test_trace_splits_each_request_into_the_servers_time_and_its_execution_and_idle_samples_follow(tmp_path):
+    warmup_latency.main(["--smoke", "--models", "bert", "--requests", "6", "--trace", "--idle-s", "0.05",
+                         "--out", str(tmp_path)])
     (row,) = json.loads((tmp_path / "warmup_latency.json").read_text())["rows"]
     assert row["traced"] and len(row["server_latencies_ms"]) == len(row["compute_latencies_ms"]) == 6
+    for prefix in ("", "server_", "compute_"):  # the requests after idle pauses are apart from the timed ones
+        assert len(row[prefix + "after_idle_latencies_ms"]) == warmup_latency.IDLE_SAMPLES
+        assert row[prefix + "after_idle_ms"] > 0
     for client, server, compute in zip(row["latencies_ms"], row["server_latencies_ms"], row["compute_latencies_ms"]):
         assert 0 < compute <= server <= client  # nested: the execution in the server's time in the client's

@@ -144,6 +144,7 @@ def test_frontend_arenas_are_mapped_ahead_in_running_and_new_executors(executor,
         assert isinstance(view, RegionView) and view.region in executor._mapped  # before any batch read it
         later = ExecutorProcess("model 'wide_add'", described, ModelConfig(name="wide_add").SerializeToString(), 1)
         assert view.region in later._mapped
+        assert f"/dev/shm/{block.name}" in Path(f"/proc/{later._process.pid}/maps").read_text()  # before ready
         for process in (executor, later):
             out = process.lanes[0].infer_batch([{"A": view, "B": rows["B"]}])
             np.testing.assert_array_equal(out[0]["SUM"], rows["A"] + rows["B"][:, :1])
