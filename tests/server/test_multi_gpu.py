@@ -123,7 +123,7 @@ def test_a_version_on_two_gpus_runs_an_executor_on_each_and_survives_a_sticky_fa
 
 def test_kind_auto_takes_every_gpu_and_refusals_name_the_reason(repository: Path):
     with run_server(repository / "models", repository / "server_auto.log", ["every"], env=ENV,
-                    ready_timeout_s=READY_S) as server:
+                    module="tests.reliability.fault_plugin", ready_timeout_s=READY_S) as server:
         client = httpclient.InferenceServerClient(server.http_url)
         group = client.get_model_config("every")["instance_group"][0]
         assert group["kind"] == "KIND_GPU" and group["gpus"] == list(range(cuda_ipc.device_count()))
@@ -135,7 +135,7 @@ def test_kind_auto_takes_every_gpu_and_refusals_name_the_reason(repository: Path
 
 def test_serve_gpus_narrows_the_server_to_those_devices(repository: Path):
     with run_server(repository / "models", repository / "server_gpus.log", ["every"], ["--gpus", "1"], env=ENV,
-                    ready_timeout_s=READY_S) as server:
+                    module="tests.reliability.fault_plugin", ready_timeout_s=READY_S) as server:
         client = httpclient.InferenceServerClient(server.http_url)
         assert client.get_model_config("every")["instance_group"][0]["gpus"] == [0]  # GPU 1 is its only device
         (pid,) = _executor_pids(server.process.pid)
