@@ -30,9 +30,10 @@ from server.frontend_processes import FrontendPool, frontend_count
 from server.lifecycle import Lifecycle, add_drain_arguments, drain_settings
 from server.listeners import Listeners, make_uvicorn, reload_certificates, serve_listener, start_listeners
 from server.metrics_flags import add_metrics_arguments, metrics_options_from_args
-from server.repository import configure_watch
+from server.repository import configure_config_name, configure_watch
 from server.tls import add_tls_arguments, tls_from_args
-from server.trace_flags import add_trace_arguments, apply_trace_config
+from server.trace_flags import add_trace_arguments, apply_trace_config, trace_settings
+from server.triton_flags import add_triton_flags, check_triton_flags
 
 log = logging.getLogger("kiln.server")
 
@@ -61,12 +62,27 @@ def _positive_ms(text: str) -> float:
     return value
 
 
+def _positive_count(text: str) -> int:
+    """A count >= 1 (`--model-load-thread-count`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1, got '{text}'")
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the serve flags to `parser` (used by `kiln serve` and `python -m server`)."""
     parser.add_argument("--model-repository", "--model-store", action="append", required=True, metavar="DIR",
                         help="model repository directory (repeatable)")
     parser.add_argument("--host", "--http-address", dest="host", default="0.0.0.0",
-                        help="address the HTTP, gRPC and metrics servers listen on")
+                        help="address the HTTP server listens on (and gRPC and metrics, unless given their own)")
+    parser.add_argument("--grpc-address", default=None, metavar="ADDRESS",
+                        help="address the gRPC server listens on (default: --http-address's)")
+    parser.add_argument("--metrics-address", default=None, metavar="ADDRESS",
+                        help="address the metrics server listens on (default: --http-address's)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -101,6 +117,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit mode: model to load at start ('*' = all; repeatable)")
     parser.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                         help="ready only when every model loaded at start is ready")
+    parser.add_argument("--exit-on-error", type=_bool, default=True, metavar="BOOL",
+                        help="exit (code 1) when a model loaded at start fails to load, as Triton does by default; "
+                             "false: serve the models that loaded")
+    parser.add_argument("--model-load-thread-count", type=_positive_count, default=4, metavar="N",
+                        help="at most N models load at once (Triton's default: 4; an ensemble itself takes no "
+                             "turn, its composing models do)")
+    parser.add_argument("--model-config-name", default="", metavar="NAME",
+                        help="read each model's configs/NAME.pbtxt where it has one, else its config.pbtxt (Triton's "
+                             "custom model configurations)")
+    parser.add_argument("--id", default=None, metavar="NAME",
+                        help="the server's name in its metadata (GET /v2, ServerMetadata; default 'kiln')")
     parser.add_argument("--default-max-batch-size", type=int, default=4,
                         help="max_batch_size given to models whose config leaves it out and that batch")
     parser.add_argument("--execution-timeout-ms", type=_positive_ms, metavar="MS",
@@ -123,6 +150,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-cache-byte-size", type=int, default=None, metavar="BYTES",
                         help="deprecated (as in Triton): the same as --cache-config local,size=BYTES (0: no cache)")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
+    for level in ("info", "warning", "error"):
+        parser.add_argument(f"--log-{level}", type=_bool, default=None, metavar="BOOL",
+                            help=f"log {level} messages (default true; the logging extension can change it later)")
     parser.add_argument("--log-file", default="", help="write the server log to this file instead of stderr")
     parser.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     parser.add_argument("--frontend-processes", type=frontend_count, default="auto", metavar="N|auto",
@@ -150,6 +180,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
     add_metrics_arguments(parser)
     add_trace_arguments(parser)
+    add_triton_flags(parser)
 
 
 def restrict_gpus(ids: str | None) -> None:
@@ -177,6 +208,8 @@ def core_options(args: argparse.Namespace) -> CoreOptions:
         default_max_batch_size=args.default_max_batch_size,
         execution_timeout_ms=args.execution_timeout_ms or None,
         strict_readiness=args.strict_readiness,
+        load_concurrency=args.model_load_thread_count,
+        server_id=args.id,
         log_verbose=args.log_verbose,
         log_file=args.log_file,
         log_format=args.log_format,
@@ -215,7 +248,10 @@ async def serve(args: argparse.Namespace) -> int:
     this one keeps the models; the metrics endpoint is always served here."""
     from server.metrics import create_metrics_app
 
+    args.grpc_address = args.grpc_address or args.host
+    args.metrics_address = args.metrics_address or args.host
     try:
+        check_triton_flags(args)  # a Triton flag Kiln does not implement ends the start, naming it
         restrict_gpus(args.gpus)  # first: every CUDA call after it (this process and its children) sees only those
         limits_from_args(args)  # bad limits fail here, before anything starts
         restrictions_from_args(args)
@@ -227,8 +263,11 @@ async def serve(args: argparse.Namespace) -> int:
             os.environ["KILN_EXECUTOR"] = args.gpu_executor
         build_process.configure(build_limits(args))
         configure_watch(args.repository_watch)
+        configure_config_name(args.model_config_name)
         core = ServerCore(core_options(args))
-        apply_trace_config(core.trace, list(args.trace_config))
+        core.logging.update({f"log_{level}": getattr(args, f"log_{level}") for level in ("info", "warning", "error")
+                             if getattr(args, f"log_{level}") is not None})
+        apply_trace_config(core.trace, trace_settings(args))
     except (FileNotFoundError, ValueError, ssl.SSLError) as e:
         logging.getLogger("kiln").error("%s", e)
         return 2
@@ -239,8 +278,8 @@ async def serve(args: argparse.Namespace) -> int:
     listeners = Listeners()
     pool: FrontendPool | None = None
     if args.allow_metrics:
-        metrics = make_uvicorn(create_metrics_app(core, metrics_options), args.host, args.metrics_port, "metrics",
-                               lifecycle.settings.timeout_s, metrics_tls)
+        metrics = make_uvicorn(create_metrics_app(core, metrics_options), args.metrics_address, args.metrics_port,
+                               "metrics", lifecycle.settings.timeout_s, metrics_tls)
         listeners.servers.append(metrics)
         listeners.tasks.append(asyncio.create_task(serve_listener(metrics), name="metrics"))
     stop = asyncio.Event()
@@ -276,10 +315,18 @@ async def serve(args: argparse.Namespace) -> int:
                  grpc_port if args.allow_grpc else "off", args.metrics_port if args.allow_metrics else "off")
         waiter = asyncio.create_task(stop.wait())
         waits = [waiter] if pool is None else [waiter, asyncio.create_task(pool.failed.wait())]
-        done, _ = await asyncio.wait([*waits, *listeners.tasks], return_when=asyncio.FIRST_COMPLETED)
-        if waiter not in done:  # a listener ended on its own (port in use, ...), or frontends could not restart
+        failures = asyncio.create_task(_startup_failures(core)) if args.exit_on_error else None
+        done, _ = await asyncio.wait([*waits, *([failures] if failures else []), *listeners.tasks],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if failures is not None and failures in done:
+            code = 1
+            log.error("failed to load all models (%s); exiting (--exit-on-error true, Triton's default; "
+                      "--exit-on-error false serves the models that loaded)", "; ".join(failures.result()))
+        elif waiter not in done:  # a listener ended on its own (port in use, ...), or frontends could not restart
             code = 1
             log.error("a listener stopped unexpectedly; shutting down")
+        if failures is not None:
+            waits.append(failures)
         for task in waits:
             task.cancel()
     except (OSError, SystemExit) as e:
@@ -296,6 +343,15 @@ async def serve(args: argparse.Namespace) -> int:
             core.trace.otel.shutdown()  # the spans still batched leave now
         await asyncio.gather(warm_up, return_exceptions=True)
     return code
+
+
+async def _startup_failures(core: ServerCore) -> list[str]:
+    """The models loaded at start that failed (name: reason), once every startup load has ended; when none failed,
+    it never returns (`--exit-on-error`)."""
+    await core.wait_for_startup()
+    if not core.startup_failures:
+        await asyncio.Event().wait()
+    return list(core.startup_failures)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -95,9 +95,9 @@ class FrontendPool:
             self._args.http_port = held.getsockname()[1]
         if self._args.allow_grpc:
             try:
-                listener = tcp_socket(self._args.host, self._args.grpc_port, reuse_port=False)
+                listener = tcp_socket(self._args.grpc_address, self._args.grpc_port, reuse_port=False)
             except OSError as e:
-                raise OSError(f"gRPC: cannot listen on {self._args.host}:{self._args.grpc_port}: {e}") from None
+                raise OSError(f"gRPC: cannot listen on {self._args.grpc_address}:{self._args.grpc_port}: {e}") from None
             self._handoff = Handoff(listener)
             self._args.grpc_port = self._handoff.listener.getsockname()[1]
             self._handoff.start()

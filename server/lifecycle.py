@@ -85,8 +85,9 @@ class DrainSettings:
 def add_drain_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ) -> None:
     """`--drain-timeout` / `--drain-delay`; their defaults come from the environment, so flags win over env."""
     defaults = DrainSettings.from_env(environ)
-    parser.add_argument("--drain-timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
-                        help=f"on SIGTERM, wait this long at most for in-flight requests (env {ENV_DRAIN_TIMEOUT})")
+    parser.add_argument("--drain-timeout", "--exit-timeout-secs", type=float, default=defaults.timeout_s,
+                        metavar="SECONDS", help="on SIGTERM, wait this long at most for in-flight requests (Triton's "
+                                                f"--exit-timeout-secs; env {ENV_DRAIN_TIMEOUT})")
     parser.add_argument("--drain-delay", type=float, default=defaults.delay_s, metavar="SECONDS",
                         help="on SIGTERM, keep serving (not ready) this long before closing listeners, so "
                              f"load balancers stop routing here first (env {ENV_DRAIN_DELAY})")

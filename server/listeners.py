@@ -134,7 +134,7 @@ async def start_listeners(core, args: argparse.Namespace, lifecycle: Lifecycle, 
         listeners.servers.append(server)
         listeners.tasks.append(asyncio.create_task(serve_listener(server, sockets), name="HTTP"))
     if args.allow_grpc:
-        listeners.grpc_server = await start_grpc(inference, args.host, args.grpc_port, limiter=limiter,
+        listeners.grpc_server = await start_grpc(inference, args.grpc_address, args.grpc_port, limiter=limiter,
                                                  restricted=grpc_restricted, reuse_port=reuse_port, tls=grpc_tls,
                                                  handoff=grpc_handoff)
     return listeners

@@ -137,6 +137,19 @@ QUIET_S = 0.25
 _watch_enabled = True
 
 
+#: `--model-config-name`: a model's configs/<name>.pbtxt is read in place of its config.pbtxt ("" = none)
+_config_name = ""
+
+
+def configure_config_name(name: str) -> None:
+    """`--model-config-name NAME` (Triton's custom model configurations); ValueError for a name with a space or
+    a path separator."""
+    global _config_name
+    if any(c.isspace() or c in "/\\" for c in name) or name in (".", ".."):
+        raise ValueError(f"--model-config-name '{name}': a name without spaces or path separators, e.g. h100")
+    _config_name = name
+
+
 def configure_watch(enabled: bool) -> None:
     """`--repository-watch`: follow poll-mode repositories by file-system events (watchfiles) when installed."""
     global _watch_enabled
@@ -236,8 +249,10 @@ class RepositoryPoller:
 
 
 def read_source(name: str, directory: Path) -> ModelSource:
-    """Read a model directory: its config.pbtxt (if any) and its numeric version subdirectories."""
-    config_path = directory / CONFIG_FILENAME
+    """Read a model directory: its config.pbtxt (if any; configs/<name>.pbtxt in its place where
+    `--model-config-name` names one the model has) and its numeric version subdirectories."""
+    custom = directory / "configs" / f"{_config_name}.pbtxt"
+    config_path = custom if _config_name and custom.is_file() else directory / CONFIG_FILENAME
     config_text = config_path.read_text() if config_path.is_file() else None
     versions = {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0}
     return ModelSource(name, directory, config_text, versions)

@@ -24,6 +24,28 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
                              "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE, "
                              "opentelemetry,bsp_max_queue_size|bsp_schedule_delay|bsp_max_export_batch_size=N "
                              "(opentelemetry needs kiln[otel])")
+    # Triton's older trace flags, still accepted by tritonserver: each is the --trace-config setting it names
+    for flag, metavar in LEGACY_TRACE_FLAGS.items():
+        parser.add_argument(flag, action="append" if flag == "--trace-level" else None, default=None,
+                            metavar=metavar, help=f"the same as --trace-config {LEGACY_TRACE_SETTINGS[flag]}{metavar}")
+
+
+#: tritonserver's deprecated trace flags -> the --trace-config setting each sets
+LEGACY_TRACE_SETTINGS = {"--trace-file": "triton,file=", "--trace-level": "level=", "--trace-rate": "rate=",
+                         "--trace-count": "count=", "--trace-log-frequency": "triton,log-frequency="}
+LEGACY_TRACE_FLAGS = {"--trace-file": "PATH", "--trace-level": "LEVEL", "--trace-rate": "N", "--trace-count": "N",
+                      "--trace-log-frequency": "N"}
+
+
+def trace_settings(args: argparse.Namespace) -> list[str]:
+    """Every trace setting of the command line as --trace-config entries: the older flags' first, so that a
+    --trace-config of the same setting wins."""
+    settings = []
+    for flag, setting in LEGACY_TRACE_SETTINGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        for item in (value if isinstance(value, list) else [] if value is None else [value]):
+            settings.append(f"{setting}{item}")
+    return settings + list(args.trace_config)
 
 
 def parse_trace_config(settings: list[str]) -> tuple[dict[str, object], OtelSettings]:

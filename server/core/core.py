@@ -64,6 +64,8 @@ class CoreOptions:
     default_max_batch_size: int = 4
     execution_timeout_ms: float | None = None  # --execution-timeout-ms: for configs without kiln_execution_timeout_ms
     strict_readiness: bool = True
+    load_concurrency: int = 4  # --model-load-thread-count: models building at once (ensembles take no turn)
+    server_id: str | None = None  # --id: the name in the server's metadata (None: "kiln")
     log_verbose: int = 0
     log_file: str = ""
     log_format: str = "default"
@@ -113,6 +115,8 @@ class ServerCore:
         self.response_cache = make_cache(options.response_cache)
         self.custom_metrics = CustomMetrics()  # Python models' pb_utils.MetricFamily, exported on /metrics
         self._startup: list[asyncio.Task] = []
+        self.startup_failures: list[str] = []  # "name: reason" of the models that failed to load at start
+        self._load_slots: asyncio.Semaphore | None = None  # made on the loop, at the first load
         self._startup_names: list[str] = []
         self._started = False
         self._stopping = False
@@ -152,9 +156,12 @@ class ServerCore:
             await asyncio.gather(*self._startup)
 
     async def _load_quietly(self, name: str) -> None:
-        """A startup load: the failure is already logged and shown in the repository index."""
-        with contextlib.suppress(ServerError):
+        """A startup load: the failure is already logged and shown in the repository index, and kept for
+        `--exit-on-error`."""
+        try:
             await self._load(name, None, None)
+        except ServerError as e:
+            self.startup_failures.append(f"{name}: {e.message}")
 
     def begin_drain(self) -> None:
         """Shutting down: report not ready (so traffic moves elsewhere) while accepted requests finish."""
@@ -186,7 +193,8 @@ class ServerCore:
 
     async def server_metadata(self) -> dict[str, Any]:
         cuda = ["cuda_shared_memory"] if cuda_ipc.available() else []  # only where a region can be registered
-        return {"name": SERVER_NAME, "version": kiln.__version__, "extensions": [*EXTENSIONS, *cuda]}
+        return {"name": self.options.server_id or SERVER_NAME, "version": kiln.__version__,
+                "extensions": [*EXTENSIONS, *cuda]}
 
     def _version(self, name: str, version: str = "") -> ServedModel:
         """The ready version `version` of model `name` ("" = the latest ready one)."""
@@ -572,10 +580,17 @@ class ServerCore:
         if not source.versions:
             raise invalid(f"model '{source.name}' has no version directories (expected {source.directory}/1/...)")
         config.name = config.name or source.name
+        if not generative.is_generative(config) and is_ensemble(config):  # no model file (empty versions, as Triton)
+            return await self._build_ensemble(source, config)  # no load slot: it waits for its composing models
+        if self._load_slots is None:  # --model-load-thread-count; made here, on the event loop
+            self._load_slots = asyncio.Semaphore(max(self.options.load_concurrency, 1))
+        async with self._load_slots:
+            return await self._build_model_versions(source, config)
+
+    async def _build_model_versions(self, source: ModelSource, config: ModelConfig) -> dict[int, ServedModel]:
+        """The versions of a model that is not an ensemble (a decoder, a Python model, an ONNX model)."""
         if generative.is_generative(config):  # a decoder served by its own generation loop (core/generative.py)
             return await generative.load_versions(source, config, self.options.default_max_batch_size)
-        if is_ensemble(config):  # no model file: its version directories may be empty, as in Triton
-            return await self._build_ensemble(source, config)
         with_default_execution_timeout(config, self.options.execution_timeout_ms)
         if runs_python(config, source):  # model.py in stub processes of its own (server/core/python_model.py)
             return await load_python_versions(source, config, self)
