@@ -116,7 +116,8 @@ def _first_and_steady(prefix: str, latencies: list[float], count: int) -> dict:
             f"{prefix}hundredth_ms": round(timed[99], 3) if len(timed) >= 100 else None,
             f"{prefix}median_90_110_ms": round(steady, 3), f"{prefix}first_over_steady": round(timed[0] / steady, 3),
             f"{prefix}after_idle_ms": round(statistics.median(idle), 3) if idle else None,
-            f"{prefix}latencies_ms": [round(v, 3) for v in timed], f"{prefix}after_idle_latencies_ms": idle}
+            f"{prefix}latencies_ms": [round(v, 3) for v in timed],
+            f"{prefix}after_idle_latencies_ms": [round(v, 3) for v in idle]}
 
 
 def server_spans(trace: Path) -> dict[str, list[float]]:
