@@ -119,6 +119,7 @@ class BatchingSettings:
     priority_levels: int = 0  # 0 = one level
     default_priority: int = 0
     policies: dict[int, _LevelPolicy] = field(default_factory=dict)
+    preserve_ordering: bool = False  # answers in the order the requests reached the batcher (`_ResponseOrder`)
 
     @classmethod
     def from_config(cls, config: DynamicBatching, max_batch_size: int, model: str) -> BatchingSettings:
@@ -139,7 +140,7 @@ class BatchingSettings:
         policies = {level: _policy(config.priority_queue_policy.get(level, config.default_queue_policy))
                     for level in range(1, max(levels, 1) + 1)}
         return cls(max_batch_size, preferred, int(config.max_queue_delay_microseconds) * 1000, levels,
-                   default if levels else 1, policies)
+                   default if levels else 1, policies, bool(config.preserve_ordering))
 
 
 def _policy(policy: QueuePolicy) -> _LevelPolicy:
@@ -244,6 +245,36 @@ def _alike_first(batch: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]
     return ran, ([p for p in batch if p.key != key] if len(ran) < len(batch) else [])
 
 
+class _ResponseOrder:
+    """`dynamic_batching.preserve_ordering`: each job's answer is handed out only once every job that reached the
+    batcher before it has its own, as Triton does, whatever order their batches end in (several instances, priority
+    levels, padding that defers a job). The batcher answers its own futures as before; callers get twins released in
+    arrival order. A caller that gives up (its twin cancelled) withdraws its job as before and holds nobody back."""
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque[tuple[asyncio.Future, asyncio.Future]] = collections.deque()
+
+    def follow(self, answered: asyncio.Future) -> asyncio.Future:
+        """The future the caller waits on for `answered` (the batcher's)."""
+        handed = answered.get_loop().create_future()
+        self._waiting.append((answered, handed))
+        answered.add_done_callback(self._release)
+        handed.add_done_callback(lambda twin: answered.cancel() if twin.cancelled() else None)
+        return handed
+
+    def _release(self, _: asyncio.Future | None = None) -> None:
+        while self._waiting and self._waiting[0][0].done():
+            answered, handed = self._waiting.popleft()
+            if handed.done():
+                continue
+            if answered.cancelled():
+                handed.cancel()
+            elif answered.exception() is not None:
+                handed.set_exception(answered.exception())  # type: ignore[arg-type]
+            else:
+                handed.set_result(answered.result())
+
+
 class DynamicBatcher:
     """A `Scheduler` that batches queued jobs onto a fixed pool of execution contexts."""
 
@@ -278,6 +309,7 @@ class DynamicBatcher:
         self._deadlines = 0  # at least the queued requests with a timeout (recounted by _expire; 0: none queued)
         self._running: set[asyncio.Task] = set()
         self._closed = False
+        self._order = _ResponseOrder() if settings.preserve_ordering else None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The loop this batcher serves, looked up once: `asyncio.get_running_loop()` makes a getpid system call
@@ -305,7 +337,7 @@ class DynamicBatcher:
         pending = self._enqueue(job)
         if self._free or pending.deadline_ns:  # else the next free context (or a running timer) finds it
             self._schedule()
-        return pending.future
+        return pending.future if self._order is None else self._order.follow(pending.future)
 
     def _enqueue(self, job: Job) -> _Pending:
         level = self._level(job)

@@ -212,8 +212,8 @@ FIELDS: dict[str, Rule] = {
                                                       "sent at once"),
     "dynamic_batching.max_queue_delay_microseconds": honoured("how long a batch may wait to fill "
                                                               "(batcher.BatchingSettings)"),
-    "dynamic_batching.preserve_ordering": refused(f"{_NOT_YET} holding responses back to keep request order: each "
-                                                  "response is sent when its batch ends. Remove preserve_ordering"),
+    "dynamic_batching.preserve_ordering": honoured("answers leave in the order the requests reached the batcher, "
+                                                   "whatever order their batches end in (batcher._ResponseOrder)"),
     "dynamic_batching.priority_levels": honoured("request priorities 1..N (batcher.BatchingSettings)"),
     "dynamic_batching.default_priority_level": honoured("priority of a request without one "
                                                         "(batcher.BatchingSettings)"),

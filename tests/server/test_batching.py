@@ -104,6 +104,49 @@ def test_a_batch_started_just_before_close_still_runs():
     np.testing.assert_array_equal(result.outputs["Y"], np.full((1, 3), 2, np.float32))
 
 
+class SlowFirstAdder:
+    """Executor computing X + 1 on two contexts; a batch whose X is 0 (-1) waits for `gate` (`later`)."""
+
+    def __init__(self) -> None:
+        self.gate, self.later = threading.Event(), threading.Event()
+
+    def __call__(self, context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if inputs["X"][0, 0] in (0, -1):
+            (self.gate if inputs["X"][0, 0] == 0 else self.later).wait(5)
+        return {"Y": inputs["X"] + 1}
+
+
+@pytest.mark.parametrize("preserve", [False, True])
+def test_preserve_ordering_holds_a_later_answer_until_the_earlier_ones_are_given(preserve: bool):
+    """Two instances: a slow batch first, a fast one after it. Without preserve_ordering the fast one is answered
+    while the slow one runs; with it, only after (Triton's dynamic_batching.preserve_ordering). A caller that
+    gives up on its request holds nobody back."""
+    async def scenario():
+        executor = SlowFirstAdder()
+        batcher = DynamicBatcher([object(), object()], executor, "test", settings(
+            f"max_queue_delay_microseconds: 0 preserve_ordering: {str(preserve).lower()}", max_batch_size=1))
+        slow = batcher.enqueue(job(0))
+        fast = batcher.enqueue(job(5))
+        await asyncio.sleep(0.2)  # the fast batch ran meanwhile, on the other instance
+        fast_answered_first = fast.done()
+        executor.gate.set()
+        results = await asyncio.wait_for(asyncio.gather(slow, fast), 5)
+        abandoned = batcher.enqueue(job(-1))  # slow: its caller gives up while it runs
+        after = batcher.enqueue(job(7))
+        await asyncio.sleep(0.05)
+        abandoned.cancel()
+        late = await asyncio.wait_for(after, 2)  # not held back by the abandoned one, still running
+        executor.later.set()
+        batcher.close()
+        return fast_answered_first, results, late
+
+    fast_answered_first, (slow, fast), late = asyncio.run(scenario())
+    assert fast_answered_first is not preserve
+    np.testing.assert_array_equal(slow.outputs["Y"], np.full((1, 3), 1, np.float32))
+    np.testing.assert_array_equal(fast.outputs["Y"], np.full((1, 3), 6, np.float32))
+    np.testing.assert_array_equal(late.outputs["Y"], np.full((1, 3), 8, np.float32))
+
+
 def test_higher_priority_runs_first_and_incompatible_shapes_wait():
     async def scenario():
         executor = GatedAdder()
