@@ -187,8 +187,11 @@ FIELDS: dict[str, Rule] = {
     "optimization.cuda.graphs": honoured(f"true asks for what {_CUDA_BACKEND} always does: it replays captured "
                                          "CUDA graphs (engine_core/backends/cuda/runner.py), every batch bucket "
                                          "captured at load (server/core/warmup.py)"),
-    "optimization.cuda.busy_wait_events": refused(f"{_CUDA_BACKEND} synchronizes its streams itself and has no "
-                                                  "busy-wait mode. Remove busy_wait_events"),
+    "optimization.cuda.busy_wait_events": honoured("the executor processes of a CUDA model wait for their runs by "
+                                                   "spinning instead of sleeping (KILN_BLOCKING_SYNC=0 there); "
+                                                   "refused at load for a CUDA model that runs in the server "
+                                                   "process, with the reason (model.load_model_version); no CUDA "
+                                                   "events on the CPU backend, as in Triton"),
     "optimization.cuda.graph_spec": refused("Kiln captures CUDA graphs for its own batch buckets (powers of two and "
                                             "the midpoints between them, server/core/execution.py), not for listed "
                                             "shapes. Remove graph_spec", whole=True),

@@ -51,6 +51,7 @@ from .executor_wire import (
     raise_reply,
     to_wire,
 )
+from .model_config import ModelConfig
 from .placement import child_visible_devices
 
 log = logging.getLogger("kiln.server.executor")
@@ -161,8 +162,7 @@ class ExecutorProcess:
         bound in the background (or by the first batch that needs one)."""
         visible = (None if self.device is None else
                    child_visible_devices(self.device, self._device_count, os.environ))
-        process, control = child_launch("server.core.executor_main",
-                                        None if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+        process, control = child_launch("server.core.executor_main", executor_environment(self._config, visible))
         ours = control.sock
         try:
             control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
@@ -349,6 +349,16 @@ class ExecutorProcess:
         if process is not None:  # reaped off the caller's thread: the event loop retires schedulers, and a CUDA
             threading.Thread(target=stop_process, args=(process,), daemon=True,  # context's teardown takes a while
                              name=f"kiln-executor-stop-{process.pid}").start()
+
+
+def executor_environment(config_bytes: bytes, visible: str | None) -> dict[str, str]:
+    """What an executor's environment adds to the server's: the devices it sees (its own first), and spinning waits
+    for its runs where the model's config asks for them (`optimization.cuda.busy_wait_events`: less latency from a
+    run's end to its thread, a core kept busy meanwhile)."""
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    if ModelConfig.FromString(config_bytes).optimization.cuda.busy_wait_events:
+        env["KILN_BLOCKING_SYNC"] = "0"  # engine_core/backends/cuda/runner_binding.blocking_waits
+    return env
 
 
 def plugin_modules(build_info: Mapping[str, Any]) -> list[str]:

@@ -587,6 +587,9 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
         builder_config.add_optimization_profile(profile)
     key = cache_key(digest, build_description(builder_config), target_arch(builder_config.backend), path.name)
     in_core = executor.why_in_core(builder_config.backend, config.max_batch_size, sequence is not None)
+    if config.optimization.cuda.busy_wait_events and in_core and builder_config.backend == "cuda":
+        raise invalid(f"model '{source.name}': optimization.cuda.busy_wait_events is honoured for models whose "
+                      f"executions run in executor processes, and {in_core}. Remove busy_wait_events")
     devices = placement.visible_devices() if builder_config.backend == "cuda" else placement.Devices(0, str)
     placements = placement.place_instances(config, builder_config.backend, in_core, lambda: devices)
     remote = not in_core

@@ -48,7 +48,6 @@ REFUSED_EXAMPLES = {
                     'source_input: "INPUT0" }]',
     "optimization.graph.level": "optimization { graph { level: 1 } }",
     "optimization.priority": "optimization { priority: PRIORITY_MAX }",
-    "optimization.cuda.busy_wait_events": "optimization { cuda { busy_wait_events: true } }",
     "optimization.cuda.graph_spec": "optimization { cuda { graph_spec [{ batch_size: 4 }] } }",
     "optimization.cuda.output_copy_stream": "optimization { cuda { output_copy_stream: true } }",
     "optimization.execution_accelerators.gpu_execution_accelerator":

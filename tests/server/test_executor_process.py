@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 import engine_core as kiln
 from engine_core.errors import ShapeError
-from server.core.executor import ExecutorProcess
+from server.core.executor import ExecutorProcess, executor_environment
 from server.core.executor_wire import RegionView, RemoteError, env_number
 from server.core.model_config import ModelConfig
 from server.core.shared_memory import SharedMemory
@@ -69,6 +69,20 @@ def test_tuning_variables_that_are_not_numbers_fall_back_to_their_default(monkey
     assert env_number("KILN_TEST_SECONDS", 10) == 10 and "KILN_TEST_SECONDS='10s' is not a number" in caplog.text
     monkeypatch.delenv("KILN_TEST_SECONDS")
     assert env_number("KILN_TEST_SECONDS", 7) == 7
+
+
+def test_busy_wait_events_gives_the_executor_spinning_waits(described) -> None:
+    """`optimization.cuda.busy_wait_events: true` (Triton's lower-latency waits): the model's executor processes
+    run with KILN_BLOCKING_SYNC=0, so their CUDA events spin instead of sleeping; other models' do not."""
+    config = ModelConfig(name="wide_add")
+    config.optimization.cuda.busy_wait_events = True
+    spinning = ExecutorProcess("model 'wide_add'", described, config.SerializeToString(), 1)
+    try:
+        environ = Path(f"/proc/{spinning._process.pid}/environ").read_bytes().split(b"\0")
+        assert b"KILN_BLOCKING_SYNC=0" in environ
+    finally:
+        spinning.close()
+    assert "KILN_BLOCKING_SYNC" not in executor_environment(ModelConfig(name="m").SerializeToString(), "1,0")
 
 
 def test_a_described_engine_has_the_plan_s_description_but_no_contexts(described) -> None:
