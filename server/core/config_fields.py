@@ -154,11 +154,13 @@ FIELDS: dict[str, Rule] = {
                                      "model's shape inputs are ordinary INT64 inputs). Remove is_shape_tensor"),
     "input.allow_ragged_batch": refused(f"{_NOT_YET} ragged batching: requests of different shapes are batched "
                                         "only with kiln_pad_batch (zero-padding). Remove allow_ragged_batch"),
-    "input.optional": partly("optional: true honoured for a generative model's inputs (backend: \"kiln_llm\", "
-                             "generative_config.INPUTS, all optional); refused for other models",
-                             lambda _, config: config.backend == "kiln_llm",
-                             f"{_NOT_YET} optional inputs: every request must carry every input. Remove optional "
-                             "and send the input with every request"),
+    "input.optional": partly("optional: true honoured for Python models (a request may leave the input out; "
+                             "pb_utils.get_input_tensor_by_name then gives None, as in Triton) and a generative "
+                             "model's inputs (backend: \"kiln_llm\", generative_config.INPUTS, all optional); "
+                             "refused for ONNX models",
+                             lambda _, config: config.backend in ("kiln_llm", "python"),
+                             f"{_NOT_YET} optional inputs of ONNX models: every request must carry every input. "
+                             "Remove optional and send the input with every request"),
     "input.is_non_linear_format_io": refused(f"{_NOT_YET} non-linear I/O formats (a TensorRT feature). Remove it"),
     "output": honoured("checked against the built engine, missing ones added (model_config.complete_outputs_from_"
                        "engine)"),

@@ -65,6 +65,7 @@ class TensorSpec:
     datatype: str
     dims: tuple[int, ...]
     model_dims: tuple[int, ...]  # reshape.shape when the config has one: what the engine sees per item
+    optional: bool = False  # an input a request may leave out (`optional: true`; config_fields says for which models)
 
     def metadata(self, max_batch_size: int) -> dict[str, Any]:
         shape = [-1, *self.dims] if max_batch_size > 0 else list(self.dims)
@@ -72,7 +73,8 @@ class TensorSpec:
 
 
 def _specs(tensors) -> dict[str, TensorSpec]:
-    return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t))) for t in tensors}
+    return {t.name: TensorSpec(t.name, datatype_of(t), tuple(t.dims), tuple(model_shape(t)),
+                               bool(getattr(t, "optional", False))) for t in tensors}
 
 
 class ServedModel:
@@ -106,13 +108,18 @@ class ServedModel:
         if unknown:
             raise invalid(f"unexpected inference input {unknown} for model '{self.name}' "
                           f"(inputs: {sorted(self.inputs)})")
-        missing = sorted(set(self.inputs) - set(arrays))
+        missing = sorted(name for name, spec in self.inputs.items() if name not in arrays and not spec.optional)
         if missing:
-            raise invalid(f"expected {len(self.inputs)} inputs but got {len(arrays)} inputs for model "
-                          f"'{self.name}': missing {missing}")
+            required = sum(not spec.optional for spec in self.inputs.values())
+            wanted = (f"{required} inputs" if required == len(self.inputs) else  # Triton's words for optional ones
+                      f"number of inputs between {required} and {len(self.inputs)}")
+            raise invalid(f"expected {wanted} but got {len(arrays)} inputs for model '{self.name}': "
+                          f"missing {missing}")
         batch_sizes = set()
         ready: dict[str, np.ndarray] = {}
         for name, spec in self.inputs.items():
+            if name not in arrays:  # an optional input this request leaves out
+                continue
             array, datatype = arrays[name], datatypes[name]
             if datatype != spec.datatype:
                 raise invalid(f"inference input '{name}' data-type is '{datatype}', but model '{self.name}' "

@@ -700,3 +700,41 @@ def test_concurrent_clients_get_their_own_answers(server):
     for (a, b), result in zip(pairs, _concurrently(server, calls)):
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
         np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+
+
+OPTIONAL_SUM = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            bias = pb_utils.get_input_tensor_by_name(request, "BIAS")  # optional: None when left out
+            y = x + (bias.as_numpy() if bias is not None else 0)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y.astype(np.float32))]))
+        return responses
+'''
+OPTIONAL_CONFIG = ('backend: "python"\nmax_batch_size: 4\ndynamic_batching { }\n'
+                   'input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] },'
+                   ' { name: "BIAS" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]\n'
+                   'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+
+
+def test_an_optional_input_may_be_left_out_and_the_model_sees_none(tmp_path: Path):
+    """`optional: true` on a Python model's input (as in Triton): requests with and without it are served, the
+    model gets None for the missing one, and leaving out a required input still names what is missing."""
+    write_python_model(tmp_path / "models", "optional_sum", OPTIONAL_SUM, OPTIONAL_CONFIG)
+    with run_server(tmp_path / "models", tmp_path / "server.log", ["optional_sum"]) as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        inputs = [httpclient.InferInput("X", [2, 4], "FP32"), httpclient.InferInput("BIAS", [2, 4], "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(np.full((2, 4), 10, np.float32))
+        np.testing.assert_array_equal(client.infer("optional_sum", inputs).as_numpy("Y"), x + 10)
+        np.testing.assert_array_equal(client.infer("optional_sum", inputs[:1]).as_numpy("Y"), x)
+        with pytest.raises(InferenceServerException, match=r"expected number of inputs between 1 and 2 but got 1 "
+                                                           r"inputs for model 'optional_sum': missing \['X'\]"):
+            client.infer("optional_sum", inputs[1:])
