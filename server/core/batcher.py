@@ -119,7 +119,7 @@ class BatchingSettings:
     priority_levels: int = 0  # 0 = one level
     default_priority: int = 0
     policies: dict[int, _LevelPolicy] = field(default_factory=dict)
-    preserve_ordering: bool = False  # answers in the order the requests reached the batcher (`_ResponseOrder`)
+    preserve_ordering: bool = False  # answers in the order the requests reached the batcher (`ResponseOrder`)
 
     @classmethod
     def from_config(cls, config: DynamicBatching, max_batch_size: int, model: str) -> BatchingSettings:
@@ -245,8 +245,8 @@ def _alike_first(batch: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]
     return ran, ([p for p in batch if p.key != key] if len(ran) < len(batch) else [])
 
 
-class _ResponseOrder:
-    """`dynamic_batching.preserve_ordering`: each job's answer is handed out only once every job that reached the
+class ResponseOrder:
+    """`dynamic_batching.preserve_ordering` (and the sequence batcher's oldest strategy's): each job's answer is handed out only once every job that reached the
     batcher before it has its own, as Triton does, whatever order their batches end in (several instances, priority
     levels, padding that defers a job). The batcher answers its own futures as before; callers get twins released in
     arrival order. A caller that gives up (its twin cancelled) withdraws its job as before and holds nobody back."""
@@ -309,7 +309,7 @@ class DynamicBatcher:
         self._deadlines = 0  # at least the queued requests with a timeout (recounted by _expire; 0: none queued)
         self._running: set[asyncio.Task] = set()
         self._closed = False
-        self._order = _ResponseOrder() if settings.preserve_ordering else None
+        self._order = ResponseOrder() if settings.preserve_ordering else None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The loop this batcher serves, looked up once: `asyncio.get_running_loop()` makes a getpid system call

@@ -218,7 +218,7 @@ FIELDS: dict[str, Rule] = {
     "dynamic_batching.max_queue_delay_microseconds": honoured("how long a batch may wait to fill "
                                                               "(batcher.BatchingSettings)"),
     "dynamic_batching.preserve_ordering": honoured("answers leave in the order the requests reached the batcher, "
-                                                   "whatever order their batches end in (batcher._ResponseOrder)"),
+                                                   "whatever order their batches end in (batcher.ResponseOrder)"),
     "dynamic_batching.priority_levels": honoured("request priorities 1..N (batcher.BatchingSettings)"),
     "dynamic_batching.default_priority_level": honoured("priority of a request without one "
                                                         "(batcher.BatchingSettings)"),
@@ -251,9 +251,9 @@ FIELDS: dict[str, Rule] = {
                                                               "[max_batch_size] (model_config, batcher)"),
     "sequence_batching.oldest.max_queue_delay_microseconds": honoured("how long a batch may wait to fill "
                                                                       "(batcher.BatchingSettings)"),
-    "sequence_batching.oldest.preserve_ordering": refused(
-        f"{_NOT_YET} holding responses back to keep request order: each response is sent when its batch ends "
-        "(requests of one sequence run in order either way). Remove preserve_ordering"),
+    "sequence_batching.oldest.preserve_ordering": honoured("answers leave in the order the requests reached the "
+                                                           "sequence batcher, across sequences "
+                                                           "(batcher.ResponseOrder)"),
     "sequence_batching.max_sequence_idle_microseconds": honoured("an idle sequence's slot and state are released; "
                                                                  "default 1 s (sequence.SequenceBatcher)"),
     "sequence_batching.control_input": honoured("tensors the batcher fills per batch row (sequence_config)"),

@@ -43,7 +43,7 @@ import numpy as np
 
 from server.protos import model_config_pb2
 
-from .batcher import BatchingSettings, DynamicBatcher, split_outputs
+from .batcher import BatchingSettings, DynamicBatcher, ResponseOrder, split_outputs
 from .errors import ServerError, invalid, unavailable
 from .grouping import outcome
 from .scheduler import (
@@ -113,6 +113,7 @@ class SequenceBatcher:
         self._schedule = DispatchOnce(self._dispatch)  # `_dispatch` once on the next loop turn
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self._order = ResponseOrder() if settings.preserve_ordering else None
 
     # -- submission -----------------------------------------------------------------------------------------
     async def submit(self, job: Job) -> JobResult:
@@ -143,7 +144,7 @@ class SequenceBatcher:
         sequence.queue.append(_Request(job, future, request))
         sequence.last_ns = job.enqueued_ns
         self._schedule()
-        return future
+        return future if self._order is None else self._order.follow(future)
 
     def _checked(self, job: Job) -> SequenceRequest:
         """The request's sequence parameters, in Triton's order of checks (infer_request.cc, then the scheduler)."""

@@ -102,6 +102,7 @@ class SequenceSettings:
     max_queue_delay_ns: int
     minimum_slot_utilization: float = 0.0  # direct
     preferred_sizes: tuple[int, ...] = ()  # oldest
+    preserve_ordering: bool = False  # oldest: answers in arrival order across sequences
     start: BoolControl | None = None
     end: BoolControl | None = None
     ready: BoolControl | None = None
@@ -242,7 +243,8 @@ def _strategy(batching: SequenceBatching, config: ModelConfig) -> dict[str, Any]
         _check_preferred(list(oldest.preferred_batch_size), config)
         return {"oldest": True, "slots": oldest.max_candidate_sequences or batch,
                 "max_queue_delay_ns": int(oldest.max_queue_delay_microseconds) * 1000,
-                "preferred_sizes": tuple(sorted(set(oldest.preferred_batch_size)))}
+                "preferred_sizes": tuple(sorted(set(oldest.preferred_batch_size))),
+                "preserve_ordering": bool(oldest.preserve_ordering)}
     direct = batching.direct
     utilization = float(direct.minimum_slot_utilization)
     if not 0.0 <= utilization <= 1.0:

@@ -59,7 +59,6 @@ REFUSED_EXAMPLES = {
     "optimization.output_pinned_memory": "optimization { output_pinned_memory { } }",
     "optimization.gather_kernel_buffer_threshold": "optimization { gather_kernel_buffer_threshold: 8 }",
     "optimization.eager_batching": "optimization { eager_batching: true }",
-    "sequence_batching.oldest.preserve_ordering": "sequence_batching { oldest { preserve_ordering: true } }",
     "sequence_batching.state.use_growable_memory": 'sequence_batching { state [{ input_name: "INPUT0" output_name: '
                                                    '"OUTPUT0" data_type: TYPE_FP32 dims: [16] use_growable_memory: '
                                                    "true }] }",

@@ -8,6 +8,7 @@ checked in-process with a numpy executor."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from server.core import CoreOptions, ServerCore
 from server.core.errors import ErrorKind, ServerError
 from server.core.scheduler import Job
-from server.core.sequence import DirectSequenceBatcher
+from server.core.sequence import DirectSequenceBatcher, OldestSequenceBatcher
 from server.core.sequence_config import (
     BoolControl,
     CorridControl,
@@ -484,3 +485,40 @@ def test_backlog_pending_counts_and_a_cancelled_request_cancels_its_sequence():
     assert pending == {1: 3} and after == {1: 0}
     assert int(running.outputs["OUTPUT"][0, 0]) == 1
     assert [int(r.outputs["OUTPUT"][0, 0]) for r in backlog] == [5, 11]
+
+
+class SlowSequenceAccumulator(Accumulator):
+    """The accumulator on two instances; a batch holding INPUT 0 waits for `slow` (a long execution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = threading.Event()
+
+    def __call__(self, context: object, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if 0 in inputs["INPUT"][:, 0]:
+            self.slow.wait(5)
+        return super().__call__(context, inputs)
+
+
+@pytest.mark.parametrize("preserve", [False, True])
+def test_oldest_preserve_ordering_answers_in_arrival_order_across_sequences(preserve: bool):
+    """The oldest strategy on two instances, batches of one: sequence 1's request runs long, sequence 2's after it
+    is quick. With `oldest { preserve_ordering: true }` sequence 2 is answered only after sequence 1 (Triton's
+    order of arrival); without, as soon as it ran."""
+    executor = SlowSequenceAccumulator()
+    settings = dataclasses.replace(_settings(slots=1), oldest=True, max_batch_size=1, preserve_ordering=preserve)
+
+    async def scenario():
+        batcher = OldestSequenceBatcher([object(), object()], executor, "t", settings)
+        slow = batcher.enqueue(_job(0, 1, start=True, end=True))
+        quick = batcher.enqueue(_job(5, 2, start=True, end=True))
+        await asyncio.sleep(0.2)
+        quick_first = quick.done()
+        executor.slow.set()
+        results = await asyncio.wait_for(asyncio.gather(slow, quick), 5)
+        batcher.close()
+        return quick_first, results
+
+    quick_first, (slow, quick) = asyncio.run(scenario())
+    assert quick_first is not preserve
+    assert int(slow.outputs["OUTPUT"][0, 0]) == 0 and int(quick.outputs["OUTPUT"][0, 0]) == 5
