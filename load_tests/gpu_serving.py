@@ -57,6 +57,7 @@ import onnx  # noqa: E402
 
 from load_tests import harness, perf, process_cpu  # noqa: E402
 from server.core.execution import batch_buckets, bucket_for  # noqa: E402  (the buckets the server runs)
+from server.core.placement import parse_gpu_ids  # noqa: E402
 
 READY_TIMEOUT_S = 420.0  # a first model build on the GPU (tactic timing) dominates this
 VARIANTS = ("batched", "direct")
@@ -202,15 +203,13 @@ def _names(text: str, allowed: Any, what: str) -> tuple[str, ...]:
 
 
 def _gpu_lists(values: list[str] | None) -> tuple[str, ...]:
+    """Each `--gpus` value checked as the server checks its own flag (distinct ids >= 0), once each."""
     lists = []
     for value in values or []:
         try:
-            ids = [int(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            ids = []
-        if not ids or min(ids) < 0:
-            raise SystemExit(f"--gpus: expected GPU ids such as 0,1, got {value!r}")
-        lists.append(",".join(map(str, ids)))
+            lists.append(",".join(map(str, parse_gpu_ids(value))))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     return tuple(dict.fromkeys(lists))
 
 
