@@ -141,3 +141,15 @@ def test_kiln_serve_refuses_a_triton_flag_before_starting(tmp_path: Path) -> Non
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2 and "--rate-limit=execution_count: Kiln does not implement this Triton flag" in (
         done.stderr + done.stdout)
+
+
+def test_frontend_processes_log_at_the_levels_the_flags_leave_on() -> None:
+    import logging
+
+    from server.frontend_processes import frontend_log_level
+
+    assert frontend_log_level(_args()) == logging.WARNING  # frontends: warnings and errors by default
+    assert frontend_log_level(_args("--log-verbose", "1")) == logging.INFO
+    assert frontend_log_level(_args("--log-verbose", "1", "--log-info", "false")) == logging.WARNING
+    assert frontend_log_level(_args("--log-warning", "false")) == logging.ERROR
+    assert frontend_log_level(_args("--log-warning", "false", "--log-error", "false")) > logging.CRITICAL
