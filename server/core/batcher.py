@@ -246,10 +246,11 @@ def _alike_first(batch: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]
 
 
 class ResponseOrder:
-    """`dynamic_batching.preserve_ordering` (and the sequence batcher's oldest strategy's): each job's answer is handed out only once every job that reached the
-    batcher before it has its own, as Triton does, whatever order their batches end in (several instances, priority
-    levels, padding that defers a job). The batcher answers its own futures as before; callers get twins released in
-    arrival order. A caller that gives up (its twin cancelled) withdraws its job as before and holds nobody back."""
+    """`dynamic_batching.preserve_ordering` (and the oldest sequence strategy's): each job's answer is handed out
+    only once every job that reached the batcher before it has its own, as Triton does, whatever order their batches
+    end in (several instances, priority levels, padding that defers a job). The batcher answers its own futures as
+    before; callers get twins released in arrival order. A caller that gives up (its twin cancelled) withdraws its
+    job as before and holds nobody back."""
 
     def __init__(self) -> None:
         self._waiting: collections.deque[tuple[asyncio.Future, asyncio.Future]] = collections.deque()
