@@ -190,7 +190,8 @@ def frontend_log_level(args: argparse.Namespace) -> int:
     """A frontend's logging level: warnings and errors, info too with --log-verbose; --log-info/--log-warning/
     --log-error false turn their level off, as in the server process (core/settings.LogSettings)."""
     for wanted, level in ((bool(args.log_verbose) and args.log_info is not False, logging.INFO),
-                          (args.log_warning is not False, logging.WARNING), (args.log_error is not False, logging.ERROR)):
+                          (args.log_warning is not False, logging.WARNING),
+                          (args.log_error is not False, logging.ERROR)):
         if wanted:
             return level
     return logging.CRITICAL + 1
@@ -199,7 +200,8 @@ def frontend_log_level(args: argparse.Namespace) -> int:
 def frontend_main(args: argparse.Namespace, core_path: str, listening, channel: socket.socket | None = None) -> None:
     """A frontend process: connect to the core, listen on the shared HTTP port and take the gRPC connections handed
     over `channel`, serve until SIGTERM or the core goes."""
-    logging.basicConfig(level=frontend_log_level(args), format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
+    logging.basicConfig(level=frontend_log_level(args),
+                        format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
     from server.cli import run_event_loop
 
     sys.exit(run_event_loop(serve_frontend(args, core_path, listening, channel)))

@@ -153,7 +153,8 @@ def test_a_linked_version_directory_loads_and_a_filename_leaving_it_is_refused(t
     (repository / "linked" / "config.pbtxt").write_text(CONFIG)
     examples.write_model(repository, "escape", scale_model(2.0),
                          CONFIG + 'default_model_filename: "../../linked/1/model.onnx"\n')
-    server = start_server(repository, tmp_path / "server.log", "--strict-readiness", "false", "--exit-on-error", "false")
+    server = start_server(repository, tmp_path / "server.log", "--strict-readiness", "false",
+                          "--exit-on-error", "false")
     try:
         x = np.ones((1, 4), np.float32)
         np.testing.assert_array_equal(infer(server.http_url, "linked", x)[0], x * 3)
