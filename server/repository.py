@@ -39,13 +39,13 @@ class ModelSource:
     config_text: str | None
     versions: dict[int, Path]
 
-    def model_file(self, version: int, filename: str) -> Path:
-        """``filename`` (a config's default_model_filename) in the version directory. The name must stay inside it
+    def model_file(self, version: int, filename: str, field: str = "default_model_filename") -> Path:
+        """``filename`` (what the config's ``field`` names) in the version directory. The name must stay inside it
         as written (relative, no '..'): a config sent with a load request cannot point the server at other files.
         Symbolic links the repository's owner made are followed, as Triton does (a version directory linked to
         a model store elsewhere)."""
         return self.versions[version] / _safe_relative(
-            filename, f"model '{self.name}' version {version}: default_model_filename '{filename}'")
+            filename, f"model '{self.name}' version {version}: {field} '{filename}'")
 
 
 class ModelRepository:

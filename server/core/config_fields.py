@@ -333,8 +333,12 @@ FIELDS: dict[str, Rule] = {
     "default_model_filename": honoured("the file each version loads (model.load_model_version, "
                                        "python_model.load_python_version); default model.onnx, model.py for a "
                                        "Python model"),
-    "cc_model_filenames": refused("Kiln builds one plan per device from the one ONNX file (plans are cached per "
-                                  "target). Remove cc_model_filenames and use default_model_filename"),
+    "cc_model_filenames": partly("honoured for ONNX models: a version on a GPU loads the file named for that GPU's "
+                                 "compute capability (\"9.0\"), else default_model_filename, as Triton chooses "
+                                 "(model.model_filename); refused for Python and generative models",
+                                 lambda _, config: config.backend not in ("python", "kiln_llm"),
+                                 "Python and generative models load one file (model.py, the decoder's ONNX file). "
+                                 "Remove cc_model_filenames"),
     "metric_tags": refused(f"{_NOT_YET} metric tags: /metrics labels series by model and version only. Remove "
                            "metric_tags"),
     "parameters": honoured(f"per key: {', '.join(KNOWN_PARAMETERS)} (server/core/model.py, warmup.py, "

@@ -192,6 +192,8 @@ def _file_fields(document: Any) -> Iterator[str]:
             for key, value in node.items():
                 if key in _FILE_FIELDS or key in ("defaultModelFilename", "labelFilename"):
                     yield value if isinstance(value, str) else repr(value)
+                elif key in ("cc_model_filenames", "ccModelFilenames") and isinstance(value, dict):
+                    yield from (v if isinstance(v, str) else repr(v) for v in value.values())
                 else:
                     stack.append(value)
         elif isinstance(node, list):

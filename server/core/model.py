@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import engine_core as kiln
+from engine_core import compat
 from engine_core.ops import TensorInfo
 from engine_core.passes import infer_shapes
 from server.plan_cache import build_description, cache_key, files_digest, server_cache, target_arch
@@ -570,8 +571,8 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     """Build one version (blocking). Raises ServerError / kiln errors with the reason the model cannot load.
     `profiles` replaces the profiles the config implies (adaptive profiles fitted to traffic)."""
     requested_config = config
-    filename = config.default_model_filename or "model.onnx"
-    path: Path = source.model_file(version, filename)
+    filename, field = model_filename(config)
+    path: Path = source.model_file(version, filename, field)
     if not path.is_file():
         raise invalid(f"model '{source.name}' version {version}: '{filename}' is missing in {path.parent}")
     digest = files_digest(path.parent)  # keys the description here and the plan below
@@ -619,6 +620,20 @@ def load_model_version(source: ModelSource, version: int, config: ModelConfig,
     model.build_seconds = cached.build_s
     model.source, model.requested_config = source, requested_config
     return model
+
+
+def model_filename(config: ModelConfig) -> tuple[str, str]:
+    """The file a version loads and the config field that names it: for a model that runs on a GPU,
+    cc_model_filenames' entry for that GPU's compute capability ("9.0"), where there is one, as Triton chooses for
+    GPU instances; else default_model_filename (model.onnx)."""
+    default = (config.default_model_filename or "model.onnx", "default_model_filename")
+    if not config.cc_model_filenames or _backend_for(config) != "cuda":
+        return default
+    group = config.instance_group[0] if config.instance_group else None
+    arch = compat.device_arch(group.gpus[0] if group is not None and group.gpus else 0)  # one arch: placement
+    capability = f"{arch[3:-1]}.{arch[-1]}" if arch else ""  # "sm_90" -> "9.0"
+    chosen = config.cc_model_filenames.get(capability)
+    return (chosen, f"cc_model_filenames['{capability}']") if chosen else default
 
 
 def _backend_for(config: ModelConfig) -> str:

@@ -72,7 +72,7 @@ REFUSED_EXAMPLES = {
     "instance_group.profile": 'instance_group [{ profile: ["0"] }]',
     "instance_group.passive": "instance_group [{ passive: true }]",
     "instance_group.host_policy": 'instance_group [{ host_policy: "numa0" }]',
-    "cc_model_filenames": 'cc_model_filenames { key: "9.0" value: "model_sm90.onnx" }',
+    "cc_model_filenames": 'backend: "python" cc_model_filenames { key: "9.0" value: "model_sm90.onnx" }',
     "metric_tags": 'metric_tags { key: "team" value: "search" }',
     "model_operations.op_library_filename": 'model_operations { op_library_filename: ["libcustom_ops.so"] }',
     "model_transaction_policy.decoupled": "model_transaction_policy { decoupled: true }",
@@ -376,3 +376,32 @@ def test_server_with_lenient_config_loads_the_model_and_warns(repository: Path, 
         log = server.log()
     assert log.count("config field 'optimization.eager_batching' (True) is refused") == 1
     assert log.count("config field 'model_transaction_policy.decoupled' (True) is refused") == 1
+
+
+def test_cc_model_filenames_picks_the_file_of_the_gpus_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's choice for GPU instances: the entry for the device's compute capability, else the default file;
+    CPU instances always load the default. A config sent with a load request may not name a file outside."""
+    from engine_core import compat
+    from server.core import limits, model
+    from server.core.model_config import parse_config_text
+
+    config = parse_config_text('cc_model_filenames { key: "9.0" value: "hopper.onnx" }\n'
+                               'instance_group [{ kind: KIND_GPU gpus: [1] }]', "m")
+    asked: list[int] = []
+    monkeypatch.setattr(model, "_backend_for", lambda _: "cuda")
+    monkeypatch.setattr(compat, "device_arch", lambda ordinal=0: asked.append(ordinal) or "sm_90")
+    assert model.model_filename(config) == ("hopper.onnx", "cc_model_filenames['9.0']") and asked == [1]
+    monkeypatch.setattr(compat, "device_arch", lambda ordinal=0: "sm_80")
+    assert model.model_filename(config) == ("model.onnx", "default_model_filename")
+    monkeypatch.setattr(model, "_backend_for", lambda _: "cpu")
+    assert model.model_filename(config) == ("model.onnx", "default_model_filename")
+    with pytest.raises(ServerError, match="config file name '../elsewhere.onnx' must be relative"):
+        limits.check_load_request("m", '{"cc_model_filenames": {"9.0": "../elsewhere.onnx"}}', {})
+
+
+def test_a_cpu_instance_loads_the_default_file_whatever_cc_model_filenames_names(tmp_path: Path) -> None:
+    examples.write_model(tmp_path / "models", "add_sub", examples.add_sub_model(TensorProto.INT32),
+                         'max_batch_size: 8\ninstance_group [{ kind: KIND_CPU }]\n'
+                         'cc_model_filenames { key: "9.0" value: "hopper.onnx" }\n')  # no such file: never read here
+    with run_server(tmp_path / "models", tmp_path / "server.log", ["add_sub"]) as server:
+        assert http.InferenceServerClient(server.http_url).is_model_ready("add_sub")

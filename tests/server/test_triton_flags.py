@@ -153,3 +153,4 @@ def test_frontend_processes_log_at_the_levels_the_flags_leave_on() -> None:
     assert frontend_log_level(_args("--log-verbose", "1", "--log-info", "false")) == logging.WARNING
     assert frontend_log_level(_args("--log-warning", "false")) == logging.ERROR
     assert frontend_log_level(_args("--log-warning", "false", "--log-error", "false")) > logging.CRITICAL
+
