@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 
 from server.protos import model_config_pb2
 
+from . import repository_agents
 from .errors import invalid
 from .latency import HISTOGRAM_FAMILIES, valid_buckets
 
@@ -373,8 +374,13 @@ FIELDS: dict[str, Rule] = {
                                                  "request; an ONNX model answers each request once. "
                                                  "Remove decoupled or set it to false"),
     "model_repository_agents": container(),
-    "model_repository_agents.agents": refused(f"{_NOT_YET} repository agents (e.g. checksum, decryption). Remove "
-                                              "model_repository_agents", whole=True),
+    "model_repository_agents.agents": partly("Triton's checksum agent: each MD5:<file> parameter's file must have "
+                                             "that digest, else the load fails (repository_agents.run_agents); "
+                                             "other agents refused",
+                                             lambda _, config: repository_agents.supported(config),
+                                             f"{_NOT_YET} repository agents other than checksum (e.g. decryption). "
+                                             "Remove model_repository_agents, or keep only the checksum agent",
+                                             whole=True),
     "response_cache": container(),
     "response_cache.enable": partly("enable: true honoured: with the server's --cache-config local,size=BYTES, "
                                     "repeated requests are answered from the response cache without running the "

@@ -18,7 +18,7 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, decoupled, generative, part_groups, request_io, warmup
+from . import cuda_ipc, decoupled, generative, part_groups, repository_agents, request_io, warmup
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
@@ -574,6 +574,8 @@ class ServerCore:
         else:
             config = ModelConfig()
         self.config_fields.check(config, source.name)  # once per load, for every kind of model, before any build
+        if config.model_repository_agents.agents:  # Triton's checksum agent: the files as the config says, or no load
+            await asyncio.to_thread(repository_agents.run_agents, config, source.directory)
         if config.response_cache.enable and self.response_cache is None:
             log.warning("model '%s' enables response_cache, but the server has no cache: its requests are not "
                         "cached (start the server with --cache-config local,size=<bytes>)", source.name)

@@ -76,7 +76,7 @@ REFUSED_EXAMPLES = {
     "metric_tags": 'metric_tags { key: "team" value: "search" }',
     "model_operations.op_library_filename": 'model_operations { op_library_filename: ["libcustom_ops.so"] }',
     "model_transaction_policy.decoupled": "model_transaction_policy { decoupled: true }",
-    "model_repository_agents.agents": 'model_repository_agents { agents [{ name: "checksum" }] }',
+    "model_repository_agents.agents": 'model_repository_agents { agents [{ name: "decrypt" }] }',
     "response_cache.enable": "response_cache { enable: true }\nmodel_transaction_policy { decoupled: true }",
     "model_metrics.metric_control": "model_metrics { metric_control [{ histogram_options { buckets: [1, 10] } }] }",
     "model_metrics.metric_control.metric_identifier.family":
