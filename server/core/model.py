@@ -630,8 +630,8 @@ def model_filename(config: ModelConfig) -> tuple[str, str]:
     if not config.cc_model_filenames or _backend_for(config) != "cuda":
         return default
     group = config.instance_group[0] if config.instance_group else None
-    arch = compat.device_arch(group.gpus[0] if group is not None and group.gpus else 0)  # one arch: placement
-    capability = f"{arch[3:-1]}.{arch[-1]}" if arch else ""  # "sm_90" -> "9.0"
+    arch = compat.parse_arch(compat.device_arch(group.gpus[0] if group is not None and group.gpus else 0) or "")
+    capability = f"{arch[0]}.{arch[1]}" if arch else ""  # one architecture per version: placement refuses mixes
     chosen = config.cc_model_filenames.get(capability)
     return (chosen, f"cc_model_filenames['{capability}']") if chosen else default
 
