@@ -163,19 +163,11 @@ class ExecutorProcess:
         visible = (None if self.device is None else
                    child_visible_devices(self.device, self._device_count, os.environ))
         process, control = child_launch("server.core.executor_main", executor_environment(self._config, visible))
-        ours = control.sock
         try:
-            control.send({"plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
-                          "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not quick})
-            timeout_s = start_timeout_s()
-            ours.settimeout(timeout_s)  # a hung start fails the load instead of leaving it loading forever
-            try:
-                reply, _ = control.recv()
-            except TimeoutError:
-                raise RemoteError(f"{self.label}: the executor process was not ready within {timeout_s:g} s "
-                                  f"(KILN_EXECUTOR_START_TIMEOUT_S); its log above says how far it got") from None
-            ours.settimeout(None)
-            info = raise_reply(reply)
+            info = self._request_within(control, {
+                "plan": self.engine.serialize(), "config": self._config, "instances": self.instances,
+                "modules": plugin_modules(self.engine.plan.build_info), "warm_buckets": not quick},
+                "was not ready", "; its log above says how far it got")
             pairs = [socket.socketpair() for _ in range(self.instances * int(info["runs"]))]
             control.send(("lanes",), [end.fileno() for _, end in pairs])
         except ExecutorGone:
@@ -300,18 +292,25 @@ class ExecutorProcess:
         """Wait until the process has mapped (and page-locked) the frontends' arenas sent at its start. Why: pinning
         a server's arenas takes tens of ms (8 frontends x 64 MB), and a first request that arrived meanwhile waited
         for them: ResNet-50's first request after ready took 24 ms of compute against 1.5 ms steady (2 x H200)."""
+        try:
+            self._request_within(control, ("sync",), "did not map the frontends' tensor arenas")
+        except (ExecutorGone, OSError):  # gone meanwhile: the next call starts it again, and maps them then
+            pass
+
+    def _request_within(self, control: Channel, message: Any, what: str, hint: str = "") -> Any:
+        """`message` on the control socket and the reply's value (its error raised), within the start timeout: a
+        hung process fails the load (RemoteError saying it `what`) instead of leaving it loading forever."""
+        control.send(message)
         timeout_s = start_timeout_s()
         control.sock.settimeout(timeout_s)
         try:
-            control.send(("sync",))
-            raise_reply(control.recv()[0])
+            reply, _ = control.recv()
         except TimeoutError:
-            raise RemoteError(f"{self.label}: the executor process did not map the frontends' tensor arenas within "
-                              f"{timeout_s:g} s (KILN_EXECUTOR_START_TIMEOUT_S)") from None
-        except (ExecutorGone, OSError):  # gone meanwhile: the next call starts it again, and maps them then
-            pass
+            raise RemoteError(f"{self.label}: the executor process {what} within {timeout_s:g} s "
+                              f"(KILN_EXECUTOR_START_TIMEOUT_S){hint}") from None
         finally:
             control.sock.settimeout(None)
+        return raise_reply(reply)
 
     def forget(self, region_id: int) -> None:
         self._forgotten.put(region_id)
