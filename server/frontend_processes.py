@@ -31,6 +31,7 @@ from server.connection_handoff import Handoff, channel_pair
 from server.core.heap import freeze_long_lived
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
+from server.core.settings import lowest_level
 from server.lifecycle import Lifecycle, drain_settings
 from server.listeners import reload_certificates, start_listeners, tcp_socket
 
@@ -189,12 +190,8 @@ def _wait_listening(process, listening, timeout_s: float) -> bool:
 def frontend_log_level(args: argparse.Namespace) -> int:
     """A frontend's logging level: warnings and errors, info too with --log-verbose; --log-info/--log-warning/
     --log-error false turn their level off, as in the server process (core/settings.LogSettings)."""
-    for wanted, level in ((bool(args.log_verbose) and args.log_info is not False, logging.INFO),
-                          (args.log_warning is not False, logging.WARNING),
-                          (args.log_error is not False, logging.ERROR)):
-        if wanted:
-            return level
-    return logging.CRITICAL + 1
+    return lowest_level(bool(args.log_verbose) and args.log_info is not False, args.log_warning is not False,
+                        args.log_error is not False)
 
 
 def frontend_main(args: argparse.Namespace, core_path: str, listening, channel: socket.socket | None = None) -> None:

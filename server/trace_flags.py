@@ -25,23 +25,22 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
                              "opentelemetry,bsp_max_queue_size|bsp_schedule_delay|bsp_max_export_batch_size=N "
                              "(opentelemetry needs kiln[otel])")
     # Triton's older trace flags, still accepted by tritonserver: each is the --trace-config setting it names
-    for flag, metavar in LEGACY_TRACE_FLAGS.items():
+    for flag, (setting, metavar) in LEGACY_TRACE_FLAGS.items():
         parser.add_argument(flag, action="append" if flag == "--trace-level" else None, default=None,
-                            metavar=metavar, help=f"the same as --trace-config {LEGACY_TRACE_SETTINGS[flag]}{metavar}")
+                            metavar=metavar, help=f"the same as --trace-config {setting}{metavar}")
 
 
-#: tritonserver's deprecated trace flags -> the --trace-config setting each sets
-LEGACY_TRACE_SETTINGS = {"--trace-file": "triton,file=", "--trace-level": "level=", "--trace-rate": "rate=",
-                         "--trace-count": "count=", "--trace-log-frequency": "triton,log-frequency="}
-LEGACY_TRACE_FLAGS = {"--trace-file": "PATH", "--trace-level": "LEVEL", "--trace-rate": "N", "--trace-count": "N",
-                      "--trace-log-frequency": "N"}
+#: tritonserver's deprecated trace flags -> (the --trace-config setting each sets, its value's metavar)
+LEGACY_TRACE_FLAGS = {"--trace-file": ("triton,file=", "PATH"), "--trace-level": ("level=", "LEVEL"),
+                      "--trace-rate": ("rate=", "N"), "--trace-count": ("count=", "N"),
+                      "--trace-log-frequency": ("triton,log-frequency=", "N")}
 
 
 def trace_settings(args: argparse.Namespace) -> list[str]:
     """Every trace setting of the command line as --trace-config entries: the older flags' first, so that a
     --trace-config of the same setting wins."""
     settings = []
-    for flag, setting in LEGACY_TRACE_SETTINGS.items():
+    for flag, (setting, _) in LEGACY_TRACE_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         for item in (value if isinstance(value, list) else [] if value is None else [value]):
             settings.append(f"{setting}{item}")

@@ -33,6 +33,15 @@ _FORMATS = {
 _DATE_FORMATS = {"default": "%m%d %H:%M:%S", "ISO8601": "%Y-%m-%dT%H:%M:%S"}
 
 
+def lowest_level(info: bool, warning: bool, error: bool) -> int:
+    """The logging level that lets through the lowest of Triton's levels turned on (INFO, WARNING, ERROR), or
+    nothing when all are off."""
+    for wanted, level in ((info, logging.INFO), (warning, logging.WARNING), (error, logging.ERROR)):
+        if wanted:
+            return level
+    return logging.CRITICAL + 1
+
+
 class LogSettings:
     """Triton's log settings, applied to the `kiln` logger (and so to every `kiln.*` logger) on each update."""
 
@@ -63,11 +72,7 @@ class LogSettings:
         v = self.values
         if v["log_verbose_level"] > 0:
             return logging.DEBUG
-        for key, level in (("log_info", logging.INFO), ("log_warning", logging.WARNING),
-                           ("log_error", logging.ERROR)):
-            if v[key]:
-                return level
-        return logging.CRITICAL + 1
+        return lowest_level(v["log_info"], v["log_warning"], v["log_error"])
 
     def _apply(self) -> None:
         logger = logging.getLogger(LOGGER_NAME)
