@@ -316,8 +316,8 @@ async def serve(args: argparse.Namespace) -> int:
         waiter = asyncio.create_task(stop.wait())
         waits = [waiter] if pool is None else [waiter, asyncio.create_task(pool.failed.wait())]
         failures = asyncio.create_task(_startup_failures(core)) if args.exit_on_error else None
-        done, _ = await asyncio.wait([*waits, *([failures] if failures else []), *listeners.tasks],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        waits += [failures] if failures is not None else []
+        done, _ = await asyncio.wait([*waits, *listeners.tasks], return_when=asyncio.FIRST_COMPLETED)
         if failures is not None and failures in done:
             code = 1
             log.error("failed to load all models (%s); exiting (--exit-on-error true, Triton's default; "
@@ -325,8 +325,6 @@ async def serve(args: argparse.Namespace) -> int:
         elif waiter not in done:  # a listener ended on its own (port in use, ...), or frontends could not restart
             code = 1
             log.error("a listener stopped unexpectedly; shutting down")
-        if failures is not None:
-            waits.append(failures)
         for task in waits:
             task.cancel()
     except (OSError, SystemExit) as e:
