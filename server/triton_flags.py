@@ -24,6 +24,7 @@ class TritonFlag:
     accepted: tuple[str, ...]
     advice: str
     boolean: bool = False
+    switch: bool = False  # takes no value (given or not)
 
     def normal(self, value: str) -> str:
         return str(parse_bool(value)).lower() if self.boolean else value.strip().lower()
@@ -36,7 +37,7 @@ _SIZING = "Kiln sizes this itself (device memory per plan, host buffers per bind
 #: every tritonserver flag without a Kiln flag of the same name, by name
 REFUSED: dict[str, TritonFlag] = {flag.name: flag for flag in (
     TritonFlag("--disable-auto-complete-config", (), "Kiln completes a config from its model as Triton does by "
-               "default; a complete config.pbtxt is used as written"),
+               "default; a complete config.pbtxt is used as written", switch=True),
     TritonFlag("--strict-model-config", ("false",), "Kiln completes a config from its model (Triton's default, "
                "--strict-model-config=false); write the config in full instead", boolean=True),
     TritonFlag("--model-load-retry-count", ("0",), "Kiln loads a model once; load it again through the "
@@ -99,7 +100,7 @@ def add_triton_flags(parser: argparse.ArgumentParser) -> None:
     """The refused flags, parsed (one value each, or none for a switch) so that `check_triton_flags` can name them;
     hidden from --help."""
     for flag in REFUSED.values():
-        if flag.name == "--disable-auto-complete-config":
+        if flag.switch:
             parser.add_argument(flag.name, action="store_const", const="", default=None, help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag.name, default=None, metavar="VALUE", help=argparse.SUPPRESS)

@@ -212,7 +212,7 @@ class CudnnConvs(CudnnGraphs):
 
     def _build_remembered(self, op: Conv, index: int) -> _Built | None:
         """The remembered plan of ``op`` at ``index`` built on a graph without heuristics, or None (none remembered,
-        or it no longer builds: then it is forgotten)."""
+        or it no longer builds: then it is kept as "ask the heuristics", cudnn_plan_cache.PlanChoices.refuse)."""
         choices = plan_cache.choices(self.cudnn)
         remembered = choices.get(signature(op), index) if choices is not None else None
         if remembered is None:
