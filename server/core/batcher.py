@@ -34,6 +34,7 @@ import numpy as np
 
 from server.protos import model_config_pb2
 
+from . import hop_stats
 from .errors import ErrorKind, ServerError, invalid, unavailable
 from .scheduler import (
     AsyncJobsExecutor,
@@ -99,6 +100,7 @@ class _Outcome:
     deferred: list[_Pending]
     parts: list[dict[str, np.ndarray]] = field(default_factory=list)
     output_ns: int = 0
+    done_ns: int = 0  # when the worker thread handed it back, if hops are timed (hop_stats.py)
 
 
 @dataclass
@@ -539,7 +541,8 @@ class DynamicBatcher:
             return
         started = self._clock()
         give_back: object | None = context
-        execution = self._event_loop().run_in_executor(self._pool, self._execute_batch, context, batch)
+        execute = self._execute_batch_timed if hop_stats.ON else self._execute_batch
+        execution = self._event_loop().run_in_executor(self._pool, execute, context, batch)
         try:
             outcome = await self.workers.wait(execution)
         except ServerError as e:  # abandoned past kiln_execution_timeout_ms: the context returns with the thread
@@ -556,6 +559,8 @@ class DynamicBatcher:
             # the context goes back and the next batch starts before this one's members are answered: the
             # device works on it while the event loop sends these replies
             give_back = None
+            if outcome.done_ns:
+                hop_stats.stats("core").add("lane result -> event loop", outcome.done_ns, len(outcome.ran))
             self._take_back(outcome)
             self._dispatch()
             self._answer(outcome, started)
@@ -615,6 +620,11 @@ class DynamicBatcher:
         """Members left out of a batch go back to the front of their queues, in their order."""
         for pending in reversed(deferred):
             self._queues[pending.level].appendleft(pending)
+
+    def _execute_batch_timed(self, context: object, batch: list[_Pending]) -> _Outcome:
+        outcome = self._execute_batch(context, batch)
+        outcome.done_ns = time.monotonic_ns()
+        return outcome
 
     def _execute_batch(self, context: object, batch: list[_Pending]) -> _Outcome:
         """In a worker thread: concatenate or pad (compute input), run (compute infer), split and cut back

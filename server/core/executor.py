@@ -34,12 +34,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import hop_stats
 from .errors import ServerError, unavailable
 from .executor_wire import (
     Channel,
@@ -419,7 +421,10 @@ class RemoteContext:
             inputs, targets, rows, named = whole
             whole_message = {"kind": "rows", "profile": self._profile, "pad_to": pad_to, "inputs": inputs,
                        "destinations": targets}
+            sent_ns = time.monotonic_ns() if hop_stats.ON else 0
             outputs: dict[str, Any] = self.executor.call(self.lane, whole_message, named)
+            if sent_ns:
+                hop_stats.stats("core").add("executor round trip", sent_ns, len(parts))
             return _split(outputs, rows)
         regions = _regions_of(parts, destinations)
         message: dict[str, Any] = {

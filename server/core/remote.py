@@ -38,9 +38,11 @@ import dataclasses
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from . import hop_stats
 from .decoupled import OnPart, StreamPart
 from .errors import ErrorKind, ServerError, unavailable
 from .framing import HIGH_WATER, FramedConnection
@@ -203,6 +205,7 @@ class _ServedConnection(FramedConnection):
         self.service = service
         self.calls: dict[int, Any] = {}  # running calls, to cancel: a task, a request's job, a group's jobs
         self.arenas: list[str] = []  # the frontend's tensor arenas (tensor_arena.py), unregistered when it goes
+        self.hop_received: dict[int, tuple[int, int]] = {}  # call id -> (received ns, members), when hops are timed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -220,6 +223,8 @@ class _ServedConnection(FramedConnection):
             self._register_arena(call_id, *args)
             return
         if method in ("infer", INFER_GROUP, INFER_PARTS, STREAM):
+            if hop_stats.ON and method != STREAM:
+                self.hop_received[call_id] = (time.monotonic_ns(), 1 if method == "infer" else len(args[1]))
             try:
                 if method == "infer":
                     self._infer(call_id, *args, **kwargs)
@@ -326,6 +331,7 @@ class _ServedConnection(FramedConnection):
         """An inference call's reply: a response (a group's with every member's rows), the error (for every
         member of a group), or a group's per-member results; nothing once the frontend withdrew the call."""
         self.calls.pop(call_id, None)
+        hop = self.hop_received.pop(call_id, None) if self.hop_received else None
         if isinstance(error, asyncio.CancelledError):
             return
         if isinstance(value, MemberResults):  # the members ran one by one
@@ -336,6 +342,8 @@ class _ServedConnection(FramedConnection):
             value.members = [_as_server_error("infer", m) if isinstance(m, BaseException) else m
                              for m in value.members]
         self._reply(call_id, value, None if error is None else _as_server_error("infer", error))
+        if hop is not None:
+            hop_stats.stats("core").add("call in -> reply out", *hop)
 
     async def _run(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         value, error = await self.service.answer(method, args, kwargs)
@@ -379,6 +387,7 @@ class RemoteCore:
         self._streams: dict[int, OnPart] = {}  # STREAM calls not yet final: where their parts go
         self.arena: TensorArena | None = None  # where large group inputs go (`open_arena`)
         self._leases: dict[int, list] = {}  # call id -> its arena spans, freed when the core's reply comes
+        self._hop_sent: dict[int, tuple[int, int]] = {}  # call id -> (sent ns, members), when hops are timed
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
 
@@ -491,6 +500,7 @@ class RemoteCore:
                 continue
             requests = [m.request for m in members]
             sizes = [rows(request) for request in requests]
+            sent_ns = time.monotonic_ns() if hop_stats.ON else 0
             placed = self.arena.place(requests) if self.arena is not None and not by_reference(key) else None
             try:
                 if placed is not None:
@@ -509,6 +519,8 @@ class RemoteCore:
                 for member in members:
                     settle(member.answer, None, e)
                 continue
+            if sent_ns:
+                self._hop_sent[call_id] = (sent_ns, len(members))
             sent = _SentGroup(call_id, len(members))
             for member in members:
                 member.sent = sent
@@ -549,6 +561,7 @@ class RemoteCore:
     def _cancel(self, call_id: int) -> None:
         """The caller of `call_id` gave up: the core stops the call (a queued request leaves its queue)."""
         self._pending.pop(call_id, None)
+        self._hop_sent.pop(call_id, None)
         if self._lost is None and self._connection is not None:
             with contextlib.suppress(ConnectionError):
                 self._connection.send((call_id, CANCEL, (), {}))
@@ -570,6 +583,10 @@ class RemoteCore:
     def _replied(self, message: Any) -> None:
         call_id, value, error = message
         self._end_lease(call_id)
+        if self._hop_sent:
+            hop = self._hop_sent.pop(call_id, None)
+            if hop is not None:
+                hop_stats.stats("frontend").add("core round trip", *hop)
         reply = self._pending.pop(call_id, None)
         if reply is not None:
             settle(reply, value, error)

@@ -329,6 +329,32 @@ def faulty_repository(tmp_path_factory) -> Path:
     return base
 
 
+def test_hop_stats_time_each_process_s_part_of_a_served_request(repository: Path) -> None:
+    """KILN_HOP_STATS_S (server/core/hop_stats.py): frontends, the core and the executor each log their spans of the
+    requests they served, as means per request, gRPC and HTTP alike."""
+    env = {**EXECUTOR_ENV, "KILN_HOP_STATS_S": "0.2", "KILN_EXECUTOR_STATS_S": "0.2"}
+    log_path = repository / "server_hops.log"
+    with run_server(repository / "models", log_path, ["wide_add"], ["--frontend-processes", "2"], env=env) as server:
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        http = httpclient.InferenceServerClient(server.http_url)
+        a, b = np.ones((2, WIDTH), np.float32), np.ones((2, 4), np.float32)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for module, client in ((grpcclient, grpc), (httpclient, http)):
+                inputs = [module.InferInput("A", list(a.shape), "FP32"), module.InferInput("B", list(b.shape), "FP32")]
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(b)
+                np.testing.assert_array_equal(client.infer("wide_add", inputs).as_numpy("SUM"), a + b[:, :1])
+            text = log_path.read_text(errors="replace")
+            spans = {name for name in ("gRPC request in -> response out", "HTTP request in -> response out",
+                                       "core round trip", "call in -> reply out", "executor round trip",
+                                       "lane result -> event loop") if re.search(re.escape(name) + r" [0-9.]+ ms x \d+", text)}
+            if len(spans) == 6 and "ms each from message in to reply ready" in text:
+                return
+            time.sleep(0.05)
+        pytest.fail(f"hop spans logged: {sorted(spans)}")
+
+
 def test_an_error_that_poisons_the_device_context_restarts_the_executor(faulty_repository: Path) -> None:
     """A sticky CUDA error (here raised by the fault plugin's STICKY value) fails its batch, then the executor exits
     rather than serve on a broken context; the next request runs on a new executor, and the restart is counted."""

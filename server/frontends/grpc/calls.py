@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from server.core import hop_stats
+
 from .errors import status_of
 from .hpack import Encoder
 from .http2 import NO_ERROR, Stream
@@ -181,6 +183,7 @@ class Call:
         self._done_callbacks: list[Callable[[Call], None]] = []
         self.on_finish: Callable[[Call], None] | None = None
         self.limited = False  # holds a slot of the inflight limiter until it finishes
+        self.hop_started_ns = 0  # when its request was read, if hops are timed (server/core/hop_stats.py)
         self._metadata: tuple | None = None
 
     # -- servicer context ---------------------------------------------------------------------------------------
@@ -288,6 +291,8 @@ class Call:
             self._fail(error)
         else:
             self.finish(OK, "")
+        if self.hop_started_ns:
+            hop_stats.stats("frontend").add("gRPC request in -> response out", self.hop_started_ns)
 
     def start_streaming(self, request: Any) -> None:
         self.task = asyncio.ensure_future(self._stream_responses(request))

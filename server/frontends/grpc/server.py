@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import time
 from collections import namedtuple
 from typing import Any
 
@@ -22,6 +23,7 @@ import grpc
 
 from server.auth import RestrictedApi, grpc_group
 from server.connection_handoff import Receiver
+from server.core import hop_stats
 from server.core.errors import ServerError
 from server.core.limits import InflightLimiter
 from server.protos import grpc_service_pb2, health_pb2, health_pb2_grpc
@@ -238,6 +240,8 @@ class GrpcServer:
                         f"expected one request message, got {len(messages)}"
                         + (" and a partial one" if call.reader.pending else ""))
             return
+        if hop_stats.ON:
+            call.hop_started_ns = time.monotonic_ns()
         try:
             request = call.deserialize(messages[0])
         except Exception as error:  # noqa: BLE001 - any parse failure is the client's malformed message

@@ -20,10 +20,12 @@ import asyncio
 import json
 import logging
 import re
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from server.core import hop_stats
 from server.core.errors import ErrorKind, ServerError
 from server.core.limits import PayloadTooLarge
 from server.lifecycle import Lifecycle
@@ -66,7 +68,7 @@ class _Exchange:
     `disconnected`, `message_event`)."""
 
     __slots__ = ("protocol", "route", "model", "version", "headers", "chunks", "size", "keep_alive",
-                 "response_complete", "disconnected", "message_event", "job", "admitted", "request")
+                 "response_complete", "disconnected", "message_event", "job", "admitted", "request", "hop_started_ns")
 
     def __init__(self, protocol: KilnHttpProtocol, route: InferRoute, model: str, version: str,
                  headers: dict[str, str], keep_alive: bool) -> None:
@@ -84,6 +86,7 @@ class _Exchange:
         self.job: asyncio.Future | None = None
         self.admitted = False  # holds an in-flight slot (--max-inflight-requests) and the drain tracker's count
         self.request: Any = None
+        self.hop_started_ns = 0  # when its body was complete, if hops are timed (server/core/hop_stats.py)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -119,6 +122,8 @@ class _Exchange:
         """The body is complete: decode it and submit the request (answered in `answered`)."""
         if self.response_complete:
             return
+        if hop_stats.ON:
+            self.hop_started_ns = time.monotonic_ns()
         raw = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks = []
         core = self.route.core
@@ -156,6 +161,8 @@ class _Exchange:
                 self.crash(e)
                 return
             self.respond(200, outcome.content, outcome.media_type, outcome.headers)
+            if self.hop_started_ns:
+                hop_stats.stats("frontend").add("HTTP request in -> response out", self.hop_started_ns)
         elif isinstance(error, ServerError):
             self.fail(error)
         elif isinstance(error, asyncio.CancelledError):
