@@ -110,7 +110,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
     ``timer_for(gemm) -> Timer`` times GEMM candidates; by default CUDA events on this machine's GPU.
     ``cache`` (the builder config's timing cache) supplies and receives timings.
     """
-    from engine_core.cuda.nvrtc import compile_cubin, compile_kernel_file
+    from engine_core.cuda.nvrtc import compile_cubin, compile_kernel_files
 
     if arch is None:
         from engine_core.cuda.driver import compute_capability
@@ -118,7 +118,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         major, minor = compute_capability()
         arch = f"sm_{major}{minor}"
     options = options or LoweringOptions()
-    cubins = {stem: compile_kernel_file(stem, arch) for stem in KERNEL_FILES}
+    cubins = compile_kernel_files(KERNEL_FILES, arch)
     if timer_for is None:
         timer_for = gpu_gemm_timer_factory(cubins["gemm"])
     if cache is not None and cache.arch is None:
@@ -156,7 +156,7 @@ def prepare_plan(graph: Graph, inferred: Mapping[tuple[int, int], Mapping[str, T
         conv_plans, conv_timings = select_conv_plans(at_opt, conv_tuner, cache, arch)
     kernels = list(dict.fromkeys(k for low in lowered.values() for k in low.kernels))
     used = {op.module for low in lowered.values() for s in low.steps for op in s.ops if isinstance(op, Launch)}
-    cubins.update({stem: compile_kernel_file(stem, arch) for stem in ON_DEMAND_KERNEL_FILES if stem in used})
+    cubins.update(compile_kernel_files([stem for stem in ON_DEMAND_KERNEL_FILES if stem in used], arch))
     cubins["pointwise"] = compile_cubin(pointwise_source(kernels), "pointwise_generated.cu", arch, POINTWISE_OPTIONS)
     plans: list[MemoryPlan] = [low.memory for low in lowered.values()]
     at_opt = lowered[(0, 1)] if (0, 1) in lowered else next(iter(lowered.values()))

@@ -34,12 +34,13 @@ F32, F16, INT8 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)
 THREADS = 256
 #: Kiln's own kernel files every CUDA plan embeds (besides the generated pointwise module); ``Launch.module`` names
 #: one of these, an ON_DEMAND_KERNEL_FILES entry, or "pointwise"
-KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool", "flash_attention")
-#: kernel files a plan embeds only when one of its launches uses them (large wgmma kernels: qgemm_sm90 takes NVRTC
-#: 30-50 s; depthwise_conv's 24 specialisations 3 s and 0.5 MB, needless in a plan without depthwise convolutions),
-#: or the runner compiles when it first needs them (copy_segments: batches from CUDA shared memory); concat: Concats of
-#: several inputs
-ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments", "depthwise_conv", "concat")
+KERNEL_FILES = ("softmax", "layer_norm", "skip_layer_norm", "reduce", "gather", "gemm", "pool")
+#: kernel files a plan embeds only when one of its launches uses them (large kernels: qgemm_sm90 and flash_attention
+#: take NVRTC 20-50 s each, most of a cold first build, needless in a plan without INT8 GEMMs or attention;
+#: depthwise_conv's 24 specialisations 3 s and 0.5 MB), or the runner compiles when it first needs them
+#: (copy_segments: batches from CUDA shared memory; any of them for shapes known only at run time); concat: Concats
+#: of several inputs
+ON_DEMAND_KERNEL_FILES = ("qgemm_sm90", "copy_segments", "depthwise_conv", "concat", "flash_attention")
 
 
 @dataclass(frozen=True)
