@@ -182,6 +182,7 @@ class Setup:
     window_s: float
     profile_s: float  # process CPU (and py-spy) of the server during each sweep's first level; 0: off
     profile_idle: bool  # py-spy samples waiting threads too (wall time: where a lane's execution goes)
+    profile_rate: int = 100  # py-spy samples per second
     max_trials: int
     warmup_s: float
     processes: int
@@ -227,6 +228,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         window_s=args.window_s or (0.3 if smoke else 1.0),
         profile_s=args.profile_s,
         profile_idle=args.profile_idle,
+        profile_rate=args.profile_rate,
         max_trials=args.max_trials or (3 if smoke else 4),
         warmup_s=0.2 if smoke else args.warmup_s,
         processes=args.processes or (1 if smoke else max(1, min(8, (os.cpu_count() or 2) // 2))),
@@ -312,7 +314,7 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
     if setup.profile_s:  # during the first level's windows, after its warm-up
         profiler = threading.Thread(target=profile_server, args=(server.pid, setup.warmup_s + 0.5, setup.profile_s,
                                                                  out / f"profile_{name}_{transport}",
-                                                                 setup.profile_idle), daemon=True)
+                                                                 setup.profile_idle, setup.profile_rate), daemon=True)
         profiler.start()
     perf.main(["-m", name, "-i", protocol, "-u", url, "--shared-memory", shared, "--input-data", spec.input_data,
                "--concurrency-range", ",".join(map(str, setup.concurrency)), "-p", str(int(setup.window_s * 1000)),
@@ -323,14 +325,14 @@ def sweep(server: ServerHandle, name: str, spec: ModelSpec, transport: str, setu
     return json.loads(path.read_text())
 
 
-def profile_server(pid: int, delay_s: float, seconds: float, stem: Path, idle: bool = False) -> None:
+def profile_server(pid: int, delay_s: float, seconds: float, stem: Path, idle: bool = False, rate: int = 100) -> None:
     """CPU per process and thread of the server's tree (`process_cpu`) over `seconds`, and py-spy's raw stacks of
     the server process and its children (frontends, executors) meanwhile when py-spy is installed: STEM.txt /
     STEM.json / STEM.pyspy.txt. `idle`: waiting threads are sampled too."""
     time.sleep(delay_s)
     spy = None
     if shutil.which("py-spy"):
-        spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "100",
+        spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", str(rate),
                                 "--nonblocking", "--threads", "--subprocesses", *(["--idle"] if idle else []),
                                 "-f", "raw", "-o", f"{stem}.pyspy.txt"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -706,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "for this long, and py-spy of the server process when installed (profile_*.txt in --out)")
     p.add_argument("--profile-idle", action="store_true",
                    help="py-spy samples waiting threads too (with --profile-s): wall time, not CPU")
+    p.add_argument("--profile-rate", type=int, default=100,
+                   help="py-spy samples per second (with --profile-s; default 100: too few to rank frames of a "
+                        "process at ~15 processes, use 250-500)")
     p.add_argument("--smoke", action="store_true", help="tiny models, short windows: a check that runs anywhere")
     return p
 
