@@ -182,7 +182,7 @@ class Setup:
     window_s: float
     profile_s: float  # process CPU (and py-spy) of the server during each sweep's first level; 0: off
     profile_idle: bool  # py-spy samples waiting threads too (wall time: where a lane's execution goes)
-    profile_rate: int = 100  # py-spy samples per second
+    profile_rate: int  # py-spy samples per second
     max_trials: int
     warmup_s: float
     processes: int
