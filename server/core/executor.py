@@ -185,7 +185,7 @@ class ExecutorProcess:
         for _, end in pairs:
             end.close()
         self._process, self._control = process, control
-        self._lanes = [Channel(ours) for ours, _ in pairs]
+        self._lanes = [Channel(ours, alternating=True) for ours, _ in pairs]
         self._mapped = set()
         if self._send_maps(list(_ARENAS.values())):
             self._mapped_before_ready(control)

@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExecutorGone:
         return 1
     for index, fd in enumerate(fds):
-        threading.Thread(target=executor.serve_lane, args=(index, Channel(socket.socket(fileno=fd))), daemon=True,
+        lane = Channel(socket.socket(fileno=fd), alternating=True)
+        threading.Thread(target=executor.serve_lane, args=(index, lane), daemon=True,
                          name=f"kiln-executor-lane-{index}").start()
     if not warm_buckets:
         executor.bind_in_background()

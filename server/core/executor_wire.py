@@ -118,8 +118,11 @@ def raise_reply(reply: tuple) -> Any:
 class Channel:
     """Length-prefixed pickles over one connected stream socket (not thread-safe: one user at a time)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, alternating: bool = False) -> None:
         self.sock = sock
+        #: each side sends its next message only after the other's reply (a lane): a read can never run into the
+        #: next message, so `recv` reads as much as has arrived at once
+        self.alternating = alternating
         self._buffer = bytearray(1 << 16)
 
     def send(self, message: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
@@ -138,33 +141,40 @@ class Channel:
             raise ExecutorGone(f"the other process closed the channel: {e}") from None
 
     def recv(self) -> tuple[Any, list[int]]:
-        """The next message and the descriptors that came with it."""
-        header = bytearray(_HEADER.size)
+        """The next message and the descriptors that came with it.
+
+        On an `alternating` channel one `recvmsg_into` reads the header, the descriptors and as much of the payload
+        as has arrived (all of a small message: the sender writes header and payload at once); otherwise the first
+        read stops at the header, so that a message queued behind this one stays in the socket. Why: each socket
+        call releases the interpreter lock, and getting it back from a busy event loop costs up to the switch
+        interval; a lane read header and payload in two calls (docs/performance.md, "process by process")."""
         fds: list[int] = []
-        got = 0
-        while got < len(header):
-            if not fds and got == 0:
-                data, ancillary, _, _ = self.sock.recvmsg(len(header), socket.CMSG_SPACE(MAX_FDS * 4))
-                for level, kind, payload in ancillary:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.extend(array.array("i", payload[:len(payload) - len(payload) % 4]))
-            else:
-                data = self.sock.recv(len(header) - got)
-            if not data:
-                raise ExecutorGone("the other process closed the channel")
-            header[got:got + len(data)] = data
-            got += len(data)
-        (size,) = _HEADER.unpack(header)
-        if size > len(self._buffer):
-            self._buffer = bytearray(size)
-        view = memoryview(self._buffer)[:size]
-        got = 0
-        while got < size:
-            count = self.sock.recv_into(view[got:], size - got)
-            if not count:
-                raise ExecutorGone("the other process closed the channel")
-            got += count
-        return pickle.loads(view), fds
+        view = memoryview(self._buffer)
+        first = view if self.alternating else view[:_HEADER.size]
+        got, ancillary, _, _ = self.sock.recvmsg_into([first], socket.CMSG_SPACE(MAX_FDS * 4))
+        if not got:
+            raise ExecutorGone("the other process closed the channel")
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[:len(payload) - len(payload) % 4]))
+        while got < _HEADER.size:
+            got = self._more(view, got, _HEADER.size)
+        (size,) = _HEADER.unpack_from(view)
+        end = _HEADER.size + size
+        if end > len(self._buffer):  # a large message: the rest straight into a buffer of its own size
+            head = bytes(view[:got])
+            self._buffer = bytearray(end)
+            view = memoryview(self._buffer)
+            view[:got] = head
+        while got < end:
+            got = self._more(view, got, end)
+        return pickle.loads(view[_HEADER.size:end]), fds
+
+    def _more(self, view: memoryview, got: int, end: int) -> int:
+        count = self.sock.recv_into(view[got:end], end - got)
+        if not count:
+            raise ExecutorGone("the other process closed the channel")
+        return got + count
 
     def request(self, message: Any, fds: list[int] | tuple[int, ...] = ()) -> Any:
         """Send `message` and return the reply's value (its error raised)."""
