@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -57,32 +59,46 @@ def summarize(folded: Path, top: int = 25) -> dict:
 
 def summarize_tree(folded: Path, top: int = 12) -> str:
     """A py-spy raw file of a process tree (`--subprocesses`) as text: per kind of process (core, frontend,
-    executor, generation), its samples and the frames with the most samples, own and inclusive."""
+    executor, generation) and thread, its samples and the frames with the most samples, own and inclusive.
+
+    A child's stacks start with its ancestors' `process ...` frames: the last one names the process sampled; the
+    thread frame follows them. A ".gz" file is read compressed."""
     kinds: dict[str, tuple[collections.Counter[str], collections.Counter[str]]] = {}
     totals: collections.Counter[str] = collections.Counter()
-    for line in folded.read_text().splitlines():
+    for line in _lines(folded):
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = stack.split(";")
-        head = frames[0]
-        kind = ("executor" if "executor_main" in head else "generation" if "generation_main" in head
-                else "frontend" if "spawn_main" in head or "multiprocessing" in head else "core")
-        own, inclusive = kinds.setdefault(kind, (collections.Counter(), collections.Counter()))
+        frames = stack.split(";")  # a process frame's command line may hold ";" too: the thread frame ends them
+        at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), 0)
+        process = ";".join(frames[:at]).rpartition("process ")[2]
+        body = frames[at:]
+        thread = re.sub(r"^thread \(\d+\): ", "", body[0]) if body and body[0].startswith("thread (") else "?"
+        kind = ("executor" if "executor_main" in process else "generation" if "generation_main" in process
+                else "frontend" if "spawn_main" in process or "multiprocessing" in process else "core")
+        key = f"{kind}, {thread}"
+        own, inclusive = kinds.setdefault(key, (collections.Counter(), collections.Counter()))
         samples = int(count)
-        totals[kind] += samples
-        body = [f for f in frames[1:] if not f.startswith("thread ")]
+        totals[key] += samples
+        body = [f for f in body if not f.startswith("thread ")]
         if body:
             own[body[-1]] += samples
         for frame in set(body):
             inclusive[frame] += samples
     lines = []
-    for kind, samples in totals.most_common():
-        own, inclusive = kinds[kind]
-        lines.append(f"== {kind}: {samples} samples")
+    for key, samples in totals.most_common():
+        own, inclusive = kinds[key]
+        lines.append(f"== {key}: {samples} samples")
         lines += [f"  {100 * n / samples:5.1f}% self  {frame}" for frame, n in own.most_common(top)]
         lines += [f"  {100 * n / samples:5.1f}% incl  {frame}" for frame, n in inclusive.most_common(top)]
     return "\n".join(lines)
+
+
+def _lines(path: Path) -> list[str]:
+    """A py-spy raw file's lines (gzip-compressed when its name ends in .gz)."""
+    if path.suffix == ".gz":
+        return gzip.decompress(path.read_bytes()).decode().splitlines()
+    return path.read_text().splitlines()
 
 
 def _children(pid: int) -> list[int]:

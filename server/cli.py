@@ -19,7 +19,7 @@ from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process, latency
 from server.core.executor_wire import SWITCH_INTERVAL_S
-from server.core.heap import freeze_long_lived
+from server.core.heap import freeze_long_lived, keep_large_buffers_in_heap
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
 from server.core.placement import restricted_visible_devices
 from server.core.response_cache import CacheConfig, parse_cache_config
@@ -272,6 +272,7 @@ async def serve(args: argparse.Namespace) -> int:
         logging.getLogger("kiln").error("%s", e)
         return 2
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    keep_large_buffers_in_heap()
     warm_up = asyncio.create_task(asyncio.to_thread(build_process.warm_up))  # overlaps the listeners' start
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))

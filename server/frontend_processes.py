@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 
 from server.connection_handoff import Handoff, channel_pair
-from server.core.heap import freeze_long_lived
+from server.core.heap import freeze_long_lived, keep_large_buffers_in_heap
 from server.core.limits import InflightLimiter
 from server.core.remote import CoreService, RemoteCore
 from server.core.settings import lowest_level
@@ -199,6 +199,7 @@ def frontend_main(args: argparse.Namespace, core_path: str, listening, channel: 
     over `channel`, serve until SIGTERM or the core goes."""
     logging.basicConfig(level=frontend_log_level(args),
                         format="%(asctime)s %(levelname)s %(name)s[frontend]: %(message)s")
+    keep_large_buffers_in_heap()  # a request's tensors and frames are reused from the heap, not mapped each time
     from server.cli import run_event_loop
 
     sys.exit(run_event_loop(serve_frontend(args, core_path, listening, channel)))

@@ -28,6 +28,8 @@ from typing import Any
 from engine_core.cuda.view import DeviceView
 from engine_core.errors import KilnError, ShapeError
 
+from .heap import keep_large_buffers_in_heap
+
 _HEADER = struct.Struct("<Q")
 log = logging.getLogger("kiln.server.executor")
 
@@ -207,6 +209,7 @@ def child_start(argv: list[str] | None, name: str) -> tuple[Channel, Any] | None
     args = argv if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}[%(process)d] %(message)s")
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # lanes (or the loop) beside other threads get the lock back soon
+    keep_large_buffers_in_heap()  # batches' outputs and inline inputs reused from the heap (heap.py)
     channel = Channel(socket.socket(fileno=int(args[0])))
     try:
         first, _ = channel.recv()

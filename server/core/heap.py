@@ -1,15 +1,36 @@
-"""Keeping Python's cyclic garbage collector off the server's long-lived objects.
+"""The server's heap: Python's cyclic garbage collector kept off long-lived objects, and large buffers kept in
+malloc's heap instead of a mapping each.
 
-A loaded model brings hundreds of thousands of long-lived objects (ONNX protos, plans, modules). Every full
+Collector: a loaded model brings hundreds of thousands of long-lived objects (ONNX protos, plans, modules). Every full
 (generation 2) collection walked all of them: ~50 ms with the event loop stopped, every couple of seconds under
 load, which was the whole p99 of a CPU server at 64 clients (docs/performance.md). Frozen objects are skipped by
 the collector; they are still freed by reference counting, and `freeze_long_lived` unfreezes and collects first,
 so cycles of an unloaded model are not kept forever.
+
+Large buffers (`keep_large_buffers_in_heap`): glibc's malloc gives every allocation above its mmap threshold (128 KB
+at first, raised as such blocks are freed, at most 32 MB) a mapping of its own and returns the heap's free top to the
+system past its trim threshold. A served request of a 600 KB tensor makes several such buffers (socket reads, the
+joined frame, the parsed message, decoded arrays), each mapped, faulted in page by page (~150 faults) and unmapped
+again. On the 2-core VM a frontend took ~340 page faults a request for a [1, 150528] FP32 input over gRPC; with
+large buffers kept in the heap, 100x fewer and 1.57x the requests a second at the same concurrency
+(docs/performance.md, "Large buffers in the heap").
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import logging
+import os
+
+log = logging.getLogger("kiln.server.heap")
+
+#: glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: allocations up to this size come from the heap (a request's tensors and frames), larger ones are mapped
+MMAP_THRESHOLD_BYTES = 64 << 20
+#: free memory at the heap's top kept for the next requests before it is given back to the system
+TRIM_THRESHOLD_BYTES = 256 << 20
 
 
 def freeze_long_lived() -> None:
@@ -18,3 +39,25 @@ def freeze_long_lived() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def keep_large_buffers_in_heap() -> bool:
+    """Tune this process's malloc (glibc) so that request-sized buffers are reused from the heap instead of mapped and
+    unmapped per request; whether it applied. Off with KILN_MALLOC_TUNING=0, and where GLIBC_TUNABLES already sets
+    malloc's thresholds (the user's choice wins); a C library without `mallopt` (musl's is a stub, macOS has none)
+    is left as it is."""
+    if os.environ.get("KILN_MALLOC_TUNING", "1").strip() == "0":
+        return False
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD,
+                                                                                     TRIM_THRESHOLD_BYTES))
+    if not applied:
+        log.info("malloc thresholds not set (this C library's mallopt refused them)")
+    return applied
