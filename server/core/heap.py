@@ -7,13 +7,13 @@ load, which was the whole p99 of a CPU server at 64 clients (docs/performance.md
 the collector; they are still freed by reference counting, and `freeze_long_lived` unfreezes and collects first,
 so cycles of an unloaded model are not kept forever.
 
-Large buffers (`keep_large_buffers_in_heap`): glibc's malloc gives every allocation above its mmap threshold (128 KB
-at first, raised as such blocks are freed, at most 32 MB) a mapping of its own and returns the heap's free top to the
-system past its trim threshold. A served request of a 600 KB tensor makes several such buffers (socket reads, the
-joined frame, the parsed message, decoded arrays), each mapped, faulted in page by page (~150 faults) and unmapped
-again. On the 2-core VM a frontend took ~340 page faults a request for a [1, 150528] FP32 input over gRPC; with
-large buffers kept in the heap, 100x fewer and 1.57x the requests a second at the same concurrency
-(docs/performance.md, "Large buffers in the heap").
+Large buffers (`keep_large_buffers_in_heap`): glibc's malloc maps every allocation above its mmap threshold (128 KB at
+first, raised to the largest such block freed, at most 32 MB) and gives the heap's free top back to the system past
+its trim threshold (twice that). A served request of a 600 KB tensor makes several buffers that size (socket reads,
+the joined frame, the parsed message), a few requests are in flight at once, and when they are done the freed top is
+given back: the next requests fault every page in again. On the 2-core VM a frontend took ~340 page faults a request
+for a [1, 150528] FP32 input over gRPC; with the thresholds fixed high, 100x fewer, its CPU per request halved and the
+server answered 1.5x the requests a second at the same concurrency (docs/performance.md, "Large buffers in the heap").
 """
 
 from __future__ import annotations
