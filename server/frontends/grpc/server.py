@@ -17,6 +17,7 @@ import socket
 import ssl
 import time
 from collections import namedtuple
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -66,7 +67,7 @@ class GrpcServer:
         self._http2 = options.http2_settings()
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list[Any] = []
-        self._submitters: dict[str, Submitter] = {}
+        self._submitters: dict[str, tuple[Submitter, Callable[[Any], Any] | None]] = {}
         self._connections: set[Http2Connection] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._active = 0
@@ -83,10 +84,11 @@ class GrpcServer:
         for name, handler in handlers.items():
             self._registered[f"/{service}/{name}"] = handler
 
-    def add_submitter(self, path: str, submit: Submitter) -> None:
+    def add_submitter(self, path: str, submit: Submitter, deserialize: Callable[[Any], Any] | None = None) -> None:
         """Run the unary method `path` through `submit` instead of its handler's coroutine (ModelInfer: a task and
-        three coroutine frames less per call). The registered handler still supplies the (de)serializers."""
-        self._submitters[path] = submit
+        three coroutine frames less per call). The registered handler still supplies the (de)serializers, unless
+        `deserialize` reads the request instead (ModelInfer: tensor bytes left in place, wire.py)."""
+        self._submitters[path] = (submit, deserialize)
 
     def _handler(self, path: str, stream: Stream) -> grpc.RpcMethodHandler | None:
         handler = self._registered.get(path)
@@ -242,8 +244,9 @@ class GrpcServer:
             return
         if hop_stats.ON:
             call.hop_started_ns = time.monotonic_ns()
+        submitter, deserialize = self._submitters.get(call.method, (None, None))
         try:
-            request = call.deserialize(messages[0])
+            request = (deserialize or call.deserialize)(messages[0])
         except Exception as error:  # noqa: BLE001 - any parse failure is the client's malformed message
             call.finish(grpc.StatusCode.INVALID_ARGUMENT, malformed_message(error))
             return
@@ -254,9 +257,8 @@ class GrpcServer:
                 call.finish(*_status(error))
                 return
             call.limited = True
-        submit = self._submitters.get(call.method)
-        if submit is not None:
-            call.start_submitted(submit, request)
+        if submitter is not None:
+            call.start_submitted(submitter, request)
         elif call.handler.response_streaming:
             call.start_streaming(request)
         else:

@@ -16,7 +16,7 @@ from server.core.limits import check_load_request
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc
 
-from . import convert
+from . import convert, wire
 from .errors import status_of, translate_errors
 from .options import GrpcOptions
 
@@ -250,7 +250,7 @@ def add_to_server(core, options: GrpcOptions, server) -> None:
     road for ModelInfer)."""
     servicer = InferenceServicer(core, options)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    server.add_submitter("/inference.GRPCInferenceService/ModelInfer", servicer.submit_infer)
+    server.add_submitter("/inference.GRPCInferenceService/ModelInfer", servicer.submit_infer, wire.read_infer_request)
 
 
 _DONE = object()  # a stream request's last message was queued: its in-flight slot frees once that is sent
