@@ -147,9 +147,8 @@ class Channel:
 
         On an `alternating` channel one `recvmsg_into` reads the header, the descriptors and as much of the payload
         as has arrived (all of a small message: the sender writes header and payload at once); otherwise the first
-        read stops at the header, so that a message queued behind this one stays in the socket. Why: each socket
-        call releases the interpreter lock, and getting it back from a busy event loop costs up to the switch
-        interval; a lane read header and payload in two calls (docs/performance.md, "process by process")."""
+        read stops at the header, so that a message queued behind this one stays in the socket. Why: a batch's
+        message and its reply each took two system calls to read, one of them only for the 8-byte header."""
         fds: list[int] = []
         view = memoryview(self._buffer)
         first = view if self.alternating else view[:_HEADER.size]
