@@ -2,15 +2,15 @@
 
 Why (#29): at BERT gRPC c=64 a request takes ~8 ms of which ~2 ms is its batch's execution; the rest is spread over
 the chain client -> frontend -> core -> executor -> core -> frontend -> client, each hop an event-loop turn or a
-thread wake-up in another process, and no single process is saturated (docs/performance.md). The server's statistics
+thread hand-off in another process, and no single process is saturated (docs/performance.md). The server's statistics
 see only the core's queue and compute; these spans, timed where each process starts and ends its part, split the
 rest by subtraction (every figure is a mean per request over the same steady load):
 
-  frontend   gRPC|HTTP request in -> response out  the frontend's whole part (parse, the core round trip, encode, write)
-  frontend   core round trip                  call sent to the core -> its reply read back
-  core       call in -> reply out             the core's whole part of a call
-  core       lane result -> event loop        a batch's outputs back from its worker thread to the loop
-  core       executor round trip              a batch sent to the executor process -> its outputs back
+  frontend   gRPC|HTTP request in -> response out   its whole part (parse, the core round trip, encode, write)
+  frontend   core round trip                       call sent to the core -> its reply read back
+  core       call in -> reply out                  the core's whole part of a call
+  core       lane result -> event loop             a batch's outputs back from its worker thread to the loop
+  core       executor round trip                   a batch sent to the executor process -> its outputs back
 
 with the executor's own lane log (message in -> reply ready, `executor_main._LaneStats`) and the client's latency.
 
