@@ -11,6 +11,7 @@ import asyncio
 import gc
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -228,6 +229,22 @@ def _in_thread(port_test, **options) -> None:
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_frames_split_anywhere_across_reads_are_read_whole() -> None:
+    """The preface, a SETTINGS frame and a PING arrive a few bytes at a time (each write flushed on its own): the
+    connection's buffer keeps the pieces and answers the PING with its payload."""
+    def test(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data = PREFACE + frame(SETTINGS, 0, 0, b"") + frame(PING, 0, 0, b"kiln-ok!")
+            for at in range(0, len(data), 3):
+                sock.sendall(data[at:at + 3])
+                time.sleep(0.002)
+            frames = _read_frames(sock, PING, 5)
+            assert frames[-1] == (PING, 1, b"kiln-ok!")
+
+    _in_thread(test)
 
 
 def test_too_many_pings_end_the_connection_with_enhance_your_calm() -> None:
