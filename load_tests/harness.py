@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -43,7 +43,15 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    return [free_port() for _ in range(count)]
+    """`count` different free ports: each probe socket stays bound until all are picked (one at a time, the kernel
+    handed the same just-released port out twice: a server got `--grpc-port P --metrics-port P` and failed to start)."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 def python_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:

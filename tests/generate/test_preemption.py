@@ -39,9 +39,12 @@ def _sampled(seed: int) -> SamplingParams:
 
 
 def _run_all(generator: Generator, prompts: list[list[int]], params: list[SamplingParams]) -> list[Events]:
+    """Every prompt submitted before the loop admits any (its lock held meanwhile: on a busy machine the loop
+    finished a short first sequence before the last was submitted), then every result."""
     results = [Events() for _ in prompts]
-    for prompt, each, events in zip(prompts, params, results):
-        generator.submit(prompt, each, events)
+    with generator._lock:
+        for prompt, each, events in zip(prompts, params, results):
+            generator.submit(prompt, each, events)
     return [events.wait() for events in results]
 
 

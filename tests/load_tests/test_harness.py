@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from load_tests.harness import load_example, metric_sum, samples_sum
+from load_tests.harness import free_ports, load_example, metric_sum, samples_sum
 
 PAGE = """# HELP kiln_worker_restarts_total Worker restarts.
 # TYPE kiln_worker_restarts_total counter
@@ -62,3 +62,10 @@ def test_metric_sum_reads_a_page_over_http() -> None:
 def test_load_example_runs_the_script_as_a_module() -> None:
     module = load_example("generative.py")
     assert module.__name__ == "generative" and callable(module.write_tiny_decoder)
+
+
+def test_free_ports_are_all_different() -> None:
+    """A server's HTTP, gRPC and metrics ports: picked one at a time, the same just-released port came back twice."""
+    for _ in range(50):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3 and all(1024 < port < 65536 for port in ports)
