@@ -14,7 +14,7 @@ import pytest
 
 from load_tests import harness
 from tests.deploy.models import slow_expected, write_slow_repository
-from tests.support.ports import free_port
+from tests.support.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIP_COUNT = 15000  # ~0.5 s of compute per request (0.1 s per 3000 trips on the CI machine); 4 on 2 instances queue up
@@ -32,7 +32,7 @@ def _infer_body(x: float, n: int) -> dict:
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path):
     repo = write_slow_repository(tmp_path / "models")
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_port, grpc_port, metrics_port = free_ports(3)
     url = f"http://127.0.0.1:{http_port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILN_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
            "KILN_DRAIN_DELAY_S": str(DRAIN_DELAY_S)}

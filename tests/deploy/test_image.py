@@ -23,7 +23,7 @@ import pytest
 
 from load_tests import harness
 from tests.deploy.dockerfile import ROOT, parse
-from tests.support.ports import free_port
+from tests.support.ports import free_ports
 
 DOCKER_RUN_GPU = "docker run --gpus all -p8000:8000 -p8001:8001 -p8002:8002 -v $PWD/models:/models kiln"
 DOCKER_RUN_CPU = "docker run -p8000:8000 -p8001:8001 -p8002:8002 -v $PWD/models:/models kiln:cpu"
@@ -137,7 +137,7 @@ def test_entrypoint_in_fresh_venv(dockerfile, tmp_path: Path):
     from tests.deploy.models import write_slow_repository
 
     models, cache = write_slow_repository(tmp_path / "models"), tmp_path / "cache"
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     env = {**venv_env, **{k: v for k, v in runtime.env().items() if not k.startswith(("PATH", "VIRTUAL_ENV"))},
            "KILN_CACHE_DIR": str(cache), "KILN_HTTP_PORT": str(ports[0])}
     (entrypoint,) = runtime.all("ENTRYPOINT")
