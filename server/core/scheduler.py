@@ -309,9 +309,11 @@ class Workers:
 
     async def wait(self, execution: asyncio.Future) -> Any:
         """The result of ``execution`` (a worker-thread future), within ``timeout_s`` when set; past it raises the
-        ``abandon`` error while the thread runs on."""
+        ``abandon`` error while the thread runs on. Without a timeout it is awaited as it is: a shield around it
+        (which `wait_for` needs, so that its timeout does not cancel the execution) costs every batch one more turn
+        of the event loop between its thread's return and its answers."""
         if self.timeout_s is None:
-            return await asyncio.shield(execution)
+            return await execution
         try:
             return await asyncio.wait_for(asyncio.shield(execution), self.timeout_s)
         except TimeoutError:
