@@ -78,7 +78,8 @@ REFUSED: dict[str, TritonFlag] = {flag.name: flag for flag in (
                "remove the flag"),
     TritonFlag("--backend-config", (), "Kiln's backends take their settings from each model's config.pbtxt "
                "parameters; remove the flag"),
-    TritonFlag("--repoagent-directory", (), "Kiln has no repository agents"),
+    TritonFlag("--repoagent-directory", (), "Kiln's repository agents are built in (the checksum agent); other "
+               "agents cannot be loaded from a directory, remove the flag"),
     TritonFlag("--cache-directory", (), "Kiln's response cache is built in (--cache-config local,size=N)"),
     TritonFlag("--rate-limit", ("off",), "Kiln has no rate limiter; bound concurrency with instance_group counts "
                "and the batcher's queue policy"),
