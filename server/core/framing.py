@@ -73,39 +73,81 @@ def encode(message: Any) -> list[bytes | memoryview]:
     return [_HEAD.pack(len(payload), len(raws)) + sizes, payload, *raws]
 
 
-class FrameDecoder:
-    """Frames in, messages out: `feed` bytes as they arrive (or read into `buffer()` and `advance`); complete
-    messages go to `on_message` in order. A frame too large for the shared buffer is read into one bytearray of
-    its own size, so a large tensor is copied once, from the socket into its final place."""
+class ReadBuffer:
+    """Where a buffered protocol reads a stream of frames: one shared buffer for the frames that fit in it, and for a
+    large frame still arriving a buffer of its own size, so its payload is copied once, from the socket into its
+    final place. Its reader (`FrameDecoder`, the gRPC frontend's HTTP/2 connection) parses `data[:end]`, copies out
+    what it keeps of a small frame (the shared buffer is reused), calls `read_large` for a large one and
+    `keep_from` with where the unhandled bytes start."""
 
-    _BIG = 1 << 16  # a frame body at least this large, not yet complete, gets its own buffer
+    BIG = 1 << 16  # a frame payload at least this large, not yet complete, is read into a buffer of its own
 
-    def __init__(self, on_message: Callable[[Any], None]) -> None:
-        self.on_message = on_message
-        self._buf = bytearray(1 << 18)
-        self._end = 0  # bytes of _buf received and not yet decoded
-        self._body: bytearray | None = None  # the large frame being read
+    def __init__(self) -> None:
+        self.data = bytearray(1 << 18)
+        self.end = 0  # bytes of `data` read and not yet handled
+        self.header: Any = None  # what the reader noted of the large frame being read (its type, sizes, ...)
+        self._body: bytearray | None = None
         self._filled = 0
-        self._layout: tuple[int, tuple[int, ...]] = (0, ())  # its payload length and buffer sizes
+
+    @property
+    def reading_large(self) -> bool:
+        return self._body is not None
 
     def buffer(self) -> memoryview:
         """Where the next bytes should be read to."""
         if self._body is not None:
             return memoryview(self._body)[self._filled:]
-        if self._end == len(self._buf):
-            self._buf.extend(bytes(len(self._buf)))
-        return memoryview(self._buf)[self._end:]
+        if self.end == len(self.data):
+            self.data.extend(bytes(len(self.data)))
+        return memoryview(self.data)[self.end:]
+
+    def read_large(self, start: int, length: int, header: Any) -> None:
+        """The frame whose payload starts at `start` (`length` bytes, more than have arrived) is read into a buffer
+        of its own from here on: its bytes so far move there, and `data` keeps nothing of it."""
+        have = self.end - start
+        self._body = bytearray(length)
+        self._body[:have] = self.data[start:self.end]
+        self._filled, self.header = have, header
+        self.end = 0
+
+    def large_arrived(self, count: int) -> memoryview | None:
+        """`count` more bytes of the large frame were read: its payload once complete (then it is done with)."""
+        self._filled += count
+        body = self._body
+        if body is None or self._filled < len(body):
+            return None
+        self._body = None
+        return memoryview(body)
+
+    def keep_from(self, start: int) -> None:
+        """The bytes before `start` are handled: what follows moves to the front."""
+        if start:
+            remaining = self.end - start
+            self.data[:remaining] = self.data[start:self.end]
+            self.end = remaining
+
+
+class FrameDecoder:
+    """Frames in, messages out: `feed` bytes as they arrive (or read into `buffer()` and `advance`); complete
+    messages go to `on_message` in order. A frame too large for the shared buffer is read into one bytearray of
+    its own size (`ReadBuffer`), so a large tensor is copied once, from the socket into its final place."""
+
+    def __init__(self, on_message: Callable[[Any], None]) -> None:
+        self.on_message = on_message
+        self._read = ReadBuffer()
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes should be read to."""
+        return self._read.buffer()
 
     def advance(self, count: int) -> None:
         """`count` bytes were read into `buffer()`."""
-        if self._body is not None:
-            self._filled += count
-            if self._filled == len(self._body):
-                body, (length, sizes) = self._body, self._layout
-                self._body = None
-                self._deliver(memoryview(body), length, sizes)
+        if self._read.reading_large:
+            body = self._read.large_arrived(count)
+            if body is not None:
+                self._deliver(body, *self._read.header)
             return
-        self._end += count
+        self._read.end += count
         self._decode()
 
     def feed(self, data: bytes) -> None:
@@ -118,7 +160,8 @@ class FrameDecoder:
             self.advance(count)
 
     def _decode(self) -> None:
-        buf, start, end = self._buf, 0, self._end
+        read = self._read
+        buf, start, end = read.data, 0, read.end
         while end - start >= _HEAD.size:
             length, count = _HEAD.unpack_from(buf, start)
             meta = _HEAD.size + 8 * count
@@ -126,24 +169,18 @@ class FrameDecoder:
                 break
             sizes = struct.unpack_from(f"!{count}Q", buf, start + _HEAD.size)
             total = length + sum(sizes)
-            have = end - start - meta
-            if have >= total:
-                body = bytes(buf[start + meta:start + meta + total])  # one copy: the message may outlive _buf
+            if end - start - meta >= total:
+                body = bytes(buf[start + meta:start + meta + total])  # one copy: the message may outlive the shared buffer
                 start += meta + total
                 self._deliver(memoryview(body), length, sizes)
                 continue
-            if total >= self._BIG:  # read the rest straight into the frame's own buffer
-                self._body = bytearray(total)
-                self._body[:have] = buf[start + meta:end]
-                self._filled, self._layout = have, (length, sizes)
-                start = end
-            elif meta + total > len(buf):
+            if total >= read.BIG:  # read the rest straight into the frame's own buffer
+                read.read_large(start + meta, total, (length, sizes))
+                return
+            if meta + total > len(buf):
                 buf.extend(bytes(meta + total - len(buf)))
             break
-        if start:
-            remaining = end - start
-            buf[:remaining] = buf[start:end]
-            self._end = remaining
+        read.keep_from(start)
 
     def _deliver(self, body: memoryview, length: int, sizes: tuple[int, ...]) -> None:
         buffers, offset = [], length

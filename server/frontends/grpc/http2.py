@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from server.core.framing import ReadBuffer
+
 from .hpack import Decoder, Encoder, HpackError
 
 log = logging.getLogger("kiln.server.grpc")
@@ -149,11 +151,9 @@ class Stream:
 
 class Http2Connection(asyncio.BufferedProtocol):
     """One client connection. Read as a buffered protocol: the socket is read straight into the connection's buffer,
-    and a large frame into a buffer of its own size (`_BIG`), so a 600 KB tensor is copied once on its way in, not
-    once into a `bytes` per read and again when the reads of one frame were joined (21% of a frontend's CPU serving
-    ResNet-50 over gRPC, docs/performance.md)."""
-
-    _BIG = 1 << 16  # a frame payload at least this large, not yet complete, is read into a buffer of its own
+    and a large frame into a buffer of its own size (`ReadBuffer`), so a 600 KB tensor is copied once on its way in,
+    not once into a `bytes` per read and again when the reads of one frame were joined (21% of a frontend's CPU
+    serving ResNet-50 over gRPC, docs/performance.md)."""
 
     def __init__(self, handler: StreamHandler, settings: Http2Settings,
                  on_close: Callable[[Http2Connection], None] | None = None) -> None:
@@ -164,11 +164,7 @@ class Http2Connection(asyncio.BufferedProtocol):
         self._decoder = Decoder(max_table_size=4096)
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
-        self._buf = bytearray(1 << 18)  # bytes read and not yet handled: [0, _end)
-        self._end = 0
-        self._body: bytearray | None = None  # the payload of the large frame being read
-        self._filled = 0
-        self._head = (0, 0, 0)  # that frame's type, flags and stream id
+        self._read = ReadBuffer()  # a large frame's header: its type, flags and stream id
         self._preface_seen = False
         self._out: list[bytes] = []
         self._flush_scheduled = False
@@ -213,23 +209,15 @@ class Http2Connection(asyncio.BufferedProtocol):
         self._arm_keepalive()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._body is not None:
-            return memoryview(self._body)[self._filled:]
-        if self._end == len(self._buf):
-            self._buf.extend(bytes(len(self._buf)))
-        return memoryview(self._buf)[self._end:]
+        return self._read.buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._body is None:
-                self._end += nbytes
+            if not self._read.reading_large:
+                self._read.end += nbytes
                 self._read_frames()
-            else:
-                self._filled += nbytes
-                if self._filled == len(self._body):
-                    body, (kind, flags, stream_id) = self._body, self._head
-                    self._body = None
-                    self._on_frame(kind, flags, stream_id, memoryview(body))
+            elif (body := self._read.large_arrived(nbytes)) is not None:
+                self._on_frame(*self._read.header, body)
         except ConnectionError_ as error:
             self.close_with(error.code, str(error))
         self._flush()
@@ -259,7 +247,8 @@ class Http2Connection(asyncio.BufferedProtocol):
     def _read_frames(self) -> None:
         """Handle every whole frame read so far (a small one's payload copied out: a handler may keep it past the
         buffer's reuse); start reading a large incomplete one into its own buffer; keep the rest at the front."""
-        buf, start, end = self._buf, 0, self._end
+        read = self._read
+        buf, start, end = read.data, 0, read.end
         if not self._preface_seen:
             if end < len(PREFACE):
                 return
@@ -281,16 +270,11 @@ class Http2Connection(asyncio.BufferedProtocol):
                 if self.closed:
                     return
                 continue
-            if length >= self._BIG:
-                self._body = bytearray(length)
-                self._body[:have] = buf[start + 9:end]
-                self._filled, self._head = have, (kind, flags, stream_id & 0x7FFFFFFF)
-                start = end
+            if length >= read.BIG:
+                read.read_large(start + 9, length, (kind, flags, stream_id & 0x7FFFFFFF))
+                return
             break
-        if start:
-            remaining = end - start
-            buf[:remaining] = buf[start:end]
-            self._end = remaining
+        read.keep_from(start)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != CONTINUATION:
