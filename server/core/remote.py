@@ -235,6 +235,7 @@ class _ServedConnection(FramedConnection):
                 else:
                     self._infer_group(call_id, *args)
             except Exception as e:  # noqa: BLE001 - a bug must not leave the caller waiting forever
+                self.hop_received.pop(call_id, None)
                 self._reply(call_id, None, _as_server_error(method, e))
             return
         task = self.calls[call_id] = asyncio.get_running_loop().create_task(self._run(call_id, method, args, kwargs))
