@@ -604,6 +604,7 @@ class RemoteCore:
         """A call whose arguments cannot be pickled fails with the pickling error, as a local call would."""
         reply = self._pending.get(message[0])
         self._end_lease(message[0])
+        self._hop_sent.pop(message[0], None)
         if reply is not None:
             settle(reply, None, error)
 
