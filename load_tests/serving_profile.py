@@ -38,7 +38,7 @@ def summarize(folded: Path, top: int = 25) -> dict:
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in folded.read_text().splitlines():
+    for line in _lines(folded):
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
