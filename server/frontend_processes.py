@@ -21,6 +21,7 @@ import copy
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -170,9 +171,7 @@ class FrontendPool:
         await self._service.stop()
         for held in self._held:
             held.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._service.path)
-            os.rmdir(self._directory)
+        shutil.rmtree(self._directory, ignore_errors=True)  # the core's socket and the frontends' inboxes
 
 
 def _wait_listening(process, listening, timeout_s: float) -> bool:
@@ -210,6 +209,7 @@ async def serve_frontend(args: argparse.Namespace, core_path: str, listening,
     core = RemoteCore(core_path)
     await core.connect()
     await core.open_arena(args.frontend_arena_mb)
+    await core.open_inbox()
     lifecycle = Lifecycle(drain_settings(args))
     stop = asyncio.Event()
 

@@ -18,11 +18,12 @@ from typing import Any
 import engine_core as kiln
 from server.repository import ModelRepository, ModelSource, RepositoryPoller, check_upload, select_versions
 
-from . import cuda_ipc, decoupled, generative, part_groups, repository_agents, request_io, warmup
+from . import cuda_ipc, decoupled, direct_replies, generative, part_groups, repository_agents, request_io, warmup
 from .adaptive import close_enough, describe, fit_profiles
 from .batcher import DynamicBatcher
 from .config_fields import ConfigFieldCheck
 from .custom_metrics import CustomMetrics
+from .direct_replies import DELIVERED
 from .ensemble import EnsembleVersion, complete_ensemble_config, dependency_path
 from .errors import ErrorKind, ServerError, invalid, not_found, unavailable, unimplemented, unknown_model
 from .grouping import Answer, Part, run_members, settle
@@ -247,14 +248,17 @@ class ServerCore:
                 job.cancel()  # a queued request leaves the batcher's queue
             raise
 
-    def submit_infer(self, request: InferRequest, reply: Answer, requests: int = 1) -> asyncio.Future | None:
+    def submit_infer(self, request: InferRequest, reply: Answer, requests: int = 1,
+                     inbox: tuple[int, int] | None = None) -> asyncio.Future | None:
         """Start one request without a task of its own: `reply(response, None)` or `reply(None, error)` is called
         exactly once, on the event loop (with a CancelledError when the job is cancelled). Returns the queued
         job's future (cancel it to withdraw the request), or None when the request was answered at once.
 
         Why callbacks: the core process serves every frontend on one event-loop thread, and a task per request
         (creation, scheduling, two steps) was a large share of its time per request (docs/performance.md).
-        `requests`: how many client requests this one stands for (a frontend's group), for the statistics."""
+        `requests`: how many client requests this one stands for (a frontend's group), for the statistics.
+        `inbox`: (the frontend process's inbox, its call id) when an executor may answer that frontend itself
+        (direct_replies.py); `reply` then gets `DELIVERED` once it has."""
         started = time.perf_counter_ns()
         try:  # a decoupled model's requests take submit_stream: one response per call is refused (decoupled.py)
             model = decoupled.single_response(self._version(request.model_name, request.model_version))
@@ -278,6 +282,8 @@ class ServerCore:
             # not an ensemble: a ModelVersion, or a PythonVersion, which _prepare/_finish serve alike
             job, destinations = self._prepare(model, request, inputs, batch, requested)  # type: ignore[arg-type]
             job.requests = requests
+            if inbox is not None and not trace and cached is None and not destinations:
+                job.route = direct_replies.route_for(model, requested, request.id, *inbox, request_io.writes_in_place)
             if trace:
                 trace.mark("QUEUE_START")
             future = model.scheduler.enqueue(job)
@@ -293,14 +299,16 @@ class ServerCore:
         """A request answered by zero or more responses, then a final flag (decoupled.py): gRPC and HTTP streams."""
         return decoupled.submit_stream(self, request, on_part)
 
-    def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer) -> list[asyncio.Future]:
+    def submit_infer_group(self, request: InferRequest, sizes: list[int], reply: Answer,
+                           inbox: tuple[int, int] | None = None) -> list[asyncio.Future]:
         """Start a frontend's group of alike requests (grouping.py): `request` holds their inputs concatenated, `sizes[i]`
         rows for member i. A dynamically batched model whose batch holds them runs the group as one job, `reply` gets
         every member's rows (the frontend cuts them) or the error for all; else (a model that caches responses too)
-        each member runs alone and `reply` gets their `MemberResults`. Returns the futures that withdraw the group."""
+        each member runs alone and `reply` gets their `MemberResults`. Returns the futures that withdraw the group.
+        `inbox`: as `submit_infer`'s, for the group run as one job."""
         if not 0 < sum(sizes) <= self.group_rows(request):  # an unknown model too: each member hears it
             return run_members(request, sizes, self.submit_infer, lambda results: reply(results, None))
-        job = self.submit_infer(request, reply, requests=len(sizes))
+        job = self.submit_infer(request, reply, requests=len(sizes), inbox=inbox)
         return [job] if job is not None else []
 
     def submit_infer_parts(self, first: InferRequest, parts: list[Part], reply: Answer) -> list[asyncio.Future]:
@@ -413,6 +421,10 @@ class ServerCore:
                 result = done.result()
             except Exception as e:  # noqa: BLE001 - the engine refusing the request's data is the client's error
                 raise request_io.execution_error(model, e) from None
+            if result.outputs is DELIVERED:  # the executor answered the frontend (no trace, cache or destinations)
+                model.statistics.record_success(batch, time.perf_counter_ns() - started, result.times, requests)
+                reply(DELIVERED, None)
+                return
             if trace:
                 trace.mark("COMPUTE_END")
                 times = result.times

@@ -81,11 +81,12 @@ def _rows(feeds: Feeds) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mapping[str, Any]] | None = None, *,
-                  bucketed: bool) -> list[dict[str, np.ndarray]]:
+def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mapping[str, Any]] | None = None,
+                  routes: Sequence[Any] | None = None, *, bucketed: bool) -> list[Any]:
     """Run several jobs as one batch (the dynamic batcher), each job's outputs returned separately, or written
     to its `destinations` (DeviceViews in CUDA shared memory) on the device. `bucketed`: pad the batch to its
-    bucket (CUDA models that batch)."""
+    bucket (CUDA models that batch). `routes` (an executor's lanes only): where the executor may send each job's
+    response itself (server/core/direct_replies.py)."""
     rows = [_rows(feeds) for feeds in parts]
     if any(r is None for r in rows):  # no common batch dim to gather along (device tensors need one: core.py)
         return [execute(context, feeds) for feeds in parts]
@@ -96,7 +97,10 @@ def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mappin
         pad_to = bucket_for(total, highest_batch(context.engine, list(shapes)))
         shapes = {name: (pad_to, *shape[1:]) for name, shape in shapes.items()}
     use_profile_for(context, shapes)
-    return context.infer_batch(list(parts), pad_to=pad_to if pad_to != total else None, destinations=destinations)
+    pad_to = pad_to if pad_to != total else None
+    if routes is not None:
+        return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations, routes=routes)
+    return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations)
 
 
 def execute_bucketed(context, inputs: Feeds) -> dict[str, np.ndarray]:

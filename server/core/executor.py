@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from . import hop_stats
+from .direct_replies import DELIVERED
 from .errors import ServerError, unavailable
 from .executor_wire import (
     Channel,
@@ -64,6 +65,9 @@ _LIVE: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
 _ARENAS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 #: the labels (model, version, GPU) an executor served in this server process: loading one again is a reload
 _SERVED: set[str] = set()
+#: the frontends' inboxes registered now (id -> socket path), where executors send responses themselves
+#: (server/core/direct_replies.py); every executor connects to each, those started later at their start
+_INBOXES: dict[int, str] = {}
 
 
 def mode() -> str:
@@ -124,6 +128,20 @@ def arena_registered(region: Any) -> None:
     _ARENAS[region.region_id] = region
     for executor in list(_LIVE):
         executor.premap([region])
+
+
+def inbox_registered(inbox: int, path: str) -> None:
+    """A frontend process listens for responses at `path`: every executor connects to it (direct_replies.py)."""
+    _INBOXES[inbox] = path
+    for executor in list(_LIVE):
+        executor.tell(("inbox", inbox, path))
+
+
+def inbox_released(inbox: int) -> None:
+    """That frontend is gone: executors close their connections to its inbox."""
+    if _INBOXES.pop(inbox, None) is not None:
+        for executor in list(_LIVE):
+            executor.tell(("uninbox", inbox))
 
 
 class ExecutorProcess:
@@ -187,6 +205,8 @@ class ExecutorProcess:
         self._process, self._control = process, control
         self._lanes = [Channel(ours, alternating=True) for ours, _ in pairs]
         self._mapped = set()
+        for inbox, path in list(_INBOXES.items()):
+            self._tell_locked(("inbox", inbox, path))
         if self._send_maps(list(_ARENAS.values())):
             self._mapped_before_ready(control)
         log.info("%s: executor process %d ready with %d lane(s)%s", self.label, process.pid, len(self._lanes),
@@ -289,6 +309,19 @@ class ExecutorProcess:
         except (ExecutorGone, OSError):  # the process is gone: its next start maps them again
             return False
         return True
+
+    def tell(self, message: tuple) -> None:
+        """A control message that needs no answer (an inbox to connect to or to close)."""
+        with self._lock:
+            if not self._closed:
+                self._tell_locked(message)
+
+    def _tell_locked(self, message: tuple) -> None:
+        if self._control is not None:
+            try:
+                self._control.send(message)
+            except (ExecutorGone, OSError):  # the process is gone: its next start is told again
+                pass
 
     def _mapped_before_ready(self, control: Channel) -> None:
         """Wait until the process has mapped (and page-locked) the frontends' arenas sent at its start. Why: pinning
@@ -413,19 +446,29 @@ class RemoteContext:
         return True
 
     def infer_batch(self, parts: Sequence[Mapping[str, Any]], pad_to: int | None = None,
-                    destinations: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+                    destinations: Sequence[Mapping[str, Any]] | None = None,
+                    routes: Sequence[Any] | None = None) -> list[Any]:
         """The batch sent whole where it can be (`whole_batch`: one array or one region table per tensor), else
-        part by part; each part's outputs (rows of the whole ones, as views) come back."""
+        part by part; each part's outputs (rows of the whole ones, as views) come back, or `DELIVERED` for a part
+        whose response the executor sent its frontend itself (`routes`: server/core/direct_replies.py)."""
         whole = whole_batch(parts, destinations)
         if whole is not None:
             inputs, targets, rows, named = whole
             whole_message = {"kind": "rows", "profile": self._profile, "pad_to": pad_to, "inputs": inputs,
-                       "destinations": targets}
+                             "destinations": targets}
+            if routes is not None:
+                whole_message["routes"], whole_message["rows"] = list(routes), rows.tolist()
             sent_ns = time.monotonic_ns() if hop_stats.ON else 0
-            outputs: dict[str, Any] = self.executor.call(self.lane, whole_message, named)
+            reply = self.executor.call(self.lane, whole_message, named)
             if sent_ns:
                 hop_stats.stats("core").add("executor round trip", sent_ns, len(parts))
-            return _split(outputs, rows)
+            if routes is None:
+                return _split(reply, rows)
+            outputs, delivered = reply
+            split: list[Any] = _split(outputs, rows) if outputs is not None else [DELIVERED] * len(parts)
+            for index in delivered:
+                split[index] = DELIVERED
+            return split
         regions = _regions_of(parts, destinations)
         message: dict[str, Any] = {
             "kind": "batch", "profile": self._profile, "pad_to": pad_to,

@@ -39,6 +39,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from server.core.direct_replies import Inboxes, deliver  # noqa: E402
 from server.core.executor_wire import (  # noqa: E402
     Channel,
     ExecutorGone,
@@ -257,6 +258,7 @@ class Executor:
         self.contexts = [self.engine.create_execution_context() for _ in range(max(instances, 1))]
         self.runs = getattr(self.contexts[0], "concurrent_runs", 1)
         self.regions = Regions(self.engine.backend == "cuda")
+        self.inboxes = Inboxes()  # the frontends' inboxes: routed parts' responses go there (direct_replies.py)
         self._lock = threading.Lock()
         if warm_buckets:  # honours kiln_warmup_buckets
             warmup.warm_up_buckets(self.config, self.contexts, self.engine)
@@ -338,7 +340,12 @@ class Executor:
                     np.copyto(view, part_outputs.pop(name))
             return outputs
         if kind == "rows":
-            return self._run_rows(context, message)
+            outputs = self._run_rows(context, message)
+            routes = message.get("routes")
+            if routes is None:
+                return outputs
+            delivered = deliver(self.inboxes, routes, message["rows"], outputs)
+            return (None if len(delivered) == len(routes) else outputs), delivered
         if kind == "infer":
             return context.infer({name: self._value(v) for name, v in message["feeds"].items()})
         raise ValueError(f"unknown executor request '{kind}'")
@@ -372,8 +379,8 @@ class Executor:
                 log.exception("lane %d: could not create a replacement execution context", lane)
 
     def serve_control(self, channel: Channel) -> None:
-        """Map the regions the core sends ahead (frontends' arenas) and forget those it released, until the core
-        closes the socket (then exit)."""
+        """Map the regions the core sends ahead (frontends' arenas) and forget those it released, connect to the
+        frontends' inboxes and close those gone, until the core closes the socket (then exit)."""
         while True:
             try:
                 message, fds = channel.recv()
@@ -386,6 +393,10 @@ class Executor:
                 elif message[0] == "forget":
                     for region_id in message[1]:
                         self.regions.forget(region_id)
+                elif message[0] == "inbox":  # a frontend's inbox: routed responses go there
+                    self.inboxes.connect(message[1], message[2])
+                elif message[0] == "uninbox":
+                    self.inboxes.forget(message[1])
                 elif message[0] == "sync":  # the maps sent before it are done (the core waits for them at start)
                     channel.send(("ok", None))
                 elif message[0] == "close":

@@ -23,6 +23,8 @@ each call with `ServerCore.submit_infer`/`submit_infer_group` and answers it fro
 with no task per request.
 
 Large request tensors travel through the frontend's shared-memory arena instead (`tensor_arena.py`, `ARENA`).
+Responses of models in executor processes come straight from the executor to the frontend's inbox where the core has
+nothing to add to them (`direct_replies.py`, `INBOX`): the core then only counts them and frees their slots.
 
 Both ends run `FramedConnection` (framing.py), a buffered protocol: the socket is read straight into its buffer (a
 large frame into one buffer of its own size), every complete frame in a read is decoded at once, and everything sent
@@ -38,12 +40,14 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import hop_stats
+from . import direct_replies, executor, hop_stats
 from .decoupled import OnPart, StreamPart
+from .direct_replies import DELIVERED
 from .errors import ErrorKind, ServerError, unavailable
 from .framing import HIGH_WATER, FramedConnection
 from .grouping import (
@@ -68,6 +72,7 @@ from .tensor_arena import TensorArena, open_arena
 from .types import InferRequest, InferResponse
 
 log = logging.getLogger("kiln.server.remote")
+_INBOX_IDS = itertools.count(1)
 
 #: the `ServerCore` methods a frontend may call (server/core/__init__.py lists them)
 CORE_METHODS = frozenset({
@@ -81,6 +86,7 @@ INFER_GROUP = "__infer_group__"  # a frontend's group of alike requests (server/
 INFER_PARTS = "__infer_parts__"  # the same for requests in shared memory: the first and each one's part (part_groups.py)
 STREAM = "__stream__"  # a request answered by several replies (server/core/decoupled.py)
 ARENA = "__arena__"  # a frontend's tensor arena: (name, key, byte_size), registered for its connection's life
+INBOX = "__inbox__"  # a frontend's inbox: (socket path,), where executors send its responses (direct_replies.py)
 
 
 class CoreService:
@@ -206,6 +212,7 @@ class _ServedConnection(FramedConnection):
         self.calls: dict[int, Any] = {}  # running calls, to cancel: a task, a request's job, a group's jobs
         self.arenas: list[str] = []  # the frontend's tensor arenas (tensor_arena.py), unregistered when it goes
         self.hop_received: dict[int, tuple[int, int]] = {}  # call id -> (received ns, members), when hops are timed
+        self.inbox: int | None = None  # the id of the frontend's inbox (direct_replies.py), once it named one
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -221,6 +228,9 @@ class _ServedConnection(FramedConnection):
             return
         if method == ARENA:
             self._register_arena(call_id, *args)
+            return
+        if method == INBOX:
+            self._register_inbox(call_id, *args)
             return
         if method in ("infer", INFER_GROUP, INFER_PARTS, STREAM):
             if hop_stats.ON and method != STREAM:
@@ -250,14 +260,25 @@ class _ServedConnection(FramedConnection):
         self.arenas.append(name)
         self._reply(call_id, None)
 
+    def _register_inbox(self, call_id: int, path: str) -> None:
+        """The frontend listens at `path` for responses that executors send it themselves (direct_replies.py)."""
+        if self.inbox is None:
+            self.inbox = next(_INBOX_IDS)
+            executor.inbox_registered(self.inbox, path)
+        self._reply(call_id, None)
+
     def _infer(self, call_id: int, request: InferRequest) -> None:
-        job = self._submit_admitted(request, functools.partial(self._answer, call_id))
+        job = self._submit_admitted(request, functools.partial(self._answer, call_id), self._route(call_id))
         if job is not None and not job.done():
             self.calls[call_id] = job
 
-    def _submit_admitted(self, request: InferRequest, answer: Answer) -> asyncio.Future | None:
+    def _route(self, call_id: int) -> tuple[int, int] | None:
+        return None if self.inbox is None else (self.inbox, call_id)
+
+    def _submit_admitted(self, request: InferRequest, answer: Answer,
+                         inbox: tuple[int, int] | None = None) -> asyncio.Future | None:
         """`ServerCore.submit_infer` within the in-flight limit (every frontend's together): beyond it the request
-        is answered RESOURCE_EXHAUSTED at once."""
+        is answered RESOURCE_EXHAUSTED at once. `inbox`: where an executor may answer it itself."""
         limiter = self.service.limiter
         try:
             limiter.acquire()
@@ -269,13 +290,16 @@ class _ServedConnection(FramedConnection):
             limiter.release()
             answer(response, error)
 
-        return self.service.core.submit_infer(request, released)
+        if inbox is None:
+            return self.service.core.submit_infer(request, released)
+        return self.service.core.submit_infer(request, released, inbox=inbox)
 
     def _infer_group(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:
         """A frontend's group of alike requests (server/core/grouping.py). Within the in-flight limit it counts
         as its members; near the limit the members are admitted (or refused) one by one, as single requests."""
         self._admit_group(call_id, len(sizes), lambda: run_members(request, sizes, self._submit_admitted, self._results(call_id)),
-                          lambda answer: self.service.core.submit_infer_group(request, sizes, answer))
+                          lambda answer: self.service.core.submit_infer_group(request, sizes, answer,
+                                                                              inbox=self._route(call_id)))
 
     def _infer_parts(self, call_id: int, first: InferRequest, parts: list[Part]) -> None:
         """A frontend's group of alike requests in shared memory (server/core/part_groups.py): its first request and
@@ -335,6 +359,10 @@ class _ServedConnection(FramedConnection):
         hop = self.hop_received.pop(call_id, None) if self.hop_received else None
         if isinstance(error, asyncio.CancelledError):
             return
+        if value is DELIVERED:  # the executor sent the response to the frontend itself
+            if hop is not None:
+                hop_stats.stats("core").add("call in -> executor replied", *hop)
+            return
         if isinstance(value, MemberResults):  # the members ran one by one
             if any(isinstance(e, asyncio.CancelledError) for _, e in value.results):
                 return
@@ -369,6 +397,8 @@ class _ServedConnection(FramedConnection):
             call.cancel()
         for name in self.arenas:
             self.service.core.system_shm.unregister_arena(name)
+        if self.inbox is not None:
+            executor.inbox_released(self.inbox)
 
 
 class RemoteCore:
@@ -391,6 +421,7 @@ class RemoteCore:
         self._hop_sent: dict[int, tuple[int, int]] = {}  # call id -> (sent ns, members), when hops are timed
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
+        self._inbox: asyncio.AbstractServer | None = None  # where executors send responses (`open_inbox`)
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -402,6 +433,29 @@ class RemoteCore:
     async def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
+        if self._inbox is not None:
+            self._inbox.close()
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.path}.inbox-{os.getpid()}")
+
+    async def open_inbox(self) -> None:
+        """Listen for responses that executor processes send this frontend themselves (direct_replies.py), beside
+        the core's socket, and name the inbox to the core; off with KILN_DIRECT_REPLIES=0. On failure responses
+        keep coming through the core, and the log says why."""
+        if not direct_replies.enabled():
+            return
+        path = f"{self.path}.inbox-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        try:
+            self._inbox = await asyncio.get_running_loop().create_unix_server(
+                lambda: FramedConnection(self._replied, lambda _: None), path)
+            await self.call(INBOX, path)
+        except (OSError, ServerError) as e:
+            log.warning("executors cannot answer this frontend directly (%s): responses go through the core", e)
+            if self._inbox is not None:
+                self._inbox.close()
+                self._inbox = None
 
     async def open_arena(self, megabytes: float) -> None:
         """Large request tensors go to the core through a shared-memory arena from now on (tensor_arena.py); on any

@@ -36,8 +36,8 @@ log = logging.getLogger("kiln.server.workers")
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
 # Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs, per-job output
-# destinations or None) -> per-job outputs.
-PartsExecutor = Callable[[object, list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, np.ndarray]]]
+# destinations or None[, routes=per-job `Job.route`]) -> per-job outputs.
+PartsExecutor = Callable[..., list[Any]]
 # Told about each model execution: (items in the executed batch, its compute times).
 ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
@@ -71,6 +71,8 @@ class Job:
     #: a group of requests in shared memory (core/part_groups.py): each member's (inputs, destinations), gathered
     #: by the engine like the jobs of a batch; the job's result is then one outputs dict per member
     parts: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
+    #: where an executor process sends this job's response itself (core/direct_replies.py), or None
+    route: Any = None
 
     @property
     def on_device(self) -> bool:
@@ -207,14 +209,19 @@ class Workers:
 
     def run_parts(self, execute_parts: PartsExecutor, context: object, jobs: list[Job]) -> Execution:
         """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job, for a job of
-        parts (core/part_groups.py) the list of its members' (each member is one part of the execution)."""
+        parts (core/part_groups.py) the list of its members' (each member is one part of the execution), for a
+        job whose executor sent its response (`Job.route`) `direct_replies.DELIVERED`."""
         grouped = any(job.parts is not None for job in jobs)
         parts = [part for job in jobs for part in (job.parts if job.parts is not None else
                                                     [(job.inputs, job.destinations)])]
         destinations = [d for _, d in parts] if any(d for _, d in parts) else None
 
+        routes = None if grouped or not any(job.route for job in jobs) else [job.route for job in jobs]
+
         def run() -> Any:
-            outputs = execute_parts(context, [inputs for inputs, _ in parts], destinations)
+            feeds = [inputs for inputs, _ in parts]
+            outputs = (execute_parts(context, feeds, destinations) if routes is None else
+                       execute_parts(context, feeds, destinations, routes=routes))
             if not grouped:
                 return outputs
             flat = iter(outputs)

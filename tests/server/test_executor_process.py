@@ -347,7 +347,7 @@ def test_hop_stats_time_each_process_s_part_of_a_served_request(repository: Path
                 np.testing.assert_array_equal(client.infer("wide_add", inputs).as_numpy("SUM"), a + b[:, :1])
             text = log_path.read_text(errors="replace")
             spans = {name for name in ("gRPC request in -> response out", "HTTP request in -> response out",
-                                       "core round trip", "call in -> reply out", "executor round trip",
+                                       "core round trip", "call in -> executor replied", "executor round trip",
                                        "lane result -> event loop") if re.search(re.escape(name) + r" [0-9.]+ ms x \d+", text)}
             if len(spans) == 6 and "ms each from message in to reply ready" in text:
                 return
