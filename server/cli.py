@@ -18,7 +18,6 @@ import sys
 from server import plan_cache
 from server.auth import add_auth_arguments, restrictions_from_args
 from server.core import CoreOptions, ServerCore, build_process, latency
-from server.core.cpu_latency import hold_cpu_latency
 from server.core.executor_wire import SWITCH_INTERVAL_S
 from server.core.heap import freeze_long_lived, keep_large_buffers_in_heap
 from server.core.limits import InflightLimiter, add_limit_arguments, limits_from_args
@@ -274,7 +273,6 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     keep_large_buffers_in_heap()
-    cpu_latency = hold_cpu_latency()  # noqa: F841 - held open while the server runs (cpu_latency.py)
     warm_up = asyncio.create_task(asyncio.to_thread(build_process.warm_up))  # overlaps the listeners' start
     await core.start()
     lifecycle = Lifecycle(drain_settings(args))
