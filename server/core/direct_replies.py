@@ -21,6 +21,7 @@ also report statistics after sending the responses). `KILN_DIRECT_REPLIES=0` tur
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .framing import encode
+from .framing import HIGH_WATER, encode
 from .types import InferOutput, InferResponse, RequestedOutput
 
 log = logging.getLogger("kiln.server.direct")
@@ -101,6 +102,8 @@ class Inboxes:
             log.warning("could not connect to a frontend's inbox %s (%s): its responses go through the core", path, e)
             return
         sock.settimeout(SEND_TIMEOUT_S)
+        with contextlib.suppress(OSError):  # room for a burst of responses while the frontend's loop is busy
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, HIGH_WATER)
         self._locks.setdefault(inbox, threading.Lock())
         old = self._sockets.get(inbox)
         self._sockets[inbox] = sock
