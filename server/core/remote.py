@@ -422,6 +422,7 @@ class RemoteCore:
         #: called once the core connection is lost (a frontend process then shuts down)
         self.on_lost: Callable[[], None] | None = None
         self._inbox: asyncio.AbstractServer | None = None  # where executors send responses (`open_inbox`)
+        self._inbox_path = f"{path}.inbox-{os.getpid()}"  # beside the core's socket, in the server's directory
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -436,7 +437,7 @@ class RemoteCore:
         if self._inbox is not None:
             self._inbox.close()
             with contextlib.suppress(OSError):
-                os.unlink(f"{self.path}.inbox-{os.getpid()}")
+                os.unlink(self._inbox_path)
 
     async def open_inbox(self) -> None:
         """Listen for responses that executor processes send this frontend themselves (direct_replies.py), beside
@@ -444,7 +445,7 @@ class RemoteCore:
         keep coming through the core, and the log says why."""
         if not direct_replies.enabled():
             return
-        path = f"{self.path}.inbox-{os.getpid()}"
+        path = self._inbox_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         try:

@@ -1,33 +1,19 @@
 """Executors answering frontend processes directly (server/core/direct_replies.py): a routed part's rows reach its
-frontend as the response the core would have sent, a part without a route (or whose inbox is gone) comes back to the
-core, and through a real server every request gets its own rows, a request the core must post-process (here
-classification) still goes through the core, and the statistics count every request.
-
-Without a GPU the executor runs the CPU plan (KILN_EXECUTOR_CPU=1): the same processes and sockets as for CUDA plans.
+frontend as the response the core would have sent, and a part without a route (or whose inbox is gone) comes back to
+the core. Through a real server: tests/server/test_executor_process.py.
 """
 
 from __future__ import annotations
 
-import re
 import socket
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
-import tritonclient.http as httpclient
 
 from server.core.direct_replies import Inboxes, Route, deliver, route_for
 from server.core.framing import FrameDecoder
 from server.core.types import InferResponse, RequestedOutput
-
-from .conftest import examples, run_server
-from .test_executor_process import EXECUTOR_ENV
-from .test_tensor_arena import CONFIG, WIDTH, _wide_add
-
-grpcclient = pytest.importorskip("tritonclient.grpc")
 
 
 def _route(inbox: int, call_id: int, request_id: str) -> Route:
@@ -92,56 +78,3 @@ def test_only_plain_outputs_of_models_in_executors_are_routed() -> None:
     assert route_for(model, [RequestedOutput("Y", {"shared_memory_region": "r"})], "id", 4, 9, in_place) is None
     model.executors = []
     assert route_for(model, [RequestedOutput("Y")], "id", 4, 9, in_place) is None  # runs in the core
-
-
-@pytest.fixture(scope="module")
-def repository(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("direct_replies")
-    examples.write_model(base / "models", "wide_add", _wide_add(), CONFIG)
-    return base
-
-
-def test_a_server_s_executor_answers_its_frontends_and_the_core_counts_every_request(repository: Path) -> None:
-    env = {**EXECUTOR_ENV, "KILN_HOP_STATS_S": "0.2"}
-    log_path = repository / "server.log"
-    with run_server(repository / "models", log_path, ["wide_add"], ["--frontend-processes", "2"], env=env) as server:
-        grpc = grpcclient.InferenceServerClient(server.grpc_url)
-        http = httpclient.InferenceServerClient(server.http_url)
-        rng = np.random.default_rng(3)
-        cases = [(rng.standard_normal((1 + i % 3, WIDTH)).astype(np.float32),
-                  np.full((1 + i % 3, 4), float(i), np.float32)) for i in range(48)]
-
-        def one(index: int, module=grpcclient, client=grpc) -> None:
-            a, b = cases[index % len(cases)]
-            inputs = [module.InferInput("A", list(a.shape), "FP32"), module.InferInput("B", list(b.shape), "FP32")]
-            inputs[0].set_data_from_numpy(a)
-            inputs[1].set_data_from_numpy(b)
-            if index % 8 == 5:  # classification: the core post-processes it, beside routed requests
-                top = client.infer("wide_add", inputs, outputs=[module.InferRequestedOutput("SUM", class_count=1)])
-                best = (a + b[:, :1]).argmax(axis=1)
-                assert [int(entry.decode().split(":")[1]) for entry in top.as_numpy("SUM").reshape(-1)] == list(best)
-                return
-            result = client.infer("wide_add", inputs, request_id=f"r{index}")
-            response = result.get_response()
-            assert (response["id"] if module is httpclient else response.id) == f"r{index}"
-            np.testing.assert_array_equal(result.as_numpy("SUM"), a + b[:, :1])
-
-        sent = 0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the core logs the span of a request its executor answered
-            with ThreadPoolExecutor(12) as pool:  # concurrent requests: groups and batches of several jobs
-                list(pool.map(one, range(sent, sent + len(cases))))
-            for index in range(sent, sent + 6):  # HTTP too (one client, one request at a time)
-                one(index, httpclient, http)
-            sent += len(cases) + 6
-            if re.search(r"call in -> executor replied [0-9.]+ ms x \d+", log_path.read_text(errors="replace")):
-                break
-        else:
-            pytest.fail("no request was answered by the executor directly (no 'call in -> executor replied' span)")
-        rows = sum(len(cases[i % len(cases)][0]) for i in range(sent))
-        while time.monotonic() < deadline:  # the core counts a delivered request once its executor's reply is in
-            stats = http.get_inference_statistics("wide_add")["model_stats"][0]
-            if stats["inference_count"] == rows:
-                break
-            time.sleep(0.05)
-        assert (stats["inference_count"], stats["inference_stats"]["success"]["count"]) == (rows, sent)

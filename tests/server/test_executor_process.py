@@ -1,6 +1,7 @@
 """Executions in executor processes (server/core/executor.py): the same answers as in the core, tensors in shared
 memory by reference (read and written in place by the executor), request errors as the engine raised them, regions
-forgotten once released, and a killed executor started again while the model keeps serving.
+forgotten once released, a killed executor started again while the model keeps serving, and responses sent by the
+executor straight to the frontend processes (server/core/direct_replies.py).
 
 On a machine without a GPU the executor runs CPU plans (KILN_EXECUTOR_CPU=1): the same process, sockets, region
 maps and fault handling as for CUDA plans, which tests/server/test_system_shm_gpu.py runs on a GPU.
@@ -316,6 +317,55 @@ def test_a_server_runs_batches_in_an_executor_process_and_survives_its_death(rep
         finally:
             block.close()
             block.unlink()
+
+
+def test_a_server_s_executor_answers_its_frontends_and_the_core_counts_every_request(repository: Path) -> None:
+    """Direct replies (server/core/direct_replies.py): every request gets its own rows and id from the executor, a
+    request the core must post-process (classification) still goes through the core, and the statistics count
+    every request."""
+    env = {**EXECUTOR_ENV, "KILN_HOP_STATS_S": "0.2"}
+    log_path = repository / "server.log"
+    with run_server(repository / "models", log_path, ["wide_add"], ["--frontend-processes", "2"], env=env) as server:
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        http = httpclient.InferenceServerClient(server.http_url)
+        rng = np.random.default_rng(3)
+        cases = [(rng.standard_normal((1 + i % 3, WIDTH)).astype(np.float32),
+                  np.full((1 + i % 3, 4), float(i), np.float32)) for i in range(48)]
+
+        def one(index: int, module=grpcclient, client=grpc) -> None:
+            a, b = cases[index % len(cases)]
+            inputs = [module.InferInput("A", list(a.shape), "FP32"), module.InferInput("B", list(b.shape), "FP32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            if index % 8 == 5:  # classification: the core post-processes it, beside routed requests
+                top = client.infer("wide_add", inputs, outputs=[module.InferRequestedOutput("SUM", class_count=1)])
+                best = (a + b[:, :1]).argmax(axis=1)
+                assert [int(entry.decode().split(":")[1]) for entry in top.as_numpy("SUM").reshape(-1)] == list(best)
+                return
+            result = client.infer("wide_add", inputs, request_id=f"r{index}")
+            response = result.get_response()
+            assert (response["id"] if module is httpclient else response.id) == f"r{index}"
+            np.testing.assert_array_equal(result.as_numpy("SUM"), a + b[:, :1])
+
+        sent = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the core logs the span of a request its executor answered
+            with ThreadPoolExecutor(12) as pool:  # concurrent requests: groups and batches of several jobs
+                list(pool.map(one, range(sent, sent + len(cases))))
+            for index in range(sent, sent + 6):  # HTTP too (one client, one request at a time)
+                one(index, httpclient, http)
+            sent += len(cases) + 6
+            if re.search(r"call in -> executor replied [0-9.]+ ms x \d+", log_path.read_text(errors="replace")):
+                break
+        else:
+            pytest.fail("no request was answered by the executor directly (no 'call in -> executor replied' span)")
+        rows = sum(len(cases[i % len(cases)][0]) for i in range(sent))
+        while time.monotonic() < deadline:  # the core counts a delivered request once its executor's reply is in
+            stats = http.get_inference_statistics("wide_add")["model_stats"][0]
+            if stats["inference_count"] == rows:
+                break
+            time.sleep(0.05)
+        assert (stats["inference_count"], stats["inference_stats"]["success"]["count"]) == (rows, sent)
 
 
 @pytest.fixture(scope="module")
