@@ -38,6 +38,7 @@ from . import hop_stats
 from .errors import ErrorKind, ServerError, invalid, unavailable
 from .scheduler import (
     AsyncJobsExecutor,
+    AsyncPartsExecutor,
     DispatchOnce,
     Execution,
     ExecutionRecorder,
@@ -286,7 +287,8 @@ class DynamicBatcher:
                  clock: Callable[[], int] = time.perf_counter_ns,
                  create_context: Callable[[], object] | None = None, padding: Padding | None = None,
                  execute_parts: PartsExecutor | None = None, execute_jobs: JobsExecutor | None = None,
-                 execute_jobs_async: AsyncJobsExecutor | None = None) -> None:
+                 execute_jobs_async: AsyncJobsExecutor | None = None,
+                 execute_parts_async: AsyncPartsExecutor | None = None) -> None:
         self.settings = settings
         #: takes a batch's jobs as they are and answers each (a Python model's execute() gets a list of requests);
         #: set, it replaces `execute` and `execute_parts`
@@ -298,6 +300,10 @@ class DynamicBatcher:
         #: runs jobs of equal shapes as one batch, the engine gathering their inputs into its staging buffers and
         #: handing back each job's outputs (no concatenation and splitting here); None: concatenate and split
         self._execute_parts = execute_parts
+        #: `execute_parts` as a coroutine on the event loop (executor lanes with KILN_EXECUTOR_IO=loop: a batch's
+        #: message and reply cross on the loop, no worker thread); used for batches of alike jobs when the model
+        #: has no execution timeout (abandoning a hung execution needs the thread road)
+        self._execute_parts_async = execute_parts_async
         self.workers = Workers(contexts, create_context, thread_name)
         self.padding = padding  # None: only jobs of equal shapes share a batch
         self._free: list[object] = list(contexts)
@@ -539,6 +545,9 @@ class DynamicBatcher:
         if self._execute_jobs_async is not None:
             await self._run_batch_on_loop(self._execute_jobs_async, context, batch)
             return
+        if self._execute_parts_async is not None and self.workers.timeout_s is None and self.padding is None:
+            await self._run_parts_on_loop(self._execute_parts_async, context, batch)
+            return
         started = self._clock()
         give_back: object | None = context
         execute = self._execute_batch_timed if hop_stats.ON else self._execute_batch
@@ -583,6 +592,20 @@ class DynamicBatcher:
         execution = Execution(context, parts, 0, time.perf_counter_ns() - t0)  # type: ignore[arg-type]
         outcome = _Outcome(execution, ran, deferred, parts)  # type: ignore[arg-type]
         self._take_back(outcome)
+        self._dispatch()
+        self._answer(outcome, started)
+
+    async def _run_parts_on_loop(self, execute_parts: AsyncPartsExecutor, context: object,
+                                 batch: list[_Pending]) -> None:
+        """`_run_batch` for a coroutine `execute_parts`: the batch's alike jobs gathered and run on the loop (the
+        others go back to their queues, as `_execute_batch` defers them); each member answered."""
+        started = self._clock()
+        ran, deferred = _alike_first(batch)
+        execution = await self.workers.run_parts_async(execute_parts, context, [p.job for p in ran])
+        outcome = _Outcome(execution, ran, deferred, execution.outputs or [])  # type: ignore[arg-type]
+        self._take_back(outcome)
+        if self.workers.none_left() is not None:  # the last context is gone: the queue must hear it
+            self._schedule()
         self._dispatch()
         self._answer(outcome, started)
 

@@ -12,6 +12,7 @@ bucket there; outputs come back per request, so the server never concatenates or
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,9 +88,30 @@ def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mappin
     to its `destinations` (DeviceViews in CUDA shared memory) on the device. `bucketed`: pad the batch to its
     bucket (CUDA models that batch). `routes` (an executor's lanes only): where the executor may send each job's
     response itself (server/core/direct_replies.py)."""
-    rows = [_rows(feeds) for feeds in parts]
-    if any(r is None for r in rows):  # no common batch dim to gather along (device tensors need one: core.py)
+    gathered, pad_to = _gathering(context, parts, bucketed)
+    if not gathered:  # no common batch dim to gather along (device tensors need one: core.py)
         return [execute(context, feeds) for feeds in parts]
+    if routes is not None:
+        return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations, routes=routes)
+    return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations)
+
+
+async def execute_parts_async(context, parts: Sequence[Feeds], destinations: Sequence[Mapping[str, Any]] | None = None,
+                              routes: Sequence[Any] | None = None, *, bucketed: bool) -> list[Any]:
+    """`execute_parts` on the event loop, for contexts whose batches cross to an executor process there
+    (`RemoteContext.infer_batch_async`); parts without a common batch dim run in a worker thread."""
+    gathered, pad_to = _gathering(context, parts, bucketed)
+    if not gathered:
+        return await asyncio.to_thread(execute_parts, context, parts, destinations, routes, bucketed=bucketed)
+    return await context.infer_batch_async(list(parts), pad_to=pad_to, destinations=destinations, routes=routes)
+
+
+def _gathering(context, parts: Sequence[Feeds], bucketed: bool) -> tuple[bool, int | None]:
+    """Whether the parts gather along a common batch dim, and the bucket to pad their rows to (None: their own
+    count); the context switched to the profile that fits the batch."""
+    rows = [_rows(feeds) for feeds in parts]
+    if any(r is None for r in rows):
+        return False, None
     total = sum(rows)  # type: ignore[arg-type]
     shapes = {name: (total, *a.shape[1:]) for name, a in parts[0].items()}
     pad_to = None
@@ -97,10 +119,7 @@ def execute_parts(context, parts: Sequence[Feeds], destinations: Sequence[Mappin
         pad_to = bucket_for(total, highest_batch(context.engine, list(shapes)))
         shapes = {name: (pad_to, *shape[1:]) for name, shape in shapes.items()}
     use_profile_for(context, shapes)
-    pad_to = pad_to if pad_to != total else None
-    if routes is not None:
-        return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations, routes=routes)
-    return context.infer_batch(list(parts), pad_to=pad_to, destinations=destinations)
+    return True, (pad_to if pad_to != total else None)
 
 
 def execute_bucketed(context, inputs: Feeds) -> dict[str, np.ndarray]:

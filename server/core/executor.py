@@ -27,6 +27,7 @@ is ~0.5-1 s. A first load still binds every bucket before the model is ready (#3
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -80,6 +81,14 @@ def start_timeout_s() -> float:
     """How long an executor may take to load its plan and bind every bucket (KILN_EXECUTOR_START_TIMEOUT_S, default
     900: a cold kernel cache compiles for about a minute, and large models capture many buckets)."""
     return env_number("KILN_EXECUTOR_START_TIMEOUT_S", 900, 0.001)
+
+
+def loop_io() -> bool:
+    """KILN_EXECUTOR_IO=loop: the core sends batches to executors and reads their replies on its event loop (no worker
+    thread, `RemoteContext.infer_batch_async`); "thread" (the default): a worker thread per lane, as before. Why try
+    it: each batch's hand-offs loop -> thread -> loop cost 0.2-0.5 ms and the lane threads' Python waits for the
+    interpreter lock the loop holds (docs/performance.md "process by process")."""
+    return os.environ.get("KILN_EXECUTOR_IO", "thread").strip().lower() == "loop"
 
 
 def _cpu_too() -> bool:
@@ -265,6 +274,26 @@ class ExecutorProcess:
             return raise_reply(reply)
         raise AssertionError("unreachable")
 
+    async def call_async(self, lane: int, message: dict[str, Any], regions: Sequence[Any]) -> Any:
+        """`call` from the event loop: the message sent from the loop's thread (a few KB: the socket takes it at
+        once), the reply read when the lane's socket is readable. A process found gone, before or during the call,
+        is started again in a worker thread (it takes seconds), as `call` would on its thread."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return await asyncio.to_thread(self.call, lane, message, regions)
+        channel, generation = self._channel(lane)
+        maps, fds = self._maps_for(regions)
+        try:
+            channel.send({**message, "maps": maps} if maps else message, fds)
+        except (ExecutorGone, OSError):  # never delivered: `call` restarts the process and sends it again
+            await asyncio.to_thread(self._died, generation)
+            return await asyncio.to_thread(self.call, lane, message, regions)
+        try:
+            reply, _ = await _reply_of(channel)
+        except (ExecutorGone, OSError) as e:
+            raise self._gone(await asyncio.to_thread(self._died, generation), e) from None
+        return raise_reply(reply)
+
     def _maps_for(self, regions: Sequence[Any]) -> tuple[list[Any], list[int]]:
         """The maps (and descriptors) of `regions` the process has not mapped yet, marked as mapped."""
         if not regions:
@@ -385,6 +414,29 @@ class ExecutorProcess:
                              name=f"kiln-executor-stop-{process.pid}").start()
 
 
+def _reply_of(channel: Channel) -> asyncio.Future:
+    """The next message on `channel`, read by the event loop once the socket is readable (the executor writes a reply
+    in one go, so the read does not wait for more than the rest of a large one)."""
+    loop = asyncio.get_running_loop()
+    reply = loop.create_future()
+    fd = channel.sock.fileno()
+
+    def readable() -> None:
+        loop.remove_reader(fd)
+        try:
+            channel.sock.setblocking(True)  # the loop made it non-blocking to poll it; the rest of a large reply waits
+            message = channel.recv()
+        except BaseException as e:  # noqa: BLE001 - the caller restarts the process and says so
+            if not reply.done():
+                reply.set_exception(e)
+            return
+        if not reply.done():  # read even when nobody waits any more: the next call must not find this reply
+            reply.set_result(message)
+
+    loop.add_reader(fd, readable)
+    return reply
+
+
 def executor_environment(config_bytes: bytes, visible: str | None) -> dict[str, str]:
     """What an executor's environment adds to the server's: the devices it sees (its own first), and spinning waits
     for its runs where the model's config asks for them (`optimization.cuda.busy_wait_events`: less latency from a
@@ -453,30 +505,45 @@ class RemoteContext:
         whose response the executor sent its frontend itself (`routes`: server/core/direct_replies.py)."""
         whole = whole_batch(parts, destinations)
         if whole is not None:
-            inputs, targets, rows, named = whole
-            whole_message = {"kind": "rows", "profile": self._profile, "pad_to": pad_to, "inputs": inputs,
-                             "destinations": targets}
-            if routes is not None:
-                whole_message["routes"], whole_message["rows"] = list(routes), rows.tolist()
+            message, rows, named = self._rows_message(whole, pad_to, routes)
             sent_ns = time.monotonic_ns() if hop_stats.ON else 0
-            reply = self.executor.call(self.lane, whole_message, named)
+            reply = self.executor.call(self.lane, message, named)
             if sent_ns:
                 hop_stats.stats("core").add("executor round trip", sent_ns, len(parts))
-            if routes is None:
-                return _split(reply, rows)
-            outputs, delivered = reply
-            split: list[Any] = _split(outputs, rows) if outputs is not None else [DELIVERED] * len(parts)
-            for index in delivered:
-                split[index] = DELIVERED
-            return split
+            return _parts_of(reply, rows, routes)
         regions = _regions_of(parts, destinations)
-        message: dict[str, Any] = {
+        by_part: dict[str, Any] = {
             "kind": "batch", "profile": self._profile, "pad_to": pad_to,
             "parts": [{name: to_wire(value) for name, value in part.items()} for part in parts],
             "destinations": None if destinations is None else
             [{name: to_wire(view) for name, view in d.items()} for d in destinations]}
-        result: list[dict[str, Any]] = self.executor.call(self.lane, message, regions)
+        result: list[dict[str, Any]] = self.executor.call(self.lane, by_part, regions)
         return result
+
+    async def infer_batch_async(self, parts: Sequence[Mapping[str, Any]], pad_to: int | None = None,
+                                destinations: Sequence[Mapping[str, Any]] | None = None,
+                                routes: Sequence[Any] | None = None) -> list[Any]:
+        """`infer_batch` from the event loop (`loop_io`): a batch sent whole crosses on the loop itself; one sent
+        part by part (mixed kinds, rare) goes through a worker thread."""
+        whole = whole_batch(parts, destinations)
+        if whole is None:
+            return await asyncio.to_thread(self.infer_batch, parts, pad_to, destinations, routes)
+        message, rows, named = self._rows_message(whole, pad_to, routes)
+        sent_ns = time.monotonic_ns() if hop_stats.ON else 0
+        reply = await self.executor.call_async(self.lane, message, named)
+        if sent_ns:
+            hop_stats.stats("core").add("executor round trip", sent_ns, len(parts))
+        return _parts_of(reply, rows, routes)
+
+    def _rows_message(self, whole: tuple, pad_to: int | None, routes: Sequence[Any] | None
+                      ) -> tuple[dict[str, Any], np.ndarray, list[Any]]:
+        """A batch sent whole as the executor's "rows" message, its rows per part and the regions it names."""
+        inputs, targets, rows, named = whole
+        message = {"kind": "rows", "profile": self._profile, "pad_to": pad_to, "inputs": inputs,
+                   "destinations": targets}
+        if routes is not None:
+            message["routes"], message["rows"] = list(routes), rows.tolist()
+        return message, rows, named
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         regions = _regions_of([feeds], None)
@@ -534,6 +601,18 @@ def _whole_tensor(values: list[Any], regions: dict[int, Any]) -> tuple[Any, np.n
     if all(isinstance(v, np.ndarray) and v.dtype != object for v in values):
         return (first if len(values) == 1 else np.concatenate(values)), rows
     return None, rows
+
+
+def _parts_of(reply: Any, rows: np.ndarray, routes: Sequence[Any] | None) -> list[Any]:
+    """Each part's outputs from the executor's reply to a "rows" message: its rows of the whole outputs, or
+    `DELIVERED` for a part whose response the executor sent its frontend (`routes`)."""
+    if routes is None:
+        return _split(reply, rows)
+    outputs, delivered = reply
+    split: list[Any] = _split(outputs, rows) if outputs is not None else [DELIVERED] * len(rows)
+    for index in delivered:
+        split[index] = DELIVERED
+    return split
 
 
 def _split(outputs: Mapping[str, Any], rows: np.ndarray) -> list[dict[str, Any]]:

@@ -313,8 +313,11 @@ def _scheduler(config: ModelConfig, contexts: list[object], thread_name: str, re
     elif config.HasField("dynamic_batching") and config.max_batch_size > 0:
         settings = BatchingSettings.from_config(config.dynamic_batching, config.max_batch_size, config.name)
         padding = Padding(output_shapes, _bucket(engine)) if pad else None
+        on_loop = (functools.partial(execution.execute_parts_async, bucketed=_bucketed(config, engine))
+                   if remote and executor.loop_io() else None)  # executor I/O on the event loop (executor.py)
         scheduler = DynamicBatcher(_lanes(contexts), execute, thread_name, settings, record,
-                                   create_context=create, padding=padding, execute_parts=execute_parts)
+                                   create_context=create, padding=padding, execute_parts=execute_parts,
+                                   execute_parts_async=on_loop)
     else:
         scheduler = DirectScheduler(_lanes(contexts), execute, thread_name, record,
                                     create_context=create, execute_parts=execute_parts)

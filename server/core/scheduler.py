@@ -38,6 +38,8 @@ Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
 # Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs, per-job output
 # destinations or None[, routes=per-job `Job.route`]) -> per-job outputs.
 PartsExecutor = Callable[..., list[Any]]
+# The same as a coroutine on the event loop (an executor process's lanes with KILN_EXECUTOR_IO=loop).
+AsyncPartsExecutor = Callable[..., Awaitable[list[Any]]]
 # Told about each model execution: (items in the executed batch, its compute times).
 ExecutionRecorder = Callable[[int, ExecutionTimes], None]
 
@@ -143,6 +145,28 @@ INLINE_BELOW_NS = 1_000_000
 REQUEST_ERRORS = (ShapeError, TypeError)
 
 
+class _PartsBatch:
+    """Jobs as the engine gathers them: every part's feeds and destinations in order (a job of parts gives each of
+    its members), the routes of jobs an executor may answer itself, and the outputs regrouped per job."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+        self.grouped = any(job.parts is not None for job in jobs)
+        parts = [part for job in jobs for part in (job.parts if job.parts is not None else
+                                                    [(job.inputs, job.destinations)])]
+        self.feeds = [inputs for inputs, _ in parts]
+        self.destinations = [d for _, d in parts] if any(d for _, d in parts) else None
+        #: passed on only when a job has one (local contexts take no routes)
+        self.routes: dict[str, Any] = ({} if self.grouped or not any(job.route for job in jobs) else
+                                       {"routes": [job.route for job in jobs]})
+
+    def per_job(self, outputs: list[Any]) -> list[Any]:
+        if not self.grouped:
+            return outputs
+        flat = iter(outputs)
+        return [[next(flat) for _ in job.parts] if job.parts is not None else next(flat) for job in self.jobs]
+
+
 class Workers:
     """The execution contexts of one model version, and what happens when one of them faults.
 
@@ -211,23 +235,26 @@ class Workers:
         """Like `run` for several jobs gathered by the engine: `outputs` is then one dict per job, for a job of
         parts (core/part_groups.py) the list of its members' (each member is one part of the execution), for a
         job whose executor sent its response (`Job.route`) `direct_replies.DELIVERED`."""
-        grouped = any(job.parts is not None for job in jobs)
-        parts = [part for job in jobs for part in (job.parts if job.parts is not None else
-                                                    [(job.inputs, job.destinations)])]
-        destinations = [d for _, d in parts] if any(d for _, d in parts) else None
-
-        routes = None if grouped or not any(job.route for job in jobs) else [job.route for job in jobs]
+        batch = _PartsBatch(jobs)
 
         def run() -> Any:
-            feeds = [inputs for inputs, _ in parts]
-            outputs = (execute_parts(context, feeds, destinations) if routes is None else
-                       execute_parts(context, feeds, destinations, routes=routes))
-            if not grouped:
-                return outputs
-            flat = iter(outputs)
-            return [[next(flat) for _ in job.parts] if job.parts is not None else next(flat) for job in jobs]
+            return batch.per_job(execute_parts(context, batch.feeds, batch.destinations, **batch.routes))
 
         return self._guarded(context, _timed(run))
+
+    async def run_parts_async(self, execute_parts: AsyncPartsExecutor, context: object,
+                              jobs: list[Job]) -> Execution:
+        """`run_parts` on the event loop, for a coroutine `execute_parts` (executor lanes with
+        KILN_EXECUTOR_IO=loop: server/core/executor.py); errors are sorted as `_guarded` sorts them."""
+        batch = _PartsBatch(jobs)
+        started = time.perf_counter_ns()
+        try:
+            outputs = batch.per_job(await execute_parts(context, batch.feeds, batch.destinations, **batch.routes))
+        except asyncio.CancelledError:  # the loop is closing: no fault of the context's
+            raise
+        except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them
+            return self._failed(context, e)
+        return Execution(context, outputs, 0, time.perf_counter_ns() - started)  # type: ignore[arg-type]  # per job
 
     def run_jobs(self, execute_jobs: JobsExecutor, context: object, jobs: list[Job]) -> Execution:
         """Like `run_parts` for models that take the jobs themselves (a Python model's execute() gets the batch's
@@ -244,11 +271,15 @@ class Workers:
                 started = clock()
                 outputs, input_ns, infer_ns = go()
                 self.timed(clock() - started, on_loop)
-        except REQUEST_ERRORS as e:
-            return Execution(context, error=e)
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them
-            return Execution(self._replace(context, e), error=self._fault_error(e))
+            return self._failed(context, e)
         return Execution(context, outputs, input_ns, infer_ns)
+
+    def _failed(self, context: object, error: BaseException) -> Execution:
+        """An execution that raised: a request error as it is, anything else a fault (its context replaced)."""
+        if isinstance(error, REQUEST_ERRORS):
+            return Execution(context, error=error)
+        return Execution(self._replace(context, error), error=self._fault_error(error))
 
     def _fault_error(self, error: BaseException) -> ServerError:
         if isinstance(error, ServerError):  # the worker said what the client should hear (an executor's exit: 503)
