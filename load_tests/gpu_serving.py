@@ -123,7 +123,9 @@ def model_config(name: str, spec: ModelSpec, setup: Setup, batched: bool, gpus: 
     def tensors(items: tuple[Tensor, ...]) -> str:
         return ", ".join(f'{{ name: "{t.name}" data_type: TYPE_{t.datatype} dims: [ {", ".join(map(str, t.dims))} ] }}'
                          for t in items)
-    batching = f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us} }}\n" if batched else ""
+    preferred = "".join(f" preferred_batch_size: {size}" for size in setup.preferred)
+    batching = (f"dynamic_batching {{ max_queue_delay_microseconds: {setup.queue_delay_us}{preferred} }}\n"
+                if batched else "")
     placed = f" gpus: [ {gpus} ]" if gpus else ""
     return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {setup.max_batch}\n'
             f"input [ {tensors(spec.inputs)} ]\noutput [ {tensors(spec.outputs)} ]\n"
@@ -193,6 +195,7 @@ class Setup:
     frontend_processes: int | None
     smoke: bool
     gpus: tuple[str, ...] = ()  # --gpus: the instance group's GPUs, one served model per list ("0", "0,1")
+    preferred: tuple[int, ...] = ()  # --preferred-batch-sizes: the batcher's preferred sizes (none: Triton's default)
 
 
 def _names(text: str, allowed: Any, what: str) -> tuple[str, ...]:
@@ -239,7 +242,24 @@ def make_setup(args: argparse.Namespace) -> Setup:
         frontend_processes=args.frontend_processes,
         smoke=smoke,
         gpus=_gpu_lists(args.gpus),
+        preferred=_preferred(args.preferred_batch_sizes, args.max_batch or (4 if smoke else 128)),
     )
+
+
+def _preferred(text: str | None, max_batch: int) -> tuple[int, ...]:
+    """`--preferred-batch-sizes`: a comma list, or "buckets" for the batch buckets CUDA models run at (a batch of
+    17 then runs as 16 and leaves one for the next, instead of padding to 24)."""
+    if not text:
+        return ()
+    if text == "buckets":
+        return tuple(batch_buckets(max_batch))
+    try:
+        sizes = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise SystemExit(f"--preferred-batch-sizes: a comma list of sizes or 'buckets', got {text!r}") from None
+    if not sizes or not all(1 <= size <= max_batch for size in sizes):
+        raise SystemExit(f"--preferred-batch-sizes: sizes must be in 1..{max_batch}, got {text!r}")
+    return sizes
 
 
 def spec_of(setup: Setup, model: str) -> ModelSpec:
@@ -693,6 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=None,
                    help="kiln perf client processes (default: half the CPUs, at most 8; smoke 1)")
     p.add_argument("--queue-delay-us", type=int, default=500, help="dynamic batcher max_queue_delay_microseconds")
+    p.add_argument("--preferred-batch-sizes", default=None, metavar="LIST|buckets",
+                   help="dynamic_batching preferred_batch_size values, or 'buckets' (the CUDA batch buckets)")
     p.add_argument("--instances", type=int, default=1,
                    help="instance_group count of every model (default 1), on each of its GPUs")
     p.add_argument("--gpus", action="append", default=None, metavar="LIST",
