@@ -29,6 +29,8 @@
 #                batch vs torch eager and compile reduce-overhead (peers precompiled in 12 processes); ZOO_MODELS
 #                picks a subset                                                                              ~9 min
 #   conformance  48 shards of `kiln conformance --backend cuda`, merged into $OUT/conformance_cuda.md          ~2 min
+#   serving_ab   #29: gpu_serving BERT gRPC and ResNet-50 gRPC+HTTP c=64 with KILN_EXECUTOR_IO thread / loop, two
+#                alternating rounds, then BERT with --preferred-batch-sizes 16,32; $OUT/serving_ab.json        ~8 min
 #   faults       load_tests/gpu_faults.py (#35): oversize load, sticky CUDA error, executor SIGKILL, unload/reload
 #                and 20 load/unload cycles for device memory, each under c=64 HTTP+gRPC traffic on ResNet-50 fp16;
 #                $OUT/faults_gpu_*.json and its server log (in a call of its own: the first build takes minutes) ~9 min
@@ -121,6 +123,32 @@ for stage in "$@"; do
       python3 -m pip install -q --no-index --no-deps --find-links "${WHEELS:-wheels}" nvidia-ml-py 2>&1 | tail -1
       timeout 570 python3 load_tests/gpu_faults.py --device gpu --out "$OUT" --after-s 2 --budget-s 540 2>&1 \
         | grep -v -e Warning -e "warnings.warn" | tail -30 ;;
+    serving_ab)  # #29: the core's executor I/O on its event loop against worker threads, and preferred sizes,
+      # alternating in one call (machines differ: same-call ratios only); plans built once in $KILN_CACHE_DIR
+      for round in 1 2; do
+        for io in thread loop; do
+          for model in bert resnet50; do
+            transports=grpc; [ $model = resnet50 ] && transports=grpc,http
+            echo "-- round $round $model KILN_EXECUTOR_IO=$io"
+            KILN_EXECUTOR_IO=$io KILN_HOP_STATS_S=2 timeout 170 python3 load_tests/gpu_serving.py --models $model \
+              --transports $transports --variants batched --concurrency 64 --cache-dir "$KILN_CACHE_DIR" \
+              --raw-seconds 0.1 --window-s 3 --max-trials 2 --out /tmp/ab/$model-$io-$round 2>&1 | grep -A2 "^model "
+            grep -h "hops (core)" /tmp/ab/$model-$io-$round/*.log 2>/dev/null | tail -1
+          done
+        done
+      done
+      echo "-- bert --preferred-batch-sizes 16,32"
+      KILN_HOP_STATS_S=2 timeout 120 python3 load_tests/gpu_serving.py --models bert --transports grpc --variants batched \
+        --concurrency 64 --cache-dir "$KILN_CACHE_DIR" --raw-seconds 0.1 --window-s 3 --max-trials 2 \
+        --preferred-batch-sizes 16,32 --out /tmp/ab/bert-preferred 2>&1 | grep -A2 "^model "
+      python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = {}
+for path in sorted(pathlib.Path("/tmp/ab").glob("*/gpu_serving.json")):
+    rows[path.parent.name] = json.loads(path.read_text())["rows"]
+(pathlib.Path(sys.argv[1]) / "serving_ab.json").write_text(json.dumps(rows, indent=1))
+PY
+      ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
