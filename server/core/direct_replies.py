@@ -104,16 +104,20 @@ class Inboxes:
         sock.settimeout(SEND_TIMEOUT_S)
         with contextlib.suppress(OSError):  # room for a burst of responses while the frontend's loop is busy
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, HIGH_WATER)
-        self._locks.setdefault(inbox, threading.Lock())
+        lock = self._locks.setdefault(inbox, threading.Lock())
         old = self._sockets.get(inbox)
         self._sockets[inbox] = sock
         if old is not None:
-            old.close()
+            with lock:
+                old.close()
 
     def forget(self, inbox: int) -> None:
+        """Close the inbox's connection, once no lane is sending on it (a descriptor closed under a send could be
+        reused by the next socket opened, and the send would land there)."""
         sock = self._sockets.pop(inbox, None)
         if sock is not None:
-            sock.close()
+            with self._locks[inbox]:
+                sock.close()
 
     def send(self, inbox: int, messages: list[Any]) -> bool:
         """One frame of `messages` to the inbox, whole or not at all (a partial one closes the connection, so the
@@ -128,7 +132,8 @@ class Inboxes:
             except OSError as e:
                 log.warning("a frontend's inbox did not take a response (%s): its responses go through the core", e)
                 if self._sockets.get(inbox) is sock:
-                    self.forget(inbox)
+                    del self._sockets[inbox]
+                sock.close()
                 return False
         return True
 
