@@ -6,11 +6,13 @@ the core. Through a real server: tests/server/test_executor_process.py.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
+from server.core import direct_replies
 from server.core.direct_replies import Inboxes, Route, deliver, route_for
 from server.core.framing import FrameDecoder
 from server.core.types import InferResponse, RequestedOutput
@@ -78,3 +80,22 @@ def test_only_plain_outputs_of_models_in_executors_are_routed() -> None:
     assert route_for(model, [RequestedOutput("Y", {"shared_memory_region": "r"})], "id", 4, 9, in_place) is None
     model.executors = []
     assert route_for(model, [RequestedOutput("Y")], "id", 4, 9, in_place) is None  # runs in the core
+
+
+def test_a_frontend_that_stops_reading_is_given_up_after_the_send_timeout(tmp_path: Path, monkeypatch) -> None:
+    """A stuck frontend must not hold a GPU lane: once its inbox takes nothing for SEND_TIMEOUT_S, the send fails,
+    the parts go back to the core and the inbox is dropped (the frontend never decodes the partial frame)."""
+    monkeypatch.setattr(direct_replies, "SEND_TIMEOUT_S", 0.2)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "inbox"))
+    listener.listen()
+    inboxes = Inboxes()
+    inboxes.connect(3, str(tmp_path / "inbox"))
+    stuck, _ = listener.accept()  # accepted, never read
+    outputs = {"Y": np.zeros((1, 1 << 20), np.float32)}  # 4 MB a response: the socket's buffers fill at once
+    started = time.monotonic()
+    results = [deliver(inboxes, [_route(3, call, "s")], [1], outputs) for call in range(8)]
+    assert [] in results and results[-1] == [], "the stuck inbox stopped taking responses and was dropped"
+    assert time.monotonic() - started < 5, "given up after the send timeout, not hung"
+    stuck.close()
+    listener.close()
