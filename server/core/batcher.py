@@ -542,11 +542,9 @@ class DynamicBatcher:
 
     async def _run_batch(self, context: object, batch: list[_Pending]) -> None:
         """Execute one batch on `context` in a worker thread and answer each member's future."""
-        if self._execute_jobs_async is not None:
-            await self._run_batch_on_loop(self._execute_jobs_async, context, batch)
-            return
-        if self._execute_parts_async is not None and self.workers.timeout_s is None and self.padding is None:
-            await self._run_parts_on_loop(self._execute_parts_async, context, batch)
+        if self._execute_jobs_async is not None or (self._execute_parts_async is not None
+                                                     and self.workers.timeout_s is None and self.padding is None):
+            await self._run_batch_on_loop(context, batch)
             return
         started = self._clock()
         give_back: object | None = context
@@ -579,29 +577,18 @@ class DynamicBatcher:
             if give_back is not None or self.workers.none_left() is not None:  # queued requests must hear it
                 self._schedule()
 
-    async def _run_batch_on_loop(self, execute_jobs: AsyncJobsExecutor, context: object,
-                                 batch: list[_Pending]) -> None:
-        """`_run_batch` for a coroutine executor: the batch's jobs as they are, awaited here; each member answered."""
+    async def _run_batch_on_loop(self, context: object, batch: list[_Pending]) -> None:
+        """`_run_batch` for a coroutine executor (a Python model's jobs as they are; an executor lane's parts with
+        KILN_EXECUTOR_IO=loop): the batch's alike jobs awaited here, the others back to their queues (as
+        `_execute_batch` defers them); each member answered."""
         started = self._clock()
         ran, deferred = _alike_first(batch)
-        t0 = time.perf_counter_ns()
-        try:
-            parts = await execute_jobs(context, [p.job for p in ran])
-        except Exception as e:  # noqa: BLE001 - every member must hear about the failure
-            parts = [e for _ in ran]
-        execution = Execution(context, parts, 0, time.perf_counter_ns() - t0)  # type: ignore[arg-type]
-        outcome = _Outcome(execution, ran, deferred, parts)  # type: ignore[arg-type]
-        self._take_back(outcome)
-        self._dispatch()
-        self._answer(outcome, started)
-
-    async def _run_parts_on_loop(self, execute_parts: AsyncPartsExecutor, context: object,
-                                 batch: list[_Pending]) -> None:
-        """`_run_batch` for a coroutine `execute_parts`: the batch's alike jobs gathered and run on the loop (the
-        others go back to their queues, as `_execute_batch` defers them); each member answered."""
-        started = self._clock()
-        ran, deferred = _alike_first(batch)
-        execution = await self.workers.run_parts_async(execute_parts, context, [p.job for p in ran])
+        jobs = [p.job for p in ran]
+        if self._execute_jobs_async is not None:
+            execution = await self.workers.run_jobs_async(self._execute_jobs_async, context, jobs)
+        else:
+            assert self._execute_parts_async is not None
+            execution = await self.workers.run_parts_async(self._execute_parts_async, context, jobs)
         outcome = _Outcome(execution, ran, deferred, execution.outputs or [])  # type: ignore[arg-type]
         self._take_back(outcome)
         if self.workers.none_left() is not None:  # the last context is gone: the queue must hear it

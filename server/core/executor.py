@@ -327,17 +327,10 @@ class ExecutorProcess:
     def _send_maps(self, regions: Sequence[Any]) -> bool:
         """(Holding the lock, or before any lane runs.) The maps of `regions` not mapped yet, on the control socket;
         a lane that reads one meanwhile waits for it there (`executor_main.Regions`). Whether any were sent."""
-        control = self._control
-        if control is None:
+        if self._control is None:
             return False
         maps, fds = self._unmapped(regions)
-        if not maps:
-            return False
-        try:
-            control.send(("map", maps), fds)
-        except (ExecutorGone, OSError):  # the process is gone: its next start maps them again
-            return False
-        return True
+        return bool(maps) and self._tell_locked(("map", maps), fds)  # a process gone maps them at its next start
 
     def tell(self, message: tuple) -> None:
         """A control message that needs no answer (an inbox to connect to or to close)."""
@@ -345,12 +338,16 @@ class ExecutorProcess:
             if not self._closed:
                 self._tell_locked(message)
 
-    def _tell_locked(self, message: tuple) -> None:
-        if self._control is not None:
-            try:
-                self._control.send(message)
-            except (ExecutorGone, OSError):  # the process is gone: its next start is told again
-                pass
+    def _tell_locked(self, message: tuple, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """(Holding the lock, or before any lane runs.) `message` on the control socket; whether it went (a process
+        that is gone is told what it needs at its next start)."""
+        if self._control is None:
+            return False
+        try:
+            self._control.send(message, fds)
+        except (ExecutorGone, OSError):
+            return False
+        return True
 
     def _mapped_before_ready(self, control: Channel) -> None:
         """Wait until the process has mapped (and page-locked) the frontends' arenas sent at its start. Why: pinning
@@ -389,10 +386,7 @@ class ExecutorProcess:
                 if region_id not in self._mapped or self._control is None:
                     continue
                 self._mapped.discard(region_id)
-                try:
-                    self._control.send(("forget", [region_id]))
-                except (ExecutorGone, OSError):
-                    pass  # the process is gone: its mappings went with it
+                self._tell_locked(("forget", [region_id]))  # a process gone took its mappings with it
 
     def close(self) -> None:
         """Stop the process (the scheduler calls this once its last execution returned); returns at once."""

@@ -290,8 +290,6 @@ class _ServedConnection(FramedConnection):
             limiter.release()
             answer(response, error)
 
-        if inbox is None:
-            return self.service.core.submit_infer(request, released)
         return self.service.core.submit_infer(request, released, inbox=inbox)
 
     def _infer_group(self, call_id: int, request: InferRequest, sizes: list[int]) -> None:

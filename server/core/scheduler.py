@@ -36,7 +36,7 @@ log = logging.getLogger("kiln.server.workers")
 # Runs one execution on one context: (context, inputs) -> outputs. Model code supplies it.
 Executor = Callable[[object, dict[str, np.ndarray]], dict[str, np.ndarray]]
 # Runs several jobs as one execution, the engine gathering their inputs: (context, per-job inputs, per-job output
-# destinations or None[, routes=per-job `Job.route`]) -> per-job outputs.
+# destinations or None, per-job `Job.route`s or None) -> per-job outputs.
 PartsExecutor = Callable[..., list[Any]]
 # The same as a coroutine on the event loop (an executor process's lanes with KILN_EXECUTOR_IO=loop).
 AsyncPartsExecutor = Callable[..., Awaitable[list[Any]]]
@@ -156,9 +156,8 @@ class _PartsBatch:
                                                     [(job.inputs, job.destinations)])]
         self.feeds = [inputs for inputs, _ in parts]
         self.destinations = [d for _, d in parts] if any(d for _, d in parts) else None
-        #: passed on only when a job has one (local contexts take no routes)
-        self.routes: dict[str, Any] = ({} if self.grouped or not any(job.route for job in jobs) else
-                                       {"routes": [job.route for job in jobs]})
+        self.routes = (None if self.grouped or not any(job.route for job in jobs) else
+                       [job.route for job in jobs])
 
     def per_job(self, outputs: list[Any]) -> list[Any]:
         if not self.grouped:
@@ -238,7 +237,7 @@ class Workers:
         batch = _PartsBatch(jobs)
 
         def run() -> Any:
-            return batch.per_job(execute_parts(context, batch.feeds, batch.destinations, **batch.routes))
+            return batch.per_job(execute_parts(context, batch.feeds, batch.destinations, batch.routes))
 
         return self._guarded(context, _timed(run))
 
@@ -249,7 +248,7 @@ class Workers:
         batch = _PartsBatch(jobs)
         started = time.perf_counter_ns()
         try:
-            outputs = batch.per_job(await execute_parts(context, batch.feeds, batch.destinations, **batch.routes))
+            outputs = batch.per_job(await execute_parts(context, batch.feeds, batch.destinations, batch.routes))
         except asyncio.CancelledError:  # the loop is closing: no fault of the context's
             raise
         except BaseException as e:  # noqa: BLE001 - any fault must reach the waiting requests, never hang them
@@ -260,6 +259,18 @@ class Workers:
         """Like `run_parts` for models that take the jobs themselves (a Python model's execute() gets the batch's
         requests as they are): `outputs` is one dict per job, or that job's own error."""
         return self._guarded(context, _timed(lambda: execute_jobs(context, jobs)))
+
+    @staticmethod
+    async def run_jobs_async(execute_jobs: AsyncJobsExecutor, context: object, jobs: list[Job]) -> Execution:
+        """`run_jobs` on the event loop, for a coroutine `execute_jobs` (a Python model's execute() is a message to
+        its stub and the answer); an error it raises is every job's own (its context stays: the stub restarts
+        itself)."""
+        started = time.perf_counter_ns()
+        try:
+            outputs = await execute_jobs(context, jobs)
+        except Exception as e:  # noqa: BLE001 - every member must hear about the failure
+            outputs = [e for _ in jobs]
+        return Execution(context, outputs, 0, time.perf_counter_ns() - started)  # type: ignore[arg-type]
 
     def _guarded(self, context: object, go: Callable[[], tuple[Any, int, int]]) -> Execution:
         try:

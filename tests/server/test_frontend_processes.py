@@ -90,8 +90,9 @@ class _FakeCore:
             raise ServerError(ErrorKind.NOT_FOUND, "unknown model: 'missing'")
         return {"name": name, "versions": [version or "1"]}
 
-    def submit_infer(self, request: InferRequest, reply) -> asyncio.Future:
-        """As `ServerCore.submit_infer`: answers through `reply`, returns a future that cancelling withdraws."""
+    def submit_infer(self, request: InferRequest, reply, inbox: tuple[int, int] | None = None) -> asyncio.Future:
+        """As `ServerCore.submit_infer`: answers through `reply`, returns a future that cancelling withdraws (no
+        executors: `inbox` is never used)."""
 
         async def run() -> np.ndarray:
             if request.model_name == "slow":
